@@ -1,0 +1,18 @@
+"""attnopt: find decode-time attention in PyTorch models and run it with the fastest exact plan.
+
+>>> model = attnopt.optimize(model)          # or torch.compile(model, backend="attnopt")
+>>> model.generate(...)
+>>> print(attnopt.last_plans(model).format_table())
+"""
+from .api import last_plans, optimize
+from .backend import Backend
+from .config import OptimizeConfig
+from .plan import (DensePlan, Plan, PlanReport, RingPlan, SaapPlan, SiteReport, SplitKVPlan, StreamKPlan, TreePlan,
+                   plan_from_json)
+from .site import AttentionSite
+
+__version__ = "0.1.0"
+
+__all__ = ["optimize", "last_plans", "Backend", "OptimizeConfig", "AttentionSite", "Plan", "PlanReport",
+           "SiteReport", "DensePlan", "SplitKVPlan", "StreamKPlan", "TreePlan", "RingPlan", "SaapPlan",
+           "plan_from_json"]

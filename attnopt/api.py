@@ -1,0 +1,69 @@
+"""The public entry points: ``optimize`` and ``last_plans``."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from .backend import _ALL_REPORTS, Backend, with_call_counts
+from .config import OptimizeConfig
+from .plan import PlanReport
+
+M = TypeVar("M")
+
+_BACKEND_ATTR = "_attnopt_backend"
+
+
+def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_group: Any = None,
+             mode: str | None = None, **options: Any) -> M:
+    """Compile ``model`` with the attnopt backend and return a model whose calls run the rewritten graph.
+
+    Parameters
+    ----------
+    model : torch.nn.Module or callable
+        For a module, a shallow copy is returned that shares the parameters and buffers; its ``forward`` is
+        compiled, so ``model(...)``, ``model.forward(...)`` and Hugging Face ``model.generate(...)`` all go
+        through the rewritten graph (``.generate`` of a bare ``torch.compile(model)`` wrapper would not).
+        Hugging Face's own auto-compile during ``generate`` is switched off on the copy, because an outer
+        ``torch.compile`` would trace around attnopt's backend.
+    config : OptimizeConfig or dict, optional
+        Options; keyword ``options`` are merged on top. Unknown keys raise ``ValueError``.
+    process_group : torch.distributed.ProcessGroup, optional
+        Shard the KV cache along the sequence over this group and plan tree / ring decode.
+    mode : str, optional
+        Passed to the inner backend (``"reduce-overhead"`` turns on CUDA graphs under inductor).
+    """
+    if isinstance(config, OptimizeConfig):
+        cfg = config.replace(**options) if options else config
+    else:
+        cfg = OptimizeConfig.from_options(config or {}, **options)
+    backend = Backend(cfg, process_group=process_group, mode=mode)
+    if isinstance(model, torch.nn.Module):
+        optimized = copy.copy(model)
+        gen_cfg = getattr(model, "generation_config", None)
+        if gen_cfg is not None:
+            optimized.generation_config = copy.deepcopy(gen_cfg)
+            optimized.generation_config.disable_compile = True
+        optimized.forward = torch.compile(model.forward, backend=backend, dynamic=cfg.dynamic)
+        object.__setattr__(optimized, _BACKEND_ATTR, backend)
+        return optimized
+    if callable(model):
+        compiled = torch.compile(model, backend=backend, dynamic=cfg.dynamic)
+        try:
+            setattr(compiled, _BACKEND_ATTR, backend)
+        except AttributeError:
+            pass
+        return compiled
+    raise TypeError(f"attnopt.optimize expects a torch.nn.Module or a callable, got {type(model).__name__}")
+
+
+def last_plans(obj: Any = None) -> PlanReport:
+    """The plan report of an optimized model or function (every graph it compiled so far), with live call
+    counts; with no argument, the report of the most recently compiled graph in this process."""
+    if obj is None:
+        return with_call_counts(copy.deepcopy(_ALL_REPORTS[-1])) if _ALL_REPORTS else PlanReport()
+    backend = obj if isinstance(obj, Backend) else getattr(obj, _BACKEND_ATTR, None)
+    if backend is None:
+        raise ValueError("this object was not produced by attnopt.optimize (no attnopt backend attached)")
+    return backend.report()

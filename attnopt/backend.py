@@ -1,0 +1,118 @@
+"""The ``attnopt`` dynamo backend: run the passes, then hand the graph to the inner backend.
+
+Registered through the entry-point group ``torch_dynamo_backends`` (see pyproject.toml), so
+``torch.compile(model, backend="attnopt")`` works in a fresh process without ``import attnopt``.
+``torch.compile(..., backend="attnopt", options={...})`` passes ``OptimizeConfig`` fields as options.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .config import OptimizeConfig
+from .plan import PlanReport
+
+log = logging.getLogger("attnopt")
+
+#: Every report of this process, newest last (``attnopt.last_plans()`` with no argument reads these).
+_ALL_REPORTS: list[PlanReport] = []
+_log_lock = threading.Lock()
+
+
+def _compile_inner(name: str, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None) -> Callable:
+    if name == "eager":
+        return gm.forward
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
+        return compile_fx(gm, list(example_inputs), config_patches=patches)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(name)(gm, list(example_inputs))
+
+
+def append_plan_log(path: str, report: PlanReport) -> None:
+    """Append one report as one JSON line; ``attnopt plans PATH`` reads and merges them."""
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    with _log_lock, p.open("a") as fh:
+        fh.write(report.to_json() + "\n")
+
+
+class Backend:
+    """A dynamo backend bound to one ``OptimizeConfig`` (and, for multi-GPU plans, one process group).
+
+    Each compiled graph adds one ``PlanReport`` to ``self.reports``.
+    """
+
+    def __init__(self, config: OptimizeConfig | None = None, process_group: Any = None, mode: str | None = None):
+        self.config = config or OptimizeConfig()
+        self.process_group = process_group
+        self.mode = mode
+        self.reports: list[PlanReport] = []
+        self.__name__ = "attnopt"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        from attnopt.passes import make_context, run_passes
+
+        world_size, topology = 1, None
+        if self.process_group is not None:
+            from attnopt.runtime import distributed
+
+            world_size = distributed.register_group(self.process_group).world
+            topology = self.config.topology
+        ctx = make_context(self.config, example_inputs, world_size=world_size, topology=topology)
+        gm, report = run_passes(gm, example_inputs, ctx=ctx)
+        self.reports.append(report)
+        _ALL_REPORTS.append(report)
+        path = self.config.resolved_plan_log()
+        if path:
+            append_plan_log(path, report)
+        log.info("attnopt: %s (graph %s)", report.summary(), report.graph)
+        return _compile_inner(self.config.inner_backend, gm, example_inputs, self.mode)
+
+    def report(self) -> PlanReport:
+        """All graphs compiled by this backend so far, merged, with live op call counts."""
+        return with_call_counts(PlanReport.merge(self.reports) if self.reports else PlanReport())
+
+    def reset(self) -> None:
+        self.reports.clear()
+
+
+def with_call_counts(report: PlanReport) -> PlanReport:
+    from attnopt.runtime.ops import CALL_COUNTS
+
+    for s in report.sites:
+        if s.key:
+            s.calls = CALL_COUNTS.get(s.key, 0)
+    return report
+
+
+def options_from_env() -> dict[str, Any]:
+    """``ATTNOPT_OPTIONS`` may hold a JSON object of config options for the plain string backend."""
+    text = os.environ.get("ATTNOPT_OPTIONS")
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"ATTNOPT_OPTIONS is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("ATTNOPT_OPTIONS must be a JSON object of OptimizeConfig options")
+    return data
+
+
+def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+                    mode: str | None = None) -> Callable:
+    """Entry point of ``torch.compile(..., backend="attnopt", options={...}, mode=...)``."""
+    config = OptimizeConfig.from_options({**options_from_env(), **(options or {})})
+    return Backend(config, mode=mode)(gm, example_inputs)

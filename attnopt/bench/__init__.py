@@ -1,0 +1,1 @@
+"""Benchmark suites behind ``attnopt bench``; results follow the format in DESIGN.md."""

@@ -1,0 +1,1 @@
+"""Subcommands of the ``attnopt`` CLI, one module each."""

@@ -1,0 +1,309 @@
+"""Hardware profiles for the cost model.
+
+A ``HardwareProfile`` is a frozen description of one accelerator: what the cost model needs to predict a
+decode-attention kernel's time. Built-ins come from datasheets and are marked ``calibrated=False``;
+``attnopt calibrate`` measures the local GPU and caches a calibrated profile under the user cache directory
+(``<cache>/attnopt/profiles/<device-name>.json``, see ``profile_cache_dir``).
+
+``resolve_profile(None)`` is what the planner uses: the calibrated profile of the local GPU when one is
+cached, else the datasheet built-in that matches the device name, else ``cpu`` on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Version of the profile JSON; a cached file with another version is ignored with a warning.
+PROFILE_VERSION = 1
+#: Environment variable that overrides the cache directory (tests, shared clusters).
+CACHE_ENV = "ATTNOPT_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator as the cost model sees it.
+
+    Bandwidths are in GB/s (1e9 bytes per second); times in microseconds. Every field round-trips through
+    JSON (``to_json`` / ``from_json``); unknown fields are an error.
+    """
+
+    name: str
+    #: Streaming multiprocessors (compute units on AMD).
+    sm_count: int
+    #: Sustained HBM read bandwidth, GB/s (decode attention only reads).
+    hbm_read_gbps: float
+    #: L2 cache size in bytes.
+    l2_bytes: int
+    #: Latency of one kernel launch, µs (the floor of any launch; a second dependent launch adds it again).
+    launch_us: float
+    #: Resident programs per SM for the decode kernels, by ``num_warps`` (the occupancy of each kernel
+    #: configuration). A configuration missing here gets ``max(1, 16 // num_warps)``.
+    occupancy: dict[int, int] = field(default_factory=lambda: {4: 4, 8: 2})
+    #: Fraction of ``hbm_read_gbps`` the attnopt Triton kernels reach when the grid saturates the chip.
+    kernel_efficiency: float = 0.85
+    #: Fixed cost per KV tile iteration of one program, µs (loop overhead, softmax rescale, dot issue) that
+    #: memory does not hide.
+    per_tile_us: float = 0.02
+    #: Device memory latency, µs: with Little's law it gives the bandwidth one program reaches from the bytes
+    #: it keeps in flight (``bytes_in_flight / mem_latency_us``).
+    mem_latency_us: float = 0.8
+    #: Fraction of ``hbm_read_gbps`` that PyTorch's SDPA decode path (the dense plan) reaches when saturated.
+    dense_efficiency: float = 0.8
+    #: Device-to-device copy bandwidth (bytes read plus written), GB/s; 0 = not measured.
+    copy_gbps: float = 0.0
+    #: Device memory in bytes.
+    memory_bytes: int = 0
+    #: How many times slower the Triton-kernel strategies (split-KV, stream-K) run than modelled, because
+    #: they run as a pure-PyTorch partition-and-merge instead of a compiled kernel (the ``cpu`` profile).
+    #: 1.0 where the kernels compile.
+    emulation_slowdown: float = 1.0
+    #: Whether the numbers were measured on this machine by ``attnopt calibrate``.
+    calibrated: bool = False
+    #: Free-form source of the numbers (datasheet, calibration date, ...).
+    source: str = "datasheet"
+    #: ``torch.cuda.get_device_name()`` of the device this profile describes ("" for datasheet built-ins).
+    device_name: str = ""
+    #: Extra constants fitted during calibration (e.g. the fit residuals per strategy).
+    fitted: dict[str, float] = field(default_factory=dict)
+    #: Schema version of the JSON form.
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != PROFILE_VERSION:
+            raise ValueError(f"hardware profile version {self.version} is not supported (this attnopt reads {PROFILE_VERSION})")
+        for name in ("sm_count", "hbm_read_gbps", "launch_us", "kernel_efficiency", "dense_efficiency",
+                     "mem_latency_us", "emulation_slowdown"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"hardware profile {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.per_tile_us < 0:
+            raise ValueError(f"hardware profile {self.name!r}: per_tile_us must be >= 0, got {self.per_tile_us!r}")
+        if not self.occupancy or any(int(k) <= 0 or int(v) <= 0 for k, v in self.occupancy.items()):
+            raise ValueError(f"hardware profile {self.name!r}: occupancy must map num_warps > 0 to programs > 0")
+
+    # ------------------------------------------------------------------ derived quantities
+    def programs_per_sm(self, num_warps: int = 4) -> int:
+        """Resident programs per SM for a kernel with ``num_warps`` warps."""
+        return int(self.occupancy.get(num_warps, max(1, 16 // max(num_warps, 1))))
+
+    def slots(self, num_warps: int = 4) -> int:
+        """Programs the whole chip runs at once (one wave)."""
+        return self.sm_count * self.programs_per_sm(num_warps)
+
+    def describe(self) -> str:
+        """The string plan reports carry: name, and whether it was calibrated."""
+        return self.name + (" (calibrated)" if self.calibrated else " (uncalibrated)")
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["occupancy"] = {str(k): v for k, v in self.occupancy.items()}
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HardwareProfile":
+        if not isinstance(data, dict):
+            raise ValueError(f"a hardware profile is a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown hardware profile field(s) {unknown}; valid: {sorted(names)}")
+        data = dict(data)
+        if "occupancy" in data:
+            data["occupancy"] = {int(k): int(v) for k, v in data["occupancy"].items()}
+        if "fitted" in data:
+            data["fitted"] = {str(k): float(v) for k, v in data["fitted"].items()}
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> "HardwareProfile":
+        return dataclasses.replace(self, **changes)
+
+
+_GiB = 1 << 30
+_MiB = 1 << 20
+
+#: Datasheet built-ins. Read bandwidths are the datasheet peak times a typical achieved fraction, except the
+#: H200's, which was measured on the lent machine (ENVIRONMENT.md: 4.17 TB/s read-only).
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    "h100-sxm": HardwareProfile("h100-sxm", sm_count=132, hbm_read_gbps=3350 * 0.92, l2_bytes=50 * _MiB,
+                                launch_us=4.3, copy_gbps=3020.0, memory_bytes=80 * _GiB,
+                                source="datasheet 3.35 TB/s x 0.92; copy 3.02 TB/s and launch 4.3 us measured"),
+    "h100-pcie": HardwareProfile("h100-pcie", sm_count=114, hbm_read_gbps=2000 * 0.9, l2_bytes=50 * _MiB,
+                                 launch_us=4.5, memory_bytes=80 * _GiB, source="datasheet 2.0 TB/s x 0.9"),
+    "h200": HardwareProfile("h200", sm_count=132, hbm_read_gbps=4170, l2_bytes=50 * _MiB, launch_us=4.3,
+                            memory_bytes=141 * _GiB, source="datasheet 4.8 TB/s; read 4.17 TB/s measured here"),
+    "a100-80gb": HardwareProfile("a100-80gb", sm_count=108, hbm_read_gbps=2039 * 0.9, l2_bytes=40 * _MiB,
+                                 launch_us=5.0, occupancy={4: 3, 8: 2}, memory_bytes=80 * _GiB,
+                                 source="datasheet 2.04 TB/s x 0.9"),
+    "rtx-4090": HardwareProfile("rtx-4090", sm_count=128, hbm_read_gbps=1008 * 0.9, l2_bytes=72 * _MiB,
+                                launch_us=4.0, occupancy={4: 3, 8: 1}, memory_bytes=24 * _GiB,
+                                source="datasheet 1.01 TB/s x 0.9"),
+    "mi300x": HardwareProfile("mi300x", sm_count=304, hbm_read_gbps=5300 * 0.8, l2_bytes=256 * _MiB,
+                              launch_us=6.0, occupancy={4: 2, 8: 1}, mem_latency_us=1.2, memory_bytes=192 * _GiB,
+                              source="datasheet 5.3 TB/s x 0.8 (256 MB Infinity Cache as L2)"),
+    # No GPU: the kernel strategies run as a pure-PyTorch partition-and-merge (several eager ops per
+    # partition), far slower than one fused SDPA call, so dense must win unless a plan is forced.
+    "cpu": HardwareProfile("cpu", sm_count=2, hbm_read_gbps=20.0, l2_bytes=32 * _MiB, launch_us=10.0,
+                           occupancy={4: 1, 8: 1}, kernel_efficiency=0.5, dense_efficiency=0.5, per_tile_us=0.0,
+                           mem_latency_us=0.1, emulation_slowdown=6.0,
+                           source="generic CPU: kernels emulated in PyTorch"),
+}
+
+#: Substrings of ``torch.cuda.get_device_name()`` (lower case) that select a built-in, checked in order.
+_NAME_MATCH = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100", "a100-80gb"),
+               ("4090", "rtx-4090"), ("mi300", "mi300x"))
+
+
+def builtin_names() -> list[str]:
+    return sorted(BUILTIN_PROFILES)
+
+
+def builtin_profile(name: str) -> HardwareProfile:
+    """The datasheet profile called ``name``; ``ValueError`` lists the valid names."""
+    try:
+        return BUILTIN_PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {name!r}; valid names: {', '.join(builtin_names())} "
+                         "(or 'local', or a path to a profile .json)") from None
+
+
+# --------------------------------------------------------------------------------------------- the cache
+def profile_cache_dir() -> Path:
+    """``$ATTNOPT_CACHE_DIR/profiles`` when set, else ``<platformdirs user cache>/attnopt/profiles``."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        import platformdirs
+
+        root = platformdirs.user_cache_dir("attnopt")
+    return Path(root) / "profiles"
+
+
+def _slug(device_name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", device_name.strip()).strip("-")
+    if not slug:
+        raise ValueError(f"cannot make a cache file name from device name {device_name!r}")
+    return slug
+
+
+def cached_profile_path(device_name: str) -> Path:
+    """Where the calibrated profile of ``device_name`` (``torch.cuda.get_device_name()``) lives."""
+    return profile_cache_dir() / f"{_slug(device_name)}.json"
+
+
+def save_profile(profile: HardwareProfile, device_name: str | None = None) -> Path:
+    """Write ``profile`` to the cache under ``device_name`` (default ``profile.device_name``); return the path."""
+    name = device_name or profile.device_name or profile.name
+    path = cached_profile_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(profile.to_json())
+    tmp.replace(path)
+    return path
+
+
+def load_profile_file(path: str | os.PathLike) -> HardwareProfile:
+    """Read a profile JSON file; ``ValueError`` names the file when it is not a valid profile."""
+    p = Path(path)
+    try:
+        return HardwareProfile.from_json(p.read_text())
+    except FileNotFoundError:
+        raise
+    except (json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{p} is not a valid attnopt hardware profile: {exc}") from None
+
+
+def load_cached_profile(device_name: str) -> HardwareProfile | None:
+    """The cached calibrated profile of ``device_name``, or ``None``.
+
+    A corrupt or unreadable file is ignored with a ``UserWarning`` that says so and names the file.
+    """
+    path = cached_profile_path(device_name)
+    if not path.exists():
+        return None
+    try:
+        return load_profile_file(path)
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"ignoring the corrupt calibrated hardware profile {path}: {exc}. "
+                      "Run `attnopt calibrate` again to replace it.", UserWarning, stacklevel=2)
+        return None
+
+
+# --------------------------------------------------------------------------------------------- detection
+def profile_for_device_name(device_name: str, sm_count: int | None = None, memory_bytes: int | None = None,
+                            l2_bytes: int | None = None) -> HardwareProfile:
+    """The built-in that matches a CUDA device name (SM count and memory taken from the device), or a generic
+    guess for an unknown GPU."""
+    lname = device_name.lower()
+    for needle, key in _NAME_MATCH:
+        if needle in lname:
+            base = BUILTIN_PROFILES[key]
+            changes: dict[str, Any] = {"device_name": device_name}
+            if sm_count:
+                changes["sm_count"] = int(sm_count)
+            if memory_bytes:
+                changes["memory_bytes"] = int(memory_bytes)
+            if l2_bytes:
+                changes["l2_bytes"] = int(l2_bytes)
+            return dataclasses.replace(base, **changes)
+    return HardwareProfile(_slug(device_name).lower(), sm_count=int(sm_count or 80), hbm_read_gbps=1000.0,
+                           l2_bytes=int(l2_bytes or 40 * _MiB), launch_us=5.0, memory_bytes=int(memory_bytes or 0),
+                           device_name=device_name, source="unknown GPU: generic guesses; run `attnopt calibrate`")
+
+
+def detect_profile() -> HardwareProfile:
+    """The datasheet profile of the local accelerator (GPU 0), from ``torch.cuda.get_device_properties``;
+    ``cpu`` without a GPU. Ignores the calibrated cache (``resolve_profile`` reads it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return BUILTIN_PROFILES["cpu"]
+    props = torch.cuda.get_device_properties(0)
+    return profile_for_device_name(props.name, props.multi_processor_count, props.total_memory,
+                                   getattr(props, "L2_cache_size", None))
+
+
+def local_device_name() -> str | None:
+    """``torch.cuda.get_device_name(0)``, or ``None`` without a GPU."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def resolve_profile(name: str | None = None) -> HardwareProfile:
+    """The profile the planner uses.
+
+    Parameters
+    ----------
+    name
+        ``None`` or ``"local"``: the calibrated profile of the local GPU when cached (a corrupt cache file is
+        ignored with a warning), else the detected datasheet profile, else ``cpu`` without a GPU.
+        A built-in name (``h100-sxm``, ``h200``, ``a100-80gb``, ``rtx-4090``, ``mi300x``, ``cpu``, ...):
+        that datasheet profile. A path ending in ``.json``: that profile file.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (the message lists the valid names) or an invalid profile file.
+    """
+    if name is None or name == "local":
+        device = local_device_name()
+        if device is not None:
+            cached = load_cached_profile(device)
+            if cached is not None:
+                return cached
+        return detect_profile()
+    if name.endswith(".json"):
+        return load_profile_file(name)
+    return builtin_profile(name)

@@ -1,0 +1,84 @@
+"""``AttentionSite``: what one attention call in a graph is, as the planner sees it."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+#: How the mask of a site was classified by ``passes.detect``.
+MASK_KINDS = (
+    "none",          # no mask, not causal
+    "causal",        # is_causal=True with PyTorch's top-left alignment
+    "valid_length",  # a padding / valid-length mask as HF static caches build it
+    "arbitrary",     # any other boolean or additive mask, passed through as a tensor
+)
+
+#: How the K/V heads reach the attention call.
+GQA_SOURCES = ("mha", "enable_gqa", "repeat_kv", "repeat_interleave")
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention call found in an FX graph.
+
+    Shapes follow the Hugging Face layout: Q is (B, Hq, q_len, head_dim), K/V are (B, Hkv, kv_len, head_dim).
+    ``kv_len`` is ``None`` when it is symbolic at compile time. ``unsupported`` holds the reason the site
+    is left untouched, or ``None`` when it can be rewritten.
+    """
+
+    node: str
+    module_path: str
+    pattern: str
+    batch: int | None
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    q_len: int | None
+    kv_len: int | None
+    dtype: str
+    mask_kind: str = "none"
+    scale: float | None = None
+    is_causal: bool = False
+    gqa_source: str = "mha"
+    v_head_dim: int | None = None
+    kv_layout: str = "bhnd"
+    kv_len_hint: int | None = None
+    unsupported: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mask_kind not in MASK_KINDS:
+            raise ValueError(f"unknown mask kind {self.mask_kind!r}; valid: {', '.join(MASK_KINDS)}")
+        if self.gqa_source not in GQA_SOURCES:
+            raise ValueError(f"unknown GQA source {self.gqa_source!r}; valid: {', '.join(GQA_SOURCES)}")
+
+    @property
+    def group_size(self) -> int:
+        return self.q_heads // self.kv_heads if self.kv_heads else 0
+
+    @property
+    def effective_kv_len(self) -> int | None:
+        """The KV length to plan for: the static length, else the trace-time hint."""
+        return self.kv_len if self.kv_len is not None else self.kv_len_hint
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}.get(self.dtype, 2)
+
+    def shape_str(self) -> str:
+        n = str(self.kv_len) if self.kv_len is not None else f"sym({self.kv_len_hint})"
+        return f"B={self.batch} H={self.q_heads}/{self.kv_heads} q={self.q_len} N={n} D={self.head_dim}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AttentionSite":
+        return cls(**data)
+
+    @classmethod
+    def canonical(cls, **overrides: Any) -> "AttentionSite":
+        """A llama3-8b-shaped decode site (32/8 heads, D=128, 8k keys, bf16), for tests and ``explain``."""
+        base = dict(node="sdpa", module_path="model.layers.0.self_attn", pattern="sdpa", batch=1, q_heads=32,
+                    kv_heads=8, head_dim=128, q_len=1, kv_len=8192, dtype="bfloat16", gqa_source="enable_gqa")
+        base.update(overrides)
+        return cls(**base)

@@ -1,0 +1,48 @@
+"""attnopt.passes: detect -> plan -> lower over an FX graph. ``lower`` is the only mutating pass and runs last."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.fx as fx
+
+from attnopt.config import OptimizeConfig
+from attnopt.plan import PlanReport
+
+from .context import PassContext
+from .detect import detect
+from .lower import lower
+from .plan import plan
+
+PASSES = (detect, plan, lower)
+
+
+def make_context(config: OptimizeConfig, example_inputs: Sequence[Any] = (), world_size: int = 1,
+                 topology: Any = None) -> PassContext:
+    """Resolve the hardware profile and the planning context for ``config`` on this machine."""
+    from attnopt.hardware import resolve_profile
+    from attnopt.runtime.strategies import PlanContext
+
+    device_type = "cpu"
+    for x in example_inputs:
+        if hasattr(x, "device"):
+            device_type = x.device.type
+            if device_type != "cpu":
+                break
+    hw = resolve_profile(config.hardware) if (config.hardware or device_type == "cuda") else resolve_profile("cpu")
+    from attnopt.runtime.kernels import triton_usable
+
+    plan_ctx = PlanContext(world_size=world_size, topology=topology, device_type=device_type,
+                           triton_available=triton_usable(device_type))
+    return PassContext(config=config, hardware=hw, plan_context=plan_ctx, example_inputs=list(example_inputs))
+
+
+def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any] = (), config: OptimizeConfig | None = None,
+               ctx: PassContext | None = None) -> tuple[fx.GraphModule, PlanReport]:
+    """Run ``PASSES`` in order over ``gm`` (a dynamo, aot_autograd or export graph). Returns (gm, report)."""
+    ctx = ctx or make_context(config or OptimizeConfig(), example_inputs)
+    for p in PASSES:
+        gm = p(gm, ctx)
+    return gm, ctx.report
+
+
+__all__ = ["PASSES", "PassContext", "make_context", "run_passes", "detect", "plan", "lower"]

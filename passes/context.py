@@ -1,0 +1,28 @@
+"""``PassContext``: what the passes share while they run over one graph."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnopt.config import OptimizeConfig
+from attnopt.hardware import HardwareProfile
+from attnopt.plan import PlanReport
+
+_graph_ids = itertools.count()
+
+
+@dataclass
+class PassContext:
+    config: OptimizeConfig
+    hardware: HardwareProfile
+    plan_context: Any  # runtime.strategies.PlanContext
+    example_inputs: list[Any] = field(default_factory=list)
+    #: Filled by ``detect``: one ``passes.patterns.AttentionMatch`` per attention site, in graph order.
+    matches: list[Any] = field(default_factory=list)
+    #: Filled by ``plan``; ``lower`` marks rewritten sites.
+    report: PlanReport = field(default_factory=PlanReport)
+    #: Unique per compiled graph, so op call counts of two graphs never mix.
+    graph_id: str = field(default_factory=lambda: f"g{next(_graph_ids)}")
+    #: Rewrites per pattern name, counted by ``lower`` (tests assert on these).
+    rewrite_counts: dict[str, int] = field(default_factory=dict)

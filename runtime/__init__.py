@@ -1,0 +1,1 @@
+"""attnopt.runtime: torch.library ops, strategies (one file per plan kind), Triton kernels, collectives."""

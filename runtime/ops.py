@@ -1,0 +1,147 @@
+"""``torch.ops.attnopt.*``: the ops that the lowering pass inserts.
+
+Registered through ``torch.library.Library`` with a plain CompositeExplicitAutograd kernel (cheaper to
+dispatch than ``torch.library.custom_op``'s Python wrapper) and fake implementations, so dynamo, inductor and
+``torch.export`` trace through them.
+
+``plan`` is a plan's ``runtime_key()`` JSON; it is parsed once and cached with the strategy's prepared state.
+``site`` names the site for call counting and error messages.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnopt.plan import Plan, plan_from_json
+
+_lib = torch.library.Library("attnopt", "DEF")
+_lib.define(
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
+    "bool is_causal, str plan, str site) -> Tensor"
+)
+_lib.define(
+    "decode_attention_states(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
+    "bool is_causal, str plan, str site) -> (Tensor, Tensor)"
+)
+_lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)")
+_lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
+_lib.define("valid_len_from_mask(Tensor attn_mask, int batch) -> Tensor")
+
+#: Calls per site key, counted on the host by the op (not under CUDA-graph replay).
+CALL_COUNTS: Counter[str] = Counter()
+_state_lock = threading.Lock()
+_STATES: dict[tuple, Any] = {}
+
+
+_RESOLVED: dict[str, tuple[Plan, Any]] = {}
+
+
+def _resolve(plan: str) -> tuple[Plan, Any]:
+    """(plan, strategy) for a plan string, parsed once: the per-call path is one dict lookup."""
+    hit = _RESOLVED.get(plan)
+    if hit is None:
+        from .strategies import get_strategy
+
+        parsed = plan_from_json(plan)
+        hit = _RESOLVED[plan] = (parsed, get_strategy(parsed.kind))
+    return hit
+
+
+def _prepared(plan_key: str, plan: Plan, strategy, q: Tensor, k: Tensor, v: Tensor) -> Any:
+    key = (plan_key, q.device, q.dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], v.shape[3])
+    state = _STATES.get(key)
+    if state is None:
+        with _state_lock:
+            state = _STATES.get(key)
+            if state is None:
+                state = strategy.prepare(plan, q, k, v)
+                _STATES[key] = state if state is not None else False
+    return state if state is not False else None
+
+
+def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+    CALL_COUNTS[site] += 1
+    p, strategy = _resolve(plan)
+    state = _prepared(plan, p, strategy, q, k, v)
+    return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
+
+
+def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+    CALL_COUNTS[site] += 1
+    p, strategy = _resolve(plan)
+    state = _prepared(plan, p, strategy, q, k, v)
+    return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
+
+
+def _merge_states(o_parts, lse_parts):
+    from .reference import merge_states
+
+    return merge_states(o_parts, lse_parts)
+
+
+class VerificationError(AssertionError):
+    """A rewritten site disagreed with the original attention beyond tolerance."""
+
+
+def _check_close(new, ref, site, atol, rtol, calls):
+    CALL_COUNTS["verify:" + site] += 1
+    if CALL_COUNTS["verify:" + site] <= calls:
+        err = (new.float() - ref.float()).abs()
+        bound = atol + rtol * ref.float().abs()
+        bad = ~(err <= bound)
+        if bool(bad.any()):
+            raise VerificationError(
+                f"attnopt verify: site {site} differs from the original attention: max abs error "
+                f"{err.max().item():.3e} > tolerance atol={atol:g} + rtol={rtol:g}*|ref| at {int(bad.sum())} of "
+                f"{bad.numel()} elements")
+    return new.clone()
+
+
+def _valid_len_from_mask(attn_mask, batch):
+    from .reference import valid_len_from_mask
+
+    return valid_len_from_mask(attn_mask, batch)
+
+
+for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_states", _decode_attention_states),
+                   ("merge_states", _merge_states), ("check_close", _check_close),
+                   ("valid_len_from_mask", _valid_len_from_mask)):
+    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("attnopt::decode_attention")
+def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+@torch.library.register_fake("attnopt::decode_attention_states")
+def _decode_attention_states_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+    shape = (q.shape[0], q.shape[1], q.shape[2])
+    return q.new_empty(shape + (v.shape[3],), dtype=torch.float32), q.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("attnopt::merge_states")
+def _merge_states_fake(o_parts, lse_parts):
+    return o_parts.new_empty(o_parts.shape[1:]), lse_parts.new_empty(lse_parts.shape[1:])
+
+
+@torch.library.register_fake("attnopt::check_close")
+def _check_close_fake(new, ref, site, atol, rtol, calls):
+    return torch.empty_like(new)
+
+
+@torch.library.register_fake("attnopt::valid_len_from_mask")
+def _valid_len_from_mask_fake(attn_mask, batch):
+    return attn_mask.new_empty((batch,), dtype=torch.int32)
+
+
+def reset_runtime_state() -> None:
+    """Drop prepared states and call counts (tests; after freeing a model)."""
+    with _state_lock:
+        _STATES.clear()
+    _RESOLVED.clear()
+    CALL_COUNTS.clear()

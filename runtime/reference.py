@@ -1,0 +1,221 @@
+"""Pure-PyTorch references for every attnopt op: the CPU fallback and the test oracle.
+
+Conventions (shared with the Triton kernels):
+
+* Q is (B, Hq, L, D); K is (B, Hkv, N, D); V is (B, Hkv, N, Dv); Hq = G * Hkv. Query head ``h`` reads KV
+  head ``h // G`` (the ``repeat_kv`` / ``enable_gqa`` convention).
+* ``attn_mask`` is boolean (True = attend) or additive, broadcastable to (B, Hq, L, N), as in SDPA.
+* ``valid_len`` (B,) int: keys at positions ``>= valid_len[b]`` do not exist for row ``b``.
+* ``is_causal`` is PyTorch's *top-left* alignment: query ``i`` sees key ``j`` iff ``j <= i``.
+* A softmax state is (o, lse): the normalised output and the natural-log sum of exp of the scaled scores.
+  A partition with no visible key has lse = -inf and o = 0; merging it changes nothing and makes no NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _bias(
+    q_len: int,
+    kv_start: int,
+    kv_end: int,
+    attn_mask: Tensor | None,
+    valid_len: Tensor | None,
+    is_causal: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Tensor | None:
+    """Additive bias for keys [kv_start, kv_end): shape broadcastable to (B, Hq, L, n), or None."""
+    bias = None
+    n = kv_end - kv_start
+    if attn_mask is not None:
+        m = attn_mask[..., kv_start:kv_end]
+        if m.dtype == torch.bool:
+            bias = torch.zeros(m.shape, device=device, dtype=dtype).masked_fill(~m, float("-inf"))
+        else:
+            bias = m.to(dtype)
+    if is_causal:
+        rows = torch.arange(q_len, device=device)[:, None]
+        cols = torch.arange(kv_start, kv_end, device=device)[None, :]
+        causal = torch.zeros(q_len, n, device=device, dtype=dtype).masked_fill(cols > rows, float("-inf"))
+        bias = causal if bias is None else bias + causal
+    if valid_len is not None:
+        cols = torch.arange(kv_start, kv_end, device=device)
+        invalid = cols[None, :] >= valid_len.to(device).view(-1, 1)  # (B, n)
+        vl = torch.zeros(invalid.shape, device=device, dtype=dtype).masked_fill(invalid, float("-inf"))[:, None, None, :]
+        bias = vl if bias is None else bias + vl
+    return bias
+
+
+def attention_states(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    valid_len: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    kv_start: int = 0,
+    kv_end: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """Softmax state of Q over keys [kv_start, kv_end).
+
+    Parameters
+    ----------
+    q : (B, Hq, L, D) any float dtype.
+    k : (B, Hkv, N, D); v : (B, Hkv, N, Dv); Hq must be a multiple of Hkv.
+    attn_mask : bool or float, broadcastable to (B, Hq, L, N), indexed with absolute key positions.
+    valid_len : (B,) integer tensor, or None.
+
+    Returns
+    -------
+    o : (B, Hq, L, Dv) in ``compute_dtype``, normalised within the partition (0 where it is empty).
+    lse : (B, Hq, L) in ``compute_dtype``, natural log; -inf where the partition is empty.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    G = Hq // Hkv
+    kv_end = N if kv_end is None else min(kv_end, N)
+    scale = default_scale(D) if scale is None else scale
+    Dv = v.shape[-1]
+    if kv_end <= kv_start:
+        return (torch.zeros(B, Hq, L, Dv, device=q.device, dtype=compute_dtype),
+                torch.full((B, Hq, L), float("-inf"), device=q.device, dtype=compute_dtype))
+    # Pack the G query heads of one KV head together, as the kernels do: (B, Hkv, G*L, D).
+    qc = q.to(compute_dtype).reshape(B, Hkv, G * L, D)
+    kc = k[:, :, kv_start:kv_end].to(compute_dtype)
+    vc = v[:, :, kv_start:kv_end].to(compute_dtype)
+    scores = (qc @ kc.transpose(-1, -2)) * scale  # (B, Hkv, G*L, n)
+    bias = _bias(L, kv_start, kv_end, attn_mask, valid_len, is_causal, q.device, compute_dtype)
+    if bias is not None:
+        n = kv_end - kv_start
+        bias = bias.expand(B, Hq, L, n).reshape(B, Hkv, G * L, n)
+        scores = scores + bias
+    row_max = scores.amax(dim=-1, keepdim=True)
+    empty = torch.isneginf(row_max)
+    safe_max = torch.where(empty, torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - safe_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    o = (p @ vc) / torch.where(empty, torch.ones_like(denom), denom)
+    lse = (safe_max + torch.log(denom)).squeeze(-1)
+    lse = torch.where(empty.squeeze(-1), torch.full_like(lse, float("-inf")), lse)
+    o = torch.where(empty, torch.zeros_like(o), o)
+    return o.reshape(B, Hq, L, Dv), lse.reshape(B, Hq, L)
+
+
+def merge_states(o_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge P softmax states along dim 0.
+
+    Parameters
+    ----------
+    o_parts : (P, ..., Dv) float32 normalised partial outputs.
+    lse_parts : (P, ...) float32 natural-log LSEs; -inf marks an empty partition.
+
+    Returns
+    -------
+    o : (..., Dv) and lse : (...). Rows empty in every partition give o = 0 and lse = -inf.
+    """
+    lse_max = lse_parts.amax(dim=0)
+    all_empty = torch.isneginf(lse_max)
+    safe_max = torch.where(all_empty, torch.zeros_like(lse_max), lse_max)
+    w = torch.exp(lse_parts - safe_max.unsqueeze(0))  # empty partitions: exp(-inf) = 0
+    total = w.sum(dim=0)
+    safe_total = torch.where(all_empty, torch.ones_like(total), total)
+    o = (o_parts * w.unsqueeze(-1)).sum(dim=0) / safe_total.unsqueeze(-1)
+    lse = torch.where(all_empty, torch.full_like(lse_max, float("-inf")), safe_max + torch.log(safe_total))
+    return o, lse
+
+
+def decode_attention_states(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    valid_len: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    num_partitions: int = 1,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """Split-KV by partition and merge, the structure the kernels use. Returns (o, lse) in ``compute_dtype``."""
+    N = k.shape[2]
+    num_partitions = max(1, min(num_partitions, max(N, 1)))
+    if num_partitions == 1:
+        return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                                compute_dtype=compute_dtype)
+    chunk = -(-N // num_partitions)
+    states = [attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                               kv_start=s, kv_end=s + chunk, compute_dtype=compute_dtype) for s in range(0, N, chunk)]
+    return merge_states(torch.stack([s[0] for s in states]), torch.stack([s[1] for s in states]))
+
+
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    valid_len: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    num_partitions: int = 1,
+) -> Tensor:
+    """Exact decode attention in fp32 (fp64 for fp64 inputs), returned in ``q.dtype``: (B, Hq, L, Dv)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o, _ = decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                                   is_causal=is_causal, num_partitions=num_partitions, compute_dtype=compute)
+    return o.to(q.dtype)
+
+
+def sdpa_float64(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    valid_len: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """The oracle: one dense softmax in float64 over explicitly repeated K/V heads. Returns float64 (B, Hq, L, Dv)."""
+    B, Hq, L, D = q.shape
+    G = Hq // k.shape[1]
+    k64 = k.double().repeat_interleave(G, dim=1)
+    v64 = v.double().repeat_interleave(G, dim=1)
+    scale = default_scale(D) if scale is None else scale
+    s = (q.double() @ k64.transpose(-1, -2)) * scale
+    bias = _bias(L, 0, k.shape[2], attn_mask, valid_len, is_causal, q.device, torch.float64)
+    if bias is not None:
+        s = s + bias
+    mx = s.amax(-1, keepdim=True)
+    empty = torch.isneginf(mx)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(mx), mx))
+    den = p.sum(-1, keepdim=True)
+    out = (p @ v64) / torch.where(empty, torch.ones_like(den), den)
+    return torch.where(empty, torch.zeros_like(out), out)
+
+
+def valid_len_from_mask(attn_mask: Tensor, batch: int) -> Tensor:
+    """Per batch row, one past the last key position any query row may attend to: (B,) int32, on device.
+
+    Exact for any mask: tiles after that position are fully masked for every row, so skipping them changes
+    nothing. A float mask counts a position as visible when its bias is > -inf.
+    """
+    visible = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)
+    n = visible.shape[-1]
+    visible = visible.reshape(visible.shape[0], -1, n).any(dim=1)  # (B or 1, N)
+    positions = torch.arange(1, n + 1, device=visible.device, dtype=torch.int32)
+    last = (visible.to(torch.int32) * positions).amax(dim=-1)
+    return last.expand(batch).to(torch.int32).contiguous()

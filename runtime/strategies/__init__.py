@@ -1,0 +1,7 @@
+"""One file per plan kind; importing this package registers them all."""
+from .base import STRATEGIES, PlanContext, Strategy, get_strategy, register_strategy
+from . import dense  # noqa: F401  (registers DensePlan)
+from . import split_kv  # noqa: F401  (registers SplitKVPlan)
+from . import stream_k  # noqa: F401  (registers StreamKPlan)
+
+__all__ = ["STRATEGIES", "PlanContext", "Strategy", "get_strategy", "register_strategy"]

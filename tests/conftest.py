@@ -1,0 +1,30 @@
+"""Hardware gating and the Triton interpreter switch.
+
+``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` runs, so it is set here, at import, when no GPU
+is present. GPU-only tests carry ``@pytest.mark.cuda`` / ``@pytest.mark.multigpu`` and are skipped without one.
+"""
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (marker 'cuda'); none on this machine")
+    skip_multi = pytest.mark.skip(reason="needs >= 2 CUDA GPUs (marker 'multigpu')")
+    ngpu = torch.cuda.device_count() if HAS_CUDA else 0
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "multigpu" in item.keywords and ngpu < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
