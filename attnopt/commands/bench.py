@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-SUITES = ("kernels", "multigpu")
+SUITES = ("kernels", "multigpu", "dispatch")
 
 
 def register(sub) -> None:

@@ -1,0 +1,163 @@
+"""The backend and the public API: inner backends, optimize() on modules and functions, verify mode,
+the plan log and ``attnopt plans``, last_plans()."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnopt
+from attnopt import OptimizeConfig
+from attnopt.cli import main as cli_main
+from attnopt.plan import DensePlan, register_plan_kind
+from attnopt.runtime import ops
+from attnopt.runtime.strategies import STRATEGIES
+from attnopt.runtime.strategies.dense import Dense
+
+
+class TinyDecoder(torch.nn.Module):
+    """One attention layer over an explicit KV cache: q_len new tokens against N cached ones."""
+
+    def __init__(self, hq=6, hkv=2, d=64):
+        super().__init__()
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, q, k_cache, v_cache):
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True)
+        return self.proj(out)
+
+
+def _inputs(N=37, L=1):
+    return torch.randn(2, 6, L, 64), torch.randn(2, 2, N, 64), torch.randn(2, 2, N, 64)
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+def test_optimize_module_each_inner_backend(inner):
+    torch._dynamo.reset()
+    model = TinyDecoder().eval()
+    opt = attnopt.optimize(model, inner_backend=inner)
+    args = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args), atol=1e-5, rtol=1e-5)
+    report = attnopt.last_plans(opt)
+    assert len(report.rewritten) == 1
+    assert report.rewritten[0].calls == 1
+    assert opt is not model and opt.proj is model.proj  # a shallow copy sharing the weights
+    assert model.forward.__func__ is TinyDecoder.forward  # the user's model is left as it was
+
+
+def test_torch_compile_string_backend_with_options(tmp_path):
+    torch._dynamo.reset()
+    log = tmp_path / "plans.jsonl"
+    model = TinyDecoder().eval()
+    compiled = torch.compile(model, backend="attnopt", options={"inner_backend": "eager", "plan_log": str(log)})
+    args = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args), model(*args), atol=1e-5, rtol=1e-5)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["sites"][0]["rewritten"] is True
+
+
+def test_unknown_option_through_torch_compile_is_an_error():
+    torch._dynamo.reset()
+    compiled = torch.compile(TinyDecoder(), backend="attnopt", options={"inner_backed": "eager"})
+    with pytest.raises(Exception, match="valid options"):
+        compiled(*_inputs())
+
+
+def test_optimize_plain_function_and_last_plans_without_argument():
+    torch._dynamo.reset()
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True) * 2
+
+    fn = attnopt.optimize(attend, inner_backend="eager")
+    args = _inputs(N=5)
+    torch.testing.assert_close(fn(*args), attend(*args), atol=1e-5, rtol=1e-5)
+    assert attnopt.last_plans().rewritten[0].site.kv_len == 5
+    assert attnopt.last_plans(fn).rewritten[0].calls == 1
+
+
+def test_last_plans_of_foreign_object_is_a_clear_error():
+    with pytest.raises(ValueError, match="not produced by attnopt.optimize"):
+        attnopt.last_plans(torch.nn.Linear(2, 2))
+
+
+def test_prefill_is_left_alone_and_reported():
+    torch._dynamo.reset()
+    opt = attnopt.optimize(TinyDecoder().eval(), inner_backend="eager")
+    q, k, v = _inputs(N=4, L=4)
+    opt(q, k, v)
+    report = attnopt.last_plans(opt)
+    assert not report.rewritten and "prefill" in report.sites[0].reason_untouched
+
+
+# ---------------------------------------------------------------------------------------- verify mode
+@register_plan_kind
+class _BrokenPlan(DensePlan):
+    kind = "test_broken"
+
+
+class _Broken(Dense):
+    """A deliberately wrong strategy: verify mode must catch it and name the site."""
+
+    def candidates(self, site, hw, ctx):
+        yield _BrokenPlan(reason="adds 0.01")
+
+    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        return super().run(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal) + 0.01
+
+
+@pytest.fixture
+def broken_strategy():
+    STRATEGIES["test_broken"] = _Broken()
+    _Broken.plan_type = _BrokenPlan
+    yield
+    del STRATEGIES["test_broken"]
+
+
+def test_verify_catches_a_wrong_plan(broken_strategy):
+    torch._dynamo.reset()
+    opt = attnopt.optimize(TinyDecoder().eval(), inner_backend="eager", force_plan="test_broken", verify=True)
+    with pytest.raises(ops.VerificationError, match=r"site g\d+:\w+ differs .* max abs error 1\.0\d*e-02 > tolerance"):
+        with torch.no_grad():
+            opt(*_inputs())
+
+
+def test_verify_passes_on_exact_plans():
+    torch._dynamo.reset()
+    model = TinyDecoder().eval()
+    opt = attnopt.optimize(model, OptimizeConfig(inner_backend="eager", verify=True, verify_calls=3))
+    with torch.no_grad():
+        for _ in range(4):
+            args = _inputs()
+            torch.testing.assert_close(opt(*args), model(*args), atol=1e-5, rtol=1e-5)
+    key = attnopt.last_plans(opt).rewritten[0].key
+    assert ops.CALL_COUNTS["verify:" + key] == 4
+
+
+# ---------------------------------------------------------------------------------------- attnopt plans
+def test_plans_cli_prints_the_table(tmp_path, capsys, monkeypatch):
+    torch._dynamo.reset()
+    log = tmp_path / "p.jsonl"
+    monkeypatch.setenv("ATTNOPT_PLAN_LOG", str(log))
+    opt = attnopt.optimize(TinyDecoder().eval(), inner_backend="eager")
+    opt(*_inputs())
+    opt(*_inputs(N=4, L=4))  # a prefill graph too: one line per graph
+    assert len(log.read_text().splitlines()) == 2
+    assert cli_main(["plans", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "dense" in out and "prefill" in out and "2 attention site(s), 1 rewritten" in out
+    assert cli_main(["plans"]) == 0  # from the environment variable
+    capsys.readouterr()
+    assert cli_main(["plans", "--json", str(log)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [s["rewritten"] for s in data["sites"]] == [True, False]
+
+
+def test_plans_cli_corrupt_log_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert cli_main(["plans", str(bad)]) == 2
+    assert "is not a valid attnopt plan report" in capsys.readouterr().err
