@@ -23,6 +23,8 @@ from typing import Any
 PROFILE_VERSION = 1
 #: Environment variable that overrides the cache directory (tests, shared clusters).
 CACHE_ENV = "ATTNOPT_CACHE_DIR"
+#: Default cap of one SM's read bandwidth, as a multiple of its fair share of the chip's bandwidth.
+SM_SHARE_FACTOR = 2.5
 
 
 @dataclass(frozen=True)
@@ -45,16 +47,22 @@ class HardwareProfile:
     #: Resident programs per SM for the decode kernels, by ``num_warps`` (the occupancy of each kernel
     #: configuration). A configuration missing here gets ``max(1, 16 // num_warps)``.
     occupancy: dict[int, int] = field(default_factory=lambda: {4: 4, 8: 2})
-    #: Fraction of ``hbm_read_gbps`` the attnopt Triton kernels reach when the grid saturates the chip.
-    kernel_efficiency: float = 0.85
+    #: Fraction of ``hbm_read_gbps`` the attnopt Triton kernels reach when the grid saturates the chip
+    #: (2xH200 run of 2026-11-22: 16-way split-KV streamed 3.4 TB/s of a 4.17 TB/s read bandwidth with two
+    #: programs per SM, 2.7 TB/s with one; ``mem_latency_us`` carries the difference).
+    kernel_efficiency: float = 0.82
     #: Fixed cost per KV tile iteration of one program, µs (loop overhead, softmax rescale, dot issue) that
     #: memory does not hide.
     per_tile_us: float = 0.02
     #: Device memory latency, µs: with Little's law it gives the bandwidth one program reaches from the bytes
     #: it keeps in flight (``bytes_in_flight / mem_latency_us``).
-    mem_latency_us: float = 0.8
-    #: Fraction of ``hbm_read_gbps`` that PyTorch's SDPA decode path (the dense plan) reaches when saturated.
-    dense_efficiency: float = 0.8
+    mem_latency_us: float = 1.5
+    #: Most bandwidth one SM's programs draw together, GB/s; 0 = ``SM_SHARE_FACTOR`` x the fair share
+    #: ``hbm_read_gbps / sm_count`` (a small grid cannot reach the chip's bandwidth).
+    sm_read_gbps: float = 0.0
+    #: Fraction of ``hbm_read_gbps`` that PyTorch's SDPA decode path (the dense plan) reaches when saturated
+    #: (same run: flash SDPA read 262k-524k-token shards at 3.8-3.95 TB/s on an H200).
+    dense_efficiency: float = 0.92
     #: Device-to-device copy bandwidth (bytes read plus written), GB/s; 0 = not measured.
     copy_gbps: float = 0.0
     #: Device memory in bytes.
@@ -81,8 +89,8 @@ class HardwareProfile:
                      "mem_latency_us", "emulation_slowdown"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
-        if self.per_tile_us < 0:
-            raise ValueError(f"hardware profile {self.name!r}: per_tile_us must be >= 0, got {self.per_tile_us!r}")
+        if self.per_tile_us < 0 or self.sm_read_gbps < 0:
+            raise ValueError(f"hardware profile {self.name!r}: per_tile_us and sm_read_gbps must be >= 0")
         if not self.occupancy or any(int(k) <= 0 or int(v) <= 0 for k, v in self.occupancy.items()):
             raise ValueError(f"hardware profile {self.name!r}: occupancy must map num_warps > 0 to programs > 0")
 
@@ -90,6 +98,10 @@ class HardwareProfile:
     def programs_per_sm(self, num_warps: int = 4) -> int:
         """Resident programs per SM for a kernel with ``num_warps`` warps."""
         return int(self.occupancy.get(num_warps, max(1, 16 // max(num_warps, 1))))
+
+    def sm_gbps(self) -> float:
+        """The bandwidth cap of one SM, GB/s (``sm_read_gbps`` or the default share)."""
+        return self.sm_read_gbps if self.sm_read_gbps > 0 else SM_SHARE_FACTOR * self.hbm_read_gbps / self.sm_count
 
     def slots(self, num_warps: int = 4) -> int:
         """Programs the whole chip runs at once (one wave)."""
@@ -181,12 +193,16 @@ def builtin_profile(name: str) -> HardwareProfile:
 
 # --------------------------------------------------------------------------------------------- the cache
 def profile_cache_dir() -> Path:
-    """``$ATTNOPT_CACHE_DIR/profiles`` when set, else ``<platformdirs user cache>/attnopt/profiles``."""
+    """``$ATTNOPT_CACHE_DIR/profiles`` when set, else ``<platformdirs user cache>/attnopt/profiles``
+    (``$XDG_CACHE_HOME`` or ``~/.cache`` when platformdirs is not installed)."""
     root = os.environ.get(CACHE_ENV)
     if not root:
-        import platformdirs
+        try:
+            import platformdirs
 
-        root = platformdirs.user_cache_dir("attnopt")
+            root = platformdirs.user_cache_dir("attnopt")
+        except ImportError:  # the GPU images lack platformdirs: use the XDG default it would give on Linux
+            root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attnopt")
     return Path(root) / "profiles"
 
 

@@ -118,6 +118,8 @@ class SplitKVPlan(Plan):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    #: The last split to finish a tile merges it in the same launch (arrival counter), instead of a second launch.
+    fused_merge: bool = False
 
 
 @register_plan_kind

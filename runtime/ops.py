@@ -29,7 +29,7 @@ _lib.define(
 )
 _lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)")
 _lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
-_lib.define("valid_len_from_mask(Tensor attn_mask, int batch) -> Tensor")
+_lib.define("valid_len_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
 
 #: Calls per site key, counted on the host by the op (not under CUDA-graph replay).
 CALL_COUNTS: Counter[str] = Counter()
@@ -78,6 +78,13 @@ def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, pl
 
 
 def _merge_states(o_parts, lse_parts):
+    if o_parts.is_cuda and o_parts.dtype == torch.float32 and lse_parts.dtype == torch.float32:
+        from .kernels import triton_usable
+
+        if triton_usable("cuda"):
+            from .kernels.merge import merge_states as merge_kernel
+
+            return merge_kernel(o_parts, lse_parts)
     from .reference import merge_states
 
     return merge_states(o_parts, lse_parts)

@@ -1,71 +1,342 @@
 """Kernel cost of the single-device decode strategies, in microseconds.
 
-Every estimate is ``launches * launch_us + max(bytes / bandwidth, tiles / parallelism * per_tile_us)`` plus
-the merge, with the bandwidth scaled by how much of the chip the grid fills (wave quantisation).
+The model, per kernel launch:
+
+* **Bytes.** K and V up to the valid length, the mask when there is one, the query, and the fp32 partial
+  states (o, lse) that split-KV and stream-K write and merge.
+* **Bandwidth per program** (Little's law): a program keeps about one KV tile in flight, so it streams at
+  ``tile_bytes / mem_latency_us``; programs on one SM share its cap (``hw.sm_gbps()``), and all resident
+  programs share ``hbm_read_gbps * efficiency``.
+* **Wave quantisation.** A grid of ``P`` programs runs in ``ceil(P / slots)`` waves, ``slots = sm_count x
+  occupancy(num_warps)``; the last, partial wave has fewer programs, each faster but never faster than its
+  own Little's-law rate.
+* **Per-tile overhead.** Each program's loop costs at least ``tiles x per_tile_us``.
+* **Launches and merges.** ``launch_us`` per dependent launch; the split-KV merge kernel reads every partial;
+  the stream-K fix-up reads the partials of the tiles that programs share.
+
+Every estimate is monotone: with a fixed plan, more keys, a larger batch, more heads, a larger head dim or a
+wider dtype is never predicted faster (``tests/attnopt/test_cost.py``).
+
+**Runtime rule for symbolic lengths.** A plan fixes the grid (``num_splits`` or ``grid``) and ``block_n``;
+the kernel derives each program's share from the valid length on the device (split ``s`` covers tiles
+``[s * ceil(T / S), (s + 1) * ceil(T / S))`` of ``T = ceil(valid_len / block_n)``; stream-K program ``p``
+covers work units ``[p * ceil(U / P), ...)``). This costs nothing on the host and stays correct under
+CUDA-graph replay as the cache grows. ``best_split_kv`` and ``best_stream_k`` pick the grid that is best
+over the range of lengths a symbolic site is expected to see (``planning_lengths``).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from attnopt.hardware import HardwareProfile
 from attnopt.site import AttentionSite
 
+#: KV length assumed when a site's length is symbolic and carries no hint.
+DEFAULT_KV_LEN = 4096
+#: Largest packed query block of the attnopt kernels (``runtime/kernels/common.py``: MAX_BLOCK_M).
+MAX_BLOCK_M = 64
+#: Split counts and block sizes the planner considers.
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
+BLOCK_N_CHOICES = (32, 64, 128)
+WARP_CHOICES = (4, 8)
+#: Serial tail of the stream-K fix-up protocol (atomic arrival counter, the last program merges), µs.
+STREAM_K_FIXUP_US = 1.0
+
+
+# --------------------------------------------------------------------------------------------- shapes
+def _kv_len(site: AttentionSite) -> int:
+    n = site.effective_kv_len
+    return int(n) if n is not None else DEFAULT_KV_LEN
+
+
+def _dims(site: AttentionSite) -> tuple[int, int, int, int, int, int, int]:
+    """(B, Hkv, G, L, D, Dv, element bytes)."""
+    return (site.batch or 1, site.kv_heads, max(site.group_size, 1), site.q_len or 1, site.head_dim,
+            site.v_head_dim or site.head_dim, site.dtype_bytes)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def block_m_for(rows: int) -> int:
+    """Packed query rows per tile for ``rows = G * q_len``: a power of two in [16, 64] (as the kernels use)."""
+    return max(16, min(MAX_BLOCK_M, _next_pow2(max(rows, 1))))
+
+
+def m_blocks(site: AttentionSite) -> int:
+    _, _, g, L, *_ = _dims(site)
+    return math.ceil(g * L / block_m_for(g * L))
+
 
 def kv_bytes(site: AttentionSite) -> float:
     """Bytes of K and V read up to the planned KV length (the roofline numerator)."""
-    n = site.effective_kv_len or 4096
-    b = site.batch or 1
-    dv = site.v_head_dim or site.head_dim
-    return float(b * site.kv_heads * n * (site.head_dim + dv) * site.dtype_bytes)
+    b, hkv, _, _, d, dv, e = _dims(site)
+    return float(b * hkv * _kv_len(site) * (d + dv) * e)
+
+
+def mask_bytes(site: AttentionSite) -> float:
+    """Bytes of the mask the kernels read: an arbitrary bool mask, broadcast over heads, is (B, L, N)."""
+    if site.mask_kind != "arbitrary":
+        return 0.0
+    b, _, _, L, *_ = _dims(site)
+    return float(b * L * _kv_len(site))
+
+
+def io_bytes(site: AttentionSite) -> float:
+    """Query read plus output written."""
+    b, hkv, g, L, d, dv, e = _dims(site)
+    return float(b * hkv * g * L * (d + dv) * e)
+
+
+def state_bytes(site: AttentionSite) -> float:
+    """Bytes of one fp32 softmax state (o, lse) for the whole site: (B, Hq, L, Dv + 1) x 4."""
+    b, hkv, g, L, _, dv, _ = _dims(site)
+    return float(b * hkv * g * L * (dv + 1) * 4)
+
+
+def total_bytes(site: AttentionSite) -> float:
+    return kv_bytes(site) + mask_bytes(site) + io_bytes(site)
 
 
 def roofline_us(site: AttentionSite, hw: HardwareProfile) -> float:
-    return kv_bytes(site) / (hw.hbm_read_gbps * 1e3)
+    """Bytes that must be read (K, V, mask, query) at the full read bandwidth: the floor of any plan."""
+    return total_bytes(site) / (hw.hbm_read_gbps * 1e3)
 
 
-def _fill(programs: int, hw: HardwareProfile, num_warps: int = 4) -> float:
-    """Fraction of peak bandwidth a grid of ``programs`` reaches, with wave quantisation."""
-    slots = hw.sm_count * hw.occupancy.get(num_warps, 2)
-    if programs <= 0:
-        return 1e-3
-    waves = math.ceil(programs / slots)
-    busy = programs / (waves * slots)
-    # One program per SM already reaches a good share of bandwidth; more resident programs hide latency.
-    per_sm = min(1.0, programs / hw.sm_count)
-    return max(1e-3, min(1.0, 0.35 + 0.65 * per_sm) * (0.5 + 0.5 * busy))
+def _tile_bytes(site: AttentionSite, block_n: int) -> float:
+    """Bytes one program reads per KV tile: K and V rows, plus its slice of the mask."""
+    _, _, g, L, d, dv, e = _dims(site)
+    mask = block_n * L if site.mask_kind == "arbitrary" else 0
+    return float(block_n * (d + dv) * e + mask)
+
+
+# --------------------------------------------------------------------------------------------- the wave model
+def wave_time_us(hw: HardwareProfile, programs: int, tiles_per_program: int, tile_bytes: float,
+                 efficiency: float, num_warps: int = 4) -> float:
+    """Time for ``programs`` equal programs, each streaming ``tiles_per_program`` tiles of ``tile_bytes``.
+
+    Parameters
+    ----------
+    hw
+        The profile (SM count, occupancy, bandwidth, memory latency, per-tile cost).
+    programs
+        Grid size. Programs beyond ``hw.slots(num_warps)`` run in later waves.
+    tiles_per_program
+        KV tiles of the heaviest program (the wave waits for it).
+    tile_bytes
+        Bytes per tile.
+    efficiency
+        Fraction of ``hbm_read_gbps`` the kernel reaches when the chip is saturated.
+    num_warps
+        Selects the occupancy (resident programs per SM).
+    """
+    if programs <= 0 or tiles_per_program <= 0:
+        return 0.0
+    slots = hw.slots(num_warps)
+    peak = hw.hbm_read_gbps * 1e3 * efficiency  # bytes per µs
+    per_program = tile_bytes / hw.mem_latency_us
+    sm_cap = hw.sm_gbps() * 1e3
+    work = tiles_per_program * tile_bytes
+
+    def one_wave(active: int) -> float:
+        if active <= 0:
+            return 0.0
+        # The scheduler spreads programs over SMs first; programs sharing an SM share its bandwidth.
+        bw = min(per_program, sm_cap / math.ceil(active / hw.sm_count), peak / active)
+        return max(work / bw, tiles_per_program * hw.per_tile_us)
+
+    full, rem = divmod(programs, slots)
+    return full * one_wave(slots) + one_wave(rem)
+
+
+def _stream_us(hw: HardwareProfile, nbytes: float) -> float:
+    """A bandwidth-bound elementwise pass over ``nbytes`` (merge kernels)."""
+    return nbytes / (hw.hbm_read_gbps * 1e3 * hw.kernel_efficiency)
+
+
+# --------------------------------------------------------------------------------------------- dense (SDPA)
+def dense_backend(site: AttentionSite) -> str:
+    """Which SDPA kernel the dense plan reaches: ``flash`` (no mask) or ``efficient`` (a mask tensor)."""
+    if site.mask_kind in ("valid_length", "arbitrary"):
+        return "efficient"
+    return "flash"
 
 
 def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
-    """SDPA (flash/cuDNN decode): one program per (batch, query head) block, no KV split."""
-    b = site.batch or 1
-    programs = b * site.q_heads
-    bw = hw.hbm_read_gbps * 1e3 * hw.kernel_efficiency * _fill(programs, hw)
-    read = kv_bytes(site) * max(1.0, site.group_size / 2.0) if site.gqa_source == "repeat_kv" else kv_bytes(site)
-    return 2 * hw.launch_us + read / bw
+    """The dense plan: one SDPA call over the un-expanded K/V (``enable_gqa``).
+
+    Without a mask it is flash attention, which at decode packs the G query heads of a KV head into one row
+    block and splits the keys (FlashAttention-2's split-KV, then a combine kernel). With a mask tensor
+    (valid length, arbitrary) it is the memory-efficient kernel: one program per (batch, query head), no split,
+    the G heads of one KV head sharing its K/V through L2.
+    """
+    b, hkv, g, L, d, dv, e = _dims(site)
+    n = _kv_len(site)
+    eff = hw.dense_efficiency
+    if dense_backend(site) == "flash":
+        # FA2's split-KV kernel uses 256/128/64-key blocks for D <= 64 / <= 128 / larger; one 128-key
+        # granularity for every D keeps the estimate monotone in D (a larger head is never cheaper).
+        block_n = 128
+        mb = math.ceil(g * L / 64)
+        n_blocks = max(1, math.ceil(n / block_n))
+        base = b * hkv * mb
+        # FlashAttention-2 never splits a grid that already fills 80 % of the SMs, and splits at most
+        # min(128, SMs, KV blocks) ways. Its heuristic picks the count by wave efficiency; the model takes the
+        # best count in those bounds (powers of two and the bound), which keeps the estimate monotone in N.
+        top = 1 if base >= 0.8 * hw.sm_count else max(1, min(128, hw.sm_count, n_blocks))
+        splits = sorted({1 << k for k in range(8) if (1 << k) <= top} | {top})
+
+        def flash(s: int) -> float:
+            t = hw.launch_us + wave_time_us(hw, base * s, math.ceil(n_blocks / s), _tile_bytes(site, block_n), eff, 4)
+            if s > 1:
+                t += hw.launch_us + _stream_us(hw, 2 * state_bytes(site) * s)
+            return t
+
+        return min(flash(s) for s in splits)
+    block_n = 64
+    tiles = max(1, math.ceil(n / block_n))
+    # The G programs of one KV head read the same K/V; L2 serves the repeats, so HBM sees each tile once and
+    # the bandwidth the programs share is G times the unique-byte rate.
+    return hw.launch_us + wave_time_us(hw, b * hkv * g * math.ceil(L / 64), tiles, _tile_bytes(site, block_n),
+                                       eff * g, 4)
 
 
+# --------------------------------------------------------------------------------------------- split-KV
 def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block_n: int, num_warps: int = 4) -> float:
-    b = site.batch or 1
-    n = site.effective_kv_len or 4096
-    programs = b * site.kv_heads * num_splits
-    bw = hw.hbm_read_gbps * 1e3 * hw.kernel_efficiency * _fill(programs, hw, num_warps)
-    tiles_per_program = math.ceil(n / num_splits / block_n)
-    compute = tiles_per_program * hw.per_tile_us * math.ceil(programs / (hw.sm_count * hw.occupancy.get(num_warps, 2)))
-    dv = site.v_head_dim or site.head_dim
-    merge_bytes = b * site.q_heads * (site.q_len or 1) * num_splits * (dv + 1) * 4 * 2
-    merge = hw.launch_us + merge_bytes / (hw.hbm_read_gbps * 1e3) if num_splits > 1 else 0.0
-    return hw.launch_us + max(kv_bytes(site) / bw, compute) + merge
+    """Split-KV (FlashDecoding): grid (B x Hkv x M-blocks, num_splits); each split streams ``ceil(T/S)`` of
+    the ``T`` KV tiles and writes an fp32 (o, lse) partial; a second kernel merges the partials."""
+    if num_splits < 1 or block_n < 1:
+        raise ValueError(f"num_splits and block_n must be >= 1, got {num_splits}, {block_n}")
+    b, hkv, g, L, d, dv, e = _dims(site)
+    n = _kv_len(site)
+    n_tiles = max(1, math.ceil(n / block_n))
+    tiles = math.ceil(n_tiles / num_splits)
+    mb = m_blocks(site)
+    programs = b * hkv * mb * num_splits
+    t = hw.launch_us + wave_time_us(hw, programs, tiles, _tile_bytes(site, block_n), hw.kernel_efficiency, num_warps)
+    if num_splits > 1:
+        partials = state_bytes(site) * num_splits
+        t += _stream_us(hw, partials)                        # the first kernel writes them
+        t += hw.launch_us + _stream_us(hw, partials + io_bytes(site) / 2)  # the merge reads them, writes o
+    return t * hw.emulation_slowdown
 
 
+# --------------------------------------------------------------------------------------------- stream-K
 def stream_k_us(site: AttentionSite, hw: HardwareProfile, grid: int, block_n: int, num_warps: int = 4) -> float:
-    b = site.batch or 1
-    n = site.effective_kv_len or 4096
-    tiles = b * site.kv_heads * math.ceil(n / block_n)
-    programs = min(grid, tiles)
-    bw = hw.hbm_read_gbps * 1e3 * hw.kernel_efficiency * _fill(programs, hw, num_warps)
-    compute = math.ceil(tiles / max(programs, 1)) * hw.per_tile_us
-    dv = site.v_head_dim or site.head_dim
-    outputs = b * site.kv_heads
-    fixups = min(programs, tiles) + outputs
-    fixup_bytes = fixups * site.group_size * (site.q_len or 1) * (dv + 1) * 4 * 2
-    return hw.launch_us + max(kv_bytes(site) / bw, compute) + fixup_bytes / (hw.hbm_read_gbps * 1e3) + 1.0
+    """Stream-K (LeanAttention): ``grid`` persistent programs cut the (B x Hkv x M-block x KV tile) work units
+    into equal contiguous shares; a program whose share covers part of an output tile writes a partial, and
+    the last to arrive merges it (fix-up)."""
+    if grid < 1 or block_n < 1:
+        raise ValueError(f"grid and block_n must be >= 1, got {grid}, {block_n}")
+    b, hkv, g, L, d, dv, e = _dims(site)
+    n = _kv_len(site)
+    n_tiles = max(1, math.ceil(n / block_n))
+    outputs = b * hkv * m_blocks(site)
+    units = outputs * n_tiles
+    programs = min(grid, units)
+    share = math.ceil(units / programs)
+    t = hw.launch_us + wave_time_us(hw, programs, share, _tile_bytes(site, block_n), hw.kernel_efficiency, num_warps)
+    # Every program boundary inside an output tile makes one more partial (o, lse): at most programs + outputs
+    # segments, written and read back across the chip. Each output tile then pays the fix-up protocol (an
+    # atomic arrival counter; the last program to arrive merges), a fixed serial tail.
+    segments = min(units, programs + outputs)
+    partial = state_bytes(site) / outputs
+    t += _stream_us(hw, 2 * partial * segments) + hw.fitted.get("stream_k_fixup_us", STREAM_K_FIXUP_US)
+    return t * hw.emulation_slowdown
+
+
+# --------------------------------------------------------------------------------------------- plan choice
+@dataclass(frozen=True)
+class KernelChoice:
+    """A grid chosen by the cost model, and the rule the kernel applies at run time."""
+
+    kind: str
+    #: split-KV: num_splits; stream-K: grid.
+    grid: int
+    block_n: int
+    num_warps: int
+    est_us: float
+    #: The lengths the choice was optimised over (one for a static length).
+    lengths: tuple[int, ...]
+    #: The runtime rule, in words.
+    rule: str
+
+
+def planning_lengths(site: AttentionSite) -> tuple[int, ...]:
+    """The KV lengths a plan must serve: the static length, or for a symbolic length the hint (default 4096)
+    and the range it is expected to grow through (hint / 2 .. 8 x hint)."""
+    if site.kv_len is not None:
+        return (int(site.kv_len),)
+    hint = int(site.kv_len_hint or DEFAULT_KV_LEN)
+    return tuple(sorted({max(1, hint // 2), hint, 2 * hint, 4 * hint, 8 * hint}))
+
+
+def _at_length(site: AttentionSite, n: int) -> AttentionSite:
+    import dataclasses
+
+    return dataclasses.replace(site, kv_len=int(n))
+
+
+def _choose(site: AttentionSite, hw: HardwareProfile, configs, cost) -> tuple[tuple[int, int, int], float, tuple[int, ...]]:
+    """The config minimising the mean slowdown against the per-length best over ``planning_lengths``."""
+    lengths = planning_lengths(site)
+    sites = [_at_length(site, n) for n in lengths]
+    table = {c: [cost(s, hw, *c) for s in sites] for c in configs}
+    best_per_len = [min(v[i] for v in table.values()) for i in range(len(sites))]
+    score = {c: sum(v[i] / best_per_len[i] for i in range(len(sites))) for c, v in table.items()}
+    chosen = min(configs, key=lambda c: (score[c], table[c][0]))
+    est = cost(_at_length(site, _kv_len(site)), hw, *chosen)
+    return chosen, est, lengths
+
+
+def split_kv_configs(site: AttentionSite, hw: HardwareProfile) -> list[tuple[int, int, int]]:
+    """(num_splits, block_n, num_warps) the planner considers: splits up to the number of KV tiles at the
+    longest planning length."""
+    n_max = max(planning_lengths(site))
+    out = []
+    for bn in BLOCK_N_CHOICES:
+        n_tiles = max(1, math.ceil(n_max / bn))
+        for s in SPLIT_CHOICES:
+            if s > 1 and s > n_tiles:
+                continue
+            for w in WARP_CHOICES:
+                out.append((s, bn, w))
+    return out
+
+
+def stream_k_configs(site: AttentionSite, hw: HardwareProfile) -> list[tuple[int, int, int]]:
+    """(grid, block_n, num_warps): persistent grids of 1..occupancy programs per SM."""
+    out = []
+    for bn in BLOCK_N_CHOICES:
+        for w in WARP_CHOICES:
+            for k in range(1, hw.programs_per_sm(w) + 1):
+                out.append((hw.sm_count * k, bn, w))
+    return out
+
+
+def best_split_kv(site: AttentionSite, hw: HardwareProfile) -> KernelChoice:
+    """The split-KV grid the cost model prefers at this site (over ``planning_lengths`` when symbolic)."""
+    (s, bn, w), est, lengths = _choose(site, hw, split_kv_configs(site, hw), split_kv_us)
+    rule = (f"grid (B*Hkv*M, {s}); split i streams KV tiles [i*ceil(T/{s}), (i+1)*ceil(T/{s})) of "
+            f"T = ceil(valid_len/{bn}) read on the device; empty splits write lse=-inf")
+    return KernelChoice("split_kv", s, bn, w, est, lengths, rule)
+
+
+def best_stream_k(site: AttentionSite, hw: HardwareProfile) -> KernelChoice:
+    """The stream-K grid the cost model prefers at this site (over ``planning_lengths`` when symbolic)."""
+    (grid, bn, w), est, lengths = _choose(site, hw, stream_k_configs(site, hw), stream_k_us)
+    rule = (f"{grid} persistent programs; program p takes work units [p*ceil(U/{grid}), (p+1)*ceil(U/{grid})) "
+            f"of U = B*Hkv*M*ceil(valid_len/{bn}) read on the device; the last program to finish a tile merges it")
+    return KernelChoice("stream_k", grid, bn, w, est, lengths, rule)
+
+
+def best_single_device_us(site: AttentionSite, hw: HardwareProfile) -> tuple[str, float]:
+    """(kind, µs) of the fastest single-device plan the model knows: dense, split-KV or stream-K.
+
+    The multi-GPU cost functions use it for the local attention over a shard.
+    """
+    options = [("dense", dense_us(site, hw)), ("split_kv", best_split_kv(site, hw).est_us),
+               ("stream_k", best_stream_k(site, hw).est_us)]
+    return min(options, key=lambda kv: kv[1])

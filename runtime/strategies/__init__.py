@@ -3,5 +3,7 @@ from .base import STRATEGIES, PlanContext, Strategy, get_strategy, register_stra
 from . import dense  # noqa: F401  (registers DensePlan)
 from . import split_kv  # noqa: F401  (registers SplitKVPlan)
 from . import stream_k  # noqa: F401  (registers StreamKPlan)
+from . import tree  # noqa: F401  (registers TreePlan)
+from . import ring  # noqa: F401  (registers RingPlan)
 
 __all__ = ["STRATEGIES", "PlanContext", "Strategy", "get_strategy", "register_strategy"]

@@ -1,0 +1,216 @@
+"""What every benchmark suite shares: device facts, measured bandwidths, timing, rotating inputs, results JSON.
+
+Results follow the format in DESIGN.md: ``{"suite", "device", "world_size", "torch", "triton", "commit",
+"copy_bw_TBps", "rows": [...]}``; a suite adds fields as it needs them. Timing is the median of many runs:
+``graph`` mode replays a CUDA graph holding many calls (no host launch overhead, as a decode step captured by
+``torch.compile(mode="reduce-overhead")`` runs), ``eager`` mode is ``triton.testing.do_bench``'s median.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def git_commit(explicit: str | None = None) -> str:
+    """The commit to record: ``explicit``, else ``$ATTNOPT_COMMIT``, else ``git rev-parse HEAD``, else 'unknown'."""
+    if explicit:
+        return explicit
+    if os.environ.get("ATTNOPT_COMMIT"):
+        return os.environ["ATTNOPT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def device_info(device: int = 0) -> dict[str, Any]:
+    """Name, SM count, L2 and memory of the CUDA device, and the software versions."""
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(device)
+        info.update(device=p.name, sm_count=p.multi_processor_count, memory_bytes=p.total_memory,
+                    l2_bytes=getattr(p, "L2_cache_size", None), cuda=torch.version.cuda)
+    else:
+        info.update(device="cpu", sm_count=os.cpu_count(), memory_bytes=None, l2_bytes=None, cuda=None)
+    return info
+
+
+def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.0, replays: int = 11) -> float:
+    """Median time of one call of ``fn`` in µs.
+
+    ``graph``: warm up, capture ``n`` back-to-back calls (about ``target_ms`` in all) in one CUDA graph, replay it
+    ``replays`` times and take the median per call. ``eager``: ``triton.testing.do_bench`` median.
+    """
+    if mode == "eager":
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    if mode != "graph":
+        raise ValueError(f"unknown timing mode {mode!r}; valid: graph, eager")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    est_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    n = int(max(4, min(400, target_ms / est_ms)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(n):
+            fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth_TBps(nbytes: int = 1 << 30, mode: str = "eager") -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written, TB/s."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), mode)
+    del src, dst
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+@functools.lru_cache(maxsize=None)
+def _read_kernel():
+    """A streaming read: each program sums its contiguous chunk with wide loads and writes one float."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _stream_read_kernel(x_ptr,  # input, int32 view of the buffer
+                            out_ptr,  # (programs,) fp32 partial sums (kept so the loads are not dead code)
+                            n,  # elements in x
+                            per_prog,  # elements per program (a multiple of BLOCK)
+                            BLOCK: tl.constexpr):  # elements per load step
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * per_prog
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for off in range(0, per_prog, BLOCK):
+            idx = start + off + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + idx, mask=idx < n, other=0, eviction_policy="evict_first")
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0).to(tl.float32))
+
+    return _stream_read_kernel
+
+
+def read_bandwidth_TBps(nbytes: int = 1 << 30, mode: str = "eager") -> dict[str, float]:
+    """Read-only bandwidth, TB/s (the floor for decode attention, which only reads): ``torch_sum`` is a bf16 sum,
+    ``triton_stream`` a streaming read kernel over several programs per SM; ``best`` the larger."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    out = {"torch_sum": nbytes / (time_us(lambda: x.sum(dtype=torch.float32), mode) * 1e-6) / 1e12}
+    try:
+        kern = _read_kernel()
+        xi = x.view(torch.int32)
+        n = xi.numel()
+        block = 16384  # 64 KB per program per step: 16 independent 16-byte loads per thread in flight
+        programs = torch.cuda.get_device_properties(0).multi_processor_count * 8
+        per_prog = -(-n // programs // block) * block
+        programs = -(-n // per_prog)
+        partial = torch.empty(programs, device="cuda", dtype=torch.float32)
+        us = time_us(lambda: kern[(programs,)](xi, partial, n, per_prog, BLOCK=block, num_warps=8), mode)
+        out["triton_stream"] = nbytes / (us * 1e-6) / 1e12
+    except Exception as exc:  # keep the suite running; the torch number still stands
+        out["triton_stream_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    del x
+    out["best"] = max(v for k, v in out.items() if isinstance(v, float))
+    return out
+
+
+class Rotation:
+    """Cycle through several input sets so repeated calls miss in L2 (sets together span several L2 sizes)."""
+
+    def __init__(self, make: Callable[[int], Any], set_bytes: int, l2_bytes: int | None, *, factor: int = 4,
+                 max_sets: int = 8):
+        l2 = l2_bytes or (50 << 20)
+        self.count = int(max(1, min(max_sets, -(-factor * l2 // max(set_bytes, 1)))))
+        self.sets = [make(i) for i in range(self.count)]
+        self._i = 0
+
+    def next(self):
+        s = self.sets[self._i]
+        self._i = (self._i + 1) % self.count
+        return s
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (inf when out has NaN)."""
+    o = out.double()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    r = ref.double()
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def results_header(suite: str, *, commit: str | None = None, world_size: int = 1, **extra: Any) -> dict[str, Any]:
+    """The top of a results file (DESIGN.md format), with the device and versions filled in."""
+    info = device_info()
+    head = {"suite": suite, "device": info["device"], "world_size": world_size, "torch": info["torch"],
+            "triton": info["triton"], "commit": git_commit(commit), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                          time.gmtime()),
+            "sm_count": info["sm_count"], "l2_bytes": info["l2_bytes"]}
+    head.update(extra)
+    head.setdefault("rows", [])
+    return head
+
+
+def write_results(path: str | os.PathLike, results: dict[str, Any]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+    return p
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
+    """Plain-text table: ``columns`` is (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        line = []
+        for key, _, spec in columns:
+            val = r.get(key)
+            if val is None:
+                line.append("-")
+            elif isinstance(val, float) and spec:
+                line.append(format(val, spec))
+            else:
+                line.append(str(val))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)

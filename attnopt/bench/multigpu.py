@@ -1,0 +1,494 @@
+"""``attnopt bench multigpu``: sequence-parallel decode (tree and ring) against one device, under torchrun.
+
+Launch one process per GPU::
+
+    torchrun --standalone --nproc-per-node 2 -m attnopt.cli bench multigpu --out results.json
+
+For each shape (``llama3-8b``: 32/8 heads, D=128; ``mha16``: 16/16 heads, D=128; bf16, B=1, one query token)
+and each total length N, the full K/V are made identically on every rank and each rank keeps its contiguous
+balanced shard. Rows (``method``):
+
+* ``single:flash`` — one device over all N keys (no collective): the baseline tree and ring must beat;
+* ``local:flash`` (and ``local:split_kv`` when attnopt's Triton kernel exists) — the shard's local attention
+  alone (the part of a tree step that is not communication);
+* ``tree:<collective>`` — local attention + the collective + the merge, as ``runtime.distributed`` runs it;
+  timed ``eager`` (host-driven, as the op runs without a graph) and ``graph`` (the step captured in a CUDA
+  graph, as under ``torch.compile(mode="reduce-overhead")``);
+* ``tree:symm_mem`` — the all-gather done as ``torch.ops.symm_mem.one_shot_all_reduce`` of a zero-padded
+  [o | lse] slot buffer (P2P loads, no NVLink multicast), eager and graph;
+* ``ring:pass_kv`` / ``ring:pass_q`` — eager.
+
+Each row has ``us`` (median per step), ``rel_err`` against an fp32 single-device reference over all N keys,
+``est_us`` from the cost model (``attnopt.cost.collective``; ``graph=True`` for graph rows) and, per case,
+``model_pick`` / ``measured_best`` among the planner's eager candidates (tree x 3, ring x 2) and among the
+graph tree variants. Results are written after every case, so a run cut short still leaves its rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+#: name -> (B, Hq, Hkv, D)
+SHAPES = {"llama3-8b": (1, 32, 8, 128), "mha16": (1, 16, 16, 128)}
+LENGTHS = {"32k": 32768, "128k": 131072, "512k": 524288, "1M": 1048576}
+TREE = ("all_gather", "all_reduce", "all_reduce3")
+RING = ("pass_kv", "pass_q")
+REL_ERR_OK = 2e-2
+
+
+def register(sub) -> None:
+    p = sub.add_parser("multigpu", help="tree / ring sequence-parallel decode vs one device (run under torchrun)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run_cli)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/multigpu-<P>x<device>.json)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated; known: {', '.join(SHAPES)}")
+    p.add_argument("--lengths", default=",".join(LENGTHS),
+                   help=f"comma-separated total KV lengths: names ({', '.join(LENGTHS)}) or integers")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--iters", type=int, default=30, help="timed eager steps per method")
+    p.add_argument("--graph-steps", type=int, default=20, help="steps captured per CUDA graph")
+    p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timing")
+    p.add_argument("--no-symm-mem", action="store_true", help="skip the symmetric-memory tree")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s")
+    p.add_argument("--time-budget", type=float, default=0.0, help="stop starting new cases after this many s (0: none)")
+    p.add_argument("--topology", default="local", help="topology for the cost model (default: detected)")
+    p.add_argument("--hardware", default=None, help="hardware profile for the cost model (default: detected)")
+    p.add_argument("--commit", default=None, help="commit sha to record")
+
+
+def parse_length(text: str) -> int:
+    return LENGTHS[text] if text in LENGTHS else int(text)
+
+
+# --------------------------------------------------------------------------------------------- timing
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def eager_us(fn: Callable[[], Any], g, iters: int, cuda: bool) -> float:
+    """Mean wall time per step of ``iters`` lock-step calls (host overhead included), after warm-up."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    _sync(cuda)
+    g.all_reduce(torch.zeros(1, device="cuda" if cuda else "cpu"), _sum(), what="bench barrier")
+    _sync(cuda)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(cuda)
+        times.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(times)
+
+
+def local_eager_us(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
+    for _ in range(3):
+        fn()
+    _sync(cuda)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(cuda)
+        times.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(times)
+
+
+def graph_us(fn: Callable[[], Any], steps: int, g=None, replays: int = 7) -> float:
+    """Median per-step time of a CUDA graph holding ``steps`` calls (identical on every rank: lock-step).
+
+    With a group ``g``, the ranks agree that every capture succeeded before any replays (a replay of captured
+    collectives on one rank alone would wait on its peers)."""
+    import torch
+    import torch.distributed as dist
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = None
+    error = None
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(steps):
+                fn()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    if g is not None:
+        flag = torch.tensor([0.0 if error is None else 1.0], device="cuda")
+        g.all_reduce(flag, dist.ReduceOp.MAX, what="graph capture agreement")
+        if flag.item() and error is None:
+            error = RuntimeError("a peer rank failed to capture the graph")
+    if error is not None:
+        raise error
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / steps)
+    del graph
+    return statistics.median(times)
+
+
+def _sum():
+    import torch.distributed as dist
+
+    return dist.ReduceOp.SUM
+
+
+# --------------------------------------------------------------------------------------------- symm-mem tree
+class SymmMemTree:
+    """Tree all-gather as a one-shot all-reduce over symmetric memory: each rank writes its packed state into
+    its own slot of a zeroed (P, ...) buffer, the sum of the buffers is the gather (x + 0 is exact), then the
+    usual merge. Two buffers alternate, so a rank never zeroes a slot a peer may still be reading."""
+
+    def __init__(self, g, shape: tuple[int, ...], device):
+        import torch
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.g = g
+        self.name = g.pg.group_name
+        try:
+            symm_mem.enable_symm_mem_for_group(self.name)
+        except Exception:  # newer torch: enabled by default
+            pass
+        self.bufs = [symm_mem.empty(g.world, *shape, dtype=torch.float32, device=device) for _ in range(2)]
+        self.handles = [symm_mem.rendezvous(b, self.name) for b in self.bufs]
+        self.i = 0
+
+    def __call__(self, o, lse):
+        import torch
+
+        from attnopt.runtime.distributed import _pack, merge_packed
+
+        buf = self.bufs[self.i]
+        self.i ^= 1
+        buf.zero_()
+        _pack(o, lse, buf[self.g.rank])
+        total = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.name)
+        return merge_packed(total)
+
+
+# --------------------------------------------------------------------------------------------- one case
+def run_case(args, g, shape_name: str, n_total: int, hw, topo, cuda: bool, log,
+             phase: str = "main") -> list[dict[str, Any]]:
+    """Rows of one (shape, N) case. ``phase="symm"`` runs only the symmetric-memory tree (run last: a failure
+    inside its device-side barrier could stall a peer, so it must not cost the other rows)."""
+    import torch
+
+    from attnopt.runtime import distributed as D
+    from attnopt.runtime.reference import attention_states
+    from attnopt.site import AttentionSite
+
+    B, Hq, Hkv, Dh = SHAPES[shape_name]
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    P, r = g.world, g.rank
+    gen = torch.Generator(device=dev).manual_seed(1234 + n_total)
+    k_full = torch.randn(B, Hkv, n_total, Dh, device=dev, dtype=dtype, generator=gen)
+    v_full = torch.randn(B, Hkv, n_total, Dh, device=dev, dtype=dtype, generator=gen)
+    q = torch.randn(B, Hq, 1, Dh, device=dev, dtype=dtype, generator=gen)
+    a, b = D.balanced_bounds(n_total, P)[r]
+    k = k_full[:, :, a:b].contiguous()
+    v = v_full[:, :, a:b].contiguous()
+    scale = 1.0 / math.sqrt(Dh)
+    ref, _ = attention_states(q, k_full, v_full, scale=scale)  # fp32 single-device reference
+
+    site = AttentionSite.canonical(batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=Dh, kv_len=n_total,
+                                   dtype=args.dtype, gqa_source="enable_gqa" if Hq != Hkv else "mha")
+    if n_total % (1 << 20) == 0:
+        case = f"{shape_name}-{n_total >> 20}M"
+    elif n_total % 1024 == 0:
+        case = f"{shape_name}-{n_total >> 10}k"
+    else:
+        case = f"{shape_name}-{n_total}"
+    rows: list[dict[str, Any]] = []
+
+    def row(method, mode, us, out, est=None, note=None):
+        err = None
+        if out is not None:
+            o = out.double()
+            err = float("inf") if not torch.isfinite(o).all() else float((o - ref.double()).norm() / ref.double().norm())
+        rows.append({"case": case, "shape": shape_name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": Dh, "N": n_total,
+                     "N_local": b - a, "dtype": args.dtype, "method": method, "mode": mode,
+                     "us": None if us is None else round(us, 2), "rel_err": err,
+                     "est_us": None if est is None else round(est, 2), **({"note": note} if note else {})})
+        log(f"  {case:18s} {method:22s} {mode:6s} {('%.1f' % us) if us is not None else '-':>9s} us  "
+            f"err {err if err is None else '%.1e' % err}  est {est if est is None else '%.1f' % est}"
+            + (f"  [{note}]" if note else ""))
+
+    def est(fn):
+        try:
+            return float(fn())
+        except Exception as exc:  # the cost model is helper code: record, do not stop the benchmark
+            log(f"  cost model error: {type(exc).__name__}: {exc}")
+            return None
+
+    from attnopt.cost import collective as C
+    from attnopt.cost import kernel as K
+
+    if phase == "symm":
+        del k_full, v_full
+        try:
+            sm = SymmMemTree(g, (B, Hq, 1, Dh + 1), dev)
+            res = [None]
+
+            def tree_sm():
+                o, lse = D.local_states(q, k, v, scale=scale)
+                res[0] = sm(o, lse)[0]
+
+            row("tree:symm_mem", "eager", eager_us(tree_sm, g, args.iters, cuda), res[0])
+            if not args.no_graph:
+                row("tree:symm_mem", "graph", graph_us(tree_sm, args.graph_steps, g), res[0])
+        except Exception as exc:
+            row("tree:symm_mem", "eager", None, None, note=f"failed: {type(exc).__name__}: {exc}")
+        return rows
+
+    # -- single device over all N, and the local shard alone ------------------------------------------
+    out_single: list = [None]
+
+    def single():
+        out_single[0] = D.local_states(q, k_full, v_full, scale=scale)[0]
+
+    row("single:flash", "eager", local_eager_us(single, args.iters, cuda), out_single[0],
+        est(lambda: K.best_single_device_us(site, hw)[1]))
+    if cuda and not args.no_graph:
+        try:
+            row("single:flash", "graph", graph_us(single, args.graph_steps, g), out_single[0])
+        except Exception as exc:
+            row("single:flash", "graph", None, None, note=f"failed: {type(exc).__name__}: {exc}")
+    del k_full, v_full
+    if cuda:
+        torch.cuda.empty_cache()
+
+    local_kinds = ["flash"]
+    if cuda:
+        try:
+            from attnopt.runtime.strategies import STRATEGIES
+
+            if "split_kv" in STRATEGIES:
+                local_kinds.append("split_kv")
+        except Exception:
+            pass
+    for kind in local_kinds:
+        holder: list = [None]
+
+        def local(kind=kind, holder=holder):
+            holder[0] = D.local_states(q, k, v, scale=scale, local=kind)
+
+        try:
+            us = local_eager_us(local, args.iters, cuda)
+            row(f"local:{kind}", "eager", us, None, est(lambda: C.local_attention_us(site, hw, P)))
+            if cuda and not args.no_graph:
+                row(f"local:{kind}", "graph", graph_us(local, args.graph_steps, g), None)
+        except Exception as exc:
+            row(f"local:{kind}", "eager", None, None, note=f"failed: {type(exc).__name__}: {exc}")
+
+    # -- tree -----------------------------------------------------------------------------------------
+    for coll in TREE:
+        res: list = [None]
+
+        def tree(coll=coll, res=res):
+            o, lse = D.local_states(q, k, v, scale=scale)
+            res[0] = D.combine_tree(o, lse, g, coll)[0]
+
+        row(f"tree:{coll}", "eager", eager_us(tree, g, args.iters, cuda), res[0],
+            est(lambda: C.tree_decode_us(site, hw, topo, P, coll, False)))
+        if cuda and not args.no_graph:
+            try:
+                us = graph_us(tree, args.graph_steps, g)
+                row(f"tree:{coll}", "graph", us, res[0], est(lambda: C.tree_decode_us(site, hw, topo, P, coll, False,
+                                                                                       graph=True)))
+            except Exception as exc:
+                row(f"tree:{coll}", "graph", None, None, note=f"failed: {type(exc).__name__}: {exc}")
+    if "split_kv" in local_kinds:  # the tree with attnopt's Triton split-KV as its local attention
+        res = [None]
+
+        def tree_skv():
+            o, lse = D.local_states(q, k, v, scale=scale, local="split_kv")
+            res[0] = D.combine_tree(o, lse, g, "all_gather")[0]
+
+        try:
+            row("tree:all_gather@split_kv", "eager", eager_us(tree_skv, g, args.iters, cuda), res[0])
+            if not args.no_graph:
+                row("tree:all_gather@split_kv", "graph", graph_us(tree_skv, args.graph_steps, g), res[0])
+        except Exception as exc:
+            row("tree:all_gather@split_kv", "eager", None, None, note=f"failed: {type(exc).__name__}: {exc}")
+
+    # -- ring -----------------------------------------------------------------------------------------
+    lens = [bb - aa for aa, bb in D.balanced_bounds(n_total, P)]
+    for variant in RING:
+        res = [None]
+
+        def ring(variant=variant, res=res):
+            if variant == "pass_kv":
+                res[0] = D.ring_pass_kv(q, k, v, g, scale=scale, shard_lens=lens)[0]
+            else:
+                res[0] = D.ring_pass_q(q, k, v, g, scale=scale)[0]
+
+        iters = max(3, args.iters // 5) if variant == "pass_kv" else args.iters
+        row(f"ring:{variant}", "eager", eager_us(ring, g, iters, cuda), res[0],
+            est(lambda: C.ring_decode_us(site, hw, topo, P, variant)))
+    g._buffers.clear()
+
+    # -- model pick vs measured best ------------------------------------------------------------------
+    for mode, methods in (("eager", [f"tree:{c}" for c in TREE] + [f"ring:{v}" for v in RING]),
+                          ("graph", [f"tree:{c}" for c in TREE])):
+        cand = [x for x in rows if x["mode"] == mode and x["method"] in methods and x["us"] is not None]
+        if len(cand) < 2:
+            continue
+        best = min(cand, key=lambda x: x["us"])
+        with_est = [x for x in cand if x["est_us"] is not None]
+        pick = min(with_est, key=lambda x: x["est_us"]) if with_est else None
+        for x in cand:
+            x["measured_best"] = best["method"]
+            x["model_pick"] = pick["method"] if pick else None
+            x["model_pick_ok"] = bool(pick and (pick is best or pick["us"] <= 1.05 * best["us"]))
+    del k, v
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- driver
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per case: tree overhead over local attention, ring/tree ratio, whether the model picked right."""
+    out = {}
+    for case in dict.fromkeys(r["case"] for r in rows):
+        rs = [r for r in rows if r["case"] == case and r["us"] is not None]
+
+        def get(method, mode):
+            return next((r["us"] for r in rs if r["method"] == method and r["mode"] == mode), None)
+
+        s: dict[str, Any] = {}
+        for mode in ("eager", "graph"):
+            # tree time minus the local attention it runs (flash, or split_kv for the @split_kv row)
+            pairs = [(f"tree:{c}", "local:flash") for c in TREE] + [("tree:symm_mem", "local:flash"),
+                                                                    ("tree:all_gather@split_kv", "local:split_kv")]
+            over = {t: get(t, mode) - get(lk, mode) for t, lk in pairs
+                    if get(t, mode) is not None and get(lk, mode) is not None}
+            trees = {t: get(t, mode) for t, _ in pairs if get(t, mode) is not None}
+            if trees:
+                best = min(trees, key=trees.get)
+                s[f"best_tree_{mode}"] = best
+                s[f"best_tree_us_{mode}"] = trees[best]
+            if over:
+                least = min(over, key=over.get)
+                s[f"tree_overhead_us_{mode}"] = round(over[least], 2)
+                s[f"tree_overhead_method_{mode}"] = least
+        rings = [t for t in (get(f"ring:{v}", "eager") for v in RING) if t is not None]
+        trees_all = [r["us"] for r in rs if r["method"].startswith("tree:")]
+        if rings and trees_all:
+            s["ring_over_tree"] = round(min(rings) / min(trees_all), 2)
+        single = get("single:flash", "graph") or get("single:flash", "eager")
+        if single and trees_all:
+            s["single_over_tree"] = round(single / min(trees_all), 2)
+        picks = [r.get("model_pick_ok") for r in rs if "model_pick_ok" in r]
+        if picks:
+            s["model_pick_ok"] = all(picks)
+        s["max_rel_err"] = max((r["rel_err"] for r in rs if r["rel_err"] is not None), default=None)
+        out[case] = s
+    return out
+
+
+def run_cli(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from attnopt.bench.common import results_header, write_results
+    from attnopt.hardware import resolve_profile
+    from attnopt.runtime import distributed as D
+    from attnopt.topology import resolve_topology
+
+    if "RANK" not in os.environ:
+        raise ValueError("attnopt bench multigpu runs under torchrun: "
+                         "torchrun --standalone --nproc-per-node 2 -m attnopt.cli bench multigpu")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+    g = D.register_group(timeout=args.timeout)
+    rank0 = g.rank == 0
+
+    def log(msg):
+        if rank0:
+            print(msg, flush=True)
+
+    hw = resolve_profile(args.hardware)
+    topo = resolve_topology(args.topology, g.world)
+    shapes = [s for s in args.shapes.split(",") if s]
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"unknown shape {s!r}; known: {', '.join(SHAPES)}")
+    lengths = [parse_length(x) for x in args.lengths.split(",") if x]
+    results = results_header("multigpu", commit=args.commit, world_size=g.world, backend=g.backend,
+                             hardware_profile=hw.name, topology=topo.to_dict() if hasattr(topo, "to_dict") else str(topo),
+                             env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                                 "NVSHMEM_DISABLE_NVLS")})
+    out = args.out or f"benchmarks/results/multigpu-{g.world}x{str(results['device']).replace(' ', '_')}.json"
+    log(f"attnopt bench multigpu: {g.describe()}, device {results['device']}, hw {hw.name}, topology {topo.name}")
+    t_start = time.monotonic()
+    phases = [("main", shape, n) for shape in shapes for n in lengths]
+    if cuda and not args.no_symm_mem:
+        phases += [("symm", shape, n) for shape in shapes for n in lengths]
+    for phase, shape, n in phases:
+        stop = torch.tensor([1.0 if (args.time_budget and time.monotonic() - t_start > args.time_budget) else 0.0],
+                            device="cuda" if cuda else "cpu")
+        g.all_reduce(stop, dist.ReduceOp.MAX, what="bench budget")
+        if stop.item():
+            log(f"time budget reached: skipping {shape} N={n}")
+            results.setdefault("skipped", []).append(f"{phase}:{shape}-{n}")
+            continue
+        try:
+            results["rows"].extend(run_case(args, g, shape, n, hw, topo, cuda, log, phase))
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - GPU only
+            log(f"  {shape} N={n}: out of memory ({exc}); skipped")
+            results.setdefault("skipped", []).append(f"{shape}-{n}: OOM")
+            torch.cuda.empty_cache()
+        results["summary"] = summarize(results["rows"])
+        results["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        if rank0:
+            write_results(out, results)
+    if rank0:
+        print(json.dumps(results["summary"], indent=1))
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="attnopt bench multigpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

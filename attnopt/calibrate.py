@@ -1,0 +1,525 @@
+"""Calibration of the kernel cost model on the local GPU, and its validation.
+
+Two halves:
+
+* **Measurement (CUDA only).** Copy and read bandwidth, launch latency, and the time of every candidate plan
+  of every registered single-device strategy at a few shapes (``CALIBRATION_SHAPES``), run through the
+  strategies' ``prepare``/``run`` (the same code ``torch.ops.attnopt.decode_attention`` calls), timed by
+  CUDA-graph replay on rotating inputs that miss in L2 (``attnopt.bench.common``).
+* **Fitting and reporting (pure, tested on CPU).** ``fit_profile`` fits the model's constants
+  (``kernel_efficiency``, ``dense_efficiency``, ``mem_latency_us``, ``per_tile_us``, ``sm_read_gbps``,
+  ``launch_us`` and the stream-K fix-up cost) to the measurements by Nelder-Mead on the mean squared log
+  error. ``summarize_validation`` scores plan choices against the fastest measured candidate (within 5 % /
+  15 %) and the Spearman correlation of predicted against measured time per shape.
+
+``attnopt calibrate`` saves the fitted profile to the cache (``attnopt.hardware.save_profile``), where the
+planner finds it; ``attnopt calibrate --validate --out FILE.json`` also measures the kernel bench grid plus
+random shapes and writes the results JSON (suite ``cost_model``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from attnopt.cost import kernel as kernel_cost
+from attnopt.hardware import HardwareProfile
+from attnopt.plan import DensePlan, Plan, SplitKVPlan, StreamKPlan
+from attnopt.site import AttentionSite
+
+
+# --------------------------------------------------------------------------------------------- prediction
+def predict_us(site: AttentionSite, plan: Plan, hw: HardwareProfile) -> float:
+    """The kernel cost model's time for ``plan`` at ``site`` (dense, split-KV or stream-K)."""
+    if isinstance(plan, DensePlan):
+        return kernel_cost.dense_us(site, hw)
+    if isinstance(plan, SplitKVPlan):
+        return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps)
+    if isinstance(plan, StreamKPlan):
+        return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps)
+    raise ValueError(f"the kernel cost model has no formula for plan kind {plan.kind!r}; "
+                     "valid: dense, split_kv, stream_k")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured (site, plan) pair: ``us`` is the measured median time per call."""
+
+    site: AttentionSite
+    plan: Plan
+    us: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"site": self.site.to_dict(), "plan": self.plan.to_dict(), "us": self.us}
+
+
+# --------------------------------------------------------------------------------------------- fitting
+@dataclass(frozen=True)
+class FitParam:
+    """A fitted constant: where it lives and its bounds (searched in log space)."""
+
+    name: str
+    lo: float
+    hi: float
+    #: ``field`` = a HardwareProfile field; ``fitted`` = a key of ``HardwareProfile.fitted``.
+    where: str = "field"
+
+
+FIT_PARAMS: tuple[FitParam, ...] = (
+    FitParam("kernel_efficiency", 0.15, 1.0),
+    FitParam("dense_efficiency", 0.1, 1.2),
+    FitParam("mem_latency_us", 0.1, 8.0),
+    FitParam("per_tile_us", 1e-4, 1.0),
+    # Bounds relative to the fair share hbm_read_gbps / sm_count (set per profile in ``fit_profile``).
+    FitParam("sm_read_gbps", 0.5, 16.0),
+    FitParam("launch_us", 0.5, 20.0),
+    FitParam("stream_k_fixup_us", 0.05, 30.0, where="fitted"),
+)
+
+
+def _get(hw: HardwareProfile, p: FitParam) -> float:
+    if p.where == "fitted":
+        return float(hw.fitted.get(p.name, kernel_cost.STREAM_K_FIXUP_US))
+    if p.name == "sm_read_gbps":
+        return hw.sm_gbps()
+    return float(getattr(hw, p.name))
+
+
+def _apply(hw: HardwareProfile, params: Sequence[FitParam], values: Sequence[float]) -> HardwareProfile:
+    fields: dict[str, Any] = {}
+    fitted = dict(hw.fitted)
+    for p, v in zip(params, values):
+        v = min(p.hi, max(p.lo, float(v)))
+        if p.where == "fitted":
+            fitted[p.name] = v
+        else:
+            fields[p.name] = v
+    return dataclasses.replace(hw, fitted=fitted, **fields)
+
+
+def log_error(samples: Sequence[Sample], hw: HardwareProfile) -> float:
+    """Mean squared log error of the model's predictions against the measurements."""
+    if not samples:
+        raise ValueError("no samples to score")
+    return sum(math.log(predict_us(s.site, s.plan, hw) / s.us) ** 2 for s in samples) / len(samples)
+
+
+def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: float = 0.3, iters: int = 1500,
+                tol: float = 1e-10) -> tuple[list[float], float]:
+    """Minimise ``f`` from ``x0`` (a small, dependency-free Nelder-Mead). Returns (x, f(x))."""
+    n = len(x0)
+    simplex = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=values.__getitem__)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        if abs(values[-1] - values[0]) < tol:
+            break
+        centroid = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
+        worst = simplex[-1]
+        refl = [c + (c - w) for c, w in zip(centroid, worst)]
+        fr = f(refl)
+        if fr < values[0]:
+            exp = [c + 2 * (c - w) for c, w in zip(centroid, worst)]
+            fe = f(exp)
+            simplex[-1], values[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = refl, fr
+        else:
+            con = [c + 0.5 * (w - c) for c, w in zip(centroid, worst)]
+            fc = f(con)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = con, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, xs)] for xs in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    i = min(range(n + 1), key=values.__getitem__)
+    return simplex[i], values[i]
+
+
+def fit_profile(base: HardwareProfile, samples: Sequence[Sample], params: Sequence[FitParam] = FIT_PARAMS,
+                restarts: int = 3) -> tuple[HardwareProfile, dict[str, float]]:
+    """Fit ``params`` of ``base`` to ``samples``.
+
+    Returns
+    -------
+    (profile, info)
+        The fitted profile (``calibrated`` is left to the caller) and ``{"rmse_log_before", "rmse_log_after",
+        "samples"}``.
+    """
+    if not samples:
+        raise ValueError("fit_profile needs at least one measured sample")
+    fair = base.hbm_read_gbps / base.sm_count
+    params = [dataclasses.replace(p, lo=p.lo * fair, hi=p.hi * fair) if p.name == "sm_read_gbps" else p
+              for p in params]
+
+    def to_x(values):
+        return [math.log(min(p.hi, max(p.lo, v))) for p, v in zip(params, values)]
+
+    def objective(x):
+        vals = [math.exp(v) for v in x]
+        penalty = sum(max(0.0, math.log(p.lo) - xi) ** 2 + max(0.0, xi - math.log(p.hi)) ** 2
+                      for p, xi in zip(params, x))
+        return log_error(samples, _apply(base, params, vals)) + 10.0 * penalty
+
+    before = log_error(samples, base)
+    x = to_x([_get(base, p) for p in params])
+    best_f = objective(x)
+    for r in range(restarts):
+        x, best_f = nelder_mead(objective, x, step=0.5 / (r + 1))
+    fitted = _apply(base, params, [math.exp(v) for v in x])
+    after = log_error(samples, fitted)
+    if after > before:  # never hand back a profile that explains the measurements worse than the start
+        fitted, after = base, before
+    info = {"rmse_log_before": math.sqrt(before), "rmse_log_after": math.sqrt(after), "samples": float(len(samples))}
+    return fitted, info
+
+
+# --------------------------------------------------------------------------------------------- validation math
+def ranks(xs: Sequence[float]) -> list[float]:
+    """Average ranks (1-based), ties sharing their mean rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman rank correlation of ``xs`` and ``ys`` (NaN with fewer than 2 points or a constant series)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman needs equal lengths, got {len(xs)} and {len(ys)}")
+    if len(xs) < 2:
+        return math.nan
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    if vx == 0 or vy == 0:
+        return math.nan
+    return cov / math.sqrt(vx * vy)
+
+
+def score_shape(measured: dict[str, float], predicted: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Score one shape.
+
+    Parameters
+    ----------
+    measured
+        Method (plan description) -> measured µs, for every candidate that ran.
+    predicted
+        Profile label (``calibrated``, ``uncalibrated``) -> method -> predicted µs.
+
+    Returns
+    -------
+    dict
+        ``fastest`` and ``fastest_us``; per profile label: ``chosen``, ``chosen_us``, ``slowdown`` (chosen
+        measured / fastest measured), ``within_5``, ``within_15`` and ``spearman``.
+    """
+    if not measured:
+        raise ValueError("score_shape needs at least one measured method")
+    fastest = min(measured, key=measured.get)
+    out: dict[str, Any] = {"fastest": fastest, "fastest_us": measured[fastest], "methods": len(measured)}
+    for label, pred in predicted.items():
+        common = [m for m in measured if m in pred]
+        if not common:
+            raise ValueError(f"profile {label!r} predicts none of the measured methods")
+        chosen = min(common, key=pred.get)
+        slow = measured[chosen] / measured[fastest]
+        out[label] = {"chosen": chosen, "chosen_us": measured[chosen], "slowdown": slow,
+                      "within_5": slow <= 1.05, "within_15": slow <= 1.15,
+                      "spearman": spearman([pred[m] for m in common], [measured[m] for m in common])}
+    return out
+
+
+def summarize_validation(scores: Sequence[dict[str, Any]], labels: Iterable[str] = ("calibrated", "uncalibrated")) -> dict[str, Any]:
+    """Aggregate ``score_shape`` results: per profile, the fraction of shapes within 5 % and 15 %, the worst
+    slowdown, and the mean and median Spearman correlation; plus the issue's pass/fail verdicts."""
+    out: dict[str, Any] = {"shapes": len(scores)}
+    for label in labels:
+        rows = [s[label] for s in scores if label in s]
+        if not rows:
+            continue
+        rhos = sorted(r["spearman"] for r in rows if not math.isnan(r["spearman"]))
+        out[label] = {
+            "within_5_frac": sum(r["within_5"] for r in rows) / len(rows),
+            "within_15_frac": sum(r["within_15"] for r in rows) / len(rows),
+            "worst_slowdown": max(r["slowdown"] for r in rows),
+            "spearman_mean": sum(rhos) / len(rhos) if rhos else math.nan,
+            "spearman_median": rhos[len(rhos) // 2] if rhos else math.nan,
+        }
+    if "calibrated" in out:
+        c = out["calibrated"]
+        out["pass_calibrated"] = c["within_5_frac"] >= 0.9 and c["worst_slowdown"] <= 1.15
+    if "uncalibrated" in out:
+        out["pass_uncalibrated"] = out["uncalibrated"]["within_15_frac"] >= 0.8
+    return out
+
+
+# --------------------------------------------------------------------------------------------- shapes
+def make_site(B: int, Hq: int, Hkv: int, D: int, N: int, q_len: int = 1, dtype: str = "bfloat16",
+              mask_kind: str = "none", name: str = "calibrate") -> AttentionSite:
+    if Hkv <= 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    return AttentionSite(node=name, module_path=name, pattern="sdpa", batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+                         q_len=q_len, kv_len=N, dtype=dtype, mask_kind=mask_kind,
+                         gqa_source="enable_gqa" if Hq != Hkv else "mha")
+
+
+#: Shapes measured by ``attnopt calibrate``: few heads and long contexts (stream-K's regime), mid-size
+#: batches (split-KV's), large batches (dense's), and short contexts where launches dominate.
+CALIBRATION_SHAPES: tuple[tuple[int, int, int, int, int, int], ...] = (
+    # (B, Hq, Hkv, D, N, q_len)
+    (1, 32, 8, 128, 2048, 1),
+    (1, 32, 8, 128, 16384, 1),
+    (1, 32, 8, 128, 131072, 1),
+    (1, 8, 1, 128, 65536, 1),
+    (4, 32, 8, 128, 16384, 1),
+    (16, 32, 8, 128, 8192, 1),
+    (64, 32, 8, 128, 2048, 1),
+    (1, 9, 3, 64, 32768, 1),
+    (2, 16, 16, 64, 32768, 4),
+)
+
+
+def random_shapes(count: int, seed: int = 0, max_kv_bytes: float = 2e9) -> list[tuple[int, int, int, int, int, int]]:
+    """``count`` random decode shapes (B, Hq, Hkv, D, N, q_len), log-uniform N in [1k, 256k], KV <= max_kv_bytes."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        B = rng.choice((1, 1, 2, 4, 8, 16, 32))
+        Hkv = rng.choice((1, 2, 4, 8, 16))
+        G = rng.choice((1, 2, 4, 8))
+        D = rng.choice((64, 128))
+        L = rng.choice((1, 1, 1, 2, 4))
+        N = int(2 ** rng.uniform(10, 18))
+        if B * Hkv * N * 2 * D * 2 > max_kv_bytes:
+            continue
+        out.append((B, Hkv * G, Hkv, D, N, L))
+    return out
+
+
+def kernel_grid_shapes() -> list[tuple[str, tuple[int, int, int, int, int, int], int | None]]:
+    """The kernel bench grid (``attnopt.bench.kernels.CASES``) as (name, shape, valid length)."""
+    from attnopt.bench.kernels import CASES
+
+    return [(name, (B, Hq, Hkv, D, N, 1), valid) for name, (B, Hq, Hkv, D, N, valid) in CASES.items()]
+
+
+# --------------------------------------------------------------------------------------------- measurement (GPU)
+def require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("attnopt calibrate needs a CUDA GPU and none is visible here "
+                         "(torch.cuda.is_available() is False); on a CPU the planner uses the 'cpu' profile")
+
+
+def candidate_plans(site: AttentionSite, hw: HardwareProfile) -> list[Plan]:
+    """Every candidate of every single-device strategy at ``site`` (the planner's own list), dense included."""
+    from attnopt.config import OptimizeConfig
+    from attnopt.passes.plan import plan_site
+    from attnopt.runtime.strategies import PlanContext
+
+    report = plan_site(site, hw, PlanContext(world_size=1, device_type="cuda", triton_available=True), OptimizeConfig())
+    plans = list(report.candidates)
+    if not any(p.kind == "dense" for p in plans):
+        plans.append(DensePlan(reason="SDPA over the un-expanded cache"))
+    return plans
+
+
+Timer = Callable[[Callable[[], Any]], float]
+
+
+def default_timer(fn: Callable[[], Any]) -> float:
+    """Median µs per call by CUDA-graph replay on the current GPU (``attnopt.bench.common.time_us``)."""
+    from attnopt.bench.common import time_us
+
+    return time_us(fn, "graph", target_ms=3.0, replays=7)
+
+
+def measure_site(site: AttentionSite, plans: Sequence[Plan], valid: int | None = None, l2_bytes: int | None = None,
+                 device: str = "cuda", timer: Timer | None = None) -> dict[str, float]:
+    """Median µs per call of each plan at ``site`` (plan description -> µs); a plan that fails to run is left
+    out with a printed reason.
+
+    Inputs are random Q (B, Hq, L, D), K/V (B, Hkv, N, D) of the site's dtype on ``device``, rotated over
+    several sets so repeated calls miss in L2; ``valid`` is the valid length of a static cache, passed to every
+    plan as a (B,) int32 device tensor. ``timer`` (default: CUDA-graph replay) maps a callable to µs per call.
+    """
+    import torch
+
+    from attnopt.bench.common import Rotation
+    from attnopt.runtime.strategies import get_strategy
+
+    B, Hq, Hkv, D, L, N = site.batch or 1, site.q_heads, site.kv_heads, site.head_dim, site.q_len or 1, site.kv_len
+    dtype = getattr(torch, site.dtype)
+
+    def make(i):
+        g = torch.Generator(device=device).manual_seed(4321 + i)
+        s = {"q": torch.randn(B, Hq, L, D, device=device, dtype=dtype, generator=g),
+             "k": torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g),
+             "v": torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g), "valid": None}
+        if valid is not None:
+            s["valid"] = torch.full((B,), valid, device=device, dtype=torch.int32)
+        return s
+
+    set_bytes = B * Hkv * N * D * 2 * torch.finfo(dtype).bits // 8
+    rot = Rotation(make, set_bytes, l2_bytes)
+    timer = timer or default_timer
+    scale = 1.0 / math.sqrt(D)
+    out: dict[str, float] = {}
+    for plan in plans:
+        strat = get_strategy(plan.kind)
+        try:
+            states = [strat.prepare(plan, s["q"], s["k"], s["v"]) for s in rot.sets]
+            idx = [0]
+
+            def call():
+                i = idx[0]
+                idx[0] = (i + 1) % len(rot.sets)
+                s = rot.sets[i]
+                return strat.run(states[i], plan, s["q"], s["k"], s["v"], None, s["valid"], scale, False)
+
+            out[plan.describe()] = float(timer(call))
+        except Exception as exc:  # noqa: BLE001 - one failing plan must not end the calibration
+            print(f"  {plan.describe()}: not measured ({type(exc).__name__}: {exc})")
+    del rot
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def measure_launch_us(mode: str = "graph") -> float:
+    """Time of one tiny kernel (a one-element add): the launch floor of the timing mode."""
+    import torch
+
+    from attnopt.bench.common import time_us
+
+    x = torch.zeros(1, device="cuda")
+    return time_us(lambda: x.add_(1.0), mode)
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), disable=not enabled)
+
+
+def probe_cuda() -> tuple[float, float, float]:
+    """(copy GB/s, read GB/s, launch µs) of the current GPU."""
+    from attnopt.bench.common import copy_bandwidth_TBps, read_bandwidth_TBps
+
+    return copy_bandwidth_TBps(1 << 30) * 1e3, read_bandwidth_TBps(1 << 30) * 1e3, measure_launch_us()
+
+
+def calibrate(base: HardwareProfile | None = None, shapes: Sequence[tuple[int, int, int, int, int, int]] = CALIBRATION_SHAPES,
+              dtype: str = "bfloat16", progress: bool = True, device: str = "cuda", timer: Timer | None = None,
+              probe: Callable[[], tuple[float, float, float]] | None = None) -> tuple[HardwareProfile, dict[str, Any]]:
+    """Measure the local GPU and fit the cost model. Returns (calibrated profile, info with the samples).
+
+    ``device``, ``timer`` and ``probe`` (copy GB/s, read GB/s, launch µs) default to the CUDA measurements;
+    tests pass CPU stand-ins to exercise the whole flow.
+    """
+    from attnopt.hardware import detect_profile
+
+    if device == "cuda":
+        require_cuda()
+        import torch
+
+        device_name = torch.cuda.get_device_name(0)
+    else:
+        device_name = device
+    base = base or detect_profile()
+    samples: list[Sample] = []
+    t0 = time.time()
+    with _progress(progress) as prog:
+        task = prog.add_task("calibrating", total=len(shapes) + 1)
+        prog.update(task, description="copy and read bandwidth, launch latency")
+        copy, read, launch = (probe or probe_cuda)()
+        prog.advance(task)
+        base = dataclasses.replace(base, hbm_read_gbps=read, copy_gbps=copy, launch_us=launch,
+                                   device_name=device_name)
+        for B, Hq, Hkv, D, N, L in shapes:
+            site = make_site(B, Hq, Hkv, D, N, L, dtype)
+            prog.update(task, description=f"kernels {site.shape_str()}")
+            plans = {p.describe(): p for p in candidate_plans(site, base)}
+            for desc_, us in measure_site(site, list(plans.values()), l2_bytes=base.l2_bytes, device=device,
+                                          timer=timer).items():
+                samples.append(Sample(site, plans[desc_], us))
+            prog.advance(task)
+    fitted, info = fit_profile(base, samples)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fitted = dataclasses.replace(fitted, calibrated=True, source=f"attnopt calibrate {stamp} on {device_name}",
+                                 fitted={**fitted.fitted, **{k: float(v) for k, v in info.items()}})
+    info = {**info, "seconds": time.time() - t0, "samples_list": [s.to_dict() for s in samples]}
+    return fitted, info
+
+
+def validate(calibrated: HardwareProfile, uncalibrated: HardwareProfile, random_count: int = 20, seed: int = 0,
+             dtype: str = "bfloat16", budget_s: float = 110.0, progress: bool = True, device: str = "cuda",
+             timer: Timer | None = None, shapes: Sequence[tuple[str, tuple[int, int, int, int, int, int], int | None]] | None = None
+             ) -> dict[str, Any]:
+    """Measure every candidate over the kernel bench grid plus ``random_count`` random shapes (or ``shapes``:
+    (name, (B, Hq, Hkv, D, N, q_len), valid length or None)), score the plans both profiles choose, and return
+    the rows and the summary (the results JSON body, without the header)."""
+    if device == "cuda":
+        require_cuda()
+    if shapes is None:
+        shapes = [(name, shape, valid) for name, shape, valid in kernel_grid_shapes()]
+        shapes += [(f"random-{i}", s, None) for i, s in enumerate(random_shapes(random_count, seed))]
+    rows: list[dict[str, Any]] = []
+    scores: list[dict[str, Any]] = []
+    t0 = time.time()
+    skipped = []
+    with _progress(progress) as prog:
+        task = prog.add_task("validating", total=len(shapes))
+        for name, (B, Hq, Hkv, D, N, L), valid in shapes:
+            if time.time() - t0 > budget_s:
+                skipped.append(name)
+                prog.advance(task)
+                continue
+            site = make_site(B, Hq, Hkv, D, N, L, dtype, mask_kind="valid_length" if valid is not None else "none",
+                             name=name)
+            prog.update(task, description=f"{name}")
+            plans = {p.describe(): p for p in candidate_plans(site, uncalibrated)}
+            for p in candidate_plans(site, calibrated):
+                plans.setdefault(p.describe(), p)
+            measured = measure_site(site, list(plans.values()), valid=valid, l2_bytes=calibrated.l2_bytes,
+                                    device=device, timer=timer)
+            if not measured:
+                skipped.append(name)
+                prog.advance(task)
+                continue
+            pred = {label: {d: predict_us(site, plans[d], hw) for d in measured}
+                    for label, hw in (("calibrated", calibrated), ("uncalibrated", uncalibrated))}
+            score = score_shape(measured, pred)
+            scores.append(score)
+            # The roofline counts the keys actually read: the valid length of a static cache.
+            roof = kernel_cost.roofline_us(dataclasses.replace(site, kv_len=valid) if valid else site, calibrated)
+            for d, us in measured.items():
+                rows.append({"case": name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "N": N, "q_len": L, "valid": valid,
+                             "dtype": dtype, "method": f"attnopt:{plans[d].kind}", "plan": d, "us": us,
+                             "frac_of_roofline": roof / us if us > 0 else None,
+                             "pred_us_calibrated": pred["calibrated"][d], "pred_us_uncalibrated": pred["uncalibrated"][d],
+                             "chosen_calibrated": d == score["calibrated"]["chosen"],
+                             "chosen_uncalibrated": d == score["uncalibrated"]["chosen"],
+                             "fastest": d == score["fastest"]})
+            prog.advance(task)
+    per_shape = [{"case": r_case, **{k: v for k, v in sc.items()}} for r_case, sc in
+                 zip([n for n, *_ in shapes if n not in skipped], scores)]
+    return {"rows": rows, "shapes": per_shape, "summary": summarize_validation(scores), "skipped": skipped,
+            "seconds": time.time() - t0}

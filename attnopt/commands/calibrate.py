@@ -1,0 +1,99 @@
+"""``attnopt calibrate``: measure the local GPU, fit the cost model, cache the profile; ``--validate`` scores
+the planner's choices against measurements and writes a results JSON (suite ``cost_model``)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure this GPU, fit the cost model and cache the profile",
+                       description=__doc__)
+    p.add_argument("--profile", default=None,
+                   help="datasheet profile to start the fit from (default: the one matching this GPU)")
+    p.add_argument("--no-save", action="store_true", help="fit and print, but do not write the profile cache")
+    p.add_argument("--show", action="store_true",
+                   help="print the profile the planner uses on this machine (calibrated cache first) and exit")
+    p.add_argument("--validate", action="store_true",
+                   help="after calibrating, measure every candidate over the kernel bench grid plus random shapes "
+                        "and report how good the chosen plans are (writes --out)")
+    p.add_argument("--use-cached", action="store_true",
+                   help="with --validate: reuse the cached calibrated profile instead of calibrating again")
+    p.add_argument("--out", default=None,
+                   help="validation results JSON (default: benchmarks/results/cost_model-<device>.json)")
+    p.add_argument("--random", type=int, default=20, help="random shapes added to the kernel grid (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random shapes")
+    p.add_argument("--budget", type=float, default=110.0, help="seconds of validation measurement before it stops")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from attnopt import calibrate as cal
+    from attnopt.hardware import builtin_profile, cached_profile_path, detect_profile, load_cached_profile, \
+        resolve_profile, save_profile
+
+    console = Console()
+    if args.show:
+        hw = resolve_profile(None)
+        console.print(f"profile used on this machine: {hw.describe()} ({hw.source})")
+        print(hw.to_json())
+        return 0
+    cal.require_cuda()
+    import torch
+
+    device = torch.cuda.get_device_name(0)
+    base = builtin_profile(args.profile) if args.profile else detect_profile()
+    if args.validate and args.use_cached and load_cached_profile(device) is not None:
+        fitted = load_cached_profile(device)
+        console.print(f"using the cached calibrated profile {cached_profile_path(device)}")
+    else:
+        fitted, info = cal.calibrate(base, progress=not args.quiet)
+        console.print(f"fitted {int(info['samples'])} measurements in {info['seconds']:.0f} s: "
+                      f"RMS log error {info['rmse_log_before']:.3f} -> {info['rmse_log_after']:.3f}")
+        if not args.no_save:
+            path = save_profile(fitted, device)
+            console.print(f"saved the calibrated profile to {path}")
+        print(fitted.to_json())
+    if not args.validate:
+        return 0
+    from attnopt.bench.common import results_header, write_results
+
+    uncal = detect_profile()
+    body = cal.validate(fitted, uncal, random_count=args.random, seed=args.seed, budget_s=args.budget,
+                        progress=not args.quiet)
+    results = results_header("cost_model", copy_bw_TBps=fitted.copy_gbps / 1e3, read_bw_TBps=fitted.hbm_read_gbps / 1e3,
+                             profile_calibrated=fitted.to_dict(), profile_uncalibrated=uncal.to_dict())
+    results.update(_finite(body))
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
+    path = write_results(args.out or f"benchmarks/results/cost_model-{slug}.json", results)
+    s = body["summary"]
+    for label in ("calibrated", "uncalibrated"):
+        if label in s:
+            r = s[label]
+            console.print(f"{label:>12}: within 5 % on {100 * r['within_5_frac']:.0f} % of {s['shapes']} shapes, "
+                          f"within 15 % on {100 * r['within_15_frac']:.0f} %, worst {r['worst_slowdown']:.2f}x, "
+                          f"Spearman mean {r['spearman_mean']:.2f}")
+    s = _finite(s)
+    if body["skipped"]:
+        console.print(f"[yellow]not measured (budget or failures): {', '.join(body['skipped'])}[/yellow]")
+    console.print(f"wrote {path}")
+    json.dump(s, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+def _finite(obj):
+    """``obj`` with NaN/inf floats replaced by None, so the results file is strict JSON."""
+    import math
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

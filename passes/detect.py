@@ -1,0 +1,165 @@
+"""``detect`` pass: find every attention site, read its shapes from ``node.meta``, decide whether it is
+decode-time attention, and classify its mask. Non-mutating: it appends one ``AttentionMatch`` per site (in
+graph order) to ``ctx.matches``, including sites left alone, whose ``site.unsupported`` says why.
+
+Decode-time rule (issue 2, item 3): ``q_len`` is static and ``<= config.max_decode_q_len``, and ``kv_len`` is
+symbolic, or static with ``kv_len > q_len`` and ``kv_len >= config.min_kv_len``. Everything else is prefill.
+
+Mask kinds (issue 2, item 4; the runtime applies any mask exactly per tile, so the kind is for reporting and
+for wiring ``valid_len``):
+
+* ``none`` / ``causal``: no mask tensor (``causal`` = ``is_causal=True``, PyTorch's top-left alignment);
+* ``valid_length``: a one-head mask built like Hugging Face's static-cache mask: comparisons of key positions
+  from ``arange`` against query positions (``cache_position``), boolean ops, slices, expands, and a
+  ``where(mask, 0, finfo.min)`` for additive forms;
+* ``arbitrary``: any other boolean mask or additive 0 / -inf / very-negative mask (graph inputs included).
+
+Sliding windows are not inferred as a window parameter: a window mask contains a subtraction of positions
+(``kv_idx > q_idx - window``), is classified ``arbitrary`` and stays exact through the mask path. Inferring the
+window would only let a kernel skip the tiles before it, and ``AttentionSite`` has no field for it yet.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from attnopt.site import AttentionSite
+
+from .context import PassContext
+from .patterns import (AttentionMatch, classify_mask, find_matches, logical_shape, meta_dtype, meta_shape, meta_val,
+                       module_path)
+
+
+def _static(x: Any) -> tuple[int | None, int | None]:
+    """(static value or None, hint) of a size that may be a SymInt."""
+    if isinstance(x, int):
+        return x, x
+    if isinstance(x, torch.SymInt):
+        node = x.node
+        try:
+            if node.is_constant():
+                v = int(node.maybe_as_int()) if hasattr(node, "maybe_as_int") and node.maybe_as_int() is not None else None
+                if v is not None:
+                    return v, v
+        except Exception:  # noqa: BLE001 - best effort on the symbolic-shape internals
+            pass
+        hint = getattr(node, "hint", None)
+        if hint is None:
+            try:
+                hint = node.shape_env.size_hint(node.expr)
+            except Exception:  # noqa: BLE001
+                hint = None
+        return None, int(hint) if hint is not None else None
+    return None, None
+
+
+def _dtype_name(dt: torch.dtype | None) -> str:
+    return str(dt).removeprefix("torch.") if dt is not None else "unknown"
+
+
+def _mask_kind(m: AttentionMatch, q_len: Any) -> str:
+    if m.attn_mask is None:
+        return "causal" if m.is_causal else "none"
+    if not isinstance(m.attn_mask, fx.Node):
+        return "arbitrary"
+    return classify_mask(m.attn_mask, q_len)
+
+
+def build_site(m: AttentionMatch, config) -> AttentionSite:
+    """Turn a pattern match into an ``AttentionSite``: shapes, decode rule, mask kind, unsupported reason."""
+    reason = m.reason
+    name = m.anchor.name if m.pattern.startswith("sdpa") else m.output.name
+    qs, ks, vs = logical_shape(m, "q"), logical_shape(m, "k"), logical_shape(m, "v")
+    fields: dict[str, Any] = dict(node=name, module_path=module_path(m.anchor if m.anchor is not None else m.output),
+                                  pattern=m.pattern, batch=None, q_heads=0, kv_heads=0, head_dim=0, q_len=None,
+                                  kv_len=None, dtype=_dtype_name(meta_dtype(m.q)), scale=m.scale,
+                                  is_causal=m.is_causal, gqa_source=m.gqa_source)
+    if qs is None or ks is None or vs is None:
+        fields["unsupported"] = reason or "q/k/v shapes are unknown (no fake value in node.meta)"
+        return AttentionSite(**fields)
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        fields["unsupported"] = reason or f"expects 4-D (B, H, L, D) q/k/v; got ranks {len(qs)}/{len(ks)}/{len(vs)}"
+        return AttentionSite(**fields)
+    b, _ = _static(qs[0])
+    hq, _ = _static(qs[1])
+    hkv, _ = _static(ks[1])
+    d, _ = _static(qs[3])
+    dv, _ = _static(vs[3])
+    L, _ = _static(qs[2])
+    n, n_hint = _static(ks[2])
+    fields.update(batch=b, q_heads=hq or 0, kv_heads=hkv or 0, head_dim=d or 0, v_head_dim=dv, q_len=L, kv_len=n,
+                  kv_len_hint=n_hint)
+    try:
+        fields["mask_kind"] = _mask_kind(m, L)
+    except Exception as e:  # noqa: BLE001 - classification is for reporting; never fail detection on it
+        fields["mask_kind"] = "arbitrary"
+        reason = reason or f"mask analysis failed: {e}"
+    if reason is None:
+        dts = {meta_dtype(m.q), meta_dtype(m.k), meta_dtype(m.v)}
+        if any(getattr(meta_val(x), "requires_grad", False) for x in (m.q, m.k, m.v)):
+            reason = "training: gradients flow through this attention (the decode op has no backward)"
+        elif None in (hq, hkv, d, dv):
+            reason = "symbolic head count or head dim"
+        elif len(dts) != 1:
+            reason = "q, k and v have different dtypes: " + ", ".join(sorted(_dtype_name(t) for t in dts))
+        elif next(iter(dts)) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            reason = f"dtype {_dtype_name(next(iter(dts)))} is not a floating-point attention dtype"
+        elif hq % hkv:
+            reason = f"query heads ({hq}) are not a multiple of KV heads ({hkv})"
+        elif not same_static(ks[:3], vs[:3]):
+            reason = "k and v differ in batch, heads or length"
+        elif m.scale is None:
+            reason = "the softmax scale is not a compile-time constant"
+        elif L is None:
+            reason = "prefill: symbolic q_len"
+        elif L > config.max_decode_q_len:
+            reason = f"prefill: q_len={L} > max_decode_q_len={config.max_decode_q_len}"
+        elif n is not None and n <= L:
+            reason = f"prefill: q_len={L} >= kv_len={n}"
+        elif n is not None and n < config.min_kv_len:
+            reason = f"kv_len={n} < min_kv_len={config.min_kv_len}"
+        elif m.attn_mask is not None and isinstance(m.attn_mask, fx.Node):
+            reason = _check_mask(m, qs, ks)
+    fields["unsupported"] = reason
+    return AttentionSite(**fields)
+
+
+def same_static(a, b) -> bool:
+    """Sizes agree where both are static ints (two symbolic sizes are taken as equal: the original call
+    raises at run time when they are not, and so does the rewritten one)."""
+    if len(a) != len(b):
+        return False
+    return all(not (isinstance(x, int) and isinstance(y, int)) or x == y for x, y in zip(a, b))
+
+
+def _check_mask(m: AttentionMatch, qs, ks) -> str | None:
+    """The mask must broadcast to (B, Hq, L, N) and be boolean or floating."""
+    s, dt = meta_shape(m.attn_mask), meta_dtype(m.attn_mask)
+    if s is None:
+        return "the mask's shape is unknown"
+    if dt is not None and dt != torch.bool and not dt.is_floating_point:
+        return f"mask dtype {_dtype_name(dt)} is neither bool nor floating"
+    if m.mask_invert and dt != torch.bool:
+        return "masked_fill with a non-boolean mask"
+    if len(s) > 4:
+        return f"mask of rank {len(s)} > 4"
+    full = (qs[0], qs[1], qs[2], ks[2])[4 - len(s):]
+    for have, want in zip(s, full):
+        if isinstance(have, int) and have == 1:
+            continue
+        if not same_static((have,), (want,)):
+            return f"mask of shape {tuple(s)} does not broadcast to (B, Hq, L, N) = {tuple(full)}"
+    return None
+
+
+def detect(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Append one ``AttentionMatch`` per attention site of ``gm`` to ``ctx.matches`` (graph order)."""
+    for m in find_matches(gm):
+        m.site = build_site(m, ctx.config)
+        ctx.matches.append(m)
+    return gm
+
+
+__all__ = ["detect", "build_site"]

@@ -1,0 +1,1053 @@
+"""Sequence-parallel decode attention over a process group: the sharded KV cache, tree decode, ring decode.
+
+The KV cache of one sequence batch is sharded along the sequence: every rank keeps a contiguous tensor of
+*its* keys and values plus their global positions. A decode step computes, on every rank, the softmax state
+(o, lse) of the (replicated) query over the local shard, then combines the states:
+
+* **tree** (Tree Attention, arXiv:2408.04093), one of three collectives:
+
+  - ``all_gather``: one all-gather of the packed [o | lse] state, then a local merge;
+  - ``all_reduce``: an all-reduce(MAX) of the lse, then one all-reduce(SUM) of the packed [num | den]
+    (num = o * exp(lse - max), den = exp(lse - max));
+  - ``all_reduce3``: the paper's baseline, all-reduce(MAX), all-reduce(SUM) of num, all-reduce(SUM) of den;
+
+  and a hierarchical form (the same collective inside each node, then across nodes) for multi-node groups.
+* **ring**: ``pass_kv`` rotates the K/V shards around the ring in P-1 overlapped P2P steps and merges the
+  state of each visiting shard (Ring Attention's decode baseline); ``pass_q`` rotates the query together
+  with its partial state (at decode the query is replicated, so only the state [o | lse] travels): each
+  rank merges its own local state into what it receives, P-1 hops.
+
+Every variant returns the exact state (o, lse) over the whole sequence, so the merge is associative and the
+result equals single-device attention up to fp32 rounding.
+
+Process groups and timeouts
+---------------------------
+The lowered op ``torch.ops.attnopt.decode_attention(..., plan, site)`` carries no process group, so groups
+are resolved through a module-level registry: call :func:`register_group` on every rank once, after
+``init_process_group`` (``attnopt.optimize(model, process_group=pg)`` does it for you). The op uses
+:func:`current_group`.
+
+Every collective has a timeout. On gloo (and any non-NCCL backend) each collective is issued with
+``async_op=True`` and waited with ``work.wait(timeout)``, so a dead or stalled peer raises
+:class:`CollectiveError` after ``timeout`` instead of hanging. On NCCL the collectives are stream-ordered
+(no host sync, CUDA-graph capturable) and the timeout is enforced by the process group's watchdog: pass
+``timeout=`` to ``init_process_group``, or to :func:`register_group`, which then makes a private NCCL group
+with that timeout.
+
+Hugging Face models
+-------------------
+::
+
+    group = register_group(pg)                       # every rank, after init_process_group
+    cache = make_sharded_cache(model, group)         # a new one per generate call
+    # either the compiler route: decode sites lowered to TreePlan / RingPlan by the planner
+    out = attnopt.optimize(model, process_group=pg).generate(ids, past_key_values=cache)
+    # or the eager route: transformers' attention interface
+    register_hf_attention(); model.set_attn_implementation("attnopt_sharded")
+    out = model.generate(ids, past_key_values=cache)
+
+The cache returns the whole prompt at prefill and only the local shard afterwards, so a decode-time
+attention that was *not* rewritten would attend to the local shard alone: check ``attnopt.last_plans``.
+
+Shapes
+------
+Q is (B, Hq, L, D) with L <= 16, K/V are the local shard (B, Hkv, n, D) / (B, Hkv, n, Dv), Hq = G * Hkv
+(query head h reads KV head h // G). Masks and valid lengths are in *local* coordinates (columns = local
+keys); :class:`ShardedKVCache` converts global ones (``local_mask``, ``local_valid_len``).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .reference import attention_states, merge_states
+
+#: Tree collective variants (``TreePlan.collective``).
+TREE_COLLECTIVES = ("all_gather", "all_reduce", "all_reduce3")
+#: Ring variants (``RingPlan.variant``).
+RING_VARIANTS = ("pass_kv", "pass_q")
+#: Local attention back-ends (``TreePlan.local``): ``auto`` picks flash on CUDA when it applies, else a
+#: registered single-GPU strategy's ``run_states``, else the reference.
+LOCAL_KINDS = ("auto", "reference", "flash", "dense", "split_kv", "stream_k")
+#: Default collective timeout, seconds (``ATTNOPT_DIST_TIMEOUT_S`` overrides).
+DEFAULT_TIMEOUT_S = float(os.environ.get("ATTNOPT_DIST_TIMEOUT_S", "120"))
+
+
+class DistributedDecodeError(RuntimeError):
+    """A distributed decode step cannot run: group not registered, world or shape mismatch across ranks."""
+
+
+class CollectiveError(DistributedDecodeError):
+    """A collective failed or did not finish within the timeout (a peer died or stalled)."""
+
+
+# ============================================================================================ group registry
+@dataclass
+class DistGroup:
+    """A process group registered for attnopt's distributed decode.
+
+    Attributes
+    ----------
+    pg : the process group every collective of a decode step runs over.
+    name : registry key.
+    rank, world : this process's rank in ``pg`` and the group size.
+    backend : ``"nccl"``, ``"gloo"``, ...
+    timeout : the limit of every collective.
+    ranks_per_node : ranks per node for the hierarchical tree (``world`` = one node).
+    intra, inter : this rank's node group and its cross-node group (``None`` on one node).
+    global_ranks : the global rank of each group rank (for P2P).
+    cache : the :class:`ShardedKVCache` whose global masks the op slices (optional).
+    """
+
+    pg: Any
+    name: str
+    rank: int
+    world: int
+    backend: str
+    timeout: timedelta
+    ranks_per_node: int
+    intra: Any = None
+    inter: Any = None
+    global_ranks: tuple[int, ...] = ()
+    cache: "ShardedKVCache | None" = None
+    #: The plan ``hf_sharded_attention`` runs at decode steps (default: ``TreePlan(world)`` with all_gather).
+    hf_plan: Any = None
+    #: The process group passed to ``register_group`` (``pg`` may be a private copy with the timeout).
+    source: Any = None
+    _buffers: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    @property
+    def blocking(self) -> bool:
+        """NCCL: stream-ordered collectives (watchdog timeout). Others: async + ``work.wait(timeout)``."""
+        return self.backend == "nccl"
+
+    def describe(self) -> str:
+        return (f"group {self.name!r} ({self.backend}, rank {self.rank} of {self.world}, "
+                f"{self.nodes} node(s) x {self.ranks_per_node}, timeout {self.timeout.total_seconds():g}s)")
+
+    # ------------------------------------------------------------------------------------ collectives
+    def wait(self, work, what: str) -> None:
+        """Wait for ``work`` at most ``timeout``; raise :class:`CollectiveError` on failure or timeout."""
+        if work is None:
+            return
+        if self.blocking:  # NCCL: stream-ordered wait (no host sync); the watchdog enforces the timeout
+            work.wait()
+            return
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except Exception as exc:  # gloo raises RuntimeError (timeout, connection closed by a dead peer)
+            raise CollectiveError(
+                f"attnopt distributed decode: {what} failed or timed out after {self.timeout.total_seconds():g}s "
+                f"on {self.describe()}: a peer rank died or stalled ({type(exc).__name__}: {exc})") from exc
+        if ok is False:
+            raise CollectiveError(f"attnopt distributed decode: {what} timed out after "
+                                  f"{self.timeout.total_seconds():g}s on {self.describe()}")
+
+    def issue(self, fn, what: str):
+        """Start a collective; a failure while issuing it (a peer already gone) is a :class:`CollectiveError`."""
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            raise CollectiveError(
+                f"attnopt distributed decode: {what} could not start on {self.describe()}: a peer rank died or "
+                f"stalled ({type(exc).__name__}: {exc})") from exc
+
+    def all_reduce(self, t: Tensor, op, pg=None, what: str = "all_reduce") -> Tensor:
+        """In-place all-reduce of ``t`` over ``pg`` (default: the whole group) with the timeout."""
+        pg = self.pg if pg is None else pg
+        if self.blocking:
+            dist.all_reduce(t, op=op, group=pg)
+        else:
+            self.wait(self.issue(lambda: dist.all_reduce(t, op=op, group=pg, async_op=True), what), what)
+        return t
+
+    def all_gather(self, out: Tensor, t: Tensor, pg=None, what: str = "all_gather") -> Tensor:
+        """All-gather ``t`` into ``out`` of shape (P, *t.shape) over ``pg`` with the timeout."""
+        pg = self.pg if pg is None else pg
+        flat = out.view((-1,) + tuple(t.shape[1:])) if t.dim() else out.view(-1)  # gloo wants dim-0 concatenation
+        if self.blocking:
+            dist.all_gather_into_tensor(flat, t, group=pg)
+        else:
+            self.wait(self.issue(lambda: dist.all_gather_into_tensor(flat, t, group=pg, async_op=True), what), what)
+        return out
+
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], to: int, frm: int) -> list:
+        """Start one ring step: send ``send`` to group rank ``to``, receive ``recv`` from ``frm``. Returns works."""
+        ops = [dist.P2POp(dist.isend, t, self.global_ranks[to], self.pg) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.global_ranks[frm], self.pg) for t in recv]
+        if self.blocking:
+            return dist.batch_isend_irecv(ops)
+        return self.issue(lambda: dist.batch_isend_irecv(ops), "ring step (batch_isend_irecv)")
+
+    def finish(self, works: list, what: str) -> None:
+        for w in works:
+            self.wait(w, what)
+
+    def buffer(self, key: tuple, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A persistent workspace (allocated once per key and shape)."""
+        full = (key, tuple(shape), dtype, device)
+        buf = self._buffers.get(full)
+        if buf is None:
+            buf = self._buffers[full] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+
+_GROUPS: dict[str, DistGroup] = {}
+
+
+def _as_td(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+_CURRENT: list[str] = []
+_lock = threading.Lock()
+
+
+def register_group(pg=None, *, name: str | None = None, timeout: float | timedelta | None = None,
+                   ranks_per_node: int | None = None, make_current: bool = True) -> DistGroup:
+    """Register ``pg`` (default: the world group) for attnopt's distributed decode. Call it on every rank.
+
+    Parameters
+    ----------
+    pg : ``torch.distributed.ProcessGroup`` or None for ``dist.group.WORLD``.
+    name : registry key (default: the group's ``group_name``).
+    timeout : seconds (or a ``timedelta``) every collective may take; default ``ATTNOPT_DIST_TIMEOUT_S``
+        (120 s). On NCCL a private group with this timeout is created when it is given.
+    ranks_per_node : ranks per node for the hierarchical tree; default ``LOCAL_WORLD_SIZE`` (torchrun), else
+        the whole group is one node. Must divide the group size. Creates the node and cross-node groups,
+        which is collective: every rank must call ``register_group`` with the same arguments.
+    make_current : make it the group ``current_group()`` returns.
+
+    Returns
+    -------
+    The :class:`DistGroup`.
+    """
+    for g in _GROUPS.values():  # idempotent: a recompile registers the same group again without collectives
+        if g.source is (dist.group.WORLD if pg is None else pg) and g.source is not None and \
+                (ranks_per_node is None or ranks_per_node == g.ranks_per_node) and \
+                (timeout is None or _as_td(timeout) == g.timeout):
+            if make_current and (not _CURRENT or _CURRENT[-1] != g.name):
+                with _lock:
+                    _CURRENT.append(g.name)
+            return g
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedDecodeError("attnopt.register_group: torch.distributed is not initialised; call "
+                                     "torch.distributed.init_process_group first")
+    pg = dist.group.WORLD if pg is None else pg
+    source = pg
+    td = _as_td(timeout)
+    backend = str(dist.get_backend(pg)).lower()
+    world = dist.get_world_size(pg)
+    global_ranks = tuple(dist.get_global_rank(pg, i) for i in range(world)) if pg is not dist.group.WORLD \
+        else tuple(range(world))
+    if backend == "nccl" and timeout is not None:
+        pg = dist.new_group(list(global_ranks), timeout=td, backend="nccl")
+    rank = dist.get_rank(pg)
+    if ranks_per_node is None:
+        lws = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        ranks_per_node = lws if lws > 0 and world % lws == 0 else world
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise DistributedDecodeError(f"attnopt.register_group: ranks_per_node={ranks_per_node} does not divide the "
+                                     f"group size {world}")
+    intra = inter = None
+    nodes = world // ranks_per_node
+    if nodes > 1 and ranks_per_node > 1:
+        # new_group is collective over the default group: every rank creates every subgroup, in the same order.
+        for n in range(nodes):
+            ranks = [global_ranks[n * ranks_per_node + i] for i in range(ranks_per_node)]
+            g = dist.new_group(ranks, timeout=td)
+            if rank // ranks_per_node == n:
+                intra = g
+        for i in range(ranks_per_node):
+            ranks = [global_ranks[n * ranks_per_node + i] for n in range(nodes)]
+            g = dist.new_group(ranks, timeout=td)
+            if rank % ranks_per_node == i:
+                inter = g
+    name = name or getattr(pg, "group_name", None) or f"group{len(_GROUPS)}"
+    group = DistGroup(pg=pg, name=name, rank=rank, world=world, backend=backend, timeout=td,
+                      ranks_per_node=ranks_per_node, intra=intra, inter=inter, global_ranks=global_ranks,
+                      source=source)
+    with _lock:
+        _GROUPS[name] = group
+        if make_current:
+            _CURRENT.append(name)
+    return group
+
+
+def unregister_group(name: str) -> None:
+    """Forget a registered group (it stays usable by torch.distributed)."""
+    with _lock:
+        _GROUPS.pop(name, None)
+        while name in _CURRENT:
+            _CURRENT.remove(name)
+
+
+def get_group(name: str) -> DistGroup:
+    try:
+        return _GROUPS[name]
+    except KeyError:
+        raise DistributedDecodeError(f"no attnopt process group named {name!r}; registered: "
+                                     f"{', '.join(sorted(_GROUPS)) or 'none'}") from None
+
+
+def current_group() -> DistGroup:
+    """The most recently registered (or ``use_group``-selected) group; raise if none."""
+    if not _CURRENT:
+        raise DistributedDecodeError(
+            "attnopt distributed decode needs a process group: call "
+            "attnopt.runtime.distributed.register_group(pg) on every rank (attnopt.optimize(model, "
+            "process_group=pg) does it)")
+    return get_group(_CURRENT[-1])
+
+
+@contextlib.contextmanager
+def use_group(group: DistGroup | str) -> Iterator[DistGroup]:
+    """Make ``group`` current inside a ``with`` block."""
+    g = get_group(group) if isinstance(group, str) else group
+    with _lock:
+        _GROUPS.setdefault(g.name, g)
+        _CURRENT.append(g.name)
+    try:
+        yield g
+    finally:
+        with _lock:
+            _CURRENT.reverse()
+            _CURRENT.remove(g.name)
+            _CURRENT.reverse()
+
+
+def check_world(group: DistGroup, world: int, what: str) -> None:
+    """Raise a clear error when a plan's world size is not the group's."""
+    if world != group.world:
+        raise DistributedDecodeError(
+            f"{what} was planned for world={world} ranks but runs on {group.describe()}; re-plan with "
+            f"world_size={group.world} (attnopt.optimize(model, process_group=pg) plans for pg.size())")
+
+
+def check_same_across_ranks(group: DistGroup, values: Sequence[int], names: Sequence[str], what: str) -> None:
+    """All-gather ``values`` (ints) and raise :class:`DistributedDecodeError` naming each rank's values on a mismatch.
+
+    Cheap (one all-gather of a few int64); called from ``prepare``, never per step.
+    """
+    t = torch.tensor(list(values), dtype=torch.int64)
+    if group.backend == "nccl":
+        t = t.cuda()
+    out = torch.empty((group.world, t.numel()), dtype=t.dtype, device=t.device)
+    group.all_gather(out, t, what=f"{what}: shape check")
+    rows = out.cpu().tolist()
+    if any(r != rows[0] for r in rows):
+        per_rank = "; ".join(f"rank {i}: " + ", ".join(f"{n}={v}" for n, v in zip(names, r)) for i, r in enumerate(rows))
+        raise DistributedDecodeError(f"{what}: ranks disagree on the decode shapes ({per_rank}); every rank must run "
+                                     f"the same query shape, heads and dtype")
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
+
+
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def check_decode_shapes(group: DistGroup, q: Tensor, k: Tensor, v: Tensor, what: str, plan_key: str = "") -> None:
+    """Check that every rank runs the same (B, Hq, L, D, Hkv, Dv, dtype, plan). K/V lengths may differ."""
+    B, Hq, L, D = q.shape
+    vals = [B, Hq, L, D, k.shape[1], v.shape[-1], DTYPE_CODES.get(q.dtype, 0), _digest(plan_key)]
+    check_same_across_ranks(group, vals, ["B", "Hq", "L", "D", "Hkv", "Dv", "dtype", "plan"], what)
+
+
+# ============================================================================================ local attention
+_LOCAL_STATES: dict[tuple, Any] = {}
+
+
+def _flash_states(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
+    """Flash attention's (o, lse) on CUDA, GQA folded into the query rows: (B, Hkv, G*L, D) against K/V."""
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qg = q.reshape(B, Hkv, G * L, D)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v, 0.0, False, False, scale=scale)
+    o, lse = out[0], out[1]
+    return o.reshape(B, Hq, L, v.shape[-1]).float(), lse.reshape(B, Hq, L).float()
+
+
+def _local_plan(kind: str, strategy, q: Tensor, k: Tensor, v: Tensor):
+    """The single-device strategy's best plan for the local shard (its own candidates and cost model), chosen
+    once per shape family with the shard length of the first call; the kind's default plan if that fails."""
+    from attnopt.plan import plan_kind
+
+    try:
+        from attnopt.hardware import detect_profile, resolve_profile
+        from attnopt.site import AttentionSite
+
+        from .strategies import PlanContext
+
+        B, Hq, L, D = q.shape
+        dt = str(q.dtype).replace("torch.", "")
+        site = AttentionSite(node="local", module_path="", pattern="distributed", batch=B, q_heads=Hq,
+                             kv_heads=k.shape[1], head_dim=D, q_len=L, kv_len=max(1, k.shape[2]), dtype=dt,
+                             v_head_dim=v.shape[-1], gqa_source="enable_gqa" if Hq != k.shape[1] else "mha")
+        try:
+            hw = resolve_profile(None)
+        except Exception:  # e.g. the calibrated-profile cache needs platformdirs
+            hw = detect_profile()
+        ctx = PlanContext(world_size=1, device_type=q.device.type, triton_available=q.is_cuda)
+        if strategy.check(site, hw, ctx) is None:
+            cands = list(strategy.candidates(site, hw, ctx))
+            if cands:
+                return min(cands, key=lambda p: strategy.estimate_us(p, site, hw, ctx))
+    except Exception:
+        pass
+    return plan_kind(kind)()
+
+
+def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
+                 valid_len: Tensor | None = None, scale: float | None = None, is_causal: bool = False,
+                 local: str = "auto") -> tuple[Tensor, Tensor]:
+    """Softmax state of ``q`` over the local shard.
+
+    Parameters
+    ----------
+    q : (B, Hq, L, D); k : (B, Hkv, n, D); v : (B, Hkv, n, Dv) (n may be 0).
+    attn_mask : bool or additive, broadcastable to (B, Hq, L, n), local columns.
+    valid_len : (B,) int, local: keys at local index >= valid_len[b] are ignored.
+    local : one of ``LOCAL_KINDS``.
+
+    Returns
+    -------
+    o : (B, Hq, L, Dv) float32; lse : (B, Hq, L) float32 (-inf where no key is visible).
+    """
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    plain = attn_mask is None and valid_len is None and not is_causal
+    if k.shape[2] == 0:
+        return attention_states(q, k, v, scale=scale)
+    if local in ("auto", "flash") and plain and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) \
+            and v.shape[-1] == D and D <= 256:
+        return _flash_states(q, k, v, scale)
+    if local not in ("auto", "reference", "flash"):
+        from .strategies import STRATEGIES
+
+        strategy = STRATEGIES.get(local)
+        if strategy is not None and (q.is_cuda or local == "dense"):
+            key = (local, q.device, q.dtype, q.shape, k.shape[1], v.shape[-1])
+            if key not in _LOCAL_STATES:
+                plan = _local_plan(local, strategy, q, k, v)
+                _LOCAL_STATES[key] = (plan, strategy.prepare(plan, q, k, v))
+            plan, state = _LOCAL_STATES[key]
+            return strategy.run_states(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal)
+    return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal)
+
+
+# ============================================================================================ tree decode
+def _pack(o: Tensor, lse: Tensor, out: Tensor) -> Tensor:
+    """[o | lse] into ``out`` (..., Dv + 1) fp32."""
+    out[..., :-1].copy_(o)
+    out[..., -1].copy_(lse)
+    return out
+
+
+def merge_packed(parts: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge P packed states (P, ..., Dv + 1) into (o (..., Dv), lse (...)); empty parts (lse=-inf) are ignored.
+
+    On CUDA this is one launch of the Triton merge kernel (``runtime/kernels/merge.py``, strided reads of the
+    packed buffer); elsewhere the reference merge.
+    """
+    if parts.is_cuda and _triton_merge_available():
+        return merge_packed_triton(parts)
+    return merge_states(parts[..., :-1], parts[..., -1])
+
+
+def merge_packed_triton(parts: Tensor) -> tuple[Tensor, Tensor]:
+    """``merge_packed`` through the Triton kernel (on CPU tensors it needs ``TRITON_INTERPRET=1``)."""
+    from .kernels.merge import merge_states as triton_merge_states
+
+    return triton_merge_states(parts[..., :-1], parts[..., -1])
+
+
+_TRITON_MERGE: list[bool] = []
+
+
+def _triton_merge_available() -> bool:
+    if not _TRITON_MERGE:
+        from .kernels import triton_usable
+
+        _TRITON_MERGE.append(triton_usable("cuda"))
+    return _TRITON_MERGE[0]
+
+
+def _tree_all_gather(g: DistGroup, o: Tensor, lse: Tensor, pg, size: int, tag: str) -> tuple[Tensor, Tensor]:
+    packed = _pack(o, lse, g.buffer(("pack", tag), o.shape[:-1] + (o.shape[-1] + 1,), torch.float32, o.device))
+    parts = g.buffer(("gather", tag), (size,) + tuple(packed.shape), torch.float32, o.device)
+    g.all_gather(parts, packed, pg=pg, what=f"tree all_gather[{tag}]")
+    return merge_packed(parts)
+
+
+def _num_den(o: Tensor, lse: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Scale a state to the global max: (safe max, num = o * w, den = w) with w = exp(lse - max)."""
+    safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - safe)
+    return safe, o * w.unsqueeze(-1), w
+
+
+def _finish(num: Tensor, den: Tensor, safe_max: Tensor) -> tuple[Tensor, Tensor]:
+    empty = den == 0
+    o = num / torch.where(empty, torch.ones_like(den), den).unsqueeze(-1)
+    lse = torch.where(empty, torch.full_like(den, float("-inf")), safe_max + torch.log(den))
+    return o, lse
+
+
+def _tree_all_reduce(g: DistGroup, o: Tensor, lse: Tensor, pg, tag: str) -> tuple[Tensor, Tensor]:
+    m = g.buffer(("max", tag), lse.shape, torch.float32, lse.device)
+    m.copy_(lse)
+    g.all_reduce(m, dist.ReduceOp.MAX, pg=pg, what=f"tree all_reduce(max)[{tag}]")
+    safe, num, den = _num_den(o, lse, m)
+    packed = _pack(num, den, g.buffer(("numden", tag), o.shape[:-1] + (o.shape[-1] + 1,), torch.float32, o.device))
+    g.all_reduce(packed, dist.ReduceOp.SUM, pg=pg, what=f"tree all_reduce(sum [num|den])[{tag}]")
+    return _finish(packed[..., :-1], packed[..., -1], safe)
+
+
+def _tree_all_reduce3(g: DistGroup, o: Tensor, lse: Tensor, pg, tag: str) -> tuple[Tensor, Tensor]:
+    m = lse.clone()
+    g.all_reduce(m, dist.ReduceOp.MAX, pg=pg, what=f"tree all_reduce(max)[{tag}]")
+    safe, num, den = _num_den(o, lse, m)
+    num = num.contiguous()
+    den = den.contiguous()
+    g.all_reduce(num, dist.ReduceOp.SUM, pg=pg, what=f"tree all_reduce(sum num)[{tag}]")
+    g.all_reduce(den, dist.ReduceOp.SUM, pg=pg, what=f"tree all_reduce(sum den)[{tag}]")
+    return _finish(num, den, safe)
+
+
+def combine_tree(o: Tensor, lse: Tensor, group: DistGroup, collective: str = "all_gather",
+                 hierarchical: bool = False) -> tuple[Tensor, Tensor]:
+    """Combine every rank's local state into the global one with a tree collective.
+
+    Parameters
+    ----------
+    o : (B, Hq, L, Dv) float32 local output; lse : (B, Hq, L) float32 local LSE (-inf for an empty shard).
+    collective : one of ``TREE_COLLECTIVES``.
+    hierarchical : reduce inside each node first, then across nodes (needs a multi-node group).
+
+    Returns
+    -------
+    (o, lse) of the whole sequence, identical on every rank.
+    """
+    if collective not in TREE_COLLECTIVES:
+        raise ValueError(f"unknown tree collective {collective!r}; valid: {', '.join(TREE_COLLECTIVES)}")
+    o = o.float().contiguous()
+    lse = lse.float().contiguous()
+    if hierarchical and group.nodes <= 1:
+        raise DistributedDecodeError(f"hierarchical tree decode needs more than one node; {group.describe()}")
+    if group.world == 1:
+        return o, lse
+    if hierarchical and group.ranks_per_node > 1:
+        stages = [(group.intra, group.ranks_per_node, "intra"), (group.inter, group.nodes, "inter")]
+    else:
+        stages = [(group.pg, group.world, "world")]
+    for pg, size, tag in stages:
+        if collective == "all_gather":
+            o, lse = _tree_all_gather(group, o, lse, pg, size, tag)
+        elif collective == "all_reduce":
+            o, lse = _tree_all_reduce(group, o, lse, pg, tag)
+        else:
+            o, lse = _tree_all_reduce3(group, o, lse, pg, tag)
+    return o, lse
+
+
+def tree_decode(q: Tensor, k: Tensor, v: Tensor, group: DistGroup | None = None, *, collective: str = "all_gather",
+                hierarchical: bool = False, attn_mask: Tensor | None = None, valid_len: Tensor | None = None,
+                scale: float | None = None, is_causal: bool = False, local: str = "auto",
+                return_lse: bool = False):
+    """Tree decode: local attention over this rank's shard, one tree collective, local merge.
+
+    Parameters
+    ----------
+    q : (B, Hq, L, D), the same on every rank. k : (B, Hkv, n, D), v : (B, Hkv, n, Dv): the local shard
+        (n may differ across ranks, 0 included).
+    attn_mask, valid_len : local coordinates (see module docstring).
+    is_causal : top-left causal over *local* key indices; for global positions pass a mask from
+        :meth:`ShardedKVCache.local_mask` instead.
+
+    Returns
+    -------
+    (B, Hq, L, Dv) in ``q.dtype`` (and the fp32 LSE (B, Hq, L) when ``return_lse``).
+    """
+    g = group or current_group()
+    o, lse = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                          local=local)
+    o, lse = combine_tree(o, lse, g, collective, hierarchical)
+    out = o.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+# ============================================================================================ ring decode
+def _as_bias(attn_mask: Tensor | None, B: int, Hq: int, L: int, n: int, device) -> Tensor | None:
+    """A local mask as an additive fp32 bias (B, Hm, L, n) (Hm = 1 or Hq), for travelling with its K/V."""
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    hm = 1 if m.shape[1] == 1 else Hq
+    m = m.expand(B, hm, L, n)
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=torch.float32, device=device).masked_fill(~m, float("-inf"))
+    return m.to(torch.float32)
+
+
+def _lengths(g: DistGroup, n: int, device) -> list[int]:
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    out = torch.empty((g.world, 1), dtype=torch.int64, device=device)
+    g.all_gather(out, t, what="ring: shard lengths")
+    return [int(x) for x in out.flatten().tolist()]
+
+
+def ring_pass_kv(q: Tensor, k: Tensor, v: Tensor, g: DistGroup, *, attn_mask: Tensor | None = None,
+                 valid_len: Tensor | None = None, scale: float | None = None, is_causal: bool = False,
+                 local: str = "auto", shard_lens: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Ring pass-KV: P-1 steps; each step sends the visiting K/V block on while attending to it.
+
+    The blocks are padded to the longest shard; each carries its per-row valid count (B,) and, with a mask,
+    its bias columns. ``shard_lens`` (every rank's n) saves the all-gather of the lengths when known.
+    Returns the global (o, lse), fp32.
+    """
+    P, r = g.world, g.rank
+    B, Hq, L, D = q.shape
+    Hkv, n, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    lens = list(shard_lens) if shard_lens is not None else _lengths(g, n, q.device if g.blocking else "cpu")
+    if lens[r] != n:
+        raise DistributedDecodeError(f"ring pass_kv: shard_lens[{r}]={lens[r]} but the local shard has {n} keys")
+    cap = max(lens)
+    dev = q.device
+    if is_causal:
+        rows = torch.arange(L, device=dev)[:, None]
+        causal = torch.arange(n, device=dev)[None, :] <= rows
+        attn_mask = causal if attn_mask is None else (attn_mask & causal if attn_mask.dtype == torch.bool
+                                                      else attn_mask.masked_fill(~causal, float("-inf")))
+    bias = _as_bias(attn_mask, B, Hq, L, n, dev)
+    # A block: K (B, Hkv, cap, D), V (B, Hkv, cap, Dv), valid counts (B,), with a mask its bias columns.
+    kv_dtype = k.dtype
+
+    def alloc(tag):
+        bufs = [g.buffer(("ring_k", tag), (B, Hkv, cap, D), kv_dtype, dev),
+                g.buffer(("ring_v", tag), (B, Hkv, cap, Dv), kv_dtype, dev),
+                g.buffer(("ring_n", tag), (B,), torch.int64, dev)]
+        if bias is not None:
+            bufs.append(g.buffer(("ring_b", tag), (B, bias.shape[1], L, cap), torch.float32, dev))
+        return bufs
+
+    vl = torch.full((B,), n, dtype=torch.int64, device=dev)
+    if valid_len is not None:
+        vl = torch.minimum(vl, valid_len.to(dev, torch.int64))
+    if n == cap and k.is_contiguous() and v.is_contiguous():
+        own = [k, v, vl] + ([bias.contiguous()] if bias is not None else [])  # send the shard itself, no copy
+    else:
+        own = alloc("own")
+        own[0][:, :, :n].copy_(k)
+        own[1][:, :, :n].copy_(v)
+        own[0][:, :, n:].zero_()
+        own[1][:, :, n:].zero_()
+        own[2].copy_(vl)
+        if bias is not None:
+            own[3][..., :n].copy_(bias)
+            own[3][..., n:].fill_(float("-inf"))
+    o_acc = lse_acc = None
+    cur = own
+    for step in range(P):
+        # Receive buffers alternate (two suffice: a buffer is refilled only after its block was attended to).
+        nxt = alloc(step % 2) if step < P - 1 else None
+        works = g.exchange(cur, nxt, (r + 1) % P, (r - 1) % P) if nxt is not None else []
+        src = (r - step) % P
+        m = lens[src]
+        o_s, lse_s = local_states(q, cur[0][:, :, :m], cur[1][:, :, :m],
+                                  attn_mask=cur[3][..., :m] if bias is not None else None,
+                                  valid_len=cur[2] if valid_len is not None else None,
+                                  scale=scale, local=local)
+        if o_acc is None:
+            o_acc, lse_acc = o_s, lse_s
+        else:
+            o_acc, lse_acc = merge_states(torch.stack((o_acc, o_s)), torch.stack((lse_acc, lse_s)))
+        g.finish(works, f"ring pass_kv step {step + 1}/{P - 1}")
+        cur = nxt
+    return o_acc, lse_acc
+
+
+def ring_pass_q(q: Tensor, k: Tensor, v: Tensor, g: DistGroup, *, attn_mask: Tensor | None = None,
+                valid_len: Tensor | None = None, scale: float | None = None, is_causal: bool = False,
+                local: str = "auto") -> tuple[Tensor, Tensor]:
+    """Ring pass-Q at decode: the K/V stay; the query's partial state [o | lse] travels the ring.
+
+    Every rank attends to its own shard once. At decode the query is replicated on every rank, so a rank
+    receiving a partial state merges its own local state into it and passes it on: after P-1 hops every rank
+    holds the state over all shards (a ring reduction of states; the query itself need not travel).
+    Returns (o, lse), fp32.
+    """
+    P, r = g.world, g.rank
+    B, Hq, L, D = q.shape
+    Dv = v.shape[-1]
+    o, lse = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                          local=local)
+    width = Dv + 1
+    bufs = [g.buffer(("passq", i), (B, Hq, L, width), torch.float32, q.device) for i in range(2)]
+    cur, nxt = bufs
+    _pack(o, lse, cur)
+    for step in range(P - 1):
+        works = g.exchange([cur], [nxt], (r + 1) % P, (r - 1) % P)
+        g.finish(works, f"ring pass_q step {step + 1}/{P - 1}")
+        o_m, lse_m = merge_states(torch.stack((nxt[..., :Dv], o)), torch.stack((nxt[..., Dv], lse)))
+        cur, nxt = nxt, cur
+        _pack(o_m, lse_m, cur)
+    return cur[..., :Dv].clone(), cur[..., Dv].clone()
+
+
+def ring_decode(q: Tensor, k: Tensor, v: Tensor, group: DistGroup | None = None, *, variant: str = "pass_kv",
+                attn_mask: Tensor | None = None, valid_len: Tensor | None = None, scale: float | None = None,
+                is_causal: bool = False, local: str = "auto", shard_lens: Sequence[int] | None = None,
+                return_lse: bool = False):
+    """Ring decode (``variant`` in ``RING_VARIANTS``). Shapes as :func:`tree_decode`; returns (B, Hq, L, Dv)."""
+    g = group or current_group()
+    if variant == "pass_kv":
+        o, lse = (ring_pass_kv(q, k, v, g, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                               is_causal=is_causal, local=local, shard_lens=shard_lens) if g.world > 1 else
+                  local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                               local=local))
+    elif variant == "pass_q":
+        o, lse = (ring_pass_q(q, k, v, g, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                              is_causal=is_causal, local=local) if g.world > 1 else
+                  local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                               local=local))
+    else:
+        raise ValueError(f"unknown ring variant {variant!r}; valid: {', '.join(RING_VARIANTS)}")
+    out = o.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+# ============================================================================================ sharded cache
+def balanced_bounds(n: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous balanced shards of ``n`` tokens: rank r gets [r*n//P, (r+1)*n//P)."""
+    return [(r * n // world, (r + 1) * n // world) for r in range(world)]
+
+
+class ShardedKVCache:
+    """A sequence-sharded KV cache over a group: every rank keeps only its keys/values, per layer.
+
+    Token placement is deterministic, so every rank knows every token's owner without communication:
+
+    * the first update (prefill into an empty cache) is split into contiguous balanced shards
+      (:func:`balanced_bounds`);
+    * each later token goes to the least-filled rank (ties: the lowest rank), which keeps shards within one
+      token of each other.
+
+    All layers share the placement (``owner``); ``positions`` are the global positions of the local keys, so
+    masks built for the global sequence are sliced with :meth:`local_mask` and RoPE (applied before the
+    update) stays global.
+
+    Parameters
+    ----------
+    group : the :class:`DistGroup` (default: ``current_group()``). It is attached as ``group.cache``.
+    """
+
+    def __init__(self, group: DistGroup | None = None):
+        self.group = group or current_group()
+        self.group.cache = self
+        self.owner: list[int] = []  # owner rank of every global position
+        self.counts = [0] * self.group.world  # tokens per rank
+        self.keys: list[Tensor | None] = []
+        self.values: list[Tensor | None] = []
+        self.layer_len: list[int] = []  # global length seen by each layer
+        #: Per layer: whether the last update returned the whole new block instead of the local shard
+        #: (a prefill into an empty layer); the same on every rank, so attention decides uniformly.
+        self.returned_full: list[bool] = []
+        self._positions: Tensor | None = None
+
+    # ------------------------------------------------------------------------------------ placement
+    def _assign(self, upto: int) -> None:
+        start = len(self.owner)
+        if upto <= start:
+            return
+        P, me = self.group.world, self.group.rank
+        mine: list[int] = []
+        if start == 0:
+            for r, (a, b) in enumerate(balanced_bounds(upto, P)):
+                self.owner.extend([r] * (b - a))
+                self.counts[r] += b - a
+            a, b = balanced_bounds(upto, P)[me]
+            new = torch.arange(a, b, dtype=torch.int64)
+        else:
+            for pos in range(start, upto):
+                r = min(range(P), key=lambda i: (self.counts[i], i))
+                self.owner.append(r)
+                self.counts[r] += 1
+                if r == me:
+                    mine.append(pos)
+            new = torch.tensor(mine, dtype=torch.int64)
+        # Positions grow incrementally (no O(N) Python rebuild per decode step).
+        if new.numel():
+            self._positions = new if self._positions is None else torch.cat([self._positions, new])
+
+    @property
+    def seq_len(self) -> int:
+        """Global number of tokens placed so far."""
+        return len(self.owner)
+
+    @property
+    def positions(self) -> Tensor:
+        """(n_local,) int64 on the CPU: the global positions of this rank's keys, ascending."""
+        if self._positions is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self._positions
+
+    def shard_lens(self) -> list[int]:
+        return list(self.counts)
+
+    def local_index(self, start: int, count: int) -> list[int]:
+        """Indices into a block of ``count`` new tokens at global [start, start+count) that this rank owns."""
+        r = self.group.rank
+        return [i for i in range(count) if self.owner[start + i] == r]
+
+    # ------------------------------------------------------------------------------------ storage
+    def update(self, layer: int, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """Append new tokens (B, Hkv, t, D) of ``layer`` at the next global positions; keep the local ones.
+
+        Returns the local shard (B, Hkv, n_local, D), (B, Hkv, n_local, Dv).
+        """
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+            self.layer_len.append(0)
+            self.returned_full.append(False)
+        start, t = self.layer_len[layer], key_states.shape[-2]
+        self._assign(start + t)
+        idx = self.local_index(start, t)
+        if len(idx) == t:
+            k_new, v_new = key_states, value_states
+        elif idx and idx == list(range(idx[0], idx[-1] + 1)):
+            k_new, v_new = key_states[:, :, idx[0]:idx[-1] + 1], value_states[:, :, idx[0]:idx[-1] + 1]
+        else:
+            sel = torch.tensor(idx, dtype=torch.long, device=key_states.device)
+            k_new, v_new = key_states.index_select(2, sel), value_states.index_select(2, sel)
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k_new.contiguous(), v_new.contiguous()
+        elif k_new.shape[2]:
+            self.keys[layer] = torch.cat([self.keys[layer], k_new], dim=-2)
+            self.values[layer] = torch.cat([self.values[layer], v_new], dim=-2)
+        self.layer_len[layer] = start + t
+        return self.keys[layer], self.values[layer]
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.layer_len[layer] if layer < len(self.layer_len) else 0
+
+    # ------------------------------------------------------------------------------------ masks
+    def local_mask(self, attn_mask: Tensor | None) -> Tensor | None:
+        """Slice a mask over the global keys (..., N_global) to the local keys (..., n_local)."""
+        if attn_mask is None:
+            return None
+        pos = self.positions
+        if attn_mask.shape[-1] < self.seq_len:
+            raise DistributedDecodeError(f"mask has {attn_mask.shape[-1]} key columns but the sharded cache holds "
+                                         f"{self.seq_len} tokens")
+        return attn_mask.index_select(-1, pos.to(attn_mask.device))
+
+    def local_valid_len(self, valid_len: Tensor | None) -> Tensor | None:
+        """Global valid lengths (B,) to local ones: the number of local keys at positions < valid_len[b]."""
+        if valid_len is None:
+            return None
+        pos = self.positions.to(valid_len.device)
+        return (pos[None, :] < valid_len.view(-1, 1)).sum(dim=1).to(valid_len.dtype)
+
+    def causal_mask(self, q_len: int, device=None) -> Tensor:
+        """Bottom-right causal mask (1, 1, L, n_local) bool for the last ``q_len`` global positions."""
+        pos = self.positions.to(device or "cpu")
+        q_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=pos.device)
+        return (pos[None, :] <= q_pos[:, None])[None, None]
+
+
+def adapt_mask(group: DistGroup, attn_mask: Tensor | None, k: Tensor) -> Tensor | None:
+    """The mask the op received, in local columns: unchanged when it already matches ``k``, else sliced with
+    the group's sharded cache; a clear error when neither applies."""
+    if attn_mask is None or attn_mask.shape[-1] == k.shape[2]:
+        return attn_mask
+    if group.cache is not None and attn_mask.shape[-1] >= group.cache.seq_len:
+        return group.cache.local_mask(attn_mask)
+    raise DistributedDecodeError(
+        f"mask has {attn_mask.shape[-1]} key columns but the local shard has {k.shape[2]} keys and no "
+        f"ShardedKVCache is attached to {group.describe()} to map global columns to local ones")
+
+
+def localize(group: DistGroup, q: Tensor, k: Tensor, attn_mask: Tensor | None, valid_len: Tensor | None,
+             is_causal: bool) -> tuple[Tensor | None, Tensor | None, bool]:
+    """Turn the op's mask arguments into local ones: (attn_mask, valid_len, is_causal).
+
+    With a :class:`ShardedKVCache` attached to the group, ``valid_len`` and ``is_causal`` are global (they
+    follow the global key positions) and a mask with global columns is sliced. Without one, the arguments
+    are taken as local (``is_causal`` then means top-left over the local keys).
+    """
+    cache = group.cache
+    attn_mask = adapt_mask(group, attn_mask, k)
+    if cache is None or cache.positions.numel() != k.shape[2]:
+        return attn_mask, valid_len, is_causal
+    if valid_len is not None:
+        valid_len = cache.local_valid_len(valid_len)
+    if is_causal:
+        L = q.shape[2]
+        pos = cache.positions.to(q.device)
+        causal = (pos[None, :] <= torch.arange(L, device=q.device)[:, None])[None, None]
+        attn_mask = causal if attn_mask is None else (attn_mask & causal if attn_mask.dtype == torch.bool else
+                                                      attn_mask.masked_fill(~causal, float("-inf")))
+    return attn_mask, valid_len, False
+
+
+# ============================================================================================ HF integration
+DECODE_MAX_Q_LEN = 16
+_HF_CACHE_CLASS = None
+
+
+def hf_sharded_cache_class():
+    """The ``ShardedDynamicCache`` class (a ``transformers.DynamicCache`` subclass), built on first use.
+
+    Each layer keeps only its local shard (placement by a shared :class:`ShardedKVCache`). ``get_seq_length``
+    and mask sizes are *global*, so position ids, RoPE and masks stay right. ``update`` returns:
+
+    * for a prefill into an empty layer: the whole prompt's K/V (plain attention over it is exact, and the
+      prompt's q_len == kv_len makes it a prefill site that attnopt leaves alone) while only the local part is
+      stored;
+    * for later steps of at most ``DECODE_MAX_Q_LEN`` tokens: the local shard, which the rewritten attention
+      (tree or ring) consumes. A longer chunk into a non-empty cache raises (not supported).
+    """
+    global _HF_CACHE_CLASS
+    if _HF_CACHE_CLASS is not None:
+        return _HF_CACHE_CLASS
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class ShardedLayer(DynamicLayer):
+        def __init__(self, shards: ShardedKVCache, index: int):
+            super().__init__()
+            self.shards = shards
+            self.index = index
+
+        # Placement is Python bookkeeping (lists of owners); traced, it would be baked into guards and
+        # recompile every step until dynamo's recompile limit falls back to eager (plain SDPA over the local
+        # shard: wrong). So the update always runs eagerly, as a graph break.
+        @torch._dynamo.disable
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, t = self.shards.get_seq_length(self.index), key_states.shape[-2]
+            if t > DECODE_MAX_Q_LEN and start > 0:
+                raise DistributedDecodeError(
+                    f"ShardedDynamicCache: a {t}-token chunk into a non-empty sharded cache ({start} tokens) is not "
+                    f"supported; prefill once, then decode at most {DECODE_MAX_Q_LEN} tokens per step")
+            self.keys, self.values = self.shards.update(self.index, key_states, value_states)
+            full = start == 0  # the prompt: every rank has all of it, plain attention over it is exact
+            self.shards.returned_full[self.index] = full
+            if full:
+                return key_states, value_states
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.shards.get_seq_length(self.index)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("ShardedDynamicCache cannot be cropped")
+
+    class ShardedDynamicCache(DynamicCache):
+        """A ``DynamicCache`` holding only this rank's sequence shard (see ``hf_sharded_cache_class``)."""
+
+        def __init__(self, num_layers: int, group: DistGroup | None = None):
+            self.shards = ShardedKVCache(group)
+            super().__init__()
+            self.layers = [ShardedLayer(self.shards, i) for i in range(num_layers)]
+            self.layer_class_to_replicate = None
+
+    ShardedDynamicCache.__module__ = __name__
+    _HF_CACHE_CLASS = ShardedDynamicCache
+    return ShardedDynamicCache
+
+
+def make_sharded_cache(model, group: Any = None):
+    """A ``ShardedDynamicCache`` for a Hugging Face causal LM: pass it as ``past_key_values`` to ``generate``.
+
+    ``group``: a :class:`DistGroup`, a ``ProcessGroup`` (registered here if it is not yet), or None for the
+    current registered group. Make a new cache for every ``generate`` call.
+    """
+    if group is not None and not isinstance(group, DistGroup):
+        group = register_group(group)
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return hf_sharded_cache_class()(cfg.num_hidden_layers, group)
+
+
+def hf_sharded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
+                         plan: Any = None, **kwargs):
+    """A ``transformers.AttentionInterface`` function for models using ``ShardedDynamicCache``.
+
+    Decode steps (q_len <= 16) run :func:`tree_decode` (or :func:`ring_decode` for a ``RingPlan``) over the local
+    shard; prefill runs SDPA over the full prompt K/V that the cache returned. Register it with
+    :func:`register_hf_attention` and load/set the model with ``attn_implementation="attnopt_sharded"``.
+
+    Returns
+    -------
+    (attn_output (B, L, Hq, Dv), None), as every HF attention function.
+    """
+    import torch.nn.functional as F
+
+    from attnopt.plan import RingPlan, TreePlan
+
+    g = current_group()
+    L = query.shape[2]
+    layer = getattr(module, "layer_idx", None)
+    full = L > DECODE_MAX_Q_LEN or (g.cache is not None and layer is not None and layer < len(g.cache.returned_full)
+                                    and g.cache.returned_full[layer])
+    if full:  # the prompt, over the whole prompt's K/V (the cache returned them all)
+        causal = attention_mask is None and L == key.shape[2]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             is_causal=causal, enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    plan = plan or g.hf_plan or TreePlan(world=g.world)
+    mask = adapt_mask(g, attention_mask, key)
+    if mask is None and L > 1 and g.cache is not None:
+        mask = g.cache.causal_mask(L, query.device)
+    if isinstance(plan, RingPlan):
+        out = ring_decode(query, key, value, g, variant=plan.variant, attn_mask=mask, scale=scaling,
+                          shard_lens=g.cache.shard_lens() if g.cache is not None else None)
+    else:
+        out = tree_decode(query, key, value, g, collective=plan.collective, hierarchical=plan.hierarchical,
+                          attn_mask=mask, scale=scaling, local=plan.local)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_hf_attention(name: str = "attnopt_sharded") -> str:
+    """Register :func:`hf_sharded_attention` (and SDPA's mask function) with transformers under ``name``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(name, hf_sharded_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
+
+
+__all__ = [
+    "TREE_COLLECTIVES", "RING_VARIANTS", "LOCAL_KINDS", "DistributedDecodeError", "CollectiveError", "DistGroup",
+    "register_group", "unregister_group", "get_group", "current_group", "use_group", "local_states",
+    "combine_tree", "tree_decode", "ring_decode", "ring_pass_kv", "ring_pass_q", "merge_packed",
+    "ShardedKVCache", "balanced_bounds", "adapt_mask", "hf_sharded_cache_class", "make_sharded_cache",
+    "hf_sharded_attention", "register_hf_attention", "check_decode_shapes", "check_world", "localize",
+]

@@ -1,0 +1,168 @@
+"""Pieces shared by the decode kernels: the packed GQA query tile, the KV-tile loop with masks, the stores.
+
+Conventions (the same as ``runtime/reference.py``):
+
+* Q is (B, Hq, L, D); K is (B, Hkv, N, D); V is (B, Hkv, N, Dv); Hq = G * Hkv and query head ``h`` reads KV
+  head ``h // G``.
+* The G * L query rows of one KV head are packed into one tile: packed row ``r = g * L + i`` is query head
+  ``kvh * G + g`` at query position ``i``. Rows are cut into blocks of ``BLOCK_M`` (a power of two >= 16 so
+  that ``tl.dot`` can run on them); padding rows are masked.
+* Scores are kept in base-2 units (``qk * scale * log2(e)``) so the loop uses ``exp2``; the LSE that leaves a
+  kernel is in natural-log units. Empty rows (no visible key) give o = 0 and lse = -inf.
+* All memory offsets are int64.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+#: log2(e): converts natural-log scores to base-2 units.
+LOG2E = 1.4426950408889634
+#: ln(2): converts a base-2 LSE back to natural-log units.
+LN2 = 0.6931471805599453
+#: Largest packed query block (G * q_len rows); more rows are cut into several M blocks.
+MAX_BLOCK_M = 64
+
+
+def block_m_for(rows: int) -> int:
+    """Rows per query tile for ``rows = G * q_len`` packed rows: a power of two in [16, MAX_BLOCK_M]."""
+    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(max(rows, 1))))
+
+
+def block_d_for(head_dim: int) -> int:
+    """Padded head dim (power of two); the padding lanes are masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, L: int, N: int):
+    """(mask tensor or dummy, strides (b, h, l, n), MASK_KIND) for a mask broadcastable to (B, Hq, L, N).
+
+    MASK_KIND: 0 = none, 1 = boolean (True = attend), 2 = additive. Broadcast dims get stride 0; no copy is made.
+    """
+    if attn_mask is None:
+        return None, (0, 0, 0, 0), 0
+    m = attn_mask.expand(B, Hq, L, N) if attn_mask.dim() == 4 else attn_mask.broadcast_to(B, Hq, L, N)
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), tuple(m.stride()), 1
+    return m, tuple(m.stride()), 2
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST, input precision) for ``tl.dot``: the interpreter computes bf16 on raw bits, so upcast there;
+    fp32 inputs use IEEE products so that results match the fp64 reference tightly."""
+    upcast = interpreting()
+    precision = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
+    return upcast, precision
+
+
+def scale_log2(scale: float | None, head_dim: int) -> float:
+    """The softmax scale in base-2 units."""
+    s = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    return s * LOG2E
+
+
+@triton.jit
+def _row_coords(mb, L, G, BLOCK_M: tl.constexpr):
+    """Packed rows of M block ``mb``: (row index within the KV head, g, i, row valid)."""
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = g * L + i
+    g = rows // L  # query head within the group
+    i = rows % L  # query position
+    return rows, g, i, rows < G * L
+
+
+@triton.jit
+def _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D,
+            UPCAST: tl.constexpr):
+    """The packed query tile (BLOCK_M, BLOCK_D) of KV head ``kvh`` in batch row ``b``."""
+    h = kvh * G + g
+    ptrs = (q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64)[:, None] * stride_qh
+            + i.to(tl.int64)[:, None] * stride_ql + offs_d.to(tl.int64)[None, :] * stride_qd)
+    q = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
+            k_ptr, v_ptr, mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_dv,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_mb, stride_mh, stride_ml, stride_mn,
+            sm_scale_log2, G, D, DV,
+            BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
+    masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) base-2 max, l_i (BLOCK_M,) sum)."""
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    h64 = (kvh * G + g).to(tl.int64)
+    i64 = i.to(tl.int64)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_len
+        n64 = offs_n.to(tl.int64)
+        # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
+        k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
+                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_base + n64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0, eviction_policy="evict_first")
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        visible = n_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= i[:, None])  # top-left: query i sees keys j <= i
+        if MASK_KIND == 1:
+            mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
+                         + n64[None, :] * stride_mn, mask=visible, other=0)
+            visible = visible & (mv != 0)
+        if MASK_KIND == 2:
+            mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
+                         + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
+            # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf.
+            bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e30) * 1.4426950408889634)
+            s = s + bias
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty rows so far: no NaN from -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v, input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _finish(acc, m_i, l_i):
+    """Normalise a state: (o (BLOCK_M, BLOCK_DV) fp32, lse (BLOCK_M,) natural log); empty rows -> (0, -inf)."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
+
+
+@triton.jit
+def _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv,
+                stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV,
+                WRITE_LSE: tl.constexpr):
+    """Store a finished tile into a (B, Hq, L, Dv) output (any strides, any float dtype) and (B, Hq, L) lse."""
+    h64 = (kvh * G + g).to(tl.int64)
+    i64 = i.to(tl.int64)
+    b64 = b.to(tl.int64)
+    ptrs = (o_ptr + b64 * stride_ob + h64[:, None] * stride_oh + i64[:, None] * stride_ol
+            + offs_dv.to(tl.int64)[None, :] * stride_od)
+    tl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if WRITE_LSE:
+        tl.store(lse_ptr + b64 * stride_lb + h64 * stride_lh + i64 * stride_ll, lse, mask=row_ok)

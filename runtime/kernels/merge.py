@@ -1,0 +1,100 @@
+"""``merge_states``: merge P softmax states (o, lse) per row, as in FlashInfer's attention-state algebra.
+
+``o = sum_p exp(lse_p - lse) * o_p`` and ``lse = log(sum_p exp(lse_p))``, natural log. An empty partition
+(lse = -inf) has weight 0; a row empty in every partition gives o = 0 and lse = -inf, never NaN. Used by the
+split-KV stage 2, and reusable by the multi-GPU tree merge and SAAP.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _merge_states_kernel(
+    o_parts_ptr,  # (P, R, Dv) fp32 partial outputs (normalised within each partition)
+    lse_parts_ptr,  # (P, R) fp32 partial natural-log LSEs; -inf marks an empty partition
+    o_ptr,  # (R, Dv) merged output, any float dtype
+    lse_ptr,  # (R,) fp32 merged LSE (only written when WRITE_LSE)
+    stride_op, stride_or, stride_od,  # o_parts strides (partition, row, dim)
+    stride_lp, stride_lr,  # lse_parts strides (partition, row)
+    stride_outr, stride_outd,  # output strides (row, dim)
+    stride_lse_out,  # merged LSE stride
+    P,  # number of partitions
+    DV: tl.constexpr,  # head dim of the output (constexpr: keeps loads vectorised)
+    BLOCK_P: tl.constexpr,  # partitions handled per step
+    BLOCK_DV: tl.constexpr,  # padded Dv
+    WRITE_LSE: tl.constexpr,  # whether to store the merged LSE
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < DV
+    m = tl.full([1], float("-inf"), dtype=tl.float32)  # running max of lse (base 2)
+    den = tl.zeros([1], dtype=tl.float32)  # running sum of weights relative to m
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + offs_p
+        p_ok = p < P
+        lse = tl.load(lse_parts_ptr + p.to(tl.int64) * stride_lp + row * stride_lr, mask=p_ok,
+                      other=float("-inf")) * 1.4426950408889634
+        o = tl.load(o_parts_ptr + p.to(tl.int64)[:, None] * stride_op + row * stride_or
+                    + offs_d.to(tl.int64)[None, :] * stride_od, mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use)  # (BLOCK_P,); 0 for empty partitions
+        den = den * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m = m_new
+    empty = den == 0.0
+    out = acc / tl.where(empty, 1.0, den)
+    tl.store(o_ptr + row * stride_outr + offs_d.to(tl.int64) * stride_outd, out.to(o_ptr.dtype.element_ty),
+             mask=d_ok)
+    if WRITE_LSE:
+        lse_out = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, den))) * 0.6931471805599453)
+        tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), lse_out)
+
+
+def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
+                 lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None):
+    """Merge P softmax states along dim 0.
+
+    Parameters
+    ----------
+    o_parts : (P, ..., Dv) fp32 partial outputs; lse_parts : (P, ...) fp32 natural-log LSEs (-inf = empty).
+    out : (..., Dv) output to write (any float dtype; its rows must be viewable as (R, Dv)), or None to allocate
+        one of ``out_dtype`` (default fp32).
+    lse_out : (...) fp32 merged LSE to write, or None to allocate one. Pass ``lse_out=False`` to skip it.
+
+    Returns
+    -------
+    (out, lse_out): merged o (..., Dv) and lse (...) (lse_out is None when skipped).
+    """
+    P = o_parts.shape[0]
+    Dv = o_parts.shape[-1]
+    rest = o_parts.shape[1:-1]
+    o3 = o_parts.reshape(P, -1, Dv)
+    l2 = lse_parts.reshape(P, -1)
+    R = o3.shape[1]
+    if out is None:
+        out = torch.empty(rest + (Dv,), device=o_parts.device, dtype=out_dtype or torch.float32)
+    write_lse = lse_out is not False
+    if lse_out is None:
+        lse_out = torch.empty(rest, device=o_parts.device, dtype=torch.float32)
+    out2 = out.view(-1, Dv)
+    l_out = lse_out.view(-1) if write_lse else out2
+    if R == 0:
+        return out, (lse_out if write_lse else None)
+    block_dv = max(16, triton.next_power_of_2(Dv))
+    # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
+    block_p = max(2, min(triton.next_power_of_2(P), max(2, 8192 // block_dv)))
+    _merge_states_kernel[(R,)](
+        o3, l2, out2, l_out, *o3.stride(), *l2.stride(), *out2.stride(), l_out.stride(0) if write_lse else 0,
+        P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse,
+        num_warps=8 if block_p * block_dv >= 8192 else 4,
+    )
+    return out, (lse_out if write_lse else None)

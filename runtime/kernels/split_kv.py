@@ -1,0 +1,205 @@
+"""Split-KV decode (FlashDecoding): stage 1 computes one partial softmax state per (KV chunk, query tile);
+stage 2 merges them with ``merge_states``.
+
+The grid is fixed by the plan: ``num_splits`` programs per (batch row, KV head, M block). Each split's share
+of keys follows the valid length read on device at run time, so a captured CUDA graph replays correctly as
+the cache grows. With one split, stage 1 writes the normalised output directly and no merge runs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, dot_flags,
+                     mask_args, scale_log2)
+from .merge import merge_states
+
+
+@triton.jit
+def _split_kv_kernel(
+    q_ptr, k_ptr, v_ptr,  # Q (B, Hq, L, D); K (B, Hkv, N, D); V (B, Hkv, N, Dv): any strides
+    mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
+    valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
+    o_ptr,  # output: (S, B, Hq, L, Dv) fp32 partials (S > 1) or the final (B, Hq, L, Dv) output (S == 1)
+    lse_ptr,  # (S, B, Hq, L) fp32 partial LSEs, or the final (B, Hq, L) LSE
+    out_ptr,  # FUSED: the final (B, Hq, L, Dv) output the last split to arrive merges into (else unused)
+    lse_out_ptr,  # FUSED: the final (B, Hq, L) fp32 LSE (written when WRITE_LSE_OUT)
+    counter_ptr,  # FUSED: (B * HKV * NUM_M,) int32 arrival counters, zero before and after every launch
+    stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides
+    stride_kb, stride_kh, stride_kn, stride_kd,  # K strides
+    stride_vb, stride_vh, stride_vn, stride_vd,  # V strides
+    stride_mb, stride_mh, stride_ml, stride_mn,  # mask strides (0 on broadcast dims)
+    stride_os, stride_ob, stride_oh, stride_ol, stride_od,  # output strides (split stride first)
+    stride_ls, stride_lb, stride_lh, stride_ll,  # LSE strides (split stride first)
+    stride_fb, stride_fh, stride_fl, stride_fd,  # FUSED: final output strides
+    stride_gb, stride_gh, stride_gl,  # FUSED: final LSE strides
+    sm_scale_log2,  # softmax scale times log2(e)
+    N,  # keys in the K/V tensors (the static cache length)
+    L,  # query tokens per head (q_len)
+    G,  # query heads per KV head
+    HKV,  # KV heads
+    NUM_M,  # M blocks per KV head: cdiv(G * L, BLOCK_M)
+    D: tl.constexpr,  # head dim of Q/K (constexpr: masks on it keep loads vectorised)
+    DV: tl.constexpr,  # head dim of V
+    NUM_SPLITS,  # programs per (batch, KV head, M block)
+    BLOCK_M: tl.constexpr,  # packed query rows per tile (power of two >= 16)
+    BLOCK_N: tl.constexpr,  # keys per KV tile
+    BLOCK_D: tl.constexpr,  # padded D
+    BLOCK_DV: tl.constexpr,  # padded Dv
+    HAS_VALID: tl.constexpr,  # whether valid_ptr holds per-row valid lengths
+    MASK_KIND: tl.constexpr,  # 0 none, 1 boolean, 2 additive
+    IS_CAUSAL: tl.constexpr,  # top-left causal: query i sees keys j <= i
+    WRITE_LSE: tl.constexpr,  # whether to store the LSE
+    UPCAST: tl.constexpr,  # compute dots in fp32 (interpreter)
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    FUSED: tl.constexpr,  # the last split to finish a tile merges the partials (no second launch)
+    WRITE_LSE_OUT: tl.constexpr,  # FUSED: whether to store the final LSE
+    BLOCK_R: tl.constexpr,  # FUSED: rows merged per tile (next power of two >= min(G * L, BLOCK_M))
+    MERGE_P: tl.constexpr,  # FUSED: partials loaded per merge step
+):
+    split = tl.program_id(0)
+    tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
+    mb = tile % NUM_M
+    bh = tile // NUM_M
+    kvh = bh % HKV
+    b = bh // HKV
+
+    kv_len = N
+    if HAS_VALID:
+        kv_len = tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N)
+        kv_len = tl.maximum(kv_len, 0)
+    if IS_CAUSAL:
+        kv_len = tl.minimum(kv_len, L)  # no query row sees a key at or past L
+    # This split's share, in whole KV tiles, of the keys that exist for row b.
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, kv_len)
+
+    rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, mask_ptr, b, kvh, g, i, row_ok,
+                            offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
+                            stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
+                            sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION)
+    o, lse = _finish(acc, m_i, l_i)
+    _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
+                b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
+                stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+    if FUSED:
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            # last split to arrive: merge all NUM_SPLITS partials of this tile (int32 offsets: the workspace
+            # is small), over the tile's real rows only
+            tl.debug_barrier()
+            r = tl.arange(0, BLOCK_R)
+            rows_c = mb * BLOCK_M + r
+            ok_c = (r < BLOCK_M) & (rows_c < G * L)
+            gc = rows_c // L
+            ic = rows_c % L
+            hc = kvh * G + gc
+            o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
+            l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
+            offs_p = tl.arange(0, MERGE_P)
+            mm = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+            den = tl.zeros([BLOCK_R], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+            for s0 in range(0, NUM_SPLITS, MERGE_P):
+                sp = s0 + offs_p
+                sp_ok = sp < NUM_SPLITS
+                pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=sp_ok[:, None] & ok_c[None, :],
+                             other=float("-inf"), cache_modifier=".cg") * 1.4426950408889634
+                po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None]
+                             + offs_dv[None, None, :] * stride_od,
+                             mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV),
+                             other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(mm, tl.max(pl, axis=0))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(mm - m_use)
+                w = tl.exp2(pl - m_use[None, :])
+                den = den * alpha + tl.sum(w, axis=0)
+                acc2 = acc2 * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
+                mm = m_new
+            empty = den == 0.0
+            o2 = acc2 / tl.where(empty, 1.0, den)[:, None]
+            lse2 = tl.where(empty, float("-inf"), (mm + tl.log2(tl.where(empty, 1.0, den))) * 0.6931471805599453)
+            _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh,
+                        stride_fl, stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Workspace for ``num_splits`` > 1: partial o (S, B, Hq, L, Dv) fp32, partial lse (S, B, Hq, L) fp32, and
+    the arrival counters of the fused merge (B * Hkv * num_m,) int32, zeroed (every launch leaves them zero)."""
+    B, Hq, L, _ = q.shape
+    Hkv = k.shape[1]
+    Dv = v.shape[-1]
+    num_m = triton.cdiv((Hq // Hkv) * L, block_m_for((Hq // Hkv) * L))
+    return (torch.empty((num_splits, B, Hq, L, Dv), device=q.device, dtype=torch.float32),
+            torch.empty((num_splits, B, Hq, L), device=q.device, dtype=torch.float32),
+            torch.zeros((B * Hkv * num_m,), device=q.device, dtype=torch.int32))
+
+
+def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
+                    is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False):
+    """Launch split-KV decode attention into ``out`` (and ``lse``).
+
+    Parameters
+    ----------
+    q : (B, Hq, L, D) fp16/bf16/fp32; k : (B, Hkv, N, D); v : (B, Hkv, N, Dv), same dtype, any strides.
+    out : (B, Hq, L, Dv) any float dtype, written in full.
+    lse : (B, Hq, L) fp32 or None: the natural-log LSE of each row (-inf where no key is visible).
+    workspace : the triple from ``split_kv_workspace``; needed when S > 1 (allocated here when None).
+    attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
+    fused_merge : with S > 1, the last split to finish each tile merges the partials in the same launch
+        (arrival counter per tile) instead of a second ``merge_states`` launch.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    Dv = v.shape[-1]
+    G = Hq // Hkv
+    BLOCK_M = block_m_for(G * L)
+    num_m = triton.cdiv(G * L, BLOCK_M)
+    mask, mstr, mask_kind = mask_args(attn_mask, B, Hq, L, N)
+    upcast, precision = dot_flags(q.dtype)
+    fused = bool(fused_merge) and num_splits > 1
+    counters = q
+    if num_splits > 1:
+        if workspace is None:
+            workspace = split_kv_workspace(num_splits, q, k, v)
+        ws_o, ws_lse, counters = workspace
+        if fused and ws_o.numel() >= 2**31:
+            raise ValueError("fused split-KV merge needs a workspace under 2**31 elements")
+        o_t, l_t = ws_o, ws_lse
+        ostr, lstr = ws_o.stride(), ws_lse.stride()
+        write_lse = True
+    else:
+        o_t, l_t = out, lse
+        ostr = (0,) + tuple(out.stride())
+        lstr = (0,) + (tuple(lse.stride()) if lse is not None else (0, 0, 0))
+        write_lse = lse is not None
+    fstr = tuple(out.stride())
+    gstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
+    block_r = max(1, triton.next_power_of_2(min(G * L, BLOCK_M)))
+    block_dv = block_d_for(Dv)
+    grid = (num_splits, B * Hkv * num_m)
+    _split_kv_kernel[grid](
+        q, k, v, mask if mask is not None else q, valid_len if valid_len is not None else q,
+        o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, *fstr, *gstr,
+        scale_log2(scale, D), N, L, G, Hkv, num_m, D, Dv,
+        num_splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D), BLOCK_DV=block_dv,
+        HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
+        UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=block_r,
+        MERGE_P=max(1, min(32, 8192 // (block_r * block_dv))), num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1 and not fused:
+        merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False)
+    return out, lse

@@ -1,0 +1,261 @@
+"""Stream-K decode (LeanAttention) in one launch.
+
+The iteration space (batch row x KV head x M block x KV tile) is unrolled, batch-major, and cut into equal
+contiguous shares, one per program of a persistent grid. A program walks its share tile segment by tile
+segment. A segment that covers a whole output tile is written out directly. A partial segment goes to the
+program's workspace slot (slot 0: the segment that starts the program's share; slot 1: the one that ends it),
+then the program increments the tile's arrival counter; the program that arrives last merges every partial
+of the tile and resets the counter to zero, so the next launch (or CUDA-graph replay) starts clean. No
+program ever waits on another, so the kernel cannot deadlock under any scheduling (nor in the interpreter,
+which runs programs one after the other).
+
+The number of KV tiles per batch row follows the valid length read on device, so the shares stay balanced
+as the cache grows while the grid stays fixed.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, dot_flags,
+                     mask_args, scale_log2)
+
+
+@triton.jit
+def _stream_k_kernel(
+    q_ptr, k_ptr, v_ptr,  # Q (B, Hq, L, D); K (B, Hkv, N, D); V (B, Hkv, N, Dv): any strides
+    mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
+    valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
+    o_ptr,  # (B, Hq, L, Dv) output, any float dtype
+    lse_ptr,  # (B, Hq, L) fp32 LSE output (written when WRITE_LSE)
+    ws_o_ptr,  # (GRID * 2, BLOCK_M, Dv) fp32 partial outputs, two slots per program
+    ws_lse_ptr,  # (GRID * 2, BLOCK_M) fp32 partial LSEs
+    counter_ptr,  # (B * HKV * NUM_M,) int32 arrival counters, zero before and after every launch
+    stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides
+    stride_kb, stride_kh, stride_kn, stride_kd,  # K strides
+    stride_vb, stride_vh, stride_vn, stride_vd,  # V strides
+    stride_mb, stride_mh, stride_ml, stride_mn,  # mask strides (0 on broadcast dims)
+    stride_ob, stride_oh, stride_ol, stride_od,  # output strides
+    stride_lb, stride_lh, stride_ll,  # LSE output strides
+    stride_ws, stride_wm, stride_wd,  # workspace o strides (slot, row, dim)
+    stride_wls, stride_wlm,  # workspace lse strides (slot, row)
+    sm_scale_log2,  # softmax scale times log2(e)
+    B,  # batch rows
+    N,  # keys in the K/V tensors (the static cache length)
+    L,  # query tokens per head (q_len)
+    G,  # query heads per KV head
+    HKV,  # KV heads
+    NUM_M,  # M blocks per KV head: cdiv(G * L, BLOCK_M)
+    D: tl.constexpr,  # head dim of Q/K (constexpr: masks on it keep loads vectorised)
+    DV: tl.constexpr,  # head dim of V
+    GRID,  # number of programs launched
+    BLOCK_B: tl.constexpr,  # next power of two >= B (per-row lengths are held in one vector)
+    BLOCK_M: tl.constexpr,  # packed query rows per tile (power of two >= 16)
+    BLOCK_N: tl.constexpr,  # keys per KV tile (one stream-K iteration)
+    BLOCK_D: tl.constexpr,  # padded D
+    BLOCK_DV: tl.constexpr,  # padded Dv
+    HAS_VALID: tl.constexpr,  # whether valid_ptr holds per-row valid lengths
+    MASK_KIND: tl.constexpr,  # 0 none, 1 boolean, 2 additive
+    IS_CAUSAL: tl.constexpr,  # top-left causal: query i sees keys j <= i
+    WRITE_LSE: tl.constexpr,  # whether to store the LSE
+    UPCAST: tl.constexpr,  # compute dots in fp32 (interpreter)
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    MERGE_P: tl.constexpr,  # partials the merging program loads per step
+):
+    pid = tl.program_id(0)
+    # ---- the iteration space, from the valid lengths on device
+    offs_b = tl.arange(0, BLOCK_B)
+    b_ok = offs_b < B
+    if HAS_VALID:
+        lens = tl.load(valid_ptr + offs_b, mask=b_ok, other=0).to(tl.int32)
+        lens = tl.minimum(tl.maximum(lens, 0), N)
+    else:
+        lens = tl.zeros([BLOCK_B], dtype=tl.int32) + N
+    if IS_CAUSAL:
+        lens = tl.minimum(lens, L)  # no query row sees a key at or past L
+    nblk = tl.maximum(tl.cdiv(lens, BLOCK_N), 1)  # an empty row still owns one (fully masked) iteration
+    tiles_per_b = HKV * NUM_M
+    cnt = tl.where(b_ok, nblk * tiles_per_b, 0)
+    incl = tl.cumsum(cnt, axis=0)
+    excl = incl - cnt
+    total = tl.sum(cnt, axis=0)
+    share = tl.cdiv(total, GRID)
+    range_start = pid * share
+    it = range_start
+    it_end = tl.minimum(range_start + share, total)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_m = tl.arange(0, BLOCK_M)
+    # Tiles this program arrived at last (at most two: the partial that starts its share and the one that ends
+    # it). They are merged after the loop, so the merge's registers do not weigh on the KV loop.
+    merge_a = pid * 0 - 1
+    merge_b = pid * 0 - 1
+    while it < it_end:
+        # ---- locate the segment: batch row, output tile, first and last KV tile
+        b = tl.sum((incl <= it).to(tl.int32), axis=0)
+        sel = offs_b == b
+        base = tl.sum(tl.where(sel, excl, 0), axis=0)
+        nb = tl.sum(tl.where(sel, nblk, 0), axis=0)
+        kv_len = tl.sum(tl.where(sel, lens, 0), axis=0)
+        t_in_b = (it - base) // nb
+        blk0 = (it - base) - t_in_b * nb
+        blk1 = tl.minimum(nb, blk0 + (it_end - it))
+        kvh = t_in_b // NUM_M
+        mb = t_in_b - kvh * NUM_M
+        tile = b * tiles_per_b + t_in_b
+
+        rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
+        q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, blk0 * BLOCK_N, blk1 * BLOCK_N, kv_len, k_ptr, v_ptr, mask_ptr,
+                                b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
+                                stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+                                stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION)
+        o, lse = _finish(acc, m_i, l_i)
+        if (blk0 == 0) & (blk1 == nb):
+            # the whole tile is ours: write it out
+            _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol,
+                        stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+        else:
+            # a partial: park it in our slot, then count our arrival at the tile
+            # (the workspace is small: int32 offsets keep the register count down)
+            slot = pid * 2 + (it != range_start).to(tl.int32)
+            tl.store(ws_o_ptr + slot * stride_ws + offs_m[:, None] * stride_wm + offs_dv[None, :] * stride_wd, o,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+            tl.store(ws_lse_ptr + slot * stride_wls + offs_m * stride_wlm, lse, mask=row_ok)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            ts = base + t_in_b * nb  # first iteration of the tile
+            first_p = ts // share
+            last_p = (ts + nb - 1) // share
+            if arrived == last_p - first_p:
+                if it == range_start:
+                    merge_a = tile
+                else:
+                    merge_b = tile
+        it = it + (blk1 - blk0)
+
+    # ---- merge the tiles we arrived at last: every contributor's partial, ours included
+    tl.debug_barrier()
+    for j in range(0, 2):
+        tile = tl.where(j == 0, merge_a, merge_b)
+        if tile >= 0:
+            b = tile // tiles_per_b
+            t_in_b = tile - b * tiles_per_b
+            sel = offs_b == b
+            nb = tl.sum(tl.where(sel, nblk, 0), axis=0)
+            ts = tl.sum(tl.where(sel, excl, 0), axis=0) + t_in_b * nb  # first iteration of the tile
+            first_p = ts // share
+            last_p = (ts + nb - 1) // share
+            kvh = t_in_b // NUM_M
+            mb = t_in_b - kvh * NUM_M
+            rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
+            mm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            den = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            offs_p = tl.arange(0, MERGE_P)
+            for p0 in range(first_p, last_p + 1, MERGE_P):
+                # MERGE_P partials per step, loaded together (their loads are independent)
+                p = p0 + offs_p
+                p_ok = p <= last_p
+                ps = p * 2 + (p * share < ts).to(tl.int32)  # slot 0 when the tile began at or before p's share
+                pl = tl.load(ws_lse_ptr + ps[:, None] * stride_wls + offs_m[None, :] * stride_wlm,
+                             mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
+                             cache_modifier=".cg") * 1.4426950408889634  # (MERGE_P, BLOCK_M), base 2
+                po = tl.load(ws_o_ptr + ps[:, None, None] * stride_ws + offs_m[None, :, None] * stride_wm
+                             + offs_dv[None, None, :] * stride_wd,
+                             mask=p_ok[:, None, None] & row_ok[None, :, None] & (offs_dv[None, None, :] < DV),
+                             other=0.0, cache_modifier=".cg")  # (MERGE_P, BLOCK_M, BLOCK_DV)
+                m_new = tl.maximum(mm, tl.max(pl, axis=0))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(mm - m_use)
+                w = tl.exp2(pl - m_use[None, :])  # 0 for empty partials and padding
+                den = den * alpha + tl.sum(w, axis=0)
+                acc2 = acc2 * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
+                mm = m_new
+            empty = den == 0.0
+            o2 = acc2 / tl.where(empty, 1.0, den)[:, None]
+            lse2 = tl.where(empty, float("-inf"), (mm + tl.log2(tl.where(empty, 1.0, den))) * 0.6931471805599453)
+            _store_rows(o2, lse2, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh,
+                        stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@functools.lru_cache(maxsize=None)
+def _has_maxnreg() -> bool:
+    """Whether this Triton's CUDA backend takes the ``maxnreg`` launch option."""
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return any(f.name == "maxnreg" for f in dataclasses.fields(CUDAOptions))
+    except Exception:  # another backend, or a Triton without it
+        return False
+
+
+def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(ws_o (grid*2, BLOCK_M, Dv) fp32, ws_lse (grid*2, BLOCK_M) fp32, counters (B*Hkv*num_m,) int32 zeros).
+
+    The counters must start at zero; every launch leaves them at zero again.
+    """
+    B, Hq, L, _ = q.shape
+    Hkv = k.shape[1]
+    Dv = v.shape[-1]
+    G = Hq // Hkv
+    block_m = block_m_for(G * L)
+    num_m = triton.cdiv(G * L, block_m)
+    return (torch.empty((grid * 2, block_m, Dv), device=q.device, dtype=torch.float32),
+            torch.empty((grid * 2, block_m), device=q.device, dtype=torch.float32),
+            torch.zeros((B * Hkv * num_m,), device=q.device, dtype=torch.int32))
+
+
+def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
+                    is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2):
+    """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch.
+
+    Parameters
+    ----------
+    q : (B, Hq, L, D) fp16/bf16/fp32; k : (B, Hkv, N, D); v : (B, Hkv, N, Dv), same dtype, any strides.
+    out : (B, Hq, L, Dv) any float dtype, written in full.
+    lse : (B, Hq, L) fp32 or None: the natural-log LSE of each row (-inf where no key is visible).
+    workspace : the triple from ``stream_k_workspace(grid, q, k, v)`` (allocated here when None).
+    attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
+    grid : programs in the persistent grid (more programs than iterations just leaves some idle).
+    """
+    B, Hq, L, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    Dv = v.shape[-1]
+    G = Hq // Hkv
+    BLOCK_M = block_m_for(G * L)
+    num_m = triton.cdiv(G * L, BLOCK_M)
+    if workspace is None:
+        workspace = stream_k_workspace(grid, q, k, v)
+    ws_o, ws_lse, counters = workspace
+    mask, mstr, mask_kind = mask_args(attn_mask, B, Hq, L, N)
+    upcast, precision = dot_flags(q.dtype)
+    lstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
+    extra = {}
+    if num_warps >= 8 and not interpreting() and _has_maxnreg():
+        # The kernel holds the KV loop, the partial path and the merge: capping registers at 128 (a few spills)
+        # lets two programs share an SM instead of one.
+        extra["maxnreg"] = 128
+    _stream_k_kernel[(grid,)](
+        q, k, v, mask if mask is not None else q, valid_len if valid_len is not None else q, out,
+        lse if lse is not None else out, ws_o, ws_lse, counters,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride(),
+        scale_log2(scale, D), B, N, L, G, Hkv, num_m, D, Dv, grid,
+        BLOCK_B=max(2, triton.next_power_of_2(B)), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D),
+        BLOCK_DV=block_d_for(Dv), HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
+        WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
+        MERGE_P=max(1, min(8, 8192 // (BLOCK_M * block_d_for(Dv)))), num_warps=num_warps, num_stages=num_stages,
+        **extra,
+    )
+    return out, lse

@@ -1,0 +1,196 @@
+"""``split_kv``: FlashDecoding with Triton kernels (partial states per KV chunk, then ``merge_states``).
+
+Also holds what the two single-device kernel strategies share: the applicability check, the block sizes
+worth trying per head dim, and the CPU policy. On CPU tensors the strategies run the pure-PyTorch
+partition-and-merge of ``runtime/reference.py`` (fast, for end-to-end model tests), unless the Triton
+interpreter is asked for with ``ATTNOPT_CPU_KERNELS=interpret`` together with ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from attnopt.cost import kernel as kernel_cost
+from attnopt.hardware import HardwareProfile
+from attnopt.plan import SplitKVPlan
+from attnopt.site import AttentionSite
+
+from .base import PlanContext, Strategy, register_strategy
+
+#: Head dims the decode kernels support (Dv must equal D); others fall back to dense.
+KERNEL_HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Longest query (tokens per head) the decode kernels take.
+MAX_Q_LEN = 16
+KERNEL_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def kernel_check(site: AttentionSite, ctx: PlanContext) -> str | None:
+    """Why the Triton decode kernels cannot run this site (None when they can)."""
+    if site.q_len is None:
+        return "q_len is symbolic; the decode kernels need a static q_len <= 16"
+    if site.q_len > MAX_Q_LEN:
+        return f"q_len {site.q_len} > {MAX_Q_LEN}: not decode-shaped for the kernels"
+    if site.kv_heads <= 0 or site.q_heads % site.kv_heads:
+        return f"query heads ({site.q_heads}) are not a multiple of KV heads ({site.kv_heads})"
+    if site.head_dim not in KERNEL_HEAD_DIMS:
+        dims = ", ".join(str(d) for d in KERNEL_HEAD_DIMS)
+        return f"head_dim {site.head_dim} not supported by the kernels ({dims}); falls back to dense"
+    if site.v_head_dim is not None and site.v_head_dim != site.head_dim:
+        return f"v_head_dim {site.v_head_dim} != head_dim {site.head_dim}: the kernels need Dv == D"
+    if site.dtype not in KERNEL_DTYPES:
+        return f"dtype {site.dtype} not supported by the kernels ({', '.join(KERNEL_DTYPES)})"
+    if site.kv_layout != "bhnd":
+        return f"KV layout {site.kv_layout!r} not supported by the kernels (bhnd only)"
+    if ctx.device_type == "cuda" and not ctx.triton_available:
+        return "Triton is not available on this CUDA machine"
+    return None
+
+
+def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
+    """(block_n, num_warps, num_stages) worth trying: a light tile, a wide tile, and a deeper pipeline.
+    Larger heads take smaller tiles (shared memory per pipeline stage)."""
+    if head_dim > 128:
+        return ((32, 4, 2), (64, 8, 2), (32, 4, 3))
+    if head_dim <= 96:
+        # small heads: more keys per tile and deeper pipelines keep enough bytes in flight
+        return ((64, 4, 2), (128, 8, 2), (64, 4, 4), (128, 4, 4))
+    return ((64, 4, 2), (128, 8, 2), (64, 4, 4))
+
+
+#: Shared memory a config may plan for (Hopper has 227 KB per block; leave room for Triton's own buffers).
+SMEM_BUDGET = 200 * 1024
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def smem_bytes(site: AttentionSite, block_n: int, num_stages: int) -> int:
+    """Shared memory of one program: K and V tiles (padded head dims) per buffered pipeline stage, plus about
+    8 KB (matches the compiled kernels within a few KB)."""
+    dv = site.v_head_dim or site.head_dim
+    return max(1, num_stages - 1) * block_n * (_pow2(site.head_dim) + _pow2(dv)) * site.dtype_bytes + 8192
+
+
+def fit_stages(site: AttentionSite, block_n: int, num_stages: int) -> int | None:
+    """The deepest pipeline <= ``num_stages`` whose tiles fit the shared-memory budget (None if none does)."""
+    while num_stages > 1 and smem_bytes(site, block_n, num_stages) > SMEM_BUDGET:
+        num_stages -= 1
+    return num_stages if smem_bytes(site, block_n, num_stages) <= SMEM_BUDGET else None
+
+
+def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int) -> int:
+    """Rough resident programs per SM for one config: the tighter of shared memory (Hopper's 227 KB) and
+    registers (about 128 per thread for wide tiles, 96 otherwise)."""
+    smem = smem_bytes(site, block_n, num_stages)
+    regs = 128 if (num_warps >= 8 or block_n * site.head_dim >= 128 * 128) else 96
+    return max(1, min((227 * 1024) // smem, 65536 // (regs * 32 * num_warps)))
+
+
+def planned_len(site: AttentionSite) -> int:
+    """KV length to plan for: the static one, else the trace-time hint, else 4096."""
+    return site.effective_kv_len or 4096
+
+
+def rows_per_tile(site: AttentionSite) -> tuple[int, int]:
+    """(BLOCK_M, number of M blocks) of the packed GQA query tile, as the kernels cut it."""
+    rows = site.group_size * (site.q_len or 1)
+    block_m = max(16, min(64, 1 << max(0, math.ceil(math.log2(max(rows, 1))))))
+    return block_m, -(-rows // block_m)
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether to launch the Triton kernels for tensors on ``t``'s device (see the module docstring)."""
+    if t.device.type == "cuda":
+        return True
+    if t.device.type == "cpu" and os.environ.get("ATTNOPT_CPU_KERNELS", "") == "interpret":
+        from ..kernels import triton_usable
+
+        return triton_usable("cpu")
+    return False
+
+
+@dataclass
+class SplitKVState:
+    """Prepared once per plan and shape family: the partial-state workspace and the fused merge's zeroed
+    arrival counters (None with one split)."""
+
+    workspace: tuple[Tensor, Tensor, Tensor] | None
+
+
+@register_strategy(SplitKVPlan)
+class SplitKV(Strategy[SplitKVPlan]):
+    def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
+        return kernel_check(site, ctx)
+
+    def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[SplitKVPlan]:
+        """Split counts that fill half a wave, one wave and two waves of the chip for each kernel config (one
+        split when the batch and heads alone fill it), never more splits than KV tiles. For a symbolic length
+        the trace-time hint sizes the splits; the share of each split then follows the length at run time."""
+        n = planned_len(site)
+        _, num_m = rows_per_tile(site)
+        base = (site.batch or 1) * site.kv_heads * num_m
+        seen = set()
+        for block_n, warps, stages in kernel_configs(site.head_dim):
+            stages = fit_stages(site, block_n, stages)
+            if stages is None:
+                continue
+            slots = hw.sm_count * occupancy(site, block_n, warps, stages)
+            max_splits = max(1, -(-n // block_n))
+            for target in (slots / 2, slots, 2 * slots):
+                splits = max(1, min(max_splits, round(target / base)))
+                key = (splits, block_n, warps, stages)
+                if key not in seen:
+                    seen.add(key)
+                    # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
+                    # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
+                    yield SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+        best = getattr(kernel_cost, "best_split_kv", None)  # the cost model's own pick, when it has one
+        if best is not None:
+            c = best(site, hw)
+            if c.block_n >= 16 and fit_stages(site, c.block_n, 2) == 2 and (c.grid, c.block_n, c.num_warps, 2) not in seen:
+                yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=2)
+
+    def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
+        return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps)
+
+    def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
+        if not use_triton(q) or plan.num_splits <= 1:
+            return SplitKVState(workspace=None)
+        from ..kernels.split_kv import split_kv_workspace
+
+        return SplitKVState(workspace=split_kv_workspace(plan.num_splits, q, k, v))
+
+    def _launch(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse):
+        from ..kernels.split_kv import split_kv_decode
+
+        workspace = state.workspace if state is not None else None
+        split_kv_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
+                        scale=scale, is_causal=is_causal, num_splits=plan.num_splits, block_n=plan.block_n,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge)
+
+    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        if not use_triton(q):
+            from ..reference import decode_attention
+
+            return decode_attention(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                                    is_causal=is_causal, num_partitions=plan.num_splits)
+        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
+        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None)
+        return out
+
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        if not use_triton(q):
+            from ..reference import decode_attention_states
+
+            return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                                           is_causal=is_causal, num_partitions=plan.num_splits)
+        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse)
+        return out, lse

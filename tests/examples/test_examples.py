@@ -1,0 +1,96 @@
+"""The README's first command: ``examples/generate_smollm2.py`` runs the real model through attnopt.
+
+Run in a subprocess, as a user would, with few new tokens; checks the exit code, the generated text, the
+tokens/s lines, that attnopt's tokens equal the original's, that the op ran, and the plan table (whose rows
+must name the model's attention modules as rewritten), and the plan log it wrote.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from attnopt.hf import ModelNotAvailableError, smollm2_gguf_path  # noqa: E402
+from attnopt.plan import PlanReport  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "generate_smollm2.py"
+
+
+def run_example(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    try:
+        smollm2_gguf_path()
+    except ModelNotAvailableError as exc:
+        pytest.skip(str(exc))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNOPT_")}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def section(stdout: str, title: str) -> str:
+    """The lines after ``=== title ===`` up to the next section."""
+    m = re.search(rf"=== {re.escape(title)} ===\n(.*?)(?:\n=== |\Z)", stdout, re.S)
+    assert m, f"no section {title!r} in:\n{stdout}"
+    return m.group(1)
+
+
+def test_generate_smollm2_defaults_short(tmp_path):
+    log = tmp_path / "plans.jsonl"
+    proc = run_example("--max-new-tokens", "8", "--prompt", "What is the capital of France?",
+                       "--plan-log", str(log))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+
+    text = section(out, "generated text (attnopt)").strip()
+    assert "Paris" in text, text
+
+    speed = section(out, "speed (greedy, batch 1, after warm-up)")
+    rates = re.findall(r"^(original|attnopt)\s*:\s*([0-9.]+) tokens/s\s*\((\d+) tokens", speed, re.M)
+    assert [r[0] for r in rates] == ["original", "attnopt"], speed
+    assert all(float(r[1]) > 0 and int(r[2]) >= 1 for r in rates), rates
+    assert "tokens identical to the original model: yes" in speed
+
+    plans = section(out, "attnopt plans")
+    calls = re.search(r"attnopt op calls in the timed run: (\d+)", plans)
+    # 30 layers, and at least one decode step when only a few tokens are generated.
+    assert calls and int(calls.group(1)) >= 30, plans
+    assert re.search(r"all graphs: \d+ attention site\(s\), (\d+) rewritten", plans)
+    # The table of the steady-state decode graph: one row per layer, every one with a plan (none untouched).
+    for i in (0, 17, 29):
+        assert f"model.layers.{i}.self_attn" in plans, plans
+    assert "dense(" in plans or "split_kv(" in plans or "stream_k(" in plans, plans
+    table_title = re.search(r"attnopt plans \((\d+) attention site\(s\), (\d+) rewritten, (\d+) left alone", plans)
+    assert table_title and table_title.groups() == ("30", "30", "0"), plans
+
+    assert f"attnopt plans {log}" in out
+    reports = [PlanReport.from_json(line) for line in log.read_text().splitlines() if line.strip()]
+    assert reports and sum(len(r.rewritten) for r in reports) >= 30
+
+
+def test_generate_smollm2_static_eager_no_baseline():
+    proc = run_example("--max-new-tokens", "4", "--cache", "static", "--attn", "eager", "--no-baseline",
+                       "--table", "none")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert "attn eager, cache static" in out
+    assert section(out, "generated text (attnopt)").strip()
+    speed = section(out, "speed (greedy, batch 1, after warm-up)")
+    assert "original" not in speed and re.search(r"attnopt\s*:\s*[0-9.]+ tokens/s", speed)
+    plans = section(out, "attnopt plans")
+    calls = re.search(r"attnopt op calls in the timed run: (\d+)", plans)
+    assert calls and int(calls.group(1)) == 30 * 3, plans  # 3 decode steps after the prefill token
+    assert "model.layers.0.self_attn" not in plans  # --table none
+
+
+def test_generate_smollm2_bad_arguments():
+    proc = run_example("--max-new-tokens", "0")
+    assert proc.returncode == 2 and "--max-new-tokens must be >= 1" in proc.stderr
+    proc = run_example("--dtype", "int3")
+    assert proc.returncode == 2 and "unknown dtype" in proc.stderr

@@ -1,0 +1,326 @@
+"""``detect``: every attention site is found with the right fields; prefill and unsupported variants are
+reported with a reason and left untouched."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnopt.config import OptimizeConfig
+from attnopt.passes import make_context
+from attnopt.passes.detect import detect
+from attnopt.passes.patterns import PATTERNS, module_path
+
+from passgraphs import (aot, dynamo, eager_hf, export, float_mask, fx_trace, op_nodes, qkv, rand_bool_mask,
+                        repeat_kv, sdpa_gqa, sdpa_repeat_kv)
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _untouched(r, reason_part: str):
+    assert r.count() == 0 and not op_nodes(r.gm)
+    assert len(r.sites) == 1, r.sites
+    assert r.sites[0].unsupported and reason_part in r.sites[0].unsupported, r.sites[0].unsupported
+    assert r.reports[0].reason_untouched == r.sites[0].unsupported
+
+
+# ------------------------------------------------------------------------------------------- site fields
+def test_sdpa_site_fields():
+    q, k, v = qkv(B=2, Hq=9, Hkv=3, L=2, N=41, D=80, Dv=96)
+    m = rand_bool_mask(2, 2, 41)
+    r = dynamo(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True),
+               q, k, v, m)
+    (s,) = r.sites
+    assert (s.pattern, s.batch, s.q_heads, s.kv_heads, s.head_dim, s.v_head_dim, s.q_len, s.kv_len) == \
+        ("sdpa", 2, 9, 3, 80, 96, 2, 41)
+    assert s.dtype == "float32" and s.scale == pytest.approx(0.3) and not s.is_causal
+    assert s.gqa_source == "enable_gqa" and s.mask_kind == "arbitrary" and s.unsupported is None
+    assert s.node == "scaled_dot_product_attention" and s.kv_len_hint == 41
+    assert r.ctx.matches[0].output.name == s.node
+
+
+def test_default_scale_and_no_mask():
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=10, D=96)
+    r = dynamo(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
+    (s,) = r.sites
+    assert s.scale == pytest.approx(1 / math.sqrt(96)) and s.mask_kind == "none" and s.gqa_source == "mha"
+
+
+@pytest.mark.parametrize("builder,pattern,gqa", [
+    ("dynamo", "eager_matmul", "repeat_kv"), ("aot", "eager_bmm", "repeat_kv"), ("aot_sdpa", "sdpa_flash_cpu", "enable_gqa"),
+    ("export", "eager_matmul", "repeat_kv"), ("export_sdpa", "sdpa", "enable_gqa"), ("export_sdpa_decomp", "eager_bmm", "repeat_kv"),
+    ("make_fx", "eager_bmm", "repeat_kv"),
+])
+def test_site_fields_across_graph_levels(builder, pattern, gqa):
+    q, k, v = qkv(B=2, Hq=6, Hkv=2, L=2, N=23, D=64)
+    m = float_mask(rand_bool_mask(2, 2, 23))
+    fn = sdpa_gqa if "sdpa" in builder else eager_hf
+    run = {"dynamo": dynamo, "aot": aot, "aot_sdpa": aot, "export": export, "export_sdpa": export,
+           "make_fx": fx_trace}.get(builder)
+    r = export(fn, q, k, v, m, decompose=True) if builder == "export_sdpa_decomp" else run(fn, q, k, v, m)
+    (s,) = r.sites
+    assert s.pattern == pattern and s.gqa_source == gqa
+    assert (s.batch, s.q_heads, s.kv_heads, s.head_dim, s.q_len, s.kv_len) == (2, 6, 2, 64, 2, 23)
+    assert s.scale == pytest.approx(0.125) and s.unsupported is None and s.mask_kind == "arbitrary"
+    torch.testing.assert_close(r.out, fn(q, k, v, m), **TOL)
+
+
+def test_graph_order_and_module_path():
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return sdpa_gqa(q, k, v)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Attn(), Attn()])
+
+        def forward(self, q, k, v):
+            return self.layers[1](self.layers[0](q, k, v), k, v)
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=12, D=64)
+    r = dynamo(Model(), q, k, v)
+    assert [s.module_path for s in r.sites] == ["layers.0", "layers.1"]
+    assert r.count("sdpa") == 2
+    r = dynamo(Model(), q, k, v, config=OptimizeConfig(force_plan="dense", skip_sites=("layers.0",)))
+    assert r.count("sdpa") == 1 and [s.rewritten for s in r.reports] == [False, True]
+
+
+def test_module_path_normalisation():
+    class N:
+        meta = {"nn_module_stack": {"a": ("L['self'].model", object), "b": ("L['self'].model.layers[3].self_attn", object)}}
+
+    assert module_path(N()) == "model.layers.3.self_attn"
+    N.meta = {"nn_module_stack": {"b": ("getattr(L['self'].model.layers, '12').self_attn", object)}}
+    assert module_path(N()) == "model.layers.12.self_attn"
+    N.meta = {}
+    assert module_path(N()) == ""
+
+
+def test_detect_is_non_mutating_and_reports_in_order():
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=12, D=64)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda q, k, v: eager_hf(q, k, v) + sdpa_gqa(q, k, v), tracing_mode="fake")(q, k, v)
+    before = str(gm.graph)
+    ctx = make_context(OptimizeConfig(), (q, k, v))
+    detect(gm, ctx)
+    assert str(gm.graph) == before
+    assert [m.site.pattern for m in ctx.matches] == ["eager_bmm", "sdpa_flash_cpu"]
+
+
+def test_patterns_registry_examples_are_detected():
+    """Every documented eager example of a pattern that can be traced on CPU is found by detect."""
+    q, k, v = qkv(B=1, Hq=6, Hkv=2, L=2, N=19, D=64)
+    keep = rand_bool_mask(1, 2, 19)
+    for name in ("sdpa", "eager_matmul", "eager_einsum"):
+        fn = PATTERNS[name].example
+        kk, vv = (repeat_kv(k, 3), repeat_kv(v, 3)) if name != "sdpa" else (k, v)
+        r = dynamo(fn, q, kk, vv, keep if name == "eager_einsum" else float_mask(keep))
+        assert [s.pattern for s in r.sites] == [name] and r.count(name) == 1
+    r = fx_trace(PATTERNS["sdpa_flash_cpu"].example, q, repeat_kv(k, 3), repeat_kv(v, 3), float_mask(keep))
+    assert r.count("sdpa_flash_cpu") == 1
+
+
+# ------------------------------------------------------------------------------------------- decode rule
+def test_prefill_static_is_not_rewritten():
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=12, N=12, D=64)
+    _untouched(dynamo(sdpa_gqa, q, k, v), "prefill")
+
+
+def test_prefill_long_query_is_not_rewritten():
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=17, N=40, D=64)
+    _untouched(dynamo(sdpa_gqa, q, k, v), "max_decode_q_len=16")
+
+
+def test_prefill_symbolic_q_len_is_not_rewritten():
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=5, N=40, D=64)
+    torch._dynamo.mark_dynamic(q, 2)
+    _untouched(dynamo(sdpa_gqa, q, k, v, dynamic=None), "prefill: symbolic q_len")
+
+
+def test_min_kv_len():
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=40, D=64)
+    r = dynamo(sdpa_gqa, q, k, v, config=OptimizeConfig(force_plan="dense", min_kv_len=64))
+    _untouched(r, "min_kv_len=64")
+
+
+# ------------------------------------------------------------------------------------------- unsupported variants
+def test_softcapping_is_not_rewritten():
+    def f(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.125
+        s = torch.tanh(s / 50.0) * 50.0
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    r = dynamo(f, q, k, v)
+    _untouched(r, "softcapping")
+    torch.testing.assert_close(r.out, f(q, k, v))
+
+
+def test_alibi_bias_is_not_rewritten():
+    def f(q, k, v, slopes):
+        n = k.shape[-2]
+        pos = torch.arange(n, dtype=torch.float32)
+        bias = slopes[None, :, None, None] * (pos - (n - 1))[None, None, None, :]
+        s = q @ k.transpose(-1, -2) * 0.125 + bias
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    r = dynamo(f, q, k, v, slopes)
+    _untouched(r, "ALiBi")
+    torch.testing.assert_close(r.out, f(q, k, v, slopes))
+
+
+def test_training_dropout_sdpa_is_not_rewritten():
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    r = dynamo(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), q, k, v)
+    _untouched(r, "training-mode dropout (dropout_p=0.1)")
+
+
+def test_training_dropout_eager_is_not_rewritten():
+    def f(q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.125, -1)
+        return F.dropout(p, p=0.2, training=True) @ v
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    _untouched(dynamo(f, q, k, v), "training-mode dropout")
+
+
+def test_used_lse_is_not_rewritten():
+    def f(q, k, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+        return out, lse
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    r = fx_trace(f, q, k, v)
+    _untouched(r, "log-sum-exp")
+
+
+def test_used_lse_in_training_graph_is_not_rewritten():
+    """aot_autograd with grad: the backward needs the LSE, so the forward's fused SDPA is left alone."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from passgraphs import _runner
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    q.requires_grad_(True)
+    ctxs, gms = [], []
+    run = _runner(OptimizeConfig(force_plan="dense"), ctxs, gms)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(run(gm, ex).forward),
+                           bw_compiler=lambda gm, ex: make_boxed_func(gm.forward))
+    out = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), backend=backend)(q, k, v)
+    out.sum().backward()
+    sites = [m.site for c in ctxs for m in c.matches]
+    assert sites and all(s.unsupported and "log-sum-exp" in s.unsupported for s in sites), sites
+    assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == 0
+
+
+def test_softmax_that_is_not_attention_is_ignored():
+    def f(x, w):
+        return torch.softmax(x @ w, -1).sum(-1)
+
+    r = dynamo(f, torch.randn(3, 5), torch.randn(5, 7))
+    assert r.sites == []
+
+
+def test_attention_weights_used_elsewhere_is_not_rewritten():
+    def f(q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.125, -1)
+        return p @ v, p
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    _untouched(dynamo(f, q, k, v), "probabilities are also used")
+
+
+def test_scale_after_mask_is_not_rewritten():
+    def f(q, k, v, m):
+        s = (q @ k.transpose(-1, -2) + m) * 0.125
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    m = float_mask(rand_bool_mask(1, 1, 33))
+    _untouched(dynamo(f, q, k, v, m), "scaled after the mask")
+
+
+# ------------------------------------------------------------------------------------------- mask kinds
+def _static_cache_mask(cache_position, n, batch):
+    """HF static-cache style: key positions from arange compared against the query positions."""
+    kv_idx = torch.arange(n)
+    m = kv_idx[None, None, None, :] <= cache_position[None, None, :, None]
+    return m.expand(batch, 1, cache_position.shape[0], n)
+
+
+def test_valid_length_mask_kind():
+    def f(q, k, v, cache_position):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_static_cache_mask(cache_position, k.shape[2], q.shape[0]),
+                                              enable_gqa=True)
+
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, L=2, N=33, D=64)
+    pos = torch.tensor([10, 11])
+    r = dynamo(f, q, k, v, pos)
+    assert r.sites[0].mask_kind == "valid_length" and r.count("sdpa") == 1
+    torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
+
+
+def test_sliding_window_mask_is_arbitrary():
+    def f(q, k, v, cache_position):
+        kv_idx = torch.arange(k.shape[2])
+        qp = cache_position[None, None, :, None]
+        m = (kv_idx[None, None, None, :] <= qp) & (kv_idx[None, None, None, :] > qp - 8)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=2, N=33, D=64)
+    pos = torch.tensor([20, 21])
+    r = dynamo(f, q, k, v, pos)
+    assert r.sites[0].mask_kind == "arbitrary" and r.count("sdpa") == 1
+    torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
+
+
+def test_placeholder_mask_is_arbitrary():
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=33, D=64)
+    r = dynamo(sdpa_gqa, q, k, v, rand_bool_mask(1, 1, 33))
+    assert r.sites[0].mask_kind == "arbitrary"
+
+
+def test_mask_that_does_not_broadcast_is_not_rewritten():
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    r = dynamo(f, q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    assert r.count() == 1  # size-1 dims broadcast
+    r = dynamo(sdpa_repeat_kv, q, k, v)
+    assert r.count() == 1
+
+
+@pytest.mark.parametrize("build", [dynamo, aot], ids=["dynamo", "aot"])
+@pytest.mark.parametrize("zero", ["tensor", "zeros", "number"])
+def test_where_built_float_mask_is_a_mask(zero, build):
+    """transformers builds additive masks as where(keep, 0, finfo.min); 0 comes as torch.tensor(0.0) (5.17),
+    torch.zeros(()) (5.23) or a number."""
+    def f(q, k, v, keep):
+        z = {"tensor": lambda: torch.tensor(0.0), "zeros": lambda: torch.zeros(()), "number": lambda: 0.0}[zero]()
+        mask = torch.where(keep, z, torch.finfo(torch.float32).min)
+        return eager_hf(q, k, v, mask)
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=15, D=64)
+    keep = rand_bool_mask(1, 1, 15)
+    r = build(f, q, k, v, keep)
+    assert r.count() == 1 and r.sites[0].mask_kind == "arbitrary", r.sites
+    torch.testing.assert_close(r.out, f(q, k, v, keep), **TOL)
+
+
+def test_grad_requiring_attention_is_not_rewritten():
+    """The decode op has no backward: a dynamo graph traced with gradients on is left alone."""
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=15, D=64)
+    q.requires_grad_(True)
+    r = dynamo(sdpa_gqa, q, k, v)
+    _untouched(r, "training: gradients flow")
+    r.out.sum().backward()
+    assert q.grad is not None

@@ -1,0 +1,296 @@
+"""Triton decode kernels (split-KV, stream-K, merge_states) against the float64 reference.
+
+On the CPU they run in the Triton interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``) with
+fp16/fp32 inputs; the same tests run compiled on CUDA (``cuda`` marker), bf16 included. Shapes are small
+and odd on purpose: N = 1, 7, block - 1, block + 1, a few hundred; D in {64, 80, 96, 128, 256}; G in
+{1, 3, 4, 5, 8}; q_len in {1, 2, 4}; masks; strided K/V; valid lengths that leave partitions empty.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnopt.runtime.reference import attention_states, merge_states as ref_merge_states, sdpa_float64
+
+triton = pytest.importorskip("triton")
+
+from attnopt.runtime.kernels import interpreting  # noqa: E402
+from attnopt.runtime.kernels.merge import merge_states  # noqa: E402
+from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace  # noqa: E402
+from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace  # noqa: E402
+
+DEVICES = [pytest.param("cpu", id="interp"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+#: KV tile size used on the CPU: small, so that "block - 1 / block + 1" and many-tile shares stay cheap.
+BN = 16
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _dev(device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and not interpreting():
+        pytest.skip("CPU kernel tests need the Triton interpreter (TRITON_INTERPRET=1)")
+    return torch.device(device)
+
+
+def _inputs(B, Hkv, G, L, N, D, dtype, device, *, layout="contiguous"):
+    Hq = Hkv * G
+    q = torch.randn(B, Hq, L, D, dtype=dtype, device=device)
+    if layout == "contiguous":
+        k = torch.randn(B, Hkv, N, D, dtype=dtype, device=device)
+        v = torch.randn(B, Hkv, N, D, dtype=dtype, device=device)
+    elif layout == "cache_slice":  # a view of a longer preallocated cache
+        k = torch.randn(B, Hkv, N + 5, D, dtype=dtype, device=device)[:, :, 2:N + 2]
+        v = torch.randn(B, Hkv, N + 5, D, dtype=dtype, device=device)[:, :, 3:N + 3]
+    elif layout == "bnhd":  # (B, N, Hkv, D) storage seen through a transpose
+        k = torch.randn(B, N, Hkv, D, dtype=dtype, device=device).transpose(1, 2)
+        v = torch.randn(B, N, Hkv, D, dtype=dtype, device=device).transpose(1, 2)
+    else:
+        raise ValueError(layout)
+    return q, k, v
+
+
+def _mask(kind, B, Hq, L, N, device):
+    if kind is None:
+        return None
+    if kind == "bool":
+        m = torch.rand(B, Hq, L, N, device=device) > 0.3
+        m[..., 0] = True
+        return m
+    if kind == "bool_bcast":  # (B, 1, 1, N): broadcast over heads and queries (0 strides)
+        m = torch.rand(B, 1, 1, N, device=device) > 0.4
+        m[..., -1] = True
+        return m
+    if kind == "additive":
+        m = torch.rand(B, Hq, L, N, device=device) * -3.0
+        m[torch.rand(B, Hq, L, N, device=device) > 0.8] = float("-inf")
+        return m
+    if kind == "additive_2d":  # (L, N), HF-style finfo.min for masked positions
+        m = torch.zeros(L, N, device=device)
+        m[torch.rand(L, N, device=device) > 0.7] = torch.finfo(torch.float32).min
+        return m
+    raise ValueError(kind)
+
+
+def _check(out, ref, dtype, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element was not written, or a NaN leaked)"
+    tol = TOL[dtype]
+    err = (out.double() - ref).abs()
+    bound = tol + tol * ref.abs()
+    assert bool((err <= bound).all()), f"{what}: max abs error {err.max().item():.3e} (tol {tol})"
+
+
+def _run_both(q, k, v, *, splits, grids, block_n, attn_mask=None, valid_len=None, is_causal=False, scale=None):
+    """Run split-KV (each split count) and stream-K (each grid) with poisoned outputs; yield (name, o, lse)."""
+    B, Hq, L, _ = q.shape
+    Dv = v.shape[-1]
+    for s in splits:
+        for fused in ((False, True) if s > 1 else (False,)):
+            out = torch.full((B, Hq, L, Dv), float("nan"), dtype=q.dtype, device=q.device)
+            lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
+            ws = split_kv_workspace(s, q, k, v)
+            split_kv_decode(q, k, v, out, lse, workspace=ws, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                            is_causal=is_causal, num_splits=s, block_n=block_n, fused_merge=fused)
+            assert int(ws[2].abs().sum()) == 0, "fused split-KV left a tile counter non-zero"
+            yield f"split_kv(S={s}, fused={fused})", out, lse
+    for g in grids:
+        out = torch.full((B, Hq, L, Dv), float("nan"), dtype=q.dtype, device=q.device)
+        lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
+        ws = stream_k_workspace(g, q, k, v)
+        stream_k_decode(q, k, v, out, lse, workspace=ws, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                        is_causal=is_causal, grid=g, block_n=block_n)
+        assert int(ws[2].abs().sum()) == 0, "stream-K left a tile counter non-zero"
+        yield f"stream_k(grid={g})", out, lse
+
+
+def _expected(q, k, v, **kw):
+    ref = sdpa_float64(q, k, v, **kw)
+    _, lse = attention_states(q, k, v, compute_dtype=torch.float64, **kw)
+    return ref, lse
+
+
+def _check_lse(lse, ref_lse, what):
+    both_inf = torch.isneginf(lse) & torch.isneginf(ref_lse)
+    assert bool((torch.isneginf(lse) == torch.isneginf(ref_lse)).all()), f"{what}: -inf LSE rows differ"
+    diff = (lse.double() - ref_lse).abs().masked_fill(both_inf, 0.0)
+    assert diff.max().item() < 2e-3, f"{what}: LSE error {diff.max().item():.3e}"
+
+
+# (B, Hkv, G, L, N, D): odd shapes covering N in {1, 7, BN-1, BN+1, ~300}, every D, odd G, several q_len.
+SHAPES = [
+    (1, 2, 1, 1, 1, 64),
+    (1, 1, 3, 1, 7, 80),
+    (2, 1, 5, 2, BN - 1, 96),
+    (1, 2, 4, 4, BN + 1, 128),
+    (1, 1, 8, 2, 300, 64),
+    (1, 1, 3, 1, 2 * BN + 1, 256),
+    (1, 1, 6, 1, 5 * BN - 3, 64),
+    (1, 1, 7, 4, 3 * BN, 64),  # 28 packed rows: BLOCK_M 32
+    (1, 1, 5, 16, 2 * BN + 3, 64),  # 80 packed rows: two M blocks of 64, q_len 16
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hkv{}-G{}-L{}-N{}-D{}".format(*s))
+def test_kernels_match_reference(device, shape):
+    dev = _dev(device)
+    B, Hkv, G, L, N, D = shape
+    dtypes = [torch.float16] if dev.type == "cpu" else [torch.float16, torch.bfloat16, torch.float32]
+    block_n = BN if dev.type == "cpu" else 64
+    for dtype in dtypes:
+        q, k, v = _inputs(B, Hkv, G, L, N, D, dtype, dev)
+        ref, ref_lse = _expected(q, k, v)
+        for name, out, lse in _run_both(q, k, v, splits=(1, 3), grids=(2, 64), block_n=block_n):
+            _check(out, ref, dtype, f"{name} {dtype}")
+            _check_lse(lse, ref_lse, f"{name} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_inputs(device):
+    dev = _dev(device)
+    q, k, v = _inputs(1, 2, 3, 2, 37, 64, torch.float32, dev)
+    ref, ref_lse = _expected(q, k, v, scale=0.3)
+    for name, out, lse in _run_both(q, k, v, splits=(4,), grids=(3,), block_n=BN, scale=0.3):
+        _check(out, ref, torch.float32, name)
+        _check_lse(lse, ref_lse, name)
+
+
+CASES = [
+    # (mask kind, is_causal, valid_len kind, layout)
+    ("bool", False, None, "contiguous"),
+    ("bool_bcast", False, "short", "cache_slice"),
+    ("additive", False, None, "bnhd"),
+    ("additive_2d", False, "mixed", "contiguous"),
+    (None, True, None, "contiguous"),
+    ("bool", True, "mixed", "bnhd"),
+    (None, False, "tiny", "cache_slice"),
+    (None, False, "zero", "contiguous"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_masks_valid_len_strides(device, case):
+    dev = _dev(device)
+    mask_kind, causal, vl_kind, layout = case
+    B, Hkv, G, L, N, D = 2, 2, 3, 4, 3 * BN + 5, 64
+    dtype = torch.float16
+    q, k, v = _inputs(B, Hkv, G, L, N, D, dtype, dev, layout=layout)
+    mask = _mask(mask_kind, B, Hkv * G, L, N, dev)
+    valid = None
+    if vl_kind == "short":  # shorter than one tile: most partitions receive no key
+        valid = torch.tensor([5, BN - 1], dtype=torch.int32, device=dev)
+    elif vl_kind == "mixed":
+        valid = torch.tensor([N, BN + 3], dtype=torch.int32, device=dev)
+    elif vl_kind == "tiny":
+        valid = torch.tensor([1, 2], dtype=torch.int64, device=dev)
+    elif vl_kind == "zero":  # a row with no key at all: o = 0, lse = -inf, no NaN
+        valid = torch.tensor([0, 9], dtype=torch.int32, device=dev)
+    kw = dict(attn_mask=mask, valid_len=valid, is_causal=causal)
+    ref, ref_lse = _expected(q, k, v, **kw)
+    for name, out, lse in _run_both(q, k, v, splits=(1, 5), grids=(3, 40), block_n=BN, **kw):
+        _check(out, ref, dtype, f"{name} {case}")
+        _check_lse(lse, ref_lse, f"{name} {case}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stream_k_replay_and_growing_length(device):
+    """The same workspace (as a captured graph would hold it) serves repeated launches while the valid length
+    grows; counters return to zero each time, and repeated launches give identical results."""
+    dev = _dev(device)
+    B, Hkv, G, L, N, D = 2, 2, 4, 1, 6 * BN, 64
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float16, dev)
+    grid = 7
+    ws = stream_k_workspace(grid, q, k, v)
+    split_ws = split_kv_workspace(4, q, k, v)
+    valid = torch.zeros(B, dtype=torch.int32, device=dev)
+    for length in (1, BN + 1, 3 * BN - 1, N):
+        valid.copy_(torch.tensor([length, max(1, length // 2)], dtype=torch.int32))
+        ref = sdpa_float64(q, k, v, valid_len=valid)
+        outs = []
+        for _ in range(2):
+            out = torch.full((B, Hkv * G, L, D), float("nan"), dtype=q.dtype, device=dev)
+            stream_k_decode(q, k, v, out, workspace=ws, valid_len=valid, grid=grid, block_n=BN)
+            assert int(ws[2].abs().sum()) == 0
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), "replaying stream-K changed the result"
+        _check(outs[0], ref, torch.float16, f"stream_k length {length}")
+        for fused in (False, True):
+            out = torch.full((B, Hkv * G, L, D), float("nan"), dtype=q.dtype, device=dev)
+            split_kv_decode(q, k, v, out, workspace=split_ws, valid_len=valid, num_splits=4, block_n=BN,
+                            fused_merge=fused)
+            assert int(split_ws[2].abs().sum()) == 0
+            _check(out, ref, torch.float16, f"split_kv(fused={fused}) length {length}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_states_kernel(device):
+    dev = _dev(device)
+    P, R, Dv = 5, 7, 80
+    o = torch.randn(P, 3, R, Dv, device=dev)
+    lse = torch.randn(P, 3, R, device=dev) * 3
+    lse[1] = float("-inf")  # an empty partition everywhere
+    lse[:, 0, 2] = float("-inf")  # a row empty in every partition
+    o[1] = 0.0
+    o[:, 0, 2] = 0.0
+    ro, rl = ref_merge_states(o, lse)
+    out = torch.full((3, R, Dv), float("nan"), device=dev)
+    lout = torch.full((3, R), float("nan"), device=dev)
+    mo, ml = merge_states(o, lse, out, lout)
+    assert mo is out and ml is lout
+    assert not torch.isnan(mo).any() and not torch.isnan(ml).any()
+    torch.testing.assert_close(mo, ro, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(ml[0, 2]) and bool((mo[0, 2] == 0).all())
+    torch.testing.assert_close(ml, rl, atol=1e-5, rtol=1e-5)
+    # allocated outputs, P=1, lower-precision output dtype
+    mo2, ml2 = merge_states(o[:1], lse[:1], out_dtype=torch.float16)
+    assert mo2.dtype == torch.float16
+    torch.testing.assert_close(mo2.float(), torch.where(torch.isneginf(lse[0])[..., None], 0.0, o[0]),
+                               atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_growing_valid_len():
+    """Capture each strategy in a CUDA graph once; replay as the valid length grows; compare every replay."""
+    from attnopt.plan import SplitKVPlan, StreamKPlan
+    from attnopt.runtime.strategies import get_strategy
+
+    dev = torch.device("cuda")
+    B, Hkv, G, L, N, D = 2, 8, 4, 1, 4096, 128
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.bfloat16, dev)
+    valid = torch.full((B,), 100, dtype=torch.int32, device=dev)
+    for plan in (SplitKVPlan(num_splits=16, block_n=64), SplitKVPlan(num_splits=33, block_n=128, num_warps=8,
+                                                                      fused_merge=True),
+                 StreamKPlan(grid=132, block_n=64), StreamKPlan(grid=264, block_n=128, num_warps=8)):
+        strat = get_strategy(plan.kind)
+        state = strat.prepare(plan, q, k, v)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            strat.run(state, plan, q, k, v, None, valid, 1.0 / math.sqrt(D), False)  # compile outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = strat.run(state, plan, q, k, v, None, valid, 1.0 / math.sqrt(D), False)
+        for length in (100, 1000, 2049, 4096):
+            valid.fill_(length)
+            valid[1] = length // 3 + 1
+            g.replay()
+            torch.cuda.synchronize()
+            ref = sdpa_float64(q, k, v, valid_len=valid)
+            _check(static_out, ref, torch.bfloat16, f"{plan.describe()} graph replay at {length}")
+
+
+@pytest.mark.cuda
+def test_merge_states_op_uses_kernel_on_cuda():
+    from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt)
+
+    o = torch.randn(6, 2, 9, 128, device="cuda")
+    lse = torch.randn(6, 2, 9, device="cuda")
+    lse[2] = float("-inf")
+    mo, ml = torch.ops.attnopt.merge_states(o, lse)
+    ro, rl = ref_merge_states(o, lse)
+    torch.testing.assert_close(mo, ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ml, rl, atol=1e-5, rtol=1e-5)
