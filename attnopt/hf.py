@@ -178,7 +178,8 @@ def load_smollm2(dtype: str | torch.dtype = torch.float32, attn_implementation: 
         A ``LlamaForCausalLM`` in eval mode and its tokenizer.
     """
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; valid: {', '.join(ATTN_IMPLEMENTATIONS)}")
+        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; "
+                         f"valid: {', '.join(ATTN_IMPLEMENTATIONS)}")
     dtype = parse_dtype(dtype)
     path = smollm2_gguf_path()
     _require_hf()

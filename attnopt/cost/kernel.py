@@ -41,7 +41,10 @@ SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 BLOCK_N_CHOICES = (32, 64, 128)
 WARP_CHOICES = (4, 8)
 #: Serial tail of the stream-K fix-up protocol (atomic arrival counter, the last program merges), µs.
-STREAM_K_FIXUP_US = 1.0
+#: Measured, not guessed: in benchmarks/results/kernels-nvidia-h{100,200}*.json our stream-K kernel takes
+#: 20-30 µs more than split-KV at 8k-32k on both cards (e.g. H200 llama3-8b-8k: 46.4 vs 15.1 µs), so the
+#: uncalibrated default is 25 µs; ``attnopt calibrate`` refits it per GPU.
+STREAM_K_FIXUP_US = 25.0
 
 
 # --------------------------------------------------------------------------------------------- shapes

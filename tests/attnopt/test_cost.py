@@ -131,9 +131,10 @@ def test_cpu_profile_makes_dense_win(kw):
 
 
 def test_gpu_profile_prefers_a_kernel_where_sdpa_is_weak():
-    # A static cache's valid-length mask sends SDPA to the unsplit memory-efficient kernel (B*Hq programs),
-    # and one KV head gives SDPA too few programs; the attnopt kernels split the keys instead.
-    for kw in (dict(kv_len=32768, mask_kind="valid_length"), dict(q_heads=8, kv_heads=1, kv_len=65536)):
+    # A static cache's valid-length mask sends SDPA to the unsplit memory-efficient kernel (B*Hq programs) over
+    # the whole cache; the attnopt kernels split only the valid keys (measured 5.7x on the H100, see
+    # benchmarks/results/kernels-nvidia-h100-80gb-hbm3.json, static-4k-of-32k).
+    for kw in (dict(kv_len=32768, mask_kind="valid_length"),):
         rep = _planner(site(**kw), builtin_profile("h100-sxm"))
         assert rep.chosen.kind in ("split_kv", "stream_k"), kw
         assert [c.est_us for c in rep.candidates] == sorted(c.est_us for c in rep.candidates)

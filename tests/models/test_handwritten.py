@@ -156,7 +156,8 @@ class EinsumLM(nn.Module):
         T = idx.shape[1]
         N = valid.shape[1]
         allowed = valid[:, None, None, :].expand(-1, 1, T, N)
-        if T > 1:  # prefill: causal as well; a padding query sees itself (prefill has T == N), so no row is fully masked (NaN)
+        if T > 1:
+            # Prefill (T == N): causal as well, and a padding query sees itself, so no row is fully masked (NaN).
             allowed = allowed & torch.ones(T, N, dtype=torch.bool, device=idx.device).tril(N - T)
             allowed = allowed | torch.eye(T, N, dtype=torch.bool, device=idx.device)
         pad_bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
