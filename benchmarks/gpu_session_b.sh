@@ -7,7 +7,7 @@ pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 mkdir -p /tmp/smol && cat /tmp/partaa .smol/partab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 sha256sum /tmp/smol/*.gguf
-export ATTNOPT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+export ATTNOPT_COMMIT=${ATTNOPT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export ATTNOPT_CACHE_DIR=/tmp/attnopt-cache
 timeout 60 attnopt bench dispatch --out "$OUT/dispatch.json" 2>&1 | tee "$OUT/dispatch.log"
 timeout 240 attnopt calibrate --validate --out "$OUT/cost_model.json" --quiet 2>&1 | tail -40 | tee "$OUT/calibrate.log"
