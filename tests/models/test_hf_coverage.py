@@ -233,18 +233,19 @@ def test_short_prompt_static_cache():
         assert (s.rewritten and s.calls == 1) or (not s.rewritten and s.reason_untouched), s
 
 
-def test_sliding_window_is_exact_or_explained():
-    """Mistral with a sliding window shorter than the sequence: the window must either be honoured by the
-    rewrite (its mask passed through) or the site left alone with a reason naming it."""
+@pytest.mark.parametrize("attn, cache", [("sdpa", "dynamic"), ("eager", "static")])
+def test_sliding_window_is_exact_or_explained(attn, cache):
+    """Mistral with a sliding window (8) shorter than the sequence: the window must either be honoured by the
+    rewrite (the window mask passed through as an arbitrary mask) or the site left alone with a reason."""
     torch.manual_seed(0)
-    cfg = _mistral("sdpa")
+    cfg = _mistral(attn)
     cfg.sliding_window = 8
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.generation_config.eos_token_id = None
     optimized = attnopt.optimize(model, inner_backend="eager")
     ids = prompt()
-    ref = greedy(model, ids, "dynamic")
-    out = greedy(optimized, ids, "dynamic")
+    ref = greedy(model, ids, cache)
+    out = greedy(optimized, ids, cache)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
