@@ -45,7 +45,10 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         if gen_cfg is not None:
             optimized.generation_config = copy.deepcopy(gen_cfg)
             optimized.generation_config.disable_compile = True
-        optimized.forward = torch.compile(model.forward, backend=backend, dynamic=cfg.dynamic)
+        compiled_forward = torch.compile(model.forward, backend=backend, dynamic=cfg.dynamic)
+        if process_group is not None:
+            compiled_forward = _never_eager_over_shards(compiled_forward, model)
+        optimized.forward = compiled_forward
         object.__setattr__(optimized, _BACKEND_ATTR, backend)
         return optimized
     if callable(model):
@@ -56,6 +59,31 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
             pass
         return compiled
     raise TypeError(f"attnopt.optimize expects a torch.nn.Module or a callable, got {type(model).__name__}")
+
+
+def _never_eager_over_shards(compiled: Callable, model: torch.nn.Module) -> Callable:
+    """Run ``compiled`` so that dynamo never silently falls back to eager.
+
+    A sharded cache's update is a graph break, so each attention layer's continuation frame is compiled once per
+    layer (dynamo guards on ``layer_idx``). At the default recompile limit (8) dynamo would run the remaining
+    layers eagerly: plain attention over this rank's shard, a wrong answer. The limit is raised to cover every
+    layer, and hitting it raises instead of falling back.
+    """
+    import functools
+
+    import torch._dynamo.config as dynamo_config
+
+    modules = sum(1 for _ in model.modules())
+    limit = max(int(dynamo_config.recompile_limit), 2 * modules + 8)
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with dynamo_config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True,
+                                 accumulated_recompile_limit=max(int(dynamo_config.accumulated_recompile_limit),
+                                                                 4 * limit)):
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 def last_plans(obj: Any = None) -> PlanReport:

@@ -74,6 +74,8 @@ class Backend:
         gm, report = run_passes(gm, example_inputs, ctx=ctx)
         self.reports.append(report)
         _ALL_REPORTS.append(report)
+        if world_size > 1:
+            check_no_decode_left_over_shards(report)
         path = self.config.resolved_plan_log()
         if path:
             append_plan_log(path, report)
@@ -86,6 +88,21 @@ class Backend:
 
     def reset(self) -> None:
         self.reports.clear()
+
+
+def check_no_decode_left_over_shards(report: PlanReport) -> None:
+    """With a sequence-sharded cache, a decode site left as it was would attend to this rank's shard only: a
+    wrong answer. Raise instead, naming the sites and why they were not rewritten. Prefill sites are fine: the
+    sharded cache hands the whole prompt to the prefill attention."""
+    from attnopt.runtime.distributed import DistributedDecodeError
+
+    bad = [s for s in report.sites if not s.rewritten and not (s.reason_untouched or "").startswith("prefill")]
+    if bad:
+        lines = "; ".join(f"{s.site.node} ({s.site.module_path or '?'}): {s.reason_untouched}" for s in bad[:4])
+        raise DistributedDecodeError(
+            f"attnopt with a process group: {len(bad)} attention site(s) could not be rewritten into tree/ring "
+            f"decode, and left as they are they would attend to this rank's KV shard only: {lines}"
+            + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""))
 
 
 def with_call_counts(report: PlanReport) -> PlanReport:

@@ -423,7 +423,7 @@ def probe_cuda() -> tuple[float, float, float]:
     """(copy GB/s, read GB/s, launch µs) of the current GPU."""
     from attnopt.bench.common import copy_bandwidth_TBps, read_bandwidth_TBps
 
-    return copy_bandwidth_TBps(1 << 30) * 1e3, read_bandwidth_TBps(1 << 30) * 1e3, measure_launch_us()
+    return copy_bandwidth_TBps(1 << 30) * 1e3, read_bandwidth_TBps(1 << 30)["best"] * 1e3, measure_launch_us()
 
 
 def calibrate(base: HardwareProfile | None = None, shapes: Sequence[tuple[int, int, int, int, int, int]] = CALIBRATION_SHAPES,

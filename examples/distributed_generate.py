@@ -6,8 +6,10 @@ Run (CPU, gloo)::
 
 Every rank keeps only its shard of every layer's K/V (``ShardedDynamicCache``). The prompt is prefilled with
 plain attention over the whole prompt, then each decode step runs Tree Attention (local attention over the
-shard, one collective of the packed (o, lse), a merge) or Ring Attention, chosen with ``--plan``. Rank 0 also
-generates on one device with the ordinary cache and checks that the greedy tokens are identical.
+shard, one collective of the packed (o, lse), a merge) or Ring Attention, chosen with ``--plan``; with
+``--plan auto`` the model goes through ``attnopt.optimize(model, process_group=...)``, whose planner picks tree or
+ring per site from the topology model and lowers it into the compiled graph. Rank 0 also generates on one device
+with the ordinary cache and checks that the greedy tokens are identical.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--plan", default="tree:all_gather",
-                   help="tree:all_gather | tree:all_reduce | tree:all_reduce3 | ring:pass_kv | ring:pass_q")
+                   help="auto (attnopt.optimize with the process group) | tree:all_gather | tree:all_reduce | "
+                        "tree:all_reduce3 | ring:pass_kv | ring:pass_q")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, s")
     p.add_argument("--no-reference", action="store_true", help="skip the single-device comparison on rank 0")
     p.add_argument("--logit-atol", type=float, default=None,
@@ -45,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     group = D.register_group(timeout=args.timeout)
     kind, _, variant = args.plan.partition(":")
-    if kind == "tree":
+    if kind == "auto":
+        pass
+    elif kind == "tree":
         group.hf_plan = TreePlan(world=group.world, collective=variant or "all_gather")
     elif kind == "ring":
         group.hf_plan = RingPlan(world=group.world, variant=variant or "pass_kv")
@@ -64,13 +69,28 @@ def main(argv: list[str] | None = None) -> int:
             r = model.generate(**inputs, **gen)
         ref, ref_logits = r.sequences[0, n_prompt:].tolist(), torch.stack(r.logits)[:, 0].float()
 
-    D.register_hf_attention()
-    model.set_attn_implementation("attnopt_sharded")
+    runner = model
+    if kind == "auto":
+        import attnopt
+
+        runner = attnopt.optimize(model, process_group=group.pg, inner_backend="eager")
+    else:
+        D.register_hf_attention()
+        model.set_attn_implementation("attnopt_sharded")
     cache = D.make_sharded_cache(model, group)
     t0 = time.perf_counter()
     with torch.no_grad():
-        r = model.generate(**inputs, past_key_values=cache, **gen)
+        r = runner.generate(**inputs, past_key_values=cache, **gen)
     elapsed = time.perf_counter() - t0
+    plan_text = group.hf_plan.describe() if kind != "auto" else None
+    if kind == "auto":
+        report = attnopt.last_plans(runner)
+        rewritten = [s for s in report.sites if s.rewritten]
+        plan_text = "auto: " + ", ".join(sorted({s.chosen.describe() for s in rewritten})) + \
+            f" on {len(rewritten)} sites, {sum(s.calls for s in rewritten)} calls"
+        if not rewritten or not any(s.calls for s in rewritten):
+            print(f"rank {group.rank}: attnopt.optimize rewrote no decode site: {report.summary()}")
+            plan_text += " (NOTHING REWRITTEN)"
     out, logits = r.sequences[0, n_prompt:].tolist(), torch.stack(r.logits)[:, 0].float()
 
     # Every rank must have produced the same tokens.
@@ -81,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     lens = cache.shards.shard_lens()
     rc = 0
     if group.rank == 0:
-        print(f"plan {group.hf_plan.describe()} on {group.describe()}")
+        print(f"plan {plan_text} on {group.describe()}")
         print(f"shard lengths (tokens per rank): {lens}; {elapsed:.2f}s for {len(out)} tokens")
         print("distributed:", repr(tok.decode(out, skip_special_tokens=True)))
         if ref is not None:
@@ -102,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 rc = 0 if diff <= atol else 1
         print(f"identical on every rank: {same_on_ranks}")
         rc = rc or (0 if same_on_ranks else 1)
+    if plan_text.endswith("(NOTHING REWRITTEN)"):
+        rc = 1
     flag = torch.tensor([rc], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()

@@ -16,12 +16,12 @@ balanced shard. Rows (``method``):
   graph, as under ``torch.compile(mode="reduce-overhead")``);
 * ``tree:symm_mem`` — the all-gather done as ``torch.ops.symm_mem.one_shot_all_reduce`` of a zero-padded
   [o | lse] slot buffer (P2P loads, no NVLink multicast), eager and graph;
-* ``ring:pass_kv`` / ``ring:pass_q`` — eager.
+* ``ring:pass_kv`` / ``ring:pass_q`` — eager and graph.
 
 Each row has ``us`` (median per step), ``rel_err`` against an fp32 single-device reference over all N keys,
-``est_us`` from the cost model (``attnopt.cost.collective``; ``graph=True`` for graph rows) and, per case,
-``model_pick`` / ``measured_best`` among the planner's eager candidates (tree x 3, ring x 2) and among the
-graph tree variants. Results are written after every case, so a run cut short still leaves its rows.
+``est_us`` from the cost model (``attnopt.cost.collective``; ``graph=True`` for graph rows) and, per case and
+timing mode, ``model_pick`` / ``measured_best`` among the planner's candidates (tree x 3, ring x 2). The
+summary gives ring over tree in each mode and the model's predicted / measured ratios. Results are written after every case, so a run cut short still leaves its rows.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 #: name -> (B, Hq, Hkv, D)
 SHAPES = {"llama3-8b": (1, 32, 8, 128), "mha16": (1, 16, 16, 128)}
-LENGTHS = {"32k": 32768, "128k": 131072, "512k": 524288, "1M": 1048576}
+LENGTHS = {"32k": 32768, "128k": 131072, "512k": 524288, "1M": 1048576, "2M": 2097152}
 TREE = ("all_gather", "all_reduce", "all_reduce3")
 RING = ("pass_kv", "pass_q")
 REL_ERR_OK = 2e-2
@@ -356,11 +356,18 @@ def run_case(args, g, shape_name: str, n_total: int, hw, topo, cuda: bool, log,
         iters = max(3, args.iters // 5) if variant == "pass_kv" else args.iters
         row(f"ring:{variant}", "eager", eager_us(ring, g, iters, cuda), res[0],
             est(lambda: C.ring_decode_us(site, hw, topo, P, variant)))
+        if cuda and not args.no_graph:  # same mode as the graph tree rows, so ring/tree compares like with like
+            try:
+                steps = max(2, args.graph_steps // 10) if variant == "pass_kv" else args.graph_steps
+                row(f"ring:{variant}", "graph", graph_us(ring, steps, g), res[0],
+                    est(lambda: C.ring_decode_us(site, hw, topo, P, variant, graph=True)))
+            except Exception as exc:
+                row(f"ring:{variant}", "graph", None, None, note=f"failed: {type(exc).__name__}: {exc}")
     g._buffers.clear()
 
     # -- model pick vs measured best ------------------------------------------------------------------
-    for mode, methods in (("eager", [f"tree:{c}" for c in TREE] + [f"ring:{v}" for v in RING]),
-                          ("graph", [f"tree:{c}" for c in TREE])):
+    planner_methods = [f"tree:{c}" for c in TREE] + [f"ring:{v}" for v in RING]
+    for mode, methods in (("eager", planner_methods), ("graph", planner_methods)):
         cand = [x for x in rows if x["mode"] == mode and x["method"] in methods and x["us"] is not None]
         if len(cand) < 2:
             continue
@@ -403,10 +410,21 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 least = min(over, key=over.get)
                 s[f"tree_overhead_us_{mode}"] = round(over[least], 2)
                 s[f"tree_overhead_method_{mode}"] = least
-        rings = [t for t in (get(f"ring:{v}", "eager") for v in RING) if t is not None]
+        for mode in ("eager", "graph"):
+            rings = [t for t in (get(f"ring:{v}", mode) for v in RING) if t is not None]
+            trees_mode = [t for t in (get(f"tree:{c}", mode) for c in TREE + ("symm_mem",)) if t is not None]
+            if rings and trees_mode:
+                s[f"ring_over_tree_{mode}"] = round(min(rings) / min(trees_mode), 2)
+        s["ring_over_tree"] = s.get("ring_over_tree_graph", s.get("ring_over_tree_eager"))
         trees_all = [r["us"] for r in rs if r["method"].startswith("tree:")]
-        if rings and trees_all:
-            s["ring_over_tree"] = round(min(rings) / min(trees_all), 2)
+        # The cost model's error on the planner's candidates: predicted / measured per row.
+        ratios = [r["est_us"] / r["us"] for r in rs if r.get("est_us") and r["us"]
+                  and r["method"].split(":")[0] in ("tree", "ring") and "@" not in r["method"]]
+        if ratios:
+            errs = sorted(abs(math.log(x)) for x in ratios)
+            s["est_over_measured_min"] = round(min(ratios), 3)
+            s["est_over_measured_max"] = round(max(ratios), 3)
+            s["est_abs_log_err_median"] = round(errs[len(errs) // 2], 3)
         single = get("single:flash", "graph") or get("single:flash", "eager")
         if single and trees_all:
             s["single_over_tree"] = round(single / min(trees_all), 2)

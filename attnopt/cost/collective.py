@@ -155,14 +155,16 @@ def hierarchical_all_gather_us(nbytes: float, world: int, topology: Topology | s
     return intra + combine_us + _rail_group_us("all_gather", across, n, topo, graph)
 
 
-def p2p_step_us(nbytes: float, world: int, topology: Topology | str) -> float:
-    """One ring step: every rank sends ``nbytes`` to the next rank at once (batch_isend_irecv)."""
+def p2p_step_us(nbytes: float, world: int, topology: Topology | str, graph: bool = False) -> float:
+    """One ring step: every rank sends ``nbytes`` to the next rank at once (batch_isend_irecv). Inside a CUDA
+    graph the host-side software latency of the step is gone, as for the collectives."""
     topo = resolve_topology(topology, world)
     topo.check_world(world)
     if world == 1:
         return 0.0
     bw, lat = topo.ring_bottleneck(world)
-    return topo.p2p_us + lat + nbytes / (bw * 1e3)
+    software = topo.p2p_us * (topo.graph_collective_us / topo.collective_us if graph and topo.collective_us else 1.0)
+    return software + lat + nbytes / (bw * 1e3)
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -245,7 +247,7 @@ def tree_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
 
 
 def ring_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology | str, world: int,
-                   variant: str = "pass_kv") -> float:
+                   variant: str = "pass_kv", graph: bool = False) -> float:
     """Ring decode over ``world`` ranks.
 
     Parameters
@@ -255,6 +257,8 @@ def ring_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
         next rank while attending to it (overlapped: a step costs the slower of the two) and merging.
         ``pass_q``: every rank attends to its own shard, then ``world - 1`` steps pass the running (o, lse) to
         the next rank, which merges its own state in (at decode the query is already on every rank).
+    graph
+        Whether the step is captured in a CUDA graph.
     """
     topo = resolve_topology(topology, world)
     topo.check_world(world)
@@ -269,10 +273,10 @@ def ring_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
     merge = _merge_us(hw, 3 * state, MERGE_LAUNCHES)
     if variant == "pass_kv":
         shard_kv = kernel.kv_bytes(shard_site(site, world))
-        step = max(local, p2p_step_us(shard_kv, world, topo))
+        step = max(local, p2p_step_us(shard_kv, world, topo, graph))
         return local + (world - 1) * (step + merge) + _merge_us(hw, state + out)
     # pass_q: the query is replicated at decode, so only the packed state travels; each hop merges and repacks.
-    hop = p2p_step_us(state, world, topo) + merge + _merge_us(hw, state, PACK_LAUNCHES)
+    hop = p2p_step_us(state, world, topo, graph) + merge + _merge_us(hw, state, PACK_LAUNCHES)
     return local + _merge_us(hw, state, PACK_LAUNCHES) + (world - 1) * hop + _merge_us(hw, state + out, PACK_LAUNCHES)
 
 
@@ -285,10 +289,11 @@ def best_tree(site: AttentionSite, hw: HardwareProfile, topology: Topology | str
     return min(options, key=lambda o: o[2])
 
 
-def best_ring(site: AttentionSite, hw: HardwareProfile, topology: Topology | str, world: int) -> tuple[str, float]:
+def best_ring(site: AttentionSite, hw: HardwareProfile, topology: Topology | str, world: int,
+              graph: bool = False) -> tuple[str, float]:
     """(variant, µs) of the fastest ring variant."""
     topo = resolve_topology(topology, world)
-    options = [(v, ring_decode_us(site, hw, topo, world, v)) for v in RING_VARIANTS]
+    options = [(v, ring_decode_us(site, hw, topo, world, v, graph)) for v in RING_VARIANTS]
     return min(options, key=lambda o: o[1])
 
 

@@ -94,3 +94,30 @@ def test_generate_smollm2_bad_arguments():
     assert proc.returncode == 2 and "--max-new-tokens must be >= 1" in proc.stderr
     proc = run_example("--dtype", "int3")
     assert proc.returncode == 2 and "unknown dtype" in proc.stderr
+
+
+DIST_SCRIPT = ROOT / "examples" / "distributed_generate.py"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", ["auto", "tree:all_gather"])
+def test_distributed_generate_smollm2_two_gloo_ranks(plan):
+    """``torchrun`` on 2 gloo ranks: SmolLM2 (30 layers) decodes with its cache sharded over the ranks and its
+    greedy tokens and fp32 logits equal one device's. ``auto`` goes through ``attnopt.optimize(model,
+    process_group=...)``: with 30 layers dynamo must not fall back to eager (plain SDPA over a shard)."""
+    try:
+        smollm2_gguf_path()
+    except ModelNotAvailableError as exc:
+        pytest.skip(str(exc))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNOPT_")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DIST_SCRIPT),
+           "--plan", plan, "--max-new-tokens", "6"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "greedy tokens identical to one device: True" in out, out
+    assert "identical on every rank: True" in out, out
+    if plan == "auto":
+        m = re.search(r"plan auto: (.*) on (\d+) sites, (\d+) calls", out)
+        assert m and ("tree(" in m.group(1) or "ring(" in m.group(1)), out
+        assert int(m.group(3)) >= 30 * 5, out  # every layer, every decode step, through the rewritten op

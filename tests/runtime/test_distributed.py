@@ -469,4 +469,28 @@ def test_multigpu_bench_case_runs_on_gloo():
             assert r["rel_err"] is not None and r["rel_err"] < 1e-5, r
         if r["method"].startswith(("tree", "ring")):
             assert r["est_us"] is not None and r["model_pick"] and r["measured_best"]
-    assert summary["llama3-8b-40"]["max_rel_err"] < 1e-5
+    case = summary["llama3-8b-40"]
+    assert case["max_rel_err"] < 1e-5
+    assert case["ring_over_tree_eager"] > 0 and case["ring_over_tree"] == case["ring_over_tree_eager"]  # no graphs on CPU
+    assert case["est_over_measured_min"] <= case["est_over_measured_max"] and case["est_abs_log_err_median"] >= 0
+
+
+def test_backend_refuses_decode_sites_left_over_shards():
+    """With a process group, a decode site that could not be rewritten must raise (over a shard it would be
+    wrong); prefill sites left alone are fine."""
+    from attnopt.backend import check_no_decode_left_over_shards
+    from attnopt.plan import PlanReport, Rejection, SiteReport
+    from attnopt.runtime.distributed import DistributedDecodeError
+    from attnopt.site import AttentionSite
+
+    def site(node, q_len, unsupported=None):
+        return AttentionSite(node=node, module_path=f"model.layers.0.{node}", pattern="sdpa", batch=1, q_heads=4,
+                             kv_heads=2, head_dim=8, q_len=q_len, kv_len=None, dtype="float32",
+                             unsupported=unsupported)
+
+    prefill = SiteReport(site(node="prefill", q_len=None, unsupported="prefill: symbolic q_len"))
+    check_no_decode_left_over_shards(PlanReport(sites=[prefill]))
+    odd_mask = SiteReport(site(node="sdpa_1", q_len=1, unsupported="mask of rank 5 > 4"))
+    no_plan = SiteReport(site(node="sdpa_2", q_len=1), rejected=[Rejection("tree", "q_len is symbolic")])
+    with pytest.raises(DistributedDecodeError, match=r"2 attention site\(s\).*sdpa_1.*mask of rank 5.*sdpa_2"):
+        check_no_decode_left_over_shards(PlanReport(sites=[prefill, odd_mask, no_plan]))
