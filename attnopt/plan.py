@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, TypeVar
 
@@ -194,6 +196,8 @@ class SiteReport:
     calls: int = 0
     #: Key the lowered op counts its calls under (``graph_id:node``); empty when not rewritten.
     key: str = ""
+    #: Id of the compiled graph the site is in (``g3``); ``PlanReport.merge`` fills it from its report.
+    graph: str = ""
 
     @property
     def reason_untouched(self) -> str | None:
@@ -205,6 +209,18 @@ class SiteReport:
             return "; ".join(f"{r.kind}: {r.reason}" for r in self.rejected) or "no applicable plan"
         return "not lowered"
 
+    @property
+    def untouched_category(self) -> str | None:
+        """A short class of ``reason_untouched`` for summaries (``prefill``, ``training``, ``no applicable plan``,
+        ``kv_len < min_kv_len``, ...): the reason up to its first ``:`` or ``;``, without the numbers."""
+        if self.rewritten:
+            return None
+        if not self.site.unsupported:
+            return "no applicable plan" if self.chosen is None else "not lowered"
+        head = re.split(r"[:;]", self.site.unsupported, maxsplit=1)[0].strip()
+        head = re.sub(r"\s*\(\d+\)|=-?\d+(\.\d+)?", "", head).strip() or self.site.unsupported
+        return head if len(head) <= 48 else head[:47] + "…"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "site": self.site.to_dict(),
@@ -214,6 +230,7 @@ class SiteReport:
             "rewritten": self.rewritten,
             "calls": self.calls,
             "key": self.key,
+            "graph": self.graph,
         }
 
     @classmethod
@@ -226,6 +243,7 @@ class SiteReport:
             rewritten=bool(data.get("rewritten", False)),
             calls=int(data.get("calls", 0)),
             key=data.get("key", ""),
+            graph=data.get("graph", ""),
         )
 
 
@@ -266,9 +284,15 @@ class PlanReport:
 
     @classmethod
     def merge(cls, reports: Iterable["PlanReport"]) -> "PlanReport":
+        """One report over several graphs. Each site keeps the id of its graph (``SiteReport.graph``); the
+        profile is the graphs' profile, or the distinct ones joined with ``", "``."""
         reports = list(reports)
-        out = cls(profile=reports[0].profile if reports else "", graph="+".join(r.graph for r in reports if r.graph))
+        profiles = list(dict.fromkeys(r.profile for r in reports if r.profile))
+        out = cls(profile=", ".join(profiles), graph="+".join(r.graph for r in reports if r.graph))
         for r in reports:
+            for s in r.sites:
+                if not s.graph:
+                    s.graph = r.graph
             out.sites.extend(r.sites)
             out.config = out.config or r.config
         return out
@@ -276,29 +300,192 @@ class PlanReport:
     def summary(self) -> str:
         return f"{len(self.sites)} attention site(s), {len(self.rewritten)} rewritten, {len(self.untouched)} left alone"
 
-    def rich_table(self, title: str | None = None):
-        """A ``rich.table.Table`` with one row per site."""
+    # ----------------------------------------------------------------------------------------- rendering
+    def graph_of(self, s: SiteReport) -> str:
+        """The graph id of a site: its own, else its op key's prefix, else this report's (when it is one graph)."""
+        if s.graph:
+            return s.graph
+        if ":" in s.key:
+            return s.key.split(":", 1)[0]
+        return self.graph if "+" not in self.graph else ""
+
+    def headline(self) -> str:
+        """One line: sites and graphs, rewritten by plan kind, left alone by reason, profile, op calls. E.g.
+        ``150 attention site(s) in 5 graph(s): 60 rewritten (60 split_kv), 90 left alone (90 prefill); profile
+        h100-sxm``."""
+        graphs = {self.graph_of(s) for s in self.sites} - {""}
+        kinds = Counter(s.chosen.kind if s.chosen else "?" for s in self.rewritten)
+        why = Counter(s.untouched_category for s in self.untouched)
+
+        def counts(c: Counter) -> str:
+            return " (" + ", ".join(f"{n} {k}" for k, n in c.most_common()) + ")" if c else ""
+
+        text = (f"{len(self.sites)} attention site(s)" + (f" in {len(graphs)} graph(s)" if graphs else "")
+                + f": {len(self.rewritten)} rewritten{counts(kinds)}, {len(self.untouched)} left alone{counts(why)}"
+                + f"; profile {self.profile or '?'}")
+        calls = sum(s.calls for s in self.sites)
+        return text + (f"; {calls} attnopt op call(s) so far" if calls else "")
+
+    def groups(self) -> list[list[SiteReport]]:
+        """Sites that share graph, shapes, dtype, mask kind and outcome (the chosen plan, or why left alone), in
+        the order of their first site."""
+        out: dict[tuple, list[SiteReport]] = {}
+        for s in self.sites:
+            outcome = ("plan", s.chosen.runtime_key()) if (s.rewritten and s.chosen) else ("left alone", s.reason_untouched)
+            key = (self.graph_of(s), s.site.shape_str(), s.site.dtype, s.site.mask_kind, outcome)
+            out.setdefault(key, []).append(s)
+        return list(out.values())
+
+    def rich_table(self, title: str | None = None, all_sites: bool = False, max_alternatives: int = 3):
+        """A ``rich.table.Table`` of the plans.
+
+        By default one row per group of like sites (``groups()``), with a site count, a compact module path
+        (``model.layers.{0..29}.self_attn``) and the best ``max_alternatives`` alternatives (the fastest
+        candidate of each other kind, then the strategies that did not apply, with their reasons) and
+        ``+N more``. ``all_sites=True``: one row per site with every candidate and rejection.
+        """
         from rich.table import Table
 
-        table = Table(title=title or f"attnopt plans ({self.summary()}; profile {self.profile or '?'})", show_lines=True)
-        for col in ("site", "module", "shape", "dtype", "mask", "plan", "est µs", "alternatives / reason"):
-            table.add_column(col, overflow="fold")
-        for s in self.sites:
-            site = s.site
-            plan = s.chosen.describe() if (s.chosen and s.rewritten) else "[yellow]untouched[/yellow]"
-            est = f"{s.chosen.est_us:.1f}" if (s.chosen and s.rewritten and not math.isnan(s.chosen.est_us)) else "-"
-            alts = [f"{c.kind}: {c.est_us:.1f} µs" for c in s.candidates if c is not s.chosen and not math.isnan(c.est_us)]
-            alts += [f"{r.kind}: {r.reason}" for r in s.rejected]
-            if not s.rewritten:
-                alts.insert(0, f"[yellow]why: {s.reason_untouched}[/yellow]")
-            table.add_row(site.node, site.module_path, site.shape_str(), site.dtype, site.mask_kind, plan, est,
-                          "\n".join(alts))
+        rows = [[s] for s in self.sites] if all_sites else self.groups()
+        show_calls = any(s.calls for s in self.sites)
+        table = Table(title=title, show_lines=True, title_justify="left")
+        table.add_column("graph", no_wrap=True)
+        table.add_column("site" if all_sites else "sites", justify="left" if all_sites else "right",
+                         overflow="fold", no_wrap=not all_sites)
+        # Caps on the descriptive columns leave the width to the alternatives; rich folds every cell when the
+        # console is narrower than the table (no min_width: rich would then draw the table wider than the console).
+        table.add_column("module", overflow="fold", max_width=32)
+        table.add_column("shape", overflow="fold", max_width=24)
+        table.add_column("mask", overflow="fold", max_width=12)
+        table.add_column("plan", overflow="fold", max_width=24)
+        table.add_column("est µs", justify="right", no_wrap=True)
+        if show_calls:
+            table.add_column("calls", justify="right", no_wrap=True)
+        table.add_column("alternatives (fastest first) / why left alone" if all_sites else "alternatives / why left alone",
+                         overflow="fold")
+        for group in rows:
+            first = group[0]
+            site = first.site
+            done = first.rewritten and first.chosen is not None
+            plan = _plan_cell(first.chosen) if done else "[yellow]left alone[/yellow]"
+            est = f"{first.chosen.est_us:.1f}" if done and not math.isnan(first.chosen.est_us) else "-"
+            lines = _alternatives(group, first.chosen if done else None, None if all_sites else max_alternatives)
+            if not first.rewritten:
+                why = first.reason_untouched if (first.site.unsupported or first.chosen is not None) else "no applicable plan"
+                lines.insert(0, f"[yellow]why: {_esc(why)}[/yellow]")
+            cells = [self.graph_of(first) or "?",
+                     site.node if all_sites else str(len(group)),
+                     _esc(site.module_path or "?") if all_sites else _esc(compact_paths([s.site.module_path for s in group])),
+                     f"{site.shape_str()}\n[dim]{site.dtype}[/dim]",
+                     site.mask_kind, plan, est]
+            if show_calls:
+                cells.append(str(sum(s.calls for s in group)) if first.rewritten else "-")
+            cells.append("\n".join(lines) or "-")
+            table.add_row(*cells)
         return table
 
-    def format_table(self, width: int = 160) -> str:
+    def render(self, console=None, all_sites: bool = False) -> None:
+        """Print the headline and the table (``rich_table``) on ``console`` (a ``rich.console.Console``)."""
+        from rich.console import Console
+        from rich.text import Text
+
+        console = console or Console()
+        console.print(Text(self.headline(), style="bold"))
+        if self.sites:
+            console.print(self.rich_table(all_sites=all_sites))
+
+    def format_table(self, width: int = 160, all_sites: bool = False) -> str:
+        """``render`` as plain text ``width`` columns wide."""
         from rich.console import Console
 
         console = Console(width=width, force_terminal=False, color_system=None)
         with console.capture() as cap:
-            console.print(self.rich_table())
+            self.render(console, all_sites=all_sites)
         return cap.get()
+
+
+# --------------------------------------------------------------------------------------------- table helpers
+def _esc(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _est(plan: Plan) -> float:
+    return math.inf if math.isnan(plan.est_us) else plan.est_us
+
+
+def _plan_cell(plan: Plan) -> str:
+    """``kind`` then its parameters, dimmed: narrower than ``describe()`` and wraps at the commas."""
+    args = ", ".join(f"{f.name}={getattr(plan, f.name)}" for f in dataclasses.fields(plan) if f.name != "est_us")
+    return f"[bold]{plan.kind}[/bold]" + (f"\n[dim]{_esc(args)}[/dim]" if args else "")
+
+
+def _alternatives(group: list[SiteReport], chosen: Plan | None, limit: int | None) -> list[str]:
+    """The lines of the alternatives cell. ``limit=None``: every candidate (with its parameters) and every
+    rejection. Otherwise the fastest candidate of each kind (the chosen plan left out), then the rejections
+    merged by reason (``tree, ring: needs a process group``), ``limit`` lines at most, then ``+N more``."""
+    best: dict[str, Plan] = {}  # runtime key -> candidate (the lowest estimate seen in the group)
+    for s in group:
+        for c in s.candidates:
+            k = c.runtime_key()
+            if k not in best or _est(c) < _est(best[k]):
+                best[k] = c
+    skip = chosen.runtime_key() if chosen is not None else None
+    others = sorted((c for k, c in best.items() if k != skip), key=_est)
+    rejected: dict[str, list[str]] = {}  # reason -> kinds
+    for s in group:
+        for r in s.rejected:
+            kinds = rejected.setdefault(r.reason, [])
+            if r.kind not in kinds:
+                kinds.append(r.kind)
+    base = chosen.est_us if chosen is not None and chosen.est_us > 0 else math.nan
+
+    def est_text(c: Plan) -> str:
+        if math.isnan(c.est_us):
+            return "not estimated"
+        ratio = f" ({c.est_us / base:.1f}x)" if math.isfinite(base) and math.isfinite(c.est_us) else ""
+        return f"{c.est_us:.1f} µs{ratio}"
+
+    if limit is None:
+        return ([f"{_esc(c.describe())}: {est_text(c)}" for c in others]
+                + [f"{_esc(r.kind)}: {_esc(r.reason)}" for s in group for r in s.rejected])
+    items: list[tuple[str, int]] = []  # (line, how many alternatives it stands for)
+    seen: set[str] = set()
+    for c in others:
+        if c.kind not in seen:  # the fastest of each kind; the other parameters count in "+N more"
+            seen.add(c.kind)
+            items.append((f"{c.kind}: {est_text(c)}", 1))
+    items += [(f"{', '.join(kinds)}: {_esc(reason)}", len(kinds)) for reason, kinds in rejected.items()]
+    shown = items[:limit]
+    total = len(others) + sum(len(k) for k in rejected.values())
+    hidden = total - sum(n for _, n in shown)
+    return [line for line, _ in shown] + ([f"[dim]+{hidden} more[/dim]"] if hidden > 0 else [])
+
+
+def _ranges(nums: list[int]) -> str:
+    """``[0, 1, 2, 3, 5, 7, 8, 9]`` -> ``0..3,5,7..9``."""
+    out, i = [], 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(f"{nums[i]}..{nums[j]}" if j - i >= 2 else ",".join(str(n) for n in nums[i:j + 1]))
+        i = j + 1
+    return ",".join(out)
+
+
+def compact_paths(paths: list[str]) -> str:
+    """Module paths of a group in one string: ``model.layers.{0..29}.self_attn`` when they differ in one
+    numeric component, else the first path and ``(+N more)``. An empty path is ``?``."""
+    uniq = list(dict.fromkeys(p or "?" for p in paths))
+    if len(uniq) == 1:
+        return uniq[0]
+    parts = [u.split(".") for u in uniq]
+    if len({len(p) for p in parts}) == 1:
+        diff = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+        if len(diff) == 1 and all(p[diff[0]].isdigit() for p in parts):
+            i = diff[0]
+            nums = sorted({int(p[i]) for p in parts})
+            return ".".join(parts[0][:i] + ["{" + _ranges(nums) + "}"] + parts[0][i + 1:])
+    return f"{uniq[0]} (+{len(uniq) - 1} more)"

@@ -65,8 +65,25 @@ class AttentionSite:
         return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}.get(self.dtype, 2)
 
     def shape_str(self) -> str:
-        n = str(self.kv_len) if self.kv_len is not None else f"sym({self.kv_len_hint})"
-        return f"B={self.batch} H={self.q_heads}/{self.kv_heads} q={self.q_len} N={n} D={self.head_dim}"
+        """Every known size, ``?`` for an unknown one, ``N~hint`` for a symbolic KV length traced at ``hint``.
+
+        E.g. ``B=1 H=32/8 q=1 N=8192 D=128``, ``B=1 H=9/3 q=? N~37 D=64``. Head counts and head dims of 0 are
+        the detector's "unknown" (symbolic or no fake value) and print as ``?``.
+        """
+        def known(x: int | None, zero_unknown: bool = False) -> str:
+            return "?" if x is None or (zero_unknown and x == 0) else str(x)
+
+        if self.kv_len is not None:
+            n = f"N={self.kv_len}"
+        elif self.kv_len_hint is not None:
+            n = f"N~{self.kv_len_hint}"
+        else:
+            n = "N=?"
+        d = f"D={known(self.head_dim, True)}"
+        if self.v_head_dim is not None and self.v_head_dim != self.head_dim:
+            d += f" Dv={self.v_head_dim}"
+        return (f"B={known(self.batch)} H={known(self.q_heads, True)}/{known(self.kv_heads, True)} "
+                f"q={known(self.q_len)} {n} {d}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,8 +5,12 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cp .smol/partaa /tmp/partaa 2>/dev/null || echo "no .smol/partaa carried"
-pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
-commit=${ATTNOPT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# A regular install, run from /tmp: a source checkout in the working directory would shadow the package-dir
+# mapping (attnopt.runtime / attnopt.passes live in runtime/ and passes/).
+REPO=$PWD
+python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
+cd /tmp && python -c "import attnopt.runtime, attnopt.passes; print('attnopt from', attnopt.__file__)" || exit 1
+commit=${ATTNOPT_COMMIT:-$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)}
 nvidia-smi topo -m | head -8 | tee "$OUT/topo.txt"
 gpus=$(nvidia-smi -L | wc -l)
 for P in ${@:-4 2}; do

@@ -4,15 +4,19 @@
 # and the explicit tree plan; fp32 tokens must be identical, bf16 logits within tolerance.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-mkdir -p /tmp/smol && cat /tmp/partaa .smol/partab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+# A regular install, run from /tmp: a source checkout in the working directory would shadow the package-dir
+# mapping (attnopt.runtime / attnopt.passes live in runtime/ and passes/).
+REPO=$PWD
+python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
+cd /tmp && python -c "import attnopt.runtime, attnopt.passes; print('attnopt from', attnopt.__file__)" || exit 1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site "$REPO"/.whl/*.whl && export PYTHONPATH=/tmp/site
+mkdir -p /tmp/smol && cat /tmp/partaa "$REPO/.smol/partab" > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
 export ATTNOPT_SMOLLM2_GGUF=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf ATTNOPT_CACHE_DIR=/tmp/attnopt-cache
 gpus=$(nvidia-smi -L | wc -l)
 run() {  # P dtype plan
   [ "$1" -le "$gpus" ] || { echo "skip P=$1"; return; }
   echo "=== P=$1 $2 $3"
-  timeout 240 torchrun --standalone --nproc-per-node "$1" examples/distributed_generate.py --dtype "$2" --plan "$3" \
+  timeout 240 torchrun --standalone --nproc-per-node "$1" "$REPO/examples/distributed_generate.py" --dtype "$2" --plan "$3" \
     --max-new-tokens 24 2>&1 | grep -v "Warning\|warn\|^W11\|^\[rank\|Loading weights" | tee -a "$OUT/generate.log" | tail -9
   echo "rc=$?"
 }

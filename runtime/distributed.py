@@ -1034,6 +1034,48 @@ def hf_sharded_attention(module, query, key, value, attention_mask, scaling=None
     return out.transpose(1, 2).contiguous(), None
 
 
+def register_hf_shard_aware(model) -> str:
+    """Register ``attnopt_shard_aware_<base>``: HF's ``base`` attention ("sdpa" or "eager") with the mask
+    first cut to this rank's key columns when the keys are a shard (``torch.ops.attnopt.shard_mask_columns``).
+
+    ``attnopt.optimize(model, process_group=...)`` switches the model to it. The mask HF builds follows the global
+    key positions while a sharded cache hands attention the local keys; cut in the traced graph, the decode
+    attention stays a well-formed SDPA over (local keys, local mask) that the pass rewrites into tree / ring
+    decode. Without a shard (mask columns == keys) it is ``base`` itself, so an unsharded model is unchanged.
+    """
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from . import ops  # noqa: F401  (defines torch.ops.attnopt.shard_mask_columns)
+
+    base = model.config._attn_implementation
+    if base.startswith("attnopt_shard_aware_"):
+        return base
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as base_fn
+    elif base == "eager":
+        # Each HF model file has its own eager attention (some add softcapping or sinks): use the model's.
+        base_fn = getattr(sys.modules[type(model).__module__], "eager_attention_forward", None)
+        if base_fn is None:
+            raise ValueError(f"{type(model).__name__}: no eager_attention_forward in {type(model).__module__}; "
+                             "load the model with attn_implementation='sdpa' for distributed decode")
+    else:
+        raise ValueError(f"distributed decode through attnopt.optimize supports the 'sdpa' and 'eager' attention "
+                         f"implementations, not {base!r}")
+    name = f"attnopt_shard_aware_{base}" if base == "sdpa" else f"attnopt_shard_aware_eager_{type(model).__module__}"
+
+    def shard_aware(module, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+            attention_mask = torch.ops.attnopt.shard_mask_columns(attention_mask, key.shape[-2])
+        return base_fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    AttentionInterface.register(name, shard_aware)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
 def register_hf_attention(name: str = "attnopt_sharded") -> str:
     """Register :func:`hf_sharded_attention` (and SDPA's mask function) with transformers under ``name``."""
     from transformers import AttentionInterface
@@ -1049,5 +1091,5 @@ __all__ = [
     "register_group", "unregister_group", "get_group", "current_group", "use_group", "local_states",
     "combine_tree", "tree_decode", "ring_decode", "ring_pass_kv", "ring_pass_q", "merge_packed",
     "ShardedKVCache", "balanced_bounds", "adapt_mask", "hf_sharded_cache_class", "make_sharded_cache",
-    "hf_sharded_attention", "register_hf_attention", "check_decode_shapes", "check_world", "localize",
+    "hf_sharded_attention", "register_hf_attention", "register_hf_shard_aware", "check_decode_shapes", "check_world", "localize",
 ]

@@ -30,6 +30,7 @@ _lib.define(
 _lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)")
 _lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
 _lib.define("valid_len_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
+_lib.define("shard_mask_columns(Tensor attn_mask, SymInt local_len) -> Tensor")
 
 #: Calls per site key, counted on the host by the op (not under CUDA-graph replay).
 CALL_COUNTS: Counter[str] = Counter()
@@ -114,9 +115,20 @@ def _valid_len_from_mask(attn_mask, batch):
     return valid_len_from_mask(attn_mask, batch)
 
 
+def _shard_mask_columns(attn_mask, local_len):
+    """A mask over the global key columns (..., N) -> this rank's columns (..., local_len), through the current
+    group's sequence-sharded cache (``runtime.distributed``); unchanged when it already has local_len columns."""
+    from .distributed import adapt_mask, current_group
+
+    if attn_mask.shape[-1] == local_len:
+        return attn_mask.clone()
+    out = adapt_mask(current_group(), attn_mask, attn_mask.new_empty((1, 1, local_len, 1)))
+    return out.contiguous()
+
+
 for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_states", _decode_attention_states),
                    ("merge_states", _merge_states), ("check_close", _check_close),
-                   ("valid_len_from_mask", _valid_len_from_mask)):
+                   ("valid_len_from_mask", _valid_len_from_mask), ("shard_mask_columns", _shard_mask_columns)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
@@ -144,6 +156,11 @@ def _check_close_fake(new, ref, site, atol, rtol, calls):
 @torch.library.register_fake("attnopt::valid_len_from_mask")
 def _valid_len_from_mask_fake(attn_mask, batch):
     return attn_mask.new_empty((batch,), dtype=torch.int32)
+
+
+@torch.library.register_fake("attnopt::shard_mask_columns")
+def _shard_mask_columns_fake(attn_mask, local_len):
+    return attn_mask.new_empty((*attn_mask.shape[:-1], local_len))
 
 
 def reset_runtime_state() -> None:

@@ -1,4 +1,9 @@
-"""``attnopt plans [LOG]``: print the plan table of a plan log (JSON written by ``plan_log``)."""
+"""``attnopt plans [LOG]``: print the plans of a plan log (JSON written by ``plan_log``).
+
+A one-line summary (sites, rewritten by plan kind, left alone by reason, hardware profile, op calls), then a
+table with one row per group of like sites (same graph, shapes, mask and outcome) and its best alternatives.
+``--all`` prints one row per site with every alternative; ``--json`` the merged report as JSON.
+"""
 from __future__ import annotations
 
 import json
@@ -8,11 +13,20 @@ from pathlib import Path
 
 from attnopt.config import PLAN_LOG_ENV
 
+#: Table width when stdout is not a terminal (a pipe, a file) and ``$COLUMNS`` is not set.
+DEFAULT_WIDTH = 160
+
 
 def register(sub) -> None:
     p = sub.add_parser("plans", help="show the plan chosen for every attention site of a plan log")
     p.add_argument("log", nargs="?", help=f"plan log JSON (default: ${PLAN_LOG_ENV})")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--all", action="store_true",
+                   help="one row per site with every candidate and rejection (default: like sites grouped, "
+                        "the best 3 alternatives each)")
+    p.add_argument("--width", type=int, default=None,
+                   help=f"table width in columns (default: the terminal's; {DEFAULT_WIDTH} when not a terminal "
+                        "and $COLUMNS is unset)")
     p.set_defaults(func=run)
 
 
@@ -42,7 +56,20 @@ def run(args) -> int:
     if args.json:
         print(report.to_json(indent=2))
         return 0
+    report.render(make_console(args.width), all_sites=args.all)
+    return 0
+
+
+def make_console(width: int | None = None):
+    """A console for stdout: ``width`` if given; else the terminal's width (rich folds the cells of a narrow
+    one); else ``$COLUMNS``; else ``DEFAULT_WIDTH`` (rich's 80 columns would fold a piped table badly)."""
     from rich.console import Console
 
-    Console(width=max(120, Console().width)).print(report.rich_table())
-    return 0
+    if width is not None:
+        if width < 40:
+            raise ValueError(f"--width {width} is too narrow for the table (at least 40)")
+        return Console(width=width)
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=DEFAULT_WIDTH)
+    return console

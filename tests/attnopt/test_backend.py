@@ -148,12 +148,56 @@ def test_plans_cli_prints_the_table(tmp_path, capsys, monkeypatch):
     assert len(log.read_text().splitlines()) == 2
     assert cli_main(["plans", str(log)]) == 0
     out = capsys.readouterr().out
-    assert "dense" in out and "prefill" in out and "2 attention site(s), 1 rewritten" in out
+    assert out.splitlines()[0] == ("2 attention site(s) in 2 graph(s): 1 rewritten (1 dense), 1 left alone "
+                                   "(1 prefill); profile cpu")
+    assert "dense" in out and "why: prefill: symbolic q_len" in out
+    # Both sites show their shapes; the recompiled prefill graph has a symbolic q_len and KV length (hint 4).
+    assert "B=2 H=6/2 q=1 N=37 D=64" in out and "B=2 H=6/2 q=? N~4 D=64" in out
+    assert max(len(line) for line in out.splitlines()) <= 160  # not a terminal, no $COLUMNS: 160 wide
     assert cli_main(["plans"]) == 0  # from the environment variable
     capsys.readouterr()
     assert cli_main(["plans", "--json", str(log)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [s["rewritten"] for s in data["sites"]] == [True, False]
+    graphs = [s["graph"] for s in data["sites"]]
+    assert graphs[0] == data["sites"][0]["key"].split(":")[0] and graphs[1] and graphs[1] != graphs[0]
+
+
+def _two_layer_log(tmp_path):
+    """A plan log of two graphs (decode, then prefill) of a two-layer decoder: 4 sites, 2 groups."""
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([TinyDecoder(), TinyDecoder()])
+
+        def forward(self, q, k, v):
+            return self.layers[1](self.layers[0](q, k, v), k, v)
+
+    torch._dynamo.reset()
+    log = tmp_path / "two.jsonl"
+    opt = attnopt.optimize(TwoLayers().eval(), inner_backend="eager", plan_log=str(log))
+    with torch.no_grad():
+        opt(*_inputs())
+        opt(*_inputs(N=4, L=4))
+    return log
+
+
+def test_plans_cli_groups_like_sites_and_all_lists_every_site(tmp_path, capsys):
+    log = _two_layer_log(tmp_path)
+    assert cli_main(["plans", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("4 attention site(s) in 2 graph(s): 2 rewritten (2 dense), 2 left alone")
+    assert out.count("│ layers.{0,1} ") == 2, out  # one row per graph: 2 layers each
+    assert "out_1" not in out  # grouped rows name no node
+    assert cli_main(["plans", "--all", str(log)]) == 0
+    full = capsys.readouterr().out
+    assert "layers.{0,1}" not in full and full.count("out_1") == 2
+    assert full.count("layers.0") == 2 and full.count("layers.1") == 2, full  # one row per site, in each graph
+    assert cli_main(["plans", "--width", "70", str(log)]) == 0
+    narrow = capsys.readouterr().out
+    assert max(len(line) for line in narrow.splitlines()) <= 70, narrow
+    assert cli_main(["plans", "--width", "10", str(log)]) == 2
+    assert "too narrow" in capsys.readouterr().err
 
 
 def test_plans_cli_corrupt_log_is_a_clear_error(tmp_path, capsys):
