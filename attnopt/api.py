@@ -26,11 +26,15 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         compiled, so ``model(...)``, ``model.forward(...)`` and Hugging Face ``model.generate(...)`` all go
         through the rewritten graph (``.generate`` of a bare ``torch.compile(model)`` wrapper would not).
         Hugging Face's own auto-compile during ``generate`` is switched off on the copy, because an outer
-        ``torch.compile`` would trace around attnopt's backend.
+        ``torch.compile`` would trace around attnopt's backend. Attention modules with a sliding window are
+        recorded in ``config.sliding_windows`` (see ``sliding_windows``), so that their sites are left alone.
     config : OptimizeConfig or dict, optional
         Options; keyword ``options`` are merged on top. Unknown keys raise ``ValueError``.
     process_group : torch.distributed.ProcessGroup, optional
-        Shard the KV cache along the sequence over this group and plan tree / ring decode.
+        Plan tree / ring decode over this group, for a KV cache sharded along the sequence
+        (``attnopt.runtime.distributed.make_sharded_cache(model, group)``, passed to ``generate``). A Hugging Face
+        model is switched to a shard-aware wrapper of its attention implementation ("sdpa" or "eager"), which
+        cuts the global mask to the local keys; on an unsharded cache it computes exactly what it did before.
     mode : str, optional
         Passed to the inner backend (``"reduce-overhead"`` turns on CUDA graphs under inductor).
     """
@@ -38,6 +42,12 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         cfg = config.replace(**options) if options else config
     else:
         cfg = OptimizeConfig.from_options(config or {}, **options)
+    owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        known = dict(cfg.sliding_windows)
+        found = tuple(pair for pair in sliding_windows(owner) if pair[0] not in known)
+        if found:
+            cfg = cfg.replace(sliding_windows=cfg.sliding_windows + found)
     backend = Backend(cfg, process_group=process_group, mode=mode)
     if isinstance(model, torch.nn.Module):
         optimized = copy.copy(model)
@@ -45,6 +55,12 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         if gen_cfg is not None:
             optimized.generation_config = copy.deepcopy(gen_cfg)
             optimized.generation_config.disable_compile = True
+        if process_group is not None and hasattr(getattr(model, "config", None), "_attn_implementation"):
+            # HF builds masks over the global key positions; the shard-aware attention cuts them to the local
+            # keys in the graph. The config is shared with ``model``, which is unchanged on an unsharded cache.
+            from attnopt.runtime.distributed import register_hf_shard_aware
+
+            model.set_attn_implementation(register_hf_shard_aware(model))
         compiled_forward = torch.compile(model.forward, backend=backend, dynamic=cfg.dynamic)
         if process_group is not None:
             compiled_forward = _never_eager_over_shards(compiled_forward, model)
@@ -84,6 +100,28 @@ def _never_eager_over_shards(compiled: Callable, model: torch.nn.Module) -> Call
             return compiled(*args, **kwargs)
 
     return forward
+
+
+def sliding_windows(model: torch.nn.Module) -> tuple[tuple[str, int], ...]:
+    """``(module path, window)`` of the attention modules of ``model`` that attend through a sliding window.
+
+    Hugging Face sets ``self.sliding_window`` on the attention modules of models with per-layer windows (Gemma 2/3,
+    Qwen2 with ``use_sliding_window``, gpt-oss, ...): the window on sliding layers, None on full ones. Mistral and
+    Phi-3 attention modules have no such attribute and pass ``config.sliding_window`` to the attention call. The
+    paths are those of ``model.named_modules()``, which is what ``module_path`` makes of a site's module stack.
+    """
+    found = []
+    for path, module in model.named_modules():
+        attrs = vars(module)
+        if "sliding_window" in attrs:
+            window = attrs["sliding_window"]
+        elif type(module).__name__.endswith("Attention") and hasattr(module, "config"):
+            window = getattr(module.config, "sliding_window", None)
+        else:
+            continue
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            found.append((path, window))
+    return tuple(found)
 
 
 def last_plans(obj: Any = None) -> PlanReport:

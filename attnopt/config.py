@@ -48,6 +48,9 @@ class OptimizeConfig:
     dynamic: bool | None = None
     #: Leave these sites alone (node names or module paths).
     skip_sites: tuple[str, ...] = ()
+    #: ``(module path, window)`` of attention modules with a sliding window; their sites are left alone with
+    #: that reason. ``attnopt.optimize`` fills it from the model's modules; a dict ``{path: window}`` is accepted.
+    sliding_windows: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.version != CONFIG_VERSION:
@@ -62,6 +65,12 @@ class OptimizeConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
+        windows = self.sliding_windows.items() if isinstance(self.sliding_windows, Mapping) else self.sliding_windows
+        try:
+            pairs = tuple((str(path), int(window)) for path, window in windows)
+        except (TypeError, ValueError):
+            raise ValueError(f"sliding_windows must be (module path, window) pairs, got {self.sliding_windows!r}") from None
+        object.__setattr__(self, "sliding_windows", pairs)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -86,6 +95,7 @@ class OptimizeConfig:
         for name in ("strategies", "skip_sites"):
             if data[name] is not None:
                 data[name] = list(data[name])
+        data["sliding_windows"] = [list(pair) for pair in data["sliding_windows"]]
         return data
 
     def to_json(self) -> str:

@@ -4,19 +4,32 @@ graph order) to ``ctx.matches``, including sites left alone, whose ``site.unsupp
 
 Decode-time rule (issue 2, item 3): ``q_len`` is static and ``<= config.max_decode_q_len``, and ``kv_len`` is
 symbolic, or static with ``kv_len > q_len`` and ``kv_len >= config.min_kv_len``. Everything else is prefill.
+A size the shape environment has specialised (a StaticCache's head count under ``dynamic=True``) is static.
 
-Mask kinds (issue 2, item 4; the runtime applies any mask exactly per tile, so the kind is for reporting and
-for wiring ``valid_len``):
+Softmax scale: a number, or under ``dynamic=True`` the ``.item()`` of a 0-d input that dynamo makes of a float
+attribute (HF's ``self.scaling``). SDPA specialises that symbolic float (dynamo guards it; it is read as a
+number); the eager chain keeps it symbolic and ``lower`` folds it into q at run time.
+
+Mask kinds (issue 2, item 4; the runtime applies any mask exactly per tile, so the kind is for reporting, the
+cost model and wiring ``valid_len``), from ``patterns.mask_form``, which proves what a mask is:
 
 * ``none`` / ``causal``: no mask tensor (``causal`` = ``is_causal=True``, PyTorch's top-left alignment);
-* ``valid_length``: a one-head mask built like Hugging Face's static-cache mask: comparisons of key positions
-  from ``arange`` against query positions (``cache_position``), boolean ops, slices, expands, and a
-  ``where(mask, 0, finfo.min)`` for additive forms;
-* ``arbitrary``: any other boolean mask or additive 0 / -inf / very-negative mask (graph inputs included).
+* ``valid_length``: one head, and an AND of ``key_position <= query_position`` (key positions: ``arange`` plus
+  a per-row offset along the last dim) with terms that compare no positions, such as Hugging Face's padding
+  lookup ``padding[batch, kv]``; through broadcasts, slices and ``where(mask, 0, finfo.min)`` for additive forms.
+  This is the mask transformers builds *inside* a compiled forward over a StaticCache (a direct call,
+  ``torch.export``). ``generate()`` over a StaticCache builds its 4-D mask *before* the compiled forward
+  (``create_masks_for_generate``), so the graph sees a placeholder, of which nothing can be proved: "arbitrary";
+* ``arbitrary``: any other boolean or additive 0 / -inf / very-negative mask (graph inputs, suffixes, ORs, ...).
 
-Sliding windows are not inferred as a window parameter: a window mask contains a subtraction of positions
-(``kv_idx > q_idx - window``), is classified ``arbitrary`` and stays exact through the mask path. Inferring the
-window would only let a kernel skip the tiles before it, and ``AttentionSite`` has no field for it yet.
+Sliding windows are left alone ("unsupported variants ... left untouched"): attnopt has no window-aware plan.
+A site is one when its module is in ``config.sliding_windows`` (``attnopt.optimize`` fills it from the model's
+attention modules), or when its mask provably is a window: an AND of ``key <= query`` and ``key > query - w``
+(HF's ``sliding_window_overlay``; ``w`` is read off the subtraction). Without a model object
+(``torch.compile(model, backend="attnopt")``) only the graph can tell: a window mask built in the graph (HF's
+DynamicCache, a direct StaticCache call) is recognised; a mask that is a graph input (``generate()`` over a
+StaticCache) or absent (HF's sdpa path drops the mask while the window exceeds the keys) is not, and the site
+is rewritten exactly through the mask path. A lower bound of another form is not taken for a window ("arbitrary").
 """
 from __future__ import annotations
 
@@ -28,8 +41,8 @@ import torch.fx as fx
 from attnopt.site import AttentionSite
 
 from .context import PassContext
-from .patterns import (AttentionMatch, classify_mask, find_matches, logical_shape, meta_dtype, meta_shape, meta_val,
-                       module_path)
+from .patterns import (AttentionMatch, classify_mask, find_matches, logical_shape, mask_form, meta_dtype, meta_shape,
+                       meta_val, module_path)
 
 
 def _static(x: Any) -> tuple[int | None, int | None]:
@@ -39,10 +52,11 @@ def _static(x: Any) -> tuple[int | None, int | None]:
     if isinstance(x, torch.SymInt):
         node = x.node
         try:
-            if node.is_constant():
-                v = int(node.maybe_as_int()) if hasattr(node, "maybe_as_int") and node.maybe_as_int() is not None else None
-                if v is not None:
-                    return v, v
+            # A symbol the shape environment has since specialised (e.g. a StaticCache's head count under
+            # dynamic=True, fixed by repeat_kv's reshape) reads as a number: dynamo guards on it.
+            v = node.maybe_as_int() if hasattr(node, "maybe_as_int") else None
+            if v is not None:
+                return int(v), int(v)
         except Exception:  # noqa: BLE001 - best effort on the symbolic-shape internals
             pass
         hint = getattr(node, "hint", None)
@@ -64,7 +78,21 @@ def _mask_kind(m: AttentionMatch, q_len: Any) -> str:
         return "causal" if m.is_causal else "none"
     if not isinstance(m.attn_mask, fx.Node):
         return "arbitrary"
-    return classify_mask(m.attn_mask, q_len)
+    return classify_mask(m.attn_mask, q_len, invert=m.mask_invert)
+
+
+def sliding_window_reason(m: AttentionMatch, path: str, config) -> str | None:
+    """Why a sliding-window site is left alone, or None: its module is in ``config.sliding_windows`` (filled by
+    ``attnopt.optimize`` from the model), or its mask provably is a window (``key > query - w`` AND-ed with
+    ``key <= query``)."""
+    window = dict(config.sliding_windows).get(path) if path else None
+    if window is None and isinstance(m.attn_mask, fx.Node):
+        form = mask_form(m.attn_mask, m.mask_invert)
+        if form is not None and form.upper and form.window is not None:
+            window = form.window
+    if window is None:
+        return None
+    return f"sliding-window attention (window={window}): left untouched (attnopt has no window-aware plan)"
 
 
 def build_site(m: AttentionMatch, config) -> AttentionSite:
@@ -120,6 +148,8 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
             reason = f"prefill: q_len={L} >= kv_len={n}"
         elif n is not None and n < config.min_kv_len:
             reason = f"kv_len={n} < min_kv_len={config.min_kv_len}"
+        elif (why := sliding_window_reason(m, fields["module_path"], config)) is not None:
+            reason = why
         elif m.attn_mask is not None and isinstance(m.attn_mask, fx.Node):
             reason = _check_mask(m, qs, ks)
     fields["unsupported"] = reason
@@ -162,4 +192,4 @@ def detect(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-__all__ = ["detect", "build_site"]
+__all__ = ["detect", "build_site", "sliding_window_reason"]

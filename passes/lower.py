@@ -156,7 +156,9 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
             q = graph.call_function(torch.ops.aten.div.Tensor if is_div else torch.ops.aten.mul.Tensor, (q, c))
             new_nodes.append(q)
         valid_len = None
-        if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind != "dense":
+        # Distributed plans get no valid_len: it would be read in the mask's columns, which may be global or this
+        # rank's, and the tree/ring runtime cannot tell which; the mask alone is exact either way.
+        if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
             batch: Any = site.batch
             if batch is None:
                 batch = graph.call_function(torch.ops.aten.sym_size.int, (q, 0))

@@ -74,8 +74,9 @@ class AttentionMatch:
     nodes: list[fx.Node] = field(default_factory=list)
     #: For tuple-returning aten variants: the fused node whose output 0 is ``output``.
     fused: fx.Node | None = None
-    #: Run-time scalar tensors that scale the scores (eager chains): (tensor node, is_div). ``lower`` folds
-    #: them into q (``q * c`` / ``q / c``); ``scale`` holds only the constant part.
+    #: Run-time scalars that scale the scores: (node, is_div), the node a one-element tensor or a symbolic
+    #: Python number (``.item()`` of a float attribute under ``dynamic=True``). ``lower`` folds them into q
+    #: (``q * c`` / ``q / c``); ``scale`` holds only the constant part.
     scale_nodes: list[tuple[fx.Node, bool]] = field(default_factory=list)
     #: Permutations that turn ``q``/``k``/``v`` into the logical (B, H, L|N, D) tensors, when not the identity
     #: (e.g. a K kept as (B, N, H, D) and permuted in the graph); lower inserts the (free) permute views.
@@ -253,12 +254,41 @@ def _self(node: fx.Node) -> Any:
     return node.kwargs.get("input", node.kwargs.get("self"))
 
 
+def sym_constant(x: Any) -> float | None:
+    """The value of a ``SymInt``/``SymFloat`` whose expression is a number, else None.
+
+    Under ``dynamic=True`` dynamo passes Python float attributes (HF's ``self.scaling``) into the graph as 0-d
+    float64 inputs read back with ``.item()``. When something needed the value (SDPA's ``scale`` argument does),
+    the shape environment has specialised the symbol to a number and dynamo guards on it, so the number is as
+    constant as a literal for this graph.
+    """
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        expr = getattr(x.node, "expr", None)
+        if expr is not None and getattr(expr, "is_number", False):
+            try:
+                return float(expr)
+            except (TypeError, ValueError):  # e.g. a complex or infinite sympy number
+                return None
+    return None
+
+
+def is_python_scalar(node: Any) -> bool:
+    """Whether ``node`` produces a Python int/float (maybe symbolic: ``.item()`` of a 0-d input, SymInt
+    arithmetic) rather than a tensor."""
+    val = meta_val(node)
+    return isinstance(val, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(val, bool)
+
+
 def _number(x: Any) -> float | None:
-    """``x`` as a Python float when it is a compile-time constant (number, or a ``scalar_tensor`` node)."""
+    """``x`` as a Python float when it is a compile-time constant (number, or a ``scalar_tensor`` node, or a
+    node whose fake value is a specialised symbolic number)."""
     if isinstance(x, bool):
         return None
     if isinstance(x, (int, float)):
         return float(x)
+    if isinstance(x, fx.Node) and is_python_scalar(x):
+        val = meta_val(x)
+        return float(val) if isinstance(val, (int, float)) else sym_constant(val)
     if isinstance(x, fx.Node) and x.op == "call_function" and x.target in (aten.scalar_tensor.default,):
         return _number(x.args[0])
     if isinstance(x, fx.Node) and x.op == "call_function":
@@ -646,8 +676,11 @@ def _resolve_common(m: AttentionMatch, q: Any, k: Any, v: Any, scale: Any, dropo
         m.scale = 1.0 / math.sqrt(s[-1]) if s and isinstance(s[-1], int) else None
     else:
         m.scale = _number(scale)
+        if m.scale is None and is_python_scalar(scale):
+            # A symbolic Python float (dynamic=True): passed on at run time, folded into q by lower.
+            m.scale, m.scale_nodes = 1.0, [(scale, False)]
         if m.scale is None and m.reason is None:
-            m.reason = "the softmax scale is a run-time value"
+            m.reason = "the softmax scale is a run-time value of unknown type (no number in node.meta)"
 
 
 def match_sdpa(node: fx.Node) -> AttentionMatch | None:
@@ -741,8 +774,9 @@ Factor = tuple
 
 
 def _scale_factor(node: fx.Node) -> tuple[Any, Factor] | None:
-    """For ``x * c``, ``c * x`` or ``x / c`` with ``c`` a scalar (a constant, or a run-time tensor of one
-    element): ``(x, (value or None, c, is_div))``; None when ``node`` is not such a scaling."""
+    """For ``x * c``, ``c * x`` or ``x / c`` with ``c`` a scalar (a constant, a run-time tensor of one
+    element, or a symbolic Python number): ``(x, (value or None, c, is_div))``; None when ``node`` is not such
+    a scaling."""
     k = kind(node)
     if k not in ("mul", "div"):
         return None
@@ -753,6 +787,8 @@ def _scale_factor(node: fx.Node) -> tuple[Any, Factor] | None:
     def scalar_like(c: Any) -> bool:
         if not isinstance(c, fx.Node):
             return isinstance(c, (int, float)) and not isinstance(c, bool)
+        if is_python_scalar(c):
+            return True
         cs = meta_shape(c)
         return cs is not None and all(isinstance(d, int) and d == 1 for d in cs) and \
             (meta_dtype(c) is None or meta_dtype(c).is_floating_point)
@@ -1156,9 +1192,13 @@ def classify_additive(node: Any, depth: int = 12) -> str:
     return _BIAS
 
 
-_CMP_NAMES = ("lt", "le", "gt", "ge", "__lt__", "__le__", "__gt__", "__ge__")
-_ARANGE_NAMES = ("arange",)
-_BAND_NAMES = ("sub", "rsub", "__sub__", "__rsub__", "neg", "__neg__", "abs")
+#: Comparison ops (names with underscores stripped: ``operator.le``, ``Tensor.__le__``, ``aten.le``).
+_ORDER_CMP = ("lt", "le", "gt", "ge")
+_ANY_CMP = _ORDER_CMP + ("eq", "ne")
+_AND_NAMES = ("and", "iand", "bitwise_and", "logical_and")
+_POSITION_SOURCES = ("arange", "iota")
+#: Dtypes a cast of key positions may produce without breaking their order (no wrap-around, no bool).
+_ORDER_KEEPING = (torch.int64, torch.float64, torch.float32)
 
 
 def _name(node: fx.Node) -> str:
@@ -1166,6 +1206,11 @@ def _name(node: fx.Node) -> str:
     if isinstance(t, torch._ops.OpOverload):
         return t.overloadpacket.__name__
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _bare_name(node: Any) -> str:
+    """``_name`` without leading/trailing underscores (``__le__`` -> ``le``, ``and_`` -> ``and``)."""
+    return _name(node).strip("_") if _is_call(node) else ""
 
 
 def mask_provenance(node: fx.Node, limit: int = 200) -> set[str]:
@@ -1188,22 +1233,232 @@ def mask_provenance(node: fx.Node, limit: int = 200) -> set[str]:
     return names
 
 
-def classify_mask(mask: fx.Node, q_len: Any) -> str:
-    """"valid_length" for a mask built like HF's static-cache mask (comparisons of key positions from
-    ``arange`` against the query position, boolean ops, slices), else "arbitrary".
+def _last_dim(x: Any) -> Any:
+    s = meta_shape(x)
+    return s[-1] if s else None
 
-    Any subtraction/negation/abs on the way (a band such as a sliding window) makes it "arbitrary": that is
-    still exact, because the runtime applies the mask itself per tile.
+
+def _same_along_keys(x: Any) -> bool:
+    """Whether ``x`` has one value per row, the same for every key: a number, or a tensor whose last dim is 1."""
+    if isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool):
+        return True
+    if not isinstance(x, fx.Node):
+        return False
+    s = meta_shape(x)
+    if s is None:
+        return is_python_scalar(x)
+    return len(s) == 0 or _is_one(s[-1])
+
+
+def _key_positions(node: Any, depth: int = 16) -> bool:
+    """Whether ``node[..., j] == j + offset`` for an offset that is the same for every key ``j``: an
+    ``arange`` (step 1) plus such offsets, moved into place by unsqueeze / None-indexing / views / expands /
+    order-keeping casts that all keep the last dim. Such values increase along the last dim."""
+    n = _last_dim(node)
+    if n is None:
+        return False
+    cur = node
+    for _ in range(depth):
+        if not _is_call(cur) or not same_size((_last_dim(cur),), (n,)):
+            return False
+        if _bare_name(cur) in _POSITION_SOURCES:
+            step = cur.kwargs.get("step", cur.args[2] if len(cur.args) > 2 and _bare_name(cur) == "arange" else 1)
+            return len(meta_shape(cur)) == 1 and not isinstance(step, fx.Node) and step == 1
+        k = kind(cur)
+        if k == "add" and cur.kwargs.get("alpha", 1) == 1:
+            a, b = _binary(cur)
+            if _same_along_keys(b):
+                cur = a
+            elif _same_along_keys(a):
+                cur = b
+            else:
+                return False
+            continue
+        if k == "cast":
+            src_dt, dt = meta_dtype(_self(cur)), meta_dtype(cur)
+            if dt != src_dt and dt not in _ORDER_KEEPING:
+                return False
+            cur = _self(cur)
+            continue
+        if k in ("unsqueeze", "expand", "view", "clone") or _is_noop(cur) or _getitem_index(cur) is not None:
+            cur = _self(cur)
+            continue
+        return False
+    return False
+
+
+def _window_of(bound: Any, strict: bool) -> int | None:
+    """``w`` (keys attended per row) when a lower bound ``key > bound`` (``strict``) or ``key >= bound`` is
+    ``query - c`` with a constant ``c`` (Hugging Face's ``sliding_window_overlay``: ``kv > q - w``)."""
+    cur = bound
+    for _ in range(8):
+        if not isinstance(cur, fx.Node) or not (_is_noop(cur) or kind(cur) in ("unsqueeze", "expand", "view", "cast")
+                                                or _getitem_index(cur) is not None):
+            break
+        cur = _self(cur)
+    if not _is_call(cur):
+        return None
+    name = _bare_name(cur)
+    a, b = _binary(cur)
+    c = _number(b) if isinstance(a, fx.Node) else None
+    if name == "sub" and c is not None:
+        w = c
+    elif kind(cur) == "add" and c is not None:
+        w = -c
+    else:
+        return None
+    if w != int(w) or w <= 0:
+        return None
+    return int(w) if strict else int(w) + 1
+
+
+@dataclass(frozen=True)
+class MaskForm:
+    """What a boolean mask provably is: the AND of bounds on the key position against per-row values (the
+    query positions) and of terms that compare no positions (padding lookups, inputs, constants).
+
+    ``upper``: a term ``key <= v`` or ``key < v`` (causal / valid length: every row keeps a prefix of the keys).
+    ``lower``: a term ``key > v`` or ``key >= v`` (the start of a band). ``window``: the keys a row keeps when
+    that term is ``key > query - w`` (a sliding window), else None.
     """
-    names = mask_provenance(mask)
-    has_cmp = any(n in _CMP_NAMES for n in names)
-    has_arange = any(n in _ARANGE_NAMES for n in names)
-    band = any(n in _BAND_NAMES for n in names)
+
+    upper: bool = False
+    lower: bool = False
+    window: int | None = None
+
+    def __and__(self, other: "MaskForm") -> "MaskForm":
+        return MaskForm(self.upper or other.upper, self.lower or other.lower, self.window or other.window)
+
+    @property
+    def sliding_window(self) -> bool:
+        return self.upper and self.lower
+
+
+def _compares_positions(node: fx.Node, limit: int = 200) -> bool:
+    """Whether any comparison that produces ``node`` involves positions from ``arange`` (conservatively True when
+    the walk is cut off)."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        if len(seen) >= limit:
+            return True
+        n = todo.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        if _is_call(n) and _bare_name(n) in _ANY_CMP and mask_provenance(n) & set(_POSITION_SOURCES):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _is_slicing(node: Any) -> bool:
+    """``aten.slice`` or ``x[...]`` with only slices, None and Ellipsis: it keeps, in order, a subsequence of
+    every row's keys (so a prefix stays a prefix)."""
+    if kind(node) == "slice":
+        return True
+    if kind(node) != "getitem" or len(node.args) < 2 or not isinstance(node.args[0], fx.Node):
+        return False
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return all(i is None or i is Ellipsis or isinstance(i, slice) for i in idx)
+
+
+def _keeps_key_order(node: Any, dtype_ok: Callable[[Any], bool]) -> bool:
+    """Whether ``node`` only moves rows around (broadcast, reshape of the leading dims, a no-op cast) or slices
+    keys, so that every output row is an in-order subsequence of an input row. ``dtype_ok(src)`` vets casts."""
+    if not _is_call(node):
+        return False
+    src = _self(node)
+    if not isinstance(src, fx.Node):
+        return False
+    if _is_slicing(node):
+        return True
+    k = kind(node)
+    moves_rows = _is_noop(node) or k in ("expand", "view", "unsqueeze", "clone") or _getitem_index(node) is not None \
+        or (k == "cast" and dtype_ok(src))
+    return moves_rows and same_size((_last_dim(node),), (_last_dim(src),))
+
+
+def _bool_form(node: Any, depth: int = 24) -> MaskForm | None:
+    """The ``MaskForm`` of a boolean mask expression, or None when it is not an AND of recognised terms."""
+    if not isinstance(node, fx.Node):
+        return MaskForm() if node is True or _number(node) == 1.0 else None
+    cur = node
+    for _ in range(depth):
+        if not _keeps_key_order(cur, lambda src: meta_dtype(src) == torch.bool):
+            break
+        cur = _self(cur)
+    if not isinstance(cur, fx.Node):
+        return None
+    name = _bare_name(cur)
+    if name in _AND_NAMES:
+        a, b = _binary(cur)
+        fa, fb = _bool_form(a, depth - 1), _bool_form(b, depth - 1)
+        return fa & fb if fa is not None and fb is not None else None
+    if name in _ORDER_CMP:
+        a, b = _binary(cur)
+        if _key_positions(a) and _same_along_keys(b):
+            key_left, value = True, b
+        elif _key_positions(b) and _same_along_keys(a):
+            key_left, value = False, a
+        else:
+            return None if _compares_positions(cur) else MaskForm()
+        if (name in ("lt", "le")) == key_left:
+            return MaskForm(upper=True)
+        return MaskForm(lower=True, window=_window_of(value, strict=name in ("lt", "gt")))
+    if _number(cur) == 1.0:  # new_ones / ones / full(True)
+        return MaskForm()
+    return None if _compares_positions(cur) else MaskForm()
+
+
+def _boolean_source(mask: fx.Node, depth: int = 12) -> fx.Node | None:
+    """The boolean mask behind ``mask``: itself, or ``c`` of an additive ``where(c, 0, finfo.min)`` (through
+    layout ops and float casts)."""
+    cur = mask
+    for _ in range(depth):
+        if not isinstance(cur, fx.Node):
+            return None
+        dt = meta_dtype(cur)
+        if dt == torch.bool:
+            return cur
+        if dt is None or not dt.is_floating_point:
+            return None
+        k = kind(cur)
+        if k == "where":
+            c, a, b = (list(cur.args) + [None, None, None])[:3]
+            return c if _const_value(a) == 0.0 and _masking_const(b) else None
+        if _keeps_key_order(cur, lambda src: meta_dtype(src) is not None and meta_dtype(src).is_floating_point):
+            cur = _self(cur)
+            continue
+        return None
+    return None
+
+
+def mask_form(mask: fx.Node, invert: bool = False) -> MaskForm | None:
+    """The provable form of an attention mask (boolean, True = attend; or additive ``where(c, 0, min)``), or
+    None when it is not an AND of recognised terms (graph inputs alone, ORs, negations, arithmetic, ...).
+    ``invert``: the mask is True where masked *out* (``masked_fill(mask, -inf)``); never analysed."""
+    if invert:
+        return None
+    src = _boolean_source(mask)
+    return _bool_form(src) if src is not None else None
+
+
+def classify_mask(mask: fx.Node, q_len: Any, invert: bool = False) -> str:
+    """"valid_length" when the mask provably keeps a prefix of the keys in every row, the same for every head:
+    one head, and an AND of ``key_position <= query_position`` with terms that compare no positions (Hugging
+    Face's padding lookup, constants); else "arbitrary".
+
+    Key positions are ``arange`` plus a per-row offset along the last dim; a lower bound (``key > query - w``, a
+    sliding window) or anything unrecognised makes it "arbitrary", which is still exact: the runtime applies any
+    mask per tile. A mask that is a graph input (``generate()`` builds static-cache masks outside the compiled
+    forward) cannot be proved anything and is "arbitrary".
+    """
     s = meta_shape(mask)
-    one_head = s is not None and len(s) == 4 and s[1] == 1
-    if has_cmp and has_arange and not band and one_head:
-        return "valid_length"
-    return "arbitrary"
+    if s is None or len(s) != 4 or not _is_one(s[1]):
+        return "arbitrary"
+    form = mask_form(mask, invert)
+    return "valid_length" if form is not None and form.upper and not form.lower else "arbitrary"
 
 
 # ============================================================================================ module path
@@ -1293,5 +1548,5 @@ def find_matches(gm: fx.GraphModule) -> list[AttentionMatch]:
 
 
 __all__ = ["AttentionMatch", "logical_shape", "resolve_operand", "layout_path", "PATTERNS", "PatternInfo", "find_matches", "match_sdpa", "match_sdpa_fused",
-           "match_eager", "meta_val", "meta_shape", "meta_dtype", "module_path", "classify_mask",
+           "match_eager", "meta_val", "meta_shape", "meta_dtype", "module_path", "classify_mask", "mask_form", "MaskForm",
            "classify_additive", "unrepeat_kv", "is_aten_graph", "skip_noops"]

@@ -115,6 +115,27 @@ def _tile_bytes(site: AttentionSite, block_n: int) -> float:
     return float(block_n * (d + dv) * e + mask)
 
 
+# --------------------------------------------------------------------------------------------- calibration
+#: Prefix of the per-configuration factors in ``HardwareProfile.fitted``: ``cfg:<kind>/<block_n>/<warps>/<stages>``
+#: for the Triton kernels, ``cfg:dense/flash`` and ``cfg:dense/efficient`` for SDPA; ``cfg:<kind>`` is the
+#: kind's mean, used for a configuration the calibration did not run.
+CONFIG_FACTOR_PREFIX = "cfg:"
+
+
+def config_factor(hw: HardwareProfile, key: str) -> float:
+    """Measured / modelled time of one kernel configuration on this GPU (1.0 on an uncalibrated profile).
+
+    The wave model knows bytes, grids and waves; it does not know how well a given (block_n, num_warps,
+    num_stages) pipelines its loads, which moves the time by up to ~20 % between configurations that move the
+    same bytes. ``attnopt calibrate`` measures every configuration and stores the ratio."""
+    if not hw.fitted:
+        return 1.0
+    f = hw.fitted.get(CONFIG_FACTOR_PREFIX + key)
+    if f is None:
+        f = hw.fitted.get(CONFIG_FACTOR_PREFIX + key.split("/")[0], 1.0)
+    return float(f)
+
+
 # --------------------------------------------------------------------------------------------- the wave model
 def wave_time_us(hw: HardwareProfile, programs: int, tiles_per_program: int, tile_bytes: float,
                  efficiency: float, num_warps: int = 4) -> float:
@@ -178,6 +199,14 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
     b, hkv, g, L, d, dv, e = _dims(site)
     n = _kv_len(site)
     eff = hw.dense_efficiency
+    if dense_backend(site) == "flash" and L > 1:
+        # Measured on an H100 (benchmarks/results/cost_model-*.json): with q_len > 1 flash neither packs the G
+        # heads of a KV head into one row block nor splits the keys. One program per (batch, query head, 128
+        # rows) streams all N keys, and each of the G heads of a KV head reads them again.
+        programs = b * hkv * g * math.ceil(L / 128)
+        tiles = max(1, math.ceil(n / 128))
+        return config_factor(hw, "dense/flash") * (hw.launch_us + wave_time_us(
+            hw, programs, tiles, _tile_bytes(site, 128), eff, 4))
     if dense_backend(site) == "flash":
         # FA2's split-KV kernel uses 256/128/64-key blocks for D <= 64 / <= 128 / larger; one 128-key
         # granularity for every D keeps the estimate monotone in D (a larger head is never cheaper).
@@ -197,17 +226,18 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
                 t += hw.launch_us + _stream_us(hw, 2 * state_bytes(site) * s)
             return t
 
-        return min(flash(s) for s in splits)
+        return config_factor(hw, "dense/flash") * min(flash(s) for s in splits)
     block_n = 64
     tiles = max(1, math.ceil(n / block_n))
     # The G programs of one KV head read the same K/V; L2 serves the repeats, so HBM sees each tile once and
     # the bandwidth the programs share is G times the unique-byte rate.
-    return hw.launch_us + wave_time_us(hw, b * hkv * g * math.ceil(L / 64), tiles, _tile_bytes(site, block_n),
-                                       eff * g, 4)
+    return config_factor(hw, "dense/efficient") * (hw.launch_us + wave_time_us(
+        hw, b * hkv * g * math.ceil(L / 64), tiles, _tile_bytes(site, block_n), eff * g, 4))
 
 
 # --------------------------------------------------------------------------------------------- split-KV
-def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block_n: int, num_warps: int = 4) -> float:
+def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block_n: int, num_warps: int = 4,
+                num_stages: int = 2) -> float:
     """Split-KV (FlashDecoding): grid (B x Hkv x M-blocks, num_splits); each split streams ``ceil(T/S)`` of
     the ``T`` KV tiles and writes an fp32 (o, lse) partial; a second kernel merges the partials."""
     if num_splits < 1 or block_n < 1:
@@ -223,11 +253,12 @@ def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block
         partials = state_bytes(site) * num_splits
         t += _stream_us(hw, partials)                        # the first kernel writes them
         t += hw.launch_us + _stream_us(hw, partials + io_bytes(site) / 2)  # the merge reads them, writes o
-    return t * hw.emulation_slowdown
+    return t * hw.emulation_slowdown * config_factor(hw, f"split_kv/{block_n}/{num_warps}/{num_stages}")
 
 
 # --------------------------------------------------------------------------------------------- stream-K
-def stream_k_us(site: AttentionSite, hw: HardwareProfile, grid: int, block_n: int, num_warps: int = 4) -> float:
+def stream_k_us(site: AttentionSite, hw: HardwareProfile, grid: int, block_n: int, num_warps: int = 4,
+                num_stages: int = 2) -> float:
     """Stream-K (LeanAttention): ``grid`` persistent programs cut the (B x Hkv x M-block x KV tile) work units
     into equal contiguous shares; a program whose share covers part of an output tile writes a partial, and
     the last to arrive merges it (fix-up)."""
@@ -247,7 +278,7 @@ def stream_k_us(site: AttentionSite, hw: HardwareProfile, grid: int, block_n: in
     segments = min(units, programs + outputs)
     partial = state_bytes(site) / outputs
     t += _stream_us(hw, 2 * partial * segments) + hw.fitted.get("stream_k_fixup_us", STREAM_K_FIXUP_US)
-    return t * hw.emulation_slowdown
+    return t * hw.emulation_slowdown * config_factor(hw, f"stream_k/{block_n}/{num_warps}/{num_stages}")
 
 
 # --------------------------------------------------------------------------------------------- plan choice

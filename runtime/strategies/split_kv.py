@@ -157,7 +157,7 @@ class SplitKV(Strategy[SplitKVPlan]):
                 yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=2)
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
-        return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps)
+        return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         if not use_triton(q) or plan.num_splits <= 1:

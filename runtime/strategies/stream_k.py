@@ -60,7 +60,7 @@ class StreamK(Strategy[StreamKPlan]):
                 yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=2)
 
     def estimate_us(self, plan: StreamKPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
-        return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps)
+        return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps, plan.num_stages)
 
     def prepare(self, plan: StreamKPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         if not use_triton(q):

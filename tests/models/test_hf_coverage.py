@@ -192,6 +192,21 @@ def test_decode_sites_rewritten_and_exact(arch, attn, cache):
     check_case(model, optimized, prompt(), cache, EXPECTED_UNTOUCHED.get((arch, attn, cache)))
 
 
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("cache", CACHES)
+def test_dynamic_shapes(attn, cache):
+    """``attnopt.optimize(model, dynamic=True)``: dynamo passes the float ``self.scaling`` in as a graph input read
+    with ``.item()`` (a symbolic float; SDPA specialises it, the eager chain keeps it symbolic and lower folds it
+    into q) and marks every size dynamic. One decode graph serves every step, all its sites are rewritten, and
+    generation is exact."""
+    model = build("llama", attn)
+    optimized = attnopt.optimize(model, dynamic=True, inner_backend="eager")
+    report = check_case(model, optimized, prompt(), cache)
+    decode = [s for s in report.sites if is_decode(s)]
+    assert len({s.key.split(":")[0] for s in decode}) == 1, report.format_table()
+    assert all(s.rewritten and s.calls > 0 and s.site.kv_len is None for s in decode), report.format_table()
+
+
 @pytest.mark.parametrize("arch, attn, cache", [
     pytest.param("llama", "sdpa", "dynamic", id="llama-sdpa-dynamic"),
     pytest.param("gemma", "eager", "static", id="gemma-eager-static"),
@@ -233,30 +248,50 @@ def test_short_prompt_static_cache():
         assert (s.rewritten and s.calls == 1) or (not s.rewritten and s.reason_untouched), s
 
 
+SLIDING = "sliding-window attention (window=8): left untouched"
+
+
 @pytest.mark.parametrize("attn, cache", [("sdpa", "dynamic"), ("eager", "static")])
 def test_sliding_window_is_exact_or_explained(attn, cache):
-    """Mistral with a sliding window (8) shorter than the sequence: the window must either be honoured by the
-    rewrite (the window mask passed through as an arbitrary mask) or the site left alone with a reason."""
+    """Mistral with a sliding window (8) shorter than the sequence. attnopt has no window-aware plan, so
+    ``optimize`` reads the window off the attention modules and leaves every decode site alone with a reason
+    naming it (a Mistral without a window is rewritten: ``mistral`` in ``ARCHS``); generation is the original's."""
     torch.manual_seed(0)
     cfg = _mistral(attn)
     cfg.sliding_window = 8
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.generation_config.eos_token_id = None
     optimized = attnopt.optimize(model, inner_backend="eager")
+    layers = attention_layers(model)
+    report = check_case(model, optimized, prompt(), cache, expect_untouched=SLIDING)
+    assert not report.rewritten
+    assert {s.site.module_path for s in report.sites if is_decode(s)} == set(layers)
+    assert all(dict(map(tuple, r.config["sliding_windows"])) == {layer: 8 for layer in layers}
+               for r in optimized._attnopt_backend.reports)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_sliding_window_layers_left_alone_full_layers_rewritten(cache):
+    """Qwen2 with ``use_sliding_window`` and ``max_window_layers=1``: layer 0 attends fully, layer 1 through a
+    window of 8. Only layer 1's sites are left alone (matched by module path; with a StaticCache ``generate``
+    passes the masks in, so only the module tells); layer 0's are rewritten and run."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=96, intermediate_size=128, num_attention_heads=6, num_key_value_heads=2,
+                                   use_sliding_window=True, sliding_window=8, max_window_layers=1, **_common("sdpa"))
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = None
+    optimized = attnopt.optimize(model, inner_backend="eager")
     ids = prompt()
-    ref = greedy(model, ids, cache)
-    out = greedy(optimized, ids, cache)
+    ref, out = greedy(model, ids, cache), greedy(optimized, ids, cache)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
-    report = attnopt.last_plans(optimized)
-    decode = [s for s in report.sites if is_decode(s)]
-    assert decode
-    for s in decode:
-        if s.rewritten:
-            assert s.calls > 0, s
-        else:
-            assert s.reason_untouched, s
+    decode = [s for s in attnopt.last_plans(optimized).sites if is_decode(s)]
+    full = [s for s in decode if s.site.module_path == "model.layers.0.self_attn"]
+    sliding = [s for s in decode if s.site.module_path == "model.layers.1.self_attn"]
+    assert full and all(s.rewritten and s.calls > 0 for s in full), full
+    assert sliding and all(not s.rewritten and SLIDING in (s.reason_untouched or "") for s in sliding), sliding
 
 
 @pytest.mark.parametrize("cache", CACHES)

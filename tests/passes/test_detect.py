@@ -88,6 +88,52 @@ def test_graph_order_and_module_path():
     assert r.count("sdpa") == 1 and [s.rewritten for s in r.reports] == [False, True]
 
 
+def test_sliding_windows_config_leaves_those_modules_alone():
+    """``config.sliding_windows`` (what ``attnopt.optimize`` reads off the model) names modules by path: their
+    sites are left alone with the window in the reason, the others are rewritten, and the config survives JSON."""
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return sdpa_gqa(q, k, v)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Attn(), Attn()])
+
+        def forward(self, q, k, v):
+            return self.layers[1](self.layers[0](q, k, v), k, v)
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=12, D=64)
+    cfg = OptimizeConfig(force_plan="dense", sliding_windows={"layers.1": 6})
+    assert OptimizeConfig.from_json(cfg.to_json()) == cfg and cfg.sliding_windows == (("layers.1", 6),)
+    r = dynamo(Model(), q, k, v, config=cfg)
+    assert [s.rewritten for s in r.reports] == [True, False] and r.count("sdpa") == 1
+    assert r.sites[1].unsupported == "sliding-window attention (window=6): left untouched (attnopt has no window-aware plan)"
+    torch.testing.assert_close(r.out, Model()(q, k, v), **TOL)
+
+
+def test_optimize_reads_sliding_windows_off_the_modules():
+    """``attnopt.api.sliding_windows``: an int ``sliding_window`` attribute (Gemma 2, Qwen2 sliding layers), None on
+    full layers, or ``config.sliding_window`` of an ``*Attention`` module without the attribute (Mistral)."""
+    from types import SimpleNamespace
+
+    from attnopt.api import sliding_windows
+
+    class SlidingAttention(torch.nn.Module):
+        def __init__(self, window):
+            super().__init__()
+            self.sliding_window = window
+
+    class MistralLikeAttention(torch.nn.Module):
+        def __init__(self, window):
+            super().__init__()
+            self.config = SimpleNamespace(sliding_window=window)
+
+    model = torch.nn.ModuleDict({"a": SlidingAttention(16), "b": SlidingAttention(None), "c": MistralLikeAttention(32),
+                                 "d": MistralLikeAttention(None), "e": SlidingAttention(True)})
+    assert sliding_windows(model) == (("a", 16), ("c", 32))
+
+
 def test_module_path_normalisation():
     class N:
         meta = {"nn_module_stack": {"a": ("L['self'].model", object), "b": ("L['self'].model.layers[3].self_attn", object)}}
@@ -268,18 +314,93 @@ def test_valid_length_mask_kind():
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
 
 
-def test_sliding_window_mask_is_arbitrary():
+@pytest.mark.parametrize("spelling", ["kv > q - w", "q - w < kv", "kv >= q + (1 - w)"])
+def test_sliding_window_mask_is_left_alone(spelling):
+    """A mask with a window start ``key > query - w`` (Hugging Face's ``sliding_window_overlay``) is a sliding
+    window: never "valid_length", and left alone with the window in the reason (no module object needed)."""
     def f(q, k, v, cache_position):
-        kv_idx = torch.arange(k.shape[2])
+        kv_idx = torch.arange(k.shape[2])[None, None, None, :]
         qp = cache_position[None, None, :, None]
-        m = (kv_idx[None, None, None, :] <= qp) & (kv_idx[None, None, None, :] > qp - 8)
+        start = {"kv > q - w": lambda: kv_idx > qp - 8, "q - w < kv": lambda: qp - 8 < kv_idx,
+                 "kv >= q + (1 - w)": lambda: kv_idx >= qp + (1 - 8)}[spelling]()
+        m = (kv_idx <= qp) & start
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
 
     q, k, v = qkv(B=1, Hq=4, Hkv=2, L=2, N=33, D=64)
     pos = torch.tensor([20, 21])
     r = dynamo(f, q, k, v, pos)
-    assert r.sites[0].mask_kind == "arbitrary" and r.count("sdpa") == 1
+    _untouched(r, "sliding-window attention (window=8): left untouched")
+    assert r.sites[0].mask_kind == "arbitrary"
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
+
+
+def _hf_padded_causal_mask(padding, cache_position, n):
+    """transformers 5.x ``sdpa_mask`` with a 2-D padding mask: ones & (kv <= q) & padding[batch, kv], expanded."""
+    b = padding.shape[0]
+    batch_idx = torch.arange(b)[:, None, None, None]
+    q_idx = cache_position[None, None, :, None]
+    kv_idx = (torch.arange(n) + 0)[None, None, None, :]
+    m = q_idx.new_ones((), dtype=torch.bool) & (kv_idx <= q_idx).to(q_idx.device)
+    m = m & padding[batch_idx, kv_idx].to(q_idx.device)
+    return m.expand(b, -1, cache_position.shape[0], n)
+
+
+@pytest.mark.parametrize("form", ["bool", "where"])
+def test_valid_length_with_padding_anded_in(form):
+    """HF's static-cache mask with left padding AND-ed in, as a bool (sdpa) or ``where(m, 0, min)`` (eager)."""
+    def f(q, k, v, padding, cache_position):
+        m = _hf_padded_causal_mask(padding, cache_position, k.shape[2])
+        if form == "where":
+            m = torch.where(m, torch.zeros(()), torch.finfo(torch.float32).min)
+            return eager_hf(q, k, v, m)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    q, k, v = qkv(B=2, Hq=6, Hkv=2, L=1, N=24, D=64)
+    padding = torch.ones(2, 24, dtype=torch.bool)
+    padding[1, :5] = False
+    pos = torch.tensor([15])
+    r = dynamo(f, q, k, v, padding, pos)
+    assert r.sites[0].mask_kind == "valid_length" and r.count() == 1, r.sites
+    torch.testing.assert_close(r.out, f(q, k, v, padding, pos), **TOL)
+
+
+@pytest.mark.parametrize("build", [dynamo, aot, export], ids=["dynamo", "aot", "export"])
+def test_valid_length_across_graph_levels(build):
+    def f(q, k, v, cache_position):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_static_cache_mask(cache_position, k.shape[2], 1),
+                                              enable_gqa=True)
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=19, D=64)
+    pos = torch.tensor([11])
+    r = build(f, q, k, v, pos)
+    assert [s.mask_kind for s in r.sites] == ["valid_length"] and r.count() == 1, r.sites
+    torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
+
+
+@pytest.mark.parametrize("case", ["suffix", "or", "not", "step2", "band_from_input", "key_on_both_sides"])
+def test_masks_that_are_not_provably_valid_length(case):
+    """Position masks that keep no prefix of the keys, or that the recognizer cannot prove to: "arbitrary", and
+    (not being a recognisable sliding window) still rewritten exactly through the mask path."""
+    def f(q, k, v, cache_position, lo):
+        n = k.shape[2]
+        kv_idx = torch.arange(n)[None, None, None, :]
+        qp = cache_position[None, None, :, None]
+        m = {
+            "suffix": lambda: kv_idx >= qp,                       # keys from the query on
+            "or": lambda: (kv_idx <= qp) | (kv_idx > n - 3),      # a prefix plus the last keys
+            "not": lambda: ~(kv_idx > qp),                        # a prefix, but through a negation
+            "step2": lambda: torch.arange(0, 2 * n, 2)[None, None, None, :] <= qp,
+            "band_from_input": lambda: (kv_idx <= qp) & (kv_idx >= lo),  # a lower bound that is no window
+            "key_on_both_sides": lambda: kv_idx <= kv_idx.flip(-1),
+        }[case]()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m.expand(q.shape[0], 1, q.shape[2], n), enable_gqa=True)
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=2, N=21, D=64)
+    pos, lo = torch.tensor([12, 13]), torch.tensor([[[[4], [6]]]])
+    r = dynamo(f, q, k, v, pos, lo)
+    (s,) = r.sites
+    assert s.mask_kind == "arbitrary" and s.unsupported is None and r.count() == 1, s
+    torch.testing.assert_close(r.out, f(q, k, v, pos, lo), **TOL)
 
 
 def test_placeholder_mask_is_arbitrary():

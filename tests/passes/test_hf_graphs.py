@@ -108,6 +108,46 @@ def test_hf_llama_decode_aot(impl, cache):
             assert str(op.args[1].target) not in ("aten.view.default", "aten._unsafe_view.default", "aten.clone.default")
 
 
+@pytest.mark.parametrize("level", ["dynamo", "aot"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_llama_static_cache_padded_mask_is_valid_length(impl, level):
+    """A batch of two over a StaticCache, the second row left-padded: transformers builds ``ones & (kv <= q) &
+    padding[batch, kv]`` in the graph (a bool mask for sdpa, ``where(mask, 0, finfo.min)`` for eager). It is
+    classified "valid_length" at torch and aten level, and the rewritten step equals the model's."""
+    from transformers.cache_utils import StaticCache
+
+    cfg, model = _model(impl)
+    ctxs = []
+
+    def passes(gm, ex):
+        ctx = make_context(OptimizeConfig(force_plan="dense"), ex)
+        gm, _ = run_passes(gm, ex, ctx=ctx)
+        ctxs.append(ctx)
+        return gm.forward
+
+    backend = passes
+    if level == "aot":
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(passes(gm, ex)))
+    torch._dynamo.reset()
+    ids = torch.randint(3, 128, (2, 9))
+    padding = torch.ones(2, 9, dtype=torch.long)
+    padding[1, :4] = 0
+    with torch.no_grad():
+        pkv = StaticCache(config=cfg, max_cache_len=32)
+        nxt = model(ids, attention_mask=padding, past_key_values=pkv, use_cache=True).logits[:, -1:].argmax(-1)
+        ref = copy.deepcopy(pkv)
+        padding = torch.cat([padding, torch.ones(2, 1, dtype=torch.long)], 1)
+        got = torch.compile(model, backend=backend)(nxt, attention_mask=padding, past_key_values=pkv, use_cache=True)
+        want = model(nxt, attention_mask=padding, past_key_values=ref, use_cache=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    sites = [m.site for c in ctxs for m in c.matches]
+    assert len(sites) == LAYERS and all(s.mask_kind == "valid_length" and s.unsupported is None for s in sites), sites
+    assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == LAYERS
+
+
 def _run_other(cls_name: str, cfg_name: str, impl: str, cache: str, **extra):
     """One compiled decode step of a tiny random ``cls_name`` model; returns (ctxs, max |logit diff|)."""
     from transformers.cache_utils import DynamicCache, StaticCache
@@ -136,13 +176,16 @@ def _run_other(cls_name: str, cfg_name: str, impl: str, cache: str, **extra):
     return ctxs, (got - want).abs().max().item()
 
 
-def test_hf_mistral_sliding_window_is_exact_through_the_mask():
-    """Sliding-window attention reaches the op as an "arbitrary" mask (exact); no window parameter is inferred."""
-    ctxs, err = _run_other("MistralForCausalLM", "MistralConfig", "sdpa", "static", sliding_window=4)
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_mistral_sliding_window_is_left_alone(impl):
+    """A Mistral static-cache decode step builds its mask in the graph, with ``kv > q - sliding_window``: without
+    any model object, the graph alone shows the window; the sites are left alone with it, and stay exact."""
+    ctxs, err = _run_other("MistralForCausalLM", "MistralConfig", impl, "static", sliding_window=4)
     sites = [m.site for c in ctxs for m in c.matches]
-    assert len(sites) == LAYERS and all(s.unsupported is None and s.mask_kind == "arbitrary" for s in sites), sites
-    assert sum(c.rewrite_counts.get("sdpa", 0) for c in ctxs) == LAYERS
-    assert err < 1e-5
+    assert len(sites) == LAYERS, sites
+    for s in sites:
+        assert s.mask_kind != "valid_length" and "sliding-window attention (window=4)" in (s.unsupported or ""), s
+    assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == 0 and err < 1e-5
 
 
 def test_hf_gemma2_softcapping_is_left_alone():

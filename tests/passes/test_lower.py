@@ -363,3 +363,50 @@ def test_runtime_scale_tensor_does_not_promote_half_q():
     r = dynamo(f, q, k, v, temp)
     assert r.count() == 1 and r.out.dtype == torch.float16
     torch.testing.assert_close(r.out.float(), f(q.float(), k.float(), v.float(), temp), atol=2e-3, rtol=2e-3)
+
+
+class _AttentionWithScaleAttribute(torch.nn.Module):
+    """Hugging Face style: the softmax scale is a Python float attribute (``self.scaling``). Under
+    ``dynamic=True`` dynamo turns it into a 0-d float64 graph input read back with ``.item()``: a symbolic float
+    that the SDPA call specialises (dynamo then guards on it) and the eager chain keeps symbolic."""
+
+    def __init__(self, eager: bool, scaling: float):
+        super().__init__()
+        self.eager, self.scaling = eager, scaling
+
+    def forward(self, q, k, v):
+        g = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, g), repeat_kv(v, g)
+        if not self.eager:
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scaling)
+        s = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+        return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "sdpa"])
+def test_symbolic_float_scale_under_dynamic_shapes(eager):
+    """The scale follows the attribute after a change: a symbolic scale is passed on at run time (eager chain),
+    a specialised one is a constant that dynamo guards (SDPA recompiles), never a stale trace-time value."""
+    from passgraphs import _runner
+
+    torch._dynamo.reset()
+    ctxs, gms = [], []
+    run = _runner(OptimizeConfig(force_plan="dense"), ctxs, gms)
+    mod = _AttentionWithScaleAttribute(eager, 0.3)
+    compiled = torch.compile(mod, backend=lambda gm, ex: run(gm, ex).forward, dynamic=True, fullgraph=True)
+    for n in (21, 40):
+        q, k, v = qkv(B=1, Hq=6, Hkv=2, L=1, N=n, D=64)
+        for t in (q, k, v):  # HF's head count and head dim come from constant views: static
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 3)
+        torch._dynamo.mark_static(q, 2)
+        for scale in (0.3, 0.07):
+            mod.scaling = scale
+            want = F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), scale=scale)
+            torch.testing.assert_close(compiled(q, k, v), want, **TOL)
+    sites = [m.site for c in ctxs for m in c.matches]
+    assert sites and all(s.unsupported is None and s.kv_len is None for s in sites), sites
+    assert all(c.rewrite_counts == {"eager_matmul" if eager else "sdpa": 1} for c in ctxs)
+    assert all(len(op_nodes(gm)) == 1 for gm in gms)
+    # The eager chain keeps the scale symbolic (one graph for both values); SDPA specialises it (one per value).
+    assert len(ctxs) == (1 if eager else 2), len(ctxs)
