@@ -238,8 +238,11 @@ def register_group(pg=None, *, name: str | None = None, timeout: float | timedel
     -------
     The :class:`DistGroup`.
     """
+    target = dist.group.WORLD if pg is None else pg
     for g in _GROUPS.values():  # idempotent: a recompile registers the same group again without collectives
-        if g.source is (dist.group.WORLD if pg is None else pg) and g.source is not None and \
+        # ``g.pg`` too: on NCCL with a timeout ``g.pg`` is a private group made from ``g.source``, and a caller
+        # handed ``g.pg`` (``optimize(model, process_group=group.pg)``) means this same group, cache included.
+        if (g.source is target or g.pg is target) and target is not None and \
                 (ranks_per_node is None or ranks_per_node == g.ranks_per_node) and \
                 (timeout is None or _as_td(timeout) == g.timeout):
             if make_current and (not _CURRENT or _CURRENT[-1] != g.name):
