@@ -80,28 +80,25 @@ def _sync(cuda: bool) -> None:
 
 
 def eager_us(fn: Callable[[], Any], g, iters: int, cuda: bool) -> float:
-    """Mean wall time per step of ``iters`` lock-step calls (host overhead included), after warm-up."""
+    """Mean wall time per step of ``iters`` lock-step calls (host overhead included), after warm-up: the ranks
+    meet at a barrier before timing, so no rank's time includes waiting for a slower peer's warm-up."""
     import torch
 
-    for _ in range(3):
-        fn()
-    _sync(cuda)
-    g.all_reduce(torch.zeros(1, device="cuda" if cuda else "cpu"), _sum(), what="bench barrier")
-    _sync(cuda)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
+    def barrier():
+        g.all_reduce(torch.zeros(1, device="cuda" if cuda else "cpu"), _sum(), what="bench barrier")
         _sync(cuda)
-        times.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(times)
+
+    return local_eager_us(fn, iters, cuda, after_warmup=barrier)
 
 
-def local_eager_us(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
+def local_eager_us(fn: Callable[[], Any], iters: int, cuda: bool,
+                   after_warmup: Callable[[], Any] | None = None) -> float:
+    """Median over 3 repeats of the mean wall time per call of ``iters`` calls, after 3 warm-up calls."""
     for _ in range(3):
         fn()
     _sync(cuda)
+    if after_warmup is not None:
+        after_warmup()
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
