@@ -122,6 +122,8 @@ class SplitKVPlan(Plan):
     num_stages: int = 2
     #: The last split to finish a tile merges it in the same launch (arrival counter), instead of a second launch.
     fused_merge: bool = False
+    #: K/V tiles through the copy engine (TMA tensor descriptors) where the GPU and the strides allow it.
+    tma: bool = False
 
 
 @register_plan_kind

@@ -13,7 +13,9 @@ Conventions (the same as ``runtime/reference.py``):
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -50,6 +52,50 @@ def mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, L: int, N: int):
     if m.dtype == torch.bool:
         return m.view(torch.uint8), tuple(m.stride()), 1
     return m, tuple(m.stride()), 2
+
+
+@functools.lru_cache(maxsize=None)
+def backend_has_option(name: str) -> bool:
+    """Whether this Triton's CUDA backend takes the launch/compile option ``name`` (``maxnreg``, ``launch_pdl``)."""
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return any(f.name == name for f in dataclasses.fields(CUDAOptions))
+    except Exception:  # another backend, or a Triton without it
+        return False
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled Triton with ``launch_pdl`` on a Hopper-or-newer GPU (the
+    interpreter has no grid-dependency instructions). ``ATTNOPT_PDL=0`` turns it off."""
+    if device.type != "cuda" or interpreting() or os.environ.get("ATTNOPT_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9 and backend_has_option("launch_pdl")
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """Tensor descriptors for bulk (TMA) copies of (1, 1, block_n, padded D) K/V tiles, or None when this input
+    cannot take them: not Hopper or newer (nor the interpreter), a Triton without descriptors, a last dim that is
+    not contiguous, or strides and base not 16-byte aligned (the copy engine's rules)."""
+    if k.device.type == "cuda":
+        if torch.cuda.get_device_capability(k.device)[0] < 9:
+            return None
+    elif not interpreting():
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    descs = []
+    for t in (k, v):
+        item = t.element_size()
+        if (t.dim() != 4 or t.stride(-1) != 1 or t.data_ptr() % 16 or min(t.shape) == 0
+                or any((s * item) % 16 for s in t.stride()[:-1])):
+            return None
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d_for(t.shape[-1])]))
+    return tuple(descs)
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -90,15 +136,18 @@ def _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql
 
 @triton.jit
 def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
-            k_ptr, v_ptr, mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_dv,
+            k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_dv,
             stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd,
             stride_mb, stride_mh, stride_ml, stride_mn,
             sm_scale_log2, G, D, DV,
             BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
-    masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) base-2 max, l_i (BLOCK_M,) sum)."""
+    masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) base-2 max, l_i (BLOCK_M,) sum).
+
+    USE_TMA: K/V tiles come through the tensor descriptors ``k_desc``/``v_desc`` (4-D, block (1, 1, BLOCK_N,
+    BLOCK_D)) as bulk copies; rows past the tensor and padded dims arrive as zeros. Else through pointers."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
@@ -107,11 +156,15 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_len
         n64 = offs_n.to(tl.int64)
-        # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
-        k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
-                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0, eviction_policy="evict_first")
-        v = tl.load(v_base + n64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0, eviction_policy="evict_first")
+        if USE_TMA:
+            k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_d.shape[0])
+            v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_dv.shape[0])
+        else:
+            # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
+            k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
+                        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0, eviction_policy="evict_first")
+            v = tl.load(v_base + n64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
+                        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0, eviction_policy="evict_first")
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

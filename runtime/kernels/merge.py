@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
+    gdc_wait = None
+
+from .common import pdl_supported
 
 LOG2E = 1.4426950408889634
 
@@ -28,7 +34,10 @@ def _merge_states_kernel(
     BLOCK_P: tl.constexpr,  # partitions handled per step
     BLOCK_DV: tl.constexpr,  # padded Dv
     WRITE_LSE: tl.constexpr,  # whether to store the merged LSE
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the producer grid first
 ):
+    if WAIT_PRIOR:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_DV)
@@ -60,7 +69,7 @@ def _merge_states_kernel(
 
 
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
-                 lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None):
+                 lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None, pdl: bool = False):
     """Merge P softmax states along dim 0.
 
     Parameters
@@ -69,6 +78,8 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     out : (..., Dv) output to write (any float dtype; its rows must be viewable as (R, Dv)), or None to allocate
         one of ``out_dtype`` (default fp32).
     lse_out : (...) fp32 merged LSE to write, or None to allocate one. Pass ``lse_out=False`` to skip it.
+    pdl : launch as a programmatic dependent of the kernel before it in the stream (which must have called
+        ``gdc_launch_dependents``); ignored where unsupported.
 
     Returns
     -------
@@ -94,7 +105,7 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     block_p = max(2, min(triton.next_power_of_2(P), max(2, 8192 // block_dv)))
     _merge_states_kernel[(R,)](
         o3, l2, out2, l_out, *o3.stride(), *l2.stride(), *out2.stride(), l_out.stride(0) if write_lse else 0,
-        P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse,
-        num_warps=8 if block_p * block_dv >= 8192 else 4,
+        P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse, WAIT_PRIOR=pdl,
+        num_warps=8 if block_p * block_dv >= 8192 else 4, **({"launch_pdl": True} if pdl else {}),
     )
     return out, (lse_out if write_lse else None)

@@ -11,14 +11,20 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
+    gdc_launch_dependents = None
+
 from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, dot_flags,
-                     mask_args, scale_log2)
+                     kv_descriptors, mask_args, pdl_supported, scale_log2)
 from .merge import merge_states
 
 
 @triton.jit
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr,  # Q (B, Hq, L, D); K (B, Hkv, N, D); V (B, Hkv, N, Dv): any strides
+    k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D)); else K/V again
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     o_ptr,  # output: (S, B, Hq, L, Dv) fp32 partials (S > 1) or the final (B, Hq, L, Dv) output (S == 1)
@@ -57,7 +63,13 @@ def _split_kv_kernel(
     WRITE_LSE_OUT: tl.constexpr,  # FUSED: whether to store the final LSE
     BLOCK_R: tl.constexpr,  # FUSED: rows merged per tile (next power of two >= min(G * L, BLOCK_M))
     MERGE_P: tl.constexpr,  # FUSED: partials loaded per merge step
+    USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch (programmatic dependent launch) right away
 ):
+    if LAUNCH_DEPENDENTS:
+        # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
+        # finish and its writes to be visible before they read a partial
+        gdc_launch_dependents()
     split = tl.program_id(0)
     tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
     mb = tile % NUM_M
@@ -84,10 +96,11 @@ def _split_kv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, mask_ptr, b, kvh, g, i, row_ok,
+    acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g, i,
+                            row_ok,
                             offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                            sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION)
+                            sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA)
     o, lse = _finish(acc, m_i, l_i)
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
@@ -148,7 +161,8 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
-                    is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False):
+                    is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
+                    tma=False, pdl=None):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -160,6 +174,10 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
     fused_merge : with S > 1, the last split to finish each tile merges the partials in the same launch
         (arrival counter per tile) instead of a second ``merge_states`` launch.
+    tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it; pointer loads
+        otherwise (the result is the same).
+    pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
+        wherever the GPU and Triton support it.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -190,16 +208,20 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     block_r = max(1, triton.next_power_of_2(min(G * L, BLOCK_M)))
     block_dv = block_d_for(Dv)
     grid = (num_splits, B * Hkv * num_m)
+    descs = kv_descriptors(k, v, block_n) if tma else None
+    two_launches = num_splits > 1 and not fused
+    pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _split_kv_kernel[grid](
-        q, k, v, mask if mask is not None else q, valid_len if valid_len is not None else q,
+        q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q, valid_len if valid_len is not None else q,
         o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, *fstr, *gstr,
         scale_log2(scale, D), N, L, G, Hkv, num_m, D, Dv,
         num_splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D), BLOCK_DV=block_dv,
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=block_r,
-        MERGE_P=max(1, min(32, 8192 // (block_r * block_dv))), num_warps=num_warps, num_stages=num_stages,
+        MERGE_P=max(1, min(32, 8192 // (block_r * block_dv))), USE_TMA=descs is not None, LAUNCH_DEPENDENTS=pdl,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not fused:
-        merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False)
+    if two_launches:
+        merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False, pdl=pdl)
     return out, lse

@@ -14,15 +14,13 @@ as the cache grows while the grid stays fixed.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, dot_flags,
-                     mask_args, scale_log2)
+from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, backend_has_option, block_d_for,
+                     block_m_for, dot_flags, mask_args, scale_log2)
 
 
 @triton.jit
@@ -114,7 +112,8 @@ def _stream_k_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _attend(q, acc, m_i, l_i, blk0 * BLOCK_N, blk1 * BLOCK_N, kv_len, k_ptr, v_ptr, mask_ptr,
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, blk0 * BLOCK_N, blk1 * BLOCK_N, kv_len, k_ptr, v_ptr, k_ptr, v_ptr,
+                                mask_ptr,
                                 b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
                                 stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION)
@@ -188,19 +187,6 @@ def _stream_k_kernel(
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-@functools.lru_cache(maxsize=None)
-def _has_maxnreg() -> bool:
-    """Whether this Triton's CUDA backend takes the ``maxnreg`` launch option."""
-    try:
-        import dataclasses
-
-        from triton.backends.nvidia.compiler import CUDAOptions
-
-        return any(f.name == "maxnreg" for f in dataclasses.fields(CUDAOptions))
-    except Exception:  # another backend, or a Triton without it
-        return False
-
-
 def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """(ws_o (grid*2, BLOCK_M, Dv) fp32, ws_lse (grid*2, BLOCK_M) fp32, counters (B*Hkv*num_m,) int32 zeros).
 
@@ -243,7 +229,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     upcast, precision = dot_flags(q.dtype)
     lstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
     extra = {}
-    if num_warps >= 8 and not interpreting() and _has_maxnreg():
+    if num_warps >= 8 and not interpreting() and backend_has_option("maxnreg"):
         # The kernel holds the KV loop, the partial path and the merge: capping registers at 128 (a few spills)
         # lets two programs share an SM instead of one.
         extra["maxnreg"] = 128

@@ -172,7 +172,8 @@ class SplitKV(Strategy[SplitKVPlan]):
         workspace = state.workspace if state is not None else None
         split_kv_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, num_splits=plan.num_splits, block_n=plan.block_n,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge)
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
+                        tma=plan.tma)
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
         if not use_triton(q):

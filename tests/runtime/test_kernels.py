@@ -87,14 +87,15 @@ def _run_both(q, k, v, *, splits, grids, block_n, attn_mask=None, valid_len=None
     B, Hq, L, _ = q.shape
     Dv = v.shape[-1]
     for s in splits:
-        for fused in ((False, True) if s > 1 else (False,)):
+        # (fused merge, TMA tiles): the TMA path runs on Hopper and in the interpreter (descriptor emulation)
+        for fused, tma in (((False, False), (True, False), (False, True)) if s > 1 else ((False, False), (False, True))):
             out = torch.full((B, Hq, L, Dv), float("nan"), dtype=q.dtype, device=q.device)
             lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
             ws = split_kv_workspace(s, q, k, v)
             split_kv_decode(q, k, v, out, lse, workspace=ws, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                            is_causal=is_causal, num_splits=s, block_n=block_n, fused_merge=fused)
+                            is_causal=is_causal, num_splits=s, block_n=block_n, fused_merge=fused, tma=tma)
             assert int(ws[2].abs().sum()) == 0, "fused split-KV left a tile counter non-zero"
-            yield f"split_kv(S={s}, fused={fused})", out, lse
+            yield f"split_kv(S={s}, fused={fused}, tma={tma})", out, lse
     for g in grids:
         out = torch.full((B, Hq, L, Dv), float("nan"), dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
@@ -226,6 +227,28 @@ def test_stream_k_replay_and_growing_length(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_tma_descriptors_only_where_the_copy_engine_allows(device):
+    """TMA tiles need a contiguous last dim and 16-byte aligned base and strides; anything else takes the pointer
+    path (kv_descriptors returns None) and still gives the reference answer."""
+    from attnopt.runtime.kernels.common import kv_descriptors
+
+    dev = _dev(device)
+    if dev.type == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper")
+    B, Hkv, G, L, N, D = 1, 2, 3, 1, 2 * BN + 3, 64
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float16, dev)
+    assert kv_descriptors(k, v, BN) is not None
+    odd = torch.randn(B, Hkv, N * D + 1, dtype=torch.float16, device=dev)[..., 1:].reshape(B, Hkv, N, D)
+    assert kv_descriptors(odd, v, BN) is None, "a base off 16 bytes cannot be a TMA descriptor"
+    d_strided = torch.randn(B, Hkv, N, 2 * D, dtype=torch.float16, device=dev)[..., ::2]
+    assert kv_descriptors(k, d_strided, BN) is None, "a strided head dim cannot be a TMA descriptor"
+    ref, _ = _expected(q, odd, d_strided)
+    out = torch.full((B, Hkv * G, L, D), float("nan"), dtype=q.dtype, device=dev)
+    split_kv_decode(q, odd, d_strided, out, num_splits=3, block_n=BN, tma=True)
+    _check(out, ref, torch.float16, "split_kv tma=True on unaligned K/V (pointer fallback)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_merge_states_kernel(device):
     dev = _dev(device)
     P, R, Dv = 5, 7, 80
@@ -263,6 +286,8 @@ def test_cuda_graph_replay_growing_valid_len():
     valid = torch.full((B,), 100, dtype=torch.int32, device=dev)
     for plan in (SplitKVPlan(num_splits=16, block_n=64), SplitKVPlan(num_splits=33, block_n=128, num_warps=8,
                                                                       fused_merge=True),
+                 SplitKVPlan(num_splits=16, block_n=64, tma=True), SplitKVPlan(num_splits=40, block_n=128, tma=True,
+                                                                               num_stages=3),
                  StreamKPlan(grid=132, block_n=64), StreamKPlan(grid=264, block_n=128, num_warps=8)):
         strat = get_strategy(plan.kind)
         state = strat.prepare(plan, q, k, v)
