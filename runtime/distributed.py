@@ -378,15 +378,16 @@ def check_decode_shapes(group: DistGroup, q: Tensor, k: Tensor, v: Tensor, what:
 _LOCAL_STATES: dict[tuple, Any] = {}
 
 
-def _flash_states(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
-    """Flash attention's (o, lse) on CUDA, GQA folded into the query rows: (B, Hkv, G*L, D) against K/V."""
+def _flash_states(q: Tensor, k: Tensor, v: Tensor, scale: float, fp32: bool = True) -> tuple[Tensor, Tensor]:
+    """Flash attention's (o, lse) on CUDA, GQA folded into the query rows: (B, Hkv, G*L, D) against K/V.
+    ``fp32=False`` leaves o in the input dtype (the tree's pack converts it on the way)."""
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     qg = q.reshape(B, Hkv, G * L, D)
     out = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v, 0.0, False, False, scale=scale)
-    o, lse = out[0], out[1]
-    return o.reshape(B, Hq, L, v.shape[-1]).float(), lse.reshape(B, Hq, L).float()
+    o, lse = out[0].reshape(B, Hq, L, v.shape[-1]), out[1].reshape(B, Hq, L)
+    return (o.float(), lse.float()) if fp32 else (o, lse)
 
 
 def _local_plan(kind: str, strategy, q: Tensor, k: Tensor, v: Tensor):
@@ -421,7 +422,7 @@ def _local_plan(kind: str, strategy, q: Tensor, k: Tensor, v: Tensor):
 
 def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
                  valid_len: Tensor | None = None, scale: float | None = None, is_causal: bool = False,
-                 local: str = "auto") -> tuple[Tensor, Tensor]:
+                 local: str = "auto", fp32: bool = True) -> tuple[Tensor, Tensor]:
     """Softmax state of ``q`` over the local shard.
 
     Parameters
@@ -430,10 +431,13 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
     attn_mask : bool or additive, broadcastable to (B, Hq, L, n), local columns.
     valid_len : (B,) int, local: keys at local index >= valid_len[b] are ignored.
     local : one of ``LOCAL_KINDS``.
+    fp32 : False lets o come back in q's dtype where the local kernel produces that (flash): one conversion
+        fewer when the caller converts anyway (the tree's pack).
 
     Returns
     -------
-    o : (B, Hq, L, Dv) float32; lse : (B, Hq, L) float32 (-inf where no key is visible).
+    o : (B, Hq, L, Dv) float32 (or q's dtype, see ``fp32``); lse : (B, Hq, L) float32 (-inf where no key is
+    visible).
     """
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -442,7 +446,7 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
         return attention_states(q, k, v, scale=scale)
     if local in ("auto", "flash") and plain and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) \
             and v.shape[-1] == D and D <= 256:
-        return _flash_states(q, k, v, scale)
+        return _flash_states(q, k, v, scale, fp32)
     if local not in ("auto", "reference", "flash"):
         from .strategies import STRATEGIES
 
@@ -494,11 +498,25 @@ def _triton_merge_available() -> bool:
     return _TRITON_MERGE[0]
 
 
-def _tree_all_gather(g: DistGroup, o: Tensor, lse: Tensor, pg, size: int, tag: str) -> tuple[Tensor, Tensor]:
+def _merge_parts(parts: Tensor, out_dtype: torch.dtype | None, with_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """``merge_packed`` writing o straight in ``out_dtype`` (one launch on CUDA, no cast after it) and skipping
+    the LSE when it is not wanted."""
+    if parts.is_cuda and _triton_merge_available():
+        from .kernels.merge import merge_states as triton_merge_states
+
+        return triton_merge_states(parts[..., :-1], parts[..., -1], out_dtype=out_dtype or torch.float32,
+                                   lse_out=None if with_lse else False)
+    o, lse = merge_packed(parts)
+    return (o.to(out_dtype) if out_dtype is not None else o), (lse if with_lse else None)
+
+
+def _tree_all_gather(g: DistGroup, o: Tensor, lse: Tensor, pg, size: int, tag: str,
+                     out_dtype: torch.dtype | None = None, with_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    # the pack converts o (any float dtype) to fp32 on the way: no separate conversion op
     packed = _pack(o, lse, g.buffer(("pack", tag), o.shape[:-1] + (o.shape[-1] + 1,), torch.float32, o.device))
     parts = g.buffer(("gather", tag), (size,) + tuple(packed.shape), torch.float32, o.device)
     g.all_gather(parts, packed, pg=pg, what=f"tree all_gather[{tag}]")
-    return merge_packed(parts)
+    return _merge_parts(parts, out_dtype, with_lse)
 
 
 def _num_den(o: Tensor, lse: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -537,27 +555,34 @@ def _tree_all_reduce3(g: DistGroup, o: Tensor, lse: Tensor, pg, tag: str) -> tup
 
 
 def combine_tree(o: Tensor, lse: Tensor, group: DistGroup, collective: str = "all_gather",
-                 hierarchical: bool = False) -> tuple[Tensor, Tensor]:
+                 hierarchical: bool = False, *, out_dtype: torch.dtype | None = None,
+                 with_lse: bool = True) -> tuple[Tensor, Tensor | None]:
     """Combine every rank's local state into the global one with a tree collective.
 
     Parameters
     ----------
-    o : (B, Hq, L, Dv) float32 local output; lse : (B, Hq, L) float32 local LSE (-inf for an empty shard).
+    o : (B, Hq, L, Dv) local output (float32, or any float dtype); lse : (B, Hq, L) float32 local LSE (-inf
+        for an empty shard).
     collective : one of ``TREE_COLLECTIVES``.
     hierarchical : reduce inside each node first, then across nodes (needs a multi-node group).
+    out_dtype : dtype of the returned o (default float32); the single-stage all-gather merge writes it directly.
+    with_lse : False skips the merged LSE (returned as None) where the merge can skip it.
 
     Returns
     -------
-    (o, lse) of the whole sequence, identical on every rank.
+    (o (B, Hq, L, Dv), lse (B, Hq, L) float32 or None) of the whole sequence, identical on every rank.
     """
     if collective not in TREE_COLLECTIVES:
         raise ValueError(f"unknown tree collective {collective!r}; valid: {', '.join(TREE_COLLECTIVES)}")
-    o = o.float().contiguous()
-    lse = lse.float().contiguous()
     if hierarchical and group.nodes <= 1:
         raise DistributedDecodeError(f"hierarchical tree decode needs more than one node; {group.describe()}")
+    if collective == "all_gather" and group.world > 1 and not (hierarchical and group.ranks_per_node > 1):
+        # the decode hot path: pack (converting o), one all-gather, one merge launch writing out_dtype
+        return _tree_all_gather(group, o, lse.float(), group.pg, group.world, "world", out_dtype, with_lse)
+    o = o.float().contiguous()
+    lse = lse.float().contiguous()
     if group.world == 1:
-        return o, lse
+        return (o.to(out_dtype) if out_dtype is not None else o), lse
     if hierarchical and group.ranks_per_node > 1:
         stages = [(group.intra, group.ranks_per_node, "intra"), (group.inter, group.nodes, "inter")]
     else:
@@ -569,7 +594,7 @@ def combine_tree(o: Tensor, lse: Tensor, group: DistGroup, collective: str = "al
             o, lse = _tree_all_reduce(group, o, lse, pg, tag)
         else:
             o, lse = _tree_all_reduce3(group, o, lse, pg, tag)
-    return o, lse
+    return (o.to(out_dtype) if out_dtype is not None else o), lse
 
 
 def tree_decode(q: Tensor, k: Tensor, v: Tensor, group: DistGroup | None = None, *, collective: str = "all_gather",
@@ -592,9 +617,8 @@ def tree_decode(q: Tensor, k: Tensor, v: Tensor, group: DistGroup | None = None,
     """
     g = group or current_group()
     o, lse = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                          local=local)
-    o, lse = combine_tree(o, lse, g, collective, hierarchical)
-    out = o.to(q.dtype)
+                          local=local, fp32=False)
+    out, lse = combine_tree(o, lse, g, collective, hierarchical, out_dtype=q.dtype, with_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -298,7 +298,8 @@ def run_case(args, g, shape_name: str, n_total: int, hw, topo, cuda: bool, log,
         holder: list = [None]
 
         def local(kind=kind, holder=holder):
-            holder[0] = D.local_states(q, k, v, scale=scale, local=kind)
+            # the baseline is the local kernel alone, o in q's dtype where it produces that (flash)
+            holder[0] = D.local_states(q, k, v, scale=scale, local=kind, fp32=False)
 
         try:
             us = local_eager_us(local, args.iters, cuda)
@@ -313,8 +314,8 @@ def run_case(args, g, shape_name: str, n_total: int, hw, topo, cuda: bool, log,
         res: list = [None]
 
         def tree(coll=coll, res=res):
-            o, lse = D.local_states(q, k, v, scale=scale)
-            res[0] = D.combine_tree(o, lse, g, coll)[0]
+            # what a decode site runs: local attention, the collective, the merge, o in q's dtype
+            res[0] = D.tree_decode(q, k, v, g, collective=coll, scale=scale)
 
         row(f"tree:{coll}", "eager", eager_us(tree, g, args.iters, cuda), res[0],
             est(lambda: C.tree_decode_us(site, hw, topo, P, coll, False)))
@@ -329,8 +330,7 @@ def run_case(args, g, shape_name: str, n_total: int, hw, topo, cuda: bool, log,
         res = [None]
 
         def tree_skv():
-            o, lse = D.local_states(q, k, v, scale=scale, local="split_kv")
-            res[0] = D.combine_tree(o, lse, g, "all_gather")[0]
+            res[0] = D.tree_decode(q, k, v, g, collective="all_gather", scale=scale, local="split_kv")
 
         try:
             row("tree:all_gather@split_kv", "eager", eager_us(tree_skv, g, args.iters, cuda), res[0])

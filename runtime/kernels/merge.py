@@ -15,6 +15,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_wait = None
 
 from .common import pdl_supported
+from .launch import LaunchCache
 
 LOG2E = 1.4426950408889634
 
@@ -68,6 +69,9 @@ def _merge_states_kernel(
         tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), lse_out)
 
 
+_MERGE_LAUNCH = LaunchCache(_merge_states_kernel)
+
+
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
                  lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None, pdl: bool = False):
     """Merge P softmax states along dim 0.
@@ -103,8 +107,8 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     block_dv = max(16, triton.next_power_of_2(Dv))
     # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
     block_p = max(2, min(triton.next_power_of_2(P), max(2, 8192 // block_dv)))
-    _merge_states_kernel[(R,)](
-        o3, l2, out2, l_out, *o3.stride(), *l2.stride(), *out2.stride(), l_out.stride(0) if write_lse else 0,
+    _MERGE_LAUNCH(
+        (R,), o3, l2, out2, l_out, *o3.stride(), *l2.stride(), *out2.stride(), l_out.stride(0) if write_lse else 0,
         P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse, WAIT_PRIOR=pdl,
         num_warps=8 if block_p * block_dv >= 8192 else 4, **({"launch_pdl": True} if pdl else {}),
     )

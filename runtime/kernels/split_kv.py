@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 
 from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, dot_flags,
                      kv_descriptors, mask_args, pdl_supported, scale_log2)
+from .launch import LaunchCache
 from .merge import merge_states
 
 
@@ -148,6 +149,9 @@ def _split_kv_kernel(
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
+_SPLIT_KV_LAUNCH = LaunchCache(_split_kv_kernel)
+
+
 def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Workspace for ``num_splits`` > 1: partial o (S, B, Hq, L, Dv) fp32, partial lse (S, B, Hq, L) fp32, and
     the arrival counters of the fused merge (B * Hkv * num_m,) int32, zeroed (every launch leaves them zero)."""
@@ -211,8 +215,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     descs = kv_descriptors(k, v, block_n) if tma else None
     two_launches = num_splits > 1 and not fused
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
-    _split_kv_kernel[grid](
-        q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q, valid_len if valid_len is not None else q,
+    _SPLIT_KV_LAUNCH(
+        grid, q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q, valid_len if valid_len is not None else q,
         o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, *fstr, *gstr,
         scale_log2(scale, D), N, L, G, Hkv, num_m, D, Dv,

@@ -21,6 +21,7 @@ import triton.language as tl
 from . import interpreting
 from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, backend_has_option, block_d_for,
                      block_m_for, dot_flags, mask_args, scale_log2)
+from .launch import LaunchCache
 
 
 @triton.jit
@@ -187,6 +188,9 @@ def _stream_k_kernel(
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
+_STREAM_K_LAUNCH = LaunchCache(_stream_k_kernel)
+
+
 def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """(ws_o (grid*2, BLOCK_M, Dv) fp32, ws_lse (grid*2, BLOCK_M) fp32, counters (B*Hkv*num_m,) int32 zeros).
 
@@ -233,8 +237,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         # The kernel holds the KV loop, the partial path and the merge: capping registers at 128 (a few spills)
         # lets two programs share an SM instead of one.
         extra["maxnreg"] = 128
-    _stream_k_kernel[(grid,)](
-        q, k, v, mask if mask is not None else q, valid_len if valid_len is not None else q, out,
+    _STREAM_K_LAUNCH(
+        (grid,), q, k, v, mask if mask is not None else q, valid_len if valid_len is not None else q, out,
         lse if lse is not None else out, ws_o, ws_lse, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride(),
         scale_log2(scale, D), B, N, L, G, Hkv, num_m, D, Dv, grid,

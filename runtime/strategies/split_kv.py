@@ -52,14 +52,15 @@ def kernel_check(site: AttentionSite, ctx: PlanContext) -> str | None:
 
 
 def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
-    """(block_n, num_warps, num_stages) worth trying: a light tile, a wide tile, and a deeper pipeline.
-    Larger heads take smaller tiles (shared memory per pipeline stage)."""
+    """(block_n, num_warps, num_stages) worth trying. Measured on an H100 (bf16, TMA tiles; results in
+    ``benchmarks/results/``): a third pipeline stage is worth 3-8 % over two at every length, 64-key tiles with
+    4 warps win for D=128, wide 128-256-key tiles for D <= 96 (few bytes per key). Larger heads take smaller tiles
+    (shared memory per stage)."""
     if head_dim > 128:
-        return ((32, 4, 2), (64, 8, 2), (32, 4, 3))
+        return ((32, 4, 3), (64, 8, 2), (64, 4, 3))
     if head_dim <= 96:
-        # small heads: more keys per tile and deeper pipelines keep enough bytes in flight
-        return ((64, 4, 2), (128, 8, 2), (64, 4, 4), (128, 4, 4))
-    return ((64, 4, 2), (128, 8, 2), (64, 4, 4))
+        return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
+    return ((64, 4, 3), (128, 8, 3), (128, 4, 3))
 
 
 #: Shared memory a config may plan for (Hopper has 227 KB per block; leave room for Triton's own buffers).
@@ -129,9 +130,10 @@ class SplitKV(Strategy[SplitKVPlan]):
         return kernel_check(site, ctx)
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[SplitKVPlan]:
-        """Split counts that fill half a wave, one wave and two waves of the chip for each kernel config (one
-        split when the batch and heads alone fill it), never more splits than KV tiles. For a symbolic length
-        the trace-time hint sizes the splits; the share of each split then follows the length at run time."""
+        """Split counts that give one program per SM, and half a wave, one wave and two waves of resident
+        programs, for each kernel config (one split when the batch and heads alone fill it), never more splits
+        than KV tiles. For a symbolic length the trace-time hint sizes the splits; the share of each split then
+        follows the length at run time. K/V tiles go through TMA where the GPU and strides allow it."""
         n = planned_len(site)
         _, num_m = rows_per_tile(site)
         base = (site.batch or 1) * site.kv_heads * num_m
@@ -142,19 +144,21 @@ class SplitKV(Strategy[SplitKVPlan]):
                 continue
             slots = hw.sm_count * occupancy(site, block_n, warps, stages)
             max_splits = max(1, -(-n // block_n))
-            for target in (slots / 2, slots, 2 * slots):
+            for target in (hw.sm_count, slots / 2, slots, 2 * slots):
                 splits = max(1, min(max_splits, round(target / base)))
                 key = (splits, block_n, warps, stages)
                 if key not in seen:
                     seen.add(key)
                     # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
                     # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
-                    yield SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                    yield SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, tma=True)
         best = getattr(kernel_cost, "best_split_kv", None)  # the cost model's own pick, when it has one
         if best is not None:
             c = best(site, hw)
-            if c.block_n >= 16 and fit_stages(site, c.block_n, 2) == 2 and (c.grid, c.block_n, c.num_warps, 2) not in seen:
-                yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=2)
+            stages = fit_stages(site, c.block_n, 3) if c.block_n >= 16 else None
+            if stages is not None and (c.grid, c.block_n, c.num_warps, stages) not in seen:
+                yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages,
+                                  tma=True)
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
 from torch import Tensor
 
 from attnopt.hardware import HardwareProfile
@@ -108,15 +109,17 @@ class Tree(Strategy[TreePlan]):
         D.check_decode_shapes(g, q, k, v, f"tree plan {plan.describe()}", plan.runtime_key())
         return TreeState(group=g)
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+    def _decode(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out_dtype, with_lse):
         from .. import distributed as D
 
         g = state.group if state is not None else D.current_group()
         attn_mask, valid_len, is_causal = D.localize(g, q, k, attn_mask, valid_len, is_causal)
         o, lse = D.local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                                local=plan.local)
-        return D.combine_tree(o, lse, g, plan.collective, plan.hierarchical)
+                                local=plan.local, fp32=False)
+        return D.combine_tree(o, lse, g, plan.collective, plan.hierarchical, out_dtype=out_dtype, with_lse=with_lse)
+
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        return self._decode(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, torch.float32, True)
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
-        o, _ = self.run_states(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal)
-        return o.to(q.dtype)
+        return self._decode(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, q.dtype, False)[0]

@@ -319,3 +319,48 @@ def test_merge_states_op_uses_kernel_on_cuda():
     ro, rl = ref_merge_states(o, lse)
     torch.testing.assert_close(mo, ro, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ml, rl, atol=1e-5, rtol=1e-5)
+
+
+def test_launch_cache_keys_are_exact():
+    """The launch memo keys every pointer value, dtype, int, float and descriptor field: any change is a miss."""
+    from attnopt.runtime.kernels.launch import _arg_key
+
+    a = torch.zeros(8, dtype=torch.float16)
+    b = torch.zeros(8, dtype=torch.float16)
+    assert _arg_key(a) != _arg_key(b)
+    assert _arg_key(a) == _arg_key(a.view(2, 4))  # the kernel sees only the pointer: same address, same launch
+    assert _arg_key(a) != _arg_key(a.view(torch.int16))
+    assert _arg_key(a[1:]) != _arg_key(a)
+    assert _arg_key(16) != _arg_key(17) and _arg_key(1) != _arg_key(True) and _arg_key(0.5) != _arg_key(0.25)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    k = torch.zeros(1, 2, 32, 64, dtype=torch.float16)
+    d1 = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, 16, 64])
+    d2 = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, 32, 64])
+    assert _arg_key(d1) != _arg_key(d2)
+    with pytest.raises(TypeError):
+        _arg_key(object())
+
+
+@pytest.mark.cuda
+def test_launch_cache_hits_only_on_identical_arguments():
+    from attnopt.runtime.kernels import merge as merge_mod
+
+    cache = merge_mod._MERGE_LAUNCH
+    o = torch.randn(4, 3, 9, 128, device="cuda")
+    lse = torch.randn(4, 3, 9, device="cuda")
+    out = torch.empty(3, 9, 128, device="cuda")
+    ro, _ = ref_merge_states(o, lse)
+    h0, m0 = cache.hits, cache.misses
+    merge_mod.merge_states(o, lse, out=out, lse_out=False)
+    merge_mod.merge_states(o, lse, out=out, lse_out=False)
+    assert cache.hits >= h0 + 1, "the second identical launch did not reuse the compiled kernel"
+    torch.testing.assert_close(out, ro, atol=1e-5, rtol=1e-5)
+    o2 = torch.randn(4, 3, 9, 128, device="cuda")
+    m1 = cache.misses
+    merge_mod.merge_states(o2, lse, out=out, lse_out=False)
+    assert cache.misses == m1 + 1, "a new input buffer must take the JIT path"
+    torch.testing.assert_close(out, ref_merge_states(o2, lse)[0], atol=1e-5, rtol=1e-5)
+    out.zero_()
+    merge_mod.merge_states(o2, lse, out=out, lse_out=False)  # a hit: must still write this call's result
+    torch.testing.assert_close(out, ref_merge_states(o2, lse)[0], atol=1e-5, rtol=1e-5)
