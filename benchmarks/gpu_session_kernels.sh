@@ -8,7 +8,7 @@ python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
 cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
 t0=$(date +%s)
 python -m pytest -q --collect-only -p no:cacheprovider "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" -m cuda 2>/dev/null \
-  | grep "::" > /tmp/ids.txt
+  | grep "::" | sed "s#^#$REPO/#" > /tmp/ids.txt
 echo "$(wc -l < /tmp/ids.txt) CUDA test ids"
 mkdir -p /tmp/tlogs
 cat /tmp/ids.txt | xargs -P ${JOBS:-14} -I{} sh -c 'n=$(echo "{}" | md5sum | cut -c1-8); timeout 400 python -m pytest -q -p no:cacheprovider "{}" > /tmp/tlogs/$n.log 2>&1; echo "$? {}" >> /tmp/tlogs/rc.txt'

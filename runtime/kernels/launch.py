@@ -66,7 +66,7 @@ class LaunchCache:
             self._compiled.move_to_end(key)
             compiled, rest = hit
             self.hits += 1
-            compiled[grid](*args, *rest)
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *rest)  # the compiled runner wants 3 dims
             return compiled
         self.misses += 1
         compiled = self.fn[grid](*args, **kwargs)
