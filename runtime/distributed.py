@@ -125,6 +125,11 @@ class DistGroup:
     #: The process group passed to ``register_group`` (``pg`` may be a private copy with the timeout).
     source: Any = None
     _buffers: dict = field(default_factory=dict, repr=False)
+    #: Captured combine graphs (:class:`_CombineGraph`) by (shape, out dtype, with_lse).
+    _graphs: dict = field(default_factory=dict, repr=False)
+    #: Set by the replay watchdog when a replayed collective outlived the timeout; raised on the next call.
+    failure: "CollectiveError | None" = field(default=None, repr=False)
+    _watch: Any = field(default=None, repr=False)
 
     @property
     def nodes(self) -> int:
@@ -461,6 +466,131 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
     return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal)
 
 
+# ============================================================================================ replayed combine
+class _ReplayWatchdog:
+    """Timeouts for collectives replayed from a CUDA graph, which the process group's own watchdog does not see.
+
+    Each replay records an event; a daemon thread checks that it completes within the group's timeout. If one
+    does not, the group is marked failed and its communicator aborted (NCCL kernels poll the abort flag, so a
+    replay stuck on a dead peer returns), and the next call on any rank raises :class:`CollectiveError`."""
+
+    def __init__(self, group: "DistGroup", poll_s: float = 0.2):
+        import collections
+        import time
+
+        self._time = time.monotonic
+        self.group = group
+        self.pending: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self.poll_s = poll_s
+        threading.Thread(target=self._run, name=f"attnopt-watchdog-{group.name}", daemon=True).start()
+
+    def watch(self, what: str) -> None:
+        ev = torch.cuda.Event()
+        ev.record()
+        with self._cv:
+            self.pending.append((ev, self._time() + self.group.timeout.total_seconds(), what))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self.pending:
+                    self._cv.wait()
+                ev, deadline, what = self.pending[0]
+            if ev.query():
+                with self._cv:
+                    self.pending.popleft()
+                continue
+            if self._time() > deadline:
+                self.group.failure = CollectiveError(
+                    f"attnopt distributed decode: {what} (replayed from a CUDA graph) did not finish within "
+                    f"{self.group.timeout.total_seconds():g}s on {self.group.describe()}: a peer rank died or "
+                    f"stalled; the communicator was aborted")
+                try:
+                    self.group.pg.abort()
+                except Exception:  # noqa: BLE001 - best effort: the error above is what the caller sees
+                    pass
+                with self._cv:
+                    self.pending.clear()
+                return
+            threading.Event().wait(self.poll_s)
+
+
+class _CombineGraph:
+    """The tree's all-gather and merge, captured once per shape in a CUDA graph and replayed.
+
+    In eager mode a decode step pays host time per op; replaying the collective and the merge as one graph
+    leaves two small copies (the pack) and a clone on the host path. Buffers are static: ``packed`` is the
+    graph's input, ``out``/``lse`` its outputs (cloned before they are returned, as every site shares them).
+    """
+
+    def __init__(self, g: "DistGroup", o: Tensor, out_dtype: torch.dtype, with_lse: bool):
+        shape = tuple(o.shape)
+        dev = o.device
+        self.g = g
+        self.packed = torch.zeros(shape[:-1] + (shape[-1] + 1,), dtype=torch.float32, device=dev)
+        self.parts = torch.zeros((g.world,) + tuple(self.packed.shape), dtype=torch.float32, device=dev)
+        self.out = torch.empty(shape, dtype=out_dtype, device=dev)
+        self.lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev) if with_lse else None
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._body()  # warm-up outside capture: kernels compiled, communicator ready
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._body()
+
+    def _body(self) -> None:
+        from .kernels.merge import merge_states as triton_merge_states
+
+        dist.all_gather_into_tensor(self.parts.view((-1,) + tuple(self.packed.shape[1:])), self.packed,
+                                    group=self.g.pg)
+        triton_merge_states(self.parts[..., :-1], self.parts[..., -1], out=self.out,
+                            lse_out=self.lse if self.lse is not None else False)
+
+    def __call__(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor | None]:
+        _pack(o, lse, self.packed)
+        self.graph.replay()
+        if self.g._watch is None:
+            self.g._watch = _ReplayWatchdog(self.g)
+        self.g._watch.watch("tree all_gather + merge")
+        return self.out.clone(), (self.lse.clone() if self.lse is not None else None)
+
+
+def graph_combine_enabled() -> bool:
+    """``ATTNOPT_TREE_GRAPH=0`` turns the replayed combine off (eager ops instead)."""
+    return os.environ.get("ATTNOPT_TREE_GRAPH", "1") != "0"
+
+
+def _replayed_combine(g: "DistGroup", o: Tensor, lse: Tensor, out_dtype: torch.dtype | None,
+                      with_lse: bool) -> tuple[Tensor, Tensor | None] | None:
+    """The combine through a captured graph, or None where that does not apply: not NCCL on CUDA, turned off,
+    inside someone else's capture (which records the eager ops itself), or the first call of a shape (the eager
+    path warms the communicator up; every rank captures on the same later call, in lock-step)."""
+    if not (g.backend == "nccl" and o.is_cuda and graph_combine_enabled() and _triton_merge_available()):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    if g.failure is not None:
+        raise g.failure
+    key = (tuple(o.shape), o.device, out_dtype or torch.float32, with_lse)
+    entry = g._graphs.get(key)
+    if entry is None:
+        g._graphs[key] = "seen"  # first call: eager
+        return None
+    if entry == "seen":
+        try:
+            entry = g._graphs[key] = _CombineGraph(g, o, out_dtype or torch.float32, with_lse)
+        except Exception:  # noqa: BLE001 - capture unsupported here: stay eager for this shape, never fail
+            g._graphs[key] = "eager"
+            return None
+    if entry == "eager":
+        return None
+    return entry(o, lse)
+
+
 # ============================================================================================ tree decode
 def _pack(o: Tensor, lse: Tensor, out: Tensor) -> Tensor:
     """[o | lse] into ``out`` (..., Dv + 1) fp32."""
@@ -577,7 +707,11 @@ def combine_tree(o: Tensor, lse: Tensor, group: DistGroup, collective: str = "al
     if hierarchical and group.nodes <= 1:
         raise DistributedDecodeError(f"hierarchical tree decode needs more than one node; {group.describe()}")
     if collective == "all_gather" and group.world > 1 and not (hierarchical and group.ranks_per_node > 1):
-        # the decode hot path: pack (converting o), one all-gather, one merge launch writing out_dtype
+        # the decode hot path: pack (converting o), one all-gather, one merge launch writing out_dtype; on NCCL
+        # the all-gather and merge are replayed from a CUDA graph
+        replayed = _replayed_combine(group, o, lse, out_dtype, with_lse)
+        if replayed is not None:
+            return replayed
         return _tree_all_gather(group, o, lse.float(), group.pg, group.world, "world", out_dtype, with_lse)
     o = o.float().contiguous()
     lse = lse.float().contiguous()

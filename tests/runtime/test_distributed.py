@@ -35,13 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, args, out, pg_timeout):
+def _entry(fn, rank, world, port, args, out, pg_timeout, backend="gloo"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         from datetime import timedelta
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         out.put((rank, "ok", result))
@@ -65,8 +67,9 @@ def spawnable(fn):
 
 
 def run_ranks(fn, world: int, *args, deadline: float = 90.0, pg_timeout: float = 30.0,
-              wait_for: tuple[int, ...] | None = None) -> dict[int, tuple[str, object]]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; return {rank: (status, payload)}.
+              wait_for: tuple[int, ...] | None = None, backend: str = "gloo") -> dict[int, tuple[str, object]]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes (gloo, or NCCL with one GPU per rank);
+    return {rank: (status, payload)}.
 
     Returns once every rank in ``wait_for`` (default: all) reported, or at ``deadline`` seconds; processes
     still alive then are killed (a stalled rank never hangs the test). Missing ranks get ("missing", None).
@@ -76,7 +79,7 @@ def run_ranks(fn, world: int, *args, deadline: float = 90.0, pg_timeout: float =
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=entry, args=(fn, r, world, port, args, out, pg_timeout), daemon=True)
+    procs = [ctx.Process(target=entry, args=(fn, r, world, port, args, out, pg_timeout, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -494,3 +497,72 @@ def test_backend_refuses_decode_sites_left_over_shards():
     no_plan = SiteReport(site(node="sdpa_2", q_len=1), rejected=[Rejection("tree", "q_len is symbolic")])
     with pytest.raises(DistributedDecodeError, match=r"2 attention site\(s\).*sdpa_1.*mask of rank 5.*sdpa_2"):
         check_no_decode_left_over_shards(PlanReport(sites=[prefill, odd_mask, no_plan]))
+
+
+# ============================================================================================ NCCL (2 GPUs)
+def _nccl_replayed_tree(rank, world):
+    from attnopt.runtime import distributed as D
+    from attnopt.runtime.reference import sdpa_float64
+
+    g = D.register_group(dist.group.WORLD, name="nccl-replay")
+    torch.manual_seed(0)
+    B, Hq, Hkv, L, Dh, N = 2, 8, 2, 1, 64, 301
+    k = torch.randn(B, Hkv, N, Dh, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, N, Dh, device="cuda", dtype=torch.bfloat16)
+    a, b = D.balanced_bounds(N, world)[rank]
+    errs, kinds = [], []
+    for step in range(5):  # eager, capture, replays; a new query every step
+        q = torch.randn(B, Hq, L, Dh, device="cuda", dtype=torch.bfloat16, generator=None)
+        out, lse = D.tree_decode(q, k[:, :, a:b], v[:, :, a:b], g, return_lse=True)
+        ref = sdpa_float64(q, k, v)
+        errs.append(float((out.double() - ref).abs().max()))
+        kinds.append(sorted(type(e).__name__ if not isinstance(e, str) else e for e in g._graphs.values()))
+        torch.cuda.synchronize()
+    return errs, kinds
+
+
+@pytest.mark.multigpu
+def test_nccl_replayed_tree_combine_matches_reference():
+    """On NCCL the tree's all-gather and merge are captured on the second call of a shape and replayed after;
+    every step matches the float64 reference over the whole sequence (queries differ per step)."""
+    res = ok_payloads(run_ranks(_nccl_replayed_tree, 2, deadline=180, backend="nccl"))
+    for rank, (errs, kinds) in res.items():
+        assert max(errs) < 2e-2, f"rank {rank}: errors {errs}"
+        assert kinds[0] == ["seen"] and kinds[-1] == ["_CombineGraph"], kinds
+
+
+def _nccl_replay_stall(rank, world):
+    import time as _t
+
+    from attnopt.runtime import distributed as D
+
+    g = D.register_group(dist.group.WORLD, name="nccl-stall", timeout=4.0)
+    q = torch.randn(1, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 50, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # eager, then capture: both ranks
+        D.tree_decode(q, k, k, g)
+    torch.cuda.synchronize()
+    if rank == 1:
+        _t.sleep(60)  # stalls: never joins the next all-gather
+        return "stalled"
+    t0 = _t.monotonic()
+    D.tree_decode(q, k, k, g)  # replayed: waits on rank 1 on the GPU
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - the aborted communicator may surface here
+        pass
+    try:
+        D.tree_decode(q, k, k, g)
+    except D.CollectiveError as exc:
+        return _t.monotonic() - t0, str(exc)
+    return _t.monotonic() - t0, "no error"
+
+
+@pytest.mark.multigpu
+def test_nccl_replayed_combine_times_out_on_a_stalled_peer():
+    res = run_ranks(_nccl_replay_stall, 2, deadline=90, wait_for=(0,), backend="nccl")
+    status, payload = res[0]
+    assert status == "ok", payload
+    seconds, msg = payload
+    assert "did not finish within 4s" in msg, msg
+    assert seconds < 30, f"the stall was reported after {seconds:.1f} s"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# 2xH200, issue 5: multi-GPU tests on NCCL (replayed tree combine, stalled-peer timeout), then the tree/ring
+# benchmark at P=2 with the eager overhead column.
+set -o pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+REPO=$PWD
+python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
+cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
+t0=$(date +%s)
+timeout 240 python -m pytest -q -p no:cacheprovider -m multigpu -rs "$REPO/tests/runtime/test_distributed.py" "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
+echo "tests: $(( $(date +%s) - t0 )) s"
+cd "$REPO" && LENGTHS=${LENGTHS:-32k,128k,512k} bash benchmarks/gpu_session_multigpu.sh 2 2>&1 | grep -v "^W1122\|^\*\*\*\|OMP_NUM" | tail -14
