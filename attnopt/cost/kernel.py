@@ -120,6 +120,20 @@ def _tile_bytes(site: AttentionSite, block_n: int) -> float:
 #: for the Triton kernels, ``cfg:dense/flash`` and ``cfg:dense/efficient`` for SDPA; ``cfg:<kind>`` is the
 #: kind's mean, used for a configuration the calibration did not run.
 CONFIG_FACTOR_PREFIX = "cfg:"
+#: Prefix of the per-configuration offsets (µs) fitted with the factors: a configuration's time is
+#: ``factor * model + offset``. The offset carries what the wave model misses at small sizes (a library's fixed
+#: setup per call, a second launch hidden by programmatic dependent launch), the factor what it misses per byte.
+CONFIG_OFFSET_PREFIX = "cfgoff:"
+
+
+def config_adjust(hw: HardwareProfile, key: str, t: float) -> float:
+    """``factor * t + offset`` for one configuration (``t`` unchanged on an uncalibrated profile). The offset is
+    only used with its configuration's own factor, and the result never drops below a quarter of ``factor *
+    t``: increasing in ``t`` (more bytes are never predicted faster)."""
+    f = config_factor(hw, key)
+    off = hw.fitted.get(CONFIG_OFFSET_PREFIX + key, 0.0) if hw.fitted and \
+        (CONFIG_FACTOR_PREFIX + key) in hw.fitted else 0.0
+    return max(f * t + float(off), 0.25 * f * t)
 
 
 def config_factor(hw: HardwareProfile, key: str) -> float:
@@ -205,7 +219,7 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
         # rows) streams all N keys, and each of the G heads of a KV head reads them again.
         programs = b * hkv * g * math.ceil(L / 128)
         tiles = max(1, math.ceil(n / 128))
-        return config_factor(hw, "dense/flash") * (hw.launch_us + wave_time_us(
+        return config_adjust(hw, "dense/flash", hw.launch_us + wave_time_us(
             hw, programs, tiles, _tile_bytes(site, 128), eff, 4))
     if dense_backend(site) == "flash":
         # FA2's split-KV kernel uses 256/128/64-key blocks for D <= 64 / <= 128 / larger; one 128-key
@@ -226,12 +240,12 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
                 t += hw.launch_us + _stream_us(hw, 2 * state_bytes(site) * s)
             return t
 
-        return config_factor(hw, "dense/flash") * min(flash(s) for s in splits)
+        return config_adjust(hw, "dense/flash", min(flash(s) for s in splits))
     block_n = 64
     tiles = max(1, math.ceil(n / block_n))
     # The G programs of one KV head read the same K/V; L2 serves the repeats, so HBM sees each tile once and
     # the bandwidth the programs share is G times the unique-byte rate.
-    return config_factor(hw, "dense/efficient") * (hw.launch_us + wave_time_us(
+    return config_adjust(hw, "dense/efficient", hw.launch_us + wave_time_us(
         hw, b * hkv * g * math.ceil(L / 64), tiles, _tile_bytes(site, block_n), eff * g, 4))
 
 
@@ -253,7 +267,7 @@ def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block
         partials = state_bytes(site) * num_splits
         t += _stream_us(hw, partials)                        # the first kernel writes them
         t += hw.launch_us + _stream_us(hw, partials + io_bytes(site) / 2)  # the merge reads them, writes o
-    return t * hw.emulation_slowdown * config_factor(hw, f"split_kv/{block_n}/{num_warps}/{num_stages}")
+    return config_adjust(hw, f"split_kv/{block_n}/{num_warps}/{num_stages}", t * hw.emulation_slowdown)
 
 
 # --------------------------------------------------------------------------------------------- stream-K
@@ -278,7 +292,7 @@ def stream_k_us(site: AttentionSite, hw: HardwareProfile, grid: int, block_n: in
     segments = min(units, programs + outputs)
     partial = state_bytes(site) / outputs
     t += _stream_us(hw, 2 * partial * segments) + hw.fitted.get("stream_k_fixup_us", STREAM_K_FIXUP_US)
-    return t * hw.emulation_slowdown * config_factor(hw, f"stream_k/{block_n}/{num_warps}/{num_stages}")
+    return config_adjust(hw, f"stream_k/{block_n}/{num_warps}/{num_stages}", t * hw.emulation_slowdown)
 
 
 # --------------------------------------------------------------------------------------------- plan choice

@@ -388,3 +388,35 @@ def test_dense_multi_token_decode_is_not_split():
     assert cal.predict_us(one, DensePlan(), hw) < 3 * cal.predict_us(one, split, hw)
     # Still monotone: more keys never predicted faster.
     assert cal.predict_us(cal.make_site(1, 2, 2, 64, 90000, 4), DensePlan(), hw) >= cal.predict_us(four, DensePlan(), hw)
+
+
+def test_config_offsets_fit_a_fixed_cost_and_stay_monotone():
+    """Measured = 0.9 x model + 6 µs (a library's fixed setup per call) is recovered as factor and offset; a
+    negative offset never makes a larger site predicted faster, and the offset needs its own factor."""
+    from attnopt import calibrate as cal
+    from attnopt.cost import kernel as K
+    from attnopt.hardware import builtin_profile
+    from attnopt.plan import DensePlan, SplitKVPlan
+
+    hw = builtin_profile("h100-sxm")
+    plan = SplitKVPlan(num_splits=16, block_n=64, num_warps=4, num_stages=3)
+    samples = []
+    for n in (2048, 8192, 65536, 262144):
+        site = cal.make_site(1, 32, 8, 128, n)
+        samples.append(cal.Sample(site, plan, 0.9 * cal.predict_us(site, plan, hw) + 6.0))
+        samples.append(cal.Sample(site, DensePlan(), 1.1 * cal.predict_us(site, DensePlan(), hw) - 3.0))
+    fitted = cal.fit_config_factors(hw, samples, shrink=0.0)
+    assert fitted.fitted["cfg:split_kv/64/4/3"] == pytest.approx(0.9, rel=1e-6)
+    assert fitted.fitted["cfgoff:split_kv/64/4/3"] == pytest.approx(6.0, rel=1e-5)
+    assert fitted.fitted["cfgoff:dense/flash"] == pytest.approx(-3.0, rel=1e-5)
+    site = cal.make_site(1, 32, 8, 128, 32768)
+    assert cal.predict_us(site, plan, fitted) == pytest.approx(0.9 * cal.predict_us(site, plan, hw) + 6.0)
+    prev = 0.0
+    for n in (1, 16, 64, 256, 1024, 4096, 16384):
+        t = cal.predict_us(cal.make_site(1, 32, 8, 128, n), DensePlan(), fitted)
+        assert t >= prev, f"more keys predicted faster at N={n}"
+        prev = t
+    # an offset without its configuration's own factor is ignored (the kind's ratio stands alone)
+    lone = dataclasses.replace(hw, fitted={"cfgoff:split_kv/64/4/3": 50.0})
+    assert K.config_adjust(lone, "split_kv/64/4/3", 10.0) == 10.0
+    assert hw.from_json(fitted.to_json()) == fitted
