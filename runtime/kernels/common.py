@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 import torch
 import triton
@@ -72,7 +73,40 @@ def pdl_supported(device: torch.device) -> bool:
     interpreter has no grid-dependency instructions). ``ATTNOPT_PDL=0`` turns it off."""
     if device.type != "cuda" or interpreting() or os.environ.get("ATTNOPT_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9 and backend_has_option("launch_pdl")
+    return device_major(device.index) >= 9 and backend_has_option("launch_pdl")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def device_major(index: int | None) -> int:
+    """Compute-capability major of CUDA device ``index`` (None: the current one), asked of the driver once."""
+    return _device_major(torch.cuda.current_device() if index is None else index)
+
+
+#: Tensor-descriptor templates per (block, dtype). TensorDescriptor's constructor validates its input (about 7 µs
+#: of host time); ``kv_descriptors`` checks the same conditions itself (rank, 16-byte base and strides, positive
+#: shape, contiguous last dim), so after one validated construction per template a descriptor is a copy of the
+#: template with this call's base, shape and strides.
+_DESC_TEMPLATES: dict[tuple, Any] = {}
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    key = (tuple(block), t.dtype)
+    template = _DESC_TEMPLATES.get(key)
+    if template is None:
+        d = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+        _DESC_TEMPLATES[key] = {k: v for k, v in vars(d).items() if k not in ("base", "shape", "strides")}
+        return d
+    d = object.__new__(TensorDescriptor)
+    fields = vars(d)
+    fields.update(template)
+    fields["base"], fields["shape"], fields["strides"] = t, list(t.shape), list(t.stride())
+    return d
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
@@ -80,12 +114,12 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
     cannot take them: not Hopper or newer (nor the interpreter), a Triton without descriptors, a last dim that is
     not contiguous, or strides and base not 16-byte aligned (the copy engine's rules)."""
     if k.device.type == "cuda":
-        if torch.cuda.get_device_capability(k.device)[0] < 9:
+        if device_major(k.device.index) < 9:
             return None
     elif not interpreting():
         return None
     try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return None
     descs = []
@@ -94,7 +128,7 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
         if (t.dim() != 4 or t.stride(-1) != 1 or t.data_ptr() % 16 or min(t.shape) == 0
                 or any((s * item) % 16 for s in t.stride()[:-1])):
             return None
-        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d_for(t.shape[-1])]))
+        descs.append(_descriptor(t, [1, 1, block_n, block_d_for(t.shape[-1])]))
     return tuple(descs)
 
 

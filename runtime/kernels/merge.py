@@ -15,7 +15,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_wait = None
 
 from .common import pdl_supported
-from .launch import LaunchCache
+from .launch import KernelLauncher
 
 LOG2E = 1.4426950408889634
 
@@ -69,7 +69,7 @@ def _merge_states_kernel(
         tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), lse_out)
 
 
-_MERGE_LAUNCH = LaunchCache(_merge_states_kernel)
+_MERGE_LAUNCH = KernelLauncher(_merge_states_kernel)
 
 
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 
 from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, dot_flags,
                      kv_descriptors, mask_args, pdl_supported, scale_log2)
-from .launch import LaunchCache
+from .launch import KernelLauncher
 from .merge import merge_states
 
 
@@ -149,7 +149,7 @@ def _split_kv_kernel(
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-_SPLIT_KV_LAUNCH = LaunchCache(_split_kv_kernel)
+_SPLIT_KV_LAUNCH = KernelLauncher(_split_kv_kernel)
 
 
 def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -21,7 +21,7 @@ import triton.language as tl
 from . import interpreting
 from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, backend_has_option, block_d_for,
                      block_m_for, dot_flags, mask_args, scale_log2)
-from .launch import LaunchCache
+from .launch import KernelLauncher
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _stream_k_kernel(
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-_STREAM_K_LAUNCH = LaunchCache(_stream_k_kernel)
+_STREAM_K_LAUNCH = KernelLauncher(_stream_k_kernel)
 
 
 def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -248,6 +248,24 @@ def test_tma_descriptors_only_where_the_copy_engine_allows(device):
     _check(out, ref, torch.float16, "split_kv tma=True on unaligned K/V (pointer fallback)")
 
 
+def test_descriptor_copies_equal_fresh_descriptors():
+    """A descriptor built from a template (after the first, validated one) equals one TensorDescriptor builds anew,
+    for another tensor of another length and strides (a dynamic cache's next step)."""
+    if not interpreting():
+        pytest.skip("CPU descriptors need the Triton interpreter")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from attnopt.runtime.kernels.common import kv_descriptors
+
+    k1, v1 = torch.randn(1, 2, 40, 64, dtype=torch.float16), torch.randn(1, 2, 40, 64, dtype=torch.float16)
+    kv_descriptors(k1, v1, 16)
+    k2 = torch.randn(2, 3, 57, 64, dtype=torch.float16)[:, :, 5:]
+    v2 = torch.randn(2, 57, 3, 64, dtype=torch.float16).transpose(1, 2)
+    for t, d in zip((k2, v2), kv_descriptors(k2, v2, 16)):
+        fresh = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 64])
+        assert vars(d) == vars(fresh) and d.base is t
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_merge_states_kernel(device):
     dev = _dev(device)
@@ -321,46 +339,73 @@ def test_merge_states_op_uses_kernel_on_cuda():
     torch.testing.assert_close(ml, rl, atol=1e-5, rtol=1e-5)
 
 
-def test_launch_cache_keys_are_exact():
-    """The launch memo keys every pointer value, dtype, int, float and descriptor field: any change is a miss."""
-    from attnopt.runtime.kernels.launch import _arg_key
+SPEC_VALUES = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, -(2 ** 31),
+               -(2 ** 31) - 16, 2 ** 40, 2 ** 40 + 3, 2 ** 63 - 1, True, False, 0.5, 1.0, -3.25]
 
-    a = torch.zeros(8, dtype=torch.float16)
-    b = torch.zeros(8, dtype=torch.float16)
-    assert _arg_key(a) != _arg_key(b)
-    assert _arg_key(a) == _arg_key(a.view(2, 4))  # the kernel sees only the pointer: same address, same launch
-    assert _arg_key(a) != _arg_key(a.view(torch.int16))
-    assert _arg_key(a[1:]) != _arg_key(a)
-    assert _arg_key(16) != _arg_key(17) and _arg_key(1) != _arg_key(True) and _arg_key(0.5) != _arg_key(0.25)
+
+def test_launcher_scalar_spec_matches_triton():
+    """The direct launcher's level-2 key must separate every pair of scalars that Triton compiles differently:
+    its specialisation is compared with Triton's own, value by value and pair by pair."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from attnopt.runtime.kernels.launch import scalar_spec
+
+    for a in SPEC_VALUES:
+        assert scalar_spec(a) is not None, a
+        for b in SPEC_VALUES:
+            same_triton = native(CUDABackend, a, False, True, True) == native(CUDABackend, b, False, True, True)
+            assert (scalar_spec(a) == scalar_spec(b)) == same_triton, (a, b)
+    assert scalar_spec("x") is None and scalar_spec(None) is None
+
+
+def test_launcher_pointer_keys():
+    """Pointer keys: dtype and 16-byte alignment (what Triton specialises a pointer on); descriptors by block."""
+    from attnopt.runtime.kernels.launch import _ptr_key
+
+    a = torch.zeros(64, dtype=torch.float16)
+    assert _ptr_key(a) == _ptr_key(torch.zeros(64, dtype=torch.float16))
+    assert _ptr_key(a) != _ptr_key(a.view(torch.int16))
+    assert _ptr_key(a) != _ptr_key(a[1:])  # 2 bytes off: not 16-byte aligned
+    assert _ptr_key(a) == _ptr_key(a[8:])  # 16 bytes off: aligned again
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     k = torch.zeros(1, 2, 32, 64, dtype=torch.float16)
     d1 = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, 16, 64])
     d2 = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, 32, 64])
-    assert _arg_key(d1) != _arg_key(d2)
+    assert _ptr_key(d1) != _ptr_key(d2)
     with pytest.raises(TypeError):
-        _arg_key(object())
+        _ptr_key(object())
 
 
 @pytest.mark.cuda
-def test_launch_cache_hits_only_on_identical_arguments():
+def test_direct_launches_are_exact():
+    """The direct path serves repeated launches (level 1), new buffers and new lengths (level 2), and always
+    computes this call's result; a changed specialisation (misaligned view) compiles anew."""
     from attnopt.runtime.kernels import merge as merge_mod
 
-    cache = merge_mod._MERGE_LAUNCH
+    launcher = merge_mod._MERGE_LAUNCH
     o = torch.randn(4, 3, 9, 128, device="cuda")
     lse = torch.randn(4, 3, 9, device="cuda")
     out = torch.empty(3, 9, 128, device="cuda")
-    ro, _ = ref_merge_states(o, lse)
-    h0, m0 = cache.hits, cache.misses
     merge_mod.merge_states(o, lse, out=out, lse_out=False)
-    merge_mod.merge_states(o, lse, out=out, lse_out=False)
-    assert cache.hits >= h0 + 1, "the second identical launch did not reuse the compiled kernel"
-    torch.testing.assert_close(out, ro, atol=1e-5, rtol=1e-5)
-    o2 = torch.randn(4, 3, 9, 128, device="cuda")
-    m1 = cache.misses
-    merge_mod.merge_states(o2, lse, out=out, lse_out=False)
-    assert cache.misses == m1 + 1, "a new input buffer must take the JIT path"
-    torch.testing.assert_close(out, ref_merge_states(o2, lse)[0], atol=1e-5, rtol=1e-5)
+    d0, j0 = launcher.direct, launcher.jit
     out.zero_()
-    merge_mod.merge_states(o2, lse, out=out, lse_out=False)  # a hit: must still write this call's result
-    torch.testing.assert_close(out, ref_merge_states(o2, lse)[0], atol=1e-5, rtol=1e-5)
+    merge_mod.merge_states(o, lse, out=out, lse_out=False)
+    assert launcher.direct == d0 + 1 and launcher.jit == j0, "an identical launch must take the direct path"
+    torch.testing.assert_close(out, ref_merge_states(o, lse)[0], atol=1e-5, rtol=1e-5)
+    for rows in (9, 10, 33):  # new buffers, new row counts and strides: the same specialisation or a new one
+        o2 = torch.randn(4, 3, rows, 128, device="cuda")
+        l2 = torch.randn(4, 3, rows, device="cuda")
+        l2[1] = float("-inf")
+        out2 = torch.full((3, rows, 128), float("nan"), device="cuda")
+        merge_mod.merge_states(o2, l2, out=out2, lse_out=False)
+        torch.testing.assert_close(out2, ref_merge_states(o2, l2)[0], atol=1e-5, rtol=1e-5)
+    assert launcher.direct >= d0 + 2, "a new buffer of a known specialisation must launch directly"
+    # a view 4 bytes off alignment changes the pointer specialisation: Triton's path, then correct
+    big = torch.randn(4 * 3 * 9 * 128 + 1, device="cuda")
+    o3 = big[1:].view(4, 3, 9, 128)
+    j1 = launcher.jit
+    merge_mod.merge_states(o3, lse, out=out, lse_out=False)
+    assert launcher.jit == j1 + 1
+    torch.testing.assert_close(out, ref_merge_states(o3, lse)[0], atol=1e-5, rtol=1e-5)
