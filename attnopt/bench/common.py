@@ -99,6 +99,25 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
     return statistics.median(times)
 
 
+def host_us(fn: Callable[[], Any], iters: int = 300, *, repeats: int = 5, warmup: int = 5,
+            sync: Callable[[], Any] | None = None) -> float:
+    """Host time per call in µs: ``iters`` calls issued without syncing (the GPU runs behind unless it is the
+    slower side), median over ``repeats``. ``sync`` (default ``torch.cuda.synchronize``) runs after the warm-up
+    and after each repeat; a distributed caller adds its barrier there."""
+    sync = sync or torch.cuda.synchronize
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+        sync()
+    return statistics.median(out)
+
+
 def copy_bandwidth_TBps(nbytes: int = 1 << 30, mode: str = "eager") -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written, TB/s."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()

@@ -8,31 +8,15 @@ import json
 import math
 import os
 import pstats
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from attnopt.bench.common import Rotation, rel_err, time_us
+from attnopt.bench.common import Rotation, host_us, rel_err, time_us
 from attnopt.bench.kernels import _make_set
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.reference import decode_attention
 from attnopt.runtime.strategies import get_strategy
-
-
-def host_us(fn, iters=300):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 def profile(fn, iters=500, top=22):

@@ -13,30 +13,15 @@ import json
 import math
 import os
 import pstats
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from attnopt.bench.common import git_commit, host_us
 from attnopt.bench.kernels import _make_set
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.kernels.common import kv_descriptors
 from attnopt.runtime.strategies import get_strategy
-
-
-def host_us(fn, iters=300):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 def profile(fn, iters=400, top=30):
@@ -55,7 +40,7 @@ def profile(fn, iters=400, top=30):
 
 
 def main():
-    res = {}
+    res = {"device": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__}
     strat = get_strategy("split_kv")
     B, Hq, Hkv, D, N = 1, 32, 8, 128, 8192
     s = _make_set(0, B, Hq, Hkv, D, N, 1, None, torch.bfloat16)
@@ -63,15 +48,20 @@ def main():
     scale = 1 / math.sqrt(D)
     from attnopt.runtime.kernels.split_kv import _SPLIT_KV_LAUNCH
 
-    for name, plan in (("run_split16_tma", SplitKVPlan(num_splits=16, block_n=64, num_stages=3, tma=True)),
-                       ("run_split16_ptr", SplitKVPlan(num_splits=16, block_n=64, num_stages=3, tma=False)),
-                       ("run_split1_ptr", SplitKVPlan(num_splits=1, block_n=64, num_stages=3, tma=False))):
+    variants = (("run_split16_default", SplitKVPlan(num_splits=16, block_n=64, num_stages=3, tma=True), "0"),
+                ("run_split16_tma_forced", SplitKVPlan(num_splits=16, block_n=64, num_stages=3, tma=True), "1"),
+                ("run_split16_ptr", SplitKVPlan(num_splits=16, block_n=64, num_stages=3, tma=False), "0"),
+                ("run_split1_tma_forced", SplitKVPlan(num_splits=1, block_n=64, num_stages=3, tma=True), "1"),
+                ("run_split1_ptr", SplitKVPlan(num_splits=1, block_n=64, num_stages=3, tma=False), "0"))
+    for name, plan, tma_eager in variants:
+        os.environ["ATTNOPT_TMA_EAGER"] = tma_eager
         st = strat.prepare(plan, q, k, v)
         fn = lambda: strat.run(st, plan, q, k, v, None, None, scale, False)  # noqa: E731
         res[name] = host_us(fn)
-        if name == "run_split16_tma":
-            res["profile_split16_tma"] = profile(fn)
-            print(res["profile_split16_tma"])
+        if name in ("run_split16_default", "run_split1_tma_forced"):
+            res["profile_" + name] = profile(fn)
+            print(res["profile_" + name])
+    os.environ["ATTNOPT_TMA_EAGER"] = "0"
     # a dynamic cache: a new, one-longer K/V every call (level-2 launches: specialisation, no binder)
     plan = SplitKVPlan(num_splits=16, block_n=64, num_stages=3, tma=True)
     st = strat.prepare(plan, q, k, v)
@@ -84,10 +74,10 @@ def main():
         n = N + grow[0]
         return strat.run(st, plan, q, kk[:, :, :n], vv[:, :, :n], None,
                          None, scale, False)
-    res["run_split16_tma_growing_len"] = host_us(growing, iters=100)
+    res["run_split16_default_growing_len"] = host_us(growing, iters=100)
     res["launcher_direct"], res["launcher_jit"] = _SPLIT_KV_LAUNCH.direct, _SPLIT_KV_LAUNCH.jit
     os.environ["ATTNOPT_LAUNCH_CACHE"] = "0"
-    res["run_split16_tma_jit_path"] = host_us(lambda: strat.run(st, plan, q, k, v, None, None, scale, False))
+    res["run_split16_default_jit_path"] = host_us(lambda: strat.run(st, plan, q, k, v, None, None, scale, False))
     os.environ["ATTNOPT_LAUNCH_CACHE"] = "1"
     res["kv_descriptors"] = host_us(lambda: kv_descriptors(k, v, 64))
     res["current_stream"] = host_us(lambda: torch.cuda.current_stream().cuda_stream)
@@ -112,7 +102,7 @@ def main():
         strat.run(st, plan, q, k, v, None, None, scale, False)
     res["graph_replay"] = host_us(lambda: g.replay())
     for name, val in res.items():
-        if not name.startswith("profile"):
+        if not name.startswith("profile") and name not in ("device", "commit", "torch"):
             print(f"{name:28s} {val if isinstance(val, str) else round(val, 2)}")
     with open(os.path.join(os.environ.get("OUT", "."), "launch_overhead.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -10,33 +10,16 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
 
 import torch
 
-from attnopt.bench.common import Rotation, read_bandwidth_TBps, rel_err, results_header, time_us
+from attnopt.bench.common import Rotation, host_us, read_bandwidth_TBps, rel_err, results_header, time_us
 from attnopt.bench.kernels import CASES, _make_set, _peer_methods
 from attnopt.hardware import detect_profile
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.reference import decode_attention
 from attnopt.runtime.strategies import PlanContext, get_strategy
 from attnopt.site import AttentionSite
-
-
-def host_us(fn, iters=200):
-    """Host time per call: issue ``iters`` calls without syncing (the GPU runs behind), median of 3."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 def main():
@@ -90,7 +73,7 @@ def main():
                 idx[0] = (idx[0] + 1) % len(calls)
                 return c()
             us = time_us(fn, "graph")
-            row = dict(case=case, method=name, us=us, roof=floor / us, rel_err=err, host_us=host_us(fn), **extra)
+            row = dict(case=case, method=name, us=us, roof=floor / us, rel_err=err, host_us=host_us(fn, 200, repeats=3), **extra)
             rows.append(row)
             return row
 

@@ -32,14 +32,24 @@ LN2 = 0.6931471805599453
 MAX_BLOCK_M = 64
 
 
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= ``x`` (1 for x <= 1). Plain integer arithmetic: Triton's own helpers are
+    constexpr-function objects that cost microseconds of host time per call on the launch path."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def block_m_for(rows: int) -> int:
     """Rows per query tile for ``rows = G * q_len`` packed rows: a power of two in [16, MAX_BLOCK_M]."""
-    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(max(rows, 1))))
+    return max(16, min(MAX_BLOCK_M, next_pow2(rows)))
 
 
 def block_d_for(head_dim: int) -> int:
     """Padded head dim (power of two); the padding lanes are masked."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_pow2(head_dim))
 
 
 def mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, L: int, N: int):
@@ -107,6 +117,17 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     fields.update(template)
     fields["base"], fields["shape"], fields["strides"] = t, list(t.shape), list(t.stride())
     return d
+
+
+def tma_now(device: torch.device) -> bool:
+    """Whether a launch that may use TMA tiles should, now: while a CUDA graph is being captured, or always with
+    ``ATTNOPT_TMA_EAGER=1`` (and in the interpreter, which tests the path). An eager launch with tensor descriptors
+    cost about 110 µs more host time than one with pointer tiles on the H100 machine (201 against 92 µs per
+    split-KV call, ``benchmarks/results/experiments/launch-overhead-*.json``), while the kernels differ by at most
+    a few per cent on the GPU; a captured graph pays the descriptors once."""
+    if device.type != "cuda" or os.environ.get("ATTNOPT_TMA_EAGER", "0") == "1":
+        return True
+    return torch.cuda.is_current_stream_capturing()
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):

@@ -14,7 +14,7 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_wait = None
 
-from .common import pdl_supported
+from .common import next_pow2, pdl_supported
 from .launch import KernelLauncher
 
 LOG2E = 1.4426950408889634
@@ -104,9 +104,9 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     l_out = lse_out.view(-1) if write_lse else out2
     if R == 0:
         return out, (lse_out if write_lse else None)
-    block_dv = max(16, triton.next_power_of_2(Dv))
+    block_dv = max(16, next_pow2(Dv))
     # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
-    block_p = max(2, min(triton.next_power_of_2(P), max(2, 8192 // block_dv)))
+    block_p = max(2, min(next_pow2(P), max(2, 8192 // block_dv)))
     _MERGE_LAUNCH(
         (R,), o3, l2, out2, l_out, *o3.stride(), *l2.stride(), *out2.stride(), l_out.stride(0) if write_lse else 0,
         P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse, WAIT_PRIOR=pdl,

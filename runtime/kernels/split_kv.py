@@ -16,8 +16,8 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = None
 
-from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, dot_flags,
-                     kv_descriptors, mask_args, pdl_supported, scale_log2)
+from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, cdiv, dot_flags,
+                     kv_descriptors, mask_args, next_pow2, pdl_supported, scale_log2, tma_now)
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -158,7 +158,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
     B, Hq, L, _ = q.shape
     Hkv = k.shape[1]
     Dv = v.shape[-1]
-    num_m = triton.cdiv((Hq // Hkv) * L, block_m_for((Hq // Hkv) * L))
+    num_m = cdiv((Hq // Hkv) * L, block_m_for((Hq // Hkv) * L))
     return (torch.empty((num_splits, B, Hq, L, Dv), device=q.device, dtype=torch.float32),
             torch.empty((num_splits, B, Hq, L), device=q.device, dtype=torch.float32),
             torch.zeros((B * Hkv * num_m,), device=q.device, dtype=torch.int32))
@@ -178,8 +178,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
     fused_merge : with S > 1, the last split to finish each tile merges the partials in the same launch
         (arrival counter per tile) instead of a second ``merge_states`` launch.
-    tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it; pointer loads
-        otherwise (the result is the same).
+    tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
+        is being captured into a CUDA graph (``tma_now``); pointer loads otherwise (the result is the same).
     pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
         wherever the GPU and Triton support it.
     """
@@ -188,7 +188,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     Dv = v.shape[-1]
     G = Hq // Hkv
     BLOCK_M = block_m_for(G * L)
-    num_m = triton.cdiv(G * L, BLOCK_M)
+    num_m = cdiv(G * L, BLOCK_M)
     mask, mstr, mask_kind = mask_args(attn_mask, B, Hq, L, N)
     upcast, precision = dot_flags(q.dtype)
     fused = bool(fused_merge) and num_splits > 1
@@ -209,10 +209,10 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         write_lse = lse is not None
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
-    block_r = max(1, triton.next_power_of_2(min(G * L, BLOCK_M)))
+    block_r = max(1, next_pow2(min(G * L, BLOCK_M)))
     block_dv = block_d_for(Dv)
     grid = (num_splits, B * Hkv * num_m)
-    descs = kv_descriptors(k, v, block_n) if tma else None
+    descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
     two_launches = num_splits > 1 and not fused
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _SPLIT_KV_LAUNCH(

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import interpreting
 from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, backend_has_option, block_d_for,
-                     block_m_for, dot_flags, mask_args, scale_log2)
+                     block_m_for, cdiv, dot_flags, mask_args, next_pow2, scale_log2)
 from .launch import KernelLauncher
 
 
@@ -201,7 +201,7 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     Dv = v.shape[-1]
     G = Hq // Hkv
     block_m = block_m_for(G * L)
-    num_m = triton.cdiv(G * L, block_m)
+    num_m = cdiv(G * L, block_m)
     return (torch.empty((grid * 2, block_m, Dv), device=q.device, dtype=torch.float32),
             torch.empty((grid * 2, block_m), device=q.device, dtype=torch.float32),
             torch.zeros((B * Hkv * num_m,), device=q.device, dtype=torch.int32))
@@ -225,7 +225,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     Dv = v.shape[-1]
     G = Hq // Hkv
     BLOCK_M = block_m_for(G * L)
-    num_m = triton.cdiv(G * L, BLOCK_M)
+    num_m = cdiv(G * L, BLOCK_M)
     if workspace is None:
         workspace = stream_k_workspace(grid, q, k, v)
     ws_o, ws_lse, counters = workspace
@@ -242,7 +242,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         lse if lse is not None else out, ws_o, ws_lse, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride(),
         scale_log2(scale, D), B, N, L, G, Hkv, num_m, D, Dv, grid,
-        BLOCK_B=max(2, triton.next_power_of_2(B)), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D),
+        BLOCK_B=max(2, next_pow2(B)), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D),
         BLOCK_DV=block_d_for(Dv), HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
         MERGE_P=max(1, min(8, 8192 // (BLOCK_M * block_d_for(Dv)))), num_warps=num_warps, num_stages=num_stages,

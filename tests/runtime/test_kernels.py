@@ -27,6 +27,12 @@ BN = 16
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
+@pytest.fixture(autouse=True)
+def _tma_in_eager(monkeypatch):
+    """Eager CUDA launches take pointer tiles by default (``tma_now``); these tests run the TMA kernels too."""
+    monkeypatch.setenv("ATTNOPT_TMA_EAGER", "1")
+
+
 def _dev(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -246,6 +252,36 @@ def test_tma_descriptors_only_where_the_copy_engine_allows(device):
     out = torch.full((B, Hkv * G, L, D), float("nan"), dtype=q.dtype, device=dev)
     split_kv_decode(q, odd, d_strided, out, num_splits=3, block_n=BN, tma=True)
     _check(out, ref, torch.float16, "split_kv tma=True on unaligned K/V (pointer fallback)")
+
+
+@pytest.mark.cuda
+def test_tma_only_while_capturing(monkeypatch):
+    """By default an eager launch takes pointer tiles and a captured one TMA tiles; both give the reference."""
+    from attnopt.runtime.kernels.common import tma_now
+
+    dev = torch.device("cuda")
+    q, k, v = _inputs(1, 2, 4, 1, 300, 128, torch.bfloat16, dev)
+    ref, _ = _expected(q, k, v)
+    out = torch.full((1, 8, 1, 128), float("nan"), dtype=q.dtype, device=dev)
+    ws = split_kv_workspace(4, q, k, v)
+    split_kv_decode(q, k, v, out, workspace=ws, num_splits=4, block_n=64, tma=True)  # compile the TMA kernel
+    monkeypatch.delenv("ATTNOPT_TMA_EAGER")
+    assert not tma_now(dev)
+    out.fill_(float("nan"))
+    split_kv_decode(q, k, v, out, workspace=ws, num_splits=4, block_n=64, tma=True)
+    _check(out, ref, torch.bfloat16, "eager split_kv tma=True (pointer tiles)")
+    seen = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        seen.append(tma_now(dev))
+        split_kv_decode(q, k, v, out, workspace=ws, num_splits=4, block_n=64, tma=True)
+    assert seen == [True]
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, ref, torch.bfloat16, "captured split_kv tma=True (TMA tiles)")
 
 
 def test_descriptor_copies_equal_fresh_descriptors():
