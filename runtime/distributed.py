@@ -470,9 +470,13 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
 class _ReplayWatchdog:
     """Timeouts for collectives replayed from a CUDA graph, which the process group's own watchdog does not see.
 
-    Each replay records an event; a daemon thread checks that it completes within the group's timeout. If one
-    does not, the group is marked failed and its communicator aborted (NCCL kernels poll the abort flag, so a
-    replay stuck on a dead peer returns), and the next call on any rank raises :class:`CollectiveError`."""
+    Each replay records an event (reused once the watchdog has seen it complete) and appends it, with its
+    deadline, to a queue; nothing else happens on the caller's path, so the decode step pays no lock and no
+    thread wake-up. A daemon thread wakes every ``poll_s``, drops the completed events at the head of the queue
+    and checks the first pending one against its deadline. If that passes, the group is marked failed and its
+    communicator aborted (NCCL kernels poll the abort flag, so a replay stuck on a dead peer returns), and the
+    next call on any rank raises :class:`CollectiveError`. Only the caller appends and only the thread pops, so
+    the deque's own atomic operations are all the synchronisation needed."""
 
     def __init__(self, group: "DistGroup", poll_s: float = 0.2):
         import collections
@@ -481,40 +485,41 @@ class _ReplayWatchdog:
         self._time = time.monotonic
         self.group = group
         self.pending: collections.deque = collections.deque()
-        self._cv = threading.Condition()
+        self.free: collections.deque = collections.deque()  # completed events, ready to be recorded again
         self.poll_s = poll_s
         threading.Thread(target=self._run, name=f"attnopt-watchdog-{group.name}", daemon=True).start()
 
     def watch(self, what: str) -> None:
-        ev = torch.cuda.Event()
+        try:
+            ev = self.free.pop()
+        except IndexError:
+            ev = torch.cuda.Event()
         ev.record()
-        with self._cv:
-            self.pending.append((ev, self._time() + self.group.timeout.total_seconds(), what))
-            self._cv.notify()
+        self.pending.append((ev, self._time() + self.group.timeout.total_seconds(), what))
 
     def _run(self) -> None:
+        import time
+
         while True:
-            with self._cv:
-                while not self.pending:
-                    self._cv.wait()
+            time.sleep(self.poll_s)
+            while self.pending:
                 ev, deadline, what = self.pending[0]
-            if ev.query():
-                with self._cv:
+                if ev.query():
                     self.pending.popleft()
-                continue
-            if self._time() > deadline:
-                self.group.failure = CollectiveError(
-                    f"attnopt distributed decode: {what} (replayed from a CUDA graph) did not finish within "
-                    f"{self.group.timeout.total_seconds():g}s on {self.group.describe()}: a peer rank died or "
-                    f"stalled; the communicator was aborted")
-                try:
-                    self.group.pg.abort()
-                except Exception:  # noqa: BLE001 - best effort: the error above is what the caller sees
-                    pass
-                with self._cv:
+                    self.free.append(ev)
+                    continue
+                if self._time() > deadline:
+                    self.group.failure = CollectiveError(
+                        f"attnopt distributed decode: {what} (replayed from a CUDA graph) did not finish within "
+                        f"{self.group.timeout.total_seconds():g}s on {self.group.describe()}: a peer rank died or "
+                        f"stalled; the communicator was aborted")
+                    try:
+                        self.group.pg.abort()
+                    except Exception:  # noqa: BLE001 - best effort: the error above is what the caller sees
+                        pass
                     self.pending.clear()
-                return
-            threading.Event().wait(self.poll_s)
+                    return
+                break
 
 
 class _CombineGraph:
@@ -530,6 +535,7 @@ class _CombineGraph:
         dev = o.device
         self.g = g
         self.packed = torch.zeros(shape[:-1] + (shape[-1] + 1,), dtype=torch.float32, device=dev)
+        self.packed_o, self.packed_lse = self.packed[..., :-1], self.packed[..., -1]  # views made once
         self.parts = torch.zeros((g.world,) + tuple(self.packed.shape), dtype=torch.float32, device=dev)
         self.out = torch.empty(shape, dtype=out_dtype, device=dev)
         self.lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev) if with_lse else None
@@ -551,7 +557,8 @@ class _CombineGraph:
                             lse_out=self.lse if self.lse is not None else False)
 
     def __call__(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor | None]:
-        _pack(o, lse, self.packed)
+        self.packed_o.copy_(o)
+        self.packed_lse.copy_(lse)
         self.graph.replay()
         if self.g._watch is None:
             self.g._watch = _ReplayWatchdog(self.g)

@@ -1,11 +1,13 @@
-"""Experiment (torchrun, 2 GPUs): host cost of eager NCCL collectives and of each step of tree_decode."""
-import cProfile, io, os, pstats, statistics, time
+"""Experiment (torchrun, 2 GPUs): host cost of eager NCCL collectives and of each step of tree_decode
+(the replayed combine's pieces included); a cProfile of tree_decode; JSON to $OUT."""
+import cProfile, io, json, os, pstats
 import torch
 import torch.distributed as dist
 
 dist.init_process_group("nccl")
 rank = dist.get_rank()
 torch.cuda.set_device(rank)
+from attnopt.bench.common import git_commit, host_us as common_host_us
 from attnopt.runtime import distributed as D
 
 g = D.register_group(dist.group.WORLD, name="x")
@@ -14,17 +16,7 @@ if rank == 0:
 
 
 def host_us(fn, iters=300):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize(); dist.barrier()
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        ts.append((time.perf_counter() - t0) / iters * 1e6)
-        torch.cuda.synchronize(); dist.barrier()
-    return statistics.median(ts)
+    return common_host_us(fn, iters, repeats=3, warmup=10, sync=lambda: (torch.cuda.synchronize(), dist.barrier()))
 
 
 x = torch.randn(1, 32, 1, 129, device="cuda")
@@ -45,6 +37,15 @@ parts = torch.randn(2, 1, 32, 1, 129, device="cuda")
 res["merge_parts"] = host_us(lambda: D._merge_parts(parts, torch.bfloat16, False))
 pk = torch.empty(1, 32, 1, 129, device="cuda")
 res["pack"] = host_us(lambda: D._pack(o, lse, pk))
+res["local_split_kv"] = host_us(lambda: D.local_states(q, k, v, fp32=False, local="split_kv"))
+res["tree_decode_split_kv"] = host_us(lambda: D.tree_decode(q, k, v, g, local="split_kv"))
+entry = next((e for e in g._graphs.values() if not isinstance(e, str)), None)
+if entry is not None:  # the replayed combine, piece by piece
+    res["combine_graph_call"] = host_us(lambda: entry(o, lse))
+    res["graph_replay"] = host_us(entry.graph.replay)
+    res["watchdog_watch"] = host_us(lambda: g._watch.watch("x"))
+    res["out_clone"] = host_us(entry.out.clone)
+    res["pack_copies"] = host_us(lambda: (entry.packed_o.copy_(o), entry.packed_lse.copy_(lse)))
 if rank == 0:
     print({kk: round(vv, 1) for kk, vv in res.items()})
 pr = cProfile.Profile()
@@ -58,5 +59,9 @@ if rank == 0:
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
     print(s.getvalue())
+    res.update(device=torch.cuda.get_device_name(), commit=git_commit(), world=dist.get_world_size(),
+               profile_tree_decode=s.getvalue())
+    with open(os.path.join(os.environ.get("OUT", "."), "nccl_host.json"), "w") as f:
+        json.dump(res, f, indent=1)
 dist.barrier()
 dist.destroy_process_group()
