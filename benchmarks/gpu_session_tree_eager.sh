@@ -8,7 +8,7 @@ REPO=$PWD
 python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
 cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
 t0=$(date +%s)
-timeout 240 python -m pytest -q -p no:cacheprovider -m multigpu -rs "$REPO/tests/runtime/test_distributed.py" "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
+timeout 240 python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs "$REPO/tests/runtime/test_distributed.py" "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
 echo "tests: $(( $(date +%s) - t0 )) s"
 timeout 180 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/nccl_host.py" 2>&1 | grep "^{'all_gather" | tee "$OUT/nccl_host.log"
 cd "$REPO" && LENGTHS=${LENGTHS:-32k,128k,512k} bash benchmarks/gpu_session_multigpu.sh 2 2>&1 | grep -v "^W1122\|^\*\*\*\|OMP_NUM" | tail -14

@@ -467,6 +467,44 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
 
 
 # ============================================================================================ replayed combine
+def _cudart():
+    """The CUDA runtime library this process has loaded (the one PyTorch uses), through ctypes; None if none."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+        lib.cudaThreadExchangeStreamCaptureMode  # noqa: B018 - resolves only if libcudart is in the global scope
+        return lib
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def thread_local_capture_mode() -> bool:
+    """Put the calling thread in CUDA's thread-local stream-capture mode (``cudaStreamCaptureModeThreadLocal``):
+    its CUDA calls then neither fail nor invalidate graph captures running in other threads. True on success."""
+    import ctypes
+
+    lib = _cudart()
+    if lib is None:
+        return False
+    mode = ctypes.c_int(1)  # cudaStreamCaptureModeThreadLocal
+    try:
+        return lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+    except (AttributeError, OSError):
+        return False
+
+
 class _ReplayWatchdog:
     """Timeouts for collectives replayed from a CUDA graph, which the process group's own watchdog does not see.
 
@@ -487,7 +525,11 @@ class _ReplayWatchdog:
         self.pending: collections.deque = collections.deque()
         self.free: collections.deque = collections.deque()  # completed events, ready to be recorded again
         self.poll_s = poll_s
-        threading.Thread(target=self._run, name=f"attnopt-watchdog-{group.name}", daemon=True).start()
+        started = threading.Event()
+        self.capture_safe = False
+        threading.Thread(target=self._run, args=(started,), name=f"attnopt-watchdog-{group.name}",
+                         daemon=True).start()
+        started.wait(10.0)
 
     def watch(self, what: str) -> None:
         try:
@@ -497,9 +539,17 @@ class _ReplayWatchdog:
         ev.record()
         self.pending.append((ev, self._time() + self.group.timeout.total_seconds(), what))
 
-    def _run(self) -> None:
+    def _run(self, started: threading.Event) -> None:
         import time
 
+        # Event queries from this thread must not touch another thread's graph capture: in CUDA's default
+        # (global) capture mode any thread's "unsafe" call, cudaEventQuery included, invalidates a capture in
+        # progress. Thread-local mode makes this thread ignore other threads' captures (as PyTorch's own NCCL
+        # watchdog does). Without it the watchdog does not run and the combine is not replayed.
+        self.capture_safe = thread_local_capture_mode()
+        started.set()
+        if not self.capture_safe:
+            return
         while True:
             time.sleep(self.poll_s)
             while self.pending:
@@ -560,8 +610,6 @@ class _CombineGraph:
         self.packed_o.copy_(o)
         self.packed_lse.copy_(lse)
         self.graph.replay()
-        if self.g._watch is None:
-            self.g._watch = _ReplayWatchdog(self.g)
         self.g._watch.watch("tree all_gather + merge")
         return self.out.clone(), (self.lse.clone() if self.lse is not None else None)
 
@@ -588,6 +636,11 @@ def _replayed_combine(g: "DistGroup", o: Tensor, lse: Tensor, out_dtype: torch.d
         g._graphs[key] = "seen"  # first call: eager
         return None
     if entry == "seen":
+        if g._watch is None:
+            g._watch = _ReplayWatchdog(g)
+        if not g._watch.capture_safe:  # no timeout for replayed collectives here: eager collectives instead
+            g._graphs[key] = "eager"
+            return None
         try:
             entry = g._graphs[key] = _CombineGraph(g, o, out_dtype or torch.float32, with_lse)
         except Exception:  # noqa: BLE001 - capture unsupported here: stay eager for this shape, never fail

@@ -566,3 +566,50 @@ def test_nccl_replayed_combine_times_out_on_a_stalled_peer():
     seconds, msg = payload
     assert "did not finish within 4s" in msg, msg
     assert seconds < 30, f"the stall was reported after {seconds:.1f} s"
+
+
+def test_capture_mode_is_unavailable_without_cuda():
+    """Without a CUDA runtime in the process the watchdog cannot be made capture-safe (and says so)."""
+    from attnopt.runtime.distributed import thread_local_capture_mode
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA runtime is loaded here")
+    import threading
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(thread_local_capture_mode()))
+    t.start()
+    t.join(10)
+    assert got == [False]
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(60)
+def test_watchdog_polling_never_breaks_a_graph_capture():
+    """The replay watchdog queries events from its own thread every poll; a graph captured meanwhile in the main
+    thread (CUDA's default, global capture mode) must still capture and replay correctly."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from attnopt.runtime.distributed import _ReplayWatchdog
+
+    group = SimpleNamespace(name="capture-test", timeout=timedelta(seconds=30), failure=None, pg=None,
+                            describe=lambda: "test group")
+    dog = _ReplayWatchdog(group, poll_s=0.0005)
+    assert dog.capture_safe, "the watchdog thread could not switch to thread-local capture mode"
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # keeps the watched events pending while the captures run
+        for _ in range(8):
+            dog.watch("pending")
+    x = torch.randn(1 << 16, device="cuda")
+    for _ in range(20):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = x * 2 + 1
+            for _ in range(50):
+                y = y * 1.0001
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, (x * 2 + 1) * (1.0001 ** 50), rtol=1e-4, atol=1e-4)
+    assert group.failure is None
