@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# H100, call 1 of 2 for issue 3: the kernel tests compiled on the GPU (bf16 included), one pytest process per
-# test id in parallel (Triton compiles are single-threaded per process). Call 2: gpu_session_kernels_bench.sh.
+# H100, one call for issue 3: the CUDA kernel tests compiled (bf16 included, the direct launcher's exactness test
+# among them; one pytest process per test id in parallel), the eager host-time profile of one split-KV call, then
+# `attnopt bench kernels` in graph and eager timing. JSON to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 REPO=$PWD
@@ -13,22 +14,22 @@ echo "$(wc -l < /tmp/ids.txt) CUDA test ids"
 mkdir -p /tmp/tlogs
 cat /tmp/ids.txt | xargs -P ${JOBS:-14} -I{} sh -c 'n=$(echo "{}" | md5sum | cut -c1-8); timeout 400 python -m pytest -q -p no:cacheprovider "{}" > /tmp/tlogs/$n.log 2>&1; echo "$? {}" >> /tmp/tlogs/rc.txt'
 echo "tests: $(( $(date +%s) - t0 )) s"
-sort /tmp/tlogs/rc.txt > "$OUT/gpu_tests_rc.txt"
+sort /tmp/tlogs/rc.txt | sed "s#$REPO/##" > "$OUT/gpu_tests_rc.txt"
 awk '{print $1}' /tmp/tlogs/rc.txt | sort | uniq -c
 grep -l "failed\|Error" /tmp/tlogs/*.log | head -3 | xargs -r tail -30
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-# the benchmark runs alone on the GPU, after the tests
+python "$REPO/benchmarks/experiments/launch_overhead.py" > "$OUT/launch_overhead.log" 2>&1; tail -22 "$OUT/launch_overhead.log"
 t1=$(date +%s)
-timeout $(( ${BENCH_LIMIT:-330} )) attnopt bench kernels --timing both --time-budget ${BENCH_BUDGET:-250} \
+timeout $(( ${BENCH_LIMIT:-300} )) attnopt bench kernels --timing both --time-budget ${BENCH_BUDGET:-220} \
   --commit "${ATTNOPT_COMMIT:-unknown}" --out "$OUT/kernels.json" 2>&1 | grep -v "Warning\|return F.scaled" > "$OUT/bench.log"
 echo "bench: $(( $(date +%s) - t1 )) s"
 python - "$OUT/kernels.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"{d['device']} copy {d['copy_bw_TBps']} TB/s read {d['read_bw_TBps']} TB/s")
-print(f"{'case':20s} {'best peer':12s} {'peer us':>8s} {'attnopt us':>10s} {'ratio':>6s} {'roof':>5s} {'planner us':>10s} {'eager ratio':>11s}")
+print(f"{'case':18s} {'peer':11s} {'peer us':>8s} {'ours us':>8s} {'ratio':>6s} {'roof':>5s} | {'peer eag':>8s} {'ours eag':>8s} {'ratio':>6s}")
 for s in d["summary"]:
     r = (s.get("best_peer_us") or 0) / (s.get("best_attnopt_us") or 1)
-    print(f"{s['case']:20s} {str(s.get('best_peer')):12s} {s.get('best_peer_us') or 0:8.1f} {s.get('best_attnopt_us') or 0:10.1f} "
-          f"{r:6.3f} {s['floor_us'] / (s.get('best_attnopt_us') or 1):5.2f} {s.get('planner_us') or 0:10.1f} {s.get('speedup_best_eager') or 0:11.3f}")
+    print(f"{s['case'][:18]:18s} {str(s.get('best_peer'))[:11]:11s} {s.get('best_peer_us') or 0:8.1f} {s.get('best_attnopt_us') or 0:8.1f} "
+          f"{r:6.3f} {s['floor_us'] / (s.get('best_attnopt_us') or 1):5.2f} | {s.get('best_peer_us_eager') or 0:8.1f} "
+          f"{s.get('best_attnopt_us_eager') or 0:8.1f} {s.get('speedup_best_eager') or 0:6.3f}")
 PY

@@ -118,6 +118,26 @@ def host_us(fn: Callable[[], Any], iters: int = 300, *, repeats: int = 5, warmup
     return statistics.median(out)
 
 
+def host_profile(fn: Callable[[], Any], iters: int = 500, top: int = 22) -> str:
+    """cProfile of ``iters`` calls (after a warm-up), the ``top`` functions by own time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(iters):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
 def copy_bandwidth_TBps(nbytes: int = 1 << 30, mode: str = "eager") -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written, TB/s."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()

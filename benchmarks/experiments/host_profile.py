@@ -2,36 +2,18 @@
 no sync), next to SDPA's; plus a targeted MHA (G=1, D=64) tile sweep. Prints tables; JSON to $OUT."""
 from __future__ import annotations
 
-import cProfile
-import io
 import json
 import math
 import os
-import pstats
 
 import torch
 import torch.nn.functional as F
 
-from attnopt.bench.common import Rotation, host_us, rel_err, time_us
+from attnopt.bench.common import Rotation, host_profile, host_us, rel_err, time_us
 from attnopt.bench.kernels import _make_set
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.reference import decode_attention
 from attnopt.runtime.strategies import get_strategy
-
-
-def profile(fn, iters=500, top=22):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(iters):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    return s.getvalue()
 
 
 def main():
@@ -49,7 +31,7 @@ def main():
         res["host"][name] = host_us(fn)
         print(f"host {name}: {res['host'][name]:.1f} µs/call")
         if name == "split16_tma_s3":
-            print(profile(fn))
+            print(host_profile(fn))
     from attnopt.runtime.kernels.merge import merge_states
     o = torch.randn(16, 1, 32, 1, 128, device="cuda")
     lse = torch.randn(16, 1, 32, 1, device="cuda")

@@ -7,36 +7,18 @@ SDPA, an empty allocation and a CUDA-graph replay; then a cProfile of the full c
 """
 from __future__ import annotations
 
-import cProfile
-import io
 import json
 import math
 import os
-import pstats
 
 import torch
 import torch.nn.functional as F
 
-from attnopt.bench.common import git_commit, host_us
+from attnopt.bench.common import git_commit, host_profile, host_us
 from attnopt.bench.kernels import _make_set
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.kernels.common import kv_descriptors
 from attnopt.runtime.strategies import get_strategy
-
-
-def profile(fn, iters=400, top=30):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(iters):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    return s.getvalue()
 
 
 def main():
@@ -59,7 +41,7 @@ def main():
         fn = lambda: strat.run(st, plan, q, k, v, None, None, scale, False)  # noqa: E731
         res[name] = host_us(fn)
         if name in ("run_split16_default", "run_split1_tma_forced"):
-            res["profile_" + name] = profile(fn)
+            res["profile_" + name] = host_profile(fn, 400, 30)
             print(res["profile_" + name])
     os.environ["ATTNOPT_TMA_EAGER"] = "0"
     # a dynamic cache: a new, one-longer K/V every call (level-2 launches: specialisation, no binder)
