@@ -103,9 +103,18 @@ def device_major(index: int | None) -> int:
 _DESC_TEMPLATES: dict[tuple, Any] = {}
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
+@functools.lru_cache(maxsize=None)
+def _tensor_descriptor_cls():
+    """Triton's host-side TensorDescriptor class, or None for a Triton without it (looked up once)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
 
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    TensorDescriptor = _tensor_descriptor_cls()
     key = (tuple(block), t.dtype)
     template = _DESC_TEMPLATES.get(key)
     if template is None:
@@ -121,10 +130,11 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 def tma_now(device: torch.device) -> bool:
     """Whether a launch that may use TMA tiles should, now: while a CUDA graph is being captured, or always with
-    ``ATTNOPT_TMA_EAGER=1`` (and in the interpreter, which tests the path). An eager launch with tensor descriptors
-    cost about 110 µs more host time than one with pointer tiles on the H100 machine (201 against 92 µs per
-    split-KV call, ``benchmarks/results/experiments/launch-overhead-*.json``), while the kernels differ by at most
-    a few per cent on the GPU; a captured graph pays the descriptors once."""
+    ``ATTNOPT_TMA_EAGER=1`` (and in the interpreter, which tests the path). On the H100 machine an eager split-KV
+    call with tensor descriptors took 117 µs of host time against 99 µs with pointer tiles (16 splits; 75 against
+    49 µs with one split; ``benchmarks/results/experiments/launch-overhead-nvidia-h100-38e55ce.json``), and 201
+    against 92 µs on an earlier machine instance, while the kernels differ by 1-10 % on the GPU; a captured graph
+    pays the descriptors once."""
     if device.type != "cuda" or os.environ.get("ATTNOPT_TMA_EAGER", "0") == "1":
         return True
     return torch.cuda.is_current_stream_capturing()
@@ -139,9 +149,7 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
             return None
     elif not interpreting():
         return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
+    if _tensor_descriptor_cls() is None:
         return None
     descs = []
     for t in (k, v):

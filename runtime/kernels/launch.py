@@ -126,14 +126,15 @@ class KernelLauncher:
                 rest = tuple(kwargs[m] if m in kwargs else self._defaults.get(m) for m in self._names[len(args):])
                 entry = self._by_spec[key2] = (compiled, compiled.run, compiled.function,
                                                compiled.packed_metadata, rest)
-                if len(self._exact) >= MAX_EXACT:
-                    self._exact.clear()
-                self._exact[key1] = entry
+                self._remember(key1, entry)
                 return compiled
-            if len(self._exact) >= MAX_EXACT:
-                self._exact.clear()
-            self._exact[key1] = entry
+            self._remember(key1, entry)
         compiled, run, function, packed, rest = entry
         self.direct += 1
         run(grid3[0], grid3[1], grid3[2], _current_stream(device), function, packed, None, None, None, *args, *rest)
         return compiled
+
+    def _remember(self, key1: tuple, entry: tuple) -> None:
+        if len(self._exact) >= MAX_EXACT:
+            self._exact.clear()
+        self._exact[key1] = entry
