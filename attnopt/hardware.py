@@ -54,9 +54,12 @@ class HardwareProfile:
     #: Fixed cost per KV tile iteration of one program, µs (loop overhead, softmax rescale, dot issue) that
     #: memory does not hide.
     per_tile_us: float = 0.02
-    #: Device memory latency, µs: with Little's law it gives the bandwidth one program reaches from the bytes
-    #: it keeps in flight (``bytes_in_flight / mem_latency_us``).
-    mem_latency_us: float = 1.5
+    #: Device memory latency under load, µs: with Little's law it gives the bandwidth one program reaches from
+    #: the bytes it keeps in flight (``bytes_in_flight / mem_latency_us``). The default is what single programs
+    #: streamed on an H100 (benchmarks/results/cost_model-nvidia-h100-80gb-hbm3.json, 1582468): 17-20 GB/s with
+    #: 32 KB tiles (split-KV, 128-336 programs) and about 36 GB/s with 64 KB tiles (SDPA flash, q_len 4, 64
+    #: programs), i.e. 1.7-1.9 µs; ``attnopt calibrate`` refits it (``MEM_LATENCY_GRID_US``).
+    mem_latency_us: float = 2.0
     #: Most bandwidth one SM's programs draw together, GB/s; 0 = ``SM_SHARE_FACTOR`` x the fair share
     #: ``hbm_read_gbps / sm_count`` (a small grid cannot reach the chip's bandwidth).
     sm_read_gbps: float = 0.0

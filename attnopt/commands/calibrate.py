@@ -22,6 +22,8 @@ def register(sub) -> None:
                    help="with --validate: reuse the cached calibrated profile instead of calibrating again")
     p.add_argument("--out", default=None,
                    help="validation results JSON (default: benchmarks/results/cost_model-<device>.json)")
+    p.add_argument("--samples-out", default=None,
+                   help="also write every calibration measurement (site, plan, µs) to this JSON file")
     p.add_argument("--random", type=int, default=20, help="random shapes added to the kernel grid (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random shapes")
     p.add_argument("--budget", type=float, default=110.0, help="seconds of validation measurement before it stops")
@@ -57,6 +59,12 @@ def run(args) -> int:
         if not args.no_save:
             path = save_profile(fitted, device)
             console.print(f"saved the calibrated profile to {path}")
+        if args.samples_out:
+            from attnopt.bench.common import results_header, write_results
+
+            path = write_results(args.samples_out, {**results_header("calibration_samples"),
+                                                    "profile": fitted.to_dict(), "samples": info["samples_list"]})
+            console.print(f"wrote {len(info['samples_list'])} calibration measurements to {path}")
         print(fitted.to_json())
     if not args.validate:
         return 0

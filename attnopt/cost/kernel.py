@@ -117,8 +117,8 @@ def _tile_bytes(site: AttentionSite, block_n: int) -> float:
 
 # --------------------------------------------------------------------------------------------- calibration
 #: Prefix of the per-configuration factors in ``HardwareProfile.fitted``: ``cfg:<kind>/<block_n>/<warps>/<stages>``
-#: for the Triton kernels, ``cfg:dense/flash`` and ``cfg:dense/efficient`` for SDPA; ``cfg:<kind>`` is the
-#: kind's mean, used for a configuration the calibration did not run.
+#: for the Triton kernels, ``cfg:dense/flash``, ``cfg:dense/flash_rows`` and ``cfg:dense/efficient`` for SDPA
+#: (``dense_config``); ``cfg:<kind>`` is the kind's mean, used for a configuration the calibration did not run.
 CONFIG_FACTOR_PREFIX = "cfg:"
 #: Prefix of the per-configuration offsets (µs) fitted with the factors: a configuration's time is
 #: ``factor * model + offset``. The offset carries what the wave model misses at small sizes (a library's fixed
@@ -202,6 +202,17 @@ def dense_backend(site: AttentionSite) -> str:
     return "flash"
 
 
+def dense_config(site: AttentionSite) -> str:
+    """The calibration key of the SDPA kernel the dense plan reaches: ``dense/flash`` (one query token: FA2's
+    split-KV decode path), ``dense/flash_rows`` (several query tokens: FA2's forward kernel, one program per
+    (batch, query head), no key split), or ``dense/efficient`` (a mask tensor). The three scale differently with
+    the shape, so each gets its own fitted factor and offset."""
+    backend = dense_backend(site)
+    if backend == "flash" and (site.q_len or 1) > 1:
+        return "dense/flash_rows"
+    return "dense/" + backend
+
+
 def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
     """The dense plan: one SDPA call over the un-expanded K/V (``enable_gqa``).
 
@@ -219,7 +230,7 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
         # rows) streams all N keys, and each of the G heads of a KV head reads them again.
         programs = b * hkv * g * math.ceil(L / 128)
         tiles = max(1, math.ceil(n / 128))
-        return config_adjust(hw, "dense/flash", hw.launch_us + wave_time_us(
+        return config_adjust(hw, dense_config(site), hw.launch_us + wave_time_us(
             hw, programs, tiles, _tile_bytes(site, 128), eff, 4))
     if dense_backend(site) == "flash":
         # FA2's split-KV kernel uses 256/128/64-key blocks for D <= 64 / <= 128 / larger; one 128-key
@@ -240,12 +251,12 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
                 t += hw.launch_us + _stream_us(hw, 2 * state_bytes(site) * s)
             return t
 
-        return config_adjust(hw, "dense/flash", min(flash(s) for s in splits))
+        return config_adjust(hw, dense_config(site), min(flash(s) for s in splits))
     block_n = 64
     tiles = max(1, math.ceil(n / block_n))
     # The G programs of one KV head read the same K/V; L2 serves the repeats, so HBM sees each tile once and
     # the bandwidth the programs share is G times the unique-byte rate.
-    return config_adjust(hw, "dense/efficient", hw.launch_us + wave_time_us(
+    return config_adjust(hw, dense_config(site), hw.launch_us + wave_time_us(
         hw, b * hkv * g * math.ceil(L / 64), tiles, _tile_bytes(site, block_n), eff * g, 4))
 
 

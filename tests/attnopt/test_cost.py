@@ -420,3 +420,50 @@ def test_config_offsets_fit_a_fixed_cost_and_stay_monotone():
     lone = dataclasses.replace(hw, fitted={"cfgoff:split_kv/64/4/3": 50.0})
     assert K.config_adjust(lone, "split_kv/64/4/3", 10.0) == 10.0
     assert hw.from_json(fitted.to_json()) == fitted
+
+
+def test_dense_configurations_are_keyed_by_the_sdpa_kernel_they_reach():
+    """One query token (FA2's split decode), several (FA2's forward, no split) and a mask (memory-efficient)
+    scale differently with the shape, so each has its own calibration key; a factor fitted for one must not
+    move the others."""
+    from attnopt import calibrate as cal
+    from attnopt.cost import kernel as K
+    from attnopt.hardware import builtin_profile
+    from attnopt.plan import DensePlan
+
+    one, rows = cal.make_site(8, 8, 8, 128, 5144, 1), cal.make_site(8, 8, 8, 128, 5144, 4)
+    masked = cal.make_site(8, 8, 8, 128, 5144, 4, mask_kind="valid_length")
+    assert (K.dense_config(one), K.dense_config(rows), K.dense_config(masked)) == \
+        ("dense/flash", "dense/flash_rows", "dense/efficient")
+    hw = builtin_profile("h100-sxm")
+    samples = [cal.Sample(s, DensePlan(), 1.3 * cal.predict_us(s, DensePlan(), hw))
+               for s in (rows, cal.make_site(16, 4, 4, 128, 1941, 4), cal.make_site(2, 16, 16, 64, 32768, 4))]
+    fitted = cal.fit_config_factors(hw, samples, shrink=0.0)
+    assert fitted.fitted["cfg:dense/flash_rows"] == pytest.approx(1.3)
+    assert "cfg:dense/flash" not in fitted.fitted
+    assert cal.predict_us(rows, DensePlan(), fitted) == pytest.approx(1.3 * cal.predict_us(rows, DensePlan(), hw))
+    # the kind's mean (1.3) stands in for the configurations the calibration did not measure
+    assert cal.predict_us(one, DensePlan(), fitted) == pytest.approx(1.3 * cal.predict_us(one, DensePlan(), hw))
+
+
+def test_fit_calibrated_recovers_the_memory_latency():
+    """Measurements made by a model whose memory latency is 1.25 µs, from a base profile at 2.0 µs: the factors
+    alone cannot absorb the latency (it changes small grids more than large ones), so the fit must pick 1.25."""
+    base = builtin_profile("h100-sxm")
+    assert base.mem_latency_us == 2.0
+    true = dataclasses.replace(base, mem_latency_us=1.25)
+    samples = _synthetic_samples(true)
+    fitted = cal.fit_calibrated(base, samples)
+    assert fitted.mem_latency_us == 1.25
+    assert cal.log_error(samples, fitted) < 1e-3 < cal.log_error(samples, base)
+    with pytest.raises(ValueError, match="at least one memory latency"):
+        cal.fit_calibrated(base, samples, latencies=())
+
+
+def test_calibration_shapes_are_the_anchors_plus_unseen_random_shapes():
+    shapes = cal.calibration_shapes()
+    anchors = len(cal.CALIBRATION_SHAPES)
+    assert shapes[:anchors] == list(cal.CALIBRATION_SHAPES)
+    assert len(shapes) == anchors + cal.CALIBRATION_RANDOM_COUNT
+    validation = set(cal.random_shapes(20, seed=0))  # what ``attnopt calibrate --validate`` scores by default
+    assert cal.CALIBRATION_SEED != 0 and not validation & set(shapes[anchors:])
