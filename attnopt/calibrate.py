@@ -533,11 +533,15 @@ def probe_cuda() -> tuple[float, float, float]:
 
 def calibrate(base: HardwareProfile | None = None, shapes: Sequence[tuple[int, int, int, int, int, int]] | None = None,
               dtype: str = "bfloat16", progress: bool = True, device: str = "cuda", timer: Timer | None = None,
-              probe: Callable[[], tuple[float, float, float]] | None = None) -> tuple[HardwareProfile, dict[str, Any]]:
+              probe: Callable[[], tuple[float, float, float]] | None = None, budget_s: float | None = None
+              ) -> tuple[HardwareProfile, dict[str, Any]]:
     """Measure the local GPU and fit the cost model. Returns (calibrated profile, info with the samples).
 
     ``device``, ``timer`` and ``probe`` (copy GB/s, read GB/s, launch µs) default to the CUDA measurements;
-    tests pass CPU stand-ins to exercise the whole flow.
+    tests pass CPU stand-ins to exercise the whole flow. With ``budget_s``, no new shape is started once that many
+    seconds have passed (the anchors come first); ``info["skipped"]`` lists the shapes left out and
+    ``info["shape_seconds"]`` the time each measured shape took (Triton compiles each new kernel configuration
+    the first time, so a fresh machine takes several times longer than a warm one).
     """
     from attnopt.hardware import detect_profile
 
@@ -559,14 +563,24 @@ def calibrate(base: HardwareProfile | None = None, shapes: Sequence[tuple[int, i
         prog.advance(task)
         base = dataclasses.replace(base, hbm_read_gbps=read, copy_gbps=copy, launch_us=launch,
                                    device_name=device_name)
+        skipped: list[tuple[int, int, int, int, int, int]] = []
+        shape_seconds: list[float] = []
         for B, Hq, Hkv, D, N, L in shapes:
+            if budget_s is not None and time.time() - t0 > budget_s:
+                skipped.append((B, Hq, Hkv, D, N, L))
+                prog.advance(task)
+                continue
+            t_shape = time.time()
             site = make_site(B, Hq, Hkv, D, N, L, dtype)
             prog.update(task, description=f"kernels {site.shape_str()}")
             plans = {p.describe(): p for p in candidate_plans(site, base)}
             for desc_, us in measure_site(site, list(plans.values()), l2_bytes=base.l2_bytes, device=device,
                                           timer=timer).items():
                 samples.append(Sample(site, plans[desc_], us))
+            shape_seconds.append(time.time() - t_shape)
             prog.advance(task)
+    if not samples:
+        raise ValueError(f"calibration measured nothing within its budget of {budget_s} s; raise the budget")
     # Per-configuration factors on the probed profile, under the best-fitting memory latency. Cross-validated on
     # the H100 validation set (benchmarks/results/cost_model-nvidia-h100-80gb-hbm3.json, fit on 9 shapes, scored
     # on the other 21) the factors chose a plan within 5 % of the fastest on ~79 % of held-out shapes against
@@ -579,7 +593,8 @@ def calibrate(base: HardwareProfile | None = None, shapes: Sequence[tuple[int, i
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     fitted = dataclasses.replace(fitted, calibrated=True, source=f"attnopt calibrate {stamp} on {device_name}",
                                  fitted={**fitted.fitted, **{k: float(v) for k, v in info.items()}})
-    info = {**info, "seconds": time.time() - t0, "samples_list": [s.to_dict() for s in samples]}
+    info = {**info, "seconds": time.time() - t0, "samples_list": [s.to_dict() for s in samples],
+            "shape_seconds": shape_seconds, "skipped": skipped}
     return fitted, info
 
 

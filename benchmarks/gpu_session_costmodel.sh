@@ -13,7 +13,7 @@ cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
 t0=$(date +%s)
 case "${STEP:-calibrate}" in
   calibrate)
-    timeout 400 attnopt calibrate --samples-out "$OUT/calibration-samples.json" --quiet 2>&1 | grep -v Warning \
+    timeout 560 attnopt calibrate --calibrate-budget ${CAL_BUDGET:-330} --samples-out "$OUT/calibration-samples.json" --quiet 2>&1 | grep -v Warning \
       | grep -v '^ *"' | tail -20 | tee "$OUT/calibrate.log"
     cp -r "$ATTNOPT_CACHE_DIR/profiles" "$OUT/" 2>/dev/null
     echo "calibrate: $(( $(date +%s) - t0 )) s"

@@ -22,6 +22,8 @@ def register(sub) -> None:
                    help="with --validate: reuse the cached calibrated profile instead of calibrating again")
     p.add_argument("--out", default=None,
                    help="validation results JSON (default: benchmarks/results/cost_model-<device>.json)")
+    p.add_argument("--calibrate-budget", type=float, default=None,
+                   help="seconds of calibration measurement before it stops starting new shapes (default: all)")
     p.add_argument("--samples-out", default=None,
                    help="also write every calibration measurement (site, plan, µs) to this JSON file")
     p.add_argument("--random", type=int, default=20, help="random shapes added to the kernel grid (default 20)")
@@ -53,9 +55,12 @@ def run(args) -> int:
         fitted = load_cached_profile(device)
         console.print(f"using the cached calibrated profile {cached_profile_path(device)}")
     else:
-        fitted, info = cal.calibrate(base, progress=not args.quiet)
-        console.print(f"fitted {int(info['samples'])} measurements in {info['seconds']:.0f} s: "
-                      f"RMS log error {info['rmse_log_before']:.3f} -> {info['rmse_log_after']:.3f}")
+        fitted, info = cal.calibrate(base, progress=not args.quiet, budget_s=args.calibrate_budget)
+        console.print(f"fitted {int(info['samples'])} measurements of {len(info['shape_seconds'])} shapes in "
+                      f"{info['seconds']:.0f} s: RMS log error {info['rmse_log_before']:.3f} -> "
+                      f"{info['rmse_log_after']:.3f}; memory latency {fitted.mem_latency_us} µs")
+        if info["skipped"]:
+            console.print(f"[yellow]not measured (calibration budget): {len(info['skipped'])} shapes[/yellow]")
         if not args.no_save:
             path = save_profile(fitted, device)
             console.print(f"saved the calibrated profile to {path}")
@@ -63,7 +68,9 @@ def run(args) -> int:
             from attnopt.bench.common import results_header, write_results
 
             path = write_results(args.samples_out, {**results_header("calibration_samples"),
-                                                    "profile": fitted.to_dict(), "samples": info["samples_list"]})
+                                                    "profile": fitted.to_dict(), "samples": info["samples_list"],
+                                                    "shape_seconds": info["shape_seconds"],
+                                                    "skipped": info["skipped"]})
             console.print(f"wrote {len(info['samples_list'])} calibration measurements to {path}")
         print(fitted.to_json())
     if not args.validate:

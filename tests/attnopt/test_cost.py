@@ -3,6 +3,7 @@ the 2xH200 measurements, and the calibration fit and validation math on syntheti
 import dataclasses
 import itertools
 import math
+import time
 
 import pytest
 
@@ -331,6 +332,19 @@ def test_calibrate_and_validate_flow_with_cpu_stand_ins():
     assert fitted.calibrated and fitted.device_name == "cpu" and fitted.copy_gbps == 20.0
     assert info["samples"] == len(info["samples_list"]) >= 3
     assert info["rmse_log_after"] <= info["rmse_log_before"]
+    assert len(info["shape_seconds"]) == 1 and not info["skipped"]
+    # A spent budget starts no further shape; with nothing measured the error says to raise it.
+    def slow_timer(fn):
+        time.sleep(0.2)
+        return 5.0
+
+    _, part = cal.calibrate(base, shapes=((1, 4, 2, 64, 96, 1), (1, 2, 1, 64, 64, 1)), dtype="float32",
+                            progress=False, device="cpu", timer=slow_timer, probe=lambda: (20.0, 18.0, 9.0),
+                            budget_s=0.5)
+    assert part["skipped"] == [(1, 2, 1, 64, 64, 1)] and len(part["shape_seconds"]) == 1
+    with pytest.raises(ValueError, match="raise the budget"):
+        cal.calibrate(base, shapes=((1, 4, 2, 64, 96, 1),), dtype="float32", progress=False, device="cpu",
+                      timer=slow_timer, probe=lambda: (time.sleep(0.01), (20.0, 18.0, 9.0))[1], budget_s=0.0)
     body = cal.validate(fitted, base, dtype="float32", progress=False, device="cpu", timer=_wall_timer,
                         shapes=[("tiny", (1, 4, 2, 64, 96, 1), None), ("static", (1, 2, 1, 64, 128, 1), 100)])
     assert body["summary"]["shapes"] == 2 and not body["skipped"]
