@@ -598,6 +598,36 @@ def calibrate(base: HardwareProfile | None = None, shapes: Sequence[tuple[int, i
     return fitted, info
 
 
+def refit_from_samples(data: dict[str, Any], base: HardwareProfile | None = None) -> HardwareProfile:
+    """Fit a calibrated profile from measurements saved by ``attnopt calibrate --samples-out`` (``data`` is that
+    file's JSON), without measuring again: after the model changed, or on a machine without the GPU.
+
+    The probed constants (bandwidths, launch latency, device name) come from the file's ``profile``; the model's
+    other constants from ``base`` (default: the built-in profile of that name)."""
+    from attnopt.hardware import HardwareProfile, builtin_profile
+    from attnopt.plan import plan_from_dict
+    from attnopt.site import AttentionSite
+
+    try:
+        measured = HardwareProfile.from_dict(data["profile"])
+        samples = [Sample(AttentionSite.from_dict(x["site"]), plan_from_dict(x["plan"]), float(x["us"]))
+                   for x in data["samples"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a calibration samples file (attnopt calibrate --samples-out): {exc}") from exc
+    if not samples:
+        raise ValueError("the calibration samples file holds no measurements")
+    base = base or builtin_profile(measured.name)
+    base = dataclasses.replace(base, hbm_read_gbps=measured.hbm_read_gbps, copy_gbps=measured.copy_gbps,
+                               launch_us=measured.launch_us, device_name=measured.device_name, fitted={})
+    before = log_error(samples, base)
+    fitted = fit_calibrated(base, samples)
+    info = {"rmse_log_before": math.sqrt(before), "rmse_log_after": math.sqrt(log_error(samples, fitted)),
+            "samples": float(len(samples))}
+    return dataclasses.replace(fitted, calibrated=True,
+                               source=f"attnopt calibrate --from-samples ({measured.source})",
+                               fitted={**fitted.fitted, **info})
+
+
 def validate(calibrated: HardwareProfile, uncalibrated: HardwareProfile, random_count: int = 20, seed: int = 0,
              dtype: str = "bfloat16", budget_s: float = 110.0, progress: bool = True, device: str = "cuda",
              timer: Timer | None = None, shapes: Sequence[tuple[str, tuple[int, int, int, int, int, int], int | None]] | None = None

@@ -25,6 +25,8 @@ PROFILE_VERSION = 1
 CACHE_ENV = "ATTNOPT_CACHE_DIR"
 #: Default cap of one SM's read bandwidth, as a multiple of its fair share of the chip's bandwidth.
 SM_SHARE_FACTOR = 2.5
+#: Default L2-to-SM bandwidth as a multiple of the HBM read bandwidth (H100: about 5.5 TB/s against 3 TB/s).
+L2_FACTOR = 1.75
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,14 @@ class HardwareProfile:
     #: Fraction of ``hbm_read_gbps`` that PyTorch's SDPA decode path (the dense plan) reaches when saturated
     #: (same run: flash SDPA read 262k-524k-token shards at 3.8-3.95 TB/s on an H200).
     dense_efficiency: float = 0.92
+    #: Bandwidth from L2 to the SMs, GB/s; 0 = ``L2_FACTOR`` x ``hbm_read_gbps``. It bounds kernels whose
+    #: programs re-read the same tiles (SDPA flash with several query tokens: one program per query head).
+    l2_read_gbps: float = 0.0
+    #: Tensor-core throughput of SDPA flash's forward kernel, counted as 128x128-row tiles at head_dim 128 (a
+    #: smaller head runs no faster per tile), TFLOP/s. It bounds multi-token decode, where flash multiplies
+    #: whole 128-row tiles for a few real rows. Fitted to the H100 calibration samples of 2026-11-23
+    #: (benchmarks/results/calibration-samples-nvidia-h100-73d14e9.json: B=32/4, 64-128 query heads, D=64).
+    mma_tflops: float = 800.0
     #: Device-to-device copy bandwidth (bytes read plus written), GB/s; 0 = not measured.
     copy_gbps: float = 0.0
     #: Device memory in bytes.
@@ -89,11 +99,11 @@ class HardwareProfile:
         if self.version != PROFILE_VERSION:
             raise ValueError(f"hardware profile version {self.version} is not supported (this attnopt reads {PROFILE_VERSION})")
         for name in ("sm_count", "hbm_read_gbps", "launch_us", "kernel_efficiency", "dense_efficiency",
-                     "mem_latency_us", "emulation_slowdown"):
+                     "mem_latency_us", "emulation_slowdown", "mma_tflops"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
-        if self.per_tile_us < 0 or self.sm_read_gbps < 0:
-            raise ValueError(f"hardware profile {self.name!r}: per_tile_us and sm_read_gbps must be >= 0")
+        if self.per_tile_us < 0 or self.sm_read_gbps < 0 or self.l2_read_gbps < 0:
+            raise ValueError(f"hardware profile {self.name!r}: per_tile_us, sm_read_gbps and l2_read_gbps must be >= 0")
         if not self.occupancy or any(int(k) <= 0 or int(v) <= 0 for k, v in self.occupancy.items()):
             raise ValueError(f"hardware profile {self.name!r}: occupancy must map num_warps > 0 to programs > 0")
 
@@ -105,6 +115,10 @@ class HardwareProfile:
     def sm_gbps(self) -> float:
         """The bandwidth cap of one SM, GB/s (``sm_read_gbps`` or the default share)."""
         return self.sm_read_gbps if self.sm_read_gbps > 0 else SM_SHARE_FACTOR * self.hbm_read_gbps / self.sm_count
+
+    def l2_gbps(self) -> float:
+        """The L2-to-SM bandwidth, GB/s (``l2_read_gbps`` or ``L2_FACTOR`` x the HBM read bandwidth)."""
+        return self.l2_read_gbps if self.l2_read_gbps > 0 else L2_FACTOR * self.hbm_read_gbps
 
     def slots(self, num_warps: int = 4) -> int:
         """Programs the whole chip runs at once (one wave)."""

@@ -24,6 +24,9 @@ def register(sub) -> None:
                    help="validation results JSON (default: benchmarks/results/cost_model-<device>.json)")
     p.add_argument("--calibrate-budget", type=float, default=None,
                    help="seconds of calibration measurement before it stops starting new shapes (default: all)")
+    p.add_argument("--from-samples", default=None, metavar="FILE",
+                   help="refit and cache the profile from measurements saved by --samples-out, measuring nothing "
+                        "(after a cost-model change, or on another machine)")
     p.add_argument("--samples-out", default=None,
                    help="also write every calibration measurement (site, plan, µs) to this JSON file")
     p.add_argument("--random", type=int, default=20, help="random shapes added to the kernel grid (default 20)")
@@ -46,12 +49,31 @@ def run(args) -> int:
         console.print(f"profile used on this machine: {hw.describe()} ({hw.source})")
         print(hw.to_json())
         return 0
+    if args.from_samples:
+        try:
+            data = json.loads(open(args.from_samples).read())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"attnopt calibrate: cannot read {args.from_samples}: {exc}") from exc
+        try:
+            fitted = cal.refit_from_samples(data, builtin_profile(args.profile) if args.profile else None)
+        except ValueError as exc:
+            raise SystemExit(f"attnopt calibrate: {args.from_samples}: {exc}") from exc
+        f = fitted.fitted
+        console.print(f"refit {int(f['samples'])} measurements: RMS log error {f['rmse_log_before']:.3f} -> "
+                      f"{f['rmse_log_after']:.3f}; memory latency {fitted.mem_latency_us} µs")
+        if not args.no_save:
+            console.print(f"saved the calibrated profile to {save_profile(fitted, fitted.device_name)}")
+        print(fitted.to_json())
+        if not args.validate:
+            return 0
     cal.require_cuda()
     import torch
 
     device = torch.cuda.get_device_name(0)
     base = builtin_profile(args.profile) if args.profile else detect_profile()
-    if args.validate and args.use_cached and load_cached_profile(device) is not None:
+    if args.from_samples:
+        console.print(f"validating the profile refit from {args.from_samples}")
+    elif args.validate and args.use_cached and load_cached_profile(device) is not None:
         fitted = load_cached_profile(device)
         console.print(f"using the cached calibrated profile {cached_profile_path(device)}")
     else:

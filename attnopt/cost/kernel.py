@@ -227,11 +227,20 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
     if dense_backend(site) == "flash" and L > 1:
         # Measured on an H100 (benchmarks/results/cost_model-*.json): with q_len > 1 flash neither packs the G
         # heads of a KV head into one row block nor splits the keys. One program per (batch, query head, 128
-        # rows) streams all N keys, and each of the G heads of a KV head reads them again.
+        # rows) streams all N keys. The G programs of one KV head run together, so L2 serves their repeats and
+        # HBM sees each tile about once; what binds instead is one of three:
+        #   * each program's own streaming rate (few programs: MHA, small batches),
+        #   * the L2-to-SM bandwidth, which carries every program's reads (many GQA programs),
+        #   * the tensor cores, which multiply full 128-row tiles for the q_len real rows.
+        # Calibration samples of 2026-11-23 (H100, 12 shapes) fit this within 25 %; the streaming term alone was
+        # off by up to 1.9x.
         programs = b * hkv * g * math.ceil(L / 128)
         tiles = max(1, math.ceil(n / 128))
-        return config_adjust(hw, dense_config(site), hw.launch_us + wave_time_us(
-            hw, programs, tiles, _tile_bytes(site, 128), eff, 4))
+        tile = _tile_bytes(site, 128)
+        stream = wave_time_us(hw, programs, tiles, tile, eff * g, 4)
+        through_l2 = programs * tiles * tile / (hw.l2_gbps() * 1e3)
+        mma = programs * tiles * 4 * 128 * 128 * max(d, dv, 128) / (hw.mma_tflops * 1e6)
+        return config_adjust(hw, dense_config(site), hw.launch_us + max(stream, through_l2, mma))
     if dense_backend(site) == "flash":
         # FA2's split-KV kernel uses 256/128/64-key blocks for D <= 64 / <= 128 / larger; one 128-key
         # granularity for every D keeps the estimate monotone in D (a larger head is never cheaper).

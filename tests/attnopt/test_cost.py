@@ -481,3 +481,31 @@ def test_calibration_shapes_are_the_anchors_plus_unseen_random_shapes():
     assert len(shapes) == anchors + cal.CALIBRATION_RANDOM_COUNT
     validation = set(cal.random_shapes(20, seed=0))  # what ``attnopt calibrate --validate`` scores by default
     assert cal.CALIBRATION_SEED != 0 and not validation & set(shapes[anchors:])
+
+
+def test_refit_from_saved_samples_and_its_errors(tmp_path, capsys):
+    """``attnopt calibrate --from-samples`` refits from a ``--samples-out`` file without a GPU: the probed constants
+    come from the file, the latency and factors from the fit; a file that is not one gets a clear error."""
+    import json
+
+    from attnopt.cli import main
+
+    true = dataclasses.replace(builtin_profile("h100-sxm"), mem_latency_us=1.25, hbm_read_gbps=2950.0,
+                               launch_us=1.2, device_name="NVIDIA H100 80GB HBM3")
+    samples = _synthetic_samples(true)
+    data = {"suite": "calibration_samples", "profile": true.to_dict(), "samples": [s.to_dict() for s in samples]}
+    fitted = cal.refit_from_samples(data)
+    assert fitted.calibrated and fitted.mem_latency_us == 1.25
+    assert (fitted.hbm_read_gbps, fitted.launch_us) == (2950.0, 1.2)
+    assert fitted.fitted["rmse_log_after"] < 0.05
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps(data))
+    assert main(["calibrate", "--from-samples", str(path), "--no-save"]) == 0
+    assert "memory latency 1.25" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not a calibration samples file"):
+        cal.refit_from_samples({"samples": []})
+    with pytest.raises(ValueError, match="no measurements"):
+        cal.refit_from_samples({**data, "samples": []})
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read"):
+        main(["calibrate", "--from-samples", str(path), "--no-save"])
