@@ -32,10 +32,15 @@ from attnopt.site import AttentionSite
 
 
 # --------------------------------------------------------------------------------------------- prediction
-def predict_us(site: AttentionSite, plan: Plan, hw: HardwareProfile) -> float:
-    """The kernel cost model's time for ``plan`` at ``site`` (dense, split-KV or stream-K)."""
+def predict_us(site: AttentionSite, plan: Plan, hw: HardwareProfile, valid_len: int | None = None) -> float:
+    """The kernel cost model's time for ``plan`` at ``site`` (dense, split-KV or stream-K).
+
+    ``valid_len``: the keys actually valid in a static cache of ``site.kv_len`` slots. SDPA (dense) reads every
+    slot and masks; the attnopt kernels read only the valid prefix, so they are predicted at ``valid_len``."""
     if isinstance(plan, DensePlan):
         return kernel_cost.dense_us(site, hw)
+    if valid_len is not None:
+        site = dataclasses.replace(site, kv_len=int(valid_len))
     if isinstance(plan, SplitKVPlan):
         return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
     if isinstance(plan, StreamKPlan):
@@ -663,7 +668,7 @@ def validate(calibrated: HardwareProfile, uncalibrated: HardwareProfile, random_
                 skipped.append(name)
                 prog.advance(task)
                 continue
-            pred = {label: {d: predict_us(site, plans[d], hw) for d in measured}
+            pred = {label: {d: predict_us(site, plans[d], hw, valid) for d in measured}
                     for label, hw in (("calibrated", calibrated), ("uncalibrated", uncalibrated))}
             score = score_shape(measured, pred)
             scores.append(score)

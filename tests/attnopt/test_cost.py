@@ -509,3 +509,18 @@ def test_refit_from_saved_samples_and_its_errors(tmp_path, capsys):
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="cannot read"):
         main(["calibrate", "--from-samples", str(path), "--no-save"])
+
+
+def test_static_cache_plans_over_its_fill_levels_and_is_predicted_at_the_valid_length():
+    """A 32k-slot static cache is read up to its valid length, which grows through generation: the plan serves
+    2k..32k, and at a known fill the kernels are predicted at the valid keys while SDPA still reads every slot."""
+    static = cal.make_site(1, 32, 8, 128, 32768, mask_kind="valid_length")
+    assert K.planning_lengths(static) == (2048, 4096, 8192, 16384, 32768)
+    assert K.planning_lengths(cal.make_site(1, 32, 8, 128, 32768)) == (32768,)
+    hw = builtin_profile("h100-sxm")
+    split = SplitKVPlan(num_splits=16, block_n=64, num_warps=4, num_stages=3)
+    at_4k = cal.predict_us(static, split, hw, valid_len=4096)
+    assert at_4k == pytest.approx(cal.predict_us(cal.make_site(1, 32, 8, 128, 4096, mask_kind="valid_length"),
+                                                 split, hw))
+    assert at_4k < cal.predict_us(static, split, hw) / 3
+    assert cal.predict_us(static, DensePlan(), hw, valid_len=4096) == cal.predict_us(static, DensePlan(), hw)
