@@ -965,6 +965,48 @@ def balanced_bounds(n: int, world: int) -> list[tuple[int, int]]:
     return [(r * n // world, (r + 1) * n // world) for r in range(world)]
 
 
+class GrowingTensor:
+    """A tensor that grows along one dimension by appending, with amortised O(1) copies per appended element.
+
+    Appending into ``torch.cat([old, new])`` copies the whole tensor every time: for a KV shard that is the
+    whole shard per token per layer, twice the traffic of the attention that reads it. Here the storage grows
+    by ``GROWTH`` times (at least ``MIN_EXTRA`` elements) when full, and :attr:`value` is a view of the filled
+    prefix. A view handed out earlier stays valid and unchanged: appends write only past its end, and a regrow
+    copies into new storage.
+    """
+
+    GROWTH = 1.5
+    MIN_EXTRA = 256
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self._buf: Tensor | None = None
+        self.length = 0
+
+    @property
+    def value(self) -> Tensor | None:
+        """The filled prefix (a view), or None before the first append."""
+        return None if self._buf is None else self._buf.narrow(self.dim, 0, self.length)
+
+    def append(self, new: Tensor) -> Tensor:
+        """Append ``new`` (same shape as the stored tensor except along ``dim``); returns :attr:`value`."""
+        t = new.shape[self.dim]
+        if self._buf is None:
+            shape = list(new.shape)
+            shape[self.dim] = t  # the first block exactly: a prefill that is never extended costs no slack
+            self._buf = torch.empty(shape, dtype=new.dtype, device=new.device)
+        elif self.length + t > self._buf.shape[self.dim]:
+            shape = list(self._buf.shape)
+            shape[self.dim] = max(self.length + t, int(self.length * self.GROWTH), self.length + self.MIN_EXTRA)
+            grown = torch.empty(shape, dtype=self._buf.dtype, device=self._buf.device)
+            grown.narrow(self.dim, 0, self.length).copy_(self.value)
+            self._buf = grown
+        if t:
+            self._buf.narrow(self.dim, self.length, t).copy_(new)
+        self.length += t
+        return self.value
+
+
 class ShardedKVCache:
     """A sequence-sharded KV cache over a group: every rank keeps only its keys/values, per layer.
 
@@ -989,13 +1031,13 @@ class ShardedKVCache:
         self.group.cache = self
         self.owner: list[int] = []  # owner rank of every global position
         self.counts = [0] * self.group.world  # tokens per rank
-        self.keys: list[Tensor | None] = []
-        self.values: list[Tensor | None] = []
+        self._keys: list[GrowingTensor] = []
+        self._values: list[GrowingTensor] = []
         self.layer_len: list[int] = []  # global length seen by each layer
         #: Per layer: whether the last update returned the whole new block instead of the local shard
         #: (a prefill into an empty layer); the same on every rank, so attention decides uniformly.
         self.returned_full: list[bool] = []
-        self._positions: Tensor | None = None
+        self._positions = GrowingTensor(0)
 
     # ------------------------------------------------------------------------------------ placement
     def _assign(self, upto: int) -> None:
@@ -1018,9 +1060,9 @@ class ShardedKVCache:
                 if r == me:
                     mine.append(pos)
             new = torch.tensor(mine, dtype=torch.int64)
-        # Positions grow incrementally (no O(N) Python rebuild per decode step).
+        # Positions grow incrementally (no O(N) rebuild or copy per decode step).
         if new.numel():
-            self._positions = new if self._positions is None else torch.cat([self._positions, new])
+            self._positions.append(new)
 
     @property
     def seq_len(self) -> int:
@@ -1030,9 +1072,8 @@ class ShardedKVCache:
     @property
     def positions(self) -> Tensor:
         """(n_local,) int64 on the CPU: the global positions of this rank's keys, ascending."""
-        if self._positions is None:
-            return torch.zeros(0, dtype=torch.int64)
-        return self._positions
+        value = self._positions.value
+        return torch.zeros(0, dtype=torch.int64) if value is None else value
 
     def shard_lens(self) -> list[int]:
         return list(self.counts)
@@ -1048,9 +1089,9 @@ class ShardedKVCache:
 
         Returns the local shard (B, Hkv, n_local, D), (B, Hkv, n_local, Dv).
         """
-        while len(self.keys) <= layer:
-            self.keys.append(None)
-            self.values.append(None)
+        while len(self._keys) <= layer:
+            self._keys.append(GrowingTensor(-2))
+            self._values.append(GrowingTensor(-2))
             self.layer_len.append(0)
             self.returned_full.append(False)
         start, t = self.layer_len[layer], key_states.shape[-2]
@@ -1063,13 +1104,19 @@ class ShardedKVCache:
         else:
             sel = torch.tensor(idx, dtype=torch.long, device=key_states.device)
             k_new, v_new = key_states.index_select(2, sel), value_states.index_select(2, sel)
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k_new.contiguous(), v_new.contiguous()
-        elif k_new.shape[2]:
-            self.keys[layer] = torch.cat([self.keys[layer], k_new], dim=-2)
-            self.values[layer] = torch.cat([self.values[layer], v_new], dim=-2)
+        keys, values = self._keys[layer].append(k_new), self._values[layer].append(v_new)
         self.layer_len[layer] = start + t
-        return self.keys[layer], self.values[layer]
+        return keys, values
+
+    @property
+    def keys(self) -> list[Tensor | None]:
+        """Per layer: the local keys (B, Hkv, n_local, D), a view of storage grown geometrically."""
+        return [k.value for k in self._keys]
+
+    @property
+    def values(self) -> list[Tensor | None]:
+        """Per layer: the local values (B, Hkv, n_local, Dv)."""
+        return [v.value for v in self._values]
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.layer_len[layer] if layer < len(self.layer_len) else 0

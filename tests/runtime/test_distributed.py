@@ -613,3 +613,32 @@ def test_watchdog_polling_never_breaks_a_graph_capture():
     torch.cuda.synchronize()
     torch.testing.assert_close(y, (x * 2 + 1) * (1.0001 ** 50), rtol=1e-4, atol=1e-4)
     assert group.failure is None
+
+
+def test_growing_tensor_appends_without_copying_the_whole_shard_each_step():
+    """The sharded cache's per-layer storage: appends land in spare capacity, the storage is reallocated only
+    O(log n) times over n appends, and a view handed out earlier never changes."""
+    from attnopt.runtime.distributed import GrowingTensor
+
+    g = GrowingTensor(-2)
+    assert g.value is None
+    prompt = torch.randn(2, 3, 37, 8)
+    first = g.append(prompt)
+    assert torch.equal(first, prompt)
+    ref, storages, views = [prompt], set(), []
+    for step in range(2000):
+        tok = torch.randn(2, 3, 1 + step % 3, 8)
+        ref.append(tok)
+        out = g.append(tok)
+        storages.add(out.untyped_storage().data_ptr())
+        if step % 500 == 0:
+            views.append((out, torch.cat(ref, dim=-2).clone()))
+    assert torch.equal(g.value, torch.cat(ref, dim=-2)) and g.length == g.value.shape[-2]
+    assert len(storages) <= 12, f"{len(storages)} reallocations for {g.length} elements"
+    for view, expected in views:
+        assert torch.equal(view, expected), "an appended token changed a view handed out earlier"
+    pos = GrowingTensor(0)
+    pos.append(torch.arange(5))
+    pos.append(torch.tensor([], dtype=torch.int64))
+    pos.append(torch.tensor([9, 11]))
+    assert pos.value.tolist() == [0, 1, 2, 3, 4, 9, 11]

@@ -90,3 +90,67 @@ def test_tiny_llama_matches_one_device_on_two_ranks():
             assert err > 1e-2, "negative control: attention over the local shard alone should differ"
             assert r[(prompt_len, "optimize-plans")] and set(r[(prompt_len, "optimize-plans")]) <= {"tree", "ring"}
             assert r[(prompt_len, "optimize-calls")] >= 2 * 9  # 2 layers x 9 decode steps
+
+
+def _generate_padded(rank, world, plans):
+    """A left-padded batch of two prompts (21 and 13 real tokens): the padding mask travels through the sharded
+    attention (sliced to each rank's keys) and must give the one-device tokens and logits for both rows."""
+    import transformers
+
+    import attnopt
+    from attnopt.plan import RingPlan, TreePlan
+    from attnopt.runtime import distributed as D
+
+    group = D.register_group(timeout=20)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=256)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 97, (2, 21), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    ids[1, :8], mask[1, :8] = 0, 0  # row 1: 8 pad tokens on the left, 13 real ones
+    gen = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+
+    def run(m, **kw):
+        with torch.no_grad():
+            out = m.generate(ids, **gen, **kw)
+        return out.sequences[:, 21:].tolist(), torch.stack(out.logits)
+
+    model.set_attn_implementation("sdpa")
+    ref_tokens, ref_logits = run(model)
+    results = {}
+    D.register_hf_attention()
+    model.set_attn_implementation("attnopt_sharded")
+    for text in plans:
+        kind, variant = text.split(":")
+        group.hf_plan = TreePlan(world=world, collective=variant) if kind == "tree" else \
+            RingPlan(world=world, variant=variant)
+        cache = D.make_sharded_cache(model, group)
+        tokens, logits = run(model, past_key_values=cache)
+        results[text] = (tokens == ref_tokens, (logits - ref_logits).abs().max().item())
+        group.cache = None
+    model.set_attn_implementation("sdpa")
+    opt = attnopt.optimize(model, process_group=group.pg, inner_backend="eager")
+    cache = D.make_sharded_cache(model, group)
+    tokens, logits = run(opt, past_key_values=cache)
+    results["optimize"] = (tokens == ref_tokens, (logits - ref_logits).abs().max().item())
+    results["optimize-calls"] = sum(s.calls for s in attnopt.last_plans(opt).sites if s.rewritten)
+    return results
+
+
+@pytest.mark.timeout(150)
+def test_left_padded_batch_matches_one_device_on_two_ranks():
+    plans = ("tree:all_gather", "tree:all_reduce", "ring:pass_kv", "ring:pass_q")
+    res = ok_payloads(run_ranks(_generate_padded, 2, plans, deadline=130))
+    for rank in (0, 1):
+        for name in plans + ("optimize",):
+            same, err = res[rank][name]
+            assert same and err < 1e-4, (rank, name, err)
+        assert res[rank]["optimize-calls"] >= 2 * 7
