@@ -19,24 +19,31 @@ pytest.importorskip("transformers")
 PLANS = ("tree:all_gather", "tree:all_reduce", "tree:all_reduce3", "ring:pass_kv", "ring:pass_q")
 
 
-def _generate(rank, world, plans):
+def _tiny_sharp_llama(seed: int):
+    """A random 2-layer GQA Llama (6/2 heads, D=8) whose attention is sharpened, so that it matters: with tiny
+    random weights it is nearly uniform."""
     import transformers
 
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _generate(rank, world, plans):
     import attnopt
     from attnopt.plan import RingPlan, TreePlan
     from attnopt.runtime import distributed as D
 
     group = D.register_group(timeout=20)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharpen attention: with tiny random weights it is nearly uniform
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
-    model.generation_config.pad_token_id = 0
+    model = _tiny_sharp_llama(seed=0)
     results = {}
     for prompt_len in (21, 5):
         ids = torch.randint(1, 97, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
@@ -95,23 +102,12 @@ def test_tiny_llama_matches_one_device_on_two_ranks():
 def _generate_padded(rank, world, plans):
     """A left-padded batch of two prompts (21 and 13 real tokens): the padding mask travels through the sharded
     attention (sliced to each rank's keys) and must give the one-device tokens and logits for both rows."""
-    import transformers
-
     import attnopt
     from attnopt.plan import RingPlan, TreePlan
     from attnopt.runtime import distributed as D
 
     group = D.register_group(timeout=20)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=256)
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
-    model.generation_config.pad_token_id = 0
+    model = _tiny_sharp_llama(seed=1)
     ids = torch.randint(1, 97, (2, 21), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     ids[1, :8], mask[1, :8] = 0, 0  # row 1: 8 pad tokens on the left, 13 real ones
