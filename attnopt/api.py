@@ -80,10 +80,13 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
 def _never_eager_over_shards(compiled: Callable, model: torch.nn.Module) -> Callable:
     """Run ``compiled`` so that dynamo never silently falls back to eager.
 
-    A sharded cache's update is a graph break, so each attention layer's continuation frame is compiled once per
-    layer (dynamo guards on ``layer_idx``). At the default recompile limit (8) dynamo would run the remaining
-    layers eagerly: plain attention over this rank's shard, a wrong answer. The limit is raised to cover every
-    layer, and hitting it raises instead of falling back.
+    A sharded cache's update is a graph break (``ShardedDynamicCache.update``). Dynamo treats integer module
+    attributes as constants, so by default it compiled each attention layer's frames once per layer (a guard on
+    ``self.layer_idx``): about two graphs per layer, each also compiled by the inner backend. With
+    ``allow_unspec_int_on_nn_module`` the layer index is an input and one compilation serves every layer (tiny
+    Llama on gloo: 16 graphs for 2 or 8 layers, against 17 and 29 before). The recompile limit is still raised to
+    cover every layer, and hitting it raises: at the default limit (8) dynamo would otherwise run the remaining
+    layers eagerly, plain attention over this rank's shard, a wrong answer.
     """
     import functools
 
@@ -95,6 +98,7 @@ def _never_eager_over_shards(compiled: Callable, model: torch.nn.Module) -> Call
     @functools.wraps(compiled)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with dynamo_config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True,
+                                 allow_unspec_int_on_nn_module=True,
                                  accumulated_recompile_limit=max(int(dynamo_config.accumulated_recompile_limit),
                                                                  4 * limit)):
             return compiled(*args, **kwargs)

@@ -1246,6 +1246,14 @@ def hf_sharded_cache_class():
             self.layers = [ShardedLayer(self.shards, i) for i in range(num_layers)]
             self.layer_class_to_replicate = None
 
+        # The graph break sits here, at the cache's own update, rather than inside DynamicCache.update: the layer
+        # index then reaches it as an argument, and with ``allow_unspec_int_on_nn_module`` (see
+        # ``attnopt.api._never_eager_over_shards``) one compiled attention frame serves every layer instead of
+        # one recompile per layer (dynamo guarded on ``self.layer_idx == i``).
+        @torch._dynamo.disable
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
     ShardedDynamicCache.__module__ = __name__
     _HF_CACHE_CLASS = ShardedDynamicCache
     return ShardedDynamicCache

@@ -150,3 +150,43 @@ def test_left_padded_batch_matches_one_device_on_two_ranks():
             same, err = res[rank][name]
             assert same and err < 1e-4, (rank, name, err)
         assert res[rank]["optimize-calls"] >= 2 * 7
+
+
+def _compiled_graphs_by_depth(rank, world, depths):
+    """Graphs dynamo compiles for one generation through ``optimize(process_group=...)``, per model depth."""
+    import transformers
+    from torch._dynamo.utils import counters
+
+    import attnopt
+    from attnopt.runtime import distributed as D
+
+    group = D.register_group(timeout=20)
+    out = {}
+    for depth in depths:
+        cfg = _tiny_sharp_llama(seed=0).config
+        cfg.num_hidden_layers = depth
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        model.generation_config.pad_token_id = 0
+        torch._dynamo.reset()
+        counters.clear()
+        opt = attnopt.optimize(model, process_group=group.pg, inner_backend="eager")
+        cache = D.make_sharded_cache(model, group)
+        ids = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(depth))
+        with torch.no_grad():
+            opt.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, past_key_values=cache)
+        group.cache = None
+        out[depth] = (int(counters["stats"]["unique_graphs"]),
+                      sum(s.calls for s in attnopt.last_plans(opt).sites if s.rewritten))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_distributed_compile_does_not_grow_with_depth():
+    """The sharded cache's graph break must not cost one compilation per layer (a 30-layer model compiled
+    ~70 graphs, tens of seconds with Inductor): the graph count is the same at 2 and 6 layers, and every layer
+    still runs the rewritten attention."""
+    res = ok_payloads(run_ranks(_compiled_graphs_by_depth, 2, (2, 6), deadline=130))
+    for rank in (0, 1):
+        (g2, calls2), (g6, calls6) = res[rank][2], res[rank][6]
+        assert g2 == g6, f"rank {rank}: {g2} graphs at 2 layers, {g6} at 6"
+        assert calls2 == 2 * 3 and calls6 == 6 * 3, (calls2, calls6)  # every layer, 3 decode steps
