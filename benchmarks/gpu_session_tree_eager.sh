@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # 2xH200, issue 5: multi-GPU tests on NCCL (replayed tree combine, stalled-peer timeout), the host cost of each
-# step of tree_decode (benchmarks/experiments/nccl_host.py), then the tree/ring benchmark at P=2 with the eager
-# overhead column.
+# step of tree_decode and each rank's host and synced wall time (benchmarks/experiments/nccl_host.py), the compile
+# time of a distributed optimize() on a 30-layer SmolLM2-shaped Llama (distributed_compile.py), then the tree/ring
+# benchmark at P=2 with the eager overhead column.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 REPO=$PWD
@@ -10,5 +11,7 @@ cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
 t0=$(date +%s)
 timeout 240 python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs "$REPO/tests/runtime/test_distributed.py" "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
 echo "tests: $(( $(date +%s) - t0 )) s"
-timeout 180 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/nccl_host.py" 2>&1 | grep "^{'all_gather" | tee "$OUT/nccl_host.log"
+timeout 180 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/nccl_host.py" 2>&1 | grep -E "^\{'all_gather|^local_|^tree_" | tee "$OUT/nccl_host.log"
+timeout 240 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/distributed_compile.py" 2>&1 | grep "^rank" | tee "$OUT/distributed_compile.log"
+echo "experiments: $(( $(date +%s) - t0 )) s"
 cd "$REPO" && LENGTHS=${LENGTHS:-32k,128k,512k} bash benchmarks/gpu_session_multigpu.sh 2 2>&1 | grep -v "^W1122\|^\*\*\*\|OMP_NUM" | tail -14

@@ -531,12 +531,13 @@ class _ReplayWatchdog:
                          daemon=True).start()
         started.wait(10.0)
 
-    def watch(self, what: str) -> None:
+    def watch(self, what: str, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Queue an event recorded on ``stream`` (default: the current stream) with its deadline."""
         try:
             ev = self.free.pop()
         except IndexError:
             ev = torch.cuda.Event()
-        ev.record()
+        ev.record(stream)
         self.pending.append((ev, self._time() + self.group.timeout.total_seconds(), what))
 
     def _run(self, started: threading.Event) -> None:
@@ -589,8 +590,13 @@ class _CombineGraph:
         self.parts = torch.zeros((g.world,) + tuple(self.packed.shape), dtype=torch.float32, device=dev)
         self.out = torch.empty(shape, dtype=out_dtype, device=dev)
         self.lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev) if with_lse else None
+        # The stream replays normally run on; ``__call__`` asks for the current stream through the raw handle
+        # (a fraction of ``torch.cuda.current_stream``'s host time) and reuses this object when it matches.
+        self.stream = torch.cuda.current_stream(dev)
+        self.raw_stream, self.device_index = self.stream.cuda_stream, dev.index if dev.index is not None else \
+            torch.cuda.current_device()
         side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
+        side.wait_stream(self.stream)
         with torch.cuda.stream(side):
             self._body()  # warm-up outside capture: kernels compiled, communicator ready
         torch.cuda.current_stream(dev).wait_stream(side)
@@ -610,7 +616,8 @@ class _CombineGraph:
         self.packed_o.copy_(o)
         self.packed_lse.copy_(lse)
         self.graph.replay()
-        self.g._watch.watch("tree all_gather + merge")
+        stream = self.stream if torch._C._cuda_getCurrentRawStream(self.device_index) == self.raw_stream else None
+        self.g._watch.watch("tree all_gather + merge", stream)
         return self.out.clone(), (self.lse.clone() if self.lse is not None else None)
 
 

@@ -1,5 +1,6 @@
 """Experiment (torchrun, 2 GPUs): host cost of eager NCCL collectives and of each step of tree_decode
-(the replayed combine's pieces included); a cProfile of tree_decode; JSON to $OUT."""
+(the replayed combine's pieces included); per rank, host time and synced lock-step wall time of the local kernels
+and of the tree over them, with the combine replayed and eager; a cProfile of tree_decode; JSON to $OUT."""
 import cProfile, io, json, os, pstats
 import torch
 import torch.distributed as dist
@@ -46,8 +47,58 @@ if entry is not None:  # the replayed combine, piece by piece
     res["watchdog_watch"] = host_us(lambda: g._watch.watch("x"))
     res["out_clone"] = host_us(entry.out.clone)
     res["pack_copies"] = host_us(lambda: (entry.packed_o.copy_(o), entry.packed_lse.copy_(lse)))
+
+
+
+def _wall(fn, iters):
+    """Lock-step wall time per call, synced (what the bench's eager column measures): the slowest of this
+    rank's host, its GPU and the peer."""
+    import statistics
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    out = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+        dist.barrier()
+    return statistics.median(out)
+
+
+def graph_off(fn):
+    def run():
+        os.environ["ATTNOPT_TREE_GRAPH"] = "0"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("ATTNOPT_TREE_GRAPH", None)
+    return run
+
+
+# Per rank: host time (no sync) and synced lock-step wall time, for the local kernels and the tree over them,
+# with the combine replayed from a graph and eager (ATTNOPT_TREE_GRAPH=0).
+per_rank = {}
+for name, fn in (("local_flash", lambda: D.local_states(q, k, v, fp32=False)),
+                 ("tree_flash", lambda: D.tree_decode(q, k, v, g)),
+                 ("tree_flash_eager_combine", graph_off(lambda: D.tree_decode(q, k, v, g))),
+                 ("local_split_kv", lambda: D.local_states(q, k, v, fp32=False, local="split_kv")),
+                 ("tree_split_kv", lambda: D.tree_decode(q, k, v, g, local="split_kv")),
+                 ("tree_split_kv_eager_combine", graph_off(lambda: D.tree_decode(q, k, v, g, local="split_kv")))):
+    per_rank[name] = {"host_us": host_us(fn), "wall_us": _wall(fn, 100)}
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, per_rank)
+res["per_rank"] = gathered
 if rank == 0:
-    print({kk: round(vv, 1) for kk, vv in res.items()})
+    print({kk: round(vv, 1) for kk, vv in res.items() if isinstance(vv, float)})
+    for name in per_rank:
+        print(name, " | ".join(f"rank {r}: host {d[name]['host_us']:.1f} wall {d[name]['wall_us']:.1f}"
+                                for r, d in enumerate(gathered)))
 pr = cProfile.Profile()
 torch.cuda.synchronize(); dist.barrier()
 pr.enable()
