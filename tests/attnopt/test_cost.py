@@ -58,10 +58,10 @@ def test_more_keys_never_faster(profile, shape):
                                           ("dtype", ["bfloat16", "float32"])])
 def test_more_bytes_never_faster(profile, field, values):
     hw = builtin_profile(profile)
-    for n in (1000, 8192, 131072):
+    for n, q_len in itertools.product((1000, 8192, 131072), (1, 4)):  # q_len 4: SDPA flash's multi-token bounds
         prev = None
         for v in values:
-            cur = plan_costs(site(kv_len=n, **{field: v}), hw)
+            cur = plan_costs(site(kv_len=n, q_len=q_len, **{field: v}), hw)
             if prev is not None:
                 assert_never_faster(prev, cur, field)
             prev = cur
