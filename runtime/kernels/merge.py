@@ -113,3 +113,48 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
         num_warps=8 if block_p * block_dv >= 8192 else 4, **({"launch_pdl": True} if pdl else {}),
     )
     return out, (lse_out if write_lse else None)
+
+
+@triton.jit
+def _pack_states_kernel(
+    o_ptr,  # (R, Dv) output rows, any float dtype
+    lse_ptr,  # (R,) fp32 LSE
+    packed_ptr,  # (R, Dv + 1) fp32: [o | lse]
+    stride_or, stride_od, stride_lr, stride_pr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < DV
+    o = tl.load(o_ptr + row * stride_or + offs_d.to(tl.int64) * stride_od, mask=d_ok, other=0.0)
+    tl.store(packed_ptr + row * stride_pr + offs_d, o.to(tl.float32), mask=d_ok)
+    lse = tl.load(lse_ptr + row * stride_lr + tl.arange(0, 1))
+    tl.store(packed_ptr + row * stride_pr + DV + tl.arange(0, 1), lse.to(tl.float32))
+
+
+_PACK_LAUNCH = KernelLauncher(_pack_states_kernel)
+
+
+def pack_states(o: torch.Tensor, lse: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Write the state (o, lse) into ``packed`` = [o | lse] in one launch (the tree decode's collective input).
+
+    Parameters
+    ----------
+    o : (..., Dv) any float dtype, rows viewable as (R, Dv) with any row and element strides.
+    lse : (...) float32.
+    packed : (..., Dv + 1) float32, contiguous.
+
+    Returns ``packed``. Values are copied exactly (o converted to fp32, which bf16/fp16/fp32 are exactly).
+    """
+    Dv = o.shape[-1]
+    if packed.shape[:-1] != o.shape[:-1] or packed.shape[-1] != Dv + 1 or lse.shape != o.shape[:-1]:
+        raise ValueError(f"pack_states: o {tuple(o.shape)}, lse {tuple(lse.shape)} and packed "
+                         f"{tuple(packed.shape)} must be (..., Dv), (...) and (..., Dv + 1)")
+    if packed.dtype != torch.float32 or not packed.is_contiguous():
+        raise ValueError("pack_states: packed must be a contiguous float32 tensor")
+    o2, l1, p2 = o.reshape(-1, Dv), lse.reshape(-1), packed.view(-1, Dv + 1)
+    if p2.shape[0]:
+        _PACK_LAUNCH((p2.shape[0],), o2, l1, p2, *o2.stride(), l1.stride(0), p2.stride(0),
+                     DV=Dv, BLOCK_DV=max(16, next_pow2(Dv)), num_warps=1)
+    return packed
