@@ -577,18 +577,16 @@ class _CombineGraph:
     """The tree's all-gather and merge, captured once per shape in a CUDA graph and replayed.
 
     In eager mode a decode step pays host time per op; replaying the collective and the merge as one graph
-    leaves the pack (one Triton launch) and a clone on the host path. Buffers are static: ``packed`` is the
+    leaves two small copies (the pack) and a clone on the host path. Buffers are static: ``packed`` is the
     graph's input, ``out``/``lse`` its outputs (cloned before they are returned, as every site shares them).
     """
 
     def __init__(self, g: "DistGroup", o: Tensor, out_dtype: torch.dtype, with_lse: bool):
         shape = tuple(o.shape)
         dev = o.device
-        from .kernels.merge import pack_states
-
         self.g = g
-        self._pack = pack_states
         self.packed = torch.zeros(shape[:-1] + (shape[-1] + 1,), dtype=torch.float32, device=dev)
+        self.packed_o, self.packed_lse = self.packed[..., :-1], self.packed[..., -1]  # views made once
         self.parts = torch.zeros((g.world,) + tuple(self.packed.shape), dtype=torch.float32, device=dev)
         self.out = torch.empty(shape, dtype=out_dtype, device=dev)
         self.lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev) if with_lse else None
@@ -615,7 +613,8 @@ class _CombineGraph:
                             lse_out=self.lse if self.lse is not None else False)
 
     def __call__(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor | None]:
-        self._pack(o, lse, self.packed)  # one launch where o and lse would take a copy_ each
+        self.packed_o.copy_(o)
+        self.packed_lse.copy_(lse)
         self.graph.replay()
         stream = self.stream if torch._C._cuda_getCurrentRawStream(self.device_index) == self.raw_stream else None
         self.g._watch.watch("tree all_gather + merge", stream)

@@ -445,24 +445,3 @@ def test_direct_launches_are_exact():
     merge_mod.merge_states(o3, lse, out=out, lse_out=False)
     assert launcher.jit == j1 + 1
     torch.testing.assert_close(out, ref_merge_states(o3, lse)[0], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_pack_states_copies_exactly(device, dtype):
-    """The tree decode's pack: [o | lse] rows in fp32, from o of any float dtype and strides (flash returns a
-    transposed layout), bit-exact, -inf LSEs included; shapes that do not fit are refused."""
-    from attnopt.runtime.kernels.merge import pack_states
-
-    dev = _dev(device)
-    B, H, L, Dv = 2, 3, 2, 80
-    o = torch.randn(B, L, H, Dv, device=dev).to(dtype).transpose(1, 2)  # (B, H, L, Dv), not contiguous
-    lse = torch.randn(B, H, L, device=dev)
-    lse[0, 1, 0] = float("-inf")
-    packed = torch.full((B, H, L, Dv + 1), float("nan"), device=dev)
-    assert pack_states(o, lse, packed) is packed
-    assert torch.equal(packed[..., :-1], o.float()) and torch.equal(packed[..., -1], lse)
-    with pytest.raises(ValueError, match="must be"):
-        pack_states(o, lse, torch.empty(B, H, L, Dv, device=dev))
-    with pytest.raises(ValueError, match="contiguous float32"):
-        pack_states(o, lse, torch.empty(B, H, L, Dv + 1, device=dev, dtype=torch.float16))
