@@ -223,8 +223,9 @@ def fit_calibrated(base: HardwareProfile, samples: Sequence[Sample],
 
     The latency decides how a small grid's time grows with the bytes each program streams (Little's law), which no
     per-configuration factor can express: a factor scales every grid of one configuration alike. On the H100
-    validation rows (1582468) the fitted optimum was 1.25-1.5 µs, while the uncalibrated model ranks plans best
-    at 2.0 µs (the default, see ``HardwareProfile.mem_latency_us``)."""
+    calibration samples (benchmarks/results/calibration-samples-nvidia-h100-73d14e9.json) the fit picks 1.0 µs
+    (1.25 µs before SDPA's multi-token bounds were modelled), while the uncalibrated model, without factors,
+    ranks plans best at 2.0 µs (the default, see ``HardwareProfile.mem_latency_us``)."""
     if not latencies:
         raise ValueError("fit_calibrated needs at least one memory latency to try")
     fits = [fit_config_factors(dataclasses.replace(base, mem_latency_us=float(m)), samples) for m in latencies]
@@ -367,8 +368,9 @@ def make_site(B: int, Hq: int, Hkv: int, D: int, N: int, q_len: int = 1, dtype: 
                          gqa_source="enable_gqa" if Hq != Hkv else "mha")
 
 
-#: Anchor shapes measured by ``attnopt calibrate`` (``calibration_shapes`` adds random ones): few heads and long contexts (stream-K's regime), mid-size
-#: batches (split-KV's), large batches (dense's), and short contexts where launches dominate.
+#: Anchor shapes measured by ``attnopt calibrate`` (``calibration_shapes`` adds random ones): few heads and long
+#: contexts (stream-K's regime), mid-size batches (split-KV's), large batches (dense's), and short contexts where
+#: launches dominate.
 CALIBRATION_SHAPES: tuple[tuple[int, int, int, int, int, int], ...] = (
     # (B, Hq, Hkv, D, N, q_len)
     (1, 32, 8, 128, 2048, 1),

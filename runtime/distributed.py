@@ -599,7 +599,7 @@ class _CombineGraph:
         side.wait_stream(self.stream)
         with torch.cuda.stream(side):
             self._body()  # warm-up outside capture: kernels compiled, communicator ready
-        torch.cuda.current_stream(dev).wait_stream(side)
+        self.stream.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._body()

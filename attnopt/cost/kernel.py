@@ -232,8 +232,9 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
         #   * each program's own streaming rate (few programs: MHA, small batches),
         #   * the L2-to-SM bandwidth, which carries every program's reads (many GQA programs),
         #   * the tensor cores, which multiply full 128-row tiles for the q_len real rows.
-        # Calibration samples of 2026-11-23 (H100, 12 shapes) fit this within 25 %; the streaming term alone was
-        # off by up to 1.9x.
+        # On the H100 calibration samples (calibration-samples-nvidia-h100-73d14e9.json, 12 multi-token shapes)
+        # this came within 0.77-1.17x of the measured time at a 1.25 µs memory latency; the streaming term alone
+        # was off by up to 1.9x.
         programs = b * hkv * g * math.ceil(L / 128)
         tiles = max(1, math.ceil(n / 128))
         tile = _tile_bytes(site, 128)
