@@ -611,27 +611,31 @@ def refit_from_samples(data: dict[str, Any], base: HardwareProfile | None = None
 
     The probed constants (bandwidths, launch latency, device name) come from the file's ``profile``; the model's
     other constants from ``base`` (default: the built-in profile of that name)."""
-    from attnopt.hardware import HardwareProfile, builtin_profile
+    from attnopt.hardware import builtin_profile
     from attnopt.plan import plan_from_dict
     from attnopt.site import AttentionSite
 
+    # Only the probed constants are read from the file's profile: the measurements do not depend on the model,
+    # so a file written by an older attnopt (an older profile version) refits as well as a new one.
     try:
-        measured = HardwareProfile.from_dict(data["profile"])
+        measured = data["profile"]
+        probed = {k: float(measured[k]) for k in ("hbm_read_gbps", "copy_gbps", "launch_us")}
+        name, device_name, source = str(measured["name"]), str(measured.get("device_name", "")), \
+            str(measured.get("source", ""))
         samples = [Sample(AttentionSite.from_dict(x["site"]), plan_from_dict(x["plan"]), float(x["us"]))
                    for x in data["samples"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"not a calibration samples file (attnopt calibrate --samples-out): {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"not a calibration samples file (attnopt calibrate --samples-out): {exc!r}") from exc
     if not samples:
         raise ValueError("the calibration samples file holds no measurements")
-    base = base or builtin_profile(measured.name)
-    base = dataclasses.replace(base, hbm_read_gbps=measured.hbm_read_gbps, copy_gbps=measured.copy_gbps,
-                               launch_us=measured.launch_us, device_name=measured.device_name, fitted={})
+    base = base or builtin_profile(name)
+    base = dataclasses.replace(base, device_name=device_name, fitted={}, **probed)
     before = log_error(samples, base)
     fitted = fit_calibrated(base, samples)
     info = {"rmse_log_before": math.sqrt(before), "rmse_log_after": math.sqrt(log_error(samples, fitted)),
             "samples": float(len(samples))}
     return dataclasses.replace(fitted, calibrated=True,
-                               source=f"attnopt calibrate --from-samples ({measured.source})",
+                               source=f"attnopt calibrate --from-samples ({source})",
                                fitted={**fitted.fitted, **info})
 
 

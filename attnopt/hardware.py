@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 #: Version of the profile JSON; a cached file with another version is ignored with a warning.
-PROFILE_VERSION = 1
+#: Version 2 (2026-11-23): SDPA flash with several query tokens has its own fitted factor (``dense/flash_rows``)
+#: and model, and the memory latency is fitted; factors fitted to version 1's model would mis-scale it.
+PROFILE_VERSION = 2
 #: Environment variable that overrides the cache directory (tests, shared clusters).
 CACHE_ENV = "ATTNOPT_CACHE_DIR"
 #: Default cap of one SM's read bandwidth, as a multiple of its fair share of the chip's bandwidth.
@@ -264,6 +266,16 @@ def load_cached_profile(device_name: str) -> HardwareProfile | None:
     """
     path = cached_profile_path(device_name)
     if not path.exists():
+        return None
+    try:
+        version = json.loads(path.read_text()).get("version")
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        version = None
+    if isinstance(version, int) and version < PROFILE_VERSION:
+        warnings.warn(f"ignoring the calibrated hardware profile {path}: it was fitted to an older cost model "
+                      f"(profile version {version}; this attnopt reads {PROFILE_VERSION}). Run `attnopt calibrate` "
+                      "again, or `attnopt calibrate --from-samples FILE` if you kept its measurements.",
+                      UserWarning, stacklevel=2)
         return None
     try:
         return load_profile_file(path)

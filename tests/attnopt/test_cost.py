@@ -496,6 +496,9 @@ def test_refit_from_saved_samples_and_its_errors(tmp_path, capsys):
     data = {"suite": "calibration_samples", "profile": true.to_dict(), "samples": [s.to_dict() for s in samples]}
     fitted = cal.refit_from_samples(data)
     assert fitted.calibrated and fitted.mem_latency_us == 1.25
+    # measurements saved under an older profile version refit the same (only the probed constants are read)
+    older = {**data, "profile": {**data["profile"], "version": 1, "mma_tflops": None}}
+    assert cal.refit_from_samples(older) == fitted
     assert (fitted.hbm_read_gbps, fitted.launch_us) == (2950.0, 1.2)
     assert fitted.fitted["rmse_log_after"] < 0.05
     path = tmp_path / "samples.json"

@@ -114,3 +114,16 @@ def test_missing_cache_is_none(cache_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert H.load_cached_profile("NVIDIA H100 80GB HBM3") is None
+
+
+def test_profile_fitted_to_an_older_model_is_ignored_with_its_reason(cache_dir, monkeypatch):
+    """A cached profile of an older version holds factors fitted to another cost model: the planner ignores it and
+    says how to refit (calibrate again, or refit from kept measurements)."""
+    device = "NVIDIA H100 80GB HBM3"
+    path = H.cached_profile_path(device)
+    path.parent.mkdir(parents=True)
+    old = json.loads(BUILTIN_PROFILES["h100-sxm"].replace(calibrated=True).to_json())
+    old["version"] = H.PROFILE_VERSION - 1
+    path.write_text(json.dumps(old))
+    with pytest.warns(UserWarning, match="older cost model.*--from-samples"):
+        assert H.load_cached_profile(device) is None
