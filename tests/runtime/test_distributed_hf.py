@@ -37,9 +37,16 @@ def _tiny_sharp_llama(seed: int):
     return model
 
 
+def _plan(text: str, world: int):
+    """``tree:<collective>`` or ``ring:<variant>`` as a plan for ``world`` ranks."""
+    from attnopt.plan import RingPlan, TreePlan
+
+    kind, variant = text.split(":")
+    return TreePlan(world=world, collective=variant) if kind == "tree" else RingPlan(world=world, variant=variant)
+
+
 def _generate(rank, world, plans):
     import attnopt
-    from attnopt.plan import RingPlan, TreePlan
     from attnopt.runtime import distributed as D
 
     group = D.register_group(timeout=20)
@@ -68,9 +75,7 @@ def _generate(rank, world, plans):
         D.register_hf_attention()
         model.set_attn_implementation("attnopt_sharded")
         for text in plans:
-            kind, variant = text.split(":")
-            group.hf_plan = TreePlan(world=world, collective=variant) if kind == "tree" else \
-                RingPlan(world=world, variant=variant)
+            group.hf_plan = _plan(text, world)
             cache = D.make_sharded_cache(model, group)
             record(text, cache, *run(model, past_key_values=cache))
         model.set_attn_implementation("sdpa")
@@ -103,7 +108,6 @@ def _generate_padded(rank, world, plans):
     """A left-padded batch of two prompts (21 and 13 real tokens): the padding mask travels through the sharded
     attention (sliced to each rank's keys) and must give the one-device tokens and logits for both rows."""
     import attnopt
-    from attnopt.plan import RingPlan, TreePlan
     from attnopt.runtime import distributed as D
 
     group = D.register_group(timeout=20)
@@ -125,9 +129,7 @@ def _generate_padded(rank, world, plans):
     D.register_hf_attention()
     model.set_attn_implementation("attnopt_sharded")
     for text in plans:
-        kind, variant = text.split(":")
-        group.hf_plan = TreePlan(world=world, collective=variant) if kind == "tree" else \
-            RingPlan(world=world, variant=variant)
+        group.hf_plan = _plan(text, world)
         cache = D.make_sharded_cache(model, group)
         tokens, logits = run(model, past_key_values=cache)
         results[text] = (tokens == ref_tokens, (logits - ref_logits).abs().max().item())
