@@ -9,6 +9,7 @@ dist.init_process_group("nccl")
 rank = dist.get_rank()
 torch.cuda.set_device(rank)
 from attnopt.bench.common import git_commit, host_us as common_host_us
+from attnopt.bench.multigpu import local_eager_us
 from attnopt.runtime import distributed as D
 
 g = D.register_group(dist.group.WORLD, name="x")
@@ -49,28 +50,6 @@ if entry is not None:  # the replayed combine, piece by piece
     res["pack_copies"] = host_us(lambda: (entry.packed_o.copy_(o), entry.packed_lse.copy_(lse)))
 
 
-
-def _wall(fn, iters):
-    """Lock-step wall time per call, synced (what the bench's eager column measures): the slowest of this
-    rank's host, its GPU and the peer."""
-    import statistics
-    import time
-
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    out = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-        dist.barrier()
-    return statistics.median(out)
-
-
 def graph_off(fn):
     def run():
         os.environ["ATTNOPT_TREE_GRAPH"] = "0"
@@ -90,7 +69,8 @@ for name, fn in (("local_flash", lambda: D.local_states(q, k, v, fp32=False)),
                  ("local_split_kv", lambda: D.local_states(q, k, v, fp32=False, local="split_kv")),
                  ("tree_split_kv", lambda: D.tree_decode(q, k, v, g, local="split_kv")),
                  ("tree_split_kv_eager_combine", graph_off(lambda: D.tree_decode(q, k, v, g, local="split_kv")))):
-    per_rank[name] = {"host_us": host_us(fn), "wall_us": _wall(fn, 100)}
+    # the bench's own eager timer (synced wall time per call, lock-step after a barrier): the same measurement
+    per_rank[name] = {"host_us": host_us(fn), "wall_us": local_eager_us(fn, 100, True, after_warmup=dist.barrier)}
 gathered = [None] * dist.get_world_size()
 dist.all_gather_object(gathered, per_rank)
 res["per_rank"] = gathered
