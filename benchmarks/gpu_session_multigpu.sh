@@ -23,12 +23,12 @@ for P in ${@:-4 2}; do
 done
 python3 - "$OUT" <<'PY'
 import glob, json, sys
-print(f"{'P':>2} {'case':18s} {'tree(g)':>8s} {'ring(g)':>8s} {'ring/tree g':>11s} {'ring/tree e':>11s} {'ovh g':>7s} {'ovh e':>7s} {'pick':>5s} {'est err':>7s}")
+print(f"{'P':>2} {'case':18s} {'tree(g)':>8s} {'ring(g)':>8s} {'ring/tree g':>11s} {'ring/tree e':>11s} {'ovh g':>7s} {'ovh e':>7s} {'vs best local e':>15s} {'pick':>5s} {'est err':>7s}")
 for f in sorted(glob.glob(sys.argv[1] + "/multigpu-*xh200.json")):
     d = json.load(open(f))
     for case, s in d.get("summary", {}).items():
         rg = min([r["us"] for r in d["rows"] if r["case"] == case and r["method"].startswith("ring:") and r["mode"] == "graph" and r["us"]] or [float("nan")])
         print(f"{d['world_size']:>2} {case:18s} {s.get('best_tree_us_graph', float('nan')):8.1f} {rg:8.1f} "
               f"{s.get('ring_over_tree_graph', float('nan')):11.2f} {s.get('ring_over_tree_eager', float('nan')):11.2f} "
-              f"{s.get('tree_overhead_us_graph', float('nan')):7.1f} {s.get('tree_overhead_us_eager', float('nan')):7.1f} {str(s.get('model_pick_ok')):>5s} {s.get('est_abs_log_err_median', float('nan')):7.2f}")
+              f"{s.get('tree_overhead_us_graph', float('nan')):7.1f} {s.get('tree_overhead_us_eager', float('nan')):7.1f} {s.get('tree_over_best_local_us_eager', float('nan')):15.1f} {str(s.get('model_pick_ok')):>5s} {s.get('est_abs_log_err_median', float('nan')):7.2f}")
 PY

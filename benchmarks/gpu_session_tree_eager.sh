@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2xH200, issue 5: multi-GPU tests on NCCL (replayed tree combine, stalled-peer timeout), the host cost of each
+# 2xH200, issue 5: multi-GPU tests on NCCL (replayed tree combine and whole step, stalled-peer timeout), the host cost of each
 # step of tree_decode and each rank's host and synced wall time (benchmarks/experiments/nccl_host.py), the compile
 # time of a distributed optimize() on a 30-layer SmolLM2-shaped Llama (distributed_compile.py), then the tree/ring
 # benchmark at P=2 with the eager overhead column.
@@ -9,7 +9,7 @@ REPO=$PWD
 python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
 cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
 t0=$(date +%s)
-timeout 240 python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs "$REPO/tests/runtime/test_distributed.py" "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
+timeout 420 python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs "$REPO/tests/runtime/test_distributed.py" "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
 echo "tests: $(( $(date +%s) - t0 )) s"
 timeout 180 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/nccl_host.py" 2>&1 | grep -E "^\{'all_gather|^local_|^tree_" | tee "$OUT/nccl_host.log"
 timeout 240 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/distributed_compile.py" 2>&1 | grep "^rank" | tee "$OUT/distributed_compile.log"

@@ -57,6 +57,7 @@ keys); :class:`ShardedKVCache` converts global ones (``local_mask``, ``local_val
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import math
@@ -127,6 +128,8 @@ class DistGroup:
     _buffers: dict = field(default_factory=dict, repr=False)
     #: Captured combine graphs (:class:`_CombineGraph`) by (shape, out dtype, with_lse).
     _graphs: dict = field(default_factory=dict, repr=False)
+    #: Captured whole-step graphs (:class:`_StepGraph`), least recently used first.
+    _steps: "collections.OrderedDict" = field(default_factory=lambda: collections.OrderedDict(), repr=False)
     #: Set by the replay watchdog when a replayed collective outlived the timeout; raised on the next call.
     failure: "CollectiveError | None" = field(default=None, repr=False)
     _watch: Any = field(default=None, repr=False)
@@ -595,11 +598,9 @@ class _CombineGraph:
         self.stream = torch.cuda.current_stream(dev)
         self.raw_stream, self.device_index = self.stream.cuda_stream, dev.index if dev.index is not None else \
             torch.cuda.current_device()
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(self.stream)
-        with torch.cuda.stream(side):
-            self._body()  # warm-up outside capture: kernels compiled, communicator ready
-        self.stream.wait_stream(side)
+        # No warm-up run of the body: it would issue a collective that the peers do not issue on this call. The
+        # first (eager) call of the shape compiled the merge and used the communicator, so the capture, which
+        # records the collective without running it, stays a local decision (see ``_replayed_step``).
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._body()
@@ -630,7 +631,8 @@ def _replayed_combine(g: "DistGroup", o: Tensor, lse: Tensor, out_dtype: torch.d
                       with_lse: bool) -> tuple[Tensor, Tensor | None] | None:
     """The combine through a captured graph, or None where that does not apply: not NCCL on CUDA, turned off,
     inside someone else's capture (which records the eager ops itself), or the first call of a shape (the eager
-    path warms the communicator up; every rank captures on the same later call, in lock-step)."""
+    path compiles the merge and uses the communicator). Every call issues exactly one all-gather, eager or
+    replayed, so ranks may capture on different calls."""
     if not (g.backend == "nccl" and o.is_cuda and graph_combine_enabled() and _triton_merge_available()):
         return None
     if torch.cuda.is_current_stream_capturing():
@@ -638,24 +640,154 @@ def _replayed_combine(g: "DistGroup", o: Tensor, lse: Tensor, out_dtype: torch.d
     if g.failure is not None:
         raise g.failure
     key = (tuple(o.shape), o.device, out_dtype or torch.float32, with_lse)
-    entry = g._graphs.get(key)
+    return _graph_entry(g, g._graphs, key, lambda: _CombineGraph(g, o, out_dtype or torch.float32, with_lse),
+                        lambda entry: entry(o, lse))
+
+
+def _graph_entry(g: "DistGroup", table: dict, key: tuple, capture, replay, limit: int | None = None):
+    """The replay protocol shared by the combine and the whole-step graphs: the first call of ``key`` runs eager
+    ("seen", None returned), the second captures (``capture()``) and every later one replays (``replay(entry)``).
+    A capture that fails, or a process whose watchdog cannot run capture-safe, stays eager for ``key``. With
+    ``limit``, the table keeps the most recently used keys only (``table`` is then an OrderedDict)."""
+    entry = table.get(key)
+    if limit is not None and entry is not None:
+        table.move_to_end(key)
     if entry is None:
-        g._graphs[key] = "seen"  # first call: eager
+        table[key] = "seen"
+        if limit is not None and len(table) > limit:
+            _evict(table, len(table) - limit)
         return None
     if entry == "seen":
         if g._watch is None:
             g._watch = _ReplayWatchdog(g)
         if not g._watch.capture_safe:  # no timeout for replayed collectives here: eager collectives instead
-            g._graphs[key] = "eager"
+            table[key] = "eager"
             return None
         try:
-            entry = g._graphs[key] = _CombineGraph(g, o, out_dtype or torch.float32, with_lse)
-        except Exception:  # noqa: BLE001 - capture unsupported here: stay eager for this shape, never fail
-            g._graphs[key] = "eager"
+            entry = table[key] = capture()
+        except Exception:  # noqa: BLE001 - capture unsupported here: stay eager for this key, never fail
+            table[key] = "eager"
             return None
     if entry == "eager":
         return None
-    return entry(o, lse)
+    return replay(entry)
+
+
+def _evict(table, count: int) -> None:
+    """Drop the ``count`` least recently used entries. A dropped graph may still be running on the GPU: wait for
+    the current stream before its executable is destroyed (evictions are rare: a new key per storage regrowth)."""
+    dropped = [table.popitem(last=False)[1] for _ in range(count)]
+    if torch.cuda.is_available() and any(not isinstance(e, str) for e in dropped):
+        torch.cuda.current_stream().synchronize()
+    del dropped
+
+
+#: Whole-step graphs kept per group (least recently used dropped first): a few per layer of a model.
+MAX_STEP_GRAPHS = int(os.environ.get("ATTNOPT_TREE_STEP_GRAPHS", "256"))
+
+
+class _StepGraph:
+    """A whole tree decode step captured in one CUDA graph: split-KV over the local shard writing its (o, lse)
+    straight into the packed [o | lse] buffer, the all-gather, and the merge.
+
+    The graph reads K, V and the valid length where they lie (they are part of the key: a static cache, or a
+    sharded cache's storage between regrowths, keeps them in place) and the query from a static buffer it is
+    copied into. On the host a call is that copy, one replay, the watchdog event and a clone of the output.
+    """
+
+    def __init__(self, g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, valid_len: Tensor | None, scale: float,
+                 out_dtype: torch.dtype, with_lse: bool):
+        from .kernels.merge import merge_states as triton_merge_states
+        from .kernels.split_kv import split_kv_decode
+        from .strategies import STRATEGIES
+
+        strategy = STRATEGIES["split_kv"]
+        plan = _local_plan("split_kv", strategy, q, k, v)
+        state = strategy.prepare(plan, q, k, v)
+        B, Hq, L, _ = q.shape
+        Dv = v.shape[-1]
+        dev = q.device
+        self.g = g
+        self.plan = plan
+        self.q = torch.empty_like(q)
+        self.q.copy_(q)
+        packed = torch.zeros((B, Hq, L, Dv + 1), dtype=torch.float32, device=dev)
+        parts = torch.zeros((g.world, B, Hq, L, Dv + 1), dtype=torch.float32, device=dev)
+        self.out = torch.empty((B, Hq, L, Dv), dtype=out_dtype, device=dev)
+        self.lse = torch.empty((B, Hq, L), dtype=torch.float32, device=dev) if with_lse else None
+        self._keep = (k, v, valid_len, state, packed, parts)  # alive as long as the graph that reads them
+        self.stream = torch.cuda.current_stream(dev)
+        self.raw_stream = self.stream.cuda_stream
+        self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # records only: no collective runs here (see ``_replayed_step``)
+            split_kv_decode(self.q, k, v, packed[..., :-1], packed[..., -1], workspace=state.workspace,
+                            valid_len=valid_len, scale=scale, num_splits=plan.num_splits, block_n=plan.block_n,
+                            num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
+                            tma=plan.tma)
+            dist.all_gather_into_tensor(parts.view(-1, Hq, L, Dv + 1), packed, group=g.pg)
+            triton_merge_states(parts[..., :-1], parts[..., -1], out=self.out,
+                                lse_out=self.lse if self.lse is not None else False)
+
+    def __call__(self, q: Tensor) -> tuple[Tensor, Tensor | None]:
+        self.q.copy_(q)
+        self.graph.replay()
+        stream = self.stream if torch._C._cuda_getCurrentRawStream(self.device_index) == self.raw_stream else None
+        self.g._watch.watch("tree decode step (split-KV, all_gather, merge)", stream)
+        return self.out.clone(), (self.lse.clone() if self.lse is not None else None)
+
+
+def step_graph_reason(g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, *, collective: str, hierarchical: bool,
+                      local: str, attn_mask: Tensor | None, is_causal: bool, valid_len: Tensor | None) -> str | None:
+    """Why a tree decode call cannot run as one replayed graph (None when it can)."""
+    if collective != "all_gather" or (hierarchical and g.ranks_per_node > 1):
+        return f"collective {collective}{' (hierarchical)' if hierarchical else ''}: only the flat all_gather"
+    if local not in ("auto", "split_kv"):
+        return f"local attention {local!r}: the replayed step runs split_kv"
+    if attn_mask is not None or is_causal:
+        return "a mask: the replayed step takes a valid length or nothing"
+    if valid_len is not None and (valid_len.device != q.device or valid_len.dim() != 1):
+        return "valid_len must be a (B,) tensor on the query's device"
+    if k.shape[2] == 0:
+        return "empty local shard"
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    from .strategies.split_kv import KERNEL_DTYPES, KERNEL_HEAD_DIMS, MAX_Q_LEN
+
+    if (L > MAX_Q_LEN or Hkv == 0 or Hq % Hkv or D not in KERNEL_HEAD_DIMS or v.shape[-1] != D
+            or str(q.dtype).replace("torch.", "") not in KERNEL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype):
+        return "shape or dtype outside the split-KV kernel's range"
+    if g.backend != "nccl" or not q.is_cuda:
+        return f"backend {g.backend} on {q.device.type}: replayed steps need NCCL on CUDA"
+    if not graph_combine_enabled():
+        return "ATTNOPT_TREE_GRAPH=0"
+    if torch.cuda.is_current_stream_capturing():
+        return "inside a CUDA graph capture (the enclosing graph records the ops itself)"
+    if not _triton_merge_available():
+        return "Triton kernels unavailable"
+    return None
+
+
+def _replayed_step(g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, *, valid_len: Tensor | None, scale: float,
+                   out_dtype: torch.dtype, with_lse: bool) -> tuple[Tensor, Tensor | None] | None:
+    """The whole step through a captured graph (:class:`_StepGraph`), or None (then the caller runs it eagerly).
+
+    The key holds where K, V and the valid length lie, with every shape, stride and dtype: the graph computes
+    exactly the call it stands for. A rank's keys change when its shard's storage regrows, which happens on
+    different steps on different ranks; captures are therefore local decisions: a capture records the
+    all-gather without running it, so every call issues exactly one all-gather on every rank, eager or replayed.
+    """
+    if g.failure is not None:
+        raise g.failure
+
+    def where(t: Tensor | None):
+        return None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    key = ("step", q.device, tuple(q.shape), q.dtype, where(k), where(v), where(valid_len), float(scale), out_dtype,
+           with_lse)
+    return _graph_entry(g, g._steps, key,
+                        lambda: _StepGraph(g, q, k, v, valid_len, scale, out_dtype, with_lse),
+                        lambda entry: entry(q), limit=MAX_STEP_GRAPHS)
 
 
 # ============================================================================================ tree decode
@@ -817,10 +949,33 @@ def tree_decode(q: Tensor, k: Tensor, v: Tensor, group: DistGroup | None = None,
     (B, Hq, L, Dv) in ``q.dtype`` (and the fp32 LSE (B, Hq, L) when ``return_lse``).
     """
     g = group or current_group()
+    out, lse = tree_step(g, q, k, v, collective=collective, hierarchical=hierarchical, attn_mask=attn_mask,
+                         valid_len=valid_len, scale=scale, is_causal=is_causal, local=local, out_dtype=q.dtype,
+                         with_lse=return_lse)
+    return (out, lse) if return_lse else out
+
+
+def tree_step(g: DistGroup, q: Tensor, k: Tensor, v: Tensor, *, collective: str, hierarchical: bool,
+              attn_mask: Tensor | None, valid_len: Tensor | None, scale: float | None, is_causal: bool, local: str,
+              out_dtype: torch.dtype, with_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """Local attention and the tree combine (arguments as :func:`tree_decode`, masks already local): one replayed
+    graph (:class:`_StepGraph`) where ``step_graph_reason`` allows it and this step's key was seen before, else
+    the ops one by one. Returns (o in ``out_dtype``, fp32 LSE or None)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if step_graph_reason(g, q, k, v, collective=collective, hierarchical=hierarchical, local=local,
+                         attn_mask=attn_mask, is_causal=is_causal, valid_len=valid_len) is None:
+        sk, sv, svalid = k, v, valid_len
+        if valid_len is None and g.cache is not None:
+            # A sharded cache's shard grows by one token per step: the graph reads its storage with the length
+            # on the device, so one capture serves every step until the storage regrows.
+            sk, sv, svalid = g.cache.storage_of(k, v) or (k, v, None)
+        replayed = _replayed_step(g, q, sk, sv, valid_len=svalid, scale=scale, out_dtype=out_dtype,
+                                  with_lse=with_lse)
+        if replayed is not None:
+            return replayed
     o, lse = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
                           local=local, fp32=False)
-    out, lse = combine_tree(o, lse, g, collective, hierarchical, out_dtype=q.dtype, with_lse=return_lse)
-    return (out, lse) if return_lse else out
+    return combine_tree(o, lse, g, collective, hierarchical, out_dtype=out_dtype, with_lse=with_lse)
 
 
 # ============================================================================================ ring decode
@@ -995,6 +1150,11 @@ class GrowingTensor:
         """The filled prefix (a view), or None before the first append."""
         return None if self._buf is None else self._buf.narrow(self.dim, 0, self.length)
 
+    @property
+    def storage(self) -> Tensor | None:
+        """The whole storage (filled prefix and spare capacity), or None before the first append."""
+        return self._buf
+
     def append(self, new: Tensor) -> Tensor:
         """Append ``new`` (same shape as the stored tensor except along ``dim``); returns :attr:`value`."""
         t = new.shape[self.dim]
@@ -1045,6 +1205,9 @@ class ShardedKVCache:
         #: (a prefill into an empty layer); the same on every rank, so attention decides uniformly.
         self.returned_full: list[bool] = []
         self._positions = GrowingTensor(0)
+        #: layer by the address of its key storage (checked against the layer on lookup: addresses get reused)
+        self._layer_at: dict[int, int] = {}
+        self._local_len: dict[tuple, list] = {}  # (device, B) -> [device tensor (B,) int32, value it holds]
 
     # ------------------------------------------------------------------------------------ placement
     def _assign(self, upto: int) -> None:
@@ -1113,7 +1276,32 @@ class ShardedKVCache:
             k_new, v_new = key_states.index_select(2, sel), value_states.index_select(2, sel)
         keys, values = self._keys[layer].append(k_new), self._values[layer].append(v_new)
         self.layer_len[layer] = start + t
+        self._layer_at[self._keys[layer].storage.data_ptr()] = layer
         return keys, values
+
+    def storage_of(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """When ``k``, ``v`` are exactly one layer's current local shard (the views :meth:`update` returned):
+        that layer's storage (B, Hkv, capacity, D), (B, Hkv, capacity, Dv) and the local length as a (B,) int32
+        device tensor, which attention over the storage with that valid length turns into the same result.
+        None otherwise. The length tensor is shared by all layers and refilled (stream-ordered, so work already
+        queued reads the old value) when the length changes."""
+        layer = self._layer_at.get(k.data_ptr())
+        if layer is None:
+            return None
+        gk, gv = self._keys[layer], self._values[layer]
+        ks, vs = gk.storage, gv.storage
+        if (ks is None or vs is None or ks.data_ptr() != k.data_ptr() or vs.data_ptr() != v.data_ptr()
+                or k.shape != gk.value.shape or v.shape != gv.value.shape or k.stride() != ks.stride()
+                or v.stride() != vs.stride()):
+            return None
+        B, n = k.shape[0], k.shape[2]
+        slot = self._local_len.get((k.device, B))
+        if slot is None:
+            slot = self._local_len[(k.device, B)] = [torch.full((B,), n, dtype=torch.int32, device=k.device), n]
+        elif slot[1] != n:
+            slot[0].fill_(n)
+            slot[1] = n
+        return ks, vs, slot[0]
 
     @property
     def keys(self) -> list[Tensor | None]:
@@ -1375,4 +1563,5 @@ __all__ = [
     "combine_tree", "tree_decode", "ring_decode", "ring_pass_kv", "ring_pass_q", "merge_packed",
     "ShardedKVCache", "balanced_bounds", "adapt_mask", "hf_sharded_cache_class", "make_sharded_cache",
     "hf_sharded_attention", "register_hf_attention", "register_hf_shard_aware", "check_decode_shapes", "check_world", "localize",
+    "tree_step", "step_graph_reason",
 ]

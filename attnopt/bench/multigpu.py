@@ -407,6 +407,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 least = min(over, key=over.get)
                 s[f"tree_overhead_us_{mode}"] = round(over[least], 2)
                 s[f"tree_overhead_method_{mode}"] = least
+            # the stricter reading: the fastest tree against the fastest local attention of any kind, so that a
+            # tree whose own local kernel is slow (host-bound) cannot look cheap against that kernel
+            locals_ = [get(lk, mode) for _, lk in pairs if get(lk, mode) is not None]
+            if trees and locals_:
+                s[f"tree_over_best_local_us_{mode}"] = round(min(trees.values()) - min(locals_), 2)
         for mode in ("eager", "graph"):
             rings = [t for t in (get(f"ring:{v}", mode) for v in RING) if t is not None]
             trees_mode = [t for t in (get(f"tree:{c}", mode) for c in TREE + ("symm_mem",)) if t is not None]

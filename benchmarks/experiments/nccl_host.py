@@ -1,5 +1,5 @@
 """Experiment (torchrun, 2 GPUs): host cost of eager NCCL collectives and of each step of tree_decode
-(the replayed combine's pieces included); per rank, host time and synced lock-step wall time of the local kernels
+(the replayed combine's and the replayed whole step's pieces included); per rank, host time and synced lock-step wall time of the local kernels
 and of the tree over them, with the combine replayed and eager; a cProfile of tree_decode; JSON to $OUT."""
 import cProfile, io, json, os, pstats
 import torch
@@ -32,7 +32,13 @@ q = torch.randn(B, Hq, 1, Dh, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(B, Hkv, n, Dh, device="cuda", dtype=torch.bfloat16)
 v = torch.randn(B, Hkv, n, Dh, device="cuda", dtype=torch.bfloat16)
 res["local_flash"] = host_us(lambda: D.local_states(q, k, v, fp32=False))
-res["tree_decode"] = host_us(lambda: D.tree_decode(q, k, v, g))
+res["tree_decode"] = host_us(lambda: D.tree_decode(q, k, v, g))  # the whole step replayed (split-KV local)
+res["tree_decode_flash"] = host_us(lambda: D.tree_decode(q, k, v, g, local="flash"))  # flash, replayed combine
+step = next((e for e in g._steps.values() if not isinstance(e, str)), None)
+if step is not None:  # the replayed step, piece by piece
+    res["step_graph_call"] = host_us(lambda: step(q))
+    res["step_q_copy"] = host_us(lambda: step.q.copy_(q))
+    res["step_graph_replay"] = host_us(step.graph.replay)
 o, lse = D.local_states(q, k, v, fp32=False)
 res["combine_tree"] = host_us(lambda: D.combine_tree(o, lse, g, out_dtype=torch.bfloat16, with_lse=False))
 parts = torch.randn(2, 1, 32, 1, 129, device="cuda")
@@ -64,8 +70,9 @@ def graph_off(fn):
 # with the combine replayed from a graph and eager (ATTNOPT_TREE_GRAPH=0).
 per_rank = {}
 for name, fn in (("local_flash", lambda: D.local_states(q, k, v, fp32=False)),
-                 ("tree_flash", lambda: D.tree_decode(q, k, v, g)),
-                 ("tree_flash_eager_combine", graph_off(lambda: D.tree_decode(q, k, v, g))),
+                 ("tree_step_graph", lambda: D.tree_decode(q, k, v, g)),
+                 ("tree_flash", lambda: D.tree_decode(q, k, v, g, local="flash")),
+                 ("tree_flash_eager_combine", graph_off(lambda: D.tree_decode(q, k, v, g, local="flash"))),
                  ("local_split_kv", lambda: D.local_states(q, k, v, fp32=False, local="split_kv")),
                  ("tree_split_kv", lambda: D.tree_decode(q, k, v, g, local="split_kv")),
                  ("tree_split_kv_eager_combine", graph_off(lambda: D.tree_decode(q, k, v, g, local="split_kv")))):

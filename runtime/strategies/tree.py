@@ -114,9 +114,9 @@ class Tree(Strategy[TreePlan]):
 
         g = state.group if state is not None else D.current_group()
         attn_mask, valid_len, is_causal = D.localize(g, q, k, attn_mask, valid_len, is_causal)
-        o, lse = D.local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                                local=plan.local, fp32=False)
-        return D.combine_tree(o, lse, g, plan.collective, plan.hierarchical, out_dtype=out_dtype, with_lse=with_lse)
+        return D.tree_step(g, q, k, v, collective=plan.collective, hierarchical=plan.hierarchical,
+                           attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                           local=plan.local, out_dtype=out_dtype, with_lse=with_lse)
 
     def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
         return self._decode(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, torch.float32, True)

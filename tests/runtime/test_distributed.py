@@ -478,6 +478,20 @@ def test_multigpu_bench_case_runs_on_gloo():
     assert case["est_over_measured_min"] <= case["est_over_measured_max"] and case["est_abs_log_err_median"] >= 0
 
 
+def test_bench_summary_measures_the_tree_against_the_fastest_local_attention():
+    """``tree_overhead_us`` pairs each tree with its own local kernel; ``tree_over_best_local_us`` takes the
+    fastest tree against the fastest local kernel, so a slow local kernel cannot flatter a tree."""
+    from attnopt.bench.multigpu import summarize
+
+    def row(method, us):
+        return {"case": "c", "method": method, "mode": "eager", "us": us, "rel_err": 0.0, "est_us": None}
+
+    s = summarize([row("local:flash", 40.0), row("local:split_kv", 150.0), row("tree:all_gather", 120.0),
+                   row("tree:all_gather@split_kv", 60.0)])["c"]
+    assert s["tree_overhead_us_eager"] == -90.0 and s["tree_overhead_method_eager"] == "tree:all_gather@split_kv"
+    assert s["tree_over_best_local_us_eager"] == 20.0
+
+
 def test_backend_refuses_decode_sites_left_over_shards():
     """With a process group, a decode site that could not be rewritten must raise (over a shard it would be
     wrong); prefill sites left alone are fine."""
@@ -500,20 +514,27 @@ def test_backend_refuses_decode_sites_left_over_shards():
 
 
 # ============================================================================================ NCCL (2 GPUs)
+def _nccl_sequence(rank, world, name, B, Hkv, N, Dh):
+    """A registered NCCL group, a whole bf16 sequence's K/V (same on every rank) and this rank's bounds."""
+    from attnopt.runtime import distributed as D
+
+    g = D.register_group(dist.group.WORLD, name=name)
+    torch.manual_seed(0)
+    k = torch.randn(B, Hkv, N, Dh, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, N, Dh, device="cuda", dtype=torch.bfloat16)
+    return g, k, v, D.balanced_bounds(N, world)[rank]
+
+
 def _nccl_replayed_tree(rank, world):
     from attnopt.runtime import distributed as D
     from attnopt.runtime.reference import sdpa_float64
 
-    g = D.register_group(dist.group.WORLD, name="nccl-replay")
-    torch.manual_seed(0)
     B, Hq, Hkv, L, Dh, N = 2, 8, 2, 1, 64, 301
-    k = torch.randn(B, Hkv, N, Dh, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B, Hkv, N, Dh, device="cuda", dtype=torch.bfloat16)
-    a, b = D.balanced_bounds(N, world)[rank]
+    g, k, v, (a, b) = _nccl_sequence(rank, world, "nccl-replay", B, Hkv, N, Dh)
     errs, kinds = [], []
     for step in range(5):  # eager, capture, replays; a new query every step
         q = torch.randn(B, Hq, L, Dh, device="cuda", dtype=torch.bfloat16, generator=None)
-        out, lse = D.tree_decode(q, k[:, :, a:b], v[:, :, a:b], g, return_lse=True)
+        out, lse = D.tree_decode(q, k[:, :, a:b], v[:, :, a:b], g, return_lse=True, local="flash")
         ref = sdpa_float64(q, k, v)
         errs.append(float((out.double() - ref).abs().max()))
         kinds.append(sorted(type(e).__name__ if not isinstance(e, str) else e for e in g._graphs.values()))
@@ -523,12 +544,67 @@ def _nccl_replayed_tree(rank, world):
 
 @pytest.mark.multigpu
 def test_nccl_replayed_tree_combine_matches_reference():
-    """On NCCL the tree's all-gather and merge are captured on the second call of a shape and replayed after;
-    every step matches the float64 reference over the whole sequence (queries differ per step)."""
+    """On NCCL the tree's all-gather and merge are captured on the second call of a shape and replayed after
+    (flash as the local attention, so the whole-step graph does not apply); every step matches the float64
+    reference over the whole sequence (queries differ per step)."""
     res = ok_payloads(run_ranks(_nccl_replayed_tree, 2, deadline=180, backend="nccl"))
     for rank, (errs, kinds) in res.items():
         assert max(errs) < 2e-2, f"rank {rank}: errors {errs}"
         assert kinds[0] == ["seen"] and kinds[-1] == ["_CombineGraph"], kinds
+
+
+def _nccl_step_graph(rank, world):
+    """Whole-step graphs: fixed shards, shards whose storage differs per call on rank 0 only (captures fall on
+    different calls on the two ranks), and a sharded cache growing by one token per step."""
+    from attnopt.runtime import distributed as D
+    from attnopt.runtime.reference import sdpa_float64
+
+    B, Hq, Hkv, L, Dh, N = 2, 9, 3, 1, 64, 301
+    g, k, v, (a, b) = _nccl_sequence(rank, world, "nccl-step", B, Hkv, N, Dh)
+    kl, vl = k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()
+    copies = [(kl, vl), (kl.clone(), vl.clone())]
+    fixed, mixed = [], []
+    for step in range(6):
+        q = torch.randn(B, Hq, L, Dh, device="cuda", dtype=torch.bfloat16)
+        ref = sdpa_float64(q, k, v)
+        out = D.tree_decode(q, kl, vl, g)
+        fixed.append(float((out.double() - ref).abs().max()))
+        # rank 0 alternates between two storages of the same shard: its keys repeat every other call, so it
+        # captures on calls 3 and 4 while rank 1 captured on call 2; every call still issues one all-gather
+        ck, cv = copies[step % 2] if rank == 0 else copies[0]
+        out = D.tree_decode(q, ck, cv, g, local="split_kv")
+        mixed.append(float((out.double() - ref).abs().max()))
+    n_step_graphs = sum(not isinstance(e, str) for e in g._steps.values())
+
+    # a sharded cache: prefill 200 tokens, then one token per step; the graph reads the storage and the length
+    g._steps.clear()
+    cache = D.ShardedKVCache(g)
+    kc = torch.randn(B, Hkv, 260, Dh, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(B, Hkv, 260, Dh, device="cuda", dtype=torch.bfloat16)
+    ks, vs = cache.update(0, kc[:, :, :200], vc[:, :, :200])
+    grown = []
+    for t in range(200, 260):
+        ks, vs = cache.update(0, kc[:, :, t:t + 1], vc[:, :, t:t + 1])
+        q = torch.randn(B, Hq, L, Dh, device="cuda", dtype=torch.bfloat16)
+        out = D.tree_decode(q, ks, vs, g)
+        ref = sdpa_float64(q, kc[:, :, :t + 1], vc[:, :, :t + 1])
+        grown.append(float((out.double() - ref).abs().max()))
+    torch.cuda.synchronize()
+    graphs = sum(not isinstance(e, str) for e in g._steps.values())
+    return fixed, mixed, n_step_graphs, grown, graphs
+
+
+@pytest.mark.multigpu
+def test_nccl_step_graph_matches_reference_and_captures_per_rank():
+    """A tree decode step replayed as one graph (split-KV, all-gather, merge) matches the float64 reference; ranks
+    that capture on different calls still pair their all-gathers (no hang, right answers); a sharded cache that
+    grows every step replays one graph per storage (a handful of captures over 60 steps, not one per step)."""
+    res = ok_payloads(run_ranks(_nccl_step_graph, 2, deadline=240, backend="nccl"))
+    for rank, (fixed, mixed, n_step, grown, graphs) in res.items():
+        assert max(fixed) < 2e-2 and max(mixed) < 2e-2, f"rank {rank}: {fixed} {mixed}"
+        assert max(grown) < 2e-2, f"rank {rank}: {grown}"
+        assert n_step == (2 if rank == 0 else 1), f"rank {rank}: {n_step} step graphs"
+        assert 1 <= graphs <= 4, f"rank {rank}: {graphs} graphs over 60 growing steps"
 
 
 def _nccl_replay_stall(rank, world):
@@ -642,3 +718,100 @@ def test_growing_tensor_appends_without_copying_the_whole_shard_each_step():
     pos.append(torch.tensor([], dtype=torch.int64))
     pos.append(torch.tensor([9, 11]))
     assert pos.value.tolist() == [0, 1, 2, 3, 4, 9, 11]
+
+
+# ============================================================================================ replay protocol (CPU)
+def _fake_group(backend="nccl"):
+    from types import SimpleNamespace
+
+    from attnopt.runtime.distributed import DistGroup
+
+    g = DistGroup(pg=None, name="fake", rank=0, world=1, backend=backend, timeout=__import__("datetime").timedelta(1),
+                  ranks_per_node=1)
+    g._watch = SimpleNamespace(capture_safe=True)
+    return g
+
+
+def test_graph_entry_runs_eager_then_captures_then_replays_and_evicts_least_recent():
+    import collections
+
+    from attnopt.runtime.distributed import _graph_entry
+
+    g = _fake_group()
+    table = collections.OrderedDict()
+    captured = []
+
+    def capture(name):
+        captured.append(name)
+        return f"graph-{name}".encode()  # any non-str object stands for a captured graph
+
+    calls = [_graph_entry(g, table, k, lambda k=k: capture(k), lambda e: e, limit=2) for k in "aab"]
+    assert calls == [None, b"graph-a", None] and captured == ["a"]
+    assert _graph_entry(g, table, "a", lambda: capture("x"), lambda e: e, limit=2) == b"graph-a"  # replay
+    # "c" pushes out the least recently used key ("b", seen once), never the graph just used
+    _graph_entry(g, table, "c", lambda: capture("c"), lambda e: e, limit=2)
+    assert list(table) == ["a", "c"]
+
+    def broken():
+        raise RuntimeError("capture not supported")
+
+    assert _graph_entry(g, table, "c", broken, lambda e: e, limit=2) is None
+    assert table["c"] == "eager"
+    assert _graph_entry(g, table, "c", lambda: capture("c"), lambda e: e, limit=2) is None  # stays eager
+    g._watch.capture_safe = False
+    assert _graph_entry(g, {"d": "seen"}, "d", lambda: capture("d"), lambda e: e) is None
+    assert captured == ["a"]
+
+
+def test_sharded_cache_storage_of_gives_the_storage_and_the_length_on_device():
+    """``storage_of`` recognises exactly the views ``update`` returned; attention over the storage with the
+    length tensor equals attention over the view; the length tensor follows the shard and is shared."""
+    from attnopt.runtime import distributed as D
+    from attnopt.runtime.reference import attention_states
+
+    g = _fake_group("gloo")
+    cache = D.ShardedKVCache(g)
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 1, 16, dtype=torch.float64)
+    kv = [torch.randn(2, 2, 40, 16, dtype=torch.float64) for _ in range(2)]
+    k0, v0 = cache.update(0, kv[0][:, :, :30], kv[1][:, :, :30])
+    k1, v1 = cache.update(1, kv[0][:, :, :30] * 2, kv[1][:, :, :30])
+    tensors = []
+    for t in range(30, 40):
+        k0, v0 = cache.update(0, kv[0][:, :, t:t + 1], kv[1][:, :, t:t + 1])
+        ks, vs, n = cache.storage_of(k0, v0)
+        assert ks.shape[2] > t + 1 and n.tolist() == [t + 1, t + 1] and n.dtype == torch.int32
+        got = attention_states(q, ks, vs, valid_len=n)
+        want = attention_states(q, k0, v0)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+        tensors.append(n)
+    assert all(t is tensors[0] for t in tensors)  # one tensor, refilled in place
+    assert cache.storage_of(k1, v1) is not None  # layer 1 keeps its own storage
+    assert cache.storage_of(k0[:, :, :-1], v0[:, :, :-1]) is None  # a shorter view of the same storage
+    assert cache.storage_of(k0.clone(), v0) is None
+    assert cache.storage_of(k0, v1) is None
+
+
+def test_step_graph_reason_names_what_keeps_a_call_eager():
+    from attnopt.runtime.distributed import step_graph_reason
+
+    q = torch.randn(1, 4, 1, 64)
+    k = torch.randn(1, 2, 10, 64)
+    kw = dict(collective="all_gather", hierarchical=False, local="auto", attn_mask=None, is_causal=False,
+              valid_len=None)
+    g = _fake_group("nccl")
+    assert "NCCL on CUDA" in step_graph_reason(_fake_group("gloo"), q, k, k, **kw)
+    assert "NCCL on CUDA" in step_graph_reason(g, q, k, k, **kw)  # CPU tensors: everything else is fine
+    for change, reason in (({"collective": "all_reduce"}, "only the flat all_gather"),
+                           ({"local": "flash"}, "runs split_kv"),
+                           ({"attn_mask": torch.ones(1, 1, 1, 10, dtype=torch.bool)}, "a mask"),
+                           ({"is_causal": True}, "a mask"),
+                           ({"valid_len": torch.ones(1, 1, dtype=torch.int32)}, "(B,) tensor")):
+        assert reason in step_graph_reason(g, q, k, k, **{**kw, **change}), change
+    assert "empty local shard" in step_graph_reason(g, q, k[:, :, :0], k[:, :, :0], **kw)
+    for qq, kk in ((torch.randn(1, 4, 1, 48), torch.randn(1, 2, 10, 48)),  # head dim
+                   (torch.randn(1, 4, 17, 64), k),  # q_len
+                   (torch.randn(1, 5, 1, 64), k),  # heads not a multiple
+                   (q.double(), k.double())):  # dtype
+        assert "split-KV kernel's range" in step_graph_reason(g, qq, kk, kk, **kw)
