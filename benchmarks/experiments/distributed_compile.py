@@ -55,6 +55,9 @@ for attempt in ("first", "second"):
     res[f"{attempt}_tokens_equal"] = out == ref
     group.cache = None
 res["unique_graphs"] = int(counters["stats"]["unique_graphs"])
+# whole tree steps captured (runtime/distributed.py::_StepGraph): the decode sites read the sharded storage
+res["step_graphs"] = sum(not isinstance(e, str) for e in group._steps.values())
+res["step_keys_seen_once"] = sum(e == "seen" for e in group._steps.values())
 res["rewritten_calls"] = sum(s.calls for s in attnopt.last_plans(opt).sites if s.rewritten)
 gathered = [None] * dist.get_world_size()
 dist.all_gather_object(gathered, res)
