@@ -1,8 +1,9 @@
 """Experiment (torchrun, 2 ranks; NCCL on GPUs, gloo on CPU): compile time of ``attnopt.optimize(model,
 process_group=...)`` on a SmolLM2-shaped Llama (30 layers, 9/3 heads, D=64, random weights, fp32).
 
-Per rank: seconds of the first and second 8-token greedy generation with the KV cache sharded over the group,
-dynamo's graph count, and whether the tokens equal one device's. ``--layers`` and ``--new`` shrink it for CPU.
+Per rank: seconds of the first and second 8-token (``--new``) greedy generation with the KV cache sharded over the group,
+dynamo's graph count, the whole tree steps replayed from graphs (``--force-plan tree``: the planner picks ring
+for a context this short), and whether the tokens equal one device's. ``--layers`` and ``--new`` shrink it for CPU.
 JSON to $OUT/distributed_compile.json (rank 0)."""
 import argparse
 import json
@@ -15,6 +16,7 @@ import torch.distributed as dist
 p = argparse.ArgumentParser()
 p.add_argument("--layers", type=int, default=30)
 p.add_argument("--new", type=int, default=8)
+p.add_argument("--force-plan", default=None, help="force this plan kind at the decode sites (e.g. tree)")
 args = p.parse_args()
 cuda = torch.cuda.is_available()
 if cuda:
@@ -40,8 +42,8 @@ ids = torch.randint(1, 49152, (1, 20), generator=torch.Generator().manual_seed(1
 gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
 with torch.no_grad():
     ref = model.generate(ids, **gen)[0, 20:].tolist()
-opt = attnopt.optimize(model, process_group=group.pg, inner_backend="eager")
-res = {"layers": args.layers, "new_tokens": args.new}
+opt = attnopt.optimize(model, process_group=group.pg, inner_backend="eager", force_plan=args.force_plan)
+res = {"layers": args.layers, "new_tokens": args.new, "force_plan": args.force_plan}
 for attempt in ("first", "second"):
     cache = D.make_sharded_cache(model, group)
     if cuda:

@@ -192,3 +192,74 @@ def test_distributed_compile_does_not_grow_with_depth():
         (g2, calls2), (g6, calls6) = res[rank][2], res[rank][6]
         assert g2 == g6, f"rank {rank}: {g2} graphs at 2 layers, {g6} at 6"
         assert calls2 == 2 * 3 and calls6 == 6 * 3, (calls2, calls6)  # every layer, 3 decode steps
+
+
+def _generate_nccl(rank, world):
+    """On NCCL (one GPU per rank): a tiny sharpened Llama with head_dim 64 (inside the split-KV kernel's range, so
+    tree decode steps replay from whole-step graphs) through ``hf_sharded_attention`` and ``optimize`` with the
+    tree forced, in fp32 and bf16, against one device."""
+    import transformers
+
+    import attnopt
+    from attnopt.plan import TreePlan
+    from attnopt.runtime import distributed as D
+
+    group = D.register_group(timeout=60)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=512)
+    torch.manual_seed(3)
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    base.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(5)).cuda()
+    gen = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = base.to("cuda", dtype)
+
+        def run(m, **kw):
+            with torch.no_grad():
+                out = m.generate(ids, **gen, **kw)
+            return out.sequences[0, 40:].tolist(), torch.stack(out.logits).float()
+
+        model.set_attn_implementation("sdpa")
+        ref_tokens, ref_logits = run(model)
+        for route in ("attention-interface", "optimize"):
+            group._steps.clear()
+            if route == "attention-interface":
+                D.register_hf_attention()
+                model.set_attn_implementation("attnopt_sharded")
+                group.hf_plan = TreePlan(world=world)
+                m = model
+            else:
+                model.set_attn_implementation("sdpa")
+                m = attnopt.optimize(model, process_group=group.pg, inner_backend="eager", force_plan="tree")
+            cache = D.make_sharded_cache(model, group)
+            tokens, logits = run(m, past_key_values=cache)
+            group.cache = None
+            first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+            results[(str(dtype), route)] = (first_diff, (logits - ref_logits).abs().max().item(),
+                                            sum(not isinstance(e, str) for e in group._steps.values()))
+            model.set_attn_implementation("sdpa")
+    return results
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(300)
+def test_tree_steps_replayed_from_graphs_match_one_device_on_nccl():
+    """fp32: the greedy tokens equal one device's and the logits agree to 1e-3; bf16: logits within 0.1 (the
+    first token difference, if any, is reported). Both routes replay whole tree steps from captured graphs."""
+    res = ok_payloads(run_ranks(_generate_nccl, 2, deadline=280, backend="nccl"))
+    for rank in (0, 1):
+        for route in ("attention-interface", "optimize"):
+            first_diff, err, graphs = res[rank][("torch.float32", route)]
+            assert first_diff is None and err < 1e-3, (rank, route, first_diff, err)
+            assert graphs >= 2, (rank, route, graphs)  # one per layer at least
+            first_diff, err, graphs = res[rank][("torch.bfloat16", route)]
+            print(f"rank {rank} bf16 {route}: first token difference {first_diff}, max logit error {err:.3g}")
+            assert err < 0.1 and graphs >= 2, (rank, route, first_diff, err, graphs)
