@@ -690,13 +690,13 @@ class _StepGraph:
     """A whole tree decode step captured in one CUDA graph: split-KV over the local shard writing its (o, lse)
     straight into the packed [o | lse] buffer, the all-gather, and the merge.
 
-    The graph reads K, V and the valid length where they lie (they are part of the key: a static cache, or a
-    sharded cache's storage between regrowths, keeps them in place) and the query from a static buffer it is
-    copied into. On the host a call is that copy, one replay, the watchdog event and a clone of the output.
+    The graph reads K, V, the valid length and the mask where they lie (they are part of the key: a static cache,
+    or a sharded cache's storage between regrowths, keeps them in place) and the query from a static buffer it
+    is copied into. On the host a call is that copy, one replay, the watchdog event and a clone of the output.
     """
 
-    def __init__(self, g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, valid_len: Tensor | None, scale: float,
-                 out_dtype: torch.dtype, with_lse: bool):
+    def __init__(self, g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, valid_len: Tensor | None,
+                 attn_mask: Tensor | None, is_causal: bool, scale: float, out_dtype: torch.dtype, with_lse: bool):
         from .kernels.merge import merge_states as triton_merge_states
         from .kernels.split_kv import split_kv_decode
         from .strategies import STRATEGIES
@@ -715,16 +715,16 @@ class _StepGraph:
         parts = torch.zeros((g.world, B, Hq, L, Dv + 1), dtype=torch.float32, device=dev)
         self.out = torch.empty((B, Hq, L, Dv), dtype=out_dtype, device=dev)
         self.lse = torch.empty((B, Hq, L), dtype=torch.float32, device=dev) if with_lse else None
-        self._keep = (k, v, valid_len, state, packed, parts)  # alive as long as the graph that reads them
+        self._keep = (k, v, valid_len, attn_mask, state, packed, parts)  # alive as long as the graph reading them
         self.stream = torch.cuda.current_stream(dev)
         self.raw_stream = self.stream.cuda_stream
         self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):  # records only: no collective runs here (see ``_replayed_step``)
             split_kv_decode(self.q, k, v, packed[..., :-1], packed[..., -1], workspace=state.workspace,
-                            valid_len=valid_len, scale=scale, num_splits=plan.num_splits, block_n=plan.block_n,
-                            num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
-                            tma=plan.tma)
+                            attn_mask=attn_mask, valid_len=valid_len, is_causal=is_causal, scale=scale,
+                            num_splits=plan.num_splits, block_n=plan.block_n, num_warps=plan.num_warps,
+                            num_stages=plan.num_stages, fused_merge=plan.fused_merge, tma=plan.tma)
             dist.all_gather_into_tensor(parts.view(-1, Hq, L, Dv + 1), packed, group=g.pg)
             triton_merge_states(parts[..., :-1], parts[..., -1], out=self.out,
                                 lse_out=self.lse if self.lse is not None else False)
@@ -744,8 +744,8 @@ def step_graph_reason(g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, *, collec
         return f"collective {collective}{' (hierarchical)' if hierarchical else ''}: only the flat all_gather"
     if local not in ("auto", "split_kv"):
         return f"local attention {local!r}: the replayed step runs split_kv"
-    if attn_mask is not None or is_causal:
-        return "a mask: the replayed step takes a valid length or nothing"
+    if attn_mask is not None and (attn_mask.device != q.device or attn_mask.dim() > 4):
+        return "a mask on another device or of more than 4 dims"
     if valid_len is not None and (valid_len.device != q.device or valid_len.dim() != 1):
         return "valid_len must be a (B,) tensor on the query's device"
     if k.shape[2] == 0:
@@ -768,11 +768,13 @@ def step_graph_reason(g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, *, collec
     return None
 
 
-def _replayed_step(g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, *, valid_len: Tensor | None, scale: float,
-                   out_dtype: torch.dtype, with_lse: bool) -> tuple[Tensor, Tensor | None] | None:
+def _replayed_step(g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, *, valid_len: Tensor | None,
+                   attn_mask: Tensor | None, is_causal: bool, scale: float, out_dtype: torch.dtype,
+                   with_lse: bool) -> tuple[Tensor, Tensor | None] | None:
     """The whole step through a captured graph (:class:`_StepGraph`), or None (then the caller runs it eagerly).
 
-    The key holds where K, V and the valid length lie, with every shape, stride and dtype: the graph computes
+    The key holds where K, V, the valid length and the mask lie, with every shape, stride and dtype (and
+    ``is_causal``, the scale, the output dtype): the graph computes
     exactly the call it stands for. A rank's keys change when its shard's storage regrows, which happens on
     different steps on different ranks; captures are therefore local decisions: a capture records the
     all-gather without running it, so every call issues exactly one all-gather on every rank, eager or replayed.
@@ -783,10 +785,10 @@ def _replayed_step(g: "DistGroup", q: Tensor, k: Tensor, v: Tensor, *, valid_len
     def where(t: Tensor | None):
         return None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
-    key = ("step", q.device, tuple(q.shape), q.dtype, where(k), where(v), where(valid_len), float(scale), out_dtype,
-           with_lse)
+    key = ("step", q.device, tuple(q.shape), q.dtype, where(k), where(v), where(valid_len), where(attn_mask),
+           bool(is_causal), float(scale), out_dtype, with_lse)
     return _graph_entry(g, g._steps, key,
-                        lambda: _StepGraph(g, q, k, v, valid_len, scale, out_dtype, with_lse),
+                        lambda: _StepGraph(g, q, k, v, valid_len, attn_mask, is_causal, scale, out_dtype, with_lse),
                         lambda entry: entry(q), limit=MAX_STEP_GRAPHS)
 
 
@@ -964,13 +966,14 @@ def tree_step(g: DistGroup, q: Tensor, k: Tensor, v: Tensor, *, collective: str,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if step_graph_reason(g, q, k, v, collective=collective, hierarchical=hierarchical, local=local,
                          attn_mask=attn_mask, is_causal=is_causal, valid_len=valid_len) is None:
-        sk, sv, svalid = k, v, valid_len
+        sk, sv, svalid, smask = k, v, valid_len, attn_mask
         if valid_len is None and g.cache is not None:
             # A sharded cache's shard grows by one token per step: the graph reads its storage with the length
-            # on the device, so one capture serves every step until the storage regrows.
-            sk, sv, svalid = g.cache.storage_of(k, v) or (k, v, None)
-        replayed = _replayed_step(g, q, sk, sv, valid_len=svalid, scale=scale, out_dtype=out_dtype,
-                                  with_lse=with_lse)
+            # on the device (and the mask from a buffer with the storage's columns), so one capture serves every
+            # step until the storage regrows.
+            sk, sv, svalid, smask = g.cache.storage_of(k, v, attn_mask) or (k, v, None, attn_mask)
+        replayed = _replayed_step(g, q, sk, sv, valid_len=svalid, attn_mask=smask, is_causal=is_causal,
+                                  scale=scale, out_dtype=out_dtype, with_lse=with_lse)
         if replayed is not None:
             return replayed
     o, lse = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
@@ -1208,6 +1211,7 @@ class ShardedKVCache:
         #: layer by the address of its key storage (checked against the layer on lookup: addresses get reused)
         self._layer_at: dict[int, int] = {}
         self._local_len: dict[tuple, list] = {}  # (device, B) -> [device tensor (B,) int32, value it holds]
+        self._mask_bufs: dict[tuple, Tensor] = {}  # (dtype, mask shape with the storage's columns) -> buffer
 
     # ------------------------------------------------------------------------------------ placement
     def _assign(self, upto: int) -> None:
@@ -1279,12 +1283,16 @@ class ShardedKVCache:
         self._layer_at[self._keys[layer].storage.data_ptr()] = layer
         return keys, values
 
-    def storage_of(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    def storage_of(self, k: Tensor, v: Tensor, attn_mask: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         """When ``k``, ``v`` are exactly one layer's current local shard (the views :meth:`update` returned):
-        that layer's storage (B, Hkv, capacity, D), (B, Hkv, capacity, Dv) and the local length as a (B,) int32
-        device tensor, which attention over the storage with that valid length turns into the same result.
-        None otherwise. The length tensor is shared by all layers and refilled (stream-ordered, so work already
-        queued reads the old value) when the length changes."""
+        that layer's storage (B, Hkv, capacity, D), (B, Hkv, capacity, Dv), the local length as a (B,) int32
+        device tensor, and the mask (local columns, (Bm, Hm, L, n)) copied into a buffer with the storage's
+        columns (Bm, Hm, L, capacity), or None without a mask. Attention over the storage with that valid length
+        and mask gives the same result as over the shard. None when ``k``, ``v`` (or the mask) do not fit.
+
+        The length tensor and the mask buffer are shared by all layers and refilled in stream order, so work
+        already queued reads the values it was queued with."""
         layer = self._layer_at.get(k.data_ptr())
         if layer is None:
             return None
@@ -1295,13 +1303,25 @@ class ShardedKVCache:
                 or v.stride() != vs.stride()):
             return None
         B, n = k.shape[0], k.shape[2]
+        mask_buf = None
+        if attn_mask is not None:
+            if attn_mask.dim() != 4 or attn_mask.shape[-1] != n or attn_mask.device != k.device:
+                return None
+            shape = tuple(attn_mask.shape[:-1]) + (ks.shape[2],)
+            key = (attn_mask.dtype, shape)
+            mask_buf = self._mask_bufs.get(key)
+            if mask_buf is None:
+                if len(self._mask_bufs) >= 4:  # older capacities: their storage is gone
+                    self._mask_bufs.clear()
+                mask_buf = self._mask_bufs[key] = torch.zeros(shape, dtype=attn_mask.dtype, device=k.device)
+            mask_buf[..., :n].copy_(attn_mask)
         slot = self._local_len.get((k.device, B))
         if slot is None:
             slot = self._local_len[(k.device, B)] = [torch.full((B,), n, dtype=torch.int32, device=k.device), n]
         elif slot[1] != n:
             slot[0].fill_(n)
             slot[1] = n
-        return ks, vs, slot[0]
+        return ks, vs, slot[0], mask_buf
 
     @property
     def keys(self) -> list[Tensor | None]:

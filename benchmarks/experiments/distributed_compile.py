@@ -30,6 +30,17 @@ from attnopt.bench.common import git_commit
 from attnopt.runtime import distributed as D
 
 group = D.register_group(timeout=60)
+step_reasons = {}  # why decode calls did or did not replay as whole-step graphs (None: they could)
+_reason = D.step_graph_reason
+
+
+def _counted_reason(*a, **kw):
+    r = _reason(*a, **kw)
+    step_reasons[str(r)] = step_reasons.get(str(r), 0) + 1
+    return r
+
+
+D.step_graph_reason = _counted_reason
 device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                num_hidden_layers=args.layers, num_attention_heads=9, num_key_value_heads=3,
@@ -60,6 +71,7 @@ res["unique_graphs"] = int(counters["stats"]["unique_graphs"])
 # whole tree steps captured (runtime/distributed.py::_StepGraph): the decode sites read the sharded storage
 res["step_graphs"] = sum(not isinstance(e, str) for e in group._steps.values())
 res["step_keys_seen_once"] = sum(e == "seen" for e in group._steps.values())
+res["step_reasons"] = step_reasons
 res["rewritten_calls"] = sum(s.calls for s in attnopt.last_plans(opt).sites if s.rewritten)
 gathered = [None] * dist.get_world_size()
 dist.all_gather_object(gathered, res)

@@ -589,6 +589,14 @@ def _nccl_step_graph(rank, world):
         out = D.tree_decode(q, ks, vs, g)
         ref = sdpa_float64(q, kc[:, :, :t + 1], vc[:, :, :t + 1])
         grown.append(float((out.double() - ref).abs().max()))
+        # a random boolean mask over the global keys, the same on every rank (key 0 always visible), sliced to
+        # this rank's keys: the graph
+        # reads it from a buffer with the storage's columns
+        gmask = torch.rand(B, 1, 1, t + 1, device="cuda", generator=torch.Generator("cuda").manual_seed(t)) > 0.3
+        gmask[..., 0] = True
+        out = D.tree_decode(q, ks, vs, g, attn_mask=cache.local_mask(gmask))
+        ref = sdpa_float64(q, kc[:, :, :t + 1], vc[:, :, :t + 1], attn_mask=gmask)
+        grown.append(float((out.double() - ref).abs().max()))
     torch.cuda.synchronize()
     graphs = sum(not isinstance(e, str) for e in g._steps.values())
     return fixed, mixed, n_step_graphs, grown, graphs
@@ -598,13 +606,14 @@ def _nccl_step_graph(rank, world):
 def test_nccl_step_graph_matches_reference_and_captures_per_rank():
     """A tree decode step replayed as one graph (split-KV, all-gather, merge) matches the float64 reference; ranks
     that capture on different calls still pair their all-gathers (no hang, right answers); a sharded cache that
-    grows every step replays one graph per storage (a handful of captures over 60 steps, not one per step)."""
+    grows every step replays one graph per storage, with or without a mask (a handful of captures over 60 steps,
+    not one per step)."""
     res = ok_payloads(run_ranks(_nccl_step_graph, 2, deadline=240, backend="nccl"))
     for rank, (fixed, mixed, n_step, grown, graphs) in res.items():
         assert max(fixed) < 2e-2 and max(mixed) < 2e-2, f"rank {rank}: {fixed} {mixed}"
         assert max(grown) < 2e-2, f"rank {rank}: {grown}"
         assert n_step == (2 if rank == 0 else 1), f"rank {rank}: {n_step} step graphs"
-        assert 1 <= graphs <= 4, f"rank {rank}: {graphs} graphs over 60 growing steps"
+        assert 2 <= graphs <= 8, f"rank {rank}: {graphs} graphs over 60 growing steps, with and without a mask"
 
 
 def _nccl_replay_stall(rank, world):
@@ -765,7 +774,8 @@ def test_graph_entry_runs_eager_then_captures_then_replays_and_evicts_least_rece
 
 def test_sharded_cache_storage_of_gives_the_storage_and_the_length_on_device():
     """``storage_of`` recognises exactly the views ``update`` returned; attention over the storage with the
-    length tensor equals attention over the view; the length tensor follows the shard and is shared."""
+    length tensor (and the mask moved into the storage's columns) equals attention over the view; the length
+    tensor and the mask buffers follow the shard and are reused."""
     from attnopt.runtime import distributed as D
     from attnopt.runtime.reference import attention_states
 
@@ -776,17 +786,28 @@ def test_sharded_cache_storage_of_gives_the_storage_and_the_length_on_device():
     kv = [torch.randn(2, 2, 40, 16, dtype=torch.float64) for _ in range(2)]
     k0, v0 = cache.update(0, kv[0][:, :, :30], kv[1][:, :, :30])
     k1, v1 = cache.update(1, kv[0][:, :, :30] * 2, kv[1][:, :, :30])
-    tensors = []
+    tensors, masks = [], []
     for t in range(30, 40):
         k0, v0 = cache.update(0, kv[0][:, :, t:t + 1], kv[1][:, :, t:t + 1])
-        ks, vs, n = cache.storage_of(k0, v0)
-        assert ks.shape[2] > t + 1 and n.tolist() == [t + 1, t + 1] and n.dtype == torch.int32
+        ks, vs, n, no_mask = cache.storage_of(k0, v0)
+        assert ks.shape[2] > t + 1 and n.tolist() == [t + 1, t + 1] and n.dtype == torch.int32 and no_mask is None
         got = attention_states(q, ks, vs, valid_len=n)
         want = attention_states(q, k0, v0)
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1], want[1])
         tensors.append(n)
+        # a mask in the shard's columns travels in a buffer with the storage's columns (random: any mask is exact)
+        for mask in (torch.rand(2, 1, 1, t + 1) > 0.3, torch.randn(1, 4, 1, t + 1, dtype=torch.float64)):
+            ks, vs, n, buf = cache.storage_of(k0, v0, mask)
+            assert buf.shape == mask.shape[:-1] + (ks.shape[2],) and buf.dtype == mask.dtype
+            got = attention_states(q, ks, vs, attn_mask=buf, valid_len=n)
+            want = attention_states(q, k0, v0, attn_mask=mask)
+            torch.testing.assert_close(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1])
+            masks.append(buf)
     assert all(t is tensors[0] for t in tensors)  # one tensor, refilled in place
+    assert len({m.data_ptr() for m in masks}) == 2  # one buffer per mask shape and dtype, refilled
+    assert cache.storage_of(k0, v0, torch.ones(2, 1, 1, 5, dtype=torch.bool)) is None  # wrong column count
     assert cache.storage_of(k1, v1) is not None  # layer 1 keeps its own storage
     assert cache.storage_of(k0[:, :, :-1], v0[:, :, :-1]) is None  # a shorter view of the same storage
     assert cache.storage_of(k0.clone(), v0) is None
@@ -803,10 +824,12 @@ def test_step_graph_reason_names_what_keeps_a_call_eager():
     g = _fake_group("nccl")
     assert "NCCL on CUDA" in step_graph_reason(_fake_group("gloo"), q, k, k, **kw)
     assert "NCCL on CUDA" in step_graph_reason(g, q, k, k, **kw)  # CPU tensors: everything else is fine
+    for fine in ({"attn_mask": torch.ones(1, 1, 1, 10, dtype=torch.bool)}, {"is_causal": True},
+                 {"valid_len": torch.ones(1, dtype=torch.int32)}):  # the split-KV kernel takes them
+        assert "NCCL on CUDA" in step_graph_reason(g, q, k, k, **{**kw, **fine}), fine
     for change, reason in (({"collective": "all_reduce"}, "only the flat all_gather"),
                            ({"local": "flash"}, "runs split_kv"),
-                           ({"attn_mask": torch.ones(1, 1, 1, 10, dtype=torch.bool)}, "a mask"),
-                           ({"is_causal": True}, "a mask"),
+                           ({"attn_mask": torch.ones(1, 1, 1, 1, 10, dtype=torch.bool)}, "more than 4 dims"),
                            ({"valid_len": torch.ones(1, 1, dtype=torch.int32)}, "(B,) tensor")):
         assert reason in step_graph_reason(g, q, k, k, **{**kw, **change}), change
     assert "empty local shard" in step_graph_reason(g, q, k[:, :, :0], k[:, :, :0], **kw)

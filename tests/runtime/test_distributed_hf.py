@@ -205,7 +205,7 @@ def _generate_nccl(rank, world):
     from attnopt.runtime import distributed as D
 
     group = D.register_group(timeout=60)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=384, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=6, num_key_value_heads=2, head_dim=64,
                                    max_position_embeddings=512)
     torch.manual_seed(3)
