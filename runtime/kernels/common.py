@@ -210,54 +210,92 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
     masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) base-2 max, l_i (BLOCK_M,) sum).
 
     USE_TMA: K/V tiles come through the tensor descriptors ``k_desc``/``v_desc`` (4-D, block (1, 1, BLOCK_N,
-    BLOCK_D)) as bulk copies; rows past the tensor and padded dims arrive as zeros. Else through pointers."""
+    BLOCK_D)) as bulk copies; rows past the tensor and padded dims arrive as zeros. Else through pointers.
+
+    A bulk copy reads a tile's rows past ``kv_len`` from the tensor as they are (a sharded cache's spare capacity,
+    a static cache's unused tail: any bits, NaN included), and a masked key's zero weight times a NaN value is
+    NaN. So with TMA the tiles that reach past ``kv_len`` (at most one holds any valid key) run in a second loop
+    that zeroes those value rows; the tiles before it run unchanged."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
     i64 = i.to(tl.int64)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_len
-        n64 = offs_n.to(tl.int64)
-        if USE_TMA:
-            k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_d.shape[0])
-            v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_dv.shape[0])
-        else:
-            # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
-            k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
-                        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0, eviction_policy="evict_first")
-            v = tl.load(v_base + n64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
-                        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0, eviction_policy="evict_first")
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        visible = n_ok[None, :] & row_ok[:, None]
-        if IS_CAUSAL:
-            visible = visible & (offs_n[None, :] <= i[:, None])  # top-left: query i sees keys j <= i
-        if MASK_KIND == 1:
-            mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
-                         + n64[None, :] * stride_mn, mask=visible, other=0)
-            visible = visible & (mv != 0)
-        if MASK_KIND == 2:
-            mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
-                         + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
-            # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf.
-            bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e30) * 1.4426950408889634)
-            s = s + bias
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty rows so far: no NaN from -inf - -inf
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p, v, input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if USE_TMA:
+        full_end = lo + tl.maximum(tl.minimum(hi, kv_len) - lo, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
+                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND,
+                IS_CAUSAL, UPCAST, PRECISION, True, False)
+        for start_n in range(full_end, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
+                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND,
+                IS_CAUSAL, UPCAST, PRECISION, True, True)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
+                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND,
+                IS_CAUSAL, UPCAST, PRECISION, False, False)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
+                 k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv,
+                 stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
+                 sm_scale_log2, D, DV,
+                 BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ZERO_V_PAST_END: tl.constexpr):
+    """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
+    head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < kv_len
+    n64 = offs_n.to(tl.int64)
+    if USE_TMA:
+        k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_d.shape[0])
+        v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_dv.shape[0])
+        if ZERO_V_PAST_END:
+            v = tl.where(n_ok[:, None], v, tl.zeros_like(v))
+    else:
+        # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
+        k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
+                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_base + n64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0, eviction_policy="evict_first")
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+    visible = n_ok[None, :] & row_ok[:, None]
+    if IS_CAUSAL:
+        visible = visible & (offs_n[None, :] <= i[:, None])  # top-left: query i sees keys j <= i
+    if MASK_KIND == 1:
+        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
+                     + n64[None, :] * stride_mn, mask=visible, other=0)
+        visible = visible & (mv != 0)
+    if MASK_KIND == 2:
+        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
+                     + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
+        # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf.
+        bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e30) * 1.4426950408889634)
+        s = s + bias
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty rows so far: no NaN from -inf - -inf
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        pv = tl.dot(p, v, input_precision=PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
 
 
 @triton.jit

@@ -203,6 +203,26 @@ def test_masks_valid_len_strides(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+def test_nothing_past_the_valid_length_reaches_the_output(device, poison):
+    """K/V past each row's valid length hold NaN or Inf (a sharded cache's spare capacity, a static cache's unused
+    tail): the output equals attention over the valid prefix. Bulk (TMA) copies read whole tiles, so the kernel
+    must keep those rows out of the sums itself (a masked key's zero weight times NaN is NaN)."""
+    dev = _dev(device)
+    B, Hkv, G, L, N, D = 2, 2, 3, 1, 4 * BN, 64
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float16, dev)
+    valid = torch.tensor([BN + 3, 3 * BN - 1], dtype=torch.int32, device=dev)
+    ref, ref_lse = _expected(q, k, v, valid_len=valid)
+    bad = float(poison)
+    for b, n in enumerate(valid.tolist()):
+        k[b, :, n:] = bad
+        v[b, :, n:] = bad
+    for name, out, lse in _run_both(q, k, v, splits=(1, 3), grids=(5,), block_n=BN, valid_len=valid):
+        _check(out, ref, torch.float16, f"{name} {poison} past the valid length")
+        _check_lse(lse, ref_lse, f"{name} {poison} past the valid length")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_stream_k_replay_and_growing_length(device):
     """The same workspace (as a captured graph would hold it) serves repeated launches while the valid length
     grows; counters return to zero each time, and repeated launches give identical results."""
