@@ -220,27 +220,16 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
     i64 = i.to(tl.int64)
+    full_end = hi
     if USE_TMA:
         full_end = lo + tl.maximum(tl.minimum(hi, kv_len) - lo, 0) // BLOCK_N * BLOCK_N
-        for start_n in range(lo, full_end, BLOCK_N):
+    for zero_tail in tl.static_range(2):  # tiles before full_end as they are, then the tail with V zeroed
+        for start_n in range(full_end if zero_tail else lo, hi if zero_tail else full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND,
-                IS_CAUSAL, UPCAST, PRECISION, True, False)
-        for start_n in range(full_end, hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND,
-                IS_CAUSAL, UPCAST, PRECISION, True, True)
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND,
-                IS_CAUSAL, UPCAST, PRECISION, False, False)
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
+                zero_tail == 1)
     return acc, m_i, l_i
 
 
