@@ -214,22 +214,36 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
 
     A bulk copy reads a tile's rows past ``kv_len`` from the tensor as they are (a sharded cache's spare capacity,
     a static cache's unused tail: any bits, NaN included), and a masked key's zero weight times a NaN value is
-    NaN. So with TMA the tiles that reach past ``kv_len`` (at most one holds any valid key) run in a second loop
-    that zeroes those value rows; the tiles before it run unchanged."""
+    NaN. So with TMA only the whole tiles below ``kv_len`` go through the copy engine; the one tile that crosses it
+    (the only one past it with a visible key) is read with masked pointer loads."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
     i64 = i.to(tl.int64)
-    full_end = hi
     if USE_TMA:
-        full_end = lo + tl.maximum(tl.minimum(hi, kv_len) - lo, 0) // BLOCK_N * BLOCK_N
-    for zero_tail in tl.static_range(2):  # tiles before full_end as they are, then the tail with V zeroed
-        for start_n in range(full_end if zero_tail else lo, hi if zero_tail else full_end, BLOCK_N):
+        end = tl.minimum(hi, kv_len)
+        full_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-                zero_tail == 1)
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, True)
+        tail = full_end < end
+    else:
+        full_end = lo
+        tail = False
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
+                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False)
+    if tail:
+        # the tile that crosses kv_len, by masked pointer loads: straight-line code, so it adds no pipeline buffers
+        # (a second pipelined loop doubled the shared memory); tiles wholly past kv_len hold no visible key
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, full_end, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
+            row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+            stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False)
     return acc, m_i, l_i
 
 
@@ -239,7 +253,7 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
                  stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
                  sm_scale_log2, D, DV,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ZERO_V_PAST_END: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
     head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -248,8 +262,6 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     if USE_TMA:
         k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_d.shape[0])
         v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_dv.shape[0])
-        if ZERO_V_PAST_END:
-            v = tl.where(n_ok[:, None], v, tl.zeros_like(v))
     else:
         # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
         k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,

@@ -243,7 +243,9 @@ def _generate_nccl(rank, world):
             tokens, logits = run(m, past_key_values=cache)
             group.cache = None
             first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
-            results[(str(dtype), route)] = (first_diff, (logits - ref_logits).abs().max().item(),
+            # after a token flips the two runs continue from different text: compare the steps up to the flip
+            upto = len(tokens) if first_diff is None else first_diff + 1
+            results[(str(dtype), route)] = (first_diff, (logits[:upto] - ref_logits[:upto]).abs().max().item(),
                                             sum(not isinstance(e, str) for e in group._steps.values()))
             model.set_attn_implementation("sdpa")
     return results
@@ -252,8 +254,9 @@ def _generate_nccl(rank, world):
 @pytest.mark.multigpu
 @pytest.mark.timeout(300)
 def test_tree_steps_replayed_from_graphs_match_one_device_on_nccl():
-    """fp32: the greedy tokens equal one device's and the logits agree to 1e-3; bf16: logits within 0.1 (the
-    first token difference, if any, is reported). Both routes replay whole tree steps from captured graphs."""
+    """fp32: the greedy tokens equal one device's and the logits agree to 1e-3; bf16: each step's logits within 0.1
+    up to the first token difference, if any (reported: after it the two runs decode different text). Both
+    routes replay whole tree steps from captured graphs."""
     res = ok_payloads(run_ranks(_generate_nccl, 2, deadline=280, backend="nccl"))
     for rank in (0, 1):
         for route in ("attention-interface", "optimize"):
