@@ -1170,6 +1170,9 @@ class GrowingTensor:
             shape[self.dim] = max(self.length + t, int(self.length * self.GROWTH), self.length + self.MIN_EXTRA)
             grown = torch.empty(shape, dtype=self._buf.dtype, device=self._buf.device)
             grown.narrow(self.dim, 0, self.length).copy_(self.value)
+            # spare capacity holds zeros, not stale bits: a replayed tree step reads the storage with the length
+            # on the device, and a kernel that loads whole tiles then sees finite values past the length
+            grown.narrow(self.dim, self.length, shape[self.dim] - self.length).zero_()
             self._buf = grown
         if t:
             self._buf.narrow(self.dim, self.length, t).copy_(new)

@@ -702,7 +702,7 @@ def test_watchdog_polling_never_breaks_a_graph_capture():
 
 def test_growing_tensor_appends_without_copying_the_whole_shard_each_step():
     """The sharded cache's per-layer storage: appends land in spare capacity, the storage is reallocated only
-    O(log n) times over n appends, and a view handed out earlier never changes."""
+    O(log n) times over n appends, a view handed out earlier never changes, and the spare capacity is zeros."""
     from attnopt.runtime.distributed import GrowingTensor
 
     g = GrowingTensor(-2)
@@ -720,6 +720,8 @@ def test_growing_tensor_appends_without_copying_the_whole_shard_each_step():
             views.append((out, torch.cat(ref, dim=-2).clone()))
     assert torch.equal(g.value, torch.cat(ref, dim=-2)) and g.length == g.value.shape[-2]
     assert len(storages) <= 12, f"{len(storages)} reallocations for {g.length} elements"
+    spare = g.storage.narrow(-2, g.length, g.storage.shape[-2] - g.length)
+    assert spare.numel() and not spare.any(), "spare capacity must hold zeros (a whole-tile read sees them)"
     for view, expected in views:
         assert torch.equal(view, expected), "an appended token changed a view handed out earlier"
     pos = GrowingTensor(0)
