@@ -715,7 +715,10 @@ class _StepGraph:
         parts = torch.zeros((g.world, B, Hq, L, Dv + 1), dtype=torch.float32, device=dev)
         self.out = torch.empty((B, Hq, L, Dv), dtype=out_dtype, device=dev)
         self.lse = torch.empty((B, Hq, L), dtype=torch.float32, device=dev) if with_lse else None
-        self._keep = (k, v, valid_len, attn_mask, state, packed, parts)  # alive as long as the graph reading them
+        # The graph's own buffers live as long as it does. K, V, the length and the mask are not kept: the graph
+        # replays only for a call whose tensors lie at those addresses with that layout (they are its key), and
+        # holding them would keep a sharded cache's old storage alive after every regrowth.
+        self._keep = (state, packed, parts)
         self.stream = torch.cuda.current_stream(dev)
         self.raw_stream = self.stream.cuda_stream
         self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
