@@ -1214,6 +1214,7 @@ class ShardedKVCache:
         #: (a prefill into an empty layer); the same on every rank, so attention decides uniformly.
         self.returned_full: list[bool] = []
         self._positions = GrowingTensor(0)
+        self._positions_dev: dict[torch.device, GrowingTensor] = {}  # device mirrors of the positions
         #: layer by the address of its key storage (checked against the layer on lookup: addresses get reused)
         self._layer_at: dict[int, int] = {}
         self._local_len: dict[tuple, list] = {}  # (device, B) -> [device tensor (B,) int32, value it holds]
@@ -1254,6 +1255,21 @@ class ShardedKVCache:
         """(n_local,) int64 on the CPU: the global positions of this rank's keys, ascending."""
         value = self._positions.value
         return torch.zeros(0, dtype=torch.int64) if value is None else value
+
+    def positions_on(self, device: torch.device | str | None) -> Tensor:
+        """:attr:`positions` on ``device``, from a mirror there that receives only the positions added since the
+        last call: a decode step copies one token's position to the device, not the whole shard's (which every
+        layer's mask slicing did, n_local x 8 bytes per layer and step)."""
+        device = torch.device(device or "cpu")
+        host = self.positions
+        if device.type == "cpu":
+            return host
+        mirror = self._positions_dev.get(device)
+        if mirror is None:
+            mirror = self._positions_dev[device] = GrowingTensor(0)
+        if mirror.length < host.numel():
+            mirror.append(host[mirror.length:].to(device, non_blocking=False))
+        return mirror.value if mirror.value is not None else host.to(device)
 
     def shard_lens(self) -> list[int]:
         return list(self.counts)
@@ -1347,22 +1363,22 @@ class ShardedKVCache:
         """Slice a mask over the global keys (..., N_global) to the local keys (..., n_local)."""
         if attn_mask is None:
             return None
-        pos = self.positions
+        pos = self.positions_on(attn_mask.device)
         if attn_mask.shape[-1] < self.seq_len:
             raise DistributedDecodeError(f"mask has {attn_mask.shape[-1]} key columns but the sharded cache holds "
                                          f"{self.seq_len} tokens")
-        return attn_mask.index_select(-1, pos.to(attn_mask.device))
+        return attn_mask.index_select(-1, pos)
 
     def local_valid_len(self, valid_len: Tensor | None) -> Tensor | None:
         """Global valid lengths (B,) to local ones: the number of local keys at positions < valid_len[b]."""
         if valid_len is None:
             return None
-        pos = self.positions.to(valid_len.device)
+        pos = self.positions_on(valid_len.device)
         return (pos[None, :] < valid_len.view(-1, 1)).sum(dim=1).to(valid_len.dtype)
 
     def causal_mask(self, q_len: int, device=None) -> Tensor:
         """Bottom-right causal mask (1, 1, L, n_local) bool for the last ``q_len`` global positions."""
-        pos = self.positions.to(device or "cpu")
+        pos = self.positions_on(device)
         q_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=pos.device)
         return (pos[None, :] <= q_pos[:, None])[None, None]
 
@@ -1395,7 +1411,7 @@ def localize(group: DistGroup, q: Tensor, k: Tensor, attn_mask: Tensor | None, v
         valid_len = cache.local_valid_len(valid_len)
     if is_causal:
         L = q.shape[2]
-        pos = cache.positions.to(q.device)
+        pos = cache.positions_on(q.device)
         causal = (pos[None, :] <= torch.arange(L, device=q.device)[:, None])[None, None]
         attn_mask = causal if attn_mask is None else (attn_mask & causal if attn_mask.dtype == torch.bool else
                                                       attn_mask.masked_fill(~causal, float("-inf")))

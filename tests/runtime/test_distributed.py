@@ -840,3 +840,34 @@ def test_step_graph_reason_names_what_keeps_a_call_eager():
                    (torch.randn(1, 5, 1, 64), k),  # heads not a multiple
                    (q.double(), k.double())):  # dtype
         assert "split-KV kernel's range" in step_graph_reason(g, qq, kk, kk, **kw)
+
+
+def test_positions_reach_the_device_one_step_at_a_time(monkeypatch):
+    """Mask slicing needs the local positions on the mask's device; the mirror there receives only the positions
+    added since the last call (a decode step moves one, not the whole shard per layer). On the meta device the
+    copies are counted; on CUDA (when present) the values are checked too."""
+    from attnopt.runtime import distributed as D
+
+    cache = D.ShardedKVCache(_fake_group("gloo"))
+    copied = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        if self.dtype == torch.int64 and args and str(args[0]) in ("meta", "cuda"):
+            copied.append(self.numel())
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    kv = torch.randn(1, 2, 50, 8)
+    cache.update(0, kv[:, :, :30], kv[:, :, :30])
+    devices = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
+    for t in range(30, 50):
+        cache.update(0, kv[:, :, t:t + 1], kv[:, :, t:t + 1])
+        for dev in devices:
+            for _layer in range(3):  # every layer slices its mask: only the first call of a step copies
+                pos = cache.positions_on(dev)
+                assert pos.shape == cache.positions.shape and pos.device.type == dev
+                if dev == "cuda":
+                    assert torch.equal(pos.cpu(), cache.positions)
+    assert sum(copied) == len(devices) * 50, copied  # each position crossed once per device
+    assert cache.positions_on("cpu") is cache.positions or torch.equal(cache.positions_on("cpu"), cache.positions)
