@@ -130,6 +130,8 @@ class DistGroup:
     _graphs: dict = field(default_factory=dict, repr=False)
     #: Captured whole-step graphs (:class:`_StepGraph`), least recently used first.
     _steps: "collections.OrderedDict" = field(default_factory=lambda: collections.OrderedDict(), repr=False)
+    #: The split-KV state (workspace) the step graphs of one plan and shape family share.
+    _step_states: dict = field(default_factory=dict, repr=False)
     #: Set by the replay watchdog when a replayed collective outlived the timeout; raised on the next call.
     failure: "CollectiveError | None" = field(default=None, repr=False)
     _watch: Any = field(default=None, repr=False)
@@ -703,7 +705,13 @@ class _StepGraph:
 
         strategy = STRATEGIES["split_kv"]
         plan = _local_plan("split_kv", strategy, q, k, v)
-        state = strategy.prepare(plan, q, k, v)
+        # One split-KV workspace per plan and shape family, shared by the graphs that use it: their replays are
+        # stream-ordered, and a workspace per graph (a few per layer) would cost up to S x B x Hq x L x Dv x 4 bytes
+        # each.
+        family = (plan.runtime_key(), tuple(q.shape), q.dtype, k.shape[1], v.shape[-1], q.device)
+        state = g._step_states.get(family)
+        if state is None:
+            state = g._step_states[family] = strategy.prepare(plan, q, k, v)
         B, Hq, L, _ = q.shape
         Dv = v.shape[-1]
         dev = q.device
@@ -715,7 +723,8 @@ class _StepGraph:
         parts = torch.zeros((g.world, B, Hq, L, Dv + 1), dtype=torch.float32, device=dev)
         self.out = torch.empty((B, Hq, L, Dv), dtype=out_dtype, device=dev)
         self.lse = torch.empty((B, Hq, L), dtype=torch.float32, device=dev) if with_lse else None
-        # The graph's own buffers live as long as it does. K, V, the length and the mask are not kept: the graph
+        # The graph's own buffers (and the shared workspace) live as long as it does. K, V, the length and the mask
+        # are not kept: the graph
         # replays only for a call whose tensors lie at those addresses with that layout (they are its key), and
         # holding them would keep a sharded cache's old storage alive after every regrowth.
         self._keep = (state, packed, parts)
