@@ -2,12 +2,7 @@
 # 2xH200, issue 5: the replayed whole tree step. NCCL tests (whole-step graphs, per-rank captures, the replayed
 # combine, stalled-peer timeout), the host cost of each piece (benchmarks/experiments/nccl_host.py), the tree/ring
 # benchmark at P=2 (eager and graph columns), then distributed optimize() tokens against one device.
-set -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO=$PWD
-python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
-cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
-t0=$(date +%s)
+. "$PWD/benchmarks/device_prelude.sh"
 timeout 200 python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs -x "$REPO/tests/runtime/test_distributed.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
 echo "tests: $(( $(date +%s) - t0 )) s"
 timeout 100 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/nccl_host.py" 2>&1 | grep -E "^\{'all_gather|^local_|^tree_" | tee "$OUT/nccl_host.log"

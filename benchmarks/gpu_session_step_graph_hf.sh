@@ -3,12 +3,7 @@
 # head_dim-64 Llama, fp32 tokens and bf16 logits against one device, through hf_sharded_attention and optimize with
 # the tree forced), then distributed optimize() on a 30-layer SmolLM2-shaped Llama with the tree forced (tokens
 # against one device, step graphs, time), then the whole multi-GPU test file again.
-set -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO=$PWD
-python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
-cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
-t0=$(date +%s)
+. "$PWD/benchmarks/device_prelude.sh"
 timeout 300 python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs -s "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | grep -v "^W11\|Warn\|return func" | tail -12 | tee "$OUT/multigpu_hf_tests.log"
 echo "hf tests: $(( $(date +%s) - t0 )) s"
 timeout 200 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/distributed_compile.py" --force-plan tree --new 16 2>&1 | grep "^rank" | tee "$OUT/distributed_compile.log"

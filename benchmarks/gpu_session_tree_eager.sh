@@ -3,12 +3,7 @@
 # step of tree_decode and each rank's host and synced wall time (benchmarks/experiments/nccl_host.py), the compile
 # time of a distributed optimize() on a 30-layer SmolLM2-shaped Llama (distributed_compile.py), then the tree/ring
 # benchmark at P=2 with the eager overhead column.
-set -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO=$PWD
-python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
-cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
-t0=$(date +%s)
+. "$PWD/benchmarks/device_prelude.sh"
 timeout 420 python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs "$REPO/tests/runtime/test_distributed.py" "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | tail -15 | tee "$OUT/multigpu_tests.log"
 echo "tests: $(( $(date +%s) - t0 )) s"
 timeout 180 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/experiments/nccl_host.py" 2>&1 | grep -E "^\{'all_gather|^local_|^tree_" | tee "$OUT/nccl_host.log"

@@ -4,12 +4,7 @@
 # local split-KV in graph mode (compare with the local:split_kv graph rows of multigpu-2xh200-stepgraph-0c072be.json:
 # 23.03 / 67.40 / 37.37 / 125.44 us), the HF NCCL test (fp32 tokens, bf16 logits up to the first flip, replayed
 # steps), and the NCCL tests of test_distributed.py. Pass ATTNOPT_COMMIT=<sha>: the device copy's git HEAD is stale.
-set -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO=$PWD
-python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
-cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
-t0=$(date +%s)
+. "$PWD/benchmarks/device_prelude.sh"
 timeout 240 python -m pytest -q -p no:cacheprovider -m cuda -rs "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" 2>&1 | tail -6 | tee "$OUT/kernel_tests.log"
 echo "kernel tests: $(( $(date +%s) - t0 )) s"
 timeout 60 python "$REPO/benchmarks/experiments/local_split_kv_graph.py" 2>&1 | tail -4

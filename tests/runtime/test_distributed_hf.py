@@ -19,20 +19,20 @@ pytest.importorskip("transformers")
 PLANS = ("tree:all_gather", "tree:all_reduce", "tree:all_reduce3", "ring:pass_kv", "ring:pass_q")
 
 
-def _tiny_sharp_llama(seed: int):
-    """A random 2-layer GQA Llama (6/2 heads, D=8) whose attention is sharpened, so that it matters: with tiny
-    random weights it is nearly uniform."""
+def _tiny_sharp_llama(seed: int, sharpen: float = 6.0, **config):
+    """A random 2-layer GQA Llama (6/2 heads, D=8 unless ``config`` says otherwise) whose attention is sharpened
+    (q and k projections times ``sharpen``), so that it matters: with tiny random weights it is nearly uniform."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(**{**dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                             max_position_embeddings=256), **config})
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
+            layer.self_attn.q_proj.weight.mul_(sharpen)
+            layer.self_attn.k_proj.weight.mul_(sharpen)
     model.generation_config.pad_token_id = 0
     return model
 
@@ -198,23 +198,13 @@ def _generate_nccl(rank, world):
     """On NCCL (one GPU per rank): a tiny sharpened Llama with head_dim 64 (inside the split-KV kernel's range, so
     tree decode steps replay from whole-step graphs) through ``hf_sharded_attention`` and ``optimize`` with the
     tree forced, in fp32 and bf16, against one device."""
-    import transformers
-
     import attnopt
     from attnopt.plan import TreePlan
     from attnopt.runtime import distributed as D
 
     group = D.register_group(timeout=60)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=384, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=512)
-    torch.manual_seed(3)
-    base = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in base.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
-    base.generation_config.pad_token_id = 0
+    base = _tiny_sharp_llama(3, sharpen=4.0, hidden_size=384, intermediate_size=256, head_dim=64,
+                             max_position_embeddings=512)
     ids = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(5)).cuda()
     gen = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, output_logits=True,
                return_dict_in_generate=True)
