@@ -100,21 +100,31 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
 
 
 def host_us(fn: Callable[[], Any], iters: int = 300, *, repeats: int = 5, warmup: int = 5,
-            sync: Callable[[], Any] | None = None) -> float:
-    """Host time per call in µs: ``iters`` calls issued without syncing (the GPU runs behind unless it is the
-    slower side), median over ``repeats``. ``sync`` (default ``torch.cuda.synchronize``) runs after the warm-up
-    and after each repeat; a distributed caller adds its barrier there."""
+            sync: Callable[[], Any] | None = None, sync_in_timing: bool = False,
+            after_warmup: Callable[[], Any] | None = None) -> float:
+    """Time per call in µs, median over ``repeats`` of ``iters`` calls.
+
+    By default the host time: the calls are issued without syncing (the GPU runs behind unless it is the slower
+    side). ``sync_in_timing`` counts each repeat up to its ``sync``: the wall time per call, host and GPU
+    together. ``sync`` (default ``torch.cuda.synchronize``) runs after the warm-up and after each repeat;
+    ``after_warmup`` runs once after the warm-up's sync (a distributed caller's barrier, so that no rank times
+    its peers' warm-up)."""
     sync = sync or torch.cuda.synchronize
     for _ in range(warmup):
         fn()
     sync()
+    if after_warmup is not None:
+        after_warmup()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        if sync_in_timing:
+            sync()
         out.append((time.perf_counter() - t0) / iters * 1e6)
-        sync()
+        if not sync_in_timing:
+            sync()
     return statistics.median(out)
 
 

@@ -7,28 +7,17 @@ the dispatcher entry, the plan lookup, the prepared-state lookup and the call co
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .common import format_table, results_header, write_results
+from .common import format_table, host_us, results_header, write_results
 
 
 def _host_us(fn: Callable[[], object], calls: int, repeats: int, sync: Callable[[], None]) -> float:
-    for _ in range(max(50, calls // 10)):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
+    """Wall time per call up to a sync (``host_us`` with the sync in the window), after a long warm-up."""
+    return host_us(fn, calls, repeats=repeats, warmup=max(50, calls // 10), sync=sync, sync_in_timing=True)
 
 
 def measure(device: str, calls: int = 2000, repeats: int = 7) -> dict:

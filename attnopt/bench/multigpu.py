@@ -94,19 +94,10 @@ def eager_us(fn: Callable[[], Any], g, iters: int, cuda: bool) -> float:
 def local_eager_us(fn: Callable[[], Any], iters: int, cuda: bool,
                    after_warmup: Callable[[], Any] | None = None) -> float:
     """Median over 3 repeats of the mean wall time per call of ``iters`` calls, after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    _sync(cuda)
-    if after_warmup is not None:
-        after_warmup()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        _sync(cuda)
-        times.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(times)
+    from .common import host_us
+
+    return host_us(fn, iters, repeats=3, warmup=3, sync=lambda: _sync(cuda), sync_in_timing=True,
+                   after_warmup=after_warmup)
 
 
 def graph_us(fn: Callable[[], Any], steps: int, g=None, replays: int = 7) -> float:

@@ -871,3 +871,27 @@ def test_positions_reach_the_device_one_step_at_a_time(monkeypatch):
                     assert torch.equal(pos.cpu(), cache.positions)
     assert sum(copied) == len(devices) * 50, copied  # each position crossed once per device
     assert cache.positions_on("cpu") is cache.positions or torch.equal(cache.positions_on("cpu"), cache.positions)
+
+
+def test_host_timer_counts_the_sync_only_when_asked():
+    """``host_us`` serves the issue-time timer, the bench's synced wall time (``local_eager_us``) and the dispatch
+    bench: with ``sync_in_timing`` each repeat's sync is inside the window, and ``after_warmup`` runs once."""
+    import time as _time
+
+    from attnopt.bench.common import host_us
+    from attnopt.bench.multigpu import local_eager_us
+
+    events = []
+
+    def slow_sync():
+        events.append("sync")
+        _time.sleep(0.02)
+
+    issue = host_us(lambda: None, 10, repeats=3, warmup=1, sync=slow_sync)
+    wall = host_us(lambda: None, 10, repeats=3, warmup=1, sync=slow_sync, sync_in_timing=True,
+                   after_warmup=lambda: events.append("barrier"))
+    assert issue < 500 and wall > 1500, (issue, wall)  # 20 ms over 10 calls is 2000 µs per call
+    assert events.count("barrier") == 1 and events.index("barrier") == 5  # after the second timer's warm-up sync
+    calls = []
+    local_eager_us(lambda: calls.append(1), 4, False, after_warmup=lambda: calls.append("b"))
+    assert calls.count("b") == 1 and len(calls) == 3 + 1 + 3 * 4
