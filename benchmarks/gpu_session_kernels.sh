@@ -2,21 +2,9 @@
 # H100, one call for issue 3: the CUDA kernel tests compiled (bf16 included, the direct launcher's exactness test
 # among them; one pytest process per test id in parallel), the eager host-time profile of one split-KV call, then
 # `attnopt bench kernels` in graph and eager timing. JSON to $OUT.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-REPO=$PWD
-python -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v WARNING
-cd /tmp && python -c "import attnopt.runtime, attnopt.passes" || exit 1
-t0=$(date +%s)
-python -m pytest -q --collect-only -p no:cacheprovider "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" -m cuda 2>/dev/null \
-  | grep "::" | sed "s#^#$REPO/#" > /tmp/ids.txt
-echo "$(wc -l < /tmp/ids.txt) CUDA test ids"
-mkdir -p /tmp/tlogs
-cat /tmp/ids.txt | xargs -P ${JOBS:-14} -I{} sh -c 'n=$(echo "{}" | md5sum | cut -c1-8); timeout 400 python -m pytest -q -p no:cacheprovider "{}" > /tmp/tlogs/$n.log 2>&1; echo "$? {}" >> /tmp/tlogs/rc.txt'
+. "$PWD/benchmarks/device_prelude.sh"
+parallel_pytest "$OUT/gpu_tests_rc.txt" "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" -m cuda
 echo "tests: $(( $(date +%s) - t0 )) s"
-sort /tmp/tlogs/rc.txt | sed "s#$REPO/##" > "$OUT/gpu_tests_rc.txt"
-awk '{print $1}' /tmp/tlogs/rc.txt | sort | uniq -c
-grep -l "failed\|Error" /tmp/tlogs/*.log | head -3 | xargs -r tail -30
 python "$REPO/benchmarks/experiments/launch_overhead.py" > "$OUT/launch_overhead.log" 2>&1; tail -22 "$OUT/launch_overhead.log"
 t1=$(date +%s)
 timeout $(( ${BENCH_LIMIT:-300} )) attnopt bench kernels --timing both --time-budget ${BENCH_BUDGET:-220} \

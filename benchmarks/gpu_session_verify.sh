@@ -5,7 +5,7 @@
 # 23.03 / 67.40 / 37.37 / 125.44 us), the HF NCCL test (fp32 tokens, bf16 logits up to the first flip, replayed
 # steps), and the NCCL tests of test_distributed.py. Pass ATTNOPT_COMMIT=<sha>: the device copy's git HEAD is stale.
 . "$PWD/benchmarks/device_prelude.sh"
-timeout 240 python -m pytest -q -p no:cacheprovider -m cuda -rs "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" 2>&1 | tail -6 | tee "$OUT/kernel_tests.log"
+parallel_pytest "$OUT/kernel_tests_rc.txt" "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" -m cuda
 echo "kernel tests: $(( $(date +%s) - t0 )) s"
 timeout 60 python "$REPO/benchmarks/experiments/local_split_kv_graph.py" 2>&1 | tail -4
 timeout 150 python -m pytest -q -p no:cacheprovider -m multigpu -rs -s "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | grep -v "^W11\|Warn\|return func" | tail -8 | tee "$OUT/hf_tests.log"
