@@ -137,6 +137,8 @@ class StreamKPlan(Plan):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    #: K/V tiles through the copy engine (TMA tensor descriptors) where the GPU and the strides allow it.
+    tma: bool = False
 
 
 @register_plan_kind

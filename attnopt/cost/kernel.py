@@ -273,7 +273,7 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
 # --------------------------------------------------------------------------------------------- split-KV
 def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block_n: int, num_warps: int = 4,
                 num_stages: int = 2) -> float:
-    """Split-KV (FlashDecoding): grid (B x Hkv x M-blocks, num_splits); each split streams ``ceil(T/S)`` of
+    """Split-KV (FlashDecoding): grid (B x Hkv x M-blocks, num_splits); each split streams at most ``ceil(T/S)`` of
     the ``T`` KV tiles and writes an fp32 (o, lse) partial; a second kernel merges the partials."""
     if num_splits < 1 or block_n < 1:
         raise ValueError(f"num_splits and block_n must be >= 1, got {num_splits}, {block_n}")
@@ -396,7 +396,7 @@ def stream_k_configs(site: AttentionSite, hw: HardwareProfile) -> list[tuple[int
 def best_split_kv(site: AttentionSite, hw: HardwareProfile) -> KernelChoice:
     """The split-KV grid the cost model prefers at this site (over ``planning_lengths`` when symbolic)."""
     (s, bn, w), est, lengths = _choose(site, hw, split_kv_configs(site, hw), split_kv_us)
-    rule = (f"grid (B*Hkv*M, {s}); split i streams KV tiles [i*ceil(T/{s}), (i+1)*ceil(T/{s})) of "
+    rule = (f"grid (B*Hkv*M, {s}); split i streams KV tiles [i*T//{s}, (i+1)*T//{s}) of "
             f"T = ceil(valid_len/{bn}) read on the device; empty splits write lse=-inf")
     return KernelChoice("split_kv", s, bn, w, est, lengths, rule)
 

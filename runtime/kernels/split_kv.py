@@ -84,11 +84,12 @@ def _split_kv_kernel(
         kv_len = tl.maximum(kv_len, 0)
     if IS_CAUSAL:
         kv_len = tl.minimum(kv_len, L)  # no query row sees a key at or past L
-    # This split's share, in whole KV tiles, of the keys that exist for row b.
+    # This split's share of the keys that exist for row b: tiles [s * T // S, (s + 1) * T // S). Shares differ by
+    # at most one tile. Equal ceil(T / S) shares left the last splits short or empty (33 splits of 256 tiles:
+    # 32 splits of 8 tiles and an idle one), so the grid's real size was not the planned one.
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    lo = split * per_split * BLOCK_N
-    hi = tl.minimum(lo + per_split * BLOCK_N, kv_len)
+    lo = (split.to(tl.int64) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N
+    hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N, kv_len)
 
     rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

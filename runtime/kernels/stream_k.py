@@ -20,13 +20,14 @@ import triton.language as tl
 
 from . import interpreting
 from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, backend_has_option, block_d_for,
-                     block_m_for, cdiv, dot_flags, mask_args, next_pow2, scale_log2)
+                     block_m_for, cdiv, dot_flags, kv_descriptors, mask_args, next_pow2, scale_log2, tma_now)
 from .launch import KernelLauncher
 
 
 @triton.jit
 def _stream_k_kernel(
     q_ptr, k_ptr, v_ptr,  # Q (B, Hq, L, D); K (B, Hkv, N, D); V (B, Hkv, N, Dv): any strides
+    k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D)); else K/V again
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     o_ptr,  # (B, Hq, L, Dv) output, any float dtype
@@ -64,6 +65,7 @@ def _stream_k_kernel(
     UPCAST: tl.constexpr,  # compute dots in fp32 (interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision
     MERGE_P: tl.constexpr,  # partials the merging program loads per step
+    USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
 ):
     pid = tl.program_id(0)
     # ---- the iteration space, from the valid lengths on device
@@ -113,11 +115,12 @@ def _stream_k_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _attend(q, acc, m_i, l_i, blk0 * BLOCK_N, blk1 * BLOCK_N, kv_len, k_ptr, v_ptr, k_ptr, v_ptr,
-                                mask_ptr,
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, blk0 * BLOCK_N, blk1 * BLOCK_N, kv_len, k_ptr, v_ptr, k_desc,
+                                v_desc, mask_ptr,
                                 b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                                stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION)
+                                stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
+                                USE_TMA)
         o, lse = _finish(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
             # the whole tile is ours: write it out
@@ -208,7 +211,7 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
-                    is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2):
+                    is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2, tma=False):
     """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch.
 
     Parameters
@@ -219,6 +222,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     workspace : the triple from ``stream_k_workspace(grid, q, k, v)`` (allocated here when None).
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
     grid : programs in the persistent grid (more programs than iterations just leaves some idle).
+    tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
+        is being captured into a CUDA graph (``tma_now``, as for split-KV); pointer loads otherwise.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -237,15 +242,17 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         # The kernel holds the KV loop, the partial path and the merge: capping registers at 128 (a few spills)
         # lets two programs share an SM instead of one.
         extra["maxnreg"] = 128
+    descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
     _STREAM_K_LAUNCH(
-        (grid,), q, k, v, mask if mask is not None else q, valid_len if valid_len is not None else q, out,
+        (grid,), q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q, valid_len if valid_len is not None else q, out,
         lse if lse is not None else out, ws_o, ws_lse, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride(),
         scale_log2(scale, D), B, N, L, G, Hkv, num_m, D, Dv, grid,
         BLOCK_B=max(2, next_pow2(B)), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D),
         BLOCK_DV=block_d_for(Dv), HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
-        MERGE_P=max(1, min(8, 8192 // (BLOCK_M * block_d_for(Dv)))), num_warps=num_warps, num_stages=num_stages,
+        MERGE_P=max(1, min(8, 8192 // (BLOCK_M * block_d_for(Dv)))), USE_TMA=descs is not None,
+        num_warps=num_warps, num_stages=num_stages,
         **extra,
     )
     return out, lse

@@ -75,7 +75,7 @@ class StreamK(Strategy[StreamKPlan]):
         workspace = state.workspace if state is not None else None
         stream_k_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, grid=plan.grid, block_n=plan.block_n,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, tma=plan.tma)
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
         if not use_triton(q):

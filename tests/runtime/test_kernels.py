@@ -102,14 +102,14 @@ def _run_both(q, k, v, *, splits, grids, block_n, attn_mask=None, valid_len=None
                             is_causal=is_causal, num_splits=s, block_n=block_n, fused_merge=fused, tma=tma)
             assert int(ws[2].abs().sum()) == 0, "fused split-KV left a tile counter non-zero"
             yield f"split_kv(S={s}, fused={fused}, tma={tma})", out, lse
-    for g in grids:
+    for g, tma in [(g, False) for g in grids] + [(grids[-1], True)]:
         out = torch.full((B, Hq, L, Dv), float("nan"), dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
         ws = stream_k_workspace(g, q, k, v)
         stream_k_decode(q, k, v, out, lse, workspace=ws, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                        is_causal=is_causal, grid=g, block_n=block_n)
+                        is_causal=is_causal, grid=g, block_n=block_n, tma=tma)
         assert int(ws[2].abs().sum()) == 0, "stream-K left a tile counter non-zero"
-        yield f"stream_k(grid={g})", out, lse
+        yield f"stream_k(grid={g}, tma={tma})", out, lse
 
 
 def _expected(q, k, v, **kw):
