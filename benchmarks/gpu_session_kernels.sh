@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # H100, one call for issue 3: the CUDA kernel tests compiled (bf16 included, the direct launcher's exactness test
 # among them; one pytest process per test id in parallel), the eager host-time profile of one split-KV call, then
-# `attnopt bench kernels` in graph and eager timing. JSON to $OUT.
+# `attnopt bench kernels` in graph and eager timing. JSON to $OUT. Pass ATTNOPT_COMMIT=<sha>.
 . "$PWD/benchmarks/device_prelude.sh"
 parallel_pytest "$OUT/gpu_tests_rc.txt" "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" -m cuda
 echo "tests: $(( $(date +%s) - t0 )) s"
-python "$REPO/benchmarks/experiments/launch_overhead.py" > "$OUT/launch_overhead.log" 2>&1; tail -22 "$OUT/launch_overhead.log"
+# EXPERIMENT=path/to/script.py runs that experiment (in $REPO/benchmarks/experiments) instead of the host profile
+if [ -n "${EXPERIMENT:-}" ]; then
+  timeout 150 python "$REPO/benchmarks/experiments/$EXPERIMENT" 2>&1 | grep -v "Warning\|return F.scaled" | tail -40
+else
+  python "$REPO/benchmarks/experiments/launch_overhead.py" > "$OUT/launch_overhead.log" 2>&1; tail -22 "$OUT/launch_overhead.log"
+fi
 t1=$(date +%s)
 timeout $(( ${BENCH_LIMIT:-300} )) attnopt bench kernels --timing both --time-budget ${BENCH_BUDGET:-220} \
   --commit "${ATTNOPT_COMMIT:-unknown}" --out "$OUT/kernels.json" 2>&1 | grep -v "Warning\|return F.scaled" > "$OUT/bench.log"

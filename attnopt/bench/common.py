@@ -203,6 +203,17 @@ def read_bandwidth_TBps(nbytes: int = 1 << 30, mode: str = "eager") -> dict[str,
     return out
 
 
+def cycle(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
+    """A function that runs ``calls`` in turn, one per invocation, starting with the first."""
+    idx = [0]
+
+    def fn():
+        c = calls[idx[0]]
+        idx[0] = (idx[0] + 1) % len(calls)
+        return c()
+    return fn
+
+
 class Rotation:
     """Cycle through several input sets so repeated calls miss in L2 (sets together span several L2 sizes)."""
 

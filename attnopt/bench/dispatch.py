@@ -6,7 +6,6 @@ the dispatcher entry, the plan lookup, the prepared-state lookup and the call co
 """
 from __future__ import annotations
 
-import argparse
 from typing import Callable
 
 import torch

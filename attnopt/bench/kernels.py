@@ -227,7 +227,7 @@ def _make_set(i, B, Hq, Hkv, D, N, L, valid, dtype):
 def run(args, on_case: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
     import torch
 
-    from .common import copy_bandwidth_TBps, read_bandwidth_TBps, rel_err, results_header, time_us, Rotation
+    from .common import Rotation, copy_bandwidth_TBps, cycle, read_bandwidth_TBps, rel_err, results_header, time_us
     from attnopt.runtime.reference import decode_attention
 
     names = list(QUICK) if args.quick else list(CASES)
@@ -295,12 +295,7 @@ def run(args, on_case: Callable[[dict[str, Any]], Any] | None = None) -> dict[st
                 torch.cuda.synchronize()
                 row["rel_err"] = rel_err(out.float(), ref)
                 row["setup_s"] = round(time.time() - t0, 2)
-                idx = [0]
-
-                def fn():
-                    c = calls[idx[0]]
-                    idx[0] = (idx[0] + 1) % len(calls)
-                    return c()
+                fn = cycle(calls)
                 row["us"] = time_us(fn, primary)
                 if args.timing == "both" and not late:
                     row["us_eager"] = time_us(fn, "eager")

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from attnopt.bench.common import Rotation, host_profile, host_us, rel_err, time_us
+from attnopt.bench.common import Rotation, cycle, host_profile, host_us, rel_err, time_us
 from attnopt.bench.kernels import _make_set
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.reference import decode_attention
@@ -53,13 +53,7 @@ def main():
         calls = [make(x) for x in rot.sets]
         o1 = calls[0]()
         torch.cuda.synchronize()
-        idx = [0]
-
-        def fn():
-            c = calls[idx[0]]
-            idx[0] = (idx[0] + 1) % len(calls)
-            return c()
-        return time_us(fn, "graph"), rel_err(o1.float(), ref)
+        return time_us(cycle(calls), "graph"), rel_err(o1.float(), ref)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from attnopt.bench.common import Rotation, _read_kernel, rel_err, results_header, time_us
+from attnopt.bench.common import Rotation, _read_kernel, cycle, rel_err, results_header, time_us
 from attnopt.bench.kernels import CASES, _make_set, _peer_methods
 from attnopt.plan import SplitKVPlan, StreamKPlan
 from attnopt.runtime.reference import decode_attention
@@ -60,13 +60,9 @@ def read_floor_us(kv_bytes: int, l2_bytes: int) -> tuple[float, str]:
         per_prog = -(-n // (sms * mult) // block) * block
         programs = -(-n // per_prog)
         partial = torch.empty(programs, device="cuda", dtype=torch.float32)
-        idx = [0]
-
-        def fn(per_prog=per_prog, programs=programs, partial=partial, block=block, warps=warps):
-            x = bufs.sets[idx[0]]
-            idx[0] = (idx[0] + 1) % bufs.count
-            kern[(programs,)](x, partial, n, per_prog, BLOCK=block, num_warps=warps)
-        us = time_us(fn, "graph")
+        us = time_us(cycle([lambda x=x, per_prog=per_prog, programs=programs, partial=partial, block=block,
+                            warps=warps: kern[(programs,)](x, partial, n, per_prog, BLOCK=block, num_warps=warps)
+                            for x in bufs.sets]), "graph")
         if us < best[0]:
             best = (us, f"programs={programs} block={block} warps={warps}")
     return best
@@ -92,16 +88,10 @@ def main():
         rows = [dict(case=case, method="read-floor", us=floor_us, how=floor_how, peer=None, rel_err=0.0)]
 
         def timeit(name, make, **extra):
-            calls = [make(s) for s in rot.sets]
-            out = calls[0]()
+            fn = cycle([make(s) for s in rot.sets])
+            out = fn()
             torch.cuda.synchronize()
             err = rel_err(out.float(), ref)
-            idx = [0]
-
-            def fn():
-                c = calls[idx[0]]
-                idx[0] = (idx[0] + 1) % len(calls)
-                return c()
             rows.append(dict(case=case, method=name, us=time_us(fn, "graph"), rel_err=err, **extra))
 
         for m in _peer_methods(B, Hq, Hkv, D, N, valid, scale, peer_args):

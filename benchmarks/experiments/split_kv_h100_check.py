@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from attnopt.bench.common import Rotation, device_info, git_commit, time_us
+from attnopt.bench.common import Rotation, cycle, device_info, git_commit, time_us
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.strategies import get_strategy
 
@@ -26,12 +26,7 @@ for n in (8192, 32768, 131072):
         state = strat.prepare(plan, q, k, v)
         calls.append(lambda q=q, k=k, v=v, state=state: strat.run(state, plan, q, k, v, None, None,
                                                                   1 / math.sqrt(128), False))
-    idx = [0]
-
-    def fn():
-        idx[0] = (idx[0] + 1) % len(calls)
-        return calls[idx[0]]()
-    rows.append({"N": n, "us": round(time_us(fn, "graph"), 2)})
+    rows.append({"N": n, "us": round(time_us(cycle(calls), "graph"), 2)})
     print(rows[-1], flush=True)
 with open(os.path.join(os.environ.get("OUT", "."), "split_kv_check.json"), "w") as f:
     json.dump({"device": torch.cuda.get_device_name(), "commit": git_commit(), "plan": plan.describe(),

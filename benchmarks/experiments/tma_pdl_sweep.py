@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from attnopt.bench.common import Rotation, host_us, read_bandwidth_TBps, rel_err, results_header, time_us
+from attnopt.bench.common import Rotation, cycle, host_us, read_bandwidth_TBps, rel_err, results_header, time_us
 from attnopt.bench.kernels import CASES, _make_set, _peer_methods
 from attnopt.hardware import detect_profile
 from attnopt.plan import SplitKVPlan
@@ -62,16 +62,10 @@ def main():
         rows = []
 
         def timeit(name, make, **extra):
-            calls = [make(s) for s in rot.sets]
-            out = calls[0]()
+            fn = cycle([make(s) for s in rot.sets])
+            out = fn()
             torch.cuda.synchronize()
             err = rel_err(out.float(), ref)
-            idx = [0]
-
-            def fn():
-                c = calls[idx[0]]
-                idx[0] = (idx[0] + 1) % len(calls)
-                return c()
             us = time_us(fn, "graph")
             row = dict(case=case, method=name, us=us, roof=floor / us, rel_err=err, host_us=host_us(fn, 200, repeats=3), **extra)
             rows.append(row)

@@ -300,6 +300,28 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
 
 
 @triton.jit
+def _merged_rows(mb, L, G, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The real packed rows of M block ``mb`` for an in-kernel merge, BLOCK_R (>= the real rows) at a time:
+    (r (row within the block), g, i, row valid)."""
+    r = tl.arange(0, BLOCK_R)
+    rows = mb * BLOCK_M + r
+    return r, rows // L, rows % L, (r < BLOCK_M) & (rows < G * L)
+
+
+@triton.jit
+def _merge_step(mm, den, acc, pl, po):
+    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) base-2 LSEs (-inf: empty or
+    padding), ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; (mm, den, acc) as in :func:`_attend`'s state."""
+    m_new = tl.maximum(mm, tl.max(pl, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(mm - m_use)
+    w = tl.exp2(pl - m_use[None, :])  # 0 for empty partials and padding
+    den = den * alpha + tl.sum(w, axis=0)
+    acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
+    return m_new, den, acc
+
+
+@triton.jit
 def _finish(acc, m_i, l_i):
     """Normalise a state: (o (BLOCK_M, BLOCK_DV) fp32, lse (BLOCK_M,) natural log); empty rows -> (0, -inf)."""
     empty = l_i == 0.0

@@ -16,8 +16,9 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = None
 
-from .common import (_attend, _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, cdiv, dot_flags,
-                     kv_descriptors, mask_args, next_pow2, pdl_supported, scale_log2, tma_now)
+from .common import (_attend, _finish, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows, block_d_for,
+                     block_m_for, cdiv, dot_flags, kv_descriptors, mask_args, next_pow2, pdl_supported, scale_log2,
+                     tma_now)
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -114,11 +115,7 @@ def _split_kv_kernel(
             # last split to arrive: merge all NUM_SPLITS partials of this tile (int32 offsets: the workspace
             # is small), over the tile's real rows only
             tl.debug_barrier()
-            r = tl.arange(0, BLOCK_R)
-            rows_c = mb * BLOCK_M + r
-            ok_c = (r < BLOCK_M) & (rows_c < G * L)
-            gc = rows_c // L
-            ic = rows_c % L
+            r, gc, ic, ok_c = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
             hc = kvh * G + gc
             o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
             l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
@@ -135,16 +132,8 @@ def _split_kv_kernel(
                              + offs_dv[None, None, :] * stride_od,
                              mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV),
                              other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(mm, tl.max(pl, axis=0))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(mm - m_use)
-                w = tl.exp2(pl - m_use[None, :])
-                den = den * alpha + tl.sum(w, axis=0)
-                acc2 = acc2 * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
-                mm = m_new
-            empty = den == 0.0
-            o2 = acc2 / tl.where(empty, 1.0, den)[:, None]
-            lse2 = tl.where(empty, float("-inf"), (mm + tl.log2(tl.where(empty, 1.0, den))) * 0.6931471805599453)
+                mm, den, acc2 = _merge_step(mm, den, acc2, pl, po)
+            o2, lse2 = _finish(acc2, mm, den)
             _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh,
                         stride_fl, stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch

@@ -33,7 +33,9 @@ class StreamK(Strategy[StreamKPlan]):
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[StreamKPlan]:
         """One and two programs per SM (the kernel caps itself at two resident programs), two tile sizes. The
-        grid is fixed; the iteration space follows the valid length at run time."""
+        grid is fixed; the iteration space follows the valid length at run time. K/V tiles go through TMA where
+        the GPU and strides allow it (on the H100, 1-1.5 % faster than pointer tiles at B=8 and B=64, equal at
+        128k: benchmarks/results/experiments/kernel-headroom-*)."""
         n = planned_len(site)
         _, num_m = rows_per_tile(site)
         base = (site.batch or 1) * site.kv_heads * num_m
@@ -49,7 +51,7 @@ class StreamK(Strategy[StreamKPlan]):
                 grid = max(1, grid)
                 if (grid, block_n) not in seen:
                     seen.add((grid, block_n))
-                    yield StreamKPlan(grid=grid, block_n=block_n, num_warps=8, num_stages=2)
+                    yield StreamKPlan(grid=grid, block_n=block_n, num_warps=8, num_stages=2, tma=True)
         best = getattr(kernel_cost, "best_stream_k", None)  # the cost model's own pick, when it has one
         if best is not None:
             c = best(site, hw)
@@ -57,7 +59,7 @@ class StreamK(Strategy[StreamKPlan]):
             if site.kv_len is not None:
                 grid = max(1, min(grid, base * max(1, -(-n // c.block_n))))
             if c.block_n >= 16 and fit_stages(site, c.block_n, 2) == 2 and (grid, c.block_n) not in seen:
-                yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=2)
+                yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=2, tma=True)
 
     def estimate_us(self, plan: StreamKPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps, plan.num_stages)
