@@ -13,7 +13,7 @@ from attnopt.plan import StreamKPlan
 from attnopt.site import AttentionSite
 
 from .base import PlanContext, Strategy, register_strategy
-from .split_kv import fit_stages, kernel_check, planned_len, rows_per_tile, use_triton
+from .split_kv import fit_stages, kernel_check, kernel_configs, planned_len, rows_per_tile, use_triton
 
 #: Partitions the CPU fallback cuts the keys into (the persistent grid has no meaning there).
 CPU_PARTITIONS = 4
@@ -32,34 +32,44 @@ class StreamK(Strategy[StreamKPlan]):
         return kernel_check(site, ctx)
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[StreamKPlan]:
-        """One and two programs per SM (the kernel caps itself at two resident programs), two tile sizes. The
-        grid is fixed; the iteration space follows the valid length at run time. K/V tiles go through TMA where
-        the GPU and strides allow it (on the H100, 1-1.5 % faster than pointer tiles at B=8 and B=64, equal at
-        128k: benchmarks/results/experiments/kernel-headroom-*)."""
+        """One and two programs per SM, and a grid that is a whole multiple of the output tiles (each program's
+        share then stays inside one tile, as split-KV's does), for each kernel config that split-KV offers.
+        The grid is fixed; the iteration space follows the valid length at run time. K/V tiles go through TMA
+        where the GPU and strides allow it.
+
+        Measured on the H100 (benchmarks/results/experiments/stream-k-grids-*): with 4 warps and 3 stages,
+        stream-K took 19.3 µs at 32/8 heads, D=128, 8k and 181 µs at 128k (grid 128), against 28-40 and 205 µs
+        for the 8-warp, 2-stage configs these candidates were before; a grid of 128 (16 programs per KV head)
+        beat 132 at 128k by 2.5 %."""
         n = planned_len(site)
         _, num_m = rows_per_tile(site)
         base = (site.batch or 1) * site.kv_heads * num_m
         seen = set()
-        for block_n in ((32, 64) if site.head_dim > 128 else (64, 128)):
-            if fit_stages(site, block_n, 2) != 2:
+        for block_n, warps, stages in kernel_configs(site.head_dim):
+            stages = fit_stages(site, block_n, stages)
+            if stages is None:
                 continue
             iterations = base * max(1, -(-n // block_n))
-            for grid in (hw.sm_count, 2 * hw.sm_count):
+            grids = [hw.sm_count, 2 * hw.sm_count]
+            if base <= hw.sm_count:
+                grids.append(base * (hw.sm_count // base))
+            for grid in grids:
                 if site.kv_len is not None:
                     # A static length bounds the useful grid; a symbolic one may grow, so keep the full grid.
                     grid = min(grid, iterations)
                 grid = max(1, grid)
-                if (grid, block_n) not in seen:
-                    seen.add((grid, block_n))
-                    yield StreamKPlan(grid=grid, block_n=block_n, num_warps=8, num_stages=2, tma=True)
+                if (grid, block_n, warps, stages) not in seen:
+                    seen.add((grid, block_n, warps, stages))
+                    yield StreamKPlan(grid=grid, block_n=block_n, num_warps=warps, num_stages=stages, tma=True)
         best = getattr(kernel_cost, "best_stream_k", None)  # the cost model's own pick, when it has one
         if best is not None:
             c = best(site, hw)
             grid = c.grid
             if site.kv_len is not None:
                 grid = max(1, min(grid, base * max(1, -(-n // c.block_n))))
-            if c.block_n >= 16 and fit_stages(site, c.block_n, 2) == 2 and (grid, c.block_n) not in seen:
-                yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=2, tma=True)
+            stages = fit_stages(site, c.block_n, 3) if c.block_n >= 16 else None
+            if stages is not None and (grid, c.block_n, c.num_warps, stages) not in seen:
+                yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages, tma=True)
 
     def estimate_us(self, plan: StreamKPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps, plan.num_stages)
