@@ -165,16 +165,26 @@ class HardwareProfile:
 _GiB = 1 << 30
 _MiB = 1 << 20
 
+#: ``kernel_efficiency`` of the Hopper built-ins: the split-KV kernel with TMA tiles and three pipeline stages
+#: streams at the read bandwidth these profiles assume. H100 (benchmarks/results/kernels-nvidia-h100-80gb-hbm3.json,
+#: 847be08): 32/8 heads, D=128, 512k in 692 us, 3.10 TB/s; H200 (experiments/local-split-kv-graph-2xh200-4d8dfbc.json):
+#: a 64k shard in 68.3 us, 3.93 TB/s, 0.94 of 4.17. At the default 0.82 an uncalibrated H100 planned dense (SDPA flash)
+#: for 9 of the 10 bench cases, measured 1.02-2.24x slower than the fastest plan; at 0.95 it plans a kernel for all
+#: 10, within 1.00-1.16x (bench cases against that file's measured times).
+HOPPER_KERNEL_EFFICIENCY = 0.95
+
 #: Datasheet built-ins. Read bandwidths are the datasheet peak times a typical achieved fraction, except the
 #: H200's, which was measured on the lent machine (ENVIRONMENT.md: 4.17 TB/s read-only).
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile("h100-sxm", sm_count=132, hbm_read_gbps=3350 * 0.92, l2_bytes=50 * _MiB,
                                 launch_us=4.3, copy_gbps=3020.0, memory_bytes=80 * _GiB,
+                                kernel_efficiency=HOPPER_KERNEL_EFFICIENCY,
                                 source="datasheet 3.35 TB/s x 0.92; copy 3.02 TB/s and launch 4.3 us measured"),
     "h100-pcie": HardwareProfile("h100-pcie", sm_count=114, hbm_read_gbps=2000 * 0.9, l2_bytes=50 * _MiB,
                                  launch_us=4.5, memory_bytes=80 * _GiB, source="datasheet 2.0 TB/s x 0.9"),
     "h200": HardwareProfile("h200", sm_count=132, hbm_read_gbps=4170, l2_bytes=50 * _MiB, launch_us=4.3,
-                            memory_bytes=141 * _GiB, source="datasheet 4.8 TB/s; read 4.17 TB/s measured here"),
+                            memory_bytes=141 * _GiB, kernel_efficiency=HOPPER_KERNEL_EFFICIENCY,
+                            source="datasheet 4.8 TB/s; read 4.17 TB/s measured here"),
     "a100-80gb": HardwareProfile("a100-80gb", sm_count=108, hbm_read_gbps=2039 * 0.9, l2_bytes=40 * _MiB,
                                  launch_us=5.0, occupancy={4: 3, 8: 2}, memory_bytes=80 * _GiB,
                                  source="datasheet 2.04 TB/s x 0.9"),

@@ -60,7 +60,9 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
         return ((32, 4, 3), (64, 8, 2), (64, 4, 3))
     if head_dim <= 96:
         return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
-    return ((64, 4, 3), (128, 8, 3), (128, 4, 3))
+    # (128, 4, 3) before (128, 8, 3): an uncalibrated cost model cannot tell them apart, the first of equal
+    # estimates is planned, and 4 warps measured faster (692 against 780 us at 32/8 heads, 512k, H100)
+    return ((64, 4, 3), (128, 4, 3), (128, 8, 3))
 
 
 #: Shared memory a config may plan for (Hopper has 227 KB per block; leave room for Triton's own buffers).
