@@ -169,8 +169,9 @@ _MiB = 1 << 20
 #: streams at the read bandwidth these profiles assume. H100 (benchmarks/results/kernels-nvidia-h100-80gb-hbm3.json,
 #: 847be08): 32/8 heads, D=128, 512k in 692 us, 3.10 TB/s; H200 (experiments/local-split-kv-graph-2xh200-4d8dfbc.json):
 #: a 64k shard in 68.3 us, 3.93 TB/s, 0.94 of 4.17. At the default 0.82 an uncalibrated H100 planned dense (SDPA flash)
-#: for 9 of the 10 bench cases, measured 1.02-2.24x slower than the fastest plan; at 0.95 it plans a kernel for all
-#: 10, within 1.00-1.16x (bench cases against that file's measured times).
+#: for 9 of the 10 bench cases, measured 1.01-2.24x slower than the fastest plan; at 0.95 it plans split-KV for all
+#: 10, and the bench at 41a0dfd measured its picks at 1.00-1.08x the fastest attnopt plan, faster than SDPA flash in 9
+#: (the 56-head MHA pick, 337.9 us, is 7.6 % slower than flash: the datasheet model cannot rank those grids).
 HOPPER_KERNEL_EFFICIENCY = 0.95
 
 #: Datasheet built-ins. Read bandwidths are the datasheet peak times a typical achieved fraction, except the

@@ -125,7 +125,8 @@ def parse(path, names_path):
             except ValueError:
                 return math.nan
         print(f"{(r['target'] or '')[:72]:72s} {r['kernel'][:26]:26s} {num('gpu__time_duration.sum') / 1e3:8.2f} "
-              f"{num('dram__bytes_read.sum') / 1e6:8.2f} {num('dram__throughput.avg.pct_of_peak_sustained_elapsed'):6.1f} "
+              f"{num('dram__bytes_read.sum') / 1e6:8.2f} "
+              f"{num('dram__throughput.avg.pct_of_peak_sustained_elapsed'):6.1f} "
               f"{num('launch__grid_size'):6.0f} {num('launch__registers_per_thread'):4.0f} "
               f"{num('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f} "
               f"{num('l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum'):8.0f}")

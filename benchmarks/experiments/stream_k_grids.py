@@ -22,8 +22,10 @@ def main():
     plans = {
         "llama3-8b-8k": [StreamKPlan(grid=g, block_n=64, num_warps=4, num_stages=3, tma=True)
                          for g in (8, 16, 32, 64, 128, 132)]
-                        + [SplitKVPlan(num_splits=s, block_n=64, num_warps=4, num_stages=3, tma=True) for s in (1, 2, 4, 8, 16)],
-        "llama3-8b-128k": [StreamKPlan(grid=g, block_n=64, num_warps=4, num_stages=3, tma=True) for g in (16, 64, 128, 132)]
+                        + [SplitKVPlan(num_splits=s, block_n=64, num_warps=4, num_stages=3, tma=True)
+                           for s in (1, 2, 4, 8, 16)],
+        "llama3-8b-128k": [StreamKPlan(grid=g, block_n=64, num_warps=4, num_stages=3, tma=True)
+                           for g in (16, 64, 128, 132)]
                           + [SplitKVPlan(num_splits=s, block_n=64, num_warps=4, num_stages=3, tma=True) for s in (2, 16)],
         "mha56-d64-64k": [SplitKVPlan(num_splits=s, block_n=bn, num_warps=w, num_stages=st, tma=True)
                           for s in (16, 32, 64) for bn, w, st in ((256, 4, 2), (256, 8, 2), (128, 4, 3))],

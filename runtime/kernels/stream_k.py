@@ -242,8 +242,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         extra["maxnreg"] = 128
     descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
     _STREAM_K_LAUNCH(
-        (grid,), q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q, valid_len if valid_len is not None else q, out,
-        lse if lse is not None else out, ws_o, ws_lse, counters,
+        (grid,), q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q,
+        valid_len if valid_len is not None else q, out, lse if lse is not None else out, ws_o, ws_lse, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride(),
         scale_log2(scale, D), B, N, L, G, Hkv, num_m, D, Dv, grid,
         BLOCK_B=max(2, next_pow2(B)), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D),
