@@ -200,14 +200,21 @@ def _attnopt_methods(B, Hq, Hkv, D, N, L, valid, dtype_name, scale, args) -> lis
         chosen = None
     methods = []
     for plan, strat in scored:
-        def make(s, plan=plan, strat=strat):
-            state = strat.prepare(plan, s["q"], s["k"], s["v"])
-            return lambda: strat.run(state, plan, s["q"], s["k"], s["v"], None, s["valid"], scale, False)
-        methods.append(Method(f"attnopt:{plan.kind}", False, make, plan=plan.describe(), est_us=plan.est_us,
-                              planner_choice=plan is chosen))
+        methods.append(Method(f"attnopt:{plan.kind}", False, lambda s, plan=plan: plan_call(plan, s, scale),
+                              plan=plan.describe(), est_us=plan.est_us, planner_choice=plan is chosen))
     if chosen is None:
         print(f"  planner: dense (est {dense_est:.1f} µs) beats every kernel plan")
     return methods
+
+
+def plan_call(plan, s, scale):
+    """A call of ``plan`` on the input set ``s`` (``_make_set``'s dict), its state prepared here, as the bench
+    times it: ``strategy.run`` with the set's valid lengths, no mask, not causal."""
+    from attnopt.runtime.strategies import get_strategy
+
+    strat = get_strategy(plan.kind)
+    state = strat.prepare(plan, s["q"], s["k"], s["v"])
+    return lambda: strat.run(state, plan, s["q"], s["k"], s["v"], None, s["valid"], scale, False)
 
 
 def _make_set(i, B, Hq, Hkv, D, N, L, valid, dtype):

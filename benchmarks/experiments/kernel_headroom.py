@@ -22,10 +22,9 @@ import os
 import torch
 
 from attnopt.bench.common import Rotation, _read_kernel, cycle, rel_err, results_header, time_us
-from attnopt.bench.kernels import CASES, _make_set, _peer_methods
+from attnopt.bench.kernels import CASES, _make_set, _peer_methods, plan_call
 from attnopt.plan import SplitKVPlan, StreamKPlan
 from attnopt.runtime.reference import decode_attention
-from attnopt.runtime.strategies import get_strategy
 
 #: Per case: split-KV (splits, (block_n, warps, stages)) and stream-K (grid in SMs, (block_n, warps, stages)).
 #: Split counts that fill whole waves (56 x 33 = 14 x 132) with the balanced shares of the kernel; stream-K with
@@ -109,13 +108,9 @@ def main():
         plans += [StreamKPlan(grid=mult * sms, block_n=block_n, num_warps=warps, num_stages=stages, tma=tma)
                   for mult, (block_n, warps, stages), tma in itertools.product(grids, sk_configs, (False, True))]
         for plan in plans:
-            strat = get_strategy(plan.kind)
-
-            def make(st, plan=plan, strat=strat):
-                state = strat.prepare(plan, st["q"], st["k"], st["v"])
-                return lambda: strat.run(state, plan, st["q"], st["k"], st["v"], None, None, scale, False)
             try:
-                timeit(plan.describe(), make, peer=False, plan=plan.to_json())
+                timeit(plan.describe(), lambda st, plan=plan: plan_call(plan, st, scale), peer=False,
+                       plan=plan.to_json())
             except Exception as exc:  # noqa: BLE001 (out of shared memory, say)
                 rows.append(dict(case=case, method=plan.describe(), error=f"{type(exc).__name__}: {exc}"[:300]))
         ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]

@@ -37,9 +37,8 @@ METRICS = (
 def targets():
     import torch
 
-    from attnopt.bench.kernels import CASES, _make_set, _peer_methods
+    from attnopt.bench.kernels import CASES, _make_set, _peer_methods, plan_call
     from attnopt.plan import SplitKVPlan, StreamKPlan
-    from attnopt.runtime.strategies import get_strategy
 
     import argparse
 
@@ -62,12 +61,7 @@ def targets():
         for m in _peer_methods(B, Hq, Hkv, D, N, valid, scale, argparse.Namespace(no_flex=True, no_eager_peer=True)):
             if m.name == "sdpa-cudnn":
                 out.append((f"{case} {m.name}", m.make(s)))
-        for plan in plans:
-            strat = get_strategy(plan.kind)
-            state = strat.prepare(plan, s["q"], s["k"], s["v"])
-            out.append((f"{case} {plan.describe()}",
-                        (lambda plan=plan, strat=strat, state=state, s=s, scale=scale:
-                         strat.run(state, plan, s["q"], s["k"], s["v"], None, None, scale, False))))
+        out += [(f"{case} {plan.describe()}", plan_call(plan, s, scale)) for plan in plans]
     return out
 
 

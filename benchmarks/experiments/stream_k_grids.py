@@ -11,9 +11,8 @@ import os
 import torch
 
 from attnopt.bench.common import Rotation, cycle, results_header, time_us
-from attnopt.bench.kernels import CASES, _make_set
+from attnopt.bench.kernels import CASES, _make_set, plan_call
 from attnopt.plan import SplitKVPlan, StreamKPlan
-from attnopt.runtime.strategies import get_strategy
 
 
 def main():
@@ -36,13 +35,7 @@ def main():
         rot = Rotation(lambda i: _make_set(i, B, Hq, Hkv, D, N, 1, valid, torch.bfloat16), kv_bytes, l2)
         scale = 1 / math.sqrt(D)
         for plan in ps:
-            strat = get_strategy(plan.kind)
-            calls = []
-            for s in rot.sets:
-                state = strat.prepare(plan, s["q"], s["k"], s["v"])
-                calls.append(lambda s=s, state=state, plan=plan, strat=strat:
-                             strat.run(state, plan, s["q"], s["k"], s["v"], None, None, scale, False))
-            us = time_us(cycle(calls), "graph")
+            us = time_us(cycle([plan_call(plan, s, scale) for s in rot.sets]), "graph")
             res["rows"].append(dict(case=case, method=plan.describe(), us=us))
             print(f"{case:16s} {plan.describe()[:80]:80s} {us:8.2f} us")
         del rot

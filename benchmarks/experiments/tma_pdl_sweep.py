@@ -14,7 +14,7 @@ import os
 import torch
 
 from attnopt.bench.common import Rotation, cycle, host_us, read_bandwidth_TBps, rel_err, results_header, time_us
-from attnopt.bench.kernels import CASES, _make_set, _peer_methods
+from attnopt.bench.kernels import CASES, _make_set, _peer_methods, plan_call
 from attnopt.hardware import detect_profile
 from attnopt.plan import SplitKVPlan
 from attnopt.runtime.reference import decode_attention
@@ -82,11 +82,9 @@ def main():
             for pdl in ((True, False) if plan.num_splits > 1 and not plan.fused_merge else (True,)):
                 os.environ["ATTNOPT_PDL"] = "1" if pdl else "0"
 
-                def make(s, plan=plan):
-                    state = strat.prepare(plan, s["q"], s["k"], s["v"])
-                    return lambda: strat.run(state, plan, s["q"], s["k"], s["v"], None, None, scale, False)
                 try:
-                    timeit(plan.describe(), make, peer=False, pdl=pdl, plan=plan.to_json())
+                    timeit(plan.describe(), lambda s, plan=plan: plan_call(plan, s, scale), peer=False, pdl=pdl,
+                           plan=plan.to_json())
                 except Exception as exc:  # noqa: BLE001
                     rows.append(dict(case=case, method=plan.describe(), pdl=pdl, error=f"{type(exc).__name__}: {exc}"[:300]))
         os.environ["ATTNOPT_PDL"] = "1"
