@@ -20,3 +20,13 @@ parallel_pytest() {
   awk '{print $1}' "$rc_file" | sort | uniq -c
   grep -l "failed\|Error" /tmp/tlogs/*.log | head -3 | xargs -r tail -30
 }
+
+# The NCCL tests (2 GPUs): the HF test through optimize() and the attention interface (fp32 tokens, bf16 logits,
+# replayed tree steps), then test_distributed.py's NCCL tests within 200 s, or until $1 seconds after t0 when given.
+# Logs to $OUT.
+nccl_tests() {
+  timeout 150 python -m pytest -q -p no:cacheprovider -m multigpu -rs -s "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | grep -v "^W11\|Warn\|return func" | tail -8 | tee "$OUT/hf_tests.log"
+  local limit=200
+  [ -n "${1:-}" ] && limit=$(( $1 - ($(date +%s) - t0) ))
+  timeout "$limit" python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs "$REPO/tests/runtime/test_distributed.py" 2>&1 | tail -4 | tee "$OUT/multigpu_tests.log"
+}

@@ -8,6 +8,5 @@
 parallel_pytest "$OUT/kernel_tests_rc.txt" "$REPO/tests/runtime/test_kernels.py" "$REPO/tests/runtime/test_kernel_strategies.py" -m cuda
 echo "kernel tests: $(( $(date +%s) - t0 )) s"
 timeout 60 python "$REPO/benchmarks/experiments/local_split_kv_graph.py" 2>&1 | tail -4
-timeout 150 python -m pytest -q -p no:cacheprovider -m multigpu -rs -s "$REPO/tests/runtime/test_distributed_hf.py" 2>&1 | grep -v "^W11\|Warn\|return func" | tail -8 | tee "$OUT/hf_tests.log"
-timeout $(( 580 - ($(date +%s) - t0) )) python -m pytest -q -p no:cacheprovider -m "multigpu or cuda" -rs "$REPO/tests/runtime/test_distributed.py" 2>&1 | tail -4 | tee "$OUT/multigpu_tests.log"
+nccl_tests 580
 echo "total: $(( $(date +%s) - t0 )) s"
