@@ -23,12 +23,12 @@ import attnopt
 from attnopt.bench.common import results_header, write_results
 
 
-def load(gguf: Path, dtype: torch.dtype, attn: str):
+def load(gguf: Path, dtype: torch.dtype, attn: str, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
-                                                 attn_implementation=attn).to("cuda").eval()
+                                                 attn_implementation=attn).to(device).eval()
     return model, tok
 
 
@@ -67,14 +67,15 @@ def main() -> None:
     ap.add_argument("--plans", default="auto,split_kv,stream_k")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--caches", default="dynamic,static")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu checks the script itself (reference kernels)")
     args = ap.parse_args()
 
     prompt = "The history of the printing press begins"
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        model, tok = load(args.gguf, dtype, "sdpa")
-        prompt_ids = tok(prompt, return_tensors="pt").input_ids.cuda()
+        model, tok = load(args.gguf, dtype, "sdpa", args.device)
+        prompt_ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
         max_len = prompt_ids.shape[1] + args.tokens + 8
         for cache_kind in args.caches.split(","):
             ref_tokens = greedy(model, prompt_ids, args.tokens, cache_kind)
@@ -106,7 +107,8 @@ def main() -> None:
                 })
                 print(json.dumps(rows[-1]), flush=True)
         del model
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
     result = results_header("e2e", model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)")
     result["rows"] = rows

@@ -27,24 +27,25 @@ from attnopt.plan import SplitKVPlan, StreamKPlan
 from attnopt.runtime.reference import decode_attention
 
 #: Per case: split-KV (splits, (block_n, warps, stages)) and stream-K (grid in SMs, (block_n, warps, stages)).
-#: Split counts that fill whole waves (56 x 33 = 14 x 132) with the balanced shares of the kernel; stream-K with
-#: and without TMA tiles.
+#: Session 8: many small splits (tail granularity), the fused merge after its real-rows rewrite, deeper pipelines,
+#: and stream-K on grids that fill every resident slot. Earlier sweeps (whole waves, 56 x 33 = 14 x 132) are in
+#: git history with the JSON they produced.
 SWEEPS = {
-    "llama3-8b-8k": ((8, 12, 16, 33),
-                     ((64, 4, 3), (128, 4, 3), (64, 2, 3)),
-                     (1, 2, 3), ((64, 4, 3), (64, 8, 2), (128, 8, 2))),
-    "mha56-d64-64k": ((7, 14, 33, 66, 99),
-                      ((64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (256, 4, 2), (256, 8, 2)),
-                      (1, 2, 3, 4), ((64, 4, 3), (128, 4, 2), (128, 8, 2), (256, 4, 2))),
-    "llama3-8b-B8-32k": ((1, 2, 3, 33),
-                         ((64, 4, 3), (128, 4, 3), (128, 8, 3)),
-                         (1, 2, 3), ((64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))),
-    "llama3-8b-B64-4k": ((1, 2, 33),
-                         ((64, 4, 3), (128, 4, 3), (128, 8, 3)),
-                         (1, 2, 3), ((64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))),
-    "llama3-8b-128k": ((16, 33),
-                       ((64, 4, 3), (128, 4, 3)),
-                       (1, 2), ((64, 4, 3), (128, 8, 2))),
+    "llama3-8b-8k": ((8, 16, 33),
+                     ((64, 4, 3), (128, 4, 3)),
+                     (1, 2, 3), ((64, 4, 3), (128, 4, 3))),
+    "mha56-d64-64k": ((32, 48, 64, 96, 128, 192),
+                      ((256, 4, 2), (256, 4, 3), (128, 4, 3), (128, 4, 4)),
+                      (2, 3, 4, 6), ((256, 4, 2), (128, 4, 3))),
+    "llama3-8b-B8-32k": ((1, 2, 4, 8),
+                         ((64, 4, 3), (64, 4, 4), (128, 4, 3)),
+                         (1, 2, 3), ((64, 4, 3), (128, 4, 3))),
+    "llama3-8b-B64-4k": ((1, 2, 4),
+                         ((64, 4, 3), (64, 4, 4), (128, 4, 3)),
+                         (1, 2, 3), ((64, 4, 3), (128, 4, 3))),
+    "llama3-8b-128k": ((16, 32, 64, 128),
+                       ((64, 4, 3), (64, 4, 4), (128, 4, 3)),
+                       (1, 2, 3), ((64, 4, 3), (128, 4, 3))),
 }
 
 
@@ -106,7 +107,7 @@ def main():
                  for s, (block_n, warps, stages), fused in itertools.product(splits, configs, (False, True))
                  if not (fused and s == 1) and s <= max_splits]
         plans += [StreamKPlan(grid=mult * sms, block_n=block_n, num_warps=warps, num_stages=stages, tma=tma)
-                  for mult, (block_n, warps, stages), tma in itertools.product(grids, sk_configs, (False, True))]
+                  for mult, (block_n, warps, stages), tma in itertools.product(grids, sk_configs, (True,))]
         for plan in plans:
             try:
                 timeit(plan.describe(), lambda st, plan=plan: plan_call(plan, st, scale), peer=False,
@@ -119,7 +120,8 @@ def main():
         best_peer = min(peers, key=lambda r: r["us"])
         print(f"\n== {case}  read floor {floor_us:.2f} us ({floor_how})  best peer {best_peer['method']} "
               f"{best_peer['us']:.2f} us  (peer / 1.5 = {best_peer['us'] / 1.5:.2f})")
-        for r in ours[:6] + [r for r in ours if r["method"].startswith("stream_k")][:4]:
+        fused = [r for r in ours if "fused_merge=True" in r["method"]]
+        for r in ours[:6] + fused[:2] + [r for r in ours if r["method"].startswith("stream_k")][:3]:
             print(f"  {r['method'][:84]:84s} {r['us']:8.2f} us  x{best_peer['us'] / r['us']:.3f}  "
                   f"floor/us {floor_us / r['us']:.3f}")
         for r in rows:
