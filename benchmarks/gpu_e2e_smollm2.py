@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--plans", default="auto,split_kv,stream_k")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--caches", default="dynamic,static")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="repeat the prompt text up to this many tokens (0: the short prompt), so that decode reads a "
+                         "longer cache")
     ap.add_argument("--device", default="cuda", help="cuda; cpu checks the script itself (reference kernels)")
     args = ap.parse_args()
 
@@ -75,7 +78,11 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         model, tok = load(args.gguf, dtype, "sdpa", args.device)
-        prompt_ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
+        prompt_ids = tok(prompt, return_tensors="pt").input_ids
+        if args.prompt_tokens > prompt_ids.shape[1]:
+            reps = -(-args.prompt_tokens // prompt_ids.shape[1])
+            prompt_ids = prompt_ids.repeat(1, reps)[:, :args.prompt_tokens]
+        prompt_ids = prompt_ids.to(args.device)
         max_len = prompt_ids.shape[1] + args.tokens + 8
         for cache_kind in args.caches.split(","):
             ref_tokens = greedy(model, prompt_ids, args.tokens, cache_kind)
@@ -97,7 +104,8 @@ def main() -> None:
                 first_diff = None if bool(same.all()) else int((~same).nonzero()[0, 0])
                 chosen = sorted({s.chosen.kind for s in report.rewritten if s.chosen})
                 rows.append({
-                    "case": "smollm2-135m", "dtype": dtype_name, "cache": cache_kind, "plan": plan,
+                    "case": "smollm2-135m", "prompt_tokens": int(prompt_ids.shape[1]), "dtype": dtype_name,
+                    "cache": cache_kind, "plan": plan,
                     "chosen_kinds": chosen, "rewritten_sites": len(report.rewritten), "sites": len(report.sites),
                     "calls": sum(s.calls for s in report.sites),
                     "max_abs_logit_diff": float(diff.max()), "max_rel_logit_diff": float((diff.amax(-1) / scale).max()),
