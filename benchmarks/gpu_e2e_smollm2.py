@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="repeat the prompt text up to this many tokens (0: the short prompt), so that decode reads a "
                          "longer cache")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also compare HF's eager attention with its SDPA attention (the dtype's own drift)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu checks the script itself (reference kernels)")
     args = ap.parse_args()
 
@@ -84,48 +86,66 @@ def main() -> None:
             prompt_ids = prompt_ids.repeat(1, reps)[:, :args.prompt_tokens]
         prompt_ids = prompt_ids.to(args.device)
         max_len = prompt_ids.shape[1] + args.tokens + 8
+        baseline = load(args.gguf, dtype, "eager", args.device)[0] if args.baseline else None
         for cache_kind in args.caches.split(","):
             ref_tokens = greedy(model, prompt_ids, args.tokens, cache_kind)
             ref_logits = forced_logits(model, prompt_ids, ref_tokens, cache_kind, max_len)
+
+            def compare(candidate, plan, optimized=True):
+                """One row: ``candidate``'s teacher-forced logits and greedy tokens against the original's."""
+                t0 = time.perf_counter()
+                logits = forced_logits(candidate, prompt_ids, ref_tokens, cache_kind, max_len)
+                toks = greedy(candidate, prompt_ids, args.tokens, cache_kind)
+                elapsed = time.perf_counter() - t0
+                report = attnopt.last_plans(candidate) if optimized else None
+                diff = (logits - ref_logits).abs()
+                scale = ref_logits.abs().amax(dim=-1)
+                same = toks == ref_tokens
+                first_diff = None if bool(same.all()) else int((~same).nonzero()[0, 0])
+                # the original's margin between its two best logits at the step where the tokens first differ
+                # (both runs saw the same tokens before it): a near tie makes a flip a rounding matter
+                top2 = ref_logits[first_diff].topk(2).values if first_diff is not None else None
+                rows.append({
+                    "case": "smollm2-135m", "prompt_tokens": int(prompt_ids.shape[1]), "dtype": dtype_name,
+                    "cache": cache_kind, "plan": plan,
+                    "chosen_kinds": sorted({s.chosen.kind for s in report.rewritten if s.chosen}) if report else [],
+                    "rewritten_sites": len(report.rewritten) if report else 0,
+                    "sites": len(report.sites) if report else 0,
+                    "calls": sum(s.calls for s in report.sites) if report else 0,
+                    "max_abs_logit_diff": float(diff.max()), "max_rel_logit_diff": float((diff.amax(-1) / scale).max()),
+                    "argmax_agree_forced": bool((logits.argmax(-1) == ref_logits.argmax(-1)).all()),
+                    "greedy_identical": first_diff is None, "first_token_difference": first_diff,
+                    "original_top2_margin_there": None if top2 is None else float(top2[0] - top2[1]),
+                    "seconds": round(elapsed, 2),
+                })
+                print(json.dumps(rows[-1]), flush=True)
+
+            if baseline is not None:
+                # HF's own eager attention against its SDPA attention: how far two exact implementations of the
+                # original drift apart in this dtype (the tolerance the attnopt rows are read against)
+                compare(baseline, "hf-eager-attention", optimized=False)
             for plan in args.plans.split(","):
                 torch._dynamo.reset()
                 opts = {"inner_backend": "eager"}
                 if plan != "auto":
                     opts["force_plan"] = plan
                 opt = attnopt.optimize(model, **opts)
-                t0 = time.perf_counter()
-                logits = forced_logits(opt, prompt_ids, ref_tokens, cache_kind, max_len)
-                toks = greedy(opt, prompt_ids, args.tokens, cache_kind)
-                elapsed = time.perf_counter() - t0
-                report = attnopt.last_plans(opt)
-                diff = (logits - ref_logits).abs()
-                scale = ref_logits.abs().amax(dim=-1)
-                same = (toks == ref_tokens)
-                first_diff = None if bool(same.all()) else int((~same).nonzero()[0, 0])
-                chosen = sorted({s.chosen.kind for s in report.rewritten if s.chosen})
-                rows.append({
-                    "case": "smollm2-135m", "prompt_tokens": int(prompt_ids.shape[1]), "dtype": dtype_name,
-                    "cache": cache_kind, "plan": plan,
-                    "chosen_kinds": chosen, "rewritten_sites": len(report.rewritten), "sites": len(report.sites),
-                    "calls": sum(s.calls for s in report.sites),
-                    "max_abs_logit_diff": float(diff.max()), "max_rel_logit_diff": float((diff.amax(-1) / scale).max()),
-                    "argmax_agree_forced": bool((logits.argmax(-1) == ref_logits.argmax(-1)).all()),
-                    "greedy_identical": first_diff is None, "first_token_difference": first_diff,
-                    "seconds": round(elapsed, 2),
-                })
-                print(json.dumps(rows[-1]), flush=True)
-        del model
+                compare(opt, plan)
+        del model, baseline
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
     result = results_header("e2e", model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)")
     result["rows"] = rows
     write_results(args.out, result)
-    print(f"{'dtype':9} {'cache':8} {'plan':9} {'chosen':18} {'rw/sites':9} {'calls':6} {'max|dlogit|':12} {'greedy==':8} first_diff")
+    print(f"{'dtype':9} {'cache':8} {'N':>5} {'plan':19} {'chosen':10} {'rw/sites':9} {'calls':6} {'max|dlogit|':12} "
+          f"{'greedy==':8} first_diff (margin)")
     for r in rows:
-        print(f"{r['dtype']:9} {r['cache']:8} {r['plan']:9} {','.join(r['chosen_kinds']):18} "
+        margin = r["original_top2_margin_there"]
+        print(f"{r['dtype']:9} {r['cache']:8} {r['prompt_tokens']:5d} {r['plan']:19} {','.join(r['chosen_kinds']):10} "
               f"{r['rewritten_sites']}/{r['sites']:<6} {r['calls']:<6} {r['max_abs_logit_diff']:<12.3e} "
-              f"{str(r['greedy_identical']):8} {r['first_token_difference']}")
+              f"{str(r['greedy_identical']):8} {r['first_token_difference']}"
+              + (f" ({margin:.3f})" if margin is not None else ""))
 
 
 if __name__ == "__main__":

@@ -55,15 +55,23 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
     """(block_n, num_warps, num_stages) worth trying. Measured on an H100 (bf16, TMA tiles; results in
     ``benchmarks/results/``): a third pipeline stage is worth 3-8 % over two at every length, 64-key tiles with
     4 warps win for D=128, wide 128-256-key tiles for D <= 96 (few bytes per key). Larger heads take smaller tiles
-    (shared memory per stage)."""
+    (shared memory per stage). For D <= 96, 256-key tiles with 4 warps and 3 stages (one program per SM, two tiles
+    in flight) were the fastest at 56 MHA heads, 64k: 304.3 / 305.0 µs against cuDNN's 304.1 / 304.6 in two runs
+    (``benchmarks/results/experiments/kernel-headroom-*``); they come last so that equal estimates plan the others."""
     if head_dim > 128:
         return ((32, 4, 3), (64, 8, 2), (64, 4, 3))
     if head_dim <= 96:
-        return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
+        return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 4, 3))
     # (128, 4, 3) before (128, 8, 3): an uncalibrated cost model cannot tell them apart, the first of equal
     # estimates is planned, and 4 warps measured faster (692 against 780 us at 32/8 heads, 512k, H100)
     return ((64, 4, 3), (128, 4, 3), (128, 8, 3))
 
+
+#: The small-splits candidate: KV tiles per split, and a cap on programs per SM. At 56 MHA heads, 64k (D=64, H100,
+#: 256-key tiles) 64 splits of 4 tiles (27 programs per SM) ran 0.3-1 % faster than 48, 80, 96 or 128 splits and
+#: 3 % faster than the best of the wave-sized candidates (``benchmarks/results/experiments/kernel-headroom-*``).
+TILES_PER_SMALL_SPLIT = 4
+MAX_SMALL_PROGRAMS_PER_SM = 32
 
 #: Shared memory a config may plan for (Hopper has 227 KB per block; leave room for Triton's own buffers).
 SMEM_BUDGET = 200 * 1024
@@ -134,8 +142,10 @@ class SplitKV(Strategy[SplitKVPlan]):
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[SplitKVPlan]:
         """Split counts that give one program per SM, and half a wave, one wave and two waves of resident
         programs, for each kernel config (one split when the batch and heads alone fill it), never more splits
-        than KV tiles. For a symbolic length the trace-time hint sizes the splits; the share of each split then
-        follows the length at run time. K/V tiles go through TMA where the GPU and strides allow it."""
+        than KV tiles. Also small splits of TILES_PER_SMALL_SPLIT tiles (at most MAX_SMALL_PROGRAMS_PER_SM programs
+        per SM): the block scheduler then balances many short programs as they finish. For a symbolic length
+        the trace-time hint sizes the splits; the share of each split then follows the length at run time. K/V
+        tiles go through TMA where the GPU and strides allow it."""
         n = planned_len(site)
         _, num_m = rows_per_tile(site)
         base = (site.batch or 1) * site.kv_heads * num_m
@@ -146,7 +156,8 @@ class SplitKV(Strategy[SplitKVPlan]):
                 continue
             slots = hw.sm_count * occupancy(site, block_n, warps, stages)
             max_splits = max(1, -(-n // block_n))
-            for target in (hw.sm_count, slots / 2, slots, 2 * slots):
+            many = min(max_splits // TILES_PER_SMALL_SPLIT, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))
+            for target in (hw.sm_count, slots / 2, slots, 2 * slots, max(1, many) * base):
                 splits = max(1, min(max_splits, round(target / base)))
                 key = (splits, block_n, warps, stages)
                 if key not in seen:
