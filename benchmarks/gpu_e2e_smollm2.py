@@ -6,9 +6,12 @@ forced), it
    compares every step's logits (max abs difference, and whether the argmax agrees);
 2. runs greedy ``generate`` through both and reports the first position where the tokens differ, if any;
 3. checks that the sites were rewritten and executed.
+With ``--baseline`` it also compares HF's eager attention with its SDPA attention the same way: how far two exact
+implementations of the original drift apart in that dtype, the yardstick for the bf16 rows.
 It writes one JSON in the benchmarks results format and prints a table last.
 
-Usage: python benchmarks/gpu_e2e_smollm2.py --gguf /tmp/smol.gguf --out $OUT/e2e.json
+Usage: python benchmarks/gpu_e2e_smollm2.py --gguf /tmp/smol.gguf --out $OUT/e2e.json [--baseline]
+       [--prompt-tokens 2000] [--device cpu]
 """
 from __future__ import annotations
 
@@ -98,6 +101,7 @@ def main() -> None:
                 toks = greedy(candidate, prompt_ids, args.tokens, cache_kind)
                 elapsed = time.perf_counter() - t0
                 report = attnopt.last_plans(candidate) if optimized else None
+                sites, rewritten = (report.sites, report.rewritten) if report else ([], [])
                 diff = (logits - ref_logits).abs()
                 scale = ref_logits.abs().amax(dim=-1)
                 same = toks == ref_tokens
@@ -108,10 +112,8 @@ def main() -> None:
                 rows.append({
                     "case": "smollm2-135m", "prompt_tokens": int(prompt_ids.shape[1]), "dtype": dtype_name,
                     "cache": cache_kind, "plan": plan,
-                    "chosen_kinds": sorted({s.chosen.kind for s in report.rewritten if s.chosen}) if report else [],
-                    "rewritten_sites": len(report.rewritten) if report else 0,
-                    "sites": len(report.sites) if report else 0,
-                    "calls": sum(s.calls for s in report.sites) if report else 0,
+                    "chosen_kinds": sorted({s.chosen.kind for s in rewritten if s.chosen}),
+                    "rewritten_sites": len(rewritten), "sites": len(sites), "calls": sum(s.calls for s in sites),
                     "max_abs_logit_diff": float(diff.max()), "max_rel_logit_diff": float((diff.amax(-1) / scale).max()),
                     "argmax_agree_forced": bool((logits.argmax(-1) == ref_logits.argmax(-1)).all()),
                     "greedy_identical": first_diff is None, "first_token_difference": first_diff,

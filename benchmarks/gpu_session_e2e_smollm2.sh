@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# SmolLM2 end to end on a GPU machine (benchmarks/gpu_e2e_smollm2.py). The GGUF (98 MB) is over the 64 MiB a
+# device call carries, so it travels in two parts, in two back-to-back calls to the same warm machine:
+#   here:          bash benchmarks/gpu_session_e2e_smollm2.sh prepare   # .devcarry_a, .devcarry_b (git-excluded)
+#   device call 1: bash benchmarks/gpu_session_e2e_smollm2.sh stage     # carry .devcarry_a; copies part 1 to /tmp
+#   device call 2: bash benchmarks/gpu_session_e2e_smollm2.sh run       # carry .devcarry_b, within the idle window
+# "run" joins the parts, checks their md5, installs the carried gguf wheel, and runs one process per (prompt,
+# dtype, cache) in parallel; JSON to $OUT. Pass ATTNOPT_COMMIT=<sha>. Another "stage" command may precede it in
+# call 1 (the machine keeps /tmp while it is warm).
+set -euo pipefail
+case "${1:-}" in
+prepare)
+  gguf=$(python -c "from attnopt.hf import smollm2_gguf_path; print(smollm2_gguf_path())")
+  mkdir -p .git/info .devcarry_a .devcarry_b
+  grep -qx "/.devcarry_a/" .git/info/exclude 2>/dev/null || printf '/.devcarry_a/\n/.devcarry_b/\n' >> .git/info/exclude
+  head -c 50000000 "$gguf" > .devcarry_a/smol.part1
+  tail -c +50000001 "$gguf" > .devcarry_b/smol.part2
+  md5sum "$gguf" | cut -c1-32 > .devcarry_b/md5
+  version=$(python -c "import importlib.metadata as m; print(m.version('gguf'))")
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d .devcarry_a "gguf==$version"
+  du -sh .devcarry_a .devcarry_b ;;
+stage)
+  mkdir -p /tmp/e2e && cp .devcarry_a/* /tmp/e2e/ && ls -la /tmp/e2e ;;
+run)
+  cat /tmp/e2e/smol.part1 .devcarry_b/smol.part2 > /tmp/e2e/smol.gguf
+  echo "$(cat .devcarry_b/md5)  /tmp/e2e/smol.gguf" | md5sum -c
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /tmp/e2e/gguf-*.whl
+  export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1
+  set +e
+  . "$PWD/benchmarks/device_prelude.sh"
+  for n in ${PROMPTS:-0 2000}; do for d in float32 bfloat16; do for c in dynamic static; do
+    timeout 520 python "$REPO/benchmarks/gpu_e2e_smollm2.py" --gguf /tmp/e2e/smol.gguf --prompt-tokens "$n" \
+      --tokens 32 --plans auto,split_kv,stream_k --baseline --dtypes $d --caches $c \
+      --out "$OUT/e2e-$n-$d-$c.json" > "/tmp/e2e-$n-$d-$c.log" 2>&1 &
+  done; done; done
+  wait
+  echo "all $(( $(date +%s) - t0 )) s"
+  for f in /tmp/e2e-*.log; do grep -v "Warning\|it/s\|return F\|^{\|warn\|^dtype " "$f" | tail -4; done ;;
+*)
+  echo "usage: $0 prepare|stage|run" >&2; exit 2 ;;
+esac
