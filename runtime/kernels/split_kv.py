@@ -51,7 +51,6 @@ def _split_kv_kernel(
     D: tl.constexpr,  # head dim of Q/K (constexpr: masks on it keep loads vectorised)
     DV: tl.constexpr,  # head dim of V
     NUM_SPLITS,  # programs per (batch, KV head, M block)
-    TAIL_SPLITS,  # TAIL: the last TAIL_SPLITS splits of every tile take one KV tile each (0 otherwise)
     BLOCK_M: tl.constexpr,  # packed query rows per tile (power of two >= 16)
     BLOCK_N: tl.constexpr,  # keys per KV tile
     BLOCK_D: tl.constexpr,  # padded D
@@ -68,7 +67,6 @@ def _split_kv_kernel(
     MERGE_P: tl.constexpr,  # FUSED: partials loaded per merge step
     USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch (programmatic dependent launch) right away
-    TAIL: tl.constexpr,  # one-tile tail splits, dispatched after every body split (see split_kv_decode)
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -76,17 +74,6 @@ def _split_kv_kernel(
         gdc_launch_dependents()
     split = tl.program_id(0)
     tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
-    if TAIL:
-        # The block scheduler starts programs in launch order (program_id(0) fastest). Renumber them so that the
-        # body splits of every tile start first and the short tail splits last: the grid then ends on programs
-        # of one KV tile instead of whole shares, which idle SMs would wait on.
-        order = tile * NUM_SPLITS + split
-        body = NUM_SPLITS - TAIL_SPLITS
-        n_out = tl.num_programs(1)
-        in_body = order < n_out * body
-        rest = order - n_out * body
-        tile = tl.where(in_body, order // body, rest // TAIL_SPLITS)
-        split = tl.where(in_body, order % body, body + rest % TAIL_SPLITS)
     mb = tile % NUM_M
     bh = tile // NUM_M
     kvh = bh % HKV
@@ -102,22 +89,8 @@ def _split_kv_kernel(
     # at most one tile. Equal ceil(T / S) shares left the last splits short or empty (33 splits of 256 tiles:
     # 32 splits of 8 tiles and an idle one), so the grid's real size was not the planned one.
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    if TAIL:
-        # body splits share the first tiles as above; each tail split takes one of the last tail_tiles tiles
-        # (fewer than TAIL_SPLITS when the row is short: the extra tail splits are empty)
-        tail_tiles = tl.minimum(TAIL_SPLITS, n_tiles // 2)
-        body_tiles = n_tiles - tail_tiles
-        body = NUM_SPLITS - TAIL_SPLITS
-        v = split - body
-        lo_t = tl.where(v < 0, (split.to(tl.int64) * body_tiles // body).to(tl.int32),
-                        body_tiles + tl.minimum(v, tail_tiles))
-        hi_t = tl.where(v < 0, ((split.to(tl.int64) + 1) * body_tiles // body).to(tl.int32),
-                        body_tiles + tl.minimum(v + 1, tail_tiles))
-        lo = lo_t * BLOCK_N
-        hi = tl.minimum(hi_t * BLOCK_N, kv_len)
-    else:
-        lo = (split.to(tl.int64) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N
-        hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N, kv_len)
+    lo = (split.to(tl.int64) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N
+    hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N, kv_len)
 
     rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -183,7 +156,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
-                    tma=False, pdl=None, tail_splits=0):
+                    tma=False, pdl=None):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -199,9 +172,6 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         is being captured into a CUDA graph (``tma_now``); pointer loads otherwise (the result is the same).
     pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
         wherever the GPU and Triton support it.
-    tail_splits : 0, or fewer than ``num_splits``: of every tile's ``num_splits`` splits, the last ``tail_splits``
-        each take one of its last KV tiles (at most half of them) and start after all the other splits of every
-        tile, which share the rest as usual. Any value gives the same result.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -209,8 +179,6 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     G = Hq // Hkv
     BLOCK_M = block_m_for(G * L)
     num_m = cdiv(G * L, BLOCK_M)
-    if not 0 <= tail_splits < max(num_splits, 1):
-        raise ValueError(f"tail_splits must be in [0, num_splits), got {tail_splits} with num_splits={num_splits}")
     mask, mstr, mask_kind = mask_args(attn_mask, B, Hq, L, N)
     upcast, precision = dot_flags(q.dtype)
     fused = bool(fused_merge) and num_splits > 1
@@ -242,11 +210,10 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, *fstr, *gstr,
         scale_log2(scale, D), N, L, G, Hkv, num_m, D, Dv,
-        num_splits, tail_splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D), BLOCK_DV=block_dv,
+        num_splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D), BLOCK_DV=block_dv,
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=block_r,
         MERGE_P=max(1, min(32, 8192 // (block_r * block_dv))), USE_TMA=descs is not None, LAUNCH_DEPENDENTS=pdl,
-        TAIL=tail_splits > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

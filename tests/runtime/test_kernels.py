@@ -93,19 +93,15 @@ def _run_both(q, k, v, *, splits, grids, block_n, attn_mask=None, valid_len=None
     B, Hq, L, _ = q.shape
     Dv = v.shape[-1]
     for s in splits:
-        # (fused merge, TMA tiles, one-tile tail splits): the TMA path runs on Hopper and in the interpreter
-        # (descriptor emulation); tail splits renumber the programs and cut the last tiles one per split
-        variants = ((False, False, 0), (True, False, 0), (False, True, 0), (False, False, s // 2),
-                    (True, True, s - 1)) if s > 1 else ((False, False, 0), (False, True, 0))
-        for fused, tma, tail in variants:
+        # (fused merge, TMA tiles): the TMA path runs on Hopper and in the interpreter (descriptor emulation)
+        for fused, tma in (((False, False), (True, False), (False, True)) if s > 1 else ((False, False), (False, True))):
             out = torch.full((B, Hq, L, Dv), float("nan"), dtype=q.dtype, device=q.device)
             lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
             ws = split_kv_workspace(s, q, k, v)
             split_kv_decode(q, k, v, out, lse, workspace=ws, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                            is_causal=is_causal, num_splits=s, block_n=block_n, fused_merge=fused, tma=tma,
-                            tail_splits=tail)
+                            is_causal=is_causal, num_splits=s, block_n=block_n, fused_merge=fused, tma=tma)
             assert int(ws[2].abs().sum()) == 0, "fused split-KV left a tile counter non-zero"
-            yield f"split_kv(S={s}, fused={fused}, tma={tma}, tail={tail})", out, lse
+            yield f"split_kv(S={s}, fused={fused}, tma={tma})", out, lse
     for g, tma in [(g, False) for g in grids] + [(grids[-1], True)]:
         out = torch.full((B, Hq, L, Dv), float("nan"), dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
