@@ -27,25 +27,19 @@ from attnopt.plan import SplitKVPlan, StreamKPlan
 from attnopt.runtime.reference import decode_attention
 
 #: Per case: split-KV (splits, (block_n, warps, stages)) and stream-K (grid in SMs, (block_n, warps, stages)).
-#: Session 8, second sweep: wider and deeper tiles (more bytes in flight per SM) where the first one (49d2b32,
-#: many small splits, fused merge, stream-K on full-slot grids) left attnopt within 0.3 % of cuDNN. Earlier sweeps
-#: are in git history with the JSON they produced.
+#: Session 8, third sweep: split counts whose grid is a whole number of programs per SM with 8 KV heads (33 x 8 =
+#: 2 x 132), against 16 splits (128 programs: 4 SMs idle). The first two session-8 sweeps (49d2b32, 193183d) and
+#: earlier ones are in git history with the JSON they produced.
 SWEEPS = {
-    "mha56-d64-64k": ((48, 64, 80),
-                      ((256, 4, 3), (256, 8, 3), (256, 4, 4), (512, 4, 2), (512, 8, 2), (128, 4, 5)),
+    "llama3-8b-128k": ((16, 33, 66),
+                       ((64, 4, 3), (64, 4, 4), (128, 4, 3)),
+                       (1,), ((64, 4, 3),)),
+    "llama3-8b-512k": ((16, 33, 66),
+                       ((64, 4, 3), (128, 4, 3)),
+                       (1,), ((64, 4, 3),)),
+    "llama3-8b-32k": ((8, 16, 33),
+                      ((64, 4, 3), (128, 4, 3)),
                       (), ()),
-    "llama3-8b-B64-4k": ((1, 2),
-                         ((128, 4, 3), (128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 4, 2), (256, 8, 2), (64, 8, 4)),
-                         (), ()),
-    "llama3-8b-B8-32k": ((1, 2, 4),
-                         ((64, 4, 3), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 2), (64, 8, 4)),
-                         (), ()),
-    "llama3-8b-128k": ((16, 32),
-                       ((64, 4, 3), (64, 8, 4), (128, 4, 4), (128, 8, 4), (256, 8, 2), (64, 4, 5)),
-                       (), ()),
-    "llama3-8b-8k": ((8, 16),
-                     ((64, 4, 3), (128, 4, 3), (128, 4, 4), (64, 8, 4)),
-                     (), ()),
 }
 #: Fused-merge variants to time (the first session-8 sweep found the fused merge no faster anywhere).
 FUSED = (False,)

@@ -29,6 +29,8 @@ METRICS = (
     "launch__occupancy_limit_shared_mem",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
     "sm__cycles_active.avg",
+    "sm__cycles_active.max",
+    "sm__cycles_active.min",
     "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum",
     "lts__t_sector_hit_rate.pct",
 )
@@ -43,6 +45,13 @@ def targets():
     import argparse
 
     spec = {
+        # 128k: whether stream-K's SMs (balanced shares over all 132) are busy unevenly (max against average
+        # active cycles), next to split-KV with 128 and 264 programs
+        "llama3-8b-128k": [SplitKVPlan(num_splits=16, block_n=64, num_warps=4, num_stages=3, tma=True),
+                           SplitKVPlan(num_splits=33, block_n=64, num_warps=4, num_stages=3, tma=True),
+                           StreamKPlan(grid=132, block_n=64, num_warps=4, num_stages=3, tma=True),
+                           StreamKPlan(grid=128, block_n=64, num_warps=4, num_stages=3, tma=True)],
+    } if os.environ.get("NCU_SPEC") == "balance" else {
         "llama3-8b-8k": [SplitKVPlan(num_splits=8, block_n=128, num_warps=4, num_stages=3, tma=True),
                          SplitKVPlan(num_splits=16, block_n=64, num_warps=4, num_stages=3, tma=True),
                          StreamKPlan(grid=132, block_n=64, num_warps=4, num_stages=3, tma=True),
@@ -110,7 +119,7 @@ def parse(path, names_path):
             continue
         rows.append(dict(target=target, **k))
     print(f"{'target':72s} {'kernel':26s} {'us':>8s} {'MB read':>8s} {'dram%':>6s} {'grid':>6s} {'regs':>4s} "
-          f"{'occ%':>5s} {'spill B':>8s}")
+          f"{'occ%':>5s} {'spill B':>8s} {'SM act avg/max/min (kcyc)':>26s}")
     for r in rows:
         def num(key):
             v = r.get(key, "nan").replace(",", "")
@@ -123,7 +132,9 @@ def parse(path, names_path):
               f"{num('dram__throughput.avg.pct_of_peak_sustained_elapsed'):6.1f} "
               f"{num('launch__grid_size'):6.0f} {num('launch__registers_per_thread'):4.0f} "
               f"{num('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f} "
-              f"{num('l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum'):8.0f}")
+              f"{num('l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum'):8.0f} "
+              f"{num('sm__cycles_active.avg') / 1e3:8.1f}/{num('sm__cycles_active.max') / 1e3:8.1f}/"
+              f"{num('sm__cycles_active.min') / 1e3:8.1f}")
     with open(os.path.join(os.environ.get("OUT", "."), "ncu_targets.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
