@@ -102,8 +102,8 @@ def main():
                              tma=True)
                  for s, (block_n, warps, stages), fused in itertools.product(splits, configs, FUSED)
                  if not (fused and s == 1) and s <= max_splits]
-        plans += [StreamKPlan(grid=mult * sms, block_n=block_n, num_warps=warps, num_stages=stages, tma=tma)
-                  for mult, (block_n, warps, stages), tma in itertools.product(grids, sk_configs, (True,))]
+        plans += [StreamKPlan(grid=mult * sms, block_n=block_n, num_warps=warps, num_stages=stages, tma=True)
+                  for mult, (block_n, warps, stages) in itertools.product(grids, sk_configs)]
         for plan in plans:
             try:
                 timeit(plan.describe(), lambda st, plan=plan: plan_call(plan, st, scale), peer=False,
