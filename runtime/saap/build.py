@@ -1,0 +1,92 @@
+"""Build at prefill: assign the prompt's keys to the index's clusters, on the keys' device, with no host sync.
+
+The keys from ``sink`` up to ``prompt_len - window`` are indexed; the sink before them and everything after
+them (the last ``window`` prompt keys and every token decoded later) are attended densely, so new decode tokens
+join the recent window and never need assigning. The result is CSR: ``offsets`` (C + 1 per KV head) into
+``perm``, the indexed key positions sorted by cluster, plus ``assign`` (each indexed key's cluster), which the
+pure-PyTorch reference uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .index import SaapIndex
+from .rope import remove_rope
+
+
+@dataclass
+class ClusterState:
+    """One layer's clusters over one batch of sequences.
+
+    Attributes
+    ----------
+    offsets : (B, Hkv, C + 1) int32. Keys of cluster c are ``perm[b, h, offsets[c]:offsets[c + 1]]``.
+    perm : (B, Hkv, n) int32 key positions, sorted by cluster (n = indexed_end - sink).
+    assign : (B, Hkv, n) int64 cluster of the key at position ``sink + j``.
+    sink : keys [0, sink) are always attended.
+    indexed_end : keys [indexed_end, N) are always attended (the window and every later token).
+    """
+
+    offsets: Tensor
+    perm: Tensor
+    assign: Tensor
+    sink: int
+    indexed_end: int
+
+    @property
+    def num_clusters(self) -> int:
+        return self.offsets.shape[-1] - 1
+
+    def cluster_of_positions(self, n_keys: int) -> Tensor:
+        """(B, Hkv, n_keys) int64: each key position's cluster, -1 for the always-attended ones."""
+        B, H, n = self.assign.shape
+        out = torch.full((B, H, n_keys), -1, dtype=torch.int64, device=self.assign.device)
+        end = min(self.sink + n, n_keys)
+        out[..., self.sink:end] = self.assign[..., :end - self.sink]
+        return out
+
+    def largest_cluster(self) -> Tensor:
+        """(B, Hkv) int32 size of each head's largest cluster (device tensor)."""
+        return (self.offsets[..., 1:] - self.offsets[..., :-1]).amax(dim=-1)
+
+
+def assign_keys(centroids: Tensor, keys: Tensor) -> Tensor:
+    """Nearest centroid (L2, as k-means trained them) of each key: centroids (Hkv, C, D), keys (B, Hkv, n, D)
+    de-roped, fp32 -> (B, Hkv, n) int64. Uses ``argmax(k . c - |c|^2 / 2)``, one matmul per head."""
+    c = centroids.to(keys.device, torch.float32)
+    score = torch.einsum("bhnd,hcd->bhnc", keys.float(), c) - 0.5 * (c * c).sum(-1)[None, :, None, :]
+    return score.argmax(dim=-1)
+
+
+def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sink: int, window: int,
+                   start_position: int = 0) -> ClusterState:
+    """Assign the prompt's keys of one layer to its clusters.
+
+    Parameters
+    ----------
+    k : (B, Hkv, N, D) rotated keys as the cache holds them (N >= prompt_len); any float dtype.
+    prompt_len : keys [0, prompt_len) are the prompt. ``sink`` and ``window`` as in ``SaapPlan``.
+    start_position : the RoPE position of key 0 (0 for a cache that starts with the sequence).
+    """
+    if sink < 0 or window < 0:
+        raise ValueError(f"sink ({sink}) and window ({window}) must be >= 0")
+    B, H, N, D = k.shape
+    if prompt_len > N:
+        raise ValueError(f"prompt_len {prompt_len} > keys in the cache ({N})")
+    end = max(sink, prompt_len - window)
+    n = end - sink
+    centroids = index.layers[layer].centroids
+    C = centroids.shape[1]
+    if n > 0:
+        pos = torch.arange(sink, end, device=k.device) + start_position
+        assign = assign_keys(centroids, remove_rope(k[:, :, sink:end], pos, index.rope))
+    else:
+        assign = torch.zeros((B, H, 0), dtype=torch.int64, device=k.device)
+    sorted_assign, order = torch.sort(assign, dim=-1, stable=True)
+    perm = (order + sink).to(torch.int32)
+    bounds = torch.arange(C + 1, device=k.device, dtype=sorted_assign.dtype).expand(B, H, C + 1).contiguous()
+    offsets = torch.searchsorted(sorted_assign.contiguous(), bounds).to(torch.int32)
+    return ClusterState(offsets=offsets, perm=perm, assign=assign, sink=sink, indexed_end=end)

@@ -1,0 +1,228 @@
+"""The SAAP index artifact: safetensors tensors plus versioned JSON metadata.
+
+Per covered layer and KV head it holds the k-means centroids over de-roped keys and, optionally, the query
+MLP (Linear -> BatchNorm -> ReLU -> Linear, stored batched over the KV heads); the metadata holds the RoPE
+parameters used to de-rope and the identity of the model it was trained on. ``load_index`` refuses a corrupt
+file or one made for another model (name/config hash, layer count, heads, head dim, RoPE) with an error that
+names the file and the mismatch.
+
+Tensor names (``l`` a layer, Hkv KV heads, C clusters, D head dim, H the MLP's hidden width):
+``layers.l.centroids`` (Hkv, C, D); ``layers.l.mlp.w1`` (Hkv, H, D), ``b1`` (Hkv, H), ``bn_mean``,
+``bn_var``, ``bn_weight``, ``bn_bias`` (Hkv, H), ``w2`` (Hkv, C, H), ``b2`` (Hkv, C). All fp32.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .rope import RopeSpec, remove_rope, rope_spec_from_config
+
+INDEX_FORMAT = "attnopt-saap-index"
+INDEX_VERSION = 1
+MLP_TENSORS = ("w1", "b1", "bn_mean", "bn_var", "bn_weight", "bn_bias", "w2", "b2")
+#: Config fields that make up a model's identity (the hash changes when any of them does).
+IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "intermediate_size", "vocab_size", "rope_parameters", "rope_theta")
+
+
+class SaapIndexError(ValueError):
+    """A SAAP index file is unreadable, corrupt, or was built for another model."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What an index must match: the model's name, a hash of its architecture config, and its shapes."""
+
+    name: str
+    config_hash: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelIdentity":
+        return cls(name=str(data["name"]), config_hash=str(data["config_hash"]), num_layers=int(data["num_layers"]),
+                   num_q_heads=int(data["num_q_heads"]), num_kv_heads=int(data["num_kv_heads"]),
+                   head_dim=int(data["head_dim"]))
+
+
+def model_identity(config: Any, name: str | None = None) -> ModelIdentity:
+    """The identity of a Hugging Face config (the hash covers ``IDENTITY_FIELDS``)."""
+    raw = {f: getattr(config, f, None) for f in IDENTITY_FIELDS}
+    digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelIdentity(name=name or getattr(config, "_name_or_path", "") or config.model_type, config_hash=digest,
+                         num_layers=int(config.num_hidden_layers), num_q_heads=int(heads),
+                         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), head_dim=int(head_dim))
+
+
+@dataclass
+class LayerIndex:
+    """One layer's centroids (Hkv, C, D) fp32 and optional batched query MLP (``MLP_TENSORS`` -> tensors)."""
+
+    centroids: Tensor
+    mlp: dict[str, Tensor] | None = None
+
+    def to(self, device: torch.device | str) -> "LayerIndex":
+        mlp = {k: t.to(device) for k, t in self.mlp.items()} if self.mlp is not None else None
+        return LayerIndex(self.centroids.to(device), mlp)
+
+
+@dataclass
+class SaapIndex:
+    """A loaded (or freshly trained) index. ``layers`` maps a layer number to its ``LayerIndex``."""
+
+    identity: ModelIdentity
+    rope: RopeSpec
+    layers: dict[int, LayerIndex]
+    bn_eps: float = 1e-5
+    #: Free-form training facts (context, keys per cluster, steps, ...), kept in the metadata.
+    train_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_clusters(self) -> int:
+        return next(iter(self.layers.values())).centroids.shape[1]
+
+    @property
+    def has_mlp(self) -> bool:
+        return all(li.mlp is not None for li in self.layers.values())
+
+    def to(self, device: torch.device | str) -> "SaapIndex":
+        return SaapIndex(self.identity, self.rope, {l: li.to(device) for l, li in self.layers.items()}, self.bn_eps,
+                         dict(self.train_info))
+
+    def without_mlp(self) -> "SaapIndex":
+        """The training-free baseline: the same clusters, scored by centroids."""
+        return SaapIndex(self.identity, self.rope, {l: LayerIndex(li.centroids) for l, li in self.layers.items()},
+                         self.bn_eps, dict(self.train_info))
+
+    def check_model(self, config: Any, path: str | Path = "<index>") -> None:
+        """``SaapIndexError`` naming ``path`` and the mismatch when ``config`` is not the model this index is for."""
+        mine, theirs = self.identity, model_identity(config)
+
+        def differ(name: str) -> None:
+            if getattr(mine, name) != getattr(theirs, name):
+                raise SaapIndexError(f"SAAP index {path} was built for another model: {name} is {getattr(mine, name)} "
+                                     f"in the index ({mine.name}) but {getattr(theirs, name)} in the model")
+
+        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+            differ(name)
+        try:  # before the hash, which covers the RoPE too: name the RoPE when that is what differs
+            rope = rope_spec_from_config(config)
+        except ValueError as exc:
+            raise SaapIndexError(f"SAAP index {path}: {exc}") from None
+        if rope != self.rope:
+            raise SaapIndexError(f"SAAP index {path} has RoPE {self.rope.to_dict()} but the model has {rope.to_dict()}")
+        differ("config_hash")
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def cluster_scores(self, layer: int, q: Tensor, positions: Tensor, scale: float) -> Tensor:
+        """Group-summed cluster scores of queries ``q`` (B, Hq, L, D) (rotated) at ``positions`` (L,) or (B, L).
+
+        Each query head gets a distribution over the C clusters (the MLP's softmax, or without an MLP the
+        softmax of ``scale * q . centroid``); the G heads of a group and the L query tokens are summed, as the
+        paper picks a group's clusters jointly. Returns (B, Hkv, L, C) fp32 (the L tokens are kept apart; sum
+        them for a joint pick).
+        """
+        li = self.layers[layer]
+        B, Hq, L, D = q.shape
+        Hkv, C, _ = li.centroids.shape
+        pos = positions if positions.dim() == 1 else positions[:, None, :]
+        qd = remove_rope(q, pos, self.rope).reshape(B, Hkv, Hq // Hkv * L, D)  # (B, Hkv, G*L, D)
+        if li.mlp is None:
+            logits = torch.einsum("bhmd,hcd->bhmc", qd, li.centroids.to(qd.device)) * scale
+        else:
+            logits = mlp_logits(li.mlp, qd, self.bn_eps)
+        return torch.softmax(logits, dim=-1).reshape(B, Hkv, Hq // Hkv, L, C).sum(dim=2)
+
+    # ------------------------------------------------------------------------------------------ save
+    def metadata(self) -> dict[str, Any]:
+        return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "model": self.identity.to_dict(),
+                "rope": self.rope.to_dict(), "layers": sorted(self.layers), "num_clusters": self.num_clusters,
+                "mlp": self.has_mlp, "bn_eps": self.bn_eps, "train": self.train_info}
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors: dict[str, Tensor] = {}
+        for l, li in self.layers.items():
+            tensors[f"layers.{l}.centroids"] = li.centroids.float().contiguous().cpu()
+            for name, t in (li.mlp or {}).items():
+                tensors[f"layers.{l}.mlp.{name}"] = t.float().contiguous().cpu()
+        save_file(tensors, str(path), metadata={"saap": json.dumps(self.metadata(), sort_keys=True)})
+
+
+def mlp_logits(mlp: dict[str, Tensor], x: Tensor, eps: float = 1e-5) -> Tensor:
+    """Eval-mode query MLP over ``x`` (B, Hkv, M, D) with batched weights: (B, Hkv, M, C) logits."""
+    h = torch.einsum("bhmd,hkd->bhmk", x, mlp["w1"]) + mlp["b1"][None, :, None, :]
+    h = (h - mlp["bn_mean"][None, :, None, :]) * torch.rsqrt(mlp["bn_var"][None, :, None, :] + eps)
+    h = torch.relu(h * mlp["bn_weight"][None, :, None, :] + mlp["bn_bias"][None, :, None, :])
+    return torch.einsum("bhmk,hck->bhmc", h, mlp["w2"]) + mlp["b2"][None, :, None, :]
+
+
+def load_index(path: str | Path, config: Any = None) -> SaapIndex:
+    """Read an index; with ``config``, also check that it was built for that model (``SaapIndexError`` if not)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SAAP index {path} does not exist")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("saap")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for truncated/garbled headers
+        raise SaapIndexError(f"SAAP index {path} is not a readable safetensors file: {exc}") from None
+    if raw is None:
+        raise SaapIndexError(f"SAAP index {path} has no 'saap' metadata: not an attnopt SAAP index")
+    try:
+        meta = json.loads(raw)
+        if meta.get("format") != INDEX_FORMAT:
+            raise SaapIndexError(f"SAAP index {path}: format {meta.get('format')!r}, expected {INDEX_FORMAT!r}")
+        if meta.get("version") != INDEX_VERSION:
+            raise SaapIndexError(f"SAAP index {path}: version {meta.get('version')} is not supported "
+                                 f"(this attnopt reads version {INDEX_VERSION})")
+        identity = ModelIdentity.from_dict(meta["model"])
+        rope = RopeSpec.from_dict(meta["rope"])
+        layer_ids = [int(l) for l in meta["layers"]]
+        want_mlp = bool(meta["mlp"])
+        C = int(meta["num_clusters"])
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise SaapIndexError(f"SAAP index {path}: corrupt metadata ({type(exc).__name__}: {exc})") from None
+    layers = {}
+    for l in layer_ids:
+        if not 0 <= l < identity.num_layers:
+            raise SaapIndexError(f"SAAP index {path}: layer {l} outside the model's {identity.num_layers} layers")
+        cent = tensors.get(f"layers.{l}.centroids")
+        want = (identity.num_kv_heads, C, identity.head_dim)
+        if cent is None or tuple(cent.shape) != want:
+            got = None if cent is None else tuple(cent.shape)
+            raise SaapIndexError(f"SAAP index {path}: layers.{l}.centroids has shape {got}, expected {want}")
+        mlp = None
+        if want_mlp:
+            missing = [n for n in MLP_TENSORS if f"layers.{l}.mlp.{n}" not in tensors]
+            if missing:
+                raise SaapIndexError(f"SAAP index {path}: layer {l} lacks MLP tensors {', '.join(missing)}")
+            mlp = {n: tensors[f"layers.{l}.mlp.{n}"] for n in MLP_TENSORS}
+            if mlp["w2"].shape[:2] != (identity.num_kv_heads, C) or mlp["w1"].shape[2] != identity.head_dim:
+                raise SaapIndexError(f"SAAP index {path}: layer {l}'s MLP shapes {tuple(mlp['w1'].shape)}, "
+                                     f"{tuple(mlp['w2'].shape)} do not match {identity.num_kv_heads} KV heads, "
+                                     f"{C} clusters, head dim {identity.head_dim}")
+        layers[l] = LayerIndex(cent.float(), mlp)
+    if not layers:
+        raise SaapIndexError(f"SAAP index {path} covers no layer")
+    index = SaapIndex(identity, rope, layers, float(meta.get("bn_eps", 1e-5)), dict(meta.get("train") or {}))
+    if config is not None:
+        index.check_model(config, path)
+    return index

@@ -1,0 +1,192 @@
+"""``train``: k-means over de-roped keys (faiss) and the query MLP, per layer and KV head.
+
+Keys: k-means with C clusters per KV head (C scales with the context, ``cluster_count``). Queries: an MLP of 2
+layers (Linear -> BatchNorm -> ReLU -> Linear, hidden 1024 by default) per KV head, trained with the KL divergence
+from the real attention mass per cluster. Only long-range attention counts: the mass of the keys in
+[sink, position - window), which is what the window does not already cover; every query head of a group is a
+training sample of its KV head's MLP, as the group's distributions are summed at decode. Layer 0 stays dense and
+gets no index.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .build import assign_keys
+from .collect import Collection
+from .index import LayerIndex, SaapIndex
+from .rope import apply_rope
+
+#: Keys per cluster the default C aims at (the paper's C = 1024 for 100k-500k keys gives 100-500).
+KEYS_PER_CLUSTER = 64
+
+
+def cluster_count(context: int, keys_per_cluster: int = KEYS_PER_CLUSTER) -> int:
+    """C for a context length: a power of two near ``context / keys_per_cluster``, at least 16."""
+    return max(16, 1 << max(0, round(math.log2(max(1, context / keys_per_cluster)))))
+
+
+def kmeans(keys: Tensor, clusters: int, iterations: int = 10, seed: int = 0) -> Tensor:
+    """faiss k-means (L2) of keys (n, D) -> centroids (C, D) fp32."""
+    import faiss
+    import numpy as np
+
+    x = np.ascontiguousarray(keys.detach().float().cpu().numpy())
+    if x.shape[0] < clusters:
+        raise ValueError(f"k-means needs at least {clusters} keys, got {x.shape[0]}")
+    km = faiss.Kmeans(x.shape[1], clusters, niter=iterations, seed=seed, verbose=False,
+                      max_points_per_centroid=max(256, x.shape[0] // clusters + 1))
+    km.train(x)
+    return torch.from_numpy(km.centroids.copy())
+
+
+def long_range_targets(queries: Tensor, positions: Tensor, keys: Tensor, assign: Tensor, clusters: int, sink: int,
+                       window: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention mass per cluster over the long-range keys [sink, p - window) of each query.
+
+    Parameters
+    ----------
+    queries : (M, D) rotated queries at ``positions`` (M,); keys : (N, D) rotated; assign : (N - sink,) the
+    clusters of keys [sink, N).
+
+    Returns
+    -------
+    (M, C) fp32 distributions (rows sum to 1) and (M,) bool: which queries have any long-range key.
+    """
+    keys_lr = keys[sink:].float()
+    scores = (queries.float() @ keys_lr.T) * scale  # (M, N - sink)
+    cols = torch.arange(sink, keys.shape[0], device=keys.device)
+    visible = cols[None, :] < (positions[:, None] - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    has = visible.any(dim=1)
+    probs = torch.softmax(torch.where(has[:, None], scores, torch.zeros_like(scores)), dim=-1) * visible
+    mass = torch.zeros((queries.shape[0], clusters), device=keys.device)
+    mass.scatter_add_(1, assign[None, :].expand(queries.shape[0], -1), probs)
+    return mass, has
+
+
+class BatchedQueryMLP(torch.nn.Module):
+    """One query MLP per KV head, evaluated together: (Hkv, M, D) -> (Hkv, M, C) logits."""
+
+    def __init__(self, heads: int, dim: int, hidden: int, clusters: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.eps, self.momentum = eps, momentum
+        self.w1 = torch.nn.Parameter(torch.randn(heads, hidden, dim) / math.sqrt(dim))
+        self.b1 = torch.nn.Parameter(torch.zeros(heads, hidden))
+        self.bn_weight = torch.nn.Parameter(torch.ones(heads, hidden))
+        self.bn_bias = torch.nn.Parameter(torch.zeros(heads, hidden))
+        self.w2 = torch.nn.Parameter(torch.randn(heads, clusters, hidden) / math.sqrt(hidden))
+        self.b2 = torch.nn.Parameter(torch.zeros(heads, clusters))
+        self.register_buffer("bn_mean", torch.zeros(heads, hidden))
+        self.register_buffer("bn_var", torch.ones(heads, hidden))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.bmm(x, self.w1.transpose(1, 2)) + self.b1[:, None, :]
+        if self.training:
+            mean, var = h.mean(dim=1), h.var(dim=1, unbiased=False)
+            with torch.no_grad():
+                n = h.shape[1]
+                self.bn_mean.lerp_(mean, self.momentum)
+                self.bn_var.lerp_(var * n / max(1, n - 1), self.momentum)
+        else:
+            mean, var = self.bn_mean, self.bn_var
+        h = (h - mean[:, None, :]) * torch.rsqrt(var[:, None, :] + self.eps)
+        h = torch.relu(h * self.bn_weight[:, None, :] + self.bn_bias[:, None, :])
+        return torch.bmm(h, self.w2.transpose(1, 2)) + self.b2[:, None, :]
+
+    def export(self) -> dict[str, Tensor]:
+        return {n: getattr(self, n).detach().float().cpu().clone() for n in
+                ("w1", "b1", "bn_mean", "bn_var", "bn_weight", "bn_bias", "w2", "b2")}
+
+
+@contextlib.contextmanager
+def _progress(progress: Any) -> Iterator[Any]:
+    if progress is not None:
+        yield progress
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=True) as bar:
+        yield bar
+
+
+def train_index(collection: Collection, clusters: int | None = None, hidden: int = 1024, steps: int = 300,
+                batch: int = 256, lr: float = 1e-3, sink: int = 1, window: int = 64, kmeans_iterations: int = 10,
+                layers: list[int] | None = None, mlp: bool = True, device: str = "cpu", seed: int = 0,
+                progress: Any = None) -> SaapIndex:
+    """Train a SAAP index from a ``Collection``.
+
+    ``clusters`` defaults to ``cluster_count`` of the shortest sequence. ``layers`` defaults to every layer but 0.
+    With ``mlp=False`` only the k-means is trained (the training-free, centroid-scored baseline).
+    """
+    ident, rope = collection.identity, collection.rope
+    if not collection.sequences:
+        raise ValueError("the collection holds no sequence")
+    context = min(rec.length for rec in collection.sequences)
+    C = clusters or cluster_count(context)
+    layer_ids = layers if layers is not None else list(range(1, ident.num_layers))
+    G = ident.num_q_heads // ident.num_kv_heads
+    scale = 1.0 / math.sqrt(ident.head_dim)
+    torch.manual_seed(seed)
+    out: dict[int, LayerIndex] = {}
+    with _progress(progress) as bar:
+        task = bar.add_task(f"train SAAP (C={C}, hidden={hidden if mlp else 0})", total=len(layer_ids))
+        for l in layer_ids:
+            cents = torch.stack([kmeans(torch.cat([rec.keys[l][h, sink:] for rec in collection.sequences]), C,
+                                        kmeans_iterations, seed + h) for h in range(ident.num_kv_heads)])
+            model_mlp = None
+            if mlp:
+                xs, ts = _layer_samples(collection, l, cents, rope, sink, window, scale, G, device)
+                model_mlp = _fit_mlp(xs, ts, hidden, C, steps, batch, lr, device)
+            out[l] = LayerIndex(cents, model_mlp)
+            bar.advance(task)
+    info = {"context": context, "clusters": C, "hidden": hidden if mlp else 0, "steps": steps if mlp else 0,
+            "sink": sink, "window": window, "sequences": len(collection.sequences)}
+    return SaapIndex(ident, rope, out, train_info=info)
+
+
+def _layer_samples(collection: Collection, layer: int, cents: Tensor, rope, sink: int, window: int, scale: float,
+                   G: int, device: str) -> tuple[Tensor, Tensor]:
+    """(Hkv, M, D) de-roped training queries and their (Hkv, M, C) long-range cluster-mass targets."""
+    Hkv, C, _ = cents.shape
+    xs, ts = [[] for _ in range(Hkv)], [[] for _ in range(Hkv)]
+    for rec in collection.sequences:
+        keys = rec.keys[layer].to(device)  # (Hkv, N, D) de-roped
+        n = keys.shape[1]
+        assign = assign_keys(cents.to(device), keys[None, :, sink:])[0]  # (Hkv, N - sink)
+        k_rot = apply_rope(keys, torch.arange(n, device=device), rope)
+        pos = rec.query_positions.to(device)
+        q = rec.queries[layer].to(device)  # (Hq, M, D)
+        q_rot = apply_rope(q, pos, rope)
+        for h in range(Hkv):
+            for g in range(G):
+                t, has = long_range_targets(q_rot[h * G + g], pos, k_rot[h], assign[h], C, sink, window, scale)
+                xs[h].append(q[h * G + g][has])
+                ts[h].append(t[has])
+    m = min(sum(x.shape[0] for x in xs[h]) for h in range(Hkv))
+    return (torch.stack([torch.cat(xs[h])[:m] for h in range(Hkv)]),
+            torch.stack([torch.cat(ts[h])[:m] for h in range(Hkv)]))
+
+
+def _fit_mlp(xs: Tensor, ts: Tensor, hidden: int, C: int, steps: int, batch: int, lr: float,
+             device: str) -> dict[str, Tensor]:
+    Hkv, M, D = xs.shape
+    net = BatchedQueryMLP(Hkv, D, hidden, C).to(device)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    net.train()
+    for _ in range(steps):
+        idx = torch.randint(0, M, (min(batch, M),), device=device)
+        logp = F.log_softmax(net(xs[:, idx]), dim=-1)
+        # KL(target || model), summed over clusters, averaged over samples and KV heads
+        loss = F.kl_div(logp, ts[:, idx], reduction="sum") / (Hkv * idx.numel())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    net.eval()
+    return net.export()

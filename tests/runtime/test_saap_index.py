@@ -1,0 +1,195 @@
+"""SAAP index: de-roping, collection, training, the artifact's validation, the build at prefill and the
+reference sparse decode, on a tiny random Llama (CPU, seconds)."""
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("faiss")
+pytest.importorskip("safetensors")
+
+from attnopt.runtime.reference import attention_states  # noqa: E402
+from attnopt.runtime.saap import (ClusterState, SaapIndexError, apply_rope, attended_keys, build_clusters,  # noqa: E402
+                                  load_index, remove_rope, rope_spec_from_config, saap_decode, select_clusters)
+from attnopt.runtime.saap.collect import collect  # noqa: E402
+from attnopt.runtime.saap.train import cluster_count, long_range_targets, train_index  # noqa: E402
+
+
+def tiny_config(**over):
+    cfg = dict(hidden_size=96, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+               num_hidden_layers=3, vocab_size=97, max_position_embeddings=2048, rope_theta=10000.0)
+    cfg.update(over)
+    return transformers.LlamaConfig(**cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_config()).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model):
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 97, (384,), generator=gen) for _ in range(2)]
+    coll = collect(tiny_model, seqs, queries_per_sequence=96, min_query_position=96)
+    index = train_index(coll, clusters=16, hidden=32, steps=30, batch=64, window=16, kmeans_iterations=5)
+    return coll, index
+
+
+def test_rope_spec_reads_transformers5_parameters_and_refuses_scaled_rope():
+    spec = rope_spec_from_config(tiny_config(rope_theta=12345.0))
+    assert spec.theta == 12345.0 and spec.rotary_dim == 16
+    with pytest.raises(ValueError, match="rope_type 'llama3'"):
+        rope_spec_from_config(tiny_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 512}))
+
+
+def test_remove_rope_inverts_hf_llama_rotation():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = tiny_config()
+    spec = rope_spec_from_config(cfg)
+    rot = LlamaRotaryEmbedding(cfg)
+    x = torch.randn(1, 2, 37, 16)
+    pos = torch.arange(100, 137)[None]
+    cos, sin = rot(x, pos)
+    xr, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    torch.testing.assert_close(apply_rope(x, pos[0], spec), xr, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(remove_rope(xr, pos[0], spec), x, atol=1e-5, rtol=1e-5)
+
+
+def test_collect_records_the_unrotated_projections(tiny_model):
+    seen = {}
+    attn = tiny_model.model.layers[1].self_attn
+    hook = attn.k_proj.register_forward_hook(lambda m, i, o: seen.setdefault("k", o.detach()))
+    try:
+        ids = torch.randint(0, 97, (200,))
+        coll = collect(tiny_model, [ids], queries_per_sequence=8, min_query_position=100)
+    finally:
+        hook.remove()
+    k = seen["k"].view(200, 2, 16).transpose(0, 1)  # (Hkv, N, D) before RoPE
+    torch.testing.assert_close(coll.sequences[0].keys[1], k, atol=1e-4, rtol=1e-4)
+    pos = coll.sequences[0].query_positions
+    assert pos.min() >= 100 and coll.sequences[0].queries[1].shape == (6, 8, 16)
+
+
+def test_long_range_targets_are_the_attention_mass_per_cluster():
+    torch.manual_seed(0)
+    q, k = torch.randn(5, 8), torch.randn(40, 8)
+    pos = torch.tensor([10, 20, 30, 39, 3])
+    assign = torch.randint(0, 4, (39,))
+    t, has = long_range_targets(q, pos, k, assign, 4, sink=1, window=4, scale=0.5)
+    assert has.tolist() == [True, True, True, True, False]
+    for r in range(4):
+        js = torch.arange(1, int(pos[r]) - 4)
+        p = torch.softmax((k[js] @ q[r]) * 0.5, 0)
+        want = torch.zeros(4).index_add_(0, assign[js - 1], p)
+        torch.testing.assert_close(t[r], want)
+    assert float(t[4].sum()) == 0.0
+
+
+def test_cluster_count_scales_with_the_context():
+    assert cluster_count(8192) == 128 and cluster_count(131072) == 2048 and cluster_count(100) == 16
+
+
+def test_index_round_trip_and_scores(tmp_path, trained):
+    _, index = trained
+    path = tmp_path / "i.safetensors"
+    index.save(path)
+    back = load_index(path, tiny_config())
+    assert sorted(back.layers) == [1, 2] and back.has_mlp and back.num_clusters == 16
+    for l in (1, 2):
+        torch.testing.assert_close(back.layers[l].centroids, index.layers[l].centroids)
+    q = torch.randn(1, 6, 2, 16)
+    s = back.cluster_scores(1, q, torch.tensor([300, 301]), 0.25)
+    assert s.shape == (1, 2, 2, 16)
+    torch.testing.assert_close(s.sum(-1), torch.full((1, 2, 2), 3.0))  # G = 3 distributions summed
+    base = back.without_mlp().cluster_scores(1, q, torch.tensor([300, 301]), 0.25)
+    assert not torch.allclose(s, base)
+
+
+def test_mismatched_or_corrupt_index_names_the_file_and_the_mismatch(tmp_path, trained):
+    _, index = trained
+    path = tmp_path / "idx.safetensors"
+    index.save(path)
+    with pytest.raises(SaapIndexError, match=r"idx\.safetensors.*num_layers is 3 in the index .* but 4"):
+        load_index(path, tiny_config(num_hidden_layers=4))
+    with pytest.raises(SaapIndexError, match=r"idx\.safetensors.*config_hash"):
+        load_index(path, tiny_config(intermediate_size=128))
+    with pytest.raises(SaapIndexError, match=r"idx\.safetensors has RoPE .*'theta': 10000.0.* but the model has .*5000"):
+        load_index(path, tiny_config(rope_theta=5000.0))
+    with pytest.raises(SaapIndexError, match=r"idx\.safetensors.*rope_type 'linear'"):
+        load_index(path, tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(SaapIndexError, match="bad.safetensors.*not a readable safetensors"):
+        load_index(bad)
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(2)}, str(other), metadata={"saap": json.dumps({"format": "attnopt-saap-index",
+                                                                              "version": 99})})
+    with pytest.raises(SaapIndexError, match="other.safetensors: version 99"):
+        load_index(other)
+
+
+def test_build_clusters_csr_matches_the_assignment(trained):
+    _, index = trained
+    k = torch.randn(2, 2, 300, 16)
+    st = build_clusters(index, 1, k, prompt_len=280, sink=2, window=30)
+    assert st.indexed_end == 250 and st.perm.shape == (2, 2, 248)
+    for b in range(2):
+        for h in range(2):
+            for c in range(16):
+                members = st.perm[b, h, st.offsets[b, h, c]:st.offsets[b, h, c + 1]].long()
+                want = (torch.nonzero(st.assign[b, h] == c).flatten() + 2)
+                assert sorted(members.tolist()) == want.tolist()
+    assert int(st.offsets[..., -1].min()) == 248
+
+
+def _brute_keep(st: ClusterState, clusters, n_keys):
+    B, H, _ = clusters.shape
+    keep = torch.zeros(B, H, n_keys, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            keep[b, h, :st.sink] = True
+            keep[b, h, st.indexed_end:] = True
+            for c in clusters[b, h].tolist():
+                keep[b, h, st.perm[b, h, st.offsets[b, h, c]:st.offsets[b, h, c + 1]].long()] = True
+    return keep
+
+
+@pytest.mark.parametrize("probes", [1, 3, 16])
+def test_reference_decode_attends_exactly_sink_window_and_clusters(trained, probes):
+    _, index = trained
+    torch.manual_seed(probes)
+    B, Hq, Hkv, N, D = 2, 6, 2, 260, 16
+    q, k, v = torch.randn(B, Hq, 1, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    st = build_clusters(index, 2, k, prompt_len=N - 3, sink=1, window=20)
+    o, lse, sel = saap_decode(index, 2, st, q, k, v, probes, 0.25)
+    clusters = select_clusters(index, 2, q, torch.tensor([N - 1]), probes, 0.25)
+    keep = _brute_keep(st, clusters, N)
+    want_o, want_lse = attention_states(q, k, v, attn_mask=keep.repeat_interleave(3, 1)[:, :, None, :], scale=0.25)
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(lse, want_lse)
+    assert math.isclose(float(sel), float(keep.float().mean()), rel_tol=1e-6)
+    if probes == 16:  # every cluster: the exact dense attention
+        dense_o, _ = attention_states(q, k, v, scale=0.25)
+        torch.testing.assert_close(o, dense_o, atol=1e-5, rtol=1e-5)
+
+
+def test_multi_token_decode_is_causal_within_the_call(trained):
+    _, index = trained
+    N = 200
+    st = build_clusters(index, 1, torch.randn(1, 2, N, 16), prompt_len=190, sink=1, window=10)
+    clusters = torch.tensor([[[0, 1], [2, 3]]])
+    keep = attended_keys(st, clusters, N, q_len=4)
+    assert keep.shape == (1, 2, 4, N)
+    for i in range(4):
+        assert not keep[0, :, i, N - 4 + i + 1:].any() and keep[0, :, i, 180:N - 4 + i + 1].all()
