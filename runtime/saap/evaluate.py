@@ -1,0 +1,228 @@
+"""Quality of SAAP against dense attention on a real model, in one harness.
+
+A sequence of P + T tokens is prefilled densely for its first P tokens (the prompt); the index is built over
+the prompt's keys; then its last T tokens run through the model in one call with SAAP attention, each token
+attending to exactly what a decode step at its position would (sink, every key from ``P - window`` up to
+itself, and its own top-``probes`` clusters over the indexed keys). Against the dense run of the same tokens
+this measures the recall of attention mass (the dense softmax mass of the attended keys, on the sparse run's
+own queries and keys), the next-token agreement, the perplexity, and the selectivity (attended keys over
+visible keys, averaged over layers >= 1, KV heads and tokens). A synthetic passkey test prefills a haystack with
+a needle, then asks for it with SAAP attention for the question and every generated token.
+
+Text comes from Python's own ``pydoc_data.topics``: the topics alternate between the training and the evaluation
+part, so the two never share a passage.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .build import ClusterState, build_clusters
+from .collect import causal_sdpa, custom_attention
+from .decode import attended_keys, select_clusters
+from .index import SaapIndex
+
+PARTS = ("train", "eval")
+#: Window as a fraction of the context for each target selectivity (8k: 32, 64, 128, 256 keys).
+WINDOW_FRACTION = {0.02: 1 / 256, 0.05: 1 / 128, 0.10: 1 / 64, 0.20: 1 / 32}
+
+
+def corpus_text(part: str) -> str:
+    """The training or evaluation text: alternate ``pydoc_data.topics`` entries, in sorted order."""
+    if part not in PARTS:
+        raise ValueError(f"unknown text part {part!r}; valid: {', '.join(PARTS)}")
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)[PARTS.index(part)::2]
+    return "\n\n".join(topics[n] for n in names)
+
+
+def token_windows(tokenizer: Any, part: str, length: int, count: int) -> list[Tensor]:
+    """``count`` disjoint windows of ``length`` tokens of one text part; ``ValueError`` when it is too short."""
+    ids = tokenizer(corpus_text(part), return_tensors="pt").input_ids[0]
+    if ids.numel() < length * count:
+        raise ValueError(f"the {part} text has {ids.numel()} tokens, fewer than {count} windows of {length}")
+    return [ids[i * length:(i + 1) * length].clone() for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One sparse configuration: ``method`` "mlp" (SAAP) or "centroids" (training-free), and its budget."""
+
+    method: str
+    target: float
+    sink: int
+    window: int
+    probes: int
+
+
+def setting_for(index: SaapIndex, method: str, target: float, context: int, tail: int, sink: int = 4) -> Setting:
+    """Window and probes that aim at ``target`` total selectivity at ``context`` keys (tail tokens count too)."""
+    window = max(16, round(context * WINDOW_FRACTION.get(target, target / 5)))
+    per_cluster = max(1.0, (context - window - sink) / index.num_clusters)
+    probes = max(1, round((target * context - sink - window - tail / 2) / per_cluster))
+    return Setting(method, target, sink, window, min(probes, index.num_clusters))
+
+
+class Harness:
+    """The attention function of every layer during evaluation (``attnopt_saap_eval``).
+
+    ``setting`` None = dense causal SDPA. Otherwise layers >= 1 attend sparsely to the last ``prompt_len``
+    key prefix's clusters, and ``stats`` collects per-layer recall and selectivity.
+    """
+
+    def __init__(self, model: Any, index: SaapIndex):
+        self.model, self.index = model, index
+        self.setting: Setting | None = None
+        self.prompt_len = 0
+        self.states: dict[int, ClusterState] = {}
+        self.stats: dict[str, list[float]] = {"recall": [], "selectivity": []}
+
+    def use(self, setting: Setting | None, prompt_len: int) -> None:
+        self.setting, self.prompt_len, self.states = setting, prompt_len, {}
+        self.stats = {"recall": [], "selectivity": []}
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = int(module.layer_idx)
+        s = self.setting
+        L, N = query.shape[2], key.shape[2]
+        if s is None or layer == 0 or layer not in self.index.layers or L == N:
+            return causal_sdpa(module, query, key, value, scaling), None
+        index = self.index if s.method == "mlp" else self.index.without_mlp()
+        if layer not in self.states:
+            self.states[layer] = build_clusters(index, layer, key, self.prompt_len, s.sink, s.window)
+        positions = torch.arange(N - L, N, device=query.device)
+        clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)
+        keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
+        G = query.shape[1] // key.shape[1]
+        mask = keep.repeat_interleave(G, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
+        scores = torch.matmul(query.float(), key.float().repeat_interleave(G, 1).transpose(-1, -2)) * scaling
+        cols = torch.arange(N, device=key.device)
+        visible = cols[None, :] <= positions[:, None]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        self.stats["recall"].append(float((probs * mask).sum(-1).mean()))
+        self.stats["selectivity"].append(float((keep.sum(-1).float() / (positions + 1).float()).mean()))
+        return out.transpose(1, 2).contiguous(), None
+
+    def summary(self) -> dict[str, float]:
+        return {k: (sum(v) / len(v) if v else math.nan) for k, v in self.stats.items()}
+
+
+def _truncate(cache: Any, length: int) -> None:
+    """Drop the cache's keys past ``length`` (a negative ``crop``, which transformers 5.17 and 5.23 both take)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _continue(model: Any, cache: Any, ids: Tensor) -> Tensor:
+    out = model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail: int,
+                      settings: list[Setting], progress: Any = None) -> list[dict[str, Any]]:
+    """Per setting (and dense): next-token agreement, perplexity, recall and selectivity on the last ``tail``
+    positions of every window (each window is ``P + tail + 1`` tokens: the last is only a label)."""
+    from transformers import DynamicCache
+
+    rows: dict[Setting | None, dict[str, list]] = {s: {"nll": [], "agree": [], "recall": [], "sel": []}
+                                                  for s in [None, *settings]}
+    task = progress.add_task("evaluate text", total=len(windows) * (len(settings) + 1)) if progress else None
+    for ids in windows:
+        P = ids.numel() - tail - 1
+        cache = DynamicCache()
+        harness.use(None, P)
+        model(input_ids=ids[:P].view(1, -1), past_key_values=cache, use_cache=True)
+        labels = ids[P + 1:P + tail + 1]
+        dense_top = None
+        for s in [None, *settings]:
+            _truncate(cache, P)
+            harness.use(s, P)
+            logits = _continue(model, cache, ids[P:P + tail])
+            top = logits.argmax(-1)
+            dense_top = top if s is None else dense_top
+            r = rows[s]
+            r["nll"].append(F.cross_entropy(logits, labels, reduction="sum").item())
+            r["agree"].append(float((top == dense_top).float().sum()))
+            stats = harness.summary()
+            r["recall"].append(stats["recall"])
+            r["sel"].append(stats["selectivity"])
+            if task is not None:
+                progress.advance(task)
+    n_tok = len(windows) * tail
+    out = []
+    for s, r in rows.items():
+        row = {"method": "dense" if s is None else s.method, **({} if s is None else asdict(s))}
+        row.update(perplexity=math.exp(sum(r["nll"]) / n_tok), next_token_agreement=sum(r["agree"]) / n_tok,
+                   recall=None if s is None else sum(r["recall"]) / len(r["recall"]),
+                   selectivity=1.0 if s is None else sum(r["sel"]) / len(r["sel"]))
+        out.append(row)
+    return out
+
+
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer: Any, length: int, key: str, depth: float, filler: Tensor) -> tuple[Tensor, int]:
+    """(ids, P): a haystack of eval text with the needle at ``depth``, then the question; P = the haystack's
+    length (the question is decoded with SAAP). ``length`` counts every token."""
+    needle = tokenizer(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n", return_tensors="pt",
+                       add_special_tokens=False).input_ids[0]
+    question = tokenizer(PASSKEY_QUESTION, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    hay = length - needle.numel() - question.numel()
+    at = int(hay * depth)
+    ids = torch.cat([filler[:at], needle, filler[at:hay], question])
+    return ids, hay + needle.numel()
+
+
+@torch.no_grad()
+def evaluate_passkey(model: Any, tokenizer: Any, harness: Harness, lengths: list[int], trials: int,
+                     settings_for_length: Any, filler: Tensor, new_tokens: int = 7, seed: int = 0,
+                     progress: Any = None) -> list[dict[str, Any]]:
+    """Per length and setting (and dense): how many of ``trials`` passkeys the greedy answer contains."""
+    from transformers import DynamicCache
+
+    rng = random.Random(seed)
+    results = []
+    total = sum(len(settings_for_length(n)) + 1 for n in lengths) * trials
+    task = progress.add_task("passkey", total=total) if progress else None
+    for n in lengths:
+        settings = [None, *settings_for_length(n)]
+        hits = {s: 0 for s in settings}
+        sels = {s: [] for s in settings}
+        for t in range(trials):
+            key = str(rng.randrange(10000, 99999))
+            ids, P = passkey_prompt(tokenizer, n, key, depth=0.2 + 0.6 * (t + 0.5) / trials, filler=filler)
+            cache = DynamicCache()
+            harness.use(None, P)
+            model(input_ids=ids[:P].view(1, -1), past_key_values=cache, use_cache=True)
+            for s in settings:
+                _truncate(cache, P)
+                harness.use(s, P)
+                logits = _continue(model, cache, ids[P:])
+                answer = [int(logits[-1].argmax())]
+                for _ in range(new_tokens - 1):
+                    answer.append(int(_continue(model, cache, torch.tensor(answer[-1:]))[-1].argmax()))
+                text = tokenizer.decode(answer)
+                hits[s] += key in text
+                sels[s].append(harness.summary()["selectivity"])
+                if task is not None:
+                    progress.advance(task)
+        for s in settings:
+            results.append({"length": n, "method": "dense" if s is None else s.method,
+                            **({} if s is None else asdict(s)), "found": hits[s], "trials": trials,
+                            "selectivity": 1.0 if s is None else sum(sels[s]) / len(sels[s])})
+    return results
+
+
+__all__ = ["Harness", "Setting", "corpus_text", "custom_attention", "evaluate_language", "evaluate_passkey",
+           "passkey_prompt", "setting_for", "token_windows"]

@@ -1,0 +1,88 @@
+"""The SAAP quality harness and the ``attnopt saap`` CLI on a tiny random Llama (CPU, seconds)."""
+import math
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("faiss")
+
+from attnopt.runtime.saap import build_clusters, saap_decode  # noqa: E402
+from attnopt.runtime.saap.collect import collect, custom_attention  # noqa: E402
+from attnopt.runtime.saap.evaluate import (Harness, Setting, corpus_text, evaluate_language,  # noqa: E402
+                                           setting_for)
+from attnopt.runtime.saap.train import train_index  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
+                                   head_dim=16, num_hidden_layers=3, vocab_size=97, max_position_embeddings=2048)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    gen = torch.Generator().manual_seed(1)
+    coll = collect(model, [torch.randint(0, 97, (320,), generator=gen)], queries_per_sequence=64,
+                   min_query_position=64)
+    index = train_index(coll, clusters=16, hidden=32, steps=20, batch=32, window=16, kmeans_iterations=4)
+    return model, coll, index
+
+
+def test_train_and_eval_text_parts_are_disjoint():
+    train, held_out = corpus_text("train"), corpus_text("eval")
+    assert len(train) > 100_000 and len(held_out) > 100_000
+    assert train[:2000] not in held_out and held_out[:2000] not in train
+    with pytest.raises(ValueError, match="valid: train, eval"):
+        corpus_text("test")
+
+
+def test_every_cluster_gives_dense_results(tiny):
+    model, _, index = tiny
+    ids = torch.randint(0, 97, (1, 200 + 8 + 1))[0]
+    every = Setting("mlp", 1.0, sink=1, window=4, probes=index.num_clusters)
+    harness = Harness(model, index)
+    with custom_attention(model, "attnopt_saap_test", harness):
+        rows = evaluate_language(model, harness, [ids], 8, [every])
+    dense, full = rows
+    assert full["next_token_agreement"] == 1.0
+    assert math.isclose(full["perplexity"], dense["perplexity"], rel_tol=1e-4)
+    assert math.isclose(full["selectivity"], 1.0) and math.isclose(full["recall"], 1.0, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["mlp", "centroids"])
+def test_harness_attention_is_the_reference_decode(tiny, method):
+    model, _, index = tiny
+    harness = Harness(model, index)
+    s = Setting(method, 0.1, sink=1, window=8, probes=3)
+    harness.use(s, prompt_len=150)
+    q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 151, 16), torch.randn(1, 2, 151, 16)
+    out, _ = harness(types.SimpleNamespace(layer_idx=2), q, k, v, None, scaling=0.25)
+    ref_index = index if method == "mlp" else index.without_mlp()
+    state = build_clusters(ref_index, 2, k, 150, 1, 8)
+    want, _, sel = saap_decode(ref_index, 2, state, q, k, v, 3, 0.25)
+    torch.testing.assert_close(out.transpose(1, 2), want)
+    assert math.isclose(harness.summary()["selectivity"], float(sel), rel_tol=1e-6)
+    assert 0 < harness.summary()["recall"] < 1
+
+
+def test_setting_shrinks_the_window_with_the_context(tiny):
+    _, _, index = tiny
+    s8 = setting_for(index, "mlp", 0.10, 8192, 64)
+    s2 = setting_for(index, "mlp", 0.10, 2048, 16)
+    assert s8.window == 128 and s2.window == 32 and s8.probes >= 1
+
+
+def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
+    from attnopt.cli import main
+    from attnopt.runtime.saap import load_index
+
+    model, coll, _ = tiny
+    cpath, ipath = tmp_path / "c.safetensors", tmp_path / "i.safetensors"
+    coll.save(cpath)
+    rc = main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16", "--hidden", "8", "--steps", "3",
+               "--window", "16"])
+    assert rc == 0
+    index = load_index(ipath, model.config)
+    assert index.has_mlp and sorted(index.layers) == [1, 2] and index.train_info["hidden"] == 8
+    assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
