@@ -51,8 +51,19 @@ class OptimizeConfig:
     #: ``(module path, window)`` of attention modules with a sliding window; their sites are left alone with
     #: that reason. ``attnopt.optimize`` fills it from the model's modules; a dict ``{path: window}`` is accepted.
     sliding_windows: tuple[tuple[str, int], ...] = ()
+    #: SAAP index file (``attnopt saap train``): opts in to sparse decode at the layers it covers (``None`` = off).
+    saap: str | None = None
+    #: SAAP: clusters attended per KV head (the paper's l = 32), the sink keys and the recent window.
+    saap_probes: int = 32
+    saap_sink: int = 1
+    saap_window: int = 2047
 
     def __post_init__(self) -> None:
+        if self.saap is not None and not os.path.isfile(self.saap):
+            raise ValueError(f"saap={self.saap!r}: no such index file (train one with 'attnopt saap train')")
+        for name, low in (("saap_probes", 1), ("saap_sink", 0), ("saap_window", 0)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {getattr(self, name)!r}")
         if self.version != CONFIG_VERSION:
             raise ValueError(f"OptimizeConfig version {self.version} is not supported; this attnopt reads version {CONFIG_VERSION}")
         if self.inner_backend not in INNER_BACKENDS:

@@ -174,9 +174,22 @@ class SaapPlan(Plan):
 
     kind: ClassVar[str] = "saap"
     index: str = ""
-    probes: int = 8
-    sink: int = 4
-    window: int = 256
+    probes: int = 32
+    sink: int = 1
+    window: int = 2047
+    #: The model layer of the site (the index holds one set of clusters per layer).
+    layer: int = -1
+    #: Kernel programs per (batch row, KV head) and attended keys per tile.
+    num_splits: int = 8
+    block_n: int = 64
+
+    def runtime_note(self) -> str:
+        """The selectivity measured at run time (attended keys over visible keys), once the op has run."""
+        import sys
+
+        registry = sys.modules.get("attnopt.runtime.saap.registry")  # loaded only where the op ran
+        measured = registry.measured_selectivity(self.runtime_key()) if registry is not None else None
+        return f"selectivity {measured[0]:.1%} over {measured[1]} calls" if measured else ""
 
 
 # --------------------------------------------------------------------------------------------- reports
@@ -431,7 +444,9 @@ def _est(plan: Plan) -> float:
 def _plan_cell(plan: Plan) -> str:
     """``kind`` then its parameters, dimmed: narrower than ``describe()`` and wraps at the commas."""
     args = ", ".join(f"{f.name}={getattr(plan, f.name)}" for f in dataclasses.fields(plan) if f.name != "est_us")
-    return f"[bold]{plan.kind}[/bold]" + (f"\n[dim]{_esc(args)}[/dim]" if args else "")
+    note = plan.runtime_note() if hasattr(plan, "runtime_note") else ""
+    return (f"[bold]{plan.kind}[/bold]" + (f"\n[dim]{_esc(args)}[/dim]" if args else "")
+            + (f"\n{_esc(note)}" if note else ""))
 
 
 def _alternatives(group: list[SiteReport], chosen: Plan | None, limit: int | None) -> list[str]:

@@ -32,7 +32,9 @@ def make_context(config: OptimizeConfig, example_inputs: Sequence[Any] = (), wor
     from attnopt.runtime.kernels import triton_usable
 
     plan_ctx = PlanContext(world_size=world_size, topology=topology, device_type=device_type,
-                           triton_available=triton_usable(device_type))
+                           triton_available=triton_usable(device_type),
+                           extras={"saap": {"index": config.saap, "probes": config.saap_probes, "sink": config.saap_sink,
+                                            "window": config.saap_window}} if config.saap else {})
     return PassContext(config=config, hardware=hw, plan_context=plan_ctx, example_inputs=list(example_inputs))
 
 

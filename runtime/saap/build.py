@@ -28,6 +28,8 @@ class ClusterState:
     assign : (B, Hkv, n) int64 cluster of the key at position ``sink + j``.
     sink : keys [0, sink) are always attended.
     indexed_end : keys [indexed_end, N) are always attended (the window and every later token).
+    ends : (B,) int32 ``indexed_end`` on the device, as the kernel reads it.
+    window : the window the state was built for (``indexed_end = prompt_len - window``).
     """
 
     offsets: Tensor
@@ -35,6 +37,8 @@ class ClusterState:
     assign: Tensor
     sink: int
     indexed_end: int
+    ends: Tensor
+    window: int = 0
 
     @property
     def num_clusters(self) -> int:
@@ -89,4 +93,6 @@ def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sin
     perm = (order + sink).to(torch.int32)
     bounds = torch.arange(C + 1, device=k.device, dtype=sorted_assign.dtype).expand(B, H, C + 1).contiguous()
     offsets = torch.searchsorted(sorted_assign.contiguous(), bounds).to(torch.int32)
-    return ClusterState(offsets=offsets, perm=perm, assign=assign, sink=sink, indexed_end=end)
+    ends = torch.full((B,), end, dtype=torch.int32, device=k.device)
+    return ClusterState(offsets=offsets, perm=perm, assign=assign, sink=sink, indexed_end=end, ends=ends,
+                        window=window)

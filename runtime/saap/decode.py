@@ -63,14 +63,19 @@ def selectivity(keep: Tensor, valid_len: Tensor | None = None) -> Tensor:
 
 
 def saap_decode_states(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float,
-                       valid_len: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Softmax state over exactly the keys ``keep`` (B, Hkv, L, N) marks: q (B, Hq, L, D), k/v (B, Hkv, N, D).
+                       valid_len: Tensor | None = None, attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Softmax state over exactly the keys ``keep`` (B, Hkv, L, N) marks: q (B, Hq, L, D), k/v (B, Hkv, N, D);
+    an ``attn_mask`` (bool or additive, broadcastable to (B, Hq, L, N)) removes keys as well.
 
     Returns o (B, Hq, L, Dv) fp32 and lse (B, Hq, L) fp32 (natural log).
     """
     B, Hq, L, _ = q.shape
     G = Hq // k.shape[1]
     mask = keep.repeat_interleave(G, dim=1)  # (B, Hq, L, N): query head h reads KV head h // G
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        mask = mask & attn_mask
+    elif attn_mask is not None:  # additive: keep its values on the attended keys
+        mask = attn_mask.expand(B, Hq, L, k.shape[2]).masked_fill(~mask, float("-inf"))
     return attention_states(q, k, v, attn_mask=mask, valid_len=valid_len, scale=scale)
 
 

@@ -226,3 +226,14 @@ def load_index(path: str | Path, config: Any = None) -> SaapIndex:
     if config is not None:
         index.check_model(config, path)
     return index
+
+
+def synthetic_index(q_heads: int, kv_heads: int, head_dim: int, clusters: int, layers: tuple[int, ...] = (1,),
+                    num_layers: int | None = None, centroids: Tensor | None = None, seed: int = 0,
+                    rope_theta: float = 10000.0) -> SaapIndex:
+    """An index with given (or random normal) centroids and no MLP, for a model of the given shapes: tests and
+    the synthetic-key benchmarks. ``centroids`` is (Hkv, C, D); the same set serves every layer."""
+    gen = torch.Generator().manual_seed(seed)
+    cents = centroids if centroids is not None else torch.randn(kv_heads, clusters, head_dim, generator=gen)
+    ident = ModelIdentity("synthetic", "synthetic", num_layers or max(layers) + 1, q_heads, kv_heads, head_dim)
+    return SaapIndex(ident, RopeSpec(rope_theta, head_dim), {l: LayerIndex(cents.float().clone()) for l in layers})

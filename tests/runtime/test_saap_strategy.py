@@ -1,0 +1,160 @@
+"""The ``saap`` plan kind: opt-in planning, the op's run against the SAAP reference (and dense when every cluster
+is probed), the kernel path in the interpreter, the config fields, and ``attnopt.optimize`` end to end."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+
+from attnopt import AttentionSite, OptimizeConfig  # noqa: E402
+from attnopt.hardware import builtin_profile  # noqa: E402
+from attnopt.plan import SaapPlan  # noqa: E402
+from attnopt.runtime.reference import attention_states  # noqa: E402
+from attnopt.runtime.saap import build_clusters, saap_decode  # noqa: E402
+from attnopt.runtime.saap import registry  # noqa: E402
+from attnopt.runtime.saap.index import SaapIndexError, synthetic_index  # noqa: E402
+from attnopt.runtime.strategies import STRATEGIES, PlanContext  # noqa: E402
+
+SAAP = STRATEGIES["saap"]
+
+
+@pytest.fixture
+def index_path(tmp_path):
+    registry.reset()
+    path = tmp_path / "idx.safetensors"
+    synthetic_index(6, 2, 64, clusters=8, layers=(1, 2), num_layers=3).save(path)
+    yield str(path)
+    registry.reset()
+
+
+def _ctx(path, probes=3, sink=1, window=8, device="cpu"):
+    return PlanContext(device_type=device, extras={"saap": {"index": path, "probes": probes, "sink": sink,
+                                                            "window": window}})
+
+
+def _site(layer=1, **kw):
+    return AttentionSite.canonical(module_path=f"model.layers.{layer}.self_attn", q_heads=6, kv_heads=2, head_dim=64,
+                                   kv_len=300, dtype="float32", **kw)
+
+
+def test_never_planned_without_the_index_and_layer_zero_stays_dense(index_path):
+    hw = builtin_profile("cpu")
+    assert "opt-in" in SAAP.check(_site(), hw, PlanContext())
+    assert "layer 0" in SAAP.check(_site(layer=0), hw, _ctx(index_path))
+    assert SAAP.check(_site(), hw, _ctx(index_path)) is None
+    assert "mask 'arbitrary'" in SAAP.check(_site(mask_kind="arbitrary"), hw, _ctx(index_path))
+    with pytest.raises(SaapIndexError, match="idx.safetensors is for 6 query / 2 KV heads"):
+        SAAP.check(dataclasses.replace(_site(), q_heads=8), hw, _ctx(index_path))
+    plan = next(iter(SAAP.candidates(_site(layer=2), hw, _ctx(index_path))))
+    assert (plan.layer, plan.probes, plan.window, plan.index) == (2, 3, 8, index_path)
+    assert SAAP.estimate_us(plan, _site(layer=2), hw, _ctx(index_path)) > 0
+
+
+def test_config_fields_validate_early(tmp_path, index_path):
+    cfg = OptimizeConfig(saap=index_path, saap_probes=4, saap_window=16, saap_sink=2)
+    assert OptimizeConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="no such index file"):
+        OptimizeConfig(saap=str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="saap_probes must be an int >= 1"):
+        OptimizeConfig(saap=index_path, saap_probes=0)
+
+
+def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1):
+    plan = SaapPlan(index=index_path, probes=probes, sink=1, window=8, layer=layer, num_splits=3, block_n=16)
+    index = registry.get_index(index_path)
+    n = k.shape[2] if valid_len is None else int(valid_len[0])
+    registry.set_state(index_path, layer, build_clusters(index, layer, k[:, :, :n], prompt, 1, 8))
+    state = SAAP.prepare(plan, q, k, v)
+    return plan, SAAP.run(state, plan, q, k, v, None, valid_len, 0.125, False)
+
+
+@pytest.mark.parametrize("probes", [2, 8])
+def test_run_is_the_saap_reference_and_dense_with_every_cluster(index_path, probes):
+    q, k, v = torch.randn(2, 6, 1, 64), torch.randn(2, 2, 120, 64), torch.randn(2, 2, 120, 64)
+    plan, out = _run(index_path, probes, q, k, v, prompt=115)
+    index = registry.get_index(index_path)
+    want, _, sel = saap_decode(index, 1, registry.get_state(index_path, 1), q, k, v, probes, 0.125)
+    torch.testing.assert_close(out, want)
+    if probes == 8:
+        torch.testing.assert_close(out, attention_states(q, k, v, scale=0.125)[0], atol=1e-5, rtol=1e-5)
+    measured, calls = registry.measured_selectivity(plan.runtime_key())
+    assert calls == 1 and math.isclose(measured, float(sel), rel_tol=1e-5)
+    assert "selectivity" in plan.runtime_note()
+
+
+def test_kernel_path_in_the_interpreter_matches_the_reference_path(index_path, monkeypatch):
+    pytest.importorskip("triton")
+    from attnopt.runtime.kernels import triton_usable
+
+    if not triton_usable("cpu"):
+        pytest.skip("the Triton interpreter is not on")
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
+    vl = torch.tensor([80])
+    _, ref = _run(index_path, 3, q, k, v, prompt=70, valid_len=vl)
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    _, out = _run(index_path, 3, q, k, v, prompt=70, valid_len=vl)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_run_without_clusters_says_how_to_build_them(index_path):
+    plan = SaapPlan(index=index_path, probes=2, sink=1, window=8, layer=2)
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
+    with pytest.raises(RuntimeError, match="no clusters were built .*saap_cache"):
+        SAAP.run(SAAP.prepare(plan, q, k, v), plan, q, k, v, None, None, 0.125, False)
+
+
+@pytest.mark.slow
+def test_optimize_with_saap_on_a_tiny_llama(tmp_path):
+    """attnopt.optimize(saap=...) plans saap at layers >= 1; greedy decoding with every cluster probed equals dense;
+    with few clusters the logits equal the eager SAAP harness (same sparse sets); the table shows the selectivity."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("faiss")
+    import attnopt
+    from attnopt.runtime.saap.collect import collect, custom_attention
+    from attnopt.runtime.saap.evaluate import Harness, Setting
+    from attnopt.runtime.saap.train import train_index
+
+    registry.reset()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=192, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
+                                   head_dim=64, num_hidden_layers=3, vocab_size=97, max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    coll = collect(model, [torch.randint(0, 97, (256,))], queries_per_sequence=32, min_query_position=64)
+    path = tmp_path / "tiny.safetensors"
+    train_index(coll, clusters=8, hidden=16, steps=10, batch=32, window=8, kmeans_iterations=3).save(path)
+    prompt = torch.randint(0, 97, (1, 120))
+
+    def greedy(m, cache, steps=4):
+        out = m(input_ids=prompt, past_key_values=cache, use_cache=True)
+        ids, logits = [], []
+        for _ in range(steps):
+            logits.append(out.logits[0, -1].float())
+            ids.append(int(out.logits[0, -1].argmax()))
+            out = m(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, use_cache=True)
+        return ids, torch.stack(logits)
+
+    with torch.no_grad():
+        dense_ids, dense_logits = greedy(model, transformers.DynamicCache())
+        full = attnopt.optimize(model, saap=str(path), saap_probes=8, saap_window=8, saap_sink=1, force_plan="saap",
+                                inner_backend="eager")
+        ids, logits = greedy(full, registry.saap_cache(path, sink=1, window=8, config=model.config))
+        assert ids == dense_ids
+        torch.testing.assert_close(logits, dense_logits, atol=1e-4, rtol=1e-4)
+        report = attnopt.last_plans(full)
+        saap_sites = [s for s in report.sites if s.chosen is not None and s.chosen.kind == "saap"]
+        assert {s.chosen.layer for s in saap_sites} == {1, 2}  # every decode graph (static, then symbolic length)
+        assert "selectivity 100.0%" in report.format_table(width=250)
+
+        sparse = attnopt.optimize(model, saap=str(path), saap_probes=2, saap_window=8, saap_sink=1,
+                                  force_plan="saap", inner_backend="eager")
+        _, sparse_logits = greedy(sparse, registry.saap_cache(path, sink=1, window=8, config=model.config))
+        harness = Harness(model, registry.get_index(path))
+        with custom_attention(model, "attnopt_saap_test_e2e", harness):
+            harness.use(Setting("mlp", 0.0, sink=1, window=8, probes=2), prompt_len=120)
+            _, want = greedy(model, transformers.DynamicCache())
+        torch.testing.assert_close(sparse_logits, want, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(sparse_logits, dense_logits, atol=1e-3)
+    registry.reset()
