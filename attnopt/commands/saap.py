@@ -153,14 +153,18 @@ def run_eval(args) -> int:
     harness = Harness(model, index)
     start = time.perf_counter()
     with custom_attention(model, "attnopt_saap_eval", harness), _progress() as bar:
-        rows = evaluate_language(model, harness, windows, tail, settings(args.context), progress=bar)
+        rows, timing = evaluate_language(model, harness, windows, tail, settings(args.context), progress=bar)
         passkey = evaluate_passkey(model, tok, harness, args.passkey_lengths, args.passkey_trials,
                                    lambda n: settings(n, 16), filler, progress=bar) if args.passkey_lengths else []
     results = results_header("saap-quality", model=args.model, index=str(args.index), index_train=index.train_info,
                              clusters=index.num_clusters, context=args.context, tail=tail,
-                             sequences=args.sequences, seconds=round(time.perf_counter() - start, 1))
+                             sequences=args.sequences, seconds=round(time.perf_counter() - start, 1),
+                             threads=torch.get_num_threads(), **timing)
     if not torch.cuda.is_available():
         results["device"] = "cpu"
+    n_layers, n_sparse = index.identity.num_layers, len(index.layers)
+    for row in rows + passkey:  # the dense layers (layer 0) read every key
+        row["selectivity_all_layers"] = (row["selectivity"] * n_sparse + n_layers - n_sparse) / n_layers
     results["rows"] = rows
     results["passkey"] = passkey
     if args.out:

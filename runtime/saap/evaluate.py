@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -129,19 +130,28 @@ def _continue(model: Any, cache: Any, ids: Tensor) -> Tensor:
 
 @torch.no_grad()
 def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail: int,
-                      settings: list[Setting], progress: Any = None) -> list[dict[str, Any]]:
+                      settings: list[Setting], progress: Any = None) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Per setting (and dense): next-token agreement, perplexity, recall and selectivity on the last ``tail``
-    positions of every window (each window is ``P + tail + 1`` tokens: the last is only a label)."""
+    positions of every window (each window is ``P + tail + 1`` tokens: the last is only a label). Also returns the
+    first window's dense prefill time and the time to build every layer's clusters over its keys (seconds)."""
     from transformers import DynamicCache
 
     rows: dict[Setting | None, dict[str, list]] = {s: {"nll": [], "agree": [], "recall": [], "sel": []}
                                                   for s in [None, *settings]}
     task = progress.add_task("evaluate text", total=len(windows) * (len(settings) + 1)) if progress else None
+    timing: dict[str, float] = {}
     for ids in windows:
         P = ids.numel() - tail - 1
         cache = DynamicCache()
         harness.use(None, P)
+        start = time.perf_counter()
         model(input_ids=ids[:P].view(1, -1), past_key_values=cache, use_cache=True)
+        if not timing:  # what the build at prefill adds: every covered layer's clusters over the prompt's keys
+            timing["prefill_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            for layer in harness.index.layers:
+                build_clusters(harness.index, layer, cache.layers[layer].keys, P, 1, 0)
+            timing["index_build_s"] = time.perf_counter() - start
         labels = ids[P + 1:P + tail + 1]
         dense_top = None
         for s in [None, *settings]:
@@ -166,7 +176,7 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
                    recall=None if s is None else sum(r["recall"]) / len(r["recall"]),
                    selectivity=1.0 if s is None else sum(r["sel"]) / len(r["sel"]))
         out.append(row)
-    return out
+    return out, timing
 
 
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"

@@ -43,7 +43,8 @@ def test_every_cluster_gives_dense_results(tiny):
     every = Setting("mlp", 1.0, sink=1, window=4, probes=index.num_clusters)
     harness = Harness(model, index)
     with custom_attention(model, "attnopt_saap_test", harness):
-        rows = evaluate_language(model, harness, [ids], 8, [every])
+        rows, timing = evaluate_language(model, harness, [ids], 8, [every])
+    assert timing["prefill_s"] > 0 and timing["index_build_s"] > 0
     dense, full = rows
     assert full["next_token_agreement"] == 1.0
     assert math.isclose(full["perplexity"], dense["perplexity"], rel_tol=1e-4)
