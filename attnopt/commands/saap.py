@@ -47,6 +47,7 @@ def register(sub) -> None:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--sink", type=int, default=1, help="keys always attended at the start (default 1)")
     t.add_argument("--window", type=int, default=64, help="recent keys excluded from the targets (default 64)")
+    t.add_argument("--max-queries", type=int, default=None, help="recorded queries used per sequence (default all)")
     t.add_argument("--no-mlp", action="store_true", help="k-means only (the centroid-scored baseline)")
     t.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
@@ -123,6 +124,7 @@ def run_train(args) -> int:
     with _progress() as bar:
         index = train_index(coll, clusters=args.clusters, hidden=args.hidden, steps=args.steps, batch=args.batch,
                             lr=args.lr, sink=args.sink, window=args.window, mlp=not args.no_mlp, device=args.device,
+                            max_queries=args.max_queries,
                             progress=bar)
     index.save(args.out)
     print(f"wrote {args.out}: {len(index.layers)} layers, C={index.num_clusters}, "

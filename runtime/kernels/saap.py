@@ -6,7 +6,9 @@ MLP's or the centroids', group-summed), picks the top ``probes`` clusters itself
 of a head picks the same set), and lays the attended keys out in one virtual sequence: the sink, then the chosen
 clusters in cluster order (through the CSR ``offsets`` and the cluster-sorted ``perm``), then the window
 [indexed_end, kv_len). Split ``s`` takes an equal share of that sequence's tiles, so a large cluster is cut into
-tiles over several programs and small ones are packed into one: the largest cluster no longer sets the time. The
+tiles over several programs and small ones are packed into one: the largest cluster no longer sets the time. A
+key of the virtual sequence finds its cluster by a binary search over the chosen sizes' prefix sums (kept in a
+small per-program table in global memory), so the cost per key grows with log C, not with ``probes``. The
 grid is fixed by the plan and every length is read on the device, so a captured CUDA graph replays correctly.
 
 Ties at the l-th score select every tied cluster (a superset of ``torch.topk``'s pick, never fewer keys).
@@ -33,6 +35,7 @@ def _saap_kernel(
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     o_ptr,  # (S, B, Hq, L, Dv) fp32 partial outputs
     lse_ptr,  # (S, B, Hq, L) fp32 partial natural-log LSEs
+    scratch_ptr,  # (S, B * Hkv * NUM_M, 2, BLOCK_C) int32: each program's cluster prefix and perm shift
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides
     stride_kb, stride_kh, stride_kn, stride_kd,  # K strides
     stride_vb, stride_vh, stride_vn, stride_vd,  # V strides
@@ -58,7 +61,7 @@ def _saap_kernel(
     BLOCK_D: tl.constexpr,  # padded D
     BLOCK_DV: tl.constexpr,  # padded Dv
     BLOCK_C: tl.constexpr,  # padded C (power of two)
-    BLOCK_L: tl.constexpr,  # padded PROBES (power of two)
+    SEARCH_STEPS: tl.constexpr,  # binary-search steps over the C clusters: log2(BLOCK_C) + 1
     HAS_VALID: tl.constexpr,  # whether valid_ptr holds per-row valid lengths
     UPCAST: tl.constexpr,  # compute dots in fp32 (interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision
@@ -90,16 +93,13 @@ def _saap_kernel(
     c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
     c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
     size = tl.where(chosen, c_end - c_start, 0)
-    incl = tl.cumsum(size, 0)
+    incl = tl.cumsum(size, 0)  # chosen keys up to and including each cluster (non-decreasing)
     total = tl.sum(size, axis=0)  # keys in the chosen clusters
-    # the chosen clusters, compacted in cluster order: where each starts in perm and in the virtual sequence
-    rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    offs_l = tl.arange(0, BLOCK_L)
-    pick = chosen[:, None] & (rank[:, None] == offs_l[None, :])  # (BLOCK_C, BLOCK_L)
-    cl_shift = tl.sum(tl.where(pick, (c_start - (incl - size))[:, None], 0), axis=0)  # perm index - virtual index
-    cl_lo = tl.sum(tl.where(pick, (incl - size)[:, None], 0), axis=0)
-    cl_hi = tl.sum(tl.where(pick, incl[:, None], 0), axis=0)
-    cl_ok = offs_l < tl.sum(chosen.to(tl.int32), axis=0)
+    # this program's copy of the prefix and of (perm index - virtual index) per cluster, for the binary search
+    scratch = scratch_ptr + (split.to(tl.int64) * tl.num_programs(1) + tile) * (2 * BLOCK_C)
+    tl.store(scratch + offs_c, tl.where(c_ok, incl, 2147483647))
+    tl.store(scratch + BLOCK_C + offs_c, c_start - (incl - size))
+    tl.debug_barrier()  # the stores are visible to every thread of this program before the searches
 
     # this split's share of the virtual sequence: sink | chosen clusters | window
     n_win = kv_len - indexed_end
@@ -124,8 +124,18 @@ def _saap_kernel(
         t_ok = t < hi
         u = t - sink
         in_clusters = (t >= sink) & (u < total)
-        hit = (u[:, None] >= cl_lo[None, :]) & (u[:, None] < cl_hi[None, :]) & cl_ok[None, :]  # (BLOCK_N, BLOCK_L)
-        perm_idx = tl.sum(tl.where(hit, cl_shift[None, :], 0), axis=1) + u
+        # the cluster of virtual key u: the first c with incl[c] > u (always a chosen one: an unchosen cluster
+        # repeats the prefix before it)
+        c_lo = tl.zeros([BLOCK_N], dtype=tl.int32)
+        c_hi = tl.full([BLOCK_N], BLOCK_C, dtype=tl.int32)
+        for _ in range(SEARCH_STEPS):
+            active = c_lo < c_hi
+            mid = (c_lo + c_hi) // 2
+            right = tl.load(scratch + mid, mask=active & in_clusters & t_ok, other=0) <= u
+            c_lo = tl.where(active & right, mid + 1, c_lo)
+            c_hi = tl.where(active & (right == 0), mid, c_hi)
+        shift = tl.load(scratch + BLOCK_C + tl.minimum(c_lo, BLOCK_C - 1), mask=in_clusters & t_ok, other=0)
+        perm_idx = shift + u
         from_perm = tl.load(p_base + perm_idx.to(tl.int64) * stride_pn, mask=t_ok & in_clusters, other=0)
         pos = tl.where(t < sink, t, tl.where(in_clusters, from_perm, indexed_end + u - total))
         pos64 = pos.to(tl.int64)
@@ -159,11 +169,18 @@ def _saap_kernel(
 _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
 
 
-def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial states for ``num_splits`` programs per tile: o (S, B, Hq, L, Dv) fp32 and lse (S, B, Hq, L) fp32."""
+def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, clusters: int):
+    """What ``num_splits`` programs per tile need: partial o (S, B, Hq, L, Dv) fp32, partial lse (S, B, Hq, L) fp32
+    and the per-program cluster tables (S, B * Hkv * num_m, 2, BLOCK_C) int32."""
     B, Hq, L, _ = q.shape
+    num_m = cdiv((Hq // hkv) * L, block_m_for((Hq // hkv) * L))
     return (torch.empty((num_splits, B, Hq, L, v.shape[-1]), device=q.device, dtype=torch.float32),
-            torch.empty((num_splits, B, Hq, L), device=q.device, dtype=torch.float32))
+            torch.empty((num_splits, B, Hq, L), device=q.device, dtype=torch.float32),
+            torch.empty((num_splits, B * hkv * num_m, 2, _block_c(clusters)), device=q.device, dtype=torch.int32))
+
+
+def _block_c(clusters: int) -> int:
+    return max(16, next_pow2(clusters))
 
 
 def saap_decode_kernel(q, k, v, scores, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
@@ -178,7 +195,7 @@ def saap_decode_kernel(q, k, v, scores, offsets, perm, indexed_end, out, lse=Non
     indexed_end : (B,) int32: keys [indexed_end, kv_len) are attended densely (with the sink [0, sink)).
     out : (B, Hq, L, Dv) any float dtype; lse : (B, Hq, L) fp32 or None.
     valid_len : (B,) int tensor or None (keys from valid_len on do not exist).
-    workspace : the pair from ``saap_workspace`` (allocated here when None).
+    workspace : the triple from ``saap_workspace`` (allocated here when None).
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -188,16 +205,17 @@ def saap_decode_kernel(q, k, v, scores, offsets, perm, indexed_end, out, lse=Non
     BLOCK_M = block_m_for(G * L)
     num_m = cdiv(G * L, BLOCK_M)
     probes = max(1, min(int(probes), C))
-    ws_o, ws_lse = workspace if workspace is not None else saap_workspace(num_splits, q, v)
+    ws_o, ws_lse, scratch = workspace if workspace is not None else saap_workspace(num_splits, q, v, Hkv, C)
+    block_c = _block_c(C)
     upcast, precision = dot_flags(q.dtype)
     has_valid = valid_len is not None
     _SAAP_LAUNCH(
         (num_splits, B * Hkv * num_m), q, k, v, scores, offsets, perm, indexed_end,
-        valid_len if has_valid else indexed_end, ws_o, ws_lse,
+        valid_len if has_valid else indexed_end, ws_o, ws_lse, scratch,
         *q.stride(), *k.stride(), *v.stride(), *scores.stride(), *offsets.stride(), *perm.stride(),
         *ws_o.stride(), *ws_lse.stride(), scale_log2(scale, D), N, L, G, Hkv, num_m, C, probes, int(sink),
         num_splits, D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D), BLOCK_DV=block_d_for(Dv),
-        BLOCK_C=max(16, next_pow2(C)), BLOCK_L=max(16, next_pow2(probes)), HAS_VALID=has_valid, UPCAST=upcast,
+        BLOCK_C=block_c, SEARCH_STEPS=block_c.bit_length(), HAS_VALID=has_valid, UPCAST=upcast,
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False)

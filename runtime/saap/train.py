@@ -120,11 +120,12 @@ def _progress(progress: Any) -> Iterator[Any]:
 def train_index(collection: Collection, clusters: int | None = None, hidden: int = 1024, steps: int = 300,
                 batch: int = 256, lr: float = 1e-3, sink: int = 1, window: int = 64, kmeans_iterations: int = 10,
                 layers: list[int] | None = None, mlp: bool = True, device: str = "cpu", seed: int = 0,
-                progress: Any = None) -> SaapIndex:
+                max_queries: int | None = None, progress: Any = None) -> SaapIndex:
     """Train a SAAP index from a ``Collection``.
 
     ``clusters`` defaults to ``cluster_count`` of the shortest sequence. ``layers`` defaults to every layer but 0.
     With ``mlp=False`` only the k-means is trained (the training-free, centroid-scored baseline).
+    ``max_queries`` keeps at most that many of each sequence's recorded queries (fewer attention targets to compute).
     """
     ident, rope = collection.identity, collection.rope
     if not collection.sequences:
@@ -143,17 +144,17 @@ def train_index(collection: Collection, clusters: int | None = None, hidden: int
                                         kmeans_iterations, seed + h) for h in range(ident.num_kv_heads)])
             model_mlp = None
             if mlp:
-                xs, ts = _layer_samples(collection, l, cents, rope, sink, window, scale, G, device)
+                xs, ts = _layer_samples(collection, l, cents, rope, sink, window, scale, G, device, max_queries)
                 model_mlp = _fit_mlp(xs, ts, hidden, C, steps, batch, lr, device)
             out[l] = LayerIndex(cents, model_mlp)
             bar.advance(task)
     info = {"context": context, "clusters": C, "hidden": hidden if mlp else 0, "steps": steps if mlp else 0,
-            "sink": sink, "window": window, "sequences": len(collection.sequences)}
+            "sink": sink, "window": window, "sequences": len(collection.sequences), "max_queries": max_queries}
     return SaapIndex(ident, rope, out, train_info=info)
 
 
 def _layer_samples(collection: Collection, layer: int, cents: Tensor, rope, sink: int, window: int, scale: float,
-                   G: int, device: str) -> tuple[Tensor, Tensor]:
+                   G: int, device: str, max_queries: int | None = None) -> tuple[Tensor, Tensor]:
     """(Hkv, M, D) de-roped training queries and their (Hkv, M, C) long-range cluster-mass targets."""
     Hkv, C, _ = cents.shape
     xs, ts = [[] for _ in range(Hkv)], [[] for _ in range(Hkv)]
@@ -162,8 +163,11 @@ def _layer_samples(collection: Collection, layer: int, cents: Tensor, rope, sink
         n = keys.shape[1]
         assign = assign_keys(cents.to(device), keys[None, :, sink:])[0]  # (Hkv, N - sink)
         k_rot = apply_rope(keys, torch.arange(n, device=device), rope)
-        pos = rec.query_positions.to(device)
-        q = rec.queries[layer].to(device)  # (Hq, M, D)
+        m = rec.query_positions.numel()
+        keep = torch.linspace(0, m - 1, min(m, max_queries or m)).round().long()  # spread over the positions
+        pos = rec.query_positions[keep].to(device)
+        q = rec.queries[layer][:, keep].to(device)  # (Hq, M, D)
+
         q_rot = apply_rope(q, pos, rope)
         for h in range(Hkv):
             for g in range(G):

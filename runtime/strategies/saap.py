@@ -44,7 +44,7 @@ class SaapState:
     the reference path) and the plan's selectivity accumulator."""
 
     index: Any
-    workspace: tuple[Tensor, Tensor] | None
+    workspace: tuple[Tensor, Tensor, Tensor] | None
     stats: Tensor
 
 
@@ -108,7 +108,7 @@ class Saap(Strategy[SaapPlan]):
         if use_triton(q):
             from ..kernels.saap import saap_workspace
 
-            workspace = saap_workspace(plan.num_splits, q, v)
+            workspace = saap_workspace(plan.num_splits, q, v, k.shape[1], get_index(plan.index).num_clusters)
         return SaapState(index=get_index(plan.index, q.device), workspace=workspace,
                          stats=stats_buffer(plan.runtime_key(), q.device))
 

@@ -51,6 +51,7 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     (2, 4, 2, 97, 80, 1, 8, 2, 3, 16, torch.float16),  # odd N, D = 80 (padded)
     (1, 8, 2, 200, 64, 2, 32, 5, 5, 32, torch.float32),  # two query tokens, G = 4
     (1, 2, 2, 130, 64, 1, 16, 16, 2, 16, torch.float32),  # every cluster: dense
+    (1, 2, 1, 260, 64, 1, 64, 40, 4, 32, torch.float32),  # many probes over many (small, some empty) clusters
 ])
 def test_kernel_matches_reference_on_the_same_sparse_set(B, Hq, Hkv, N, D, L, C, probes, splits, block_n, dtype):
     keep = run_case(B, Hq, Hkv, N, D, L, C, probes, sink=2, window=17, prompt=N - 3, dtype=dtype, splits=splits,
