@@ -61,8 +61,14 @@ def assign_keys(centroids: Tensor, keys: Tensor) -> Tensor:
     """Nearest centroid (L2, as k-means trained them) of each key: centroids (Hkv, C, D), keys (B, Hkv, n, D)
     de-roped, fp32 -> (B, Hkv, n) int64. Uses ``argmax(k . c - |c|^2 / 2)``, one matmul per head."""
     c = centroids.to(keys.device, torch.float32)
-    score = torch.einsum("bhnd,hcd->bhnc", keys.float(), c) - 0.5 * (c * c).sum(-1)[None, :, None, :]
-    return score.argmax(dim=-1)
+    half_norm = 0.5 * (c * c).sum(-1)[None, :, None, :]
+    B, H, n, _ = keys.shape
+    step = max(1, (1 << 26) // max(1, B * H * c.shape[1]))  # about 64M scores at a time (512k keys x 2048 clusters)
+    out = []
+    for lo in range(0, n, step):
+        score = torch.einsum("bhnd,hcd->bhnc", keys[:, :, lo:lo + step].float(), c) - half_norm
+        out.append(score.argmax(dim=-1))
+    return torch.cat(out, dim=-1) if out else torch.zeros((B, H, 0), dtype=torch.int64, device=keys.device)
 
 
 def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sink: int, window: int,

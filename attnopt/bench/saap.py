@@ -1,0 +1,222 @@
+"""``attnopt bench saap``: SAAP sparse decode against dense attention on a llama3-8b-shaped layer, one GPU.
+
+Keys are synthetic and clustered: per KV head, C centroids (C = min(2048, N / 64)), each key a centroid plus
+noise, with uneven cluster sizes (log-normal weights, so the balancing matters), then rotated by RoPE at its
+position as a real cache holds it. The index holds those centroids (no MLP: centroid scoring), plus a variant with
+a random query MLP of hidden 1024 to time the MLP's scoring. Each query is drawn near one cluster. The build at
+prefill runs once per input set, outside the timing.
+
+Per case it times, in one process, CUDA-graph replays (``common.time_us``) of:
+
+* ``sdpa-cudnn`` and ``sdpa-flash`` dense (``enable_gqa``);
+* ``attnopt:dense-best``: the fastest measured of the top split-KV / stream-K plans (by estimate);
+* ``attnopt:saap`` / ``attnopt:saap-mlp`` at each target total selectivity: the whole op (scoring, top-l,
+  statistics, the kernel and the merge), as ``strategy.run`` runs it inside a captured graph.
+
+Inputs rotate over several sets so that the sparse reads miss in L2. SAAP's output is checked against the SAAP
+reference over the same sparse set; the dense methods against dense fp32 attention.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: name -> (B, Hq, Hkv, D, N)
+CASES = {"tiny-4k": (1, 8, 2, 128, 4096), "llama3-8b-32k": (1, 32, 8, 128, 32768), "llama3-8b-128k": (1, 32, 8, 128, 131072),
+         "llama3-8b-512k": (1, 32, 8, 128, 524288)}
+TARGETS = (0.02, 0.05, 0.10)
+SINK = 1
+
+
+def register(suites) -> None:
+    p = suites.add_parser("saap", help="SAAP sparse decode vs cuDNN and attnopt's best dense plan (one GPU)",
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="results JSON path (default: benchmarks/results/saap-<device>.json)")
+    p.add_argument("--cases", default=",".join(c for c in CASES if c != "tiny-4k"),
+                   help=f"comma-separated; known: {', '.join(CASES)}")
+    p.add_argument("--targets", default=",".join(str(t) for t in TARGETS), help="total selectivities to aim at")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--dense-candidates", type=int, default=3, help="split-KV / stream-K plans timed per kind")
+    p.add_argument("--no-mlp", action="store_true", help="skip the MLP-scored variant")
+    p.add_argument("--commit", default=None)
+    p.set_defaults(func=run_cli)
+
+
+def budget(target: float, n: int, clusters: int) -> tuple[int, int]:
+    """(window, probes) for a total selectivity ``target`` at ``n`` keys: the window takes a quarter of the
+    budget (at most the paper's 2047), the clusters the rest at their average size."""
+    window = min(2047, int(0.25 * target * n))
+    probes = max(1, round((target * n - SINK - window) / (n / clusters)))
+    return window, min(probes, clusters)
+
+
+def _clustered_set(i, B, Hq, Hkv, D, N, centroids, rope, dtype, gen):
+    import torch
+
+    from attnopt.runtime.saap.rope import apply_rope
+
+    C = centroids.shape[1]
+    weights = torch.exp(torch.randn(Hkv, C, device="cuda", generator=gen))  # log-normal cluster sizes
+    assign = torch.multinomial(weights, N, replacement=True, generator=gen)  # (Hkv, N)
+    keys = centroids.gather(1, assign[..., None].expand(-1, -1, D)) + 0.35 * torch.randn(
+        Hkv, N, D, device="cuda", generator=gen)
+    k = apply_rope(keys[None], torch.arange(N, device="cuda"), rope).to(dtype)
+    v = torch.randn(B, Hkv, N, D, device="cuda", generator=gen).to(dtype)
+    target = torch.randint(0, C, (Hkv,), device="cuda", generator=gen)
+    qd = (centroids[torch.arange(Hkv, device="cuda"), target][:, None, :].expand(Hkv, Hq // Hkv, D).reshape(Hq, D)
+          + 0.5 * torch.randn(Hq, D, device="cuda", generator=gen))
+    q = apply_rope(qd[None, :, None, :], torch.tensor([N - 1], device="cuda"), rope).to(dtype)
+    return {"q": q, "k": k.expand(B, -1, -1, -1).contiguous(), "v": v, "mask": None, "valid": None}
+
+
+def _mlp_index(index, hidden, gen):
+    import torch
+
+    from attnopt.runtime.saap.index import LayerIndex
+
+    Hkv, C, D = next(iter(index.layers.values())).centroids.shape
+    for l, li in list(index.layers.items()):
+        mlp = {"w1": torch.randn(Hkv, hidden, D, generator=gen) / math.sqrt(D), "b1": torch.zeros(Hkv, hidden),
+               "bn_mean": torch.zeros(Hkv, hidden), "bn_var": torch.ones(Hkv, hidden),
+               "bn_weight": torch.ones(Hkv, hidden), "bn_bias": torch.zeros(Hkv, hidden),
+               "w2": torch.randn(Hkv, C, hidden, generator=gen) / math.sqrt(hidden), "b2": torch.zeros(Hkv, C)}
+        index.layers[l] = LayerIndex(li.centroids, mlp)
+    return index
+
+
+def run(args) -> dict[str, Any]:
+    import torch
+
+    from attnopt.hardware import detect_profile
+    from attnopt.plan import SaapPlan
+    from attnopt.runtime.reference import attention_states
+    from attnopt.runtime.saap import build_clusters, registry, saap_decode
+    from attnopt.runtime.saap.index import synthetic_index
+    from attnopt.runtime.saap.train import cluster_count
+    from attnopt.runtime.strategies import PlanContext, get_strategy
+    from attnopt.site import AttentionSite
+
+    from .common import cycle, read_bandwidth_TBps, rel_err, results_header, time_us
+    from .kernels import _attnopt_methods, _peer_methods, plan_call
+
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    reads = read_bandwidth_TBps()
+    results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
+                             timing="us: median per call over CUDA-graph replays (scoring and top-l included)")
+    hw = detect_profile()
+    strat = get_strategy("saap")
+    tmp = Path(tempfile.mkdtemp(prefix="attnopt-saap-bench-"))
+    t0 = time.time()
+    for case in names:
+        B, Hq, Hkv, D, N = CASES[case]
+        C = min(2048, cluster_count(N))
+        scale = 1.0 / math.sqrt(D)
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        centroids = torch.randn(Hkv, C, D, device="cuda", generator=gen)
+        smallest = min(targets) * N * B * Hkv * 2 * D * dtype.itemsize  # the fewest bytes a SAAP call reads
+        count = max(1, min(8, math.ceil(4 * (results.get("l2_bytes") or 50 << 20) / smallest)))
+        layers = tuple(range(1, count + 1))  # one index layer per input set: each set its own clusters
+        base = synthetic_index(Hq, Hkv, D, C, layers=layers, centroids=centroids.cpu())
+        paths = {"saap": tmp / f"{case}.safetensors"}
+        base.save(paths["saap"])
+        if not args.no_mlp:
+            paths["saap-mlp"] = tmp / f"{case}-mlp.safetensors"
+            _mlp_index(synthetic_index(Hq, Hkv, D, C, layers=layers, centroids=centroids.cpu()), 1024,
+                       torch.Generator().manual_seed(3)).save(paths["saap-mlp"])
+        sets = [_clustered_set(i, B, Hq, Hkv, D, N, centroids, base.rope, dtype, gen) for i in range(count)]
+        print(f"\n== {case}: B={B} Hq={Hq} Hkv={Hkv} D={D} N={N}, C={C}, {len(sets)} input sets", flush=True)
+        dense_ref = attention_states(sets[0]["q"].float(), sets[0]["k"], sets[0]["v"], scale=scale)[0]
+        kv_bytes = B * Hkv * N * 2 * D * dtype.itemsize
+        rows = []
+
+        def timed(name, calls, ref, extra):
+            row = {"case": case, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "N": N, "dtype": str(dtype)[6:],
+                   "method": name, "clusters": C, "rotation_sets": len(calls), **extra}
+            try:
+                out = calls[0]()
+                torch.cuda.synchronize()
+                row["rel_err"] = rel_err(out.float(), ref)
+                row["us"] = time_us(cycle(calls), "graph")
+                row["floor_us"] = row.get("read_bytes", kv_bytes) / (reads["best"] * 1e12) * 1e6
+                row["frac_of_roofline"] = row["floor_us"] / row["us"]
+            except Exception as exc:  # report, do not hide: one failing method must not lose the others
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                torch.cuda.synchronize()
+            rows.append(row)
+            print(f"  {name:<22} {extra.get('target', ''):>6} " + (f"{row['us']:9.1f} µs  err {row['rel_err']:.1e}"
+                  if "us" in row else row["error"]), flush=True)
+            return row
+
+        for m in _peer_methods(B, Hq, Hkv, D, N, None, scale, argparse.Namespace(no_flex=True, no_eager_peer=True)):
+            if m.name in ("sdpa-cudnn", "sdpa-flash"):
+                timed(m.name, [m.make(s) for s in sets], dense_ref, {"peer": True})
+        dense_rows = [timed(m.name, [m.make(s) for s in sets], dense_ref, {"peer": False, "plan": m.plan})
+                      for m in _attnopt_methods(B, Hq, Hkv, D, N, 1, None, str(dtype)[6:], scale,
+                                                argparse.Namespace(max_candidates=args.dense_candidates))]
+        ok = [r for r in dense_rows if "us" in r]
+        best_dense = min(ok, key=lambda r: r["us"]) if ok else None
+        if best_dense:
+            rows.append({**best_dense, "method": "attnopt:dense-best"})
+        site = AttentionSite(node="bench", module_path="model.layers.1.self_attn", pattern="sdpa", batch=B,
+                             q_heads=Hq, kv_heads=Hkv, head_dim=D, q_len=1, kv_len=N, dtype=str(dtype)[6:],
+                             gqa_source="enable_gqa")
+        for variant, path in paths.items():
+            for target in targets:
+                window, probes = budget(target, N, C)
+                registry.reset()
+                ctx = PlanContext(device_type="cuda", triton_available=True, extras={
+                    "saap": {"index": str(path), "probes": probes, "sink": SINK, "window": window}})
+                proto = next(iter(strat.candidates(site, hw, ctx)))
+                index = registry.get_index(path, "cuda")
+                calls, plans = [], []
+                for layer, s in zip(layers, sets):
+                    registry.set_state(path, layer, build_clusters(index, layer, s["k"], N - 1, SINK, window))
+                    plan = SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
+                                    num_splits=proto.num_splits, block_n=proto.block_n)
+                    plans.append(plan)
+                    calls.append(plan_call(plan, s, scale))
+                want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"],
+                                           sets[0]["k"], sets[0]["v"], probes, scale)
+                sel = float(sel)
+                timed(f"attnopt:{variant}", calls, want.float(),
+                      {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
+                       "selectivity": sel, "read_bytes": sel * kv_bytes, "plan": plans[0].describe()})
+        by = {r["method"]: r for r in rows if "us" in r}
+        for r in rows:
+            if "us" in r:
+                for peer in ("sdpa-cudnn", "attnopt:dense-best"):
+                    if peer in by:
+                        r[f"speedup_vs_{peer.split(':')[-1]}"] = by[peer]["us"] / r["us"]
+        results["rows"].extend(rows)
+        del sets
+        torch.cuda.empty_cache()
+    results["elapsed_s"] = round(time.time() - t0, 1)
+    return results
+
+
+def run_cli(args) -> int:
+    import torch
+
+    from .common import format_table, write_results
+
+    if not torch.cuda.is_available():
+        raise ValueError("attnopt bench saap needs a CUDA GPU")
+    results = run(args)
+    out = args.out or f"benchmarks/results/saap-{results['device'].replace(' ', '-').lower()}.json"
+    write_results(out, results)
+    print(format_table(results["rows"], [("case", "case", ""), ("method", "method", ""), ("target", "target", ".2f"),
+                                         ("selectivity", "sel", ".3f"), ("us", "µs", ".1f"),
+                                         ("speedup_vs_sdpa-cudnn", "x cuDNN", ".2f"),
+                                         ("speedup_vs_dense-best", "x best dense", ".2f"),
+                                         ("rel_err", "rel err", ".1e")]))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,32 @@
+"""``attnopt bench saap``: its budget arithmetic and command line on the CPU; a tiny case on a GPU."""
+import argparse
+import json
+
+import pytest
+
+from attnopt.bench.saap import budget
+from attnopt.cli import build_parser
+
+
+def test_budget_hits_the_target_selectivity():
+    for n, clusters in ((32768, 512), (131072, 2048), (524288, 2048)):
+        for target in (0.02, 0.05, 0.10):
+            window, probes = budget(target, n, clusters)
+            attended = 1 + window + probes * n / clusters
+            assert window <= 2047 and abs(attended / n - target) < 0.5 * n / clusters / n + 1e-9
+
+
+def test_bench_saap_is_registered():
+    args = build_parser().parse_args(["bench", "saap", "--cases", "llama3-8b-128k", "--targets", "0.05"])
+    assert args.cases == "llama3-8b-128k" and args.func.__module__ == "attnopt.bench.saap"
+
+
+@pytest.mark.cuda
+def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
+    from attnopt.bench.saap import run
+
+    res = run(argparse.Namespace(cases="tiny-4k", targets="0.05", dtype="bf16", dense_candidates=1, no_mlp=False,
+                                 commit=None))
+    saap = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
+    assert len(saap) == 2 and all("us" in r and r["rel_err"] < 2e-2 for r in saap), json.dumps(saap)
+    assert all(0.01 < r["selectivity"] < 0.3 for r in saap)
