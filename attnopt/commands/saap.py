@@ -56,7 +56,7 @@ def register(sub) -> None:
     e = cmds.add_parser("eval", help="quality of SAAP and of the centroid baseline against dense attention")
     _model_args(e)
     e.add_argument("--index", required=True, help="index file from 'attnopt saap train'")
-    e.add_argument("--context", type=int, default=8192, help="tokens per evaluation sequence (default 8192)")
+    e.add_argument("--context", type=int, default=8192, help="tokens per evaluation sequence, the SAAP-decoded tail included (default 8192)")
     e.add_argument("--sequences", type=int, default=2, help="held-out sequences (default 2)")
     e.add_argument("--tail", type=int, default=64, help="tokens decoded with SAAP per sequence (default 64)")
     e.add_argument("--targets", type=_parse_floats, default=[0.02, 0.05, 0.10, 0.20],
@@ -146,7 +146,7 @@ def run_eval(args) -> int:
     index = load_index(args.index, model.config)
     methods = ["mlp", "centroids"] if index.has_mlp else ["centroids"]
     tail = args.tail
-    windows = token_windows(tok, "eval", args.context + tail + 1, args.sequences)
+    windows = token_windows(tok, "eval", args.context, args.sequences)  # prompt + tail + one label token
     filler = token_windows(tok, "eval", max(args.passkey_lengths or [1]), 1)[0]
 
     def settings(n: int, t: int = tail):

@@ -40,7 +40,7 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), scores.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        end, out, lse, probes=probes, sink=sink, scale=0.125, valid_len=vl, num_splits=splits,
                        block_n=block_n)
-    tol = {torch.float32: 2e-5, torch.float16: 2e-3}[dtype]
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=tol, rtol=tol)
     return keep
@@ -74,3 +74,12 @@ def test_kernel_reads_nothing_past_the_valid_length():
 
 def test_kernel_with_more_splits_than_tiles_gives_empty_partials_not_nan():
     run_case(1, 2, 1, 40, 64, 1, 4, 1, sink=1, window=4, prompt=40, dtype=torch.float32, splits=8, block_n=32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,C,probes", [(4096, 64, 5), (70000, 1024, 200)])
+def test_kernel_bf16_compiled_on_the_gpu(N, C, probes):
+    """Compiled on a GPU (bf16 is wrong in the interpreter): long sequences, many clusters and probes."""
+    keep = run_case(1, 32, 8, N, 128, 1, C, probes, sink=1, window=512, prompt=N - 1, dtype=torch.bfloat16,
+                    splits=16, block_n=64)
+    assert float(keep.float().mean()) < 0.9
