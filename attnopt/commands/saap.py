@@ -62,6 +62,8 @@ def register(sub) -> None:
     e.add_argument("--targets", type=_parse_floats, default=[0.02, 0.05, 0.10, 0.20],
                    help="total selectivities to aim at (default 0.02,0.05,0.1,0.2)")
     e.add_argument("--sink", type=int, default=4)
+    e.add_argument("--methods", default="mlp,centroids,window",
+                   help="SAAP (mlp), the centroid baseline, StreamingLLM's sink + window (default: all three)")
     e.add_argument("--passkey-lengths", type=_parse_ints, default=[2048, 4096, 8192])
     e.add_argument("--passkey-trials", type=int, default=2)
     e.add_argument("--out", help="write the results JSON here")
@@ -144,7 +146,7 @@ def run_eval(args) -> int:
 
     model, tok = _load_model(args.model)
     index = load_index(args.index, model.config)
-    methods = ["mlp", "centroids"] if index.has_mlp else ["centroids"]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip() and (m.strip() != "mlp" or index.has_mlp)]
     tail = args.tail
     windows = token_windows(tok, "eval", args.context, args.sequences)  # prompt + tail + one label token
     filler = token_windows(tok, "eval", max(args.passkey_lengths or [1]), 1)[0]

@@ -63,8 +63,18 @@ class Setting:
     probes: int
 
 
+METHODS = ("mlp", "centroids", "window")
+
+
 def setting_for(index: SaapIndex, method: str, target: float, context: int, tail: int, sink: int = 4) -> Setting:
-    """Window and probes that aim at ``target`` total selectivity at ``context`` keys (tail tokens count too)."""
+    """Window and probes that aim at ``target`` total selectivity at ``context`` keys (tail tokens count too).
+
+    ``method`` "mlp" (SAAP), "centroids" (the training-free baseline: same clusters, scored by centroids), or
+    "window" (StreamingLLM: sink + a window that takes the whole budget, no cluster)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    if method == "window":
+        return Setting(method, target, sink, max(16, round(target * context - sink - tail / 2)), 0)
     window = max(16, round(context * WINDOW_FRACTION.get(target, target / 5)))
     per_cluster = max(1.0, (context - window - sink) / index.num_clusters)
     probes = max(1, round((target * context - sink - window - tail / 2) / per_cluster))
@@ -84,10 +94,12 @@ class Harness:
         self.prompt_len = 0
         self.states: dict[int, ClusterState] = {}
         self.stats: dict[str, list[float]] = {"recall": [], "selectivity": []}
+        self.layer_recall: dict[int, list[float]] = {}
 
     def use(self, setting: Setting | None, prompt_len: int) -> None:
         self.setting, self.prompt_len, self.states = setting, prompt_len, {}
         self.stats = {"recall": [], "selectivity": []}
+        self.layer_recall = {}
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer = int(module.layer_idx)
@@ -99,7 +111,7 @@ class Harness:
         if layer not in self.states:
             self.states[layer] = build_clusters(index, layer, key, self.prompt_len, s.sink, s.window)
         positions = torch.arange(N - L, N, device=query.device)
-        clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)
+        clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)  # (.., 0) for "window"
         keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
         G = query.shape[1] // key.shape[1]
         mask = keep.repeat_interleave(G, dim=1)
@@ -109,6 +121,7 @@ class Harness:
         visible = cols[None, :] <= positions[:, None]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         self.stats["recall"].append(float((probs * mask).sum(-1).mean()))
+        self.layer_recall.setdefault(layer, []).append(self.stats["recall"][-1])
         self.stats["selectivity"].append(float((keep.sum(-1).float() / (positions + 1).float()).mean()))
         return out.transpose(1, 2).contiguous(), None
 
@@ -136,7 +149,7 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
     first window's dense prefill time and the time to build every layer's clusters over its keys (seconds)."""
     from transformers import DynamicCache
 
-    rows: dict[Setting | None, dict[str, list]] = {s: {"nll": [], "agree": [], "recall": [], "sel": []}
+    rows: dict[Setting | None, dict[str, list]] = {s: {"nll": [], "agree": [], "recall": [], "sel": [], "layers": {}}
                                                   for s in [None, *settings]}
     task = progress.add_task("evaluate text", total=len(windows) * (len(settings) + 1)) if progress else None
     timing: dict[str, float] = {}
@@ -166,6 +179,8 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
             stats = harness.summary()
             r["recall"].append(stats["recall"])
             r["sel"].append(stats["selectivity"])
+            for layer, values in harness.layer_recall.items():
+                r["layers"].setdefault(layer, []).extend(values)
             if task is not None:
                 progress.advance(task)
     n_tok = len(windows) * tail
@@ -175,6 +190,8 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
         row.update(perplexity=math.exp(sum(r["nll"]) / n_tok), next_token_agreement=sum(r["agree"]) / n_tok,
                    recall=None if s is None else sum(r["recall"]) / len(r["recall"]),
                    selectivity=1.0 if s is None else sum(r["sel"]) / len(r["sel"]))
+        if s is not None:
+            row["recall_per_layer"] = {l: round(sum(v) / len(v), 4) for l, v in sorted(r["layers"].items())}
         out.append(row)
     return out, timing
 

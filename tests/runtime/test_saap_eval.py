@@ -51,20 +51,22 @@ def test_every_cluster_gives_dense_results(tiny):
     assert math.isclose(full["selectivity"], 1.0) and math.isclose(full["recall"], 1.0, rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["mlp", "centroids"])
-def test_harness_attention_is_the_reference_decode(tiny, method):
+@pytest.mark.parametrize("method,probes", [("mlp", 3), ("centroids", 3), ("window", 0)])
+def test_harness_attention_is_the_reference_decode(tiny, method, probes):
     model, _, index = tiny
     harness = Harness(model, index)
-    s = Setting(method, 0.1, sink=1, window=8, probes=3)
+    s = Setting(method, 0.1, sink=1, window=8, probes=probes)
     harness.use(s, prompt_len=150)
     q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 151, 16), torch.randn(1, 2, 151, 16)
     out, _ = harness(types.SimpleNamespace(layer_idx=2), q, k, v, None, scaling=0.25)
     ref_index = index if method == "mlp" else index.without_mlp()
     state = build_clusters(ref_index, 2, k, 150, 1, 8)
-    want, _, sel = saap_decode(ref_index, 2, state, q, k, v, 3, 0.25)
+    want, _, sel = saap_decode(ref_index, 2, state, q, k, v, probes, 0.25)
     torch.testing.assert_close(out.transpose(1, 2), want)
     assert math.isclose(harness.summary()["selectivity"], float(sel), rel_tol=1e-6)
     assert 0 < harness.summary()["recall"] < 1
+    if method == "window":  # sink + window only: 1 + (151 - 142) keys
+        assert math.isclose(float(sel), 10 / 151, rel_tol=1e-6)
 
 
 def test_setting_shrinks_the_window_with_the_context(tiny):
@@ -72,6 +74,10 @@ def test_setting_shrinks_the_window_with_the_context(tiny):
     s8 = setting_for(index, "mlp", 0.10, 8192, 64)
     s2 = setting_for(index, "mlp", 0.10, 2048, 16)
     assert s8.window == 128 and s2.window == 32 and s8.probes >= 1
+    streaming = setting_for(index, "window", 0.10, 8192, 64)
+    assert streaming.probes == 0 and streaming.window == round(819.2 - 4 - 32)
+    with pytest.raises(ValueError, match="valid: mlp, centroids, window"):
+        setting_for(index, "lsh", 0.1, 8192, 64)
 
 
 def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
