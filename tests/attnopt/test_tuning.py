@@ -18,7 +18,7 @@ from attnopt.runtime.strategies import PlanContext
 from attnopt.runtime.strategies.dense import Dense, backend_reason
 from attnopt.site import AttentionSite
 from attnopt.tuning import ShapeKey, Tuner, TuningCache, bucket_of
-from passes.plan import plan_site
+from attnopt.passes.plan import plan_site
 
 ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "570.1", "torch": "2.11.0", "triton": "3.6.0",
        "attnopt": "0.1.0", "tuning": "1"}
@@ -45,7 +45,7 @@ class FakeTimer:
 
 def _ranked(site=SITE, ctx=CUDA_CTX):
     from attnopt.config import OptimizeConfig
-    from passes.plan import rank_candidates
+    from attnopt.passes.plan import rank_candidates
 
     return rank_candidates(site, builtin_profile("h100-sxm"), ctx, OptimizeConfig())[0]
 
@@ -277,3 +277,38 @@ def test_optimize_uses_the_measured_choice_end_to_end(cache):
     (site,) = attnopt.last_plans(opt).rewritten
     assert site.choice == "measured" and site.chosen.runtime_key() == winner["key"]
     assert site.chosen.runtime_key() != site.candidates[0].runtime_key()
+
+
+# ---------------------------------------------------------------------------------------- attnopt tune
+def test_tune_cli_message_and_shapes(capsys, monkeypatch):
+    import argparse
+
+    from attnopt.cli import main
+    from attnopt.commands.tune import build_sites, resolve_heads, tune_sites
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["tune", "32/8x128", "--context", "8k"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA GPU" in err and "cost model" in err
+    assert resolve_heads("smollm2") == (9, 3, 64) and resolve_heads("56x64") == (56, 56, 64)
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve_heads("/no/such/model")
+    args = argparse.Namespace(shapes=["llama3-8b", "9/3x64"], context="8k,32k", batch="1,4", q_len="1",
+                              dtype="bfloat16", mask="none", symbolic=False)
+    sites = build_sites(args)
+    assert len(sites) == 8 and {s.kv_len for s in sites} == {8192, 32768}
+    assert main(["tune", "llama3-8b", "--batch", "0"]) == 2  # bad input: a clear error, exit 2
+
+
+def test_tune_sites_drives_the_tuner(cache):
+    import argparse
+
+    from attnopt.commands.tune import build_sites, tune_sites
+
+    args = argparse.Namespace(shapes=["llama3-8b"], context="8k", batch="1", q_len="1,4", dtype="bfloat16",
+                              mask="valid_length", symbolic=False)
+    timer = FakeTimer(_cudnn_fastest)
+    rows = tune_sites(build_sites(args), Tuner(timer, cache, env=ENV), builtin_profile("h100-sxm"), CUDA_CTX)
+    assert [r["choice"] for r in rows] == ["measured", "measured"]
+    assert all("backend=cudnn" in r["plan"] and r["measured_us"] == 5.0 for r in rows)
+    assert all(r["predicted_us"] > 0 for r in rows)
