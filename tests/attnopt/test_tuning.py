@@ -312,3 +312,80 @@ def test_tune_sites_drives_the_tuner(cache):
     assert [r["choice"] for r in rows] == ["measured", "measured"]
     assert all("backend=cudnn" in r["plan"] and r["measured_us"] == 5.0 for r in rows)
     assert all(r["predicted_us"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------------------------------- attnopt bench planner
+def test_planner_bench_grid_covers_every_group_and_head_dim():
+    from attnopt.bench.planner import GROUPS, HEAD_DIMS, MAX_SET_BYTES, sample_grid
+
+    grid = sample_grid(35, seed=19)
+    assert grid == sample_grid(35, seed=19) and len(grid) == 35
+    pairs = {(hq // hkv, d) for b, hq, hkv, d, n, L, cache in grid.values()}
+    assert pairs == {(g, d) for g in GROUPS for d in HEAD_DIMS}
+    for b, hq, hkv, d, n, L, cache in grid.values():
+        assert 1 <= b <= 64 and 1024 <= n <= 512 * 1024 and L in (1, 4) and cache in ("dynamic", "static")
+        assert b * hkv * n * 2 * d * 2 <= MAX_SET_BYTES
+    assert {cache for *_, cache in grid.values()} == {"dynamic", "static"}
+    assert {n & (n - 1) == 0 for _, _, _, _, n, _, _ in grid.values()} == {True, False}  # inside buckets too
+
+
+def test_planner_bench_overall_and_cli_without_gpu(monkeypatch, capsys):
+    from attnopt.bench.planner import overall
+    from attnopt.cli import main
+
+    out = overall([{"case": "a", "ratio_to_best_peer": 1.2, "compile_s": 3.0},
+                   {"case": "b", "ratio_to_best_peer": 0.9, "compile_s": 1.0}, {"case": "c", "error": "x"}])
+    assert out["worst_case"] == "b" and out["min_ratio"] == 0.9 and out["at_least_0_99"] == 1
+    assert out["geomean_ratio"] == pytest.approx(math.sqrt(1.2 * 0.9)) and out["compile_s_max"] == 3.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "planner", "--grid", "2"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_gpu_timer_times_a_plan_and_the_tuner_picks_on_cuda(cache):
+    """On a GPU: the real timer returns a positive time for a kernel plan and an SDPA backend, and the default
+    tuner's choice at a small shape is one of the timed candidates, cached for the next process."""
+    import dataclasses
+
+    site = dataclasses.replace(SITE, kv_len=4096)
+    ranked = _ranked(site)
+    assert tuning.gpu_timer(ranked[0], site) > 0
+    assert tuning.gpu_timer(DensePlan(backend="cudnn"), site) > 0
+    choice = tuning.Tuner(cache=TuningCache()).choose(site, ranked)
+    assert choice.choice == "measured" and choice.measured_us > 0
+    assert tuning.Tuner(cache=TuningCache()).choose(site, ranked).choice == "cached"
+
+
+def test_timer_gets_real_inputs_inside_the_compile_and_the_op_path_is_exact(cache):
+    """The planner runs inside dynamo's backend call: a timer there must build real tensors (not fake ones) with
+    ``synthetic_inputs`` and run the candidate through ``site_call`` (mask -> valid length on the device for
+    kernel plans). This runs both on the CPU for every candidate of a static-cache site and checks each result."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    torch._dynamo.reset()
+    checked = []
+
+    def real_timer(plan, site):
+        with unset_fake_temporarily():
+            s = tuning.synthetic_inputs(site, 0, device="cpu")
+            out = tuning.site_call(plan, site, s)()
+            assert not isinstance(out, FakeTensor) and s["mask"].shape == (2, 1, 1, 48)
+            keep = s["mask"][:, 0, 0, :].sum(-1)
+            ref = decode_attention(s["q"], s["k"], s["v"], valid_len=keep, scale=site.scale or 64 ** -0.5)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            checked.append(plan.kind)
+            return 1.0 if plan.kind == "split_kv" else 2.0
+
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    q, k, v = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 48, 64), torch.randn(2, 2, 48, 64)
+    mask = (torch.arange(48) < 30)[None, None, None, :].expand(2, 1, 1, 48).contiguous()
+    with tuning.use_tuner(Tuner(real_timer, cache, env=ENV, top_k=2)):
+        opt = attnopt.optimize(attend, inner_backend="eager", dynamic=False)
+        out = opt(q, k, v, mask)
+    torch.testing.assert_close(out, attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    (site,) = attnopt.last_plans(opt).rewritten
+    assert site.choice == "measured" and site.chosen.kind == "split_kv"
+    assert "dense" in checked and checked.count("split_kv") >= 1
