@@ -137,6 +137,7 @@ class TuningCache:
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else cache_path()
         self._warned = False
+        self._warned_write = False
 
     @staticmethod
     def key(env: dict[str, str], shape: ShapeKey) -> str:
@@ -168,6 +169,18 @@ class TuningCache:
 
     def get(self, env: dict[str, str], shape: ShapeKey) -> dict[str, Any] | None:
         return self.load().get(self.key(env, shape))
+
+    def save(self, env: dict[str, str], shape: ShapeKey, record: dict[str, Any]) -> bool:
+        """``put``, but a file that cannot be written (read-only home, full disk) costs one warning line, not the
+        compile: the measurement still holds for this process's choice. Returns whether it was written."""
+        try:
+            self.put(env, shape, record)
+            return True
+        except OSError as exc:
+            if not self._warned_write:
+                self._warned_write = True
+                log.warning("attnopt: cannot write the tuning cache %s (%s); measurements are not kept", self.path, exc)
+            return False
 
     def put(self, env: dict[str, str], shape: ShapeKey, record: dict[str, Any]) -> None:
         """Add one record: re-read the file, merge, write a temporary file beside it, ``os.replace`` it in (atomic,
@@ -299,7 +312,7 @@ class Tuner:
         best = min(measured, key=measured.get)
         choice = Choice(by_key[best], "measured", measured[best], timings, tune_s)
         if self.cache is not None:
-            self.cache.put(self.environment(), shape, {
+            self.cache.save(self.environment(), shape, {
                 "winner": by_key[best].to_dict(), "measured_us": measured[best], "timings": timings,
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})

@@ -108,14 +108,12 @@ class Dense(Strategy[DensePlan]):
         return kernel_cost.dense_us(site, hw)
 
     def prepare(self, plan: DensePlan, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """Whether K/V must be expanded: the named backend rejects ``enable_gqa`` here (found by one small call
-        with this call's dtype and head dims). ``auto`` and MHA never expand."""
+        """Whether K/V must be expanded: the named backend rejects ``enable_gqa`` for these tensors (found by one
+        call on them, without the mask). ``auto`` and MHA never expand."""
         if plan.backend == "auto" or q.shape[1] == k.shape[1]:
             return False
-        probe_q = q.new_zeros((1, q.shape[1], 1, q.shape[3]))
-        probe_k, probe_v = k.new_zeros((1, k.shape[1], 8, k.shape[3])), v.new_zeros((1, v.shape[1], 8, v.shape[3]))
         try:
-            _sdpa(plan, False, probe_q, probe_k, probe_v, None, None, False)
+            _sdpa(plan, False, q, k, v, None, None, False)
             return False
         except RuntimeError:
             return True

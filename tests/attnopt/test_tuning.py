@@ -389,3 +389,13 @@ def test_timer_gets_real_inputs_inside_the_compile_and_the_op_path_is_exact(cach
     (site,) = attnopt.last_plans(opt).rewritten
     assert site.choice == "measured" and site.chosen.kind == "split_kv"
     assert "dense" in checked and checked.count("split_kv") >= 1
+
+
+def test_an_unwritable_cache_warns_and_the_choice_stands(tmp_path, caplog):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache folder should be")
+    cache = TuningCache(blocker / "tuning" / "tuning.json")
+    with caplog.at_level(logging.WARNING, logger="attnopt.tuning"):
+        choice = Tuner(FakeTimer(_cudnn_fastest), cache, env=ENV).choose(SITE, _ranked())
+    assert choice.choice == "measured" and choice.plan.backend == "cudnn"
+    assert any("cannot write the tuning cache" in r.getMessage() for r in caplog.records)
