@@ -220,9 +220,9 @@ def test_bucketed_plan_runs_each_buckets_plan_through_the_op():
     inner_large = SplitKVPlan(num_splits=2, block_n=16).runtime_key()
     plan = BucketedPlan(bounds=(32, 128), plans=(inner_small, inner_large))
     for n in (20, 100):
-        q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
-        out = torch.ops.attnopt.decode_attention(q, k, v, None, None, 0.25, False, plan.runtime_key(), "t:bucketed")
-        torch.testing.assert_close(out, decode_attention(q, k, v, scale=0.25), atol=1e-5, rtol=1e-5)
+        q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+        out = torch.ops.attnopt.decode_attention(q, k, v, None, None, 0.125, False, plan.runtime_key(), "t:bucketed")
+        torch.testing.assert_close(out, decode_attention(q, k, v, scale=0.125), atol=1e-5, rtol=1e-5)
     state = next(s for key, s in ops._STATES.items() if key[0] == plan.runtime_key())
     assert [p.kind for p, _, _ in state] == ["dense", "split_kv"]
 
@@ -399,3 +399,32 @@ def test_an_unwritable_cache_warns_and_the_choice_stands(tmp_path, caplog):
         choice = Tuner(FakeTimer(_cudnn_fastest), cache, env=ENV).choose(SITE, _ranked())
     assert choice.choice == "measured" and choice.plan.backend == "cudnn"
     assert any("cannot write the tuning cache" in r.getMessage() for r in caplog.records)
+
+
+def test_symbolic_length_through_optimize_runs_each_buckets_plan(cache):
+    """A growing cache through attnopt.optimize: the KV length is symbolic, the tuner (fake timer, buckets of 32
+    and 128 keys) picks dense for the first bucket and a Triton kernel plan for the second, and one compiled graph
+    runs both plans by the call's length, exactly."""
+    torch._dynamo.reset()
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def rule(plan, site):
+        if site.kv_len <= 32:
+            return 1.0 if plan.kind == "dense" else 9.0
+        return 1.0 if plan.kind != "dense" else 9.0
+
+    tuner = Tuner(FakeTimer(rule), cache, env=ENV, buckets=(32, 128))
+    with tuning.use_tuner(tuner):
+        opt = attnopt.optimize(attend, inner_backend="eager")
+        for n in (20, 100):
+            q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+            torch._dynamo.maybe_mark_dynamic(k, 2)
+            torch._dynamo.maybe_mark_dynamic(v, 2)
+            torch.testing.assert_close(opt(q, k, v), attend(q, k, v), atol=1e-5, rtol=1e-5)
+    report = attnopt.last_plans(opt)
+    (site,) = report.rewritten
+    assert site.site.kv_len is None and isinstance(site.chosen, BucketedPlan)
+    kinds = [plan_from_json(p).kind for p in site.chosen.plans]
+    assert kinds[0] == "dense" and kinds[1] in ("split_kv", "stream_k") and site.calls == 2
