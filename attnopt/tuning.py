@@ -214,10 +214,6 @@ class Choice:
     tune_s: float = 0.0
 
 
-def _est(p: Plan) -> float:
-    return math.inf if math.isnan(p.est_us) else p.est_us
-
-
 def to_time(ranked: Sequence[Plan], top_k: int) -> list[Plan]:
     """The candidates worth timing, in the order they are timed: the model's pick, every explicit SDPA backend
     (cuDNN first: the fastest on Hopper), then the next kernel plans by estimate, ``top_k`` kernel plans in all.

@@ -2,6 +2,7 @@
 choose among the best few by measurement (``attnopt.tuning``)."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch.fx as fx
@@ -9,6 +10,8 @@ import torch.fx as fx
 from attnopt.plan import Rejection, SiteReport
 
 from .context import PassContext
+
+log = logging.getLogger("attnopt.tuning")
 
 
 def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
@@ -70,11 +73,16 @@ def plan_site(site, hw, plan_ctx, config, tuner=None) -> SiteReport:
         from attnopt.tuning import tunable_reason
 
         if tunable_reason(site) is None:
-            if site.kv_len is not None:
-                picked = tuner.choose(site, report.candidates)
+            try:
+                if site.kv_len is not None:
+                    picked = tuner.choose(site, report.candidates)
+                else:
+                    picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0])
+            except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the compile
+                log.warning("attnopt: measuring plans for %s failed (%s: %s); using the cost model's choice",
+                            site.shape_str(), type(exc).__name__, exc)
             else:
-                picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0])
-            report.chosen, report.choice, report.measured_us = picked.plan, picked.choice, picked.measured_us
+                report.chosen, report.choice, report.measured_us = picked.plan, picked.choice, picked.measured_us
     return report
 
 

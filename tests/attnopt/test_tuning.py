@@ -428,3 +428,16 @@ def test_symbolic_length_through_optimize_runs_each_buckets_plan(cache):
     assert site.site.kv_len is None and isinstance(site.chosen, BucketedPlan)
     kinds = [plan_from_json(p).kind for p in site.chosen.plans]
     assert kinds[0] == "dense" and kinds[1] in ("split_kv", "stream_k") and site.calls == 2
+
+
+def test_a_failing_tuner_falls_back_to_the_model(caplog):
+    from attnopt.config import OptimizeConfig
+
+    class Broken(Tuner):
+        def choose(self, site, ranked, *, bucketed=False):
+            raise RuntimeError("driver went away")
+
+    with caplog.at_level(logging.WARNING, logger="attnopt.tuning"):
+        report = plan_site(SITE, builtin_profile("h100-sxm"), CUDA_CTX, OptimizeConfig(), Broken(env=ENV))
+    assert report.choice == "model" and report.chosen is report.candidates[0]
+    assert any("driver went away" in r.getMessage() for r in caplog.records)
