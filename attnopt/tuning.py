@@ -301,6 +301,9 @@ class Tuner:
                 timings[p.runtime_key()] = float(self.timer(p, site))
             except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is not a choice
                 timings[p.runtime_key()] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        release = getattr(self.timer, "release", None)
+        if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
+            release()
         measured = {k: v for k, v in timings.items() if isinstance(v, float) and math.isfinite(v)}
         tune_s = time.perf_counter() - start
         if not measured:
@@ -415,33 +418,56 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
     return call
 
 
-def gpu_timer(plan: Plan, site: AttentionSite) -> float:
-    """µs of one call of ``plan`` at ``site``'s shape: CUDA-graph replay (``bench.common.time_us``, a 2 ms graph,
-    median of 5 replays) cycling over input sets that together span several L2 sizes (``bench.common.Rotation``).
-    Raises ``MemoryError`` before allocating when the sets would take over half the free device memory."""
-    import torch
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+class GpuTimer:
+    """``timer(plan, site)`` -> µs of one call of ``plan`` at ``site``'s shape: CUDA-graph replay
+    (``bench.common.time_us``: a graph of about 2 ms of calls, median of 5 replays) cycling over input sets that
+    together span several L2 sizes (``bench.common.Rotation``).
 
-    from .bench.common import Rotation, cycle, time_us
+    The sets of the last shape are kept for the next candidate of the same shape (the tuner times several in a
+    row) and dropped by ``release()`` or a new shape. Raises ``MemoryError`` before allocating when one set would
+    take over half the free device memory (fewer sets are used when all of them would)."""
 
-    with unset_fake_temporarily(), torch.no_grad():
+    def __init__(self):
+        self._shape: ShapeKey | None = None
+        self._sets: list[dict[str, Any]] = []
+
+    def release(self) -> None:
+        self._shape, self._sets = None, []
+
+    def _input_sets(self, site: AttentionSite) -> list[dict[str, Any]]:
+        import torch
+
+        from .bench.common import Rotation
+
+        shape = ShapeKey.of(site, site.kv_len, False)
+        if shape == self._shape:
+            return self._sets
+        self.release()
         item = getattr(torch, site.dtype).itemsize
         set_bytes = int(site.batch) * site.kv_heads * int(site.kv_len) * (
             site.head_dim + (site.v_head_dim or site.head_dim)) * item
         free, _ = torch.cuda.mem_get_info()
+        if set_bytes > free // 2:
+            raise MemoryError(f"timing {site.shape_str()} needs {set_bytes / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
         l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
-        sets = Rotation(lambda i: None, set_bytes, l2).count
-        if sets * set_bytes > free // 2:
-            sets = max(1, int(free // 2 // max(set_bytes, 1)))
-            if set_bytes > free // 2:
-                raise MemoryError(f"timing {site.shape_str()} needs {set_bytes / 1e9:.1f} GB, "
-                                  f"{free / 1e9:.1f} GB free")
-        rotation = Rotation(lambda i: synthetic_inputs(site, i), set_bytes, l2, max_sets=sets)
-        from attnopt.runtime.strategies import get_strategy
+        rotation = Rotation(lambda i: synthetic_inputs(site, i), set_bytes, l2,
+                            max_sets=max(1, min(8, int(free // 2 // max(set_bytes, 1)))))
+        self._shape, self._sets = shape, rotation.sets
+        return self._sets
 
-        first = rotation.sets[0]
-        state = get_strategy(plan.kind).prepare(plan, first["q"], first["k"], first["v"])
-        us = time_us(cycle([site_call(plan, site, s, state) for s in rotation.sets]), "graph", target_ms=2.0,
-                     replays=5)
-        del rotation
-        return us
+    def __call__(self, plan: Plan, site: AttentionSite) -> float:
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from .bench.common import cycle, time_us
+
+        with unset_fake_temporarily(), torch.no_grad():
+            from attnopt.runtime.strategies import get_strategy
+
+            sets = self._input_sets(site)
+            state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+            return time_us(cycle([site_call(plan, site, s, state) for s in sets]), "graph", target_ms=2.0, replays=5)
+
+
+#: The default timer of ``Tuner``.
+gpu_timer = GpuTimer()

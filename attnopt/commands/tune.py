@@ -146,6 +146,7 @@ def run(args) -> int:
         def timer(plan, site):
             bar.update(task, description=f"{site.shape_str()}: {plan.kind}")
             return gpu_timer(plan, site)
+        timer.release = gpu_timer.release  # the tuner frees the timer's input sets after each shape
 
         tuner = Tuner(timer, TuningCache(), budget_s=args.budget)
         rows = []

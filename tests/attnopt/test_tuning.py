@@ -441,3 +441,11 @@ def test_a_failing_tuner_falls_back_to_the_model(caplog):
         report = plan_site(SITE, builtin_profile("h100-sxm"), CUDA_CTX, OptimizeConfig(), Broken(env=ENV))
     assert report.choice == "model" and report.chosen is report.candidates[0]
     assert any("driver went away" in r.getMessage() for r in caplog.records)
+
+
+def test_the_tuner_releases_the_timers_inputs_after_each_shape(cache):
+    timer = FakeTimer(_cudnn_fastest)
+    released = []
+    timer.release = lambda: released.append(len(timer.calls))
+    Tuner(timer, cache, env=ENV).choose(SITE, _ranked())
+    assert released == [len(timer.calls)] and len(timer.calls) > 2  # once, after every candidate was timed
