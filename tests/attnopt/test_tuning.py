@@ -449,3 +449,30 @@ def test_the_tuner_releases_the_timers_inputs_after_each_shape(cache):
     timer.release = lambda: released.append(len(timer.calls))
     Tuner(timer, cache, env=ENV).choose(SITE, _ranked())
     assert released == [len(timer.calls)] and len(timer.calls) > 2  # once, after every candidate was timed
+
+
+def test_concurrent_writers_never_leave_a_torn_file(cache, caplog):
+    """Writers in two processes and a reader in this one: every read parses (os.replace swaps whole files)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")  # no CUDA here; fork skips re-importing torch
+    procs = [ctx.Process(target=_write_many, args=(str(cache.path), w)) for w in range(2)]
+    for p in procs:
+        p.start()
+    reads = 0
+    with caplog.at_level(logging.WARNING, logger="attnopt.tuning"):
+        while any(p.is_alive() for p in procs):
+            TuningCache(cache.path).load()
+            reads += 1
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert not [r for r in caplog.records if "unreadable" in r.getMessage()] and reads > 0
+    assert json.loads(cache.path.read_text())["records"]  # the last writer's merge, whole
+    assert not list(cache.path.parent.glob("*.tmp"))
+
+
+def _write_many(path, writer):
+    c = TuningCache(path)
+    for i in range(30):
+        c.put(ENV, ShapeKey.of(SITE, 1024 * (i + 1), False), {"winner": DensePlan().to_dict(), "writer": writer})
