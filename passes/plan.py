@@ -95,6 +95,8 @@ def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         from attnopt.tuning import default_tuner
 
         tuner = default_tuner(ctx.plan_context.device_type, ctx.plan_context.triton_available)
+    if getattr(ctx.config, "tune", None) is False:  # an OptimizeConfig ``tune`` option, where the config has one
+        tuner = None
     for match in ctx.matches:
         ctx.report.sites.append(plan_site(match.site, ctx.hardware, ctx.plan_context, ctx.config, tuner))
     return gm
