@@ -476,3 +476,72 @@ def _write_many(path, writer):
     c = TuningCache(path)
     for i in range(30):
         c.put(ENV, ShapeKey.of(SITE, 1024 * (i + 1), False), {"winner": DensePlan().to_dict(), "writer": writer})
+
+
+class _FakeProps:
+    L2_cache_size = 1 << 20
+
+
+def _cpu_gpu_timer(monkeypatch, free_bytes):
+    """``GpuTimer`` with its CUDA queries and input device redirected to the CPU (its input-set bookkeeping only)."""
+    made = []
+    real = tuning.synthetic_inputs
+
+    def on_cpu(site, index, device="cuda"):
+        made.append(index)
+        return real(site, index, device="cpu")
+    monkeypatch.setattr(tuning, "synthetic_inputs", on_cpu)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free_bytes, 2 * free_bytes))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _FakeProps())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return tuning.GpuTimer(), made
+
+
+def test_gpu_timer_input_sets_are_kept_per_shape_and_bounded_by_memory(monkeypatch):
+    import dataclasses
+
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=256, dtype="float32")
+    set_bytes = 1 * 2 * 256 * 128 * 4
+    timer, made = _cpu_gpu_timer(monkeypatch, free_bytes=64 * set_bytes)
+    sets = timer._input_sets(site)
+    assert len(sets) == 8 and made == list(range(8))  # 4 x L2 / set bytes, at most 8
+    assert timer._input_sets(site) is sets and len(made) == 8  # the next candidate reuses them
+    other = timer._input_sets(dataclasses.replace(site, kv_len=128))
+    assert other is not sets and other[0]["k"].shape[2] == 128
+    timer.release()
+    assert timer._sets == [] and timer._shape is None
+    tight, _ = _cpu_gpu_timer(monkeypatch, free_bytes=5 * set_bytes)
+    assert len(tight._input_sets(site)) == 2  # half the free memory holds two sets
+    none_fit, _ = _cpu_gpu_timer(monkeypatch, free_bytes=set_bytes)
+    with pytest.raises(MemoryError, match="GB free"):
+        none_fit._input_sets(site)
+
+
+def test_tune_cli_runs_its_shapes_through_the_tuner(monkeypatch, capsys, cache):
+    """``attnopt tune`` end to end with the GPU stood in for: the timer and the CUDA check replaced, the rest real."""
+    from attnopt.cli import main
+
+    class Stand:
+        calls = 0
+
+        def __call__(self, plan, site):
+            Stand.calls += 1
+            return 3.0 if plan.kind == "dense" else 5.0
+
+        def release(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
+    monkeypatch.setattr(tuning, "gpu_timer", Stand())
+    monkeypatch.setattr(tuning, "environment_key", lambda *a: ENV)
+    import attnopt.hardware as H
+
+    monkeypatch.setattr(H, "resolve_profile", lambda name=None: builtin_profile("h100-sxm"))
+    assert main(["tune", "smollm2", "--context", "8k,32k", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["choice"] for r in data["rows"]] == ["measured", "measured"] and Stand.calls >= 2
+    assert all(r["measured_us"] == 3.0 and r["plan"].startswith("dense") for r in data["rows"])
+    assert main(["tune", "smollm2", "--context", "8k", "--json"]) == 0  # a second run finds them cached
+    assert json.loads(capsys.readouterr().out)["rows"][0]["choice"] == "cached"
