@@ -169,3 +169,21 @@ def table1_prediction(hw: HardwareProfile, point: PaperPoint) -> dict:
     tree = torch_tree_us(site, hw, point.topology, point.gpus)
     return {"point": point.source, "context": point.context, "measured_us": point.measured, "ring_us": ring, "tree_us": tree,
             "predicted_us": ring - tree, "ratio": (ring - tree) / point.measured}
+
+
+def sec61_curve(hw: HardwareProfile, gpus: int, contexts: "tuple[int, ...] | list[int]",
+                first_call_s: float = 0.0, point: PaperPoint = SEC61_POINT) -> list[dict]:
+    """The Sec. 6.1 setup at other GPU counts and contexts (DGX H100 nodes of 8): ring and tree seconds with a
+    first-call overhead of ``first_call_s`` on both, and each relative to the ring at the first context, as the
+    paper's relative-time plot draws them."""
+    topo = point.topology  # ranks fill its nodes in order: 8 GPUs = 1 node, 64 = 8 nodes
+    rows = []
+    for n in contexts:
+        site = dataclasses.replace(_site(point), kv_len=int(n))
+        ring = jax_ring_us(site, hw, topo, gpus) * 1e-6 + first_call_s
+        tree = jax_tree_us(site, hw, topo, gpus) * 1e-6 + first_call_s
+        rows.append({"gpus": gpus, "N": int(n), "ring_s": ring, "tree_s": tree, "speedup": ring / tree})
+    base = rows[0]["ring_s"]
+    for r in rows:
+        r["ring_rel"], r["tree_rel"] = r["ring_s"] / base, r["tree_s"] / base
+    return rows

@@ -77,3 +77,19 @@ def test_explain_labels_measured_and_predicted(capsys, tmp_path):
     assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
     assert "measured ~8x; predicted" in out and "first-call overhead" in out
     assert out.count("per decode call measured") == 4
+
+
+def test_sec61_trends_with_the_harness_first_call():
+    """Sec. 6.1's qualitative claims, under the same first-call overhead: relative to the ring at 80k, the tree's
+    time stays flat while the ring's keeps growing with the context; the gap widens with the context and with the
+    GPU count (8 GPUs = 1 node, 64 = 8 nodes, 128 = 16 nodes)."""
+    from attnopt.commands.explain import PAPER_FIRST_CALL_S
+
+    contexts = (80_000, 320_000, 1_280_000, 5_120_000)
+    curves = {p: P.sec61_curve(HW, p, contexts, PAPER_FIRST_CALL_S) for p in (8, 64, 128)}
+    rows = curves[128]
+    assert max(r["tree_rel"] for r in rows) / min(r["tree_rel"] for r in rows) < 1.2
+    assert rows[-1]["ring_rel"] > 3 * rows[0]["ring_rel"]
+    assert [r["speedup"] for r in rows] == sorted(r["speedup"] for r in rows)
+    at_end = [curves[p][-1]["speedup"] for p in (8, 64, 128)]
+    assert at_end == sorted(at_end) and at_end[-1] == pytest.approx(P.sec61_prediction(HW, PAPER_FIRST_CALL_S)["ratio_with_harness"])
