@@ -202,6 +202,9 @@ class SiteReport:
     key: str = ""
     #: Id of the compiled graph the site is in (``g3``); ``PlanReport.merge`` fills it from its report.
     graph: str = ""
+    #: What ``attnopt.export_onnx`` wrote for the site (``onnx:Attention-24``, ``attnopt:decode_attention (function
+    #: body)``); empty when not exported.
+    exported_as: str = ""
 
     @property
     def reason_untouched(self) -> str | None:
@@ -235,6 +238,7 @@ class SiteReport:
             "calls": self.calls,
             "key": self.key,
             "graph": self.graph,
+            "exported_as": self.exported_as,
         }
 
     @classmethod
@@ -248,6 +252,7 @@ class SiteReport:
             calls=int(data.get("calls", 0)),
             key=data.get("key", ""),
             graph=data.get("graph", ""),
+            exported_as=data.get("exported_as", ""),
         )
 
 
@@ -335,7 +340,8 @@ class PlanReport:
         the order of their first site."""
         out: dict[tuple, list[SiteReport]] = {}
         for s in self.sites:
-            outcome = ("plan", s.chosen.runtime_key()) if (s.rewritten and s.chosen) else ("left alone", s.reason_untouched)
+            outcome = (("plan", s.chosen.runtime_key(), s.exported_as) if (s.rewritten and s.chosen)
+                       else ("left alone", s.reason_untouched))
             key = (self.graph_of(s), s.site.shape_str(), s.site.dtype, s.site.mask_kind, outcome)
             out.setdefault(key, []).append(s)
         return list(out.values())
@@ -372,6 +378,8 @@ class PlanReport:
             site = first.site
             done = first.rewritten and first.chosen is not None
             plan = _plan_cell(first.chosen) if done else "[yellow]left alone[/yellow]"
+            if done and first.exported_as:
+                plan += f"\n[cyan]exported as {_esc(first.exported_as)}[/cyan]"
             est = f"{first.chosen.est_us:.1f}" if done and not math.isnan(first.chosen.est_us) else "-"
             lines = _alternatives(group, first.chosen if done else None, None if all_sites else max_alternatives)
             if not first.rewritten:
