@@ -175,7 +175,12 @@ class OnnxTranslator:
             if node.op != "call_function":
                 continue
             if node.target in (ops.decode_attention.default, ops.decode_attention_states.default):
-                self.form_of(node.args[7])
+                form = self.form_of(node.args[7])
+                q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+                is_function = form == "function" or node.target == ops.decode_attention_states.default
+                if is_function and getattr(q, "dtype", None) == torch.float64:
+                    raise ValueError("attnopt's ONNX function bodies compute in float32, less precise than this "
+                                     "float64 attention; export it with attention='auto' (a standard Attention node)")
             if node.target in (ops.decode_attention_states.default, ops.merge_states.default) and self.attention == "standard":
                 raise ValueError(f"{node.target} has no standard ONNX node (softmax states); export with "
                                  "attention='auto' or 'function' to write it as an attnopt node with a function body")

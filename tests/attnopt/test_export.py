@@ -6,6 +6,7 @@ and kinds with no export, raise.
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -211,6 +212,13 @@ def test_unexportable_plans_raise(tmp_path, plan, match):
 def test_bad_arguments_fail_early(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         export_onnx(lambda x: x, (torch.ones(1),), tmp_path / "x.onnx", **kwargs)
+
+
+def test_float64_function_body_is_refused(tmp_path, decode_layer):
+    layer, inputs, _ = decode_layer
+    with pytest.raises(ValueError, match="compute in float32"):
+        export_onnx(copy.deepcopy(layer).double(), [t.double() for t in inputs], tmp_path / "x.onnx",
+                    attention="function", force_plan="dense")
 
 
 def test_exported_as_round_trips_and_old_reports_load():
