@@ -6,8 +6,9 @@ attention into ``attnopt::decode_attention`` calls, and ``torch.onnx.export`` tr
 * a site whose plan ONNX can express (``dense``, ``split_kv``, ``stream_k``: each computes exact attention; the
   plan only says how a GPU schedules it) becomes one standard ``Attention`` node (opset 23 or 24) over the
   un-expanded K/V: GQA from the shapes, no ``repeat_kv`` copies. At opset 24 a valid length (a static cache's
-  ``valid_len_from_mask``) goes to ``nonpad_kv_seqlen``; at opset 23, and with ``is_causal`` (whose alignment
-  ``nonpad_kv_seqlen`` would move to bottom-right), it is folded into the mask;
+  ``valid_len_from_mask``; under a dense plan, derived from a boolean mask the same way) goes to
+  ``nonpad_kv_seqlen``; at opset 23, and with ``is_causal`` (whose alignment ``nonpad_kv_seqlen`` would move to
+  bottom-right), it is folded into the mask;
 * otherwise (``attention="function"``, or an op ONNX has no standard node for, such as
   ``attnopt::decode_attention_states`` and ``attnopt::merge_states``) the site becomes an ``attnopt`` domain node
   whose ONNX function body (``attnopt/onnx_functions.py``) is stored in ``model.functions``: ONNX Runtime, or any
@@ -86,7 +87,8 @@ def export_onnx(model_or_fn: torch.nn.Module | Callable, example_inputs: Sequenc
     Returns
     -------
     PlanReport
-        One ``SiteReport`` per attention site, with ``exported_as`` set on every rewritten site.
+        One ``SiteReport`` per attention site, with ``exported_as`` set on every rewritten site; also appended to
+        the plan log when one is configured (``plan_log`` / ``$ATTNOPT_PLAN_LOG``), for ``attnopt plans``.
     """
     if opset not in OPSETS:
         raise ValueError(f"opset {opset!r} has no standard Attention node; valid: {', '.join(map(str, OPSETS))}")
@@ -122,6 +124,11 @@ def export_onnx(model_or_fn: torch.nn.Module | Callable, example_inputs: Sequenc
     for s in report.sites:
         if s.rewritten and s.key in translator.exported:
             s.exported_as = translator.exported[s.key]
+    log_path = cfg.resolved_plan_log()
+    if log_path:
+        from .backend import append_plan_log
+
+        append_plan_log(log_path, report)
     return report
 
 
@@ -219,6 +226,10 @@ class OnnxTranslator:
                                                         is_causal=int(bool(is_causal)), plan=plan, site=site)
         op = self._op()
         nonpad = None
+        if valid_len is None and attn_mask is not None and attn_mask.dtype == _ir_bool() and self.opset >= 24:
+            # A dense plan carries no valid length (attnopt's SDPA does not need one), but onnxruntime can stop at
+            # the last visible key: derive it from the mask, exact for any mask (every later key is masked).
+            valid_len = self.valid_len_from_mask(attn_mask, op.Shape(q, start=0, end=1))
         if valid_len is not None and self.opset >= 24 and not is_causal:
             nonpad = op.Cast(valid_len, to=_ONNX_INT64)
         elif valid_len is not None:
@@ -244,7 +255,8 @@ class OnnxTranslator:
         return self._attnopt_op("merge_states")(o_parts, lse_parts)
 
     def valid_len_from_mask(self, attn_mask, batch):
-        """One past the last visible key of each batch row, (batch,) int32: ReduceMax over a masked 1..N."""
+        """One past the last visible key of each batch row, (batch,) int32: ReduceMax over a masked 1..N.
+        ``batch`` is an int, a scalar or a (1,) int64 tensor."""
         op = self._op()
         visible = attn_mask if attn_mask.dtype == _ir_bool() else op.Not(op.IsInf(attn_mask, detect_positive=0))
         n = op.Shape(attn_mask, start=-1)

@@ -76,9 +76,11 @@ def decode_layer():
 def test_handwritten_decode_exports_one_standard_attention(tmp_path, decode_layer, plan, opset):
     layer, inputs, want = decode_layer
     path = tmp_path / "decode.onnx"
-    report = export_onnx(layer, inputs, path, opset=opset, force_plan=plan)
+    log = tmp_path / "plans.jsonl"
+    report = export_onnx(layer, inputs, path, opset=opset, force_plan=plan, plan_log=str(log))
     (site,) = report.sites
     assert site.rewritten and site.chosen.kind == plan and site.exported_as == f"onnx:Attention-{opset}"
+    assert PlanReport.from_json(log.read_text()).sites[0].exported_as == site.exported_as
     _, ops = nodes(path)
     assert ops.count(("", "Attention")) == 1 and not any(d == "attnopt" for d, _ in ops), ops
     for got, ref in zip(run_ort(path, *inputs), want):
@@ -137,6 +139,7 @@ def test_gqa_static_cache_valid_length(tmp_path, opset):
     model, ops = nodes(path)
     (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
     assert list(attention.input[1:3]) == ["k_cache", "v_cache"], attention.input  # no repeat_kv copy in between
+    assert ("", "Expand") not in ops, ops
     if opset == 24:
         assert site.exported_as == "onnx:Attention-24 (nonpad_kv_seqlen)" and attention.input[6], attention.input
     else:
@@ -270,9 +273,10 @@ def export_decode_step(model, path, position=5, max_cache_len=48, **options):
 
 def test_smollm2_shaped_decode_step(tmp_path):
     """A SmolLM2-135M-shaped Llama (9/3 heads of 64, hidden 576; 2 of its 30 layers, random weights) over a static
-    cache: every site exports as Attention-24 with ``nonpad_kv_seqlen``, ORT matches PyTorch, same next token."""
+    cache, as planned here (dense on this CPU: the valid length then comes from the mask): every site exports as
+    Attention-24 with ``nonpad_kv_seqlen`` and no repeat_kv copy, ORT matches PyTorch, same next token."""
     path = tmp_path / "smollm2.onnx"
-    step, inputs, report = export_decode_step(smollm2_shaped(2), path, force_plan="split_kv")
+    step, inputs, report = export_decode_step(smollm2_shaped(2), path)
     assert len(report.sites) == 2 and all(s.exported_as == "onnx:Attention-24 (nonpad_kv_seqlen)" for s in report.sites)
     assert "exported as" in report.format_table(width=200)
     _, ops = nodes(path)
