@@ -263,6 +263,9 @@ class SiteReport:
     choice: str = "model"
     #: Measured µs of the chosen plan (NaN when not measured); ``chosen.est_us`` is the prediction.
     measured_us: float = math.nan
+    #: What ``attnopt.export_onnx`` wrote for the site (``onnx:Attention-24``, ``attnopt:decode_attention (function
+    #: body)``); empty when not exported.
+    exported_as: str = ""
 
     @property
     def reason_untouched(self) -> str | None:
@@ -298,6 +301,7 @@ class SiteReport:
             "graph": self.graph,
             "choice": self.choice,
             "measured_us": None if math.isnan(self.measured_us) else self.measured_us,
+            "exported_as": self.exported_as,
         }
 
     @classmethod
@@ -313,6 +317,7 @@ class SiteReport:
             graph=data.get("graph", ""),
             choice=data.get("choice", "model"),
             measured_us=math.nan if data.get("measured_us") is None else float(data["measured_us"]),
+            exported_as=data.get("exported_as", ""),
         )
 
 
@@ -409,7 +414,8 @@ class PlanReport:
         the order of their first site."""
         out: dict[tuple, list[SiteReport]] = {}
         for s in self.sites:
-            outcome = ("plan", s.chosen.runtime_key()) if (s.rewritten and s.chosen) else ("left alone", s.reason_untouched)
+            outcome = (("plan", s.chosen.runtime_key(), s.exported_as) if (s.rewritten and s.chosen)
+                       else ("left alone", s.reason_untouched))
             key = (self.graph_of(s), s.site.shape_str(), s.site.dtype, s.site.mask_kind, outcome)
             out.setdefault(key, []).append(s)
         return list(out.values())
@@ -449,6 +455,8 @@ class PlanReport:
             site = first.site
             done = first.rewritten and first.chosen is not None
             plan = _plan_cell(first.chosen) if done else "[yellow]left alone[/yellow]"
+            if done and first.exported_as:
+                plan += f"\n[cyan]exported as {_esc(first.exported_as)}[/cyan]"
             est = f"{first.chosen.est_us:.1f}" if done and not math.isnan(first.chosen.est_us) else "-"
             lines = _alternatives(group, first.chosen if done else None, None if all_sites else max_alternatives)
             if not first.rewritten:
