@@ -32,10 +32,7 @@ def _compile_inner(name: str, gm: fx.GraphModule, example_inputs: Sequence[Any],
     if name == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        # A graph with a symbolic KV length (a DynamicCache) would be recorded again for every length: run it
-        # without CUDA graphs instead (inductor still compiles it); static caches keep theirs.
-        patches = ({"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
-                   if mode == "reduce-overhead" else {})
+        patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
         return compile_fx(gm, list(example_inputs), config_patches=patches)
     from torch._dynamo.backends.registry import lookup_backend
 

@@ -364,10 +364,15 @@ def use_tuner(tuner: Tuner):
 
 def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
     """The tuner the planner uses: the one of an enclosing ``use_tuner`` block; else ``None`` (cost model alone)
-    off CUDA, under the Triton interpreter, or with ``ATTNOPT_TUNE=0``; else measuring, with the persistent cache."""
+    off CUDA, under the Triton interpreter, or unless ``ATTNOPT_TUNE=1``; else measuring, with the persistent cache.
+
+    Off by default: its first GPU run (H100, SmolLM2's shape in bf16, this session) chose cuDNN dense at every
+    length, 21 µs alone against split-KV's 9.2 µs at 1k, and the steps of that run through
+    ``mode="reduce-overhead"`` took 17-33 ms against 2.3-3.3 ms with the cost model's picks (the run also changed
+    one inductor option; which change made the ops run outside the CUDA graphs was not established)."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    if os.environ.get(TUNE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(TUNE_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
         return None
     if device_type != "cuda" or not triton_available:
         return None
