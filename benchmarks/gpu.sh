@@ -124,7 +124,7 @@ run_suite() {  # SUITE: one suite's command, logged to $OUT/SUITE.log
 
 main() {
   [ $# -gt 0 ] || { sed -n '2,20p' "$REPO/benchmarks/gpu.sh"; exit 2; }
-  python -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())" \
+  python -c "import torch; c = torch.cuda; print('torch', torch.__version__, '|', c.get_device_name(0) if c.is_available() else 'no CUDA', 'x', c.device_count())" \
     | tee "$OUT/device.txt"
   echo "commit $ATTNOPT_COMMIT" >> "$OUT/device.txt"
   local suite start rc failed=0
