@@ -47,6 +47,18 @@ def test_bad_register_group_timeout_is_an_error_before_anything_else(timeout):
         register_group(timeout=timeout)
 
 
+@pytest.mark.parametrize("raw,expected", [("", 256), ("0", 0), (" 12 ", 12), ("-1", None), ("many", None)])
+def test_step_graph_limit_environment_variable_is_a_count_or_named(monkeypatch, raw, expected):
+    from attnopt.runtime.distributed.graphs import _env_count
+
+    monkeypatch.setenv("ATTNOPT_TREE_STEP_GRAPHS", raw)
+    if expected is None:
+        with pytest.raises(ValueError, match=f"ATTNOPT_TREE_STEP_GRAPHS={raw!r} is not a whole number >= 0"):
+            _env_count("ATTNOPT_TREE_STEP_GRAPHS", 256)
+    else:
+        assert _env_count("ATTNOPT_TREE_STEP_GRAPHS", 256) == expected
+
+
 # ============================================================================================ cross-rank checks
 def _error(fn):
     from attnopt.runtime.distributed import DistributedDecodeError
