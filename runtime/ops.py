@@ -9,7 +9,6 @@ dispatch than ``torch.library.custom_op``'s Python wrapper) and fake implementat
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
 from typing import Any
@@ -60,38 +59,41 @@ def _prepared(plan_key: str, plan: Plan, strategy, q: Tensor, k: Tensor, v: Tens
         with _state_lock:
             state = _STATES.get(key)
             if state is None:
-                with outside_graph_pools(q.device):
+                if getattr(strategy, "distributed", False):  # its prepare runs collectives: this thread
                     state = strategy.prepare(plan, q, k, v)
+                else:
+                    state = outside_graph_pools(lambda: strategy.prepare(plan, q, k, v), q.device)
                 _STATES[key] = state if state is not None else False
     return state if state is not False else None
 
 
-_SIDE_STREAMS: dict[int, Any] = {}
+_PREPARE_THREAD: list[Any] = []
 
 
-@contextlib.contextmanager
-def outside_graph_pools(device: torch.device):
-    """Allocate what a prepared state keeps (workspaces, counters) in the caching allocator's ordinary pool.
+def outside_graph_pools(make, device: torch.device):
+    """``make()``, with what it allocates (a workspace, counters) in the caching allocator's ordinary pool.
 
-    The first call of an op often runs inside inductor's CUDA-graph-tree warm-up, which sends the current stream's
-    allocations to the graph's private pool; a workspace kept there outlives the graph's tracked outputs, and the
-    trees refuse to record ("tensor(s) in the cudagraph pool not tracked as outputs"). That routing is per stream,
-    so the state is made on a side stream, ordered after the current stream's work and before what follows. Inside
-    a stream capture (a graph the user captures around the first call) the side stream would join the capture, so
-    there the state is made where it is, as before.
+    The first call of an op often runs inside inductor's CUDA-graph-tree warm-up, which sends every allocation of
+    the current thread to the graph's private pool; a workspace kept there outlives the graph's tracked outputs,
+    and the trees refuse to record ("tensor(s) in the cudagraph pool not tracked as outputs"; seen on a 30-layer
+    model with ``mode="reduce-overhead"``). That routing is per thread, so the state is made on a worker thread
+    and synchronized there (``prepare`` may sync). Inside a stream capture (a graph the user captures around the
+    first call) another thread's work could break the capture, so there it is made in place, as before.
     """
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        yield
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _SIDE_STREAMS.get(index)
-    if side is None:
-        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    current = torch.cuda.current_stream(index)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        yield
-    current.wait_stream(side)
+        return make()
+    if not _PREPARE_THREAD:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _PREPARE_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="attnopt-prepare"))
+
+    def work():
+        with torch.cuda.device(device):
+            state = make()
+            torch.cuda.current_stream().synchronize()
+        return state
+
+    return _PREPARE_THREAD[0].submit(work).result()
 
 
 def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):

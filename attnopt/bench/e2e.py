@@ -180,6 +180,7 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
             try:
                 with gpu_turn():
                     row["profile"] = profile_steps(step, cache, tok)
+                    row["standalone_attention"] = standalone_attention_us(report, cache, context + len(tokens))
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timed row
                 row["profile"] = {"error": repr(e)[:500], "ops": {}, "kernels_per_step": None, "gpu_us_per_step": None}
     return row
@@ -207,8 +208,22 @@ def gpu_turn():
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def profile_steps(step, cache, tok, n: int = 3) -> dict[str, Any]:
-    """Per step: host and GPU time by op of interest, kernel launches and compiled graphs run."""
+def _kernel_class(name: str) -> str:
+    """The part of a decode step a GPU kernel belongs to, by its name."""
+    if any(t in name for t in ("_split_kv", "_stream_k", "_merge_states", "_saap")):
+        return "attnopt attention kernels"
+    if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
+        return "SDPA kernels"
+    if name.startswith("triton_"):
+        return "inductor kernels"
+    if any(t in name for t in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitKreduce")):
+        return "GEMMs"
+    return "other aten kernels (in attnopt steps: the valid length)"
+
+
+def profile_steps(step, cache, tok, n: int = 5) -> dict[str, Any]:
+    """GPU time per step by kernel class (attention, GEMMs, inductor, other), kernel launches, and host time of the
+    attnopt ops when they run outside a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -216,22 +231,45 @@ def profile_steps(step, cache, tok, n: int = 3) -> dict[str, Any]:
             logits = step(tok, cache)
             tok = logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
-    by_name: dict[str, dict[str, float]] = {}
-    kernels = 0
+    classes: dict[str, dict[str, float]] = {}
+    host_ops: dict[str, dict[str, float]] = {}
     for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        host_us = e.cpu_time_total
-        if e.device_type.name == "CUDA" or getattr(e, "is_kernel", False):
-            kernels += e.count
-        key = e.key
-        if any(s in key for s in ("attnopt", "split_kv", "stream_k", "merge", "CompiledFunction", "cudagraph",
-                                  "Torch-Compiled Region", "valid_len", "flash", "sdpa", "cudnn", "fmha")):
-            by_name[key] = {"calls_per_step": e.count / n, "host_us_per_step": host_us / n,
-                            "gpu_us_per_step": dev_us / n}
-    total_gpu = sum((getattr(e, "device_time_total", 0.0) or 0.0) for e in prof.key_averages()
-                    if e.device_type.name == "CUDA")
-    return {"ops": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["host_us_per_step"])[:25]),
-            "kernels_per_step": kernels / n, "gpu_us_per_step": total_gpu / n}
+        gpu = getattr(e, "self_device_time_total", None)
+        if gpu is None:
+            gpu = getattr(e, "self_cuda_time_total", 0.0)
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            c = classes.setdefault(_kernel_class(e.key), {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})
+            c["kernels_per_step"] += e.count / n
+            c["gpu_us_per_step"] += gpu / n
+        elif "attnopt::" in e.key or "Torch-Compiled Region" in e.key or "CUDAGraph" in e.key:
+            host_ops[e.key] = {"calls_per_step": e.count / n, "host_us_per_step": e.cpu_time_total / n}
+    return {"gpu_by_class": classes, "host_ops": host_ops,
+            "kernels_per_step": sum(c["kernels_per_step"] for c in classes.values()),
+            "gpu_us_per_step": sum(c["gpu_us_per_step"] for c in classes.values())}
+
+
+def standalone_attention_us(report, cache, context: int) -> dict[str, Any] | None:
+    """The chosen plan of the first rewritten site, alone in a CUDA graph over layer 0's cache at this fill (the mask
+    and the valid length given, as in the step): the yardstick for the attention's share of a step."""
+    from .common import time_us
+
+    site = next((s for s in report.rewritten if s.chosen is not None), None)
+    layer = cache.layers[0] if hasattr(cache, "layers") else None
+    if site is None or layer is None or not hasattr(layer, "keys"):
+        return None
+    k, v = layer.keys, layer.values
+    hq = site.site.q_heads
+    q = torch.randn(k.shape[0], hq, 1, k.shape[-1], device=k.device, dtype=k.dtype)
+    n = k.shape[2]
+    mask = (torch.arange(n, device=k.device) <= context).view(1, 1, 1, n)
+    valid = torch.full((k.shape[0],), context + 1, device=k.device, dtype=torch.int32)
+    plan = site.chosen.runtime_key()
+    op = torch.ops.attnopt.decode_attention
+
+    def call():
+        return op(q, k, v, mask, valid, float(site.site.scale), False, plan, "bench:standalone")
+
+    return {"plan": plan, "us": time_us(call, "graph")}
 
 
 @torch.no_grad()
