@@ -34,7 +34,7 @@
 # is unavailable; everything else runs). Sourced (`. benchmarks/gpu.sh`), it only installs and sets REPO, OUT, t0.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO=${REPO:-$PWD}
+REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the checkout this script is in, from any cwd
 OUT=${OUT:-$REPO/gpu-out}
 mkdir -p "$OUT"
 export OUT ATTNOPT_CACHE_DIR=${ATTNOPT_CACHE_DIR:-/tmp/attnopt-cache}
