@@ -105,7 +105,6 @@ def test_run_without_clusters_says_how_to_build_them(index_path):
         SAAP.run(SAAP.prepare(plan, q, k, v), plan, q, k, v, None, None, 0.125, False)
 
 
-@pytest.mark.slow
 def test_optimize_with_saap_on_a_tiny_llama(tmp_path):
     """attnopt.optimize(saap=...) plans saap at layers >= 1; greedy decoding with every cluster probed equals dense;
     with few clusters the logits equal the eager SAAP harness (same sparse sets); the table shows the selectivity."""
