@@ -94,14 +94,16 @@ def reset() -> None:
         _STATS.clear()
 
 
-def _dynamic_cache_cls():
-    from transformers import DynamicCache
+def _cache_cls(static: bool):
+    from transformers import DynamicCache, StaticCache
 
-    return DynamicCache
+    return StaticCache if static else DynamicCache
 
 
-def saap_cache(index: str | Path, *, sink: int, window: int, config: Any = None, **cache_kwargs: Any):
-    """A Hugging Face ``DynamicCache`` that builds the SAAP clusters of every covered layer at prefill.
+def saap_cache(index: str | Path, *, sink: int, window: int, config: Any = None, static: bool = False,
+               **cache_kwargs: Any):
+    """A Hugging Face ``DynamicCache`` (``StaticCache`` with ``static=True``; pass ``max_cache_len``) that builds
+    the SAAP clusters of every covered layer at prefill.
 
     Pass it as ``past_key_values`` to ``generate`` (or a forward) of a model optimized with
     ``saap=index``: every cache update of more than one token (the prompt) assigns all the layer's keys to
@@ -109,7 +111,7 @@ def saap_cache(index: str | Path, *, sink: int, window: int, config: Any = None,
     in the recent window). ``sink`` and ``window`` must be the plan's (``saap_sink``, ``saap_window``); the op
     checks it. ``config`` (the model's config) checks the index against the model.
     """
-    base = _dynamic_cache_cls()
+    base = _cache_cls(static)
     path = str(index)
     idx = get_index(path, "cpu", config)
 
@@ -121,14 +123,15 @@ def saap_cache(index: str | Path, *, sink: int, window: int, config: Any = None,
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
             if key_states.shape[-2] > 1 and layer_idx in idx.layers:
-                _build_at_prefill(path, layer_idx, keys, sink, window)
+                # the prompt is every key written so far (a static cache's buffer is longer than that)
+                _build_at_prefill(path, layer_idx, keys, self.get_seq_length(layer_idx), sink, window)
             return keys, values
 
     return SaapCache(**({"config": config} if config is not None else {}), **cache_kwargs)
 
 
 @torch._dynamo.disable
-def _build_at_prefill(path: str, layer: int, keys: Tensor, sink: int, window: int) -> None:
+def _build_at_prefill(path: str, layer: int, keys: Tensor, prompt_len: int, sink: int, window: int) -> None:
     # outside any compiled graph: a prefill runs it once per layer; the registry is Python state
     index = get_index(path, keys.device)
-    set_state(path, layer, build_clusters(index, layer, keys, keys.shape[-2], sink, window))
+    set_state(path, layer, build_clusters(index, layer, keys, int(prompt_len), sink, window))

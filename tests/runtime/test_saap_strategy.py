@@ -105,7 +105,8 @@ def test_run_without_clusters_says_how_to_build_them(index_path):
         SAAP.run(SAAP.prepare(plan, q, k, v), plan, q, k, v, None, None, 0.125, False)
 
 
-def test_optimize_with_saap_on_a_tiny_llama(tmp_path):
+@pytest.mark.parametrize("static", [False, True])
+def test_optimize_with_saap_on_a_tiny_llama(tmp_path, static):
     """attnopt.optimize(saap=...) plans saap at layers >= 1; greedy decoding with every cluster probed equals dense;
     with few clusters the logits equal the eager SAAP harness (same sparse sets); the table shows the selectivity."""
     transformers = pytest.importorskip("transformers")
@@ -125,6 +126,7 @@ def test_optimize_with_saap_on_a_tiny_llama(tmp_path):
     path = tmp_path / "tiny.safetensors"
     train_index(coll, clusters=8, hidden=16, steps=10, batch=32, window=8, kmeans_iterations=3).save(path)
     prompt = torch.randint(0, 97, (1, 120))
+    cache_kw = {"static": True, "max_cache_len": 140} if static else {}  # a static cache: a valid-length mask
 
     def greedy(m, cache, steps=4):
         out = m(input_ids=prompt, past_key_values=cache, use_cache=True)
@@ -139,7 +141,7 @@ def test_optimize_with_saap_on_a_tiny_llama(tmp_path):
         dense_ids, dense_logits = greedy(model, transformers.DynamicCache())
         full = attnopt.optimize(model, saap=str(path), saap_probes=8, saap_window=8, saap_sink=1, force_plan="saap",
                                 inner_backend="eager")
-        ids, logits = greedy(full, registry.saap_cache(path, sink=1, window=8, config=model.config))
+        ids, logits = greedy(full, registry.saap_cache(path, sink=1, window=8, config=model.config, **cache_kw))
         assert ids == dense_ids
         torch.testing.assert_close(logits, dense_logits, atol=1e-4, rtol=1e-4)
         report = attnopt.last_plans(full)
@@ -149,7 +151,8 @@ def test_optimize_with_saap_on_a_tiny_llama(tmp_path):
 
         sparse = attnopt.optimize(model, saap=str(path), saap_probes=2, saap_window=8, saap_sink=1,
                                   force_plan="saap", inner_backend="eager")
-        _, sparse_logits = greedy(sparse, registry.saap_cache(path, sink=1, window=8, config=model.config))
+        _, sparse_logits = greedy(sparse, registry.saap_cache(path, sink=1, window=8, config=model.config,
+                                                              **cache_kw))
         harness = Harness(model, registry.get_index(path))
         with custom_attention(model, "attnopt_saap_test_e2e", harness):
             harness.use(Setting("mlp", 0.0, sink=1, window=8, probes=2), prompt_len=120)
