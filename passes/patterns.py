@@ -37,6 +37,8 @@ import torch.nn.functional as F
 
 from attnopt.site import AttentionSite
 
+from .mutation import MutationIndex
+
 aten = torch.ops.aten
 
 
@@ -81,6 +83,13 @@ class AttentionMatch:
     #: Permutations that turn ``q``/``k``/``v`` into the logical (B, H, L|N, D) tensors, when not the identity
     #: (e.g. a K kept as (B, N, H, D) and permuted in the graph); lower inserts the (free) permute views.
     perms: dict[str, list[int]] = field(default_factory=dict)
+    #: What the original gives for a query row with no visible key (every score -inf): "zero" (SDPA, PyTorch's
+    #: safe softmax, or the ``where(row_fully_masked, 0, p)`` guard) or "nan" (a plain softmax over -inf only).
+    #: The op gives zeros; lower sets such rows to NaN for "nan" when the mask can hide a whole row.
+    empty_rows: str = "zero"
+    #: The mask's storage is written in place after the mask node (``lower`` then computes its ``valid_len`` at
+    #: the site, not once right after the mask's producer).
+    mask_written: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,6 +197,7 @@ def _reg(kind: str, *targets: Any) -> None:
 
 _reg("matmul", torch.matmul, operator.matmul, aten.matmul)
 _reg("bmm", torch.bmm, aten.bmm)
+_reg("baddbmm", torch.baddbmm, aten.baddbmm)
 _reg("einsum", torch.einsum, aten.einsum)
 _reg("softmax", torch.softmax, F.softmax, torch.Tensor.softmax, torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else F.softmax,
      aten._softmax, aten.softmax, aten._safe_softmax)
@@ -214,7 +224,7 @@ _reg("sdpa", F.scaled_dot_product_attention, aten.scaled_dot_product_attention)
 
 _METHOD_KINDS = {
     "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "softmax": "softmax", "mul": "mul", "mul_": "mul",
-    "__mul__": "mul", "div": "div", "div_": "div", "__truediv__": "div", "add": "add", "add_": "add",
+    "__mul__": "mul", "baddbmm": "baddbmm", "div": "div", "div_": "div", "__truediv__": "div", "add": "add", "add_": "add",
     "__add__": "add", "to": "cast", "type_as": "cast", "type": "cast", "float": "cast", "half": "cast", "bfloat16": "cast",
     "double": "cast", "transpose": "transpose", "swapaxes": "transpose", "permute": "permute",
     "expand": "expand", "expand_as": "expand", "view": "view", "reshape": "view", "contiguous": "clone",
@@ -879,21 +889,28 @@ def _softmax_dim_ok(node: fx.Node) -> bool:
     return nd is not None and _norm_dim(d, nd) == nd - 1
 
 
-def _forward_to_pv(sm: fx.Node) -> tuple[fx.Node | None, str | None, list[fx.Node]]:
+def _forward_to_pv(sm: fx.Node) -> tuple[fx.Node | None, str | None, list[fx.Node], bool]:
     """Follow the softmax output through casts, inference dropout, the safe-softmax guard and layout ops to the
-    value product (whose first operand it must be). Returns (matmul/bmm/einsum node, reason, chain nodes)."""
+    value product (whose first operand it must be). Returns (matmul/bmm/einsum node, reason, chain nodes, whether
+    the fully-masked-row guard was passed)."""
+    pv, reason, chain, guarded = _forward_walk(sm)
+    return pv, reason, chain, guarded
+
+
+def _forward_walk(sm: fx.Node):
     cur = sm
     chain: list[fx.Node] = []
     reason = None
+    guarded = False
     for _ in range(16):
         users = [u for u in cur.users if kind(u) != "full_like" and not is_metadata_assert(u)]
         if len(users) != 1:
             if not users:
-                return None, None, chain
+                return None, None, chain, guarded
             # Several consumers: the probabilities escape (e.g. output_attentions) unless one is the matmul.
             mms = [u for u in users if kind(u) in ("matmul", "bmm", "einsum") or _is_layout_op(u)]
             if len(mms) != 1:
-                return None, None, chain
+                return None, None, chain, guarded
             reason = reason or "the attention probabilities are also used elsewhere (output_attentions?)"
             users = mms
         u = users[0]
@@ -902,8 +919,8 @@ def _forward_to_pv(sm: fx.Node) -> tuple[fx.Node | None, str | None, list[fx.Nod
         if k in ("matmul", "bmm", "einsum"):
             first = _einsum_operands(u)[1][0] if k == "einsum" else _binary(u)[0]
             if first is not cur:
-                return None, None, chain  # probabilities on the right: not attention as we know it
-            return u, reason, chain
+                return None, None, chain, guarded  # probabilities on the right: not attention as we know it
+            return u, reason, chain, guarded
         if _is_layout_op(u) or k == "cast":
             cur = u
             continue
@@ -921,18 +938,81 @@ def _forward_to_pv(sm: fx.Node) -> tuple[fx.Node | None, str | None, list[fx.Nod
             outs = ([x for x in u.users if x.target is operator.getitem and x.args[1] == 0]
                     if u.target is aten.native_dropout.default else [u])
             if not outs:
-                return None, None, chain
+                return None, None, chain, guarded
             cur = outs[0]
             continue
         if k == "where":
-            # safe softmax: where(row_fully_masked, zeros_like(p), p) -> same as our op (empty rows give 0).
+            # PyTorch's safe softmax: where(row_fully_masked, 0, p), with row_fully_masked provably "every score of
+            # this row is -inf" (the op gives 0 there too). Any other condition (a head-pruning mask, ...) is not.
             c, a, b = (tuple(u.args) + (None, None, None))[:3]
-            if b is cur and isinstance(a, fx.Node) and kind(a) == "full_like" and _number(arg(a, 1, "fill_value", 0)) == 0.0:
+            zero = _number(a) == 0.0 or (isinstance(a, fx.Node) and kind(a) == "full_like"
+                                         and _number(arg(a, 1, "fill_value", 0)) == 0.0)
+            if b is cur and zero and is_empty_row_guard(c, _self(sm)):
+                guarded = True
                 cur = u
                 continue
-            return None, None, chain
-        return None, None, chain
-    return None, None, chain
+            reason = reason or "a where() on the attention probabilities that is not PyTorch's fully-masked-row guard"
+            if b is not cur:
+                return None, None, chain, guarded
+            cur = u
+            continue
+        if _scale_factor(u) is not None and _scale_factor(u)[0] is cur:
+            reason = reason or "the attention probabilities are scaled (softmax * c) before the value product"
+            cur = u
+            continue
+        return None, None, chain, guarded
+    return None, None, chain, guarded
+
+
+def _neginf_test(node: Any) -> tuple[fx.Node, bool] | None:
+    """``(x, True)`` for ``x == -inf`` / ``isneginf(x)``; ``(x, False)`` for ``x != -inf``; else None."""
+    if not _is_call(node):
+        return None
+    name = _bare_name(node)
+    if name == "isneginf":
+        return (_self(node), True) if isinstance(_self(node), fx.Node) else None
+    if name in ("eq", "ne"):
+        a, b = _binary(node)
+        for x, c in ((a, b), (b, a)):
+            if isinstance(x, fx.Node) and _number(c) == -math.inf:
+                return x, name == "eq"
+    return None
+
+
+def is_empty_row_guard(cond: Any, scores: Any) -> bool:
+    """Whether the boolean ``cond`` provably is "every entry of this row of ``scores`` is -inf", reduced over the
+    last dim with keepdim: ``all(scores == -inf, -1, keepdim=True)`` or its negated forms, as PyTorch's safe
+    softmax decomposition writes it (``logical_not(any(logical_not(eq(x, -inf)), -1, True))``)."""
+    negate = False
+    cur = cond
+    for _ in range(8):  # peel negations around the reduction
+        if _is_call(cur) and _bare_name(cur) in ("logical_not", "bitwise_not", "invert"):
+            negate, cur = not negate, _self(cur)
+            continue
+        break
+    if not _is_call(cur) or _bare_name(cur) not in ("all", "any"):
+        return False
+    red = _bare_name(cur)
+    nd = _ndim(_self(cur))
+    dim = arg(cur, 1, "dim", None)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    keepdim = arg(cur, 2, "keepdim", False)
+    if nd is None or _norm_dim(dim, nd) != nd - 1 or keepdim is not True:
+        return False
+    inner = _self(cur)
+    pos = True
+    for _ in range(8):
+        if _is_call(inner) and _bare_name(inner) in ("logical_not", "bitwise_not", "invert"):
+            pos, inner = not pos, _self(inner)
+            continue
+        break
+    test = _neginf_test(inner)
+    if test is None or skip_noops(test[0]) is not skip_noops(scores):
+        return False
+    pos = pos == test[1]  # the reduced predicate is (x == -inf) when pos, else (x != -inf)
+    # all(x == -inf), or not any(x != -inf); all(x != -inf) and any(x == -inf) are other conditions
+    return (red == "all" and pos and not negate) or (red == "any" and not pos and negate)
 
 
 def _sizes_of(x: fx.Node, perm: list) -> tuple:
@@ -944,13 +1024,13 @@ def _mm_dims(mm: fx.Node) -> Dims:
     return [(0, 1), (2,), (3,)] if (kind(mm) == "bmm" or _ndim(mm) == 3) else [(0,), (1,), (2,), (3,)]
 
 
-def match_eager(sm: fx.Node) -> AttentionMatch | None:
+def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMatch | None:
     """An eager attention chain anchored on its softmax. Returns None when ``sm`` is not attention's softmax
     (no score matmul before it, or no value matmul after it)."""
     if kind(sm) != "softmax" or not _softmax_dim_ok(sm):
         return None
     # -------- forward: probabilities -> value matmul
-    pv, reason, fchain = _forward_to_pv(sm)
+    pv, reason, fchain, guarded = _forward_to_pv(sm)
     if pv is None:
         return None
     # -------- backward: scores -> softmax
@@ -959,7 +1039,6 @@ def match_eager(sm: fx.Node) -> AttentionMatch | None:
         reasons.append(reason)
     factors: list[Factor] = []
     masks: list[tuple[fx.Node, bool]] = []  # (mask node, invert)
-    biases: list[str] = []
     chain: list[fx.Node] = [sm]
     cur = _self(sm)
     mm = None
@@ -973,6 +1052,13 @@ def match_eager(sm: fx.Node) -> AttentionMatch | None:
             break
         chain.append(cur)
         k = kind(cur)
+        if k == "baddbmm":
+            # Bloom: baddbmm(alibi, q, k^T, beta, alpha) folds the bias into the score product; not matched as
+            # attention's operands, so reported rather than rewritten.
+            m = AttentionMatch(site=None, output=pv, q=None, k=None, v=None, pattern="eager_baddbmm", anchor=sm)
+            m.reason = "Bloom-style baddbmm scores (bias and scale folded into the score product): not matched"
+            m.nodes = list(reversed(chain)) + fchain
+            return m
         if _is_noop(cur) or k == "cast":
             cur = _self(cur)
             continue
@@ -989,35 +1075,47 @@ def match_eager(sm: fx.Node) -> AttentionMatch | None:
                 cur = a if isinstance(a, fx.Node) else b  # + constant: softmax-invariant
                 continue
             scores, other = (a, b) if _leads_to_matmul(a) else (b, a)
-            what = classify_additive(other)
             if factors:
                 reasons.append("the scores are scaled after the mask is added")
-            if what == "mask":
-                masks.append((other, False))
+            odt = meta_dtype(other)
+            if odt is not None and not odt.is_floating_point:
+                reasons.append(f"a {_dtype_name(odt)} tensor added to the scores (a 0/1 bias in eager, not a mask)")
+            elif meta_dtype(cur) in (torch.float16, torch.bfloat16) and not additive_is_zero_or_neginf(other, writes):
+                reasons.append(f"an additive mask or bias summed with the scores in {_dtype_name(meta_dtype(cur))}: "
+                               "where it hides a whole row with large finite values (finfo.min), the original's "
+                               "result depends on that dtype's rounding and cannot be reproduced")
             else:
-                biases.append(what)
+                masks.append((other, False))  # any float bias is applied exactly per tile (see ``classify_additive``)
             cur = scores
             continue
         if k == "masked_fill":
             x, cond = _self(cur), arg(cur, 1, "mask", None)
             value = arg(cur, 2, "value", None)
-            if mask_value_is_masking(value):
+            if _number(value) == -math.inf:
                 masks.append((cond, True))
                 if factors:
                     reasons.append("the scores are scaled after the mask is applied")
+            elif mask_value_is_masking(value):
+                reasons.append(f"masked_fill with the finite value {value!r}: a fully masked row gives the mean of V "
+                               "in the original, which the rewrite cannot reproduce")
             else:
                 reasons.append(f"masked_fill with value {value!r} (not a masking value)")
             cur = x
             continue
         if k == "where":
             c, a, b = (list(cur.args) + [None, None, None])[:3]
-            if isinstance(a, fx.Node) and _leads_to_matmul(a) and mask_value_is_masking(b):
+            if isinstance(a, fx.Node) and _leads_to_matmul(a) and _number(b) == -math.inf:
                 masks.append((c, False))
                 cur = a
                 continue
-            if isinstance(b, fx.Node) and _leads_to_matmul(b) and mask_value_is_masking(a):
+            if isinstance(b, fx.Node) and _leads_to_matmul(b) and _number(a) == -math.inf:
                 masks.append((c, True))
                 cur = b
+                continue
+            if mask_value_is_masking(a) or mask_value_is_masking(b):
+                reasons.append("where() with a finite masking value: a fully masked row gives the mean of V in the "
+                               "original, which the rewrite cannot reproduce")
+                cur = a if isinstance(a, fx.Node) and _leads_to_matmul(a) else b
                 continue
             reasons.append("a where() between the scores and the softmax that is not a mask")
             cur = a if isinstance(a, fx.Node) and _leads_to_matmul(a) else b
@@ -1092,8 +1190,7 @@ def match_eager(sm: fx.Node) -> AttentionMatch | None:
     m.scale = math.prod(f[0] for f in factors if f[0] is not None)
     m.scale_nodes = [(f[1], f[2]) for f in factors if f[0] is None]
     # mask
-    if biases:
-        reasons.append(biases[0])
+    plain_softmax = not guarded and _name(sm) != "_safe_softmax"  # gives NaN for a row of -inf scores
     if len(masks) > 1:
         reasons.append("more than one mask between the scores and the softmax")
     elif masks:
@@ -1101,6 +1198,8 @@ def match_eager(sm: fx.Node) -> AttentionMatch | None:
         if meta_dtype(node) is not None and meta_dtype(node) != torch.bool and invert:
             reasons.append("masked_fill with a non-boolean mask")
         m.attn_mask, m.mask_invert = node, invert
+        if plain_softmax and may_hide_whole_rows(node, writes):
+            m.empty_rows = "nan"
     for r in reasons:
         m.reason = m.reason or r
     return m
@@ -1190,6 +1289,59 @@ def classify_additive(node: Any, depth: int = 12) -> str:
             return "mask"
         return _BIAS
     return _BIAS
+
+
+def additive_values(node: Any, writes: MutationIndex | None = None, depth: int = 12) -> frozenset | None:
+    """The values an additive mask can hold when the graph proves them (a number, ``where(c, a, b)`` or
+    ``masked_fill(x, c, v)`` of numbers, through layout ops and casts that keep 0 and -inf), else None. A tensor
+    written in place anywhere in the graph (``writes``) proves nothing."""
+    cur = node
+    for _ in range(depth):
+        if writes is not None and writes.written(cur):
+            return None
+        v = _const_value(cur)
+        if v is not None:
+            return frozenset({v})
+        if not isinstance(cur, fx.Node):
+            return None
+        k = kind(cur)
+        if k == "cast":
+            return _zero_neginf(additive_values(_self(cur), writes, depth - 1))  # a narrowing cast may round finite values
+        if _is_noop(cur) or k in ("view", "expand", "slice", "getitem", "clone", "unsqueeze", "squeeze", "permute",
+                                  "transpose"):
+            cur = _self(cur)
+            continue
+        if k == "where":
+            c, a, b = (list(cur.args) + [None, None, None])[:3]
+            va, vb = additive_values(a, writes, depth - 1), additive_values(b, writes, depth - 1)
+            return va | vb if va is not None and vb is not None else None
+        if k == "masked_fill":
+            base, value = additive_values(_self(cur), writes, depth - 1), _const_value(arg(cur, 2, "value", None))
+            return base | {value} if base is not None and value is not None else None
+        return None
+    return None
+
+
+def _zero_neginf(values: frozenset | None) -> frozenset | None:
+    return values if values is not None and values <= {0.0, -math.inf} else None
+
+
+def additive_is_zero_or_neginf(node: Any, writes: MutationIndex | None = None) -> bool:
+    """Whether an additive mask provably holds only 0 and -inf (it hides keys, and adds nothing else)."""
+    return _zero_neginf(additive_values(node, writes)) is not None
+
+
+def may_hide_whole_rows(mask: Any, writes: MutationIndex | None = None) -> bool:
+    """Whether a mask may leave a query row with no visible key: a boolean mask may; an additive one only when it
+    can hold -inf (``where(c, 0, finfo.min)`` cannot: its rows keep every key at a finite score)."""
+    if not isinstance(mask, fx.Node) or meta_dtype(mask) == torch.bool:
+        return True
+    values = additive_values(mask, writes)
+    return values is None or -math.inf in values
+
+
+def _dtype_name(dt: Any) -> str:
+    return str(dt).removeprefix("torch.") if dt is not None else "unknown"
 
 
 #: Comparison ops (names with underscores stripped: ``operator.le``, ``Tensor.__le__``, ``aten.le``).
@@ -1536,13 +1688,18 @@ def logical_shape(m: AttentionMatch, name: str) -> tuple | None:
 def find_matches(gm: fx.GraphModule) -> list[AttentionMatch]:
     """Every attention site of ``gm`` in graph order (of the anchor node), including unsupported ones."""
     out: list[AttentionMatch] = []
+    writes = MutationIndex(gm.graph)
     for node in gm.graph.nodes:
         if node.op != "call_function" and node.op != "call_method":
             continue
         m = match_sdpa(node) or match_sdpa_fused(node)
         if m is None and kind(node) == "softmax":
-            m = match_eager(node)
+            m = match_eager(node, writes)
         if m is not None:
+            if m.reason is None and m.q is not None:
+                sources = [m.q, m.k, m.v, m.attn_mask] + [c for c, _ in m.scale_nodes]
+                m.reason = writes.reason(sources, m.output)
+                m.mask_written = writes.written_after(m.attn_mask)
             out.append(m)
     return out
 

@@ -41,6 +41,9 @@ class Dense(Strategy[DensePlan]):
         return kernel_cost.dense_us(site, hw)
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        if attn_mask is not None and attn_mask.dim() < 4:
+            # SDPA rejects a 1-D (N,) mask that broadcasts fine in eager code: view it as (1, ..., N)
+            attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         mask = combined_mask(q, k, attn_mask, valid_len)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=gqa)

@@ -177,6 +177,8 @@ class SplitKV(Strategy[SplitKVPlan]):
         return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
+        if plan.num_splits < 1:
+            raise ValueError(f"split_kv: num_splits must be >= 1; got {plan.num_splits}")
         if not use_triton(q) or plan.num_splits <= 1:
             return SplitKVState(workspace=None)
         from ..kernels.split_kv import split_kv_workspace
