@@ -16,8 +16,10 @@ input (views, reshapes, ``contiguous``, same-dtype casts, in-place ops themselve
 allocate); two nodes alias when those walks meet. Unknown ops are taken as aliasing, so the analysis errs
 towards leaving a site alone.
 
-A mutation before the chain starts is fine: the original's reads and the op's read both see it. So Hugging
-Face's StaticCache, which writes K/V with ``index_copy_`` and then reads the cache, is rewritten. ``lower``
+A write is fine when no node of the chain read the written storage before it and it edits no tensor the chain
+made: the original's reads and the op's read then both see it. So Hugging Face's StaticCache, which writes K/V
+with ``index_copy_`` and then reads the cache (while the query's transposes, mere views, come before), is
+rewritten. ``lower``
 computes one ``valid_len`` per mask node right after the mask's producer; for a mask written after it is
 produced (``m = zeros(...); m[..., :n] = True``) ``written_after`` tells it to compute one per site instead.
 """
@@ -40,6 +42,11 @@ _FRESH = frozenset({
     "mean", "isneginf", "isinf", "pow", "sqrt", "rsqrt", "truediv", "floordiv", "clamp", "index_select", "gather",
     "linear", "embedding", "iota", "lift_fresh_copy", "tril", "triu", "matmul", "dropout", "native_dropout",
     "relu", "gelu", "silu", "index_copy", "index_put", "scatter", "copy", "fill", "abs", "square", "cumsum",
+})
+#: Ops that only re-label their input's storage (no data read): a view made before a write reads nothing.
+_PURE_VIEWS = frozenset({
+    "view", "_unsafe_view", "transpose", "permute", "expand", "expand_as", "unsqueeze", "squeeze", "t", "alias",
+    "slice", "select", "narrow", "as_strided", "view_as", "detach", "swapaxes", "swapdims", "movedim", "unflatten",
 })
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
@@ -175,25 +182,35 @@ class MutationIndex:
 
     def reason(self, sources: Iterable[Any], output: fx.Node) -> str | None:
         """Why replacing the chain from ``sources`` to ``output`` by one op before ``output`` is not provably
-        equal to the original (a write to a tensor the chain reads, while it runs), or None."""
+        equal to the original, or None. A write at position p (before the output) breaks it when
+
+        * it writes a tensor that a chain node allocated before p (an intermediate, or a copy the matcher looked
+          through): the op never computes that tensor, so the write is lost; or
+        * a chain node before p read the written storage (so the original used the old values, and the op,
+          placed at the output, reads the new ones). Views only re-label storage; they read nothing.
+        """
         if not self.writes:
             return None
         sources = [s for s in sources if isinstance(s, fx.Node)]
         chain = self.chain(sources, output)
         end = self.position[output]
-        start = min((self.position[n] for n in chain), default=end)
-        watched: dict = {}
-        for n in list(chain) + sources:
-            for r in storage_roots(n, self.roots):
-                watched.setdefault(r, n)
         for pos, writer, roots in self.writes:
-            if not start < pos < end or writer in chain and writer is output:
+            if pos >= end:
                 continue
-            hit = next((watched[r] for r in roots if r in watched), None)
+            hit = None
+            for n in chain:
+                if self.position[n] >= pos or n is writer:
+                    continue
+                if n in roots and not _may_alias_input(n):
+                    hit = n  # an intermediate (or looked-through copy) edited after it was made
+                    break
+                if _name(n) not in _PURE_VIEWS and any(storage_roots(a, self.roots) & roots for a in n.all_input_nodes):
+                    hit = n  # read before the write
+                    break
             if hit is not None:
                 what = writer.target if writer.op == "call_method" else _name(writer)
-                return (f"in-place write {what} ({writer.name}) to {hit.name}, which the attention reads, while it "
-                        "runs: the rewrite could not prove the result unchanged")
+                return (f"in-place write {what} ({writer.name}) to a tensor the attention reads ({hit.name} used it "
+                        "before the write): the rewrite could not prove the result unchanged")
         return None
 
 

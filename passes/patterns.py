@@ -22,6 +22,25 @@ becomes a free ``permute`` view in ``lower``.
 K/V reach every pattern either directly, or expanded to the query heads by ``repeat_kv``
 (``x[:, :, None].expand(b, hkv, g, n, d).reshape(b, hkv * g, n, d)``) or ``repeat_interleave(g, dim=1)``;
 ``AttentionMatch.k``/``v`` are then the *un-expanded* tensors, so the rewritten op reads the cache itself.
+
+What a rewrite proves (anything else is left alone, with the reason in ``site.unsupported``):
+
+* **No write while the chain runs** (``passes.mutation``): an in-place op, ``out=`` or setitem on any tensor
+  the chain reads (or an alias of its storage) between the chain's first node and its output makes the site
+  unprovable; writes before it (a StaticCache's ``index_copy_``) are seen by the op as by the original.
+* **Masks and biases.** The kernels add any float ``attn_mask`` exactly per tile and hide False / -inf keys,
+  so the rule is one for SDPA and eager code alike: an additive float tensor (0/-inf mask, ``finfo.min`` mask,
+  or an arbitrary bias such as ALiBi) broadcastable to (B, Hq, L, N) is rewritten exactly. A bool or integer
+  tensor *added* to the scores is a 0/1 bias in eager and is left alone. ``masked_fill``/``where`` hide keys
+  only with -inf; a finite fill (``finfo.min``, -1e9) replaces scores, so a row it hides whole gives the mean
+  of V, which the op does not reproduce: left alone.
+* **Fully masked rows** (no key visible): the op gives 0, as SDPA and PyTorch's safe softmax do; a plain eager
+  softmax gives NaN (``AttentionMatch.empty_rows = "nan"``; lower sets those rows to NaN when the mask can hide
+  a whole row). A row whose keys all carry ``finfo.min`` keeps its keys tied (fp32 absorbs the scores) and gives
+  the mean of V, as the original in fp32/fp64. In fp16/bf16 an eager chain rounds ``scores + finfo.min`` in that
+  dtype, so an additive mask that is not provably 0/-inf is left alone there.
+* **Post-softmax ops**: casts, inference dropout, and ``where(cond, 0, p)`` only when ``cond`` provably is "every
+  score of the row is -inf" (``is_empty_row_guard``); a head-pruning ``where`` or ``softmax * c`` is left alone.
 """
 from __future__ import annotations
 

@@ -282,8 +282,10 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     if MASK_KIND == 2:
         mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
                      + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
-        # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf.
-        bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e30) * 1.4426950408889634)
+        # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf. The clamp
+        # (-2.3e38, next to fp32's finfo.min of -3.4e38) keeps apart every finite bias a mask is likely to hold;
+        # only biases below it tie with finfo.min (a row that only they reach averages V over all of them).
+        bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -2.3e38) * 1.4426950408889634)
         s = s + bias
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))

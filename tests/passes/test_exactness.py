@@ -304,3 +304,29 @@ def test_fp16_eager_with_a_finite_min_mask_is_left_alone():
     torch.testing.assert_close(opt(q, k, v, m), f(q, k, v, m))
     (site,) = attnopt.last_plans(opt).sites
     assert not site.rewritten and "float16" in site.reason_untouched
+
+
+def test_decomposed_sdpa_guard_is_proven_and_rewritten():
+    """SDPA decomposed to aten (make_fx with the core decompositions) spells PyTorch's fully-masked-row guard as
+    ``where(logical_not(any(logical_not(eq(s, -inf)), -1, True)), full_like(p, 0), p)``: proven, so the site is
+    rewritten, and an all-False row gives 0 as the original."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from attnopt.config import OptimizeConfig
+    from attnopt.passes import make_context, run_passes
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    q, k, v = inputs()
+    k, v = rep(k), rep(v)
+    m = torch.rand(B, 1, L, N) > 0.3
+    m[0] = False
+    gm = make_fx(f, decomposition_table=core_aten_decompositions())(q, k, v, m)
+    ctx = make_context(OptimizeConfig(force_plan="split_kv"), (q, k, v, m))
+    gm, _ = run_passes(gm, (q, k, v, m), ctx=ctx)
+    assert sum(ctx.rewrite_counts.values()) == 1, [mm.site.unsupported for mm in ctx.matches]
+    out = gm(q, k, v, m)
+    torch.testing.assert_close(out, f(q, k, v, m), atol=2e-5, rtol=2e-5)
+    assert bool((out[0] == 0).all())
