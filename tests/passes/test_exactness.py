@@ -282,6 +282,8 @@ def test_spelling_exact_or_left_alone(name, plan):
     fn, expected = CASES[name]
     if plan != "dense" and expected != "exact":
         pytest.skip("left alone whatever the plan")
+    if plan == "stream_k" and not name.startswith(("mask_", "sdpa_", "eager_finfo")):
+        pytest.skip("stream-K differs from split-KV only in how it reads masks and merges partials")
     run_case(fn, expected, plan)
 
 
