@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("plans", "explain", "calibrate", "bench")
+COMMANDS = ("plans", "explain", "calibrate", "bench", "tune", "export_onnx")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,12 +52,14 @@ def _resolve(plan: str) -> tuple[Plan, Any]:
     return hit
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, valid_len: Tensor | None) -> None:
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, valid_len: Tensor | None,
+                 mask_keys_local: bool = True) -> None:
     """Raise ``ValueError`` naming what is wrong with the inputs of a decode-attention op (shapes and dtypes only:
     no device sync). Run once per prepared state (plan and shape family), not per call.
 
     q : (B, Hq, L, D); k : (B, Hkv, N, D); v : (B, Hkv, N, Dv) with Hq a multiple of Hkv; attn_mask : bool or
-    floating, broadcastable to (B, Hq, L, N); valid_len : (B,) int32/int64.
+    floating, broadcastable to (B, Hq, L, N); valid_len : (B,) int32/int64. ``mask_keys_local=False``: the mask's
+    last dim may be the global key count of a sequence-sharded cache (tree/ring plans), not ``k``'s.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -80,7 +82,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, vali
             raise ValueError(f"decode_attention: attn_mask must be bool (True = attend) or floating (additive); got "
                              f"{attn_mask.dtype}")
         full = (B, Hq, L, k.shape[2])
-        if attn_mask.dim() > 4 or any(s != 1 and s != f for s, f in zip(reversed(attn_mask.shape), reversed(full))):
+        shape = tuple(attn_mask.shape) if mask_keys_local else tuple(attn_mask.shape[:-1]) + (1,)
+        if attn_mask.dim() > 4 or any(s != 1 and s != f for s, f in zip(reversed(shape), reversed(full))):
             raise ValueError(f"decode_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(B, Hq, L, N) = {full}")
     if valid_len is not None:
@@ -99,10 +102,42 @@ def _prepared(plan_key: str, plan: Plan, strategy, q: Tensor, k: Tensor, v: Tens
         with _state_lock:
             state = _STATES.get(key)
             if state is None:
-                check_inputs(q, k, v, attn_mask, valid_len)
-                state = strategy.prepare(plan, q, k, v)
+                check_inputs(q, k, v, attn_mask, valid_len, not getattr(strategy, "distributed", False))
+                if getattr(strategy, "distributed", False):  # its prepare runs collectives: this thread
+                    state = strategy.prepare(plan, q, k, v)
+                else:
+                    state = outside_graph_pools(lambda: strategy.prepare(plan, q, k, v), q.device)
                 _STATES[key] = state if state is not None else False
     return state if state is not False else None
+
+
+_PREPARE_THREAD: list[Any] = []
+
+
+def outside_graph_pools(make, device: torch.device):
+    """``make()``, with what it allocates (a workspace, counters) in the caching allocator's ordinary pool.
+
+    The first call of an op often runs inside inductor's CUDA-graph-tree warm-up, which sends every allocation of
+    the current thread to the graph's private pool; a workspace kept there outlives the graph's tracked outputs,
+    and the trees refuse to record ("tensor(s) in the cudagraph pool not tracked as outputs"; seen on a 30-layer
+    model with ``mode="reduce-overhead"``). That routing is per thread, so the state is made on a worker thread
+    and synchronized there (``prepare`` may sync). Inside a stream capture (a graph the user captures around the
+    first call) another thread's work could break the capture, so there it is made in place, as before.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    if not _PREPARE_THREAD:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _PREPARE_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="attnopt-prepare"))
+
+    def work():
+        with torch.cuda.device(device):
+            state = make()
+            torch.cuda.current_stream().synchronize()
+        return state
+
+    return _PREPARE_THREAD[0].submit(work).result()
 
 
 def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):

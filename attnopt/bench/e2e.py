@@ -24,7 +24,9 @@ step, host time of the attnopt ops, GPU time of the attention kernels.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -137,31 +139,36 @@ def _sync(device: str) -> None:
 
 
 @torch.no_grad()
-def decode_row(args, model, method: str, context: int, reference_tokens: list[int] | None) -> dict[str, Any]:
+def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     """Time ``args.steps`` decode steps of ``method`` after a prefill of ``context`` tokens."""
     device = args.device
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     cache = make_cache(model, args.cache, context + args.steps + args.warmup + 16)
-    tok = prefill(model, cache, ids, args.prefill_chunk)
+    with gpu_turn():  # a long prefill is seconds of GPU work: never beside another run's timed steps
+        tok = prefill(model, cache, ids, args.prefill_chunk)
     step, opt = make_step(method, model)
     times, tokens = [], [int(tok)]
-    for _ in range(args.warmup + args.steps):
+
+    def one_step():
+        nonlocal tok
         _sync(device)
         t0 = time.perf_counter()
         logits = step(tok, cache)
         tok = logits[:, -1:].argmax(-1)
         tokens.append(int(tok))  # syncs
         times.append(time.perf_counter() - t0)
+
+    for _ in range(args.warmup):
+        one_step()
+    with gpu_turn():
+        for _ in range(args.steps):
+            one_step()
     steady = times[args.warmup:]
     row: dict[str, Any] = {"method": method, "context": context, "cache": args.cache,
                            "step_ms": 1e3 * statistics.median(steady), "step_ms_min": 1e3 * min(steady),
                            "first_call_s": times[0], "warmup_s": sum(times[:args.warmup]),
                            "tokens": tokens}
-    if reference_tokens is not None:
-        same = [a == b for a, b in zip(tokens, reference_tokens)]
-        row["tokens_identical"] = all(same)
-        row["first_token_difference"] = None if all(same) else same.index(False)
     if opt is not None:
         import attnopt
 
@@ -172,14 +179,52 @@ def decode_row(args, model, method: str, context: int, reference_tokens: list[in
                    calls_without_attnopt=report.calls_without_attnopt)
         if args.profile and device == "cuda":
             try:
-                row["profile"] = profile_steps(step, cache, tok)
+                with gpu_turn():
+                    row["profile"] = profile_steps(step, cache, tok)
+                    row["standalone_attention"] = standalone_attention_us(report, cache, context + len(tokens))
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timed row
                 row["profile"] = {"error": repr(e)[:500], "ops": {}, "kernels_per_step": None, "gpu_us_per_step": None}
     return row
 
 
-def profile_steps(step, cache, tok, n: int = 3) -> dict[str, Any]:
-    """Per step: host and GPU time by op of interest, kernel launches and compiled graphs run."""
+#: With ``--parallel``, isolated runs compile at the same time but take turns for their timed sections, through
+#: an exclusive lock on this file.
+LOCK_ENV = "ATTNOPT_BENCH_GPU_LOCK"
+
+
+@contextlib.contextmanager
+def gpu_turn():
+    """Hold the GPU alone for a timed section (a no-op unless ``$ATTNOPT_BENCH_GPU_LOCK`` names a lock file)."""
+    path = os.environ.get(LOCK_ENV)
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _kernel_class(name: str) -> str:
+    """The part of a decode step a GPU kernel belongs to, by its name."""
+    if any(t in name for t in ("_split_kv", "_stream_k", "_merge_states", "_saap")):
+        return "attnopt attention kernels"
+    if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
+        return "SDPA kernels"
+    if name.startswith("triton_"):
+        return "inductor kernels"
+    if any(t in name for t in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitKreduce")):
+        return "GEMMs"
+    return "other aten kernels (in attnopt steps: the valid length)"
+
+
+def profile_steps(step, cache, tok, n: int = 5) -> dict[str, Any]:
+    """GPU time per step by kernel class (attention, GEMMs, inductor, other), kernel launches, and host time of the
+    attnopt ops when they run outside a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -187,22 +232,75 @@ def profile_steps(step, cache, tok, n: int = 3) -> dict[str, Any]:
             logits = step(tok, cache)
             tok = logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
-    by_name: dict[str, dict[str, float]] = {}
-    kernels = 0
+    classes: dict[str, dict[str, float]] = {}
+    host_ops: dict[str, dict[str, float]] = {}
+    busy = _busy_us_by_class(prof, n)
     for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        host_us = e.cpu_time_total
-        if e.device_type.name == "CUDA" or getattr(e, "is_kernel", False):
-            kernels += e.count
-        key = e.key
-        if any(s in key for s in ("attnopt", "split_kv", "stream_k", "merge", "CompiledFunction", "cudagraph",
-                                  "Torch-Compiled Region", "valid_len", "flash", "sdpa", "cudnn", "fmha")):
-            by_name[key] = {"calls_per_step": e.count / n, "host_us_per_step": host_us / n,
-                            "gpu_us_per_step": dev_us / n}
-    total_gpu = sum((getattr(e, "device_time_total", 0.0) or 0.0) for e in prof.key_averages()
-                    if e.device_type.name == "CUDA")
-    return {"ops": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["host_us_per_step"])[:25]),
-            "kernels_per_step": kernels / n, "gpu_us_per_step": total_gpu / n}
+        gpu = getattr(e, "self_device_time_total", None)
+        if gpu is None:
+            gpu = getattr(e, "self_cuda_time_total", 0.0)
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            c = classes.setdefault(_kernel_class(e.key), {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})
+            c["kernels_per_step"] += e.count / n
+            c["gpu_us_per_step"] += gpu / n
+        elif "attnopt::" in e.key or "Torch-Compiled Region" in e.key or "CUDAGraph" in e.key:
+            host_ops[e.key] = {"calls_per_step": e.count / n, "host_us_per_step": e.cpu_time_total / n}
+    for name, us in busy.items():
+        classes.setdefault(name, {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})["busy_us_per_step"] = us
+    return {"gpu_by_class": classes, "host_ops": host_ops,
+            "kernels_per_step": sum(c["kernels_per_step"] for c in classes.values()),
+            "gpu_us_per_step": sum(c["gpu_us_per_step"] for c in classes.values())}
+
+
+def _busy_us_by_class(prof, n: int) -> dict[str, float]:
+    """Per kernel class, the time per step during which at least one of its kernels ran (the union of their
+    intervals). Summing durations counts twice what overlaps: split-KV launches its merge with programmatic
+    dependent launch, and the merge's kernel starts while the partial kernel still runs."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in prof.events():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        tr = e.time_range
+        spans.setdefault(_kernel_class(e.name), []).append((tr.start, tr.end))
+    busy = {}
+    for name, iv in spans.items():
+        iv.sort()
+        total, cur_s, cur_e = 0.0, None, None
+        for s0, e0 in iv:
+            if cur_e is None or s0 > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s0, e0
+            else:
+                cur_e = max(cur_e, e0)
+        if cur_e is not None:
+            total += cur_e - cur_s
+        busy[name] = total / n
+    return busy
+
+
+def standalone_attention_us(report, cache, context: int) -> dict[str, Any] | None:
+    """The chosen plan of the first rewritten site, alone in a CUDA graph over layer 0's cache at this fill (the mask
+    and the valid length given, as in the step): the yardstick for the attention's share of a step."""
+    from .common import time_us
+
+    site = next((s for s in report.rewritten if s.chosen is not None), None)
+    layer = cache.layers[0] if hasattr(cache, "layers") else None
+    if site is None or layer is None or not hasattr(layer, "keys"):
+        return None
+    k, v = layer.keys, layer.values
+    hq = site.site.q_heads
+    q = torch.randn(k.shape[0], hq, 1, k.shape[-1], device=k.device, dtype=k.dtype)
+    n = k.shape[2]
+    mask = (torch.arange(n, device=k.device) <= context).view(1, 1, 1, n)
+    valid = torch.full((k.shape[0],), context + 1, device=k.device, dtype=torch.int32)
+    plan = site.chosen.runtime_key()
+    op = torch.ops.attnopt.decode_attention
+
+    def call():
+        return op(q, k, v, mask, valid, float(site.site.scale), False, plan, "bench:standalone")
+
+    return {"plan": plan, "us": time_us(call, "graph")}
 
 
 @torch.no_grad()
@@ -231,29 +329,31 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     gen(ids, max_new_tokens=long, min_new_tokens=long, **kw)
     first = time.perf_counter() - t0
-    times = {}
-    for n in (short, long, short, long):
-        _sync(args.device)
-        t0 = time.perf_counter()
-        gen(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        _sync(args.device)
-        times.setdefault(n, []).append(time.perf_counter() - t0)
+    gen(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape of the timed calls seen
+    times: dict[int, list[float]] = {}
+    with gpu_turn():
+        for n in (short, long, short, long):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            gen(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            _sync(args.device)
+            times.setdefault(n, []).append(time.perf_counter() - t0)
     per_token = (min(times[long]) - min(times[short])) / (long - short)
     return {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": 1e3 * per_token,
             "generate_first_call_s": first}
 
 
-def run_one(args, context: int, method: str, reference: list[int] | None) -> list[dict[str, Any]]:
-    """The rows of one (context, method) in this process; ``reference`` is HF eager's tokens, if known."""
+def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
+    """The rows of one (context, method) in this process."""
     model, _ = build_model(args.model, layers=args.layers, dtype=_DTYPES[args.dtype], device=args.device,
                            max_positions=context + 1024)
-    rows = [decode_row(args, model, method, context, reference)]
+    rows = [decode_row(args, model, method, context)]
     if args.generate and method != "attnopt-cg":
         rows[0].update(generate_row(args, model, method, context))
     return rows
 
 
-def _isolated(args, context: int, method: str, reference: list[int] | None) -> list[dict[str, Any]]:
+def _isolated(args, context: int, method: str) -> list[dict[str, Any]]:
     """``run_one`` in a subprocess: a crash (a signal, an exception) becomes a row that says so."""
     import tempfile
 
@@ -267,8 +367,12 @@ def _isolated(args, context: int, method: str, reference: list[int] | None) -> l
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--generate"] if args.generate else []
     cmd += ["--profile"] if args.profile else []
-    cmd += ["--reference-tokens", json.dumps(reference)] if reference else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        return [{"method": method, "context": context, "cache": args.cache, "error": f"timeout after {args.timeout} s",
+                 "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}]
     if proc.returncode == 0:
         return json.loads(Path(out).read_text())
     sig = -proc.returncode if proc.returncode < 0 else None
@@ -287,19 +391,17 @@ def run(args) -> int:
         raise SystemExit("attnopt bench e2e: no CUDA device here; pass --device cpu to check the script on the CPU")
     rows: list[dict[str, Any]] = []
     if args.rows_out:  # a worker of --isolate: one context, one method
-        reference = json.loads(args.reference_tokens) if args.reference_tokens else None
-        Path(args.rows_out).write_text(json.dumps(run_one(args, contexts[0], methods[0], reference)))
+        Path(args.rows_out).write_text(json.dumps(run_one(args, contexts[0], methods[0])))
         return 0
-    for context in contexts:
-        reference = None
+    if args.parallel > 1:
+        rows = _run_parallel(args, contexts, methods)
+    for context in contexts if args.parallel <= 1 else ():
         for method in methods:
-            got = (_isolated(args, context, method, reference) if args.isolate
-                   else run_one(args, context, method, reference))
+            got = _isolated(args, context, method) if args.isolate else run_one(args, context, method)
             for r in got:
-                if method == "hf-eager" and "tokens" in r:
-                    reference = r["tokens"]
-                print(json.dumps({k: v for k, v in r.items() if k not in ("tokens", "profile")}), flush=True)
+                _print_row(r)
             rows += got
+    _compare_tokens(rows)
     _add_ratios(rows)
     result = results_header("e2e", model=args.model, layers=args.layers, dtype=args.dtype, cache=args.cache,
                             steps=args.steps, warmup=args.warmup)
@@ -312,6 +414,38 @@ def run(args) -> int:
                               ("tokens_identical", "tokens ==", ""), ("rewritten", "rewritten", ""),
                               ("calls_without_attnopt", "eager calls", ""), ("error", "error", "")]))
     return 0
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(json.dumps({k: v for k, v in r.items() if k not in ("tokens", "profile", "stderr_tail")}), flush=True)
+
+
+def _run_parallel(args, contexts: list[int], methods: list[str]) -> list[dict[str, Any]]:
+    """Isolated runs, ``args.parallel`` at a time: they compile concurrently and time in turn (``gpu_turn``)."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ.setdefault(LOCK_ENV, tempfile.NamedTemporaryFile(suffix=".lock", delete=False).name)
+    jobs = [(c, m) for c in contexts for m in methods]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        results = list(pool.map(lambda job: _isolated(args, *job), jobs))
+    rows = []
+    for got in results:
+        for r in got:
+            r["concurrent_compiles"] = args.parallel
+            _print_row(r)
+        rows += got
+    return rows
+
+
+def _compare_tokens(rows: list[dict[str, Any]]) -> None:
+    """Each row's greedy tokens against HF eager's at the same context (same prefill, same weights)."""
+    ref = {r["context"]: r["tokens"] for r in rows if r.get("method") == "hf-eager" and "tokens" in r}
+    for r in rows:
+        if "tokens" in r and r["context"] in ref and r.get("method") != "hf-eager":
+            same = [a == b for a, b in zip(r["tokens"], ref[r["context"]])]
+            r["tokens_identical"] = all(same)
+            r["first_token_difference"] = None if all(same) else same.index(False)
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -339,8 +473,9 @@ def register(suites) -> None:
     p.add_argument("--profile", action="store_true", help="profile a few steps of the attnopt methods")
     p.add_argument("--isolate", action="store_true", help="one subprocess per (context, method): a crash is a row")
     p.add_argument("--timeout", type=float, default=900, help="seconds per isolated run")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="isolated runs at a time (they compile together and take turns on the GPU to time)")
     p.add_argument("--device", default="cuda", help="cuda; cpu checks the script itself")
-    p.add_argument("--reference-tokens", default=None, help=argparse_suppress())
     p.add_argument("--rows-out", default=None, help=argparse_suppress())
     p.add_argument("--out", help="write the results JSON here")
     p.set_defaults(func=run)
