@@ -10,6 +10,20 @@ from attnopt.plan import Rejection, SiteReport
 from .context import PassContext
 
 
+def check_strategies(config) -> None:
+    """``ValueError`` when ``config.force_plan`` or ``config.strategies`` names a plan kind that no registered
+    strategy implements (the config checked the kinds against the plan types; a type can exist without its
+    strategy, e.g. ``saap`` before its strategy lands)."""
+    from attnopt.runtime.strategies import STRATEGIES
+
+    asked = ([config.force_plan] if config.force_plan is not None else []) + list(config.strategies or ())
+    missing = [kind for kind in dict.fromkeys(asked) if kind not in STRATEGIES]
+    if missing:
+        which = "force_plan" if config.force_plan in missing else "strategies"
+        raise ValueError(f"{which}: plan kind {', '.join(map(repr, missing))} has a plan type but no strategy implements "
+                         f"it in this build; kinds with a strategy: {', '.join(sorted(STRATEGIES))}")
+
+
 def plan_site(site, hw, plan_ctx, config) -> SiteReport:
     """Rank every applicable strategy at one site. ``config.force_plan`` wins when it is applicable."""
     from attnopt.runtime.strategies import STRATEGIES
@@ -17,13 +31,8 @@ def plan_site(site, hw, plan_ctx, config) -> SiteReport:
     report = SiteReport(site=site)
     if site.unsupported:
         return report
+    check_strategies(config)
     allowed = set(config.strategies) if config.strategies is not None else None
-    if allowed is not None:
-        unknown = allowed - set(STRATEGIES)
-        if unknown:
-            raise ValueError(f"unknown strategies {sorted(unknown)} in config; registered: {', '.join(sorted(STRATEGIES))}")
-    if config.force_plan is not None and config.force_plan not in STRATEGIES:
-        raise ValueError(f"force_plan={config.force_plan!r} is not a registered plan kind; valid: {', '.join(sorted(STRATEGIES))}")
     for kind, strategy in STRATEGIES.items():
         if allowed is not None and kind not in allowed and kind != "dense":
             report.rejected.append(Rejection(kind, "not in config.strategies"))
@@ -46,7 +55,8 @@ def plan_site(site, hw, plan_ctx, config) -> SiteReport:
         else:
             why = next((r.reason for r in report.rejected if r.kind == config.force_plan), "no candidate")
             report.site = report.site.__class__(**{**report.site.to_dict(),
-                                                   "unsupported": f"force_plan={config.force_plan!r} does not apply: {why}"})
+                                                   "unsupported": f"force_plan={config.force_plan!r} does not apply: {why}; "
+                                                                  "the site is left as the original attention"})
         return report
     if report.candidates:
         report.chosen = report.candidates[0]

@@ -39,7 +39,7 @@ def kernel_check(site: AttentionSite, ctx: PlanContext) -> str | None:
         return f"query heads ({site.q_heads}) are not a multiple of KV heads ({site.kv_heads})"
     if site.head_dim not in KERNEL_HEAD_DIMS:
         dims = ", ".join(str(d) for d in KERNEL_HEAD_DIMS)
-        return f"head_dim {site.head_dim} not supported by the kernels ({dims}); falls back to dense"
+        return f"head_dim {site.head_dim} not supported by the kernels ({dims})"
     if site.v_head_dim is not None and site.v_head_dim != site.head_dim:
         return f"v_head_dim {site.v_head_dim} != head_dim {site.head_dim}: the kernels need Dv == D"
     if site.dtype not in KERNEL_DTYPES:
