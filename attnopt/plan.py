@@ -198,6 +198,8 @@ class SiteReport:
     rejected: list[Rejection] = field(default_factory=list)
     rewritten: bool = False
     calls: int = 0
+    #: Calls that ``verify`` compared with the original attention and found within tolerance (a mismatch raises).
+    verified: int = 0
     #: Key the lowered op counts its calls under (``graph_id:node``); empty when not rewritten.
     key: str = ""
     #: Id of the compiled graph the site is in (``g3``); ``PlanReport.merge`` fills it from its report.
@@ -233,6 +235,7 @@ class SiteReport:
             "rejected": [dataclasses.asdict(r) for r in self.rejected],
             "rewritten": self.rewritten,
             "calls": self.calls,
+            "verified": self.verified,
             "key": self.key,
             "graph": self.graph,
         }
@@ -246,9 +249,15 @@ class SiteReport:
             rejected=[Rejection(**r) for r in data.get("rejected", [])],
             rewritten=bool(data.get("rewritten", False)),
             calls=int(data.get("calls", 0)),
+            verified=int(data.get("verified", 0)),
             key=data.get("key", ""),
             graph=data.get("graph", ""),
         )
+
+
+#: The headline of an empty report that no graph went into.
+NOTHING_COMPILED = ("no graph compiled by attnopt yet: call the model (or function) returned by attnopt.optimize or "
+                    "torch.compile(..., backend=\"attnopt\") first")
 
 
 @dataclass
@@ -317,6 +326,8 @@ class PlanReport:
         """One line: sites and graphs, rewritten by plan kind, left alone by reason, profile, op calls. E.g.
         ``150 attention site(s) in 5 graph(s): 60 rewritten (60 split_kv), 90 left alone (90 prefill); profile
         h100-sxm``."""
+        if not (self.sites or self.graph or self.profile):
+            return NOTHING_COMPILED
         graphs = {self.graph_of(s) for s in self.sites} - {""}
         kinds = Counter(s.chosen.kind if s.chosen else "?" for s in self.rewritten)
         why = Counter(s.untouched_category for s in self.untouched)
@@ -328,7 +339,10 @@ class PlanReport:
                 + f": {len(self.rewritten)} rewritten{counts(kinds)}, {len(self.untouched)} left alone{counts(why)}"
                 + f"; profile {self.profile or '?'}")
         calls = sum(s.calls for s in self.sites)
-        return text + (f"; {calls} attnopt op call(s) so far" if calls else "")
+        verified = [s for s in self.sites if s.verified]
+        return (text + (f"; {calls} attnopt op call(s) so far" if calls else "")
+                + (f"; verify passed: {sum(s.verified for s in verified)} call(s) of {len(verified)} site(s) matched "
+                   "the original attention" if verified else ""))
 
     def groups(self) -> list[list[SiteReport]]:
         """Sites that share graph, shapes, dtype, mask kind and outcome (the chosen plan, or why left alone), in
@@ -379,11 +393,13 @@ class PlanReport:
                 lines.insert(0, f"[yellow]why: {_esc(why)}[/yellow]")
             cells = [self.graph_of(first) or "?",
                      site.node if all_sites else str(len(group)),
-                     _esc(site.module_path or "?") if all_sites else _esc(compact_paths([s.site.module_path for s in group])),
+                     _esc(site.module_path or TOP_LEVEL) if all_sites else _esc(compact_paths([s.site.module_path for s in group])),
                      f"{site.shape_str()}\n[dim]{site.dtype}[/dim]",
                      site.mask_kind, plan, est]
             if show_calls:
-                cells.append(str(sum(s.calls for s in group)) if first.rewritten else "-")
+                verified = sum(s.verified for s in group)
+                cells.append((str(sum(s.calls for s in group)) if first.rewritten else "-")
+                             + (f"\n[green]{verified} verified[/green]" if verified else ""))
             cells.append("\n".join(lines) or "-")
             table.add_row(*cells)
         return table
@@ -409,6 +425,11 @@ class PlanReport:
 
 
 # --------------------------------------------------------------------------------------------- table helpers
+#: The module column of a site with no module path: dynamo records no module stack for attention called in the
+#: compiled module's own ``forward`` (its path in ``named_modules()`` is "") or in a compiled function.
+TOP_LEVEL = "(top level)"
+
+
 def _esc(text: str) -> str:
     from rich.markup import escape
 
@@ -481,8 +502,8 @@ def _ranges(nums: list[int]) -> str:
 
 def compact_paths(paths: list[str]) -> str:
     """Module paths of a group in one string: ``model.layers.{0..29}.self_attn`` when they differ in one
-    numeric component, else the first path and ``(+N more)``. An empty path is ``?``."""
-    uniq = list(dict.fromkeys(p or "?" for p in paths))
+    numeric component, else the first path and ``(+N more)``. An empty path is ``TOP_LEVEL``."""
+    uniq = list(dict.fromkeys(p or TOP_LEVEL for p in paths))
     if len(uniq) == 1:
         return uniq[0]
     parts = [u.split(".") for u in uniq]
