@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import types
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -61,20 +63,59 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
             from attnopt.runtime.distributed import register_hf_shard_aware
 
             model.set_attn_implementation(register_hf_shard_aware(model))
-        compiled_forward = torch.compile(model.forward, backend=backend, dynamic=cfg.dynamic)
+        compiled_forward = torch.compile(private_code(model.forward), backend=backend, dynamic=cfg.dynamic)
         if process_group is not None:
             compiled_forward = _never_eager_over_shards(compiled_forward, model)
-        optimized.forward = compiled_forward
+        optimized.forward = _counting_uncompiled_calls(compiled_forward, backend)
         object.__setattr__(optimized, _BACKEND_ATTR, backend)
         return optimized
     if callable(model):
-        compiled = torch.compile(model, backend=backend, dynamic=cfg.dynamic)
-        try:
-            setattr(compiled, _BACKEND_ATTR, backend)
-        except AttributeError:
-            pass
+        compiled = _counting_uncompiled_calls(torch.compile(private_code(model), backend=backend, dynamic=cfg.dynamic),
+                                              backend)
+        setattr(compiled, _BACKEND_ATTR, backend)
         return compiled
     raise TypeError(f"attnopt.optimize expects a torch.nn.Module or a callable, got {type(model).__name__}")
+
+
+def private_code(fn: Callable) -> Callable:
+    """``fn`` (a function or bound method) over a private copy of its code object.
+
+    Dynamo keeps its compiled graphs, and counts recompilations against ``recompile_limit`` (8), per code object.
+    Every Hugging Face model of a class shares one ``forward`` (and every ``@can_return_tuple`` forward shares the
+    decorator's wrapper code), and every ``optimize()`` call brings a new backend, which dynamo treats as a
+    recompilation: after eight optimized models, batch sizes or mask layouts in one process, dynamo silently ran
+    ``forward`` eagerly, unrewritten. A private code object gives each optimized model a cache and a limit of its
+    own. Objects that are not plain Python functions are returned as they are.
+    """
+    func = getattr(fn, "__func__", fn)
+    owner = getattr(fn, "__self__", None)
+    if not isinstance(func, types.FunctionType):
+        return fn
+    copy_fn = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                                 func.__closure__)
+    functools.update_wrapper(copy_fn, func)
+    copy_fn.__kwdefaults__ = func.__kwdefaults__
+    return types.MethodType(copy_fn, owner) if owner is not None and hasattr(fn, "__func__") else copy_fn
+
+
+class FallbackWarning(UserWarning):
+    """A call of an optimized model or function ran without any graph attnopt compiled."""
+
+
+def _counting_uncompiled_calls(compiled: Callable, backend: Backend) -> Callable:
+    """Wrap ``compiled`` so that a call during which no attnopt-compiled graph ran is counted on ``backend``
+    (``last_plans(...).calls_without_attnopt``) and reported loudly, once: dynamo falls back to eager without an
+    error when it hits a recompile limit or skips a frame, and attnopt then rewrites nothing."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before = backend.graph_calls
+        out = compiled(*args, **kwargs)
+        if backend.graph_calls == before:
+            backend.note_uncompiled_call(getattr(compiled, "__qualname__", None) or type(compiled).__name__)
+        return out
+
+    return call
 
 
 def _never_eager_over_shards(compiled: Callable, model: torch.nn.Module) -> Callable:

@@ -60,6 +60,9 @@ class Backend:
         self.process_group = process_group
         self.mode = mode
         self.reports: list[PlanReport] = []
+        #: Calls of the graphs this backend compiled, and calls of the optimized object that ran none of them.
+        self.graph_calls = 0
+        self.uncompiled_calls = 0
         self.__name__ = "attnopt"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -81,11 +84,39 @@ class Backend:
         if path:
             append_plan_log(path, report)
         log.info("attnopt: %s (graph %s)", report.summary(), report.graph)
-        return _compile_inner(self.config.inner_backend, gm, example_inputs, self.mode)
+        return self._counted(_compile_inner(self.config.inner_backend, gm, example_inputs, self.mode))
+
+    def _counted(self, compiled: Callable) -> Callable:
+        """``compiled``, counting its calls in ``graph_calls`` (one attribute increment per call)."""
+
+        def run(*args: Any) -> Any:
+            self.graph_calls += 1
+            return compiled(*args)
+
+        if getattr(compiled, "_boxed_call", False):
+            run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def note_uncompiled_call(self, what: str) -> None:
+        """Count a call of an optimized object that ran no graph of this backend; warn at the first."""
+        self.uncompiled_calls += 1
+        if self.uncompiled_calls == 1:
+            import warnings
+
+            from .api import FallbackWarning
+
+            msg = (f"attnopt: a call of {what} ran without attnopt: dynamo ran it eagerly (a recompile limit was hit, "
+                   "a compile error was suppressed, or the frame was skipped), so its attention was not rewritten. "
+                   "attnopt.last_plans(...).calls_without_attnopt counts these calls; TORCH_LOGS=recompiles shows "
+                   "why dynamo recompiled")
+            log.warning(msg)
+            warnings.warn(msg, FallbackWarning, stacklevel=3)
 
     def report(self) -> PlanReport:
         """All graphs compiled by this backend so far, merged, with live op call counts."""
-        return with_call_counts(PlanReport.merge(self.reports) if self.reports else PlanReport())
+        report = with_call_counts(PlanReport.merge(self.reports) if self.reports else PlanReport())
+        report.calls_without_attnopt = self.uncompiled_calls
+        return report
 
     def reset(self) -> None:
         self.reports.clear()

@@ -268,6 +268,8 @@ class PlanReport:
     profile: str = ""
     graph: str = ""
     config: dict[str, Any] = field(default_factory=dict)
+    #: Calls of the optimized model or function that ran without any attnopt graph (dynamo fell back to eager).
+    calls_without_attnopt: int = 0
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -279,7 +281,7 @@ class PlanReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": 1, "profile": self.profile, "graph": self.graph, "config": self.config,
-                "sites": [s.to_dict() for s in self.sites]}
+                "sites": [s.to_dict() for s in self.sites], "calls_without_attnopt": self.calls_without_attnopt}
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -289,7 +291,8 @@ class PlanReport:
         if data.get("version") != 1:
             raise ValueError(f"plan report version {data.get('version')!r} is not supported (expected 1)")
         return cls(sites=[SiteReport.from_dict(s) for s in data.get("sites", [])], profile=data.get("profile", ""),
-                   graph=data.get("graph", ""), config=data.get("config", {}))
+                   graph=data.get("graph", ""), config=data.get("config", {}),
+                   calls_without_attnopt=int(data.get("calls_without_attnopt", 0)))
 
     @classmethod
     def from_json(cls, text: str) -> "PlanReport":
@@ -311,7 +314,10 @@ class PlanReport:
         return out
 
     def summary(self) -> str:
-        return f"{len(self.sites)} attention site(s), {len(self.rewritten)} rewritten, {len(self.untouched)} left alone"
+        text = f"{len(self.sites)} attention site(s), {len(self.rewritten)} rewritten, {len(self.untouched)} left alone"
+        if self.calls_without_attnopt:
+            text += f"; {self.calls_without_attnopt} call(s) ran without attnopt (dynamo fell back to eager)"
+        return text
 
     # ----------------------------------------------------------------------------------------- rendering
     def graph_of(self, s: SiteReport) -> str:
@@ -339,10 +345,14 @@ class PlanReport:
                 + f": {len(self.rewritten)} rewritten{counts(kinds)}, {len(self.untouched)} left alone{counts(why)}"
                 + f"; profile {self.profile or '?'}")
         calls = sum(s.calls for s in self.sites)
+        text += f"; {calls} attnopt op call(s) so far" if calls else ""
         verified = [s for s in self.sites if s.verified]
-        return (text + (f"; {calls} attnopt op call(s) so far" if calls else "")
-                + (f"; verify passed: {sum(s.verified for s in verified)} call(s) of {len(verified)} site(s) matched "
-                   "the original attention" if verified else ""))
+        if verified:
+            text += (f"; verify passed: {sum(s.verified for s in verified)} call(s) of {len(verified)} site(s) matched "
+                     "the original attention")
+        if self.calls_without_attnopt:
+            text += f"; {self.calls_without_attnopt} call(s) ran WITHOUT attnopt (dynamo fell back to eager)"
+        return text
 
     def groups(self) -> list[list[SiteReport]]:
         """Sites that share graph, shapes, dtype, mask kind and outcome (the chosen plan, or why left alone), in

@@ -26,3 +26,5 @@ class PassContext:
     graph_id: str = field(default_factory=lambda: f"g{next(_graph_ids)}")
     #: Rewrites per pattern name, counted by ``lower`` (tests assert on these).
     rewrite_counts: dict[str, int] = field(default_factory=dict)
+    #: ``lower``'s shared ``valid_len_from_mask`` nodes, per (mask node, batch size).
+    valid_lens: dict[tuple[Any, int], Any] = field(default_factory=dict)

@@ -121,6 +121,35 @@ def _restride(graph: fx.Graph, new: fx.Node, like: Any) -> fx.Node:
     return graph.call_function(aten.permute.default, (c, inv))
 
 
+def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask: fx.Node, q: fx.Node,
+                      new_nodes: list) -> fx.Node:
+    """The ``valid_len_from_mask`` node of ``mask``: one per graph, mask node and static batch size.
+
+    Every layer of a decoder reads the same mask node, so one reduction per step serves all of them (it was one
+    per layer: 30 launches and 30 host round trips of the op per SmolLM2 step). The shared node sits right after
+    the mask's producer (after the last placeholder for an input mask), which precedes every site reading the
+    mask. A symbolic batch size, or a mask made for this site alone (the ``logical_not`` of a ``masked_fill``
+    spelling), gets a node of its own before the site, as before.
+    """
+    ops = _ops()
+    batch: Any = m.site.batch
+    if batch is None or mask in new_nodes:
+        if batch is None:
+            batch = graph.call_function(torch.ops.aten.sym_size.int, (q, 0))
+            new_nodes.append(batch)
+        node = graph.call_function(ops.valid_len_from_mask.default, (mask, batch))
+        new_nodes.append(node)
+        return node
+    key = (mask, int(batch))
+    node = ctx.valid_lens.get(key)
+    if node is None:
+        anchor = mask if mask.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            node = ctx.valid_lens[key] = graph.call_function(ops.valid_len_from_mask.default, (mask, batch))
+        new_nodes.append(node)
+    return node
+
+
 def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, meta_key: str,
                aten_graph: bool) -> fx.Node:
     """Rewrite one site in place (the caller recompiles). Returns the node that now stands for the output."""
@@ -159,12 +188,7 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
         # Distributed plans get no valid_len: it would be read in the mask's columns, which may be global or this
         # rank's, and the tree/ring runtime cannot tell which; the mask alone is exact either way.
         if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
-            batch: Any = site.batch
-            if batch is None:
-                batch = graph.call_function(torch.ops.aten.sym_size.int, (q, 0))
-                new_nodes.append(batch)
-            valid_len = graph.call_function(ops.valid_len_from_mask.default, (mask, batch))
-            new_nodes.append(valid_len)
+            valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
         out = graph.call_function(ops.decode_attention.default,
                                   (q, k, v, mask, valid_len, float(site.scale), bool(site.is_causal),
                                    plan.runtime_key(), site_key))

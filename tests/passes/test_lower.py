@@ -410,3 +410,27 @@ def test_symbolic_float_scale_under_dynamic_shapes(eager):
     assert all(len(op_nodes(gm)) == 1 for gm in gms)
     # The eager chain keeps the scale symbolic (one graph for both values); SDPA specialises it (one per value).
     assert len(ctxs) == (1 if eager else 2), len(ctxs)
+
+
+def test_layers_sharing_a_mask_share_one_valid_len():
+    """Three attention layers reading one mask compute its valid length once per call, not once per layer (it was a
+    reduction and a host round trip per layer of every decode step)."""
+    from attnopt.runtime.strategies import STRATEGIES
+
+    kinds = [kd for kd in STRATEGIES if kd != "dense" and not STRATEGIES[kd].distributed]
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, L=1, N=21, D=64)
+    m = rand_bool_mask(2, 1, 21)
+
+    def three_layers(q, k, v, m):
+        x = q
+        for _ in range(3):
+            x = sdpa_gqa(x, k, v, m) * 0.5 + q
+        return x
+
+    r = dynamo(three_layers, q, k, v, m, config=OptimizeConfig(force_plan=kinds[0]))
+    if r.sites[0].unsupported:
+        pytest.skip(f"{kinds[0]} does not apply here: {r.sites[0].unsupported}")
+    assert r.count() == 3
+    (vl,) = op_nodes(r.gm, "attnopt.valid_len_from_mask.default")
+    assert len(vl.users) == 3
+    torch.testing.assert_close(r.out, three_layers(q, k, v, m), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,85 @@
+"""No silent fallback to eager: many optimized models in one process keep running attnopt's graphs, and a call that
+ran without them is counted in ``last_plans`` and reported once."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnopt
+from attnopt.api import FallbackWarning
+
+
+class TinyAttention(torch.nn.Module):
+    """One decode attention over a KV cache passed in: (1, 4, 1, 64) queries against (1, 2, N, 64) keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(self.proj(q), k, v, enable_gqa=True)
+
+
+def _qkv(n=40):
+    return torch.randn(1, 4, 1, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+
+
+@torch.no_grad()
+def test_many_models_of_one_class_all_run_attnopt():
+    """Dynamo counts recompilations per code object, and every model of a class shares ``forward``: the ninth
+    optimized model used to run eagerly, silently (recompile_limit is 8)."""
+    q, k, v = _qkv()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        for _ in range(12):
+            model = TinyAttention()
+            opt = attnopt.optimize(model, inner_backend="eager")
+            torch.testing.assert_close(opt(q, k, v), model(q, k, v), atol=1e-5, rtol=1e-5)
+            report = attnopt.last_plans(opt)
+            assert report.calls_without_attnopt == 0
+            assert [s.calls for s in report.rewritten] == [1]
+
+
+@torch.no_grad()
+def test_many_shapes_of_one_model_keep_running_attnopt():
+    model = TinyAttention()
+    opt = attnopt.optimize(model, inner_backend="eager")
+    for n in range(33, 45):
+        q, k, v = _qkv(n)
+        torch.testing.assert_close(opt(q, k, v), model(q, k, v), atol=1e-5, rtol=1e-5)
+    assert attnopt.last_plans(opt).calls_without_attnopt == 0
+
+
+@torch.no_grad()
+@torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False)
+def test_eager_fallback_is_counted_and_warned_once():
+    model = TinyAttention()
+    opt = attnopt.optimize(model, inner_backend="eager")
+    opt(*_qkv(40))
+    with pytest.warns(FallbackWarning, match="ran without attnopt"):
+        opt(*_qkv(41))  # a second static shape: over the limit, dynamo runs the frame eagerly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # once: the third fallback call does not warn again
+        out = opt(*_qkv(42))
+    assert out.shape == (1, 4, 1, 64)
+    report = attnopt.last_plans(opt)
+    assert report.calls_without_attnopt == 2
+    assert "2 call(s) ran WITHOUT attnopt" in report.headline()
+    assert attnopt.last_plans(opt).to_dict()["calls_without_attnopt"] == 2
+
+
+@torch.no_grad()
+@torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False)
+def test_optimized_function_counts_fallback_too():
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    opt = attnopt.optimize(attend, inner_backend="eager")
+    opt(*_qkv(40))
+    with pytest.warns(FallbackWarning):
+        opt(*_qkv(41))
+    assert attnopt.last_plans(opt).calls_without_attnopt == 1
