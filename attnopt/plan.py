@@ -71,7 +71,16 @@ class Plan:
         return json.dumps(d, sort_keys=True)
 
 
+def _expect(value: Any, kind: type, what: str) -> Any:
+    """``value`` if it is a ``kind``, else ``TypeError`` in JSON's words (``sites must be an array, got number 5``)."""
+    if not isinstance(value, kind):
+        names = {dict: "an object", list: "an array", str: "a string"}
+        raise TypeError(f"{what} must be {names.get(kind, kind.__name__)}, got {type(value).__name__} {value!r}")
+    return value
+
+
 def plan_from_dict(data: dict[str, Any]) -> Plan:
+    _expect(data, dict, "a plan")
     for key in ("kind", "version", "data"):
         if key not in data:
             raise ValueError(f"plan JSON lacks {key!r}: {data!r}")
@@ -242,11 +251,13 @@ class SiteReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SiteReport":
+        _expect(data, dict, "a site report")
         return cls(
-            site=AttentionSite.from_dict(data["site"]),
+            site=AttentionSite.from_dict(_expect(data["site"], dict, "site")),
             chosen=plan_from_dict(data["chosen"]) if data.get("chosen") else None,
-            candidates=[plan_from_dict(c) for c in data.get("candidates", [])],
-            rejected=[Rejection(**r) for r in data.get("rejected", [])],
+            candidates=[plan_from_dict(c) for c in _expect(data.get("candidates", []), list, "candidates")],
+            rejected=[Rejection(**_expect(r, dict, "a rejection"))
+                      for r in _expect(data.get("rejected", []), list, "rejected")],
             rewritten=bool(data.get("rewritten", False)),
             calls=int(data.get("calls", 0)),
             verified=int(data.get("verified", 0)),
@@ -290,7 +301,8 @@ class PlanReport:
     def from_dict(cls, data: dict[str, Any]) -> "PlanReport":
         if data.get("version") != 1:
             raise ValueError(f"plan report version {data.get('version')!r} is not supported (expected 1)")
-        return cls(sites=[SiteReport.from_dict(s) for s in data.get("sites", [])], profile=data.get("profile", ""),
+        return cls(sites=[SiteReport.from_dict(s) for s in _expect(data.get("sites", []), list, "sites")],
+                   profile=_expect(data.get("profile", ""), str, "profile"),
                    graph=data.get("graph", ""), config=data.get("config", {}),
                    calls_without_attnopt=int(data.get("calls_without_attnopt", 0)))
 
