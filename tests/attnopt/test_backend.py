@@ -255,16 +255,6 @@ def test_generate_of_a_string_backend_wrapper_warns_once_that_it_runs_uncompiled
     assert len(attnopt.last_plans(opt).rewritten) == 1
 
 
-def test_last_plans_in_a_fresh_process_says_nothing_was_compiled():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", "import attnopt; print(attnopt.last_plans().format_table())"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().startswith("no graph compiled by attnopt yet") and "profile ?" not in out.stdout
-
-
 @pytest.mark.parametrize("options,error,match", [
     ({"mode": "bogus"}, ValueError, "mode='bogus' is not valid; valid choices: None, default"),
     ({"topology": "dgx-h100x2"}, ValueError, "topology='dgx-h100x2' is only used to plan over a process group"),
