@@ -7,12 +7,13 @@
 from .api import last_plans, optimize
 from .backend import Backend
 from .config import OptimizeConfig
+from .export import export_onnx
 from .plan import (DensePlan, Plan, PlanReport, RingPlan, SaapPlan, SiteReport, SplitKVPlan, StreamKPlan, TreePlan,
                    plan_from_json)
 from .site import AttentionSite
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "last_plans", "Backend", "OptimizeConfig", "AttentionSite", "Plan", "PlanReport",
+__all__ = ["optimize", "last_plans", "export_onnx", "Backend", "OptimizeConfig", "AttentionSite", "Plan", "PlanReport",
            "SiteReport", "DensePlan", "SplitKVPlan", "StreamKPlan", "TreePlan", "RingPlan", "SaapPlan",
            "plan_from_json"]

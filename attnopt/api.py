@@ -26,7 +26,9 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
     model : torch.nn.Module or callable
         For a module, a shallow copy is returned that shares the parameters and buffers; its ``forward`` is
         compiled, so ``model(...)``, ``model.forward(...)`` and Hugging Face ``model.generate(...)`` all go
-        through the rewritten graph (``.generate`` of a bare ``torch.compile(model)`` wrapper would not).
+        through the rewritten graph (``.generate`` of a bare ``torch.compile(model)`` wrapper would not). For a
+        Hugging Face model, a call with more than ``max_decode_q_len`` new tokens (a prefill) runs the model's own
+        forward, as HF's compiled ``generate()`` does: attnopt rewrites decode attention only.
         Hugging Face's own auto-compile during ``generate`` is switched off on the copy, because an outer
         ``torch.compile`` would trace around attnopt's backend. Attention modules with a sliding window are
         recorded in ``config.sliding_windows`` (see ``sliding_windows``), so that their sites are left alone.
@@ -66,7 +68,10 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         compiled_forward = torch.compile(private_code(model.forward), backend=backend, dynamic=cfg.dynamic)
         if process_group is not None:
             compiled_forward = _never_eager_over_shards(compiled_forward, model)
-        optimized.forward = _counting_uncompiled_calls(compiled_forward, backend)
+        forward = _counting_uncompiled_calls(compiled_forward, backend)
+        if process_group is None and gen_cfg is not None:
+            forward = _prefill_eagerly(forward, model.forward, cfg.max_decode_q_len)
+        optimized.forward = forward
         object.__setattr__(optimized, _BACKEND_ATTR, backend)
         return optimized
     if callable(model):
@@ -96,6 +101,34 @@ def private_code(fn: Callable) -> Callable:
     functools.update_wrapper(copy_fn, func)
     copy_fn.__kwdefaults__ = func.__kwdefaults__
     return types.MethodType(copy_fn, owner) if owner is not None and hasattr(fn, "__func__") else copy_fn
+
+
+def _prefill_eagerly(compiled: Callable, original: Callable, max_decode_q_len: int) -> Callable:
+    """A Hugging Face model's forward that runs prefill calls (more than ``max_decode_q_len`` new tokens) through the
+    model's own forward and decode calls through ``compiled``, as HF's compiled ``generate()`` does.
+
+    attnopt rewrites decode attention only, so a compiled prefill brought nothing but compile time (a graph per
+    prompt length until dynamo goes dynamic). It also broke CUDA graphs: a ``StaticCache`` allocates its tensors at
+    the first update and marks them static addresses only outside a compiled region; allocated inside a compiled
+    prefill they stayed unmarked, the decode graphs mutated unmarked inputs, and inductor ran them without CUDA
+    graphs (``generate()`` with ``mode="reduce-overhead"`` was slower than HF's on the H100).
+    """
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+            new_tokens = ids.shape[-1]
+        elif isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+            new_tokens = embeds.shape[-2]
+        else:
+            new_tokens = 0
+        if new_tokens > max_decode_q_len:
+            return original(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 class FallbackWarning(UserWarning):

@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("plans", "explain", "calibrate", "bench")
+COMMANDS = ("plans", "explain", "calibrate", "bench", "tune", "export_onnx")
 
 
 def build_parser() -> argparse.ArgumentParser:

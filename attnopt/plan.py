@@ -5,6 +5,7 @@ A plan is a frozen dataclass that says *how* one attention site runs. It round-t
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -105,13 +106,25 @@ def plan_from_json(text: str) -> Plan:
 
 
 # --------------------------------------------------------------------------------------------- plan kinds
+#: SDPA backends a dense plan can name (``auto``: SDPA's own choice).
+DENSE_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
 @register_plan_kind
 @dataclass(frozen=True)
 class DensePlan(Plan):
-    """Leave the attention as one SDPA call over the un-expanded K/V (``enable_gqa``)."""
+    """Leave the attention as one SDPA call over the un-expanded K/V (``enable_gqa``).
+
+    ``backend``: ``auto`` lets SDPA pick; ``flash``, ``cudnn``, ``efficient`` and ``math`` call that backend
+    explicitly (``torch.nn.attention.sdpa_kernel``). Plan JSON written before the field existed loads as ``auto``.
+    """
 
     kind: ClassVar[str] = "dense"
     reason: str = ""
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in DENSE_BACKENDS:
+            raise ValueError(f"unknown SDPA backend {self.backend!r}; valid: {', '.join(DENSE_BACKENDS)}")
 
 
 @register_plan_kind
@@ -188,6 +201,49 @@ class SaapPlan(Plan):
     window: int = 256
 
 
+@register_plan_kind
+@dataclass(frozen=True)
+class BucketedPlan(Plan):
+    """One plan per KV-length bucket, for a site whose KV length is symbolic (a growing cache).
+
+    ``bounds`` are the buckets' upper edges, ascending; ``plans[i]`` (a plan's ``runtime_key()`` JSON) runs when
+    ``bounds[i-1] < N <= bounds[i]``, and the last plan for every longer N. The op picks by ``k.shape[2]``, a
+    host integer, so the choice never syncs and holds inside a captured CUDA graph.
+    """
+
+    kind: ClassVar[str] = "bucketed"
+    bounds: tuple[int, ...] = (1 << 19,)
+    plans: tuple[str, ...] = (DensePlan().runtime_key(),)
+
+    def __post_init__(self) -> None:
+        if len(self.bounds) != len(self.plans) or not self.bounds:
+            raise ValueError(f"a bucketed plan needs one plan per bound, got {len(self.bounds)} bounds and "
+                             f"{len(self.plans)} plans")
+        if any(b >= c for b, c in zip(self.bounds, self.bounds[1:])):
+            raise ValueError(f"bucket bounds must ascend strictly, got {self.bounds}")
+        for text in self.plans:
+            if json.loads(text).get("kind") == self.kind:
+                raise ValueError("a bucketed plan cannot nest another bucketed plan")
+
+    def index_of(self, n: int) -> int:
+        """The bucket of KV length ``n``: the first bound at or above it, else the last."""
+        return min(bisect.bisect_left(self.bounds, n), len(self.bounds) - 1)
+
+    def plan_for(self, n: int) -> str:
+        return self.plans[self.index_of(n)]
+
+    def describe(self) -> str:
+        runs: list[str] = []
+        lo = 0
+        for i, (bound, text) in enumerate(zip(self.bounds, self.plans)):
+            if i + 1 < len(self.plans) and self.plans[i + 1] == text:
+                continue
+            hi = "" if i + 1 == len(self.bounds) else str(bound)
+            runs.append(f"N {lo + 1}..{hi}: {plan_from_json(text).describe()}")
+            lo = bound
+        return "bucketed(" + "; ".join(runs) + ")"
+
+
 # --------------------------------------------------------------------------------------------- reports
 @dataclass(frozen=True)
 class Rejection:
@@ -213,6 +269,14 @@ class SiteReport:
     key: str = ""
     #: Id of the compiled graph the site is in (``g3``); ``PlanReport.merge`` fills it from its report.
     graph: str = ""
+    #: How the plan was chosen: ``model`` (the cost model's lowest estimate), ``measured`` (timed on this device
+    #: before first use), ``cached`` (a measurement from the tuning cache) or ``forced`` (``config.force_plan``).
+    choice: str = "model"
+    #: Measured µs of the chosen plan (NaN when not measured); ``chosen.est_us`` is the prediction.
+    measured_us: float = math.nan
+    #: What ``attnopt.export_onnx`` wrote for the site (``onnx:Attention-24``, ``attnopt:decode_attention (function
+    #: body)``); empty when not exported.
+    exported_as: str = ""
 
     @property
     def reason_untouched(self) -> str | None:
@@ -247,6 +311,9 @@ class SiteReport:
             "verified": self.verified,
             "key": self.key,
             "graph": self.graph,
+            "choice": self.choice,
+            "measured_us": None if math.isnan(self.measured_us) else self.measured_us,
+            "exported_as": self.exported_as,
         }
 
     @classmethod
@@ -263,6 +330,9 @@ class SiteReport:
             verified=int(data.get("verified", 0)),
             key=data.get("key", ""),
             graph=data.get("graph", ""),
+            choice=data.get("choice", "model"),
+            measured_us=math.nan if data.get("measured_us") is None else float(data["measured_us"]),
+            exported_as=data.get("exported_as", ""),
         )
 
 
@@ -371,7 +441,8 @@ class PlanReport:
         the order of their first site."""
         out: dict[tuple, list[SiteReport]] = {}
         for s in self.sites:
-            outcome = ("plan", s.chosen.runtime_key()) if (s.rewritten and s.chosen) else ("left alone", s.reason_untouched)
+            outcome = (("plan", s.chosen.runtime_key(), s.exported_as) if (s.rewritten and s.chosen)
+                       else ("left alone", s.reason_untouched))
             key = (self.graph_of(s), s.site.shape_str(), s.site.dtype, s.site.mask_kind, outcome)
             out.setdefault(key, []).append(s)
         return list(out.values())
@@ -399,6 +470,9 @@ class PlanReport:
         table.add_column("mask", overflow="fold", max_width=12)
         table.add_column("plan", overflow="fold", max_width=24)
         table.add_column("est µs", justify="right", no_wrap=True)
+        show_measured = any(not math.isnan(s.measured_us) for s in self.sites)
+        if show_measured:
+            table.add_column("measured µs", justify="right", no_wrap=True)
         if show_calls:
             table.add_column("calls", justify="right", no_wrap=True)
         table.add_column("alternatives (fastest first) / why left alone" if all_sites else "alternatives / why left alone",
@@ -408,6 +482,8 @@ class PlanReport:
             site = first.site
             done = first.rewritten and first.chosen is not None
             plan = _plan_cell(first.chosen) if done else "[yellow]left alone[/yellow]"
+            if done and first.exported_as:
+                plan += f"\n[cyan]exported as {_esc(first.exported_as)}[/cyan]"
             est = f"{first.chosen.est_us:.1f}" if done and not math.isnan(first.chosen.est_us) else "-"
             lines = _alternatives(group, first.chosen if done else None, None if all_sites else max_alternatives)
             if not first.rewritten:
@@ -418,6 +494,9 @@ class PlanReport:
                      _esc(site.module_path or TOP_LEVEL) if all_sites else _esc(compact_paths([s.site.module_path for s in group])),
                      f"{site.shape_str()}\n[dim]{site.dtype}[/dim]",
                      site.mask_kind, plan, est]
+            if show_measured:
+                measured = done and not math.isnan(first.measured_us)
+                cells.append(f"{first.measured_us:.1f}\n[dim]{first.choice}[/dim]" if measured else "-")
             if show_calls:
                 verified = sum(s.verified for s in group)
                 cells.append((str(sum(s.calls for s in group)) if first.rewritten else "-")
@@ -464,6 +543,8 @@ def _est(plan: Plan) -> float:
 
 def _plan_cell(plan: Plan) -> str:
     """``kind`` then its parameters, dimmed: narrower than ``describe()`` and wraps at the commas."""
+    if isinstance(plan, BucketedPlan):  # its fields are JSON strings: show the per-length rule instead
+        return f"[bold]{plan.kind}[/bold]\n[dim]{_esc(plan.describe()[len(plan.kind) + 1:-1])}[/dim]"
     args = ", ".join(f"{f.name}={getattr(plan, f.name)}" for f in dataclasses.fields(plan) if f.name != "est_us")
     return f"[bold]{plan.kind}[/bold]" + (f"\n[dim]{_esc(args)}[/dim]" if args else "")
 

@@ -1,6 +1,8 @@
-"""``plan`` pass: ask every registered strategy for a verdict and candidates, rank them by estimated µs."""
+"""``plan`` pass: ask every registered strategy for a verdict and candidates, rank them by estimated µs, and on a GPU
+choose among the best few by measurement (``attnopt.tuning``)."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch.fx as fx
@@ -8,6 +10,8 @@ import torch.fx as fx
 from attnopt.plan import Rejection, SiteReport
 
 from .context import PassContext
+
+log = logging.getLogger("attnopt.tuning")
 
 
 def check_strategies(config) -> None:
@@ -24,42 +28,69 @@ def check_strategies(config) -> None:
                          f"it in this build; kinds with a strategy: {', '.join(sorted(STRATEGIES))}")
 
 
-def plan_site(site, hw, plan_ctx, config) -> SiteReport:
-    """Rank every applicable strategy at one site. ``config.force_plan`` wins when it is applicable."""
+def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
+    """Every applicable strategy's candidates at ``site`` with their estimates, lowest first (ties keep the
+    strategies' order), and the rejections with their reasons."""
     from attnopt.runtime.strategies import STRATEGIES
 
-    report = SiteReport(site=site)
-    if site.unsupported:
-        return report
     check_strategies(config)
     allowed = set(config.strategies) if config.strategies is not None else None
+    candidates, rejected = [], []
     for kind, strategy in STRATEGIES.items():
+        if not getattr(strategy, "ranked", True):
+            continue
         if allowed is not None and kind not in allowed and kind != "dense":
-            report.rejected.append(Rejection(kind, "not in config.strategies"))
+            rejected.append(Rejection(kind, "not in config.strategies"))
             continue
         if strategy.distributed != (plan_ctx.world_size > 1):
             if strategy.distributed:
-                report.rejected.append(Rejection(kind, "needs a process group (world size 1)"))
+                rejected.append(Rejection(kind, "needs a process group (world size 1)"))
             continue
         reason = strategy.check(site, hw, plan_ctx)
         if reason is not None:
-            report.rejected.append(Rejection(kind, reason))
+            rejected.append(Rejection(kind, reason))
             continue
         for cand in strategy.candidates(site, hw, plan_ctx):
-            report.candidates.append(cand.with_estimate(strategy.estimate_us(cand, site, hw, plan_ctx)))
-    report.candidates.sort(key=lambda p: (math.inf if math.isnan(p.est_us) else p.est_us))
+            candidates.append(cand.with_estimate(strategy.estimate_us(cand, site, hw, plan_ctx)))
+    candidates.sort(key=lambda p: (math.inf if math.isnan(p.est_us) else p.est_us))
+    return candidates, rejected
+
+
+def plan_site(site, hw, plan_ctx, config, tuner=None) -> SiteReport:
+    """Rank every applicable strategy at one site. ``config.force_plan`` wins when it is applicable; otherwise
+    ``tuner`` (an ``attnopt.tuning.Tuner``, ``None`` = the cost model alone) picks among the best candidates."""
+    report = SiteReport(site=site)
+    if site.unsupported:
+        return report
+    report.candidates, report.rejected = rank_candidates(site, hw, plan_ctx, config)
     if config.force_plan is not None:
         forced = [c for c in report.candidates if c.kind == config.force_plan]
         if forced:
             report.chosen = forced[0]
+            report.choice = "forced"
         else:
             why = next((r.reason for r in report.rejected if r.kind == config.force_plan), "no candidate")
             report.site = report.site.__class__(**{**report.site.to_dict(),
                                                    "unsupported": f"force_plan={config.force_plan!r} does not apply: {why}; "
                                                                   "the site is left as the original attention"})
         return report
-    if report.candidates:
-        report.chosen = report.candidates[0]
+    if not report.candidates:
+        return report
+    report.chosen = report.candidates[0]
+    if tuner is not None and plan_ctx.world_size == 1:
+        from attnopt.tuning import tunable_reason
+
+        if tunable_reason(site) is None:
+            try:
+                if site.kv_len is not None:
+                    picked = tuner.choose(site, report.candidates)
+                else:
+                    picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0])
+            except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the compile
+                log.warning("attnopt: measuring plans for %s failed (%s: %s); using the cost model's choice",
+                            site.shape_str(), type(exc).__name__, exc)
+            else:
+                report.chosen, report.choice, report.measured_us = picked.plan, picked.choice, picked.measured_us
     return report
 
 
@@ -67,6 +98,18 @@ def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.report.profile = ctx.hardware.name + ("" if not ctx.hardware.calibrated else " (calibrated)")
     ctx.report.graph = ctx.graph_id
     ctx.report.config = ctx.config.to_dict()
+    tuner = ctx.plan_context.extras.get("tuner", _default)
+    if tuner is _default:
+        from attnopt.tuning import default_tuner
+
+        tuner = default_tuner(ctx.plan_context.device_type, ctx.plan_context.triton_available)
+    if getattr(ctx.config, "tune", None) is False:  # an OptimizeConfig ``tune`` option, where the config has one
+        tuner = None
     for match in ctx.matches:
-        ctx.report.sites.append(plan_site(match.site, ctx.hardware, ctx.plan_context, ctx.config))
+        ctx.report.sites.append(plan_site(match.site, ctx.hardware, ctx.plan_context, ctx.config, tuner))
     return gm
+
+
+_default = object()
+
+__all__ = ["plan", "plan_site", "rank_candidates"]

@@ -59,9 +59,41 @@ def _prepared(plan_key: str, plan: Plan, strategy, q: Tensor, k: Tensor, v: Tens
         with _state_lock:
             state = _STATES.get(key)
             if state is None:
-                state = strategy.prepare(plan, q, k, v)
+                if getattr(strategy, "distributed", False):  # its prepare runs collectives: this thread
+                    state = strategy.prepare(plan, q, k, v)
+                else:
+                    state = outside_graph_pools(lambda: strategy.prepare(plan, q, k, v), q.device)
                 _STATES[key] = state if state is not None else False
     return state if state is not False else None
+
+
+_PREPARE_THREAD: list[Any] = []
+
+
+def outside_graph_pools(make, device: torch.device):
+    """``make()``, with what it allocates (a workspace, counters) in the caching allocator's ordinary pool.
+
+    The first call of an op often runs inside inductor's CUDA-graph-tree warm-up, which sends every allocation of
+    the current thread to the graph's private pool; a workspace kept there outlives the graph's tracked outputs,
+    and the trees refuse to record ("tensor(s) in the cudagraph pool not tracked as outputs"; seen on a 30-layer
+    model with ``mode="reduce-overhead"``). That routing is per thread, so the state is made on a worker thread
+    and synchronized there (``prepare`` may sync). Inside a stream capture (a graph the user captures around the
+    first call) another thread's work could break the capture, so there it is made in place, as before.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    if not _PREPARE_THREAD:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _PREPARE_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="attnopt-prepare"))
+
+    def work():
+        with torch.cuda.device(device):
+            state = make()
+            torch.cuda.current_stream().synchronize()
+        return state
+
+    return _PREPARE_THREAD[0].submit(work).result()
 
 
 def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):

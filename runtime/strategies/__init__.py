@@ -5,5 +5,6 @@ from . import split_kv  # noqa: F401  (registers SplitKVPlan)
 from . import stream_k  # noqa: F401  (registers StreamKPlan)
 from . import tree  # noqa: F401  (registers TreePlan)
 from . import ring  # noqa: F401  (registers RingPlan)
+from . import bucketed  # noqa: F401  (registers BucketedPlan)
 
 __all__ = ["STRATEGIES", "PlanContext", "Strategy", "get_strategy", "register_strategy"]

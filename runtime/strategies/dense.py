@@ -1,4 +1,11 @@
-"""``dense``: one SDPA call over the un-expanded K/V. Always applicable; the fallback of every site."""
+"""``dense``: one SDPA call over the un-expanded K/V. Always applicable; the fallback of every site.
+
+``DensePlan.backend`` names the SDPA backend: ``auto`` (SDPA's own pick) or one called explicitly through
+``sdpa_kernel``. On CUDA the planner also offers ``flash``, ``cudnn`` and ``efficient`` where they apply
+(``backend_reason``), so the measured choice (``attnopt.tuning``) can time the device's fastest SDPA backend.
+A backend that rejects ``enable_gqa`` gets K/V expanded to the query heads on every call (a G-fold copy, which
+the timing then includes); ``prepare`` finds out once, outside any capture.
+"""
 from __future__ import annotations
 
 from typing import Iterable
@@ -13,6 +20,34 @@ from attnopt.plan import DensePlan
 from attnopt.site import AttentionSite
 
 from .base import PlanContext, Strategy, register_strategy
+
+#: Backends offered as explicit candidates on CUDA, in the order they are tried.
+EXPLICIT_BACKENDS = ("flash", "cudnn", "efficient")
+_HALF = ("float16", "bfloat16")
+
+
+def backend_reason(backend: str, site: AttentionSite, device_type: str) -> str | None:
+    """Why SDPA backend ``backend`` cannot run ``site`` on ``device_type`` (``None``: it can).
+
+    The rules are PyTorch's documented constraints (torch 2.11): flash and cuDNN need CUDA, fp16/bf16 and equal
+    head dims that are multiples of 8 up to 256; flash takes no mask tensor; the memory-efficient kernel has no
+    ``enable_gqa``, so it is offered for MHA only (with GQA it would copy K/V G-fold on every call).
+    """
+    if backend in ("auto", "math"):
+        return None
+    if device_type != "cuda":
+        return f"SDPA backend {backend!r} needs CUDA (device {device_type})"
+    d, dv = site.head_dim, site.v_head_dim or site.head_dim
+    if backend in ("flash", "cudnn"):
+        if site.dtype not in _HALF:
+            return f"SDPA {backend} needs float16 or bfloat16, not {site.dtype}"
+        if d != dv or d % 8 or not 0 < d <= 256:
+            return f"SDPA {backend} needs equal head dims, multiples of 8 up to 256 (D={d}, Dv={dv})"
+    if backend == "flash" and site.mask_kind in ("valid_length", "arbitrary"):
+        return "SDPA flash takes no attn_mask tensor"
+    if backend == "efficient" and site.group_size != 1:
+        return f"SDPA efficient has no enable_gqa: K/V would be copied {site.group_size}-fold every call"
+    return None
 
 
 def combined_mask(q: Tensor, k: Tensor, attn_mask: Tensor | None, valid_len: Tensor | None) -> Tensor | None:
@@ -29,6 +64,33 @@ def combined_mask(q: Tensor, k: Tensor, attn_mask: Tensor | None, valid_len: Ten
     return attn_mask.masked_fill(~keep, float("-inf"))
 
 
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def _expand(x: Tensor, heads: int) -> Tensor:
+    """(B, Hkv, N, D) -> (B, heads, N, D), query head h reading KV head h // G (a copy, as HF's repeat_kv)."""
+    b, hkv, n, d = x.shape
+    return x[:, :, None].expand(b, hkv, heads // hkv, n, d).reshape(b, heads, n, d)
+
+
+def _sdpa(plan: DensePlan, expand: bool, q, k, v, mask, scale, is_causal) -> Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and expand:
+        k, v, gqa = _expand(k, q.shape[1]), _expand(v, q.shape[1]), False
+    if plan.backend == "auto":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                              enable_gqa=gqa)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([_sdpa_backend(plan.backend)]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                              enable_gqa=gqa)
+
+
 @register_strategy(DensePlan)
 class Dense(Strategy[DensePlan]):
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
@@ -36,14 +98,29 @@ class Dense(Strategy[DensePlan]):
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[DensePlan]:
         yield DensePlan(reason="SDPA over the un-expanded cache")
+        for backend in EXPLICIT_BACKENDS:
+            if backend_reason(backend, site, ctx.device_type) is None:
+                yield DensePlan(reason=f"SDPA {backend}, called explicitly", backend=backend)
 
     def estimate_us(self, plan: DensePlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
+        # One model for every backend: the flash/efficient shapes it was fitted on. Explicit backends tie with
+        # ``auto`` (which the stable ranking keeps first); only a measurement (attnopt.tuning) separates them.
         return kernel_cost.dense_us(site, hw)
+
+    def prepare(self, plan: DensePlan, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether K/V must be expanded: the named backend rejects ``enable_gqa`` for these tensors (found by one
+        call on them, without the mask). ``auto`` and MHA never expand."""
+        if plan.backend == "auto" or q.shape[1] == k.shape[1]:
+            return False
+        try:
+            _sdpa(plan, False, q, k, v, None, None, False)
+            return False
+        except RuntimeError:
+            return True
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
         mask = combined_mask(q, k, attn_mask, valid_len)
-        gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=gqa)
+        return _sdpa(plan, bool(state), q, k, v, mask, scale, is_causal)
 
     def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
         from ..reference import attention_states

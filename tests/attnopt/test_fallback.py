@@ -83,3 +83,35 @@ def test_optimized_function_counts_fallback_too():
     with pytest.warns(FallbackWarning):
         opt(*_qkv(41))
     assert attnopt.last_plans(opt).calls_without_attnopt == 1
+
+
+@torch.no_grad()
+def test_hf_prefill_runs_eagerly_and_leaves_the_static_cache_marked():
+    """A prefill through an optimized HF model runs the model's own forward: the StaticCache allocates its tensors
+    outside any compiled region and marks them static (CUDA graphs need that); decode steps run attnopt."""
+    from transformers import StaticCache
+
+    from attnopt.bench.e2e import build_model
+
+    model, _ = build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=256)
+    opt = attnopt.optimize(model, inner_backend="eager")
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    ref_cache = StaticCache(config=model.config, max_cache_len=64)
+    out = opt(input_ids=ids, past_key_values=cache, use_cache=True)
+    ref = model(input_ids=ids, past_key_values=ref_cache, use_cache=True)
+    torch.testing.assert_close(out.logits, ref.logits)
+    assert hasattr(cache.layers[0].keys, "_dynamo_static_input_type")  # marked by HF's eager lazy initialization
+    assert not attnopt.last_plans(opt).sites  # nothing compiled for the prefill
+    tok = out.logits[:, -1:].argmax(-1)
+    for _ in range(3):
+        out = opt(input_ids=tok, past_key_values=cache, use_cache=True)
+        ref = model(input_ids=tok, past_key_values=ref_cache, use_cache=True)
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+        tok = out.logits[:, -1:].argmax(-1)
+    report = attnopt.last_plans(opt)
+    assert len(report.rewritten) == model.config.num_hidden_layers
+    assert report.calls_without_attnopt == 0
+    tokens = opt.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert torch.equal(tokens, model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                              cache_implementation="static"))

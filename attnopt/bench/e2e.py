@@ -1,0 +1,487 @@
+"""``attnopt bench e2e``: whole-model decoding through ``attnopt.optimize`` beside Hugging Face's own paths.
+
+For each context and method, it
+1. builds the model: a named shape with random weights (fixed seed) or a GGUF file / HF folder, on the GPU;
+2. prefills ``context`` random tokens with the eager model into a cache (a ``StaticCache`` of context + margin
+   slots by default, as HF's compiled path needs), in chunks so no prefill mask is quadratic in the context;
+3. decodes ``steps`` greedy tokens one forward at a time, each synced; the first ``warmup`` calls (compile,
+   CUDA-graph recording) are timed apart as the first-call cost, the median of the rest is the step time;
+4. compares its greedy tokens with HF eager's from the same prefill;
+5. with ``--generate``, times ``generate()`` at two lengths and reports ms per token from their difference.
+
+Methods:
+
+* ``hf-eager``: ``model.forward``;
+* ``hf-compiled``: ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, HF's documented
+  static-cache path (and ``generate()`` compiling by itself over a static cache);
+* ``attnopt``: ``attnopt.optimize(model)`` (inductor);
+* ``attnopt-ro``: ``attnopt.optimize(model, mode="reduce-overhead")`` (inductor with CUDA graphs);
+* ``attnopt-cg``: ``attnopt.optimize(model, inner_backend="cudagraphs")``.
+
+``--isolate`` runs every (context, method) in a subprocess, so a crash becomes a row with its exit signal instead of
+ending the suite. ``--profile`` adds, per attnopt method, a torch.profiler breakdown of a few steps: graphs run per
+step, host time of the attnopt ops, GPU time of the attention kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import format_table, results_header, write_results
+
+#: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                         tie_word_embeddings=True),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, rope_theta=10000.0),
+}
+METHODS = ("hf-eager", "hf-compiled", "attnopt", "attnopt-ro", "attnopt-cg")
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_context(text: str) -> int:
+    """``"8k"`` -> 8192, ``"1000"`` -> 1000."""
+    t = text.strip().lower()
+    try:
+        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        raise ValueError(f"bad context {text!r}: expected an integer or a number of k tokens such as 8k") from None
+
+
+def build_model(name: str, *, layers: int | None, dtype: torch.dtype, device: str, max_positions: int):
+    """(model, description): a named shape with random weights, or a ``.gguf`` file / HF folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    path = Path(name)
+    if name not in SHAPES and path.exists():
+        kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+        folder = path.parent if path.suffix == ".gguf" else path
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa", **kw)
+        return model.to(device).eval(), f"{path.name} (weights from file)"
+    if name not in SHAPES:
+        raise ValueError(f"unknown model {name!r}: a path to a .gguf file or HF folder, or one of {', '.join(SHAPES)}")
+    fields = dict(SHAPES[name])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    config = LlamaConfig(**fields, max_position_embeddings=max(max_positions, 8192), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    return model, f"{name} ({fields['num_hidden_layers']} layers, random weights)"
+
+
+def make_cache(model, kind: str, max_len: int):
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    raise ValueError(f"unknown cache {kind!r}; valid: static, dynamic")
+
+
+@torch.no_grad()
+def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Feed ``ids`` (1, T) through the eager model in chunks; returns the first greedy token, (1, 1)."""
+    logits = None
+    for start in range(0, ids.shape[1], chunk):
+        logits = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits
+    return logits[:, -1:].argmax(-1)
+
+
+def make_step(method: str, model):
+    """(step(tok, cache) -> logits, optimized object or None) for ``method``."""
+    import attnopt
+
+    if method == "hf-eager":
+        fn, opt = model.forward, None
+    elif method == "hf-compiled":
+        fn, opt = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True), None
+    elif method == "attnopt":
+        opt = attnopt.optimize(model)
+        fn = opt.forward
+    elif method == "attnopt-ro":
+        opt = attnopt.optimize(model, mode="reduce-overhead")
+        fn = opt.forward
+    elif method == "attnopt-cg":
+        opt = attnopt.optimize(model, inner_backend="cudagraphs")
+        fn = opt.forward
+    else:
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    graphs = method in ("hf-compiled", "attnopt-ro", "attnopt-cg")
+
+    def step(tok, cache):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(input_ids=tok, past_key_values=cache, use_cache=True).logits
+
+    return step, opt
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
+    """Time ``args.steps`` decode steps of ``method`` after a prefill of ``context`` tokens."""
+    device = args.device
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    cache = make_cache(model, args.cache, context + args.steps + args.warmup + 16)
+    with gpu_turn():  # a long prefill is seconds of GPU work: never beside another run's timed steps
+        tok = prefill(model, cache, ids, args.prefill_chunk)
+    step, opt = make_step(method, model)
+    times, tokens = [], [int(tok)]
+
+    def one_step():
+        nonlocal tok
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = step(tok, cache)
+        tok = logits[:, -1:].argmax(-1)
+        tokens.append(int(tok))  # syncs
+        times.append(time.perf_counter() - t0)
+
+    for _ in range(args.warmup):
+        one_step()
+    with gpu_turn():
+        for _ in range(args.steps):
+            one_step()
+    steady = times[args.warmup:]
+    row: dict[str, Any] = {"method": method, "context": context, "cache": args.cache,
+                           "step_ms": 1e3 * statistics.median(steady), "step_ms_min": 1e3 * min(steady),
+                           "first_call_s": times[0], "warmup_s": sum(times[:args.warmup]),
+                           "tokens": tokens}
+    if opt is not None:
+        import attnopt
+
+        report = attnopt.last_plans(opt)
+        row.update(sites=len(report.sites), rewritten=len(report.rewritten),
+                   kinds=sorted({s.chosen.kind for s in report.rewritten if s.chosen}),
+                   attnopt_calls=sum(s.calls for s in report.sites),
+                   calls_without_attnopt=report.calls_without_attnopt)
+        if args.profile and device == "cuda":
+            try:
+                with gpu_turn():
+                    row["profile"] = profile_steps(step, cache, tok)
+                    row["standalone_attention"] = standalone_attention_us(report, cache, context + len(tokens))
+            except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timed row
+                row["profile"] = {"error": repr(e)[:500], "ops": {}, "kernels_per_step": None, "gpu_us_per_step": None}
+    return row
+
+
+#: With ``--parallel``, isolated runs compile at the same time but take turns for their timed sections, through
+#: an exclusive lock on this file.
+LOCK_ENV = "ATTNOPT_BENCH_GPU_LOCK"
+
+
+@contextlib.contextmanager
+def gpu_turn():
+    """Hold the GPU alone for a timed section (a no-op unless ``$ATTNOPT_BENCH_GPU_LOCK`` names a lock file)."""
+    path = os.environ.get(LOCK_ENV)
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _kernel_class(name: str) -> str:
+    """The part of a decode step a GPU kernel belongs to, by its name."""
+    if any(t in name for t in ("_split_kv", "_stream_k", "_merge_states", "_saap")):
+        return "attnopt attention kernels"
+    if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
+        return "SDPA kernels"
+    if name.startswith("triton_"):
+        return "inductor kernels"
+    if any(t in name for t in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitKreduce")):
+        return "GEMMs"
+    return "other aten kernels (in attnopt steps: the valid length)"
+
+
+def profile_steps(step, cache, tok, n: int = 5) -> dict[str, Any]:
+    """GPU time per step by kernel class (attention, GEMMs, inductor, other), kernel launches, and host time of the
+    attnopt ops when they run outside a graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            logits = step(tok, cache)
+            tok = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    classes: dict[str, dict[str, float]] = {}
+    host_ops: dict[str, dict[str, float]] = {}
+    busy = _busy_us_by_class(prof, n)
+    for e in prof.key_averages():
+        gpu = getattr(e, "self_device_time_total", None)
+        if gpu is None:
+            gpu = getattr(e, "self_cuda_time_total", 0.0)
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            c = classes.setdefault(_kernel_class(e.key), {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})
+            c["kernels_per_step"] += e.count / n
+            c["gpu_us_per_step"] += gpu / n
+        elif "attnopt::" in e.key or "Torch-Compiled Region" in e.key or "CUDAGraph" in e.key:
+            host_ops[e.key] = {"calls_per_step": e.count / n, "host_us_per_step": e.cpu_time_total / n}
+    for name, us in busy.items():
+        classes.setdefault(name, {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})["busy_us_per_step"] = us
+    return {"gpu_by_class": classes, "host_ops": host_ops,
+            "kernels_per_step": sum(c["kernels_per_step"] for c in classes.values()),
+            "gpu_us_per_step": sum(c["gpu_us_per_step"] for c in classes.values())}
+
+
+def _busy_us_by_class(prof, n: int) -> dict[str, float]:
+    """Per kernel class, the time per step during which at least one of its kernels ran (the union of their
+    intervals). Summing durations counts twice what overlaps: split-KV launches its merge with programmatic
+    dependent launch, and the merge's kernel starts while the partial kernel still runs."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in prof.events():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        tr = e.time_range
+        spans.setdefault(_kernel_class(e.name), []).append((tr.start, tr.end))
+    busy = {}
+    for name, iv in spans.items():
+        iv.sort()
+        total, cur_s, cur_e = 0.0, None, None
+        for s0, e0 in iv:
+            if cur_e is None or s0 > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s0, e0
+            else:
+                cur_e = max(cur_e, e0)
+        if cur_e is not None:
+            total += cur_e - cur_s
+        busy[name] = total / n
+    return busy
+
+
+def standalone_attention_us(report, cache, context: int) -> dict[str, Any] | None:
+    """The chosen plan of the first rewritten site, alone in a CUDA graph over layer 0's cache at this fill (the mask
+    and the valid length given, as in the step): the yardstick for the attention's share of a step."""
+    from .common import time_us
+
+    site = next((s for s in report.rewritten if s.chosen is not None), None)
+    layer = cache.layers[0] if hasattr(cache, "layers") else None
+    if site is None or layer is None or not hasattr(layer, "keys"):
+        return None
+    k, v = layer.keys, layer.values
+    hq = site.site.q_heads
+    q = torch.randn(k.shape[0], hq, 1, k.shape[-1], device=k.device, dtype=k.dtype)
+    n = k.shape[2]
+    mask = (torch.arange(n, device=k.device) <= context).view(1, 1, 1, n)
+    valid = torch.full((k.shape[0],), context + 1, device=k.device, dtype=torch.int32)
+    plan = site.chosen.runtime_key()
+    op = torch.ops.attnopt.decode_attention
+
+    def call():
+        return op(q, k, v, mask, valid, float(site.site.scale), False, plan, "bench:standalone")
+
+    return {"plan": plan, "us": time_us(call, "graph")}
+
+
+@torch.no_grad()
+def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
+    """ms per token of ``generate()`` from the difference of two lengths (the prefill cancels out)."""
+    import attnopt
+
+    kw: dict[str, Any] = {"do_sample": False, "cache_implementation": args.cache}
+    if method == "hf-compiled":
+        from transformers import CompileConfig
+
+        kw["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        gen = model.generate
+    elif method == "hf-eager":
+        kw["disable_compile"] = True
+        gen = model.generate
+    else:
+        opts = {"attnopt": {}, "attnopt-ro": {"mode": "reduce-overhead"},
+                "attnopt-cg": {"inner_backend": "cudagraphs"}}[method]
+        gen = attnopt.optimize(model, **opts).generate
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=args.device)
+    short, long = 8, 8 + args.generate_tokens
+    # the long call first: generate() keeps its static cache while a later call fits in it, so every timed call
+    # runs over the same cache (same shapes and addresses: no recompilation, no new CUDA-graph recording)
+    t0 = time.perf_counter()
+    gen(ids, max_new_tokens=long, min_new_tokens=long, **kw)
+    first = time.perf_counter() - t0
+    gen(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape of the timed calls seen
+    times: dict[int, list[float]] = {}
+    with gpu_turn():
+        for n in (short, long, short, long):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            gen(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            _sync(args.device)
+            times.setdefault(n, []).append(time.perf_counter() - t0)
+    per_token = (min(times[long]) - min(times[short])) / (long - short)
+    return {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": 1e3 * per_token,
+            "generate_first_call_s": first}
+
+
+def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
+    """The rows of one (context, method) in this process."""
+    model, _ = build_model(args.model, layers=args.layers, dtype=_DTYPES[args.dtype], device=args.device,
+                           max_positions=context + 1024)
+    rows = [decode_row(args, model, method, context)]
+    if args.generate and method != "attnopt-cg":
+        rows[0].update(generate_row(args, model, method, context))
+    return rows
+
+
+def _isolated(args, context: int, method: str) -> list[dict[str, Any]]:
+    """``run_one`` in a subprocess: a crash (a signal, an exception) becomes a row that says so."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as fh:
+        out = fh.name
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "attnopt.cli", "bench", "e2e", "--model", args.model,
+           "--contexts", str(context), "--methods", method, "--dtype", args.dtype, "--cache", args.cache,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+           "--prefill-chunk", str(args.prefill_chunk), "--generate-tokens", str(args.generate_tokens),
+           "--rows-out", out]
+    cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--generate"] if args.generate else []
+    cmd += ["--profile"] if args.profile else []
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        return [{"method": method, "context": context, "cache": args.cache, "error": f"timeout after {args.timeout} s",
+                 "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}]
+    if proc.returncode == 0:
+        return json.loads(Path(out).read_text())
+    sig = -proc.returncode if proc.returncode < 0 else None
+    return [{"method": method, "context": context, "cache": args.cache, "error":
+             f"exit {proc.returncode}" + (f" (signal {sig})" if sig else ""),
+             "stderr_tail": proc.stderr[-3000:]}]
+
+
+def run(args) -> int:
+    contexts = [parse_context(c) for c in args.contexts.split(",")]
+    methods = args.methods.split(",")
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"attnopt bench e2e: unknown method {m!r}; valid: {', '.join(METHODS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("attnopt bench e2e: no CUDA device here; pass --device cpu to check the script on the CPU")
+    rows: list[dict[str, Any]] = []
+    if args.rows_out:  # a worker of --isolate: one context, one method
+        Path(args.rows_out).write_text(json.dumps(run_one(args, contexts[0], methods[0])))
+        return 0
+    if args.parallel > 1:
+        rows = _run_parallel(args, contexts, methods)
+    for context in contexts if args.parallel <= 1 else ():
+        for method in methods:
+            got = _isolated(args, context, method) if args.isolate else run_one(args, context, method)
+            for r in got:
+                _print_row(r)
+            rows += got
+    _compare_tokens(rows)
+    _add_ratios(rows)
+    result = results_header("e2e", model=args.model, layers=args.layers, dtype=args.dtype, cache=args.cache,
+                            steps=args.steps, warmup=args.warmup)
+    result["rows"] = rows
+    if args.out:
+        write_results(args.out, result)
+    print(format_table(rows, [("context", "ctx", ""), ("method", "method", ""), ("step_ms", "step ms", ".3f"),
+                              ("vs_hf_compiled", "HF compiled / this", ".2f"), ("first_call_s", "first call s", ".1f"),
+                              ("warmup_s", "warm-up s", ".1f"), ("generate_ms_per_token", "generate ms/tok", ".3f"),
+                              ("tokens_identical", "tokens ==", ""), ("rewritten", "rewritten", ""),
+                              ("calls_without_attnopt", "eager calls", ""), ("error", "error", "")]))
+    return 0
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(json.dumps({k: v for k, v in r.items() if k not in ("tokens", "profile", "stderr_tail")}), flush=True)
+
+
+def _run_parallel(args, contexts: list[int], methods: list[str]) -> list[dict[str, Any]]:
+    """Isolated runs, ``args.parallel`` at a time: they compile concurrently and time in turn (``gpu_turn``)."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ.setdefault(LOCK_ENV, tempfile.NamedTemporaryFile(suffix=".lock", delete=False).name)
+    jobs = [(c, m) for c in contexts for m in methods]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        results = list(pool.map(lambda job: _isolated(args, *job), jobs))
+    rows = []
+    for got in results:
+        for r in got:
+            r["concurrent_compiles"] = args.parallel
+            _print_row(r)
+        rows += got
+    return rows
+
+
+def _compare_tokens(rows: list[dict[str, Any]]) -> None:
+    """Each row's greedy tokens against HF eager's at the same context (same prefill, same weights)."""
+    ref = {r["context"]: r["tokens"] for r in rows if r.get("method") == "hf-eager" and "tokens" in r}
+    for r in rows:
+        if "tokens" in r and r["context"] in ref and r.get("method") != "hf-eager":
+            same = [a == b for a, b in zip(r["tokens"], ref[r["context"]])]
+            r["tokens_identical"] = all(same)
+            r["first_token_difference"] = None if all(same) else same.index(False)
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_hf_compiled``: HF compiled step time over this row's (above 1: faster than HF's compiled path)."""
+    base = {r["context"]: r["step_ms"] for r in rows if r.get("method") == "hf-compiled" and "step_ms" in r}
+    for r in rows:
+        if "step_ms" in r and r["context"] in base:
+            r["vs_hf_compiled"] = base[r["context"]] / r["step_ms"]
+
+
+def register(suites) -> None:
+    p = suites.add_parser("e2e", help="whole-model decode step and generate() through optimize(), beside HF's paths")
+    p.add_argument("--model", default="smollm2-135m",
+                   help=f"a named shape with random weights ({', '.join(SHAPES)}) or a .gguf file / HF folder")
+    p.add_argument("--layers", type=int, default=None, help="override the named shape's layer count")
+    p.add_argument("--contexts", default="1k,8k,32k", help="comma-separated prompt lengths (8k = 8192)")
+    p.add_argument("--methods", default="hf-eager,hf-compiled,attnopt-ro", help=f"comma-separated: {', '.join(METHODS)}")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--cache", default="static", choices=("static", "dynamic"))
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=4, help="untimed first calls (compile, CUDA-graph recording)")
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--generate", action="store_true", help="also time generate() ms per token")
+    p.add_argument("--generate-tokens", type=int, default=32)
+    p.add_argument("--profile", action="store_true", help="profile a few steps of the attnopt methods")
+    p.add_argument("--isolate", action="store_true", help="one subprocess per (context, method): a crash is a row")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per isolated run")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="isolated runs at a time (they compile together and take turns on the GPU to time)")
+    p.add_argument("--device", default="cuda", help="cuda; cpu checks the script itself")
+    p.add_argument("--rows-out", default=None, help=argparse_suppress())
+    p.add_argument("--out", help="write the results JSON here")
+    p.set_defaults(func=run)
+
+
+def argparse_suppress() -> str:
+    import argparse
+
+    return argparse.SUPPRESS

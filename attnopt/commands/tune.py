@@ -1,0 +1,172 @@
+"""``attnopt tune``: measure the plan choice for shapes ahead of time, so a model's first call finds it cached.
+
+Examples::
+
+    attnopt tune llama3-8b --context 8k,32k,128k            # one shape per context length
+    attnopt tune 32/8x128 9/3x64 --batch 1,8 --context 32k
+    attnopt tune smollm2 --symbolic                          # every KV-length bucket (a growing cache)
+    attnopt tune HuggingFaceTB/SmolLM2-135M --context 8k     # heads read from a Hugging Face config
+
+Each shape is timed as the planner would before first use (``attnopt.tuning``: the cost model's best kernel
+plans and every SDPA backend that applies, CUDA-graph replay over rotating inputs) and the winner is stored in
+the tuning cache. Tuning needs a CUDA GPU; without one the command says so and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from typing import Any
+
+#: Model presets: (query heads, KV heads, head dim).
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "llama3-8b": (32, 8, 128),
+    "llama3-70b": (64, 8, 128),
+    "smollm2": (9, 3, 64),
+    "mistral-7b": (32, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("tune", help="measure and cache the plan choice for shapes (needs a CUDA GPU)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shapes", nargs="+", metavar="MODEL-OR-SHAPE",
+                   help=f"a preset ({', '.join(PRESETS)}), HQ/HKVxD such as 32/8x128, or a Hugging Face config "
+                        "name or folder")
+    p.add_argument("--context", default="8k,32k,128k",
+                   help="comma-separated KV lengths (suffix k or M allowed); default 8k,32k,128k")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
+    p.add_argument("--q-len", default="1", help="comma-separated query lengths (default 1)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--mask", default="none", choices=("none", "valid_length"),
+                   help="valid_length: a static cache with a mask (timed at half fill)")
+    p.add_argument("--symbolic", action="store_true",
+                   help="tune every KV-length bucket of a growing cache instead of --context's lengths")
+    p.add_argument("--budget", type=float, default=None, help="seconds of timing per shape (default: the planner's)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} {text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{what} {text!r}: values must be >= 1")
+    return values
+
+
+def resolve_heads(spec: str) -> tuple[int, int, int]:
+    """(Hq, Hkv, D) of a preset, a ``32/8x128`` shape, or a Hugging Face config (name or folder)."""
+    from .explain import parse_heads
+
+    if spec in PRESETS:
+        return PRESETS[spec]
+    m = re.fullmatch(r"\s*(\d+(?:/\d+)?)\s*x\s*(\d+)\s*", spec)
+    if m:
+        hq, hkv = parse_heads(m.group(1))
+        return hq, hkv, int(m.group(2))
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(spec)
+    except Exception as exc:  # noqa: BLE001 - any failure means the spec is not a model we can read
+        raise ValueError(f"{spec!r} is neither a preset ({', '.join(PRESETS)}), a shape such as 32/8x128, nor a "
+                         f"readable Hugging Face config ({type(exc).__name__})") from None
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    return int(hq), int(hkv), int(d)
+
+
+def build_sites(args) -> list:
+    from attnopt.site import AttentionSite
+
+    from .explain import parse_context
+
+    contexts = [None] if args.symbolic else [parse_context(c) for c in args.context.split(",") if c.strip()]
+    sites = []
+    for spec in args.shapes:
+        hq, hkv, d = resolve_heads(spec)
+        for b in _ints(args.batch, "batch"):
+            for q_len in _ints(args.q_len, "q-len"):
+                if q_len > 16:
+                    raise ValueError(f"--q-len {q_len}: decode-time attention has at most 16 query tokens")
+                for n in contexts:
+                    sites.append(AttentionSite(
+                        node="tune", module_path=spec, pattern="sdpa", batch=b, q_heads=hq, kv_heads=hkv,
+                        head_dim=d, q_len=q_len, kv_len=n, kv_len_hint=None if n is not None else 1024,
+                        dtype=args.dtype, mask_kind=args.mask, gqa_source="enable_gqa" if hq != hkv else "mha"))
+    return sites
+
+
+def tune_sites(sites, tuner, hw, ctx) -> list[dict[str, Any]]:
+    """Plan every site with ``tuner``; one result row per site."""
+    from attnopt.config import OptimizeConfig
+    from attnopt.passes.plan import plan_site
+
+    rows = []
+    for site in sites:
+        report = plan_site(site, hw, ctx, OptimizeConfig(), tuner)
+        chosen = report.chosen
+        rows.append({"model": site.module_path, "shape": site.shape_str(), "mask": site.mask_kind,
+                     "plan": chosen.describe() if chosen else None, "choice": report.choice,
+                     "predicted_us": None if chosen is None or math.isnan(chosen.est_us) else chosen.est_us,
+                     "measured_us": None if math.isnan(report.measured_us) else report.measured_us})
+    return rows
+
+
+def run(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("attnopt tune: tuning times plans on a CUDA GPU, and this machine has none. Without a GPU the "
+              "planner uses the cost model alone (see `attnopt explain`); run `attnopt tune` on the machine "
+              "that will run the model.", file=sys.stderr)
+        return 2
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from attnopt.hardware import resolve_profile
+    from attnopt.runtime.kernels import triton_usable
+    from attnopt.runtime.strategies import PlanContext
+    from attnopt.tuning import Tuner, TuningCache, gpu_timer
+
+    sites = build_sites(args)
+    hw = resolve_profile(None)
+    ctx = PlanContext(device_type="cuda", triton_available=triton_usable("cuda"))
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("tuning", total=len(sites))
+
+        def timer(plan, site):
+            bar.update(task, description=f"{site.shape_str()}: {plan.kind}")
+            return gpu_timer(plan, site)
+        timer.release = gpu_timer.release  # the tuner frees the timer's input sets after each shape
+
+        tuner = Tuner(timer, TuningCache(), budget_s=args.budget)
+        rows = []
+        for site in sites:
+            rows += tune_sites([site], tuner, hw, ctx)
+            bar.advance(task)
+    if args.json:
+        import json
+
+        print(json.dumps({"cache": str(tuner.cache.path), "rows": rows}, indent=1))
+        return 0
+    table = Table(title=f"tuned on {torch.cuda.get_device_name()} (cache {tuner.cache.path})", title_justify="left")
+    for col in ("model", "shape", "mask", "plan", "choice", "predicted µs", "measured µs"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r["model"], r["shape"], r["mask"], r["plan"] or "-", r["choice"],
+                      "-" if r["predicted_us"] is None else f"{r['predicted_us']:.1f}",
+                      "-" if r["measured_us"] is None else f"{r['measured_us']:.1f}")
+    Console().print(table)
+    return 0
+
+
+__all__ = ["register", "run", "build_sites", "tune_sites", "resolve_heads", "PRESETS"]

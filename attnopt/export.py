@@ -1,0 +1,402 @@
+"""``export_onnx``: the graph as attnopt rewrote it, as an ONNX model.
+
+The model is traced with ``torch.export``, attnopt's passes (detect -> plan -> lower) rewrite its decode-time
+attention into ``attnopt::decode_attention`` calls, and ``torch.onnx.export`` translates the rewritten graph:
+
+* a site whose plan ONNX can express (``dense``, ``split_kv``, ``stream_k``: each computes exact attention; the
+  plan only says how a GPU schedules it) becomes one standard ``Attention`` node (opset 23 or 24) over the
+  un-expanded K/V: GQA from the shapes, no ``repeat_kv`` copies. At opset 24 a valid length (a static cache's
+  ``valid_len_from_mask``; under a dense plan, derived from a boolean mask the same way) goes to
+  ``nonpad_kv_seqlen``; at opset 23, and with ``is_causal`` (whose alignment ``nonpad_kv_seqlen`` would move to
+  bottom-right), it is folded into the mask;
+* otherwise (``attention="function"``, or an op ONNX has no standard node for, such as
+  ``attnopt::decode_attention_states`` and ``attnopt::merge_states``) the site becomes an ``attnopt`` domain node
+  whose ONNX function body (``attnopt/onnx_functions.py``) is stored in ``model.functions``: ONNX Runtime, or any
+  runtime without attnopt's kernels, runs the body;
+* tree and ring plans need a process group and a sharded cache, which an ONNX graph does not have: they raise.
+
+Each rewritten site's ``SiteReport.exported_as`` says what it became (``onnx:Attention-24``,
+``attnopt:decode_attention (function body)``).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config import OptimizeConfig
+from .plan import PlanReport
+
+#: Opsets with the standard ``Attention`` node.
+OPSETS = (23, 24)
+#: ``attention=``: "auto" (standard where it fits), "standard" (raise where it does not), "function" (every site
+#: as an attnopt domain node with a function body).
+ATTENTION_FORMS = ("auto", "standard", "function")
+#: Plan kinds whose attention is exact, so one standard ``Attention`` node computes what the plan computes.
+STANDARD_KINDS = ("dense", "split_kv", "stream_k")
+#: Plan kinds that cannot be exported, and why.
+UNEXPORTABLE_KINDS = {
+    "tree": "tree decode needs a process group and a sequence-sharded KV cache, which an ONNX graph has not; "
+            "export the model optimized without a process group",
+    "ring": "ring decode needs a process group and a sequence-sharded KV cache, which an ONNX graph has not; "
+            "export the model optimized without a process group",
+}
+
+_ONNX_FLOAT, _ONNX_BOOL, _ONNX_INT64 = 1, 9, 7
+
+
+class _FunctionModule(torch.nn.Module):
+    """Makes a plain function traceable by ``torch.export``."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def export_onnx(model_or_fn: torch.nn.Module | Callable, example_inputs: Sequence[Any], path: str | Path,
+                opset: int = 24, *, example_kwargs: dict[str, Any] | None = None, attention: str = "auto",
+                input_names: Sequence[str] | None = None, output_names: Sequence[str] | None = None,
+                config: OptimizeConfig | dict | None = None, **options: Any) -> PlanReport:
+    """Export ``model_or_fn`` as attnopt rewrites it to the ONNX file ``path``; return the plan report.
+
+    Parameters
+    ----------
+    model_or_fn : torch.nn.Module or callable
+        Traced with ``torch.export.export(..., strict=False)`` on the example inputs (static shapes).
+    example_inputs : sequence
+        Positional example inputs; ``example_kwargs`` the keyword ones.
+    path : str or Path
+        Where the ``.onnx`` file goes (weights over 2 GB go to an external data file beside it).
+    opset : int
+        23 or 24 (``nonpad_kv_seqlen`` needs 24; onnxruntime runs 24 from 1.24 on).
+    attention : str
+        One of ``ATTENTION_FORMS``.
+    input_names, output_names : sequence of str, optional
+        Names of the ONNX graph's inputs and outputs (a function's inputs default to its parameter names).
+    config, **options
+        ``OptimizeConfig`` options for the passes (``force_plan``, ``strategies``, ``hardware``, ...). ``verify``
+        must stay off: it compares against the original attention at run time, which an export cannot.
+
+    Returns
+    -------
+    PlanReport
+        One ``SiteReport`` per attention site, with ``exported_as`` set on every rewritten site; also appended to
+        the plan log when one is configured (``plan_log`` / ``$ATTNOPT_PLAN_LOG``), for ``attnopt plans``.
+    """
+    if opset not in OPSETS:
+        raise ValueError(f"opset {opset!r} has no standard Attention node; valid: {', '.join(map(str, OPSETS))}")
+    if attention not in ATTENTION_FORMS:
+        raise ValueError(f"unknown attention form {attention!r}; valid: {', '.join(ATTENTION_FORMS)}")
+    cfg = config.replace(**options) if isinstance(config, OptimizeConfig) else OptimizeConfig.from_options(config or {}, **options)
+    if cfg.verify:
+        raise ValueError("verify=True checks the rewrite against the original attention at run time, which an "
+                         "exported graph cannot do; export with verify=False")
+    module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else _FunctionModule(model_or_fn)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    if input_names is None and module is not model_or_fn and not kwargs:
+        input_names = _parameter_names(model_or_fn, len(args))
+    gm, report = rewrite_for_export(module, args, kwargs, cfg)
+    translator = OnnxTranslator(opset, attention)
+    translator.check_graph(gm)
+    import torch.onnx as torch_onnx
+
+    with warnings.catch_warnings():
+        # ``ep.module()`` has no eval(); the graph was traced in eval mode, so the exporter's warning is moot.
+        warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
+        program = torch_onnx.export(gm, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
+                                    custom_translation_table=translator.table(), input_names=input_names,
+                                    output_names=output_names, verbose=False)
+    translator.add_functions(program.model)
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(str(path))
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=True)
+    for s in report.sites:
+        if s.rewritten and s.key in translator.exported:
+            s.exported_as = translator.exported[s.key]
+    log_path = cfg.resolved_plan_log()
+    if log_path:
+        from .backend import append_plan_log
+
+        append_plan_log(log_path, report)
+    return report
+
+
+def rewrite_for_export(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
+                       config: OptimizeConfig) -> tuple[torch.fx.GraphModule, PlanReport]:
+    """``torch.export`` ``module``, then attnopt's passes over the exported graph. Returns the rewritten
+    (unlifted, re-exportable) ``GraphModule``, traced in eval mode, and the plan report."""
+    from attnopt.passes import make_context, run_passes
+
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            program = torch.export.export(module, args, kwargs, strict=False)
+    finally:
+        module.train(was_training)
+    gm = program.module()
+    flat = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    ctx = make_context(config, flat)
+    gm, report = run_passes(gm, flat, ctx=ctx)
+    return gm, report
+
+
+class OnnxTranslator:
+    """The ``custom_translation_table`` of one export: translations of attnopt's ops, and a record of what each
+    site became (``exported``: site key -> form) and which function bodies the model needs."""
+
+    def __init__(self, opset: int, attention: str = "auto"):
+        self.opset = opset
+        self.attention = attention
+        self.exported: dict[str, str] = {}
+        self.functions: set[str] = set()
+
+    # ----------------------------------------------------------------------------------------- checks
+    def form_of(self, plan: str) -> str:
+        """"standard" or "function" for a plan's runtime key; ``ValueError`` for a plan that cannot be exported."""
+        kind = json.loads(plan).get("kind", "?")
+        if kind in UNEXPORTABLE_KINDS:
+            raise ValueError(f"cannot export a {kind} plan to ONNX: {UNEXPORTABLE_KINDS[kind]}")
+        if kind not in STANDARD_KINDS:
+            raise ValueError(f"no ONNX export for plan kind {kind!r} yet; exportable kinds: {', '.join(STANDARD_KINDS)}")
+        return "function" if self.attention == "function" else "standard"
+
+    def check_graph(self, gm: torch.fx.GraphModule) -> None:
+        """Raise before exporting when a lowered op carries a plan that cannot be exported, or ``attention``
+        asks for standard nodes where there are none."""
+        import attnopt.runtime.ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+        ops = torch.ops.attnopt
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in (ops.decode_attention.default, ops.decode_attention_states.default):
+                form = self.form_of(node.args[7])
+                q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+                is_function = form == "function" or node.target == ops.decode_attention_states.default
+                if is_function and getattr(q, "dtype", None) == torch.float64:
+                    raise ValueError("attnopt's ONNX function bodies compute in float32, less precise than this "
+                                     "float64 attention; export it with attention='auto' (a standard Attention node)")
+            if node.target in (ops.decode_attention_states.default, ops.merge_states.default) and self.attention == "standard":
+                raise ValueError(f"{node.target} has no standard ONNX node (softmax states); export with "
+                                 "attention='auto' or 'function' to write it as an attnopt node with a function body")
+            if node.target in (ops.check_close.default, ops.shard_mask_columns.default):
+                raise ValueError(f"{node.target} cannot be exported to ONNX (a run-time check / a sharded cache)")
+
+    # ----------------------------------------------------------------------------------------- translations
+    def table(self) -> dict[Any, Callable]:
+        import attnopt.runtime.ops  # noqa: F401
+
+        ops = torch.ops.attnopt
+        # The exporter tags each translation with its signature: plain functions, not bound methods.
+        return {ops.decode_attention.default: _plain(self.decode_attention),
+                ops.decode_attention_states.default: _plain(self.decode_attention_states),
+                ops.merge_states.default: _plain(self.merge_states),
+                ops.valid_len_from_mask.default: _plain(self.valid_len_from_mask)}
+
+    def _op(self):
+        from onnxscript.onnx_opset import opset23, opset24
+
+        return opset24 if self.opset >= 24 else opset23
+
+    def _attnopt_op(self, name: str):
+        from onnxscript.values import Op, Opset
+
+        from .onnx_functions import DOMAIN, DOMAIN_VERSION, op_schema
+
+        self.functions.add(name)
+        return Op(Opset(DOMAIN, DOMAIN_VERSION), name, op_schema(name))
+
+    def decode_attention(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="", site=""):
+        if self.form_of(plan) == "function":
+            self.exported[site] = "attnopt:decode_attention (function body)"
+            bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
+            return self._attnopt_op("decode_attention")(q, k, v, bias, lengths, scale=float(scale),
+                                                        is_causal=int(bool(is_causal)), plan=plan, site=site)
+        op = self._op()
+        nonpad = None
+        if valid_len is None and attn_mask is not None and attn_mask.dtype == _ir_bool() and self.opset >= 24:
+            # A dense plan carries no valid length (attnopt's SDPA does not need one), but onnxruntime can stop at
+            # the last visible key: derive it from the mask, exact for any mask (every later key is masked).
+            valid_len = self.valid_len_from_mask(attn_mask, op.Shape(q, start=0, end=1))
+        if valid_len is not None and self.opset >= 24 and not is_causal:
+            nonpad = op.Cast(valid_len, to=_ONNX_INT64)
+        elif valid_len is not None:
+            attn_mask = self._fold_valid_len(k, attn_mask, valid_len)
+        if attn_mask is not None:
+            attn_mask = self._mask_rows(q, attn_mask)
+        if self.opset >= 24:
+            y, _, _, _ = op.Attention(q, k, v, attn_mask, None, None, nonpad, scale=float(scale), is_causal=int(bool(is_causal)))
+        else:
+            y, _, _, _ = op.Attention(q, k, v, attn_mask, scale=float(scale), is_causal=int(bool(is_causal)))
+        self.exported[site] = f"onnx:Attention-{self.opset}" + (" (nonpad_kv_seqlen)" if nonpad is not None else "")
+        return y
+
+    def decode_attention_states(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="",
+                                site=""):
+        self.form_of(plan)
+        self.exported[site] = "attnopt:decode_attention_states (function body)"
+        bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
+        return self._attnopt_op("decode_attention_states")(q, k, v, bias, lengths, scale=float(scale),
+                                                           is_causal=int(bool(is_causal)), plan=plan, site=site)
+
+    def merge_states(self, o_parts, lse_parts):
+        return self._attnopt_op("merge_states")(o_parts, lse_parts)
+
+    def valid_len_from_mask(self, attn_mask, batch):
+        """One past the last visible key of each batch row, (batch,) int32: ReduceMax over a masked 1..N.
+        ``batch`` is an int, a scalar or a (1,) int64 tensor."""
+        op = self._op()
+        visible = attn_mask if attn_mask.dtype == _ir_bool() else op.Not(op.IsInf(attn_mask, detect_positive=0))
+        n = op.Shape(attn_mask, start=-1)
+        rows = op.Concat(op.Shape(attn_mask, start=0, end=1), op.Constant(value_ints=[-1]), n, axis=0)
+        any_row = op.ReduceMax(op.Reshape(op.Cast(visible, to=6), rows), op.Constant(value_ints=[1]), keepdims=0)
+        one = op.Constant(value_int=1)
+        positions = op.Cast(op.Range(one, op.Add(op.Squeeze(n), one), one), to=6)
+        last = op.ReduceMax(op.Mul(any_row, positions), op.Constant(value_ints=[-1]), keepdims=0)
+        size = op.Constant(value_ints=[int(batch)]) if isinstance(batch, int) else op.Reshape(batch, op.Constant(value_ints=[1]))
+        return op.Expand(last, size)
+
+    # ----------------------------------------------------------------------------------------- helpers
+    def _fold_valid_len(self, k, attn_mask, valid_len):
+        """``attn_mask`` narrowed to the keys below ``valid_len`` (B,): bool (B, 1, 1, N) when there is no mask."""
+        op = self._op()
+        keep = self._keep(k, valid_len)
+        if attn_mask is None:
+            return keep
+        if attn_mask.dtype == _ir_bool():
+            return op.And(attn_mask, keep)
+        return op.Where(keep, attn_mask, op.CastLike(op.Constant(value_float=float("-inf")), attn_mask))
+
+    def _mask_rows(self, q, attn_mask):
+        """``attn_mask`` with one row per query token: onnxruntime's Attention does not broadcast the mask's
+        query dimension (a (B, 1, 1, N) mask fails with 2 query tokens)."""
+        shape = attn_mask.shape
+        if shape is not None and len(shape) >= 2 and q.shape is not None and shape[-2] == q.shape[2]:
+            return attn_mask
+        op = self._op()
+        rank = len(shape) if shape is not None else 4
+        target = op.Concat(op.Shape(attn_mask, start=0, end=rank - 2), op.Shape(q, start=2, end=3),
+                           op.Shape(attn_mask, start=rank - 1), axis=0)
+        return op.Expand(attn_mask, target)
+
+    def _keep(self, k, valid_len):
+        op = self._op()
+        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        cols = op.Range(zero, op.Squeeze(op.Shape(k, start=2, end=3)), one)
+        lengths = op.Unsqueeze(op.Cast(valid_len, to=_ONNX_INT64), op.Constant(value_ints=[-1]))
+        return op.Unsqueeze(op.Less(cols, lengths), op.Constant(value_ints=[1, 2]))
+
+    def _function_inputs(self, q, k, attn_mask, valid_len):
+        """(bias, valid_len) as the function's fixed signature takes them: an additive float mask (a scalar 0 when
+        there is none) and (B,) int64 lengths (N for every row when there are none)."""
+        op = self._op()
+        if attn_mask is None:
+            bias = op.Constant(value_float=0.0)
+        elif attn_mask.dtype == _ir_bool():
+            bias = op.Where(attn_mask, op.Constant(value_float=0.0), op.Constant(value_float=float("-inf")))
+        else:
+            bias = attn_mask
+        if valid_len is None:
+            lengths = op.Expand(op.Shape(k, start=2, end=3), op.Shape(q, start=0, end=1))
+        else:
+            lengths = op.Cast(valid_len, to=_ONNX_INT64)
+        return bias, lengths
+
+    def add_functions(self, model) -> None:
+        """Append the function bodies this export used to ``model`` (an ``onnx_ir.Model``) and import the domain."""
+        import onnx_ir as ir
+
+        from .onnx_functions import DOMAIN, DOMAIN_VERSION, function_proto
+
+        if not self.functions:
+            return
+        model.opset_imports[DOMAIN] = DOMAIN_VERSION
+        for name in sorted(self.functions):
+            fn = ir.serde.deserialize_function(function_proto(name, self.opset))
+            model.functions[fn.identifier()] = fn
+
+
+def _parameter_names(fn: Callable, count: int) -> list[str] | None:
+    """The names of ``fn``'s first ``count`` positional parameters, or None when it takes ``*args``."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[:count] if len(positional) >= count else None
+
+
+def _plain(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def translation(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    return translation
+
+
+def _ir_bool():
+    import onnx_ir as ir
+
+    return ir.DataType.BOOL
+
+
+__all__ = ["export_onnx", "rewrite_for_export", "OnnxTranslator", "StaticCacheDecodeStep", "OPSETS", "ATTENTION_FORMS", "STANDARD_KINDS",
+           "UNEXPORTABLE_KINDS"]
+
+
+class StaticCacheDecodeStep(torch.nn.Module):
+    """One decode step of a Hugging Face causal LM over a static KV cache that comes in and goes out as tensors,
+    the form an ONNX graph needs (it has no in-place state).
+
+    ``forward(input_ids, cache_position, key_0, value_0, key_1, value_1, ...)`` returns
+    ``(logits, key_0, value_0, ...)``: the caches with this step's keys and values written at ``cache_position``
+    (in place, and returned). Shapes: ``input_ids`` (B, L) int64, ``cache_position`` (L,) int64 (the positions of
+    the L new tokens; the keys before ``cache_position[0]`` are the valid ones), each cache (B, Hkv, max_len, D).
+    Attention runs over the whole preallocated cache with a valid-length mask, which attnopt detects and the
+    export turns into ``nonpad_kv_seqlen``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def cache_names(self) -> list[str]:
+        layers = self.model.config.num_hidden_layers
+        return [f"{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+
+    def empty_caches(self, batch: int, max_cache_len: int) -> list[torch.Tensor]:
+        """Zero caches for this model: (B, Hkv, max_cache_len, D) per layer, keys and values interleaved."""
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(self.model.parameters())
+        return [torch.zeros(batch, heads, max_cache_len, head_dim, dtype=param.dtype, device=param.device)
+                for _ in self.cache_names()]
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, *caches: torch.Tensor):
+        from transformers import StaticCache
+
+        if len(caches) != 2 * self.model.config.num_hidden_layers:
+            raise ValueError(f"expected {2 * self.model.config.num_hidden_layers} cache tensors (a key and a value "
+                             f"per layer), got {len(caches)}")
+        cache = StaticCache(config=self.model.config, max_cache_len=caches[0].shape[2])
+        for layer, keys, values in zip(cache.layers, caches[0::2], caches[1::2]):
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            layer.cumulative_length = cache_position[0].clone()
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        return (out.logits, *[t for layer in cache.layers for t in (layer.keys, layer.values)])

@@ -1,0 +1,178 @@
+"""ONNX function bodies of attnopt's ops, for the ``attnopt`` domain nodes that ``attnopt.export`` writes.
+
+A runtime that has no kernel for ``attnopt::decode_attention`` (any ONNX runtime) runs the node through its
+body: exact attention in float32 over the un-expanded K/V, with the semantics of ``runtime/reference.py``
+(GQA packs the G query heads of one KV head; keys at or past ``valid_len[b]`` do not exist; ``is_causal`` is
+PyTorch's top-left alignment; a row that sees no key gives zeros and ``lse = -inf``, never NaN).
+
+The node's inputs are fixed so that one function serves every call:
+
+* ``q`` (B, Hq, L, D), ``k`` (B, Hkv, N, D), ``v`` (B, Hkv, N, Dv), any float type;
+* ``bias``: an additive float mask broadcastable to (B, Hq, L, N) (a boolean mask becomes 0 / -inf before the
+  node; no mask is a scalar 0);
+* ``valid_len`` (B,) int64 (no valid length is N for every row).
+
+Attributes: ``scale`` (float), ``is_causal`` (int), and ``plan`` / ``site`` (strings the body ignores: they tell a
+runtime with attnopt's kernels which plan attnopt chose for the site).
+"""
+from __future__ import annotations
+
+#: The domain of attnopt's ONNX nodes and its version.
+DOMAIN = "attnopt"
+DOMAIN_VERSION = 1
+
+_HEADER = '<domain: "attnopt", opset_import: ["" : {opset}]>\n'
+
+# Shared by decode_attention and decode_attention_states: scores in the packed (B, Hkv, G*L, N) layout, masked
+# in the (B, Hq, L, N) layout, then the softmax state. "bad" marks keys a row must not see; -inf biases count too,
+# so a row whose every key is masked has p = 0 everywhere and no -inf - -inf = NaN.
+_ATTENTION_BODY = """
+    qf = Cast <to = 1> (q)
+    kf = Cast <to = 1> (k)
+    vf = Cast <to = 1> (v)
+    bf = Cast <to = 1> (bias)
+    batch = Shape <start = 0, end = 1> (q)
+    q_heads = Shape <start = 1, end = 2> (q)
+    q_len = Shape <start = 2, end = 3> (q)
+    head_dim = Shape <start = 3, end = 4> (q)
+    kv_heads = Shape <start = 1, end = 2> (k)
+    kv_len = Shape <start = 2, end = 3> (k)
+    v_dim = Shape <start = 3, end = 4> (v)
+    group = Div (q_heads, kv_heads)
+    packed_rows = Mul (group, q_len)
+    packed_q_shape = Concat <axis = 0> (batch, kv_heads, packed_rows, head_dim)
+    packed_s_shape = Concat <axis = 0> (batch, kv_heads, packed_rows, kv_len)
+    full_s_shape = Concat <axis = 0> (batch, q_heads, q_len, kv_len)
+    out_shape = Concat <axis = 0> (batch, q_heads, q_len, v_dim)
+    q_packed = Reshape (qf, packed_q_shape)
+    k_t = Transpose <perm = [0, 1, 3, 2]> (kf)
+    raw = MatMul (q_packed, k_t)
+    scale_value = Constant <value_float: float = @scale> ()
+    scaled = Mul (raw, scale_value)
+    scores_full = Reshape (scaled, full_s_shape)
+    scores = Add (scores_full, bf)
+    zero_i = Constant <value_int = 0> ()
+    one_i = Constant <value_int = 1> ()
+    last_axis = Constant <value_ints = [-1]> ()
+    mid_axes = Constant <value_ints = [1, 2]> ()
+    n_scalar = Squeeze (kv_len)
+    l_scalar = Squeeze (q_len)
+    cols = Range (zero_i, n_scalar, one_i)
+    rows = Range (zero_i, l_scalar, one_i)
+    valid_col = Unsqueeze (valid_len, last_axis)
+    past_valid = GreaterOrEqual (cols, valid_col)
+    past_valid4 = Unsqueeze (past_valid, mid_axes)
+    rows_col = Unsqueeze (rows, last_axis)
+    above = Greater (cols, rows_col)
+    causal_int = Constant <value_int: int = @is_causal> ()
+    causal_flag = Cast <to = 9> (causal_int)
+    causal_bad = And (above, causal_flag)
+    masked_out = IsInf <detect_positive = 0> (scores)
+    bad_a = Or (past_valid4, causal_bad)
+    bad = Or (bad_a, masked_out)
+    lowest = Constant <value = float {-3.4028234663852886e38}> ()
+    zero_f = Constant <value = float {0.0}> ()
+    one_f = Constant <value = float {1.0}> ()
+    kept = Where (bad, lowest, scores)
+    row_max = ReduceMax <keepdims = 1> (kept, last_axis)
+    shifted = Sub (kept, row_max)
+    expd = Exp (shifted)
+    p = Where (bad, zero_f, expd)
+    denom = ReduceSum <keepdims = 1> (p, last_axis)
+    empty = Equal (denom, zero_f)
+    safe_denom = Where (empty, one_f, denom)
+    p_packed = Reshape (p, packed_s_shape)
+    o_packed = MatMul (p_packed, vf)
+    o_full = Reshape (o_packed, out_shape)
+    o_norm = Div (o_full, safe_denom)
+"""
+
+_DECODE_ATTENTION = (_HEADER + "decode_attention <scale: float = 1.0, is_causal: int = 0, plan: string = \"\", "
+                     "site: string = \"\"> (q, k, v, bias, valid_len) => (out) {" + _ATTENTION_BODY + """
+    out = CastLike (o_norm, q)
+}
+""")
+
+_DECODE_ATTENTION_STATES = (_HEADER + "decode_attention_states <scale: float = 1.0, is_causal: int = 0, "
+                            "plan: string = \"\", site: string = \"\"> (q, k, v, bias, valid_len) => (o, lse) {"
+                            + _ATTENTION_BODY + """
+    o = Identity (o_norm)
+    neg_inf = Constant <value = float {-inf}> ()
+    log_denom = Log (safe_denom)
+    lse_finite = Add (row_max, log_denom)
+    lse_keep = Where (empty, neg_inf, lse_finite)
+    lse = Squeeze (lse_keep, last_axis)
+}
+""")
+
+# (P, ..., Dv) and (P, ...) float32 partial states -> merged (..., Dv), (...); empty partitions (lse = -inf) weigh 0.
+_MERGE_STATES = _HEADER + """merge_states (o_parts, lse_parts) => (o, lse) {
+    first_axis = Constant <value_ints = [0]> ()
+    last_axis = Constant <value_ints = [-1]> ()
+    zero_f = Constant <value = float {0.0}> ()
+    one_f = Constant <value = float {1.0}> ()
+    neg_inf = Constant <value = float {-inf}> ()
+    lse_max = ReduceMax <keepdims = 0> (lse_parts, first_axis)
+    all_empty = IsInf <detect_positive = 0> (lse_max)
+    safe_max = Where (all_empty, zero_f, lse_max)
+    safe_max0 = Unsqueeze (safe_max, first_axis)
+    shifted = Sub (lse_parts, safe_max0)
+    weight = Exp (shifted)
+    total = ReduceSum <keepdims = 0> (weight, first_axis)
+    safe_total = Where (all_empty, one_f, total)
+    weight_col = Unsqueeze (weight, last_axis)
+    weighted = Mul (o_parts, weight_col)
+    summed = ReduceSum <keepdims = 0> (weighted, first_axis)
+    total_col = Unsqueeze (safe_total, last_axis)
+    o = Div (summed, total_col)
+    log_total = Log (safe_total)
+    lse_finite = Add (safe_max, log_total)
+    lse = Where (all_empty, neg_inf, lse_finite)
+}
+"""
+
+_TEXTS = {"decode_attention": _DECODE_ATTENTION, "decode_attention_states": _DECODE_ATTENTION_STATES,
+          "merge_states": _MERGE_STATES}
+
+
+def function_proto(name: str, opset: int):
+    """The ``onnx.FunctionProto`` of attnopt op ``name`` (a key of ``_TEXTS``), importing the default domain at
+    ``opset`` (the model's: runtimes want one version per domain)."""
+    import onnx.parser
+
+    try:
+        text = _TEXTS[name]
+    except KeyError:
+        raise ValueError(f"no ONNX function body for attnopt op {name!r}; known: {', '.join(sorted(_TEXTS))}") from None
+    return onnx.parser.parse_function(text.replace("{opset}", str(int(opset)), 1))
+
+
+def op_schema(name: str):
+    """An ``onnx.defs.OpSchema`` for the ``attnopt`` domain node ``name``, so that onnxscript can record it while
+    the exporter traces (the schema is not registered globally; the function body is what runtimes read)."""
+    from onnx.defs import OpSchema
+
+    def param(n: str, t: str) -> OpSchema.FormalParameter:
+        return OpSchema.FormalParameter(n, t)
+
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+    if name == "merge_states":
+        return OpSchema(name, DOMAIN, DOMAIN_VERSION, inputs=[param("o_parts", "F"), param("lse_parts", "F")],
+                        outputs=[param("o", "F"), param("lse", "F")],
+                        type_constraints=[("F", ["tensor(float)"], "float32 softmax states")])
+    if name not in ("decode_attention", "decode_attention_states"):
+        raise ValueError(f"no ONNX schema for attnopt op {name!r}")
+    attrs = [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale"),
+             OpSchema.Attribute("is_causal", OpSchema.AttrType.INT, "top-left causal mask"),
+             OpSchema.Attribute("plan", OpSchema.AttrType.STRING, "the plan's runtime key (JSON)"),
+             OpSchema.Attribute("site", OpSchema.AttrType.STRING, "the site key")]
+    inputs = [param("q", "T"), param("k", "T"), param("v", "T"), param("bias", "M"), param("valid_len", "I")]
+    outputs = [param("out", "T")] if name == "decode_attention" else [param("o", "F"), param("lse", "F")]
+    constraints = [("T", floats, "Q/K/V"), ("M", floats, "additive mask"), ("I", ["tensor(int64)"], "valid length")]
+    if name == "decode_attention_states":
+        constraints.append(("F", ["tensor(float)"], "float32 softmax state"))
+    return OpSchema(name, DOMAIN, DOMAIN_VERSION, inputs=inputs, outputs=outputs, type_constraints=constraints,
+                    attributes=attrs)
+
+
+__all__ = ["DOMAIN", "DOMAIN_VERSION", "function_proto", "op_schema"]
