@@ -206,9 +206,9 @@ def last_plans(obj: Any = None) -> PlanReport:
     """The plan report of an optimized model or function (every graph it compiled so far), with live call
     counts; with no argument, the report of the most recently compiled graph in this process.
 
-    ``obj`` is what ``attnopt.optimize`` returned, or what ``torch.compile(..., backend="attnopt")`` returned (its
-    report holds every graph compiled with the same options). Before anything was compiled the report is empty
-    and its headline says so.
+    ``obj`` is what ``attnopt.optimize`` returned, or what ``torch.compile(..., backend="attnopt")`` returned
+    (wrappers made without ``options`` share one report). Before anything was compiled the report is empty and its
+    headline says so.
     """
     if obj is None:
         return with_call_counts(copy.deepcopy(_ALL_REPORTS[-1])) if _ALL_REPORTS else PlanReport()

@@ -1,10 +1,10 @@
 """The string backend, ``torch.compile(model, backend="attnopt", options={...}, mode=...)``, as a first-class route.
 
-Dynamo calls the entry point once per graph with the same ``options`` and ``mode``, and never tells it which
-module or function the graph came from. So one ``Backend`` serves each distinct (config, mode) and keeps its
-reports (``backend_for``); ``last_plans(compiled)`` reads the options back from the wrapper that
-``torch.compile`` returned (``backend_of``) and finds that ``Backend``. Two objects compiled with equal options
-share one report.
+Dynamo calls the entry point once per graph with the ``options`` dict and ``mode`` that ``torch.compile`` was
+given (the very dict object: the wrapper keeps it), and never tells it which module or function the graph came
+from. So one ``Backend`` serves each options dict (and mode) and keeps its reports (``backend_for``);
+``last_plans(compiled)`` reads the dict back from the wrapper that ``torch.compile`` returned (``backend_of``) and
+finds that ``Backend``. Wrappers made without options (or with one dict object) share one report.
 
 ``compiled.generate(...)`` on such a wrapper runs the model's *uncompiled* forward (the wrapper forwards the
 attribute to the original module, whose ``generate`` calls the original ``forward``). ``attnopt.optimize`` is the
@@ -19,7 +19,8 @@ from typing import Any
 
 from .config import OptimizeConfig
 
-_BACKENDS: dict[tuple[str, str | None], Any] = {}
+#: (id of the options dict or None, mode) -> (the dict, kept alive so that its id stays unique, Backend)
+_BACKENDS: dict[tuple[int | None, str | None], tuple[Any, Any]] = {}
 _lock = threading.Lock()
 _WARNED_ATTR = "_attnopt_generate_warned"
 
@@ -33,15 +34,14 @@ def config_of(options: dict[str, Any] | None) -> OptimizeConfig:
 
 
 def backend_for(options: dict[str, Any] | None, mode: str | None = None):
-    """The one ``Backend`` of this (config, mode) in this process, made on first use."""
+    """The one ``Backend`` of this options dict (by identity) and mode in this process, made on first use."""
     from .backend import Backend
 
-    config = config_of(options)
-    key = (config.to_json(), mode)
+    key = (id(options) if options else None, mode)
     with _lock:
         if key not in _BACKENDS:
-            _BACKENDS[key] = Backend(config, mode=mode)
-        return _BACKENDS[key]
+            _BACKENDS[key] = (options, Backend(config_of(options), mode=mode))
+        return _BACKENDS[key][1]
 
 
 def _compile_wrapper(obj: Any) -> Any:
