@@ -32,7 +32,7 @@ def _inputs(N=37, L=1):
     return torch.randn(2, 6, L, 64), torch.randn(2, 2, N, 64), torch.randn(2, 2, N, 64)
 
 
-@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_optimize_module_each_inner_backend(inner):
     torch._dynamo.reset()
     model = TinyDecoder().eval()
@@ -230,10 +230,11 @@ def test_last_plans_of_a_string_backend_module_and_function():
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True) + 1
 
-    fn = torch.compile(attend, backend="attnopt", options={"inner_backend": "eager", "min_kv_len": 4})
+    fn = torch.compile(attend, backend="attnopt", options={"inner_backend": "eager", "min_kv_len": 3})
     fn(*_inputs(N=9))
+    # equal options, separate wrappers: each reports its own graphs
     assert [s.site.kv_len for s in attnopt.last_plans(fn).rewritten] == [9]
-    assert [s.site.kv_len for s in attnopt.last_plans(compiled).rewritten] == [37]  # its own options, its own report
+    assert [s.site.kv_len for s in attnopt.last_plans(compiled).rewritten] == [37]
     with pytest.raises(ValueError, match="compiled with backend 'eager', not attnopt"):
         attnopt.last_plans(torch.compile(_Root(), backend="eager"))
 
@@ -258,7 +259,7 @@ def test_generate_of_a_string_backend_wrapper_warns_once_that_it_runs_uncompiled
 @pytest.mark.parametrize("options,error,match", [
     ({"mode": "bogus"}, ValueError, "mode='bogus' is not valid; valid choices: None, default"),
     ({"topology": "dgx-h100x2"}, ValueError, "topology='dgx-h100x2' is only used to plan over a process group"),
-    ({"force_plan": "splitkv"}, ValueError, "unknown force_plan 'splitkv'; valid: dense"),
+    ({"force_plan": "splitkv"}, ValueError, "unknown force_plan 'splitkv'; valid: .*dense"),
     ({"hardware": 123}, TypeError, "hardware must be a str"),
     ({"plan_log": "."}, ValueError, "plan_log='.' is a directory"),
 ])

@@ -228,6 +228,7 @@ def test_every_variant_matches_single_device_float64(world):
     assert not bad, f"variants off the float64 reference (atol {ATOL}): {bad}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_cache_is_balanced(world):
@@ -323,6 +324,7 @@ def test_world_size_mismatch_is_a_clear_error():
             assert msg and "planned for world=4" in msg and "rank" in msg and "world_size=2" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hierarchical_plan_on_one_node_is_a_clear_error():
     res = mismatch_results()
