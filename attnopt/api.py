@@ -40,7 +40,8 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         model is switched to a shard-aware wrapper of its attention implementation ("sdpa" or "eager"), which
         cuts the global mask to the local keys; on an unsharded cache it computes exactly what it did before.
     mode : str, optional
-        Passed to the inner backend (``"reduce-overhead"`` turns on CUDA graphs under inductor).
+        Passed to the inner backend. ``"reduce-overhead"`` turns on inductor's CUDA-graph trees: with a static
+        cache, each decode step replays as CUDA graphs with attnopt's kernels inside, the fast path on a GPU.
     """
     if isinstance(config, OptimizeConfig):
         cfg = config.replace(**options) if options else config
