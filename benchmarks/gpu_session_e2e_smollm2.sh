@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# SmolLM2 end to end on a GPU machine (benchmarks/gpu_e2e_smollm2.py). The GGUF (98 MB) is over the 64 MiB a
-# device call carries, so it travels in two parts, in two back-to-back calls to the same warm machine:
+# SmolLM2 end to end on a GPU machine (benchmarks/gpu_e2e_smollm2.py); also `bash benchmarks/gpu.sh smollm2 STEP`.
+# The GGUF (98 MB) is over the 64 MiB a device call carries, so it travels in two parts, in two back-to-back calls
+# to the same warm machine:
 #   here:          bash benchmarks/gpu_session_e2e_smollm2.sh prepare   # .devcarry_a, .devcarry_b (git-excluded)
 #   device call 1: bash benchmarks/gpu_session_e2e_smollm2.sh stage     # carry .devcarry_a; copies part 1 to /tmp
 #   device call 2: bash benchmarks/gpu_session_e2e_smollm2.sh run       # carry .devcarry_b, within the idle window
@@ -29,7 +30,7 @@ run)
     /tmp/e2e/gguf-*.whl
   export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1
   set +e
-  . "$PWD/benchmarks/device_prelude.sh"
+  . "$(dirname "${BASH_SOURCE[0]}")/gpu.sh"  # installs the checkout; sets REPO, OUT, t0
   for n in ${PROMPTS:-0 2000}; do for d in float32 bfloat16; do for c in dynamic static; do
     timeout 520 python "$REPO/benchmarks/gpu_e2e_smollm2.py" --gguf /tmp/e2e/smol.gguf --prompt-tokens "$n" \
       --tokens 32 --plans auto,split_kv,stream_k --baseline --dtypes $d --caches $c \

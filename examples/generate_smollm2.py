@@ -44,7 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--dtype", default="auto", help="float32 | float16 | bfloat16 | auto (fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
-    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic", help="Hugging Face KV cache kind")
+    p.add_argument("--cache", choices=("dynamic", "static", "auto"), default="auto",
+                   help="Hugging Face KV cache kind (auto: static on CUDA, where CUDA graphs need it; dynamic on CPU)")
+    p.add_argument("--mode", default="auto",
+                   help="torch.compile mode for attnopt: reduce-overhead (CUDA graphs) | default | auto "
+                        "(reduce-overhead on CUDA, default on CPU)")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attn_implementation of the model")
     p.add_argument("--inner-backend", default="auto",
                    help="backend after attnopt's rewrite: inductor | eager | aot_eager | cudagraphs | auto "
@@ -71,6 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if args.inner_backend == "auto":
         args.inner_backend = "inductor" if args.device.startswith("cuda") else "eager"
+    if args.cache == "auto":
+        args.cache = "static" if args.device.startswith("cuda") else "dynamic"
+    if args.mode == "auto":
+        args.mode = "reduce-overhead" if args.device.startswith("cuda") else None
+    elif args.mode == "default":
+        args.mode = None
     return args
 
 
@@ -94,7 +104,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"attnopt {attnopt.__version__}, torch {torch.__version__}, device {args.device}, dtype "
           f"{str(args.dtype).removeprefix('torch.')}, attn {args.attn}, cache {args.cache}, "
-          f"inner backend {args.inner_backend}", flush=True)
+          f"inner backend {args.inner_backend}, mode {args.mode or 'default'}", flush=True)
 
     t0 = time.perf_counter()
     try:
@@ -119,8 +129,12 @@ def main(argv=None) -> int:
     options = {"inner_backend": args.inner_backend}
     if args.plan_log:
         options["plan_log"] = args.plan_log
-    optimized = attnopt.optimize(model, **options)
-    out, warm_s = timed_generate(optimized, enc, args)         # warm-up: compiles prefill and decode graphs
+    try:
+        optimized = attnopt.optimize(model, mode=args.mode, **options)
+    except ValueError as exc:  # a bad --mode or option: optimize() names the valid choices
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out, warm_s = timed_generate(optimized, enc, args)         # warm-up: compiles the decode graphs
     calls_before = sum(s.calls for s in attnopt.last_plans(optimized).sites)
     out, opt_s = timed_generate(optimized, enc, args)
     report = attnopt.last_plans(optimized)

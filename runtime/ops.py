@@ -182,6 +182,7 @@ def _check_close(new, ref, site, atol, rtol, calls):
                 f"attnopt verify: site {site} differs from the original attention: max abs error "
                 f"{err.max().item():.3e} > tolerance atol={atol:g} + rtol={rtol:g}*|ref| at {int(bad.sum())} of "
                 f"{bad.numel()} elements")
+        CALL_COUNTS["verified:" + site] += 1  # calls that ran the check and passed (last_plans reports them)
     return new.clone()
 
 
@@ -194,7 +195,8 @@ def _valid_len_from_mask(attn_mask, batch):
 def _shard_mask_columns(attn_mask, local_len):
     """A mask over the global key columns (..., N) -> this rank's columns (..., local_len), through the current
     group's sequence-sharded cache (``runtime.distributed``); unchanged when it already has local_len columns."""
-    from .distributed import adapt_mask, current_group
+    from .distributed.cache import adapt_mask
+    from .distributed.groups import current_group
 
     if attn_mask.shape[-1] == local_len:
         return attn_mask.clone()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -173,6 +173,64 @@ def scale_log2(scale: float | None, head_dim: int) -> float:
     """The softmax scale in base-2 units."""
     s = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     return s * LOG2E
+
+
+class DecodeGeometry(NamedTuple):
+    """The launch geometry that the split-KV and stream-K launchers derive alike from q, k and v (see the module
+    docstring for the packed query tile)."""
+
+    B: int
+    Hq: int
+    L: int
+    D: int
+    Hkv: int
+    N: int  # keys (the cache's storage length; the valid length may be shorter)
+    Dv: int
+    G: int  # query heads per KV head
+    block_m: int  # packed query rows per tile
+    num_m: int  # query tiles per KV head
+    block_r: int  # rows a merge reads per tile: the tile's real rows, up to a power of two
+    block_d: int  # padded head dim of Q and K
+    block_dv: int  # padded head dim of V
+    merge_p: int  # partials a merge loads per step (about 8192 fp32 elements in flight)
+
+
+def decode_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> DecodeGeometry:
+    """:class:`DecodeGeometry` of q (B, Hq, L, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv)."""
+    B, Hq, L, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    Dv = v.shape[-1]
+    G = Hq // Hkv
+    block_m = block_m_for(G * L)
+    block_r = next_pow2(min(G * L, block_m))
+    block_dv = block_d_for(Dv)
+    return DecodeGeometry(B, Hq, L, D, Hkv, N, Dv, G, block_m, cdiv(G * L, block_m), block_r, block_d_for(D),
+                          block_dv, max(1, min(32, 8192 // (block_r * block_dv))))
+
+
+def arrival_counters(geo: DecodeGeometry, device: torch.device) -> torch.Tensor:
+    """One zeroed int32 arrival counter per output tile (B * Hkv * num_m,): the last program to arrive at a tile
+    merges it and resets its counter, so every launch leaves them zero."""
+    return torch.zeros((geo.B * geo.Hkv * geo.num_m,), device=device, dtype=torch.int32)
+
+
+def decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                  valid_len: torch.Tensor | None, geo: DecodeGeometry, block_n: int, tma: bool):
+    """The inputs both decode kernels take first, and how to read them.
+
+    Returns
+    -------
+    pointers : (q, k, v, K tiles, V tiles, mask, valid_len): the tiles are TMA descriptors when ``tma`` is asked
+        for and applies to this launch (``tma_now``), else K and V again; an absent mask or valid length is q
+        (never read).
+    mask_strides, mask_kind : from :func:`mask_args`.
+    use_tma : whether the tiles are descriptors.
+    """
+    mask, mask_strides, mask_kind = mask_args(attn_mask, geo.B, geo.Hq, geo.L, geo.N)
+    descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
+    pointers = (q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q,
+                valid_len if valid_len is not None else q)
+    return pointers, mask_strides, mask_kind, descs is not None
 
 
 @triton.jit

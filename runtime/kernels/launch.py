@@ -1,7 +1,7 @@
 """Launching a compiled Triton kernel with little host time, exactly.
 
 ``kernel[grid](...)`` binds every argument, specialises it, looks the compiled kernel up and builds launch
-metadata on each call. Measured on the H100 machine's host (``benchmarks/experiments/launch_overhead.py``):
+metadata on each call. Measured on the H100 machine's host (``benchmarks/results/experiments/launch-overhead-*.json``):
 44 µs for the 71-argument split-KV kernel, against 6-8 µs for the compiled kernel's own launcher. An eager
 decode step pays this once per layer and launch.
 

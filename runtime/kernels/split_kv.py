@@ -16,9 +16,8 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = None
 
-from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows, block_d_for,
-                     block_m_for, cdiv, dot_flags, kv_descriptors, mask_args, next_pow2, pdl_supported, scale_log2,
-                     tma_now)
+from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows,
+                     arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported, scale_log2)
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -159,13 +158,10 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
     """Workspace for ``num_splits`` > 1: partial o (S, B, Hq, L, Dv) fp32, partial (row max, log l) (2, S, B, Hq, L)
     fp32 (natural log; see ``merge.merge_states``), and the arrival counters of the fused merge (B * Hkv * num_m,)
     int32, zeroed (every launch leaves them zero)."""
-    B, Hq, L, _ = q.shape
-    Hkv = k.shape[1]
-    Dv = v.shape[-1]
-    num_m = cdiv((Hq // Hkv) * L, block_m_for((Hq // Hkv) * L))
-    return (torch.empty((num_splits, B, Hq, L, Dv), device=q.device, dtype=torch.float32),
-            torch.empty((2, num_splits, B, Hq, L), device=q.device, dtype=torch.float32),
-            torch.zeros((B * Hkv * num_m,), device=q.device, dtype=torch.int32))
+    geo = decode_geometry(q, k, v)
+    return (torch.empty((num_splits, geo.B, geo.Hq, geo.L, geo.Dv), device=q.device, dtype=torch.float32),
+            torch.empty((2, num_splits, geo.B, geo.Hq, geo.L), device=q.device, dtype=torch.float32),
+            arrival_counters(geo, q.device))
 
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
@@ -189,13 +185,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     """
     if num_splits < 1:
         raise ValueError(f"split_kv_decode: num_splits must be >= 1; got {num_splits}")
-    B, Hq, L, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    Dv = v.shape[-1]
-    G = Hq // Hkv
-    BLOCK_M = block_m_for(G * L)
-    num_m = cdiv(G * L, BLOCK_M)
-    mask, mstr, mask_kind = mask_args(attn_mask, B, Hq, L, N)
+    geo = decode_geometry(q, k, v)
+    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma)
     upcast, precision = dot_flags(q.dtype)
     fused = bool(fused_merge) and num_splits > 1
     counters = q
@@ -217,22 +208,17 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         lpart = 0
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
-    block_r = max(1, next_pow2(min(G * L, BLOCK_M)))
-    block_dv = block_d_for(Dv)
-    grid = (num_splits, B * Hkv * num_m)
-    descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
+    grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
     two_launches = num_splits > 1 and not fused
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _SPLIT_KV_LAUNCH(
-        grid, q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q, valid_len if valid_len is not None else q,
-        o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
+        grid, *pointers, o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, lpart, *fstr, *gstr,
-        scale_log2(scale, D), N, L, G, Hkv, num_m, D, Dv,
-        num_splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D), BLOCK_DV=block_dv,
+        scale_log2(scale, geo.D), geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
+        num_splits, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
-        UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=block_r,
-        MERGE_P=max(1, min(32, 8192 // (block_r * block_dv))), USE_TMA=descs is not None,
-        NUM_SPLITS_GT1=num_splits > 1, LAUNCH_DEPENDENTS=pdl,
+        UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
+        MERGE_P=geo.merge_p, USE_TMA=use_tma, NUM_SPLITS_GT1=num_splits > 1, LAUNCH_DEPENDENTS=pdl,
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from . import interpreting
 from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows,
-                     backend_has_option, block_d_for, block_m_for, cdiv, dot_flags, kv_descriptors, mask_args,
-                     next_pow2, scale_log2, tma_now)
+                     arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags, next_pow2,
+                     scale_log2)
 from .launch import KernelLauncher
 
 
@@ -204,15 +204,10 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     The counters must start at zero; every launch leaves them at zero again.
     """
-    B, Hq, L, _ = q.shape
-    Hkv = k.shape[1]
-    Dv = v.shape[-1]
-    G = Hq // Hkv
-    block_m = block_m_for(G * L)
-    num_m = cdiv(G * L, block_m)
-    return (torch.empty((grid * 2, block_m, Dv), device=q.device, dtype=torch.float32),
-            torch.empty((2, grid * 2, block_m), device=q.device, dtype=torch.float32),
-            torch.zeros((B * Hkv * num_m,), device=q.device, dtype=torch.int32))
+    geo = decode_geometry(q, k, v)
+    return (torch.empty((grid * 2, geo.block_m, geo.Dv), device=q.device, dtype=torch.float32),
+            torch.empty((2, grid * 2, geo.block_m), device=q.device, dtype=torch.float32),
+            arrival_counters(geo, q.device))
 
 
 def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
@@ -232,17 +227,11 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     """
     if grid < 1:
         raise ValueError(f"stream_k_decode: grid must be >= 1; got {grid}")
-    B, Hq, L, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    Dv = v.shape[-1]
-    G = Hq // Hkv
-    BLOCK_M = block_m_for(G * L)
-    num_m = cdiv(G * L, BLOCK_M)
-    block_r = next_pow2(min(G * L, BLOCK_M))
+    geo = decode_geometry(q, k, v)
     if workspace is None:
         workspace = stream_k_workspace(grid, q, k, v)
     ws_o, ws_lse, counters = workspace
-    mask, mstr, mask_kind = mask_args(attn_mask, B, Hq, L, N)
+    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma)
     upcast, precision = dot_flags(q.dtype)
     lstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
     extra = {}
@@ -250,16 +239,15 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         # The kernel holds the KV loop, the partial path and the merge: capping registers at 128 (a few spills)
         # lets two programs share an SM instead of one.
         extra["maxnreg"] = 128
-    descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
     _STREAM_K_LAUNCH(
-        (grid,), q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q,
-        valid_len if valid_len is not None else q, out, lse if lse is not None else out, ws_o, ws_lse, counters,
-        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride()[1:], ws_lse.stride(0),
-        scale_log2(scale, D), B, N, L, G, Hkv, num_m, D, Dv, grid,
-        BLOCK_B=max(2, next_pow2(B)), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D),
-        BLOCK_DV=block_d_for(Dv), HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
+        (grid,), *pointers, out, lse if lse is not None else out, ws_o, ws_lse, counters,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride()[1:],
+        ws_lse.stride(0),
+        scale_log2(scale, geo.D), geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv, grid,
+        BLOCK_B=max(2, next_pow2(geo.B)), BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d,
+        BLOCK_DV=geo.block_dv, HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
-        BLOCK_R=block_r, MERGE_P=max(1, min(32, 8192 // (block_r * block_d_for(Dv)))), USE_TMA=descs is not None,
+        BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma,
         num_warps=num_warps, num_stages=num_stages,
         **extra,
     )

@@ -20,7 +20,7 @@ from attnopt.hardware import HardwareProfile
 from attnopt.plan import SplitKVPlan
 from attnopt.site import AttentionSite
 
-from .base import PlanContext, Strategy, register_strategy
+from .base import P, PlanContext, Strategy, register_strategy
 
 #: Head dims the decode kernels support (Dv must equal D); others fall back to dense.
 KERNEL_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -39,7 +39,7 @@ def kernel_check(site: AttentionSite, ctx: PlanContext) -> str | None:
         return f"query heads ({site.q_heads}) are not a multiple of KV heads ({site.kv_heads})"
     if site.head_dim not in KERNEL_HEAD_DIMS:
         dims = ", ".join(str(d) for d in KERNEL_HEAD_DIMS)
-        return f"head_dim {site.head_dim} not supported by the kernels ({dims}); falls back to dense"
+        return f"head_dim {site.head_dim} not supported by the kernels ({dims})"
     if site.v_head_dim is not None and site.v_head_dim != site.head_dim:
         return f"v_head_dim {site.v_head_dim} != head_dim {site.head_dim}: the kernels need Dv == D"
     if site.dtype not in KERNEL_DTYPES:
@@ -115,6 +115,30 @@ def rows_per_tile(site: AttentionSite) -> tuple[int, int]:
     return block_m, -(-rows // block_m)
 
 
+def fitting_configs(site: AttentionSite) -> Iterable[tuple[int, int, int]]:
+    """``kernel_configs`` whose tiles fit the shared-memory budget, with their pipeline depth fitted."""
+    for block_n, warps, stages in kernel_configs(site.head_dim):
+        stages = fit_stages(site, block_n, stages)
+        if stages is not None:
+            yield block_n, warps, stages
+
+
+def output_tiles(site: AttentionSite) -> int:
+    """Output tiles of a launch: batch rows x KV heads x packed query tiles per KV head."""
+    return (site.batch or 1) * site.kv_heads * rows_per_tile(site)[1]
+
+
+def cost_model_pick(name: str, site: AttentionSite, hw: HardwareProfile):
+    """(the cost model's own best config from ``attnopt.cost.kernel.<name>``, its fitted stages), or None when
+    the cost model has no such pick or its tiles do not fit."""
+    best = getattr(kernel_cost, name, None)
+    if best is None:
+        return None
+    c = best(site, hw)
+    stages = fit_stages(site, c.block_n, 3) if c.block_n >= 16 else None
+    return None if stages is None else (c, stages)
+
+
 def use_triton(t: Tensor) -> bool:
     """Whether to launch the Triton kernels for tensors on ``t``'s device (see the module docstring)."""
     if t.device.type == "cuda":
@@ -134,10 +158,47 @@ class SplitKVState:
     workspace: tuple[Tensor, Tensor, Tensor] | None
 
 
-@register_strategy(SplitKVPlan)
-class SplitKV(Strategy[SplitKVPlan]):
+class KernelStrategy(Strategy[P]):
+    """What the split-KV and stream-K strategies share: the applicability check, and ``run`` / ``run_states``,
+    which on tensors the kernels do not take (``use_triton``) run the reference's partition-and-merge over
+    ``cpu_partitions(plan)`` partitions, else allocate the output and ``_launch`` the plan's kernel."""
+
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         return kernel_check(site, ctx)
+
+    def cpu_partitions(self, plan: P) -> int:
+        raise NotImplementedError
+
+    def _launch(self, state, plan: P, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse) -> None:
+        """Launch the kernel into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L) fp32 or None."""
+        raise NotImplementedError
+
+    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        if not use_triton(q):
+            from ..reference import decode_attention
+
+            return decode_attention(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                                    is_causal=is_causal, num_partitions=self.cpu_partitions(plan))
+        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
+        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None)
+        return out
+
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        if not use_triton(q):
+            from ..reference import decode_attention_states
+
+            return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                                           is_causal=is_causal, num_partitions=self.cpu_partitions(plan))
+        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse)
+        return out, lse
+
+
+@register_strategy(SplitKVPlan)
+class SplitKV(KernelStrategy[SplitKVPlan]):
+    def cpu_partitions(self, plan: SplitKVPlan) -> int:
+        return plan.num_splits
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[SplitKVPlan]:
         """Split counts that give one program per SM, and half a wave, one wave and two waves of resident
@@ -147,13 +208,9 @@ class SplitKV(Strategy[SplitKVPlan]):
         the trace-time hint sizes the splits; the share of each split then follows the length at run time. K/V
         tiles go through TMA where the GPU and strides allow it."""
         n = planned_len(site)
-        _, num_m = rows_per_tile(site)
-        base = (site.batch or 1) * site.kv_heads * num_m
+        base = output_tiles(site)
         seen = set()
-        for block_n, warps, stages in kernel_configs(site.head_dim):
-            stages = fit_stages(site, block_n, stages)
-            if stages is None:
-                continue
+        for block_n, warps, stages in fitting_configs(site):
             slots = hw.sm_count * occupancy(site, block_n, warps, stages)
             max_splits = max(1, -(-n // block_n))
             many = min(max_splits // TILES_PER_SMALL_SPLIT, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))
@@ -165,11 +222,10 @@ class SplitKV(Strategy[SplitKVPlan]):
                     # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
                     # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
                     yield SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, tma=True)
-        best = getattr(kernel_cost, "best_split_kv", None)  # the cost model's own pick, when it has one
-        if best is not None:
-            c = best(site, hw)
-            stages = fit_stages(site, c.block_n, 3) if c.block_n >= 16 else None
-            if stages is not None and (c.grid, c.block_n, c.num_warps, stages) not in seen:
+        pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
+        if pick is not None:
+            c, stages = pick
+            if (c.grid, c.block_n, c.num_warps, stages) not in seen:
                 yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages,
                                   tma=True)
 
@@ -193,24 +249,3 @@ class SplitKV(Strategy[SplitKVPlan]):
                         scale=scale, is_causal=is_causal, num_splits=plan.num_splits, block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
                         tma=plan.tma)
-
-    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
-        if not use_triton(q):
-            from ..reference import decode_attention
-
-            return decode_attention(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                    is_causal=is_causal, num_partitions=plan.num_splits)
-        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
-        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None)
-        return out
-
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
-        if not use_triton(q):
-            from ..reference import decode_attention_states
-
-            return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                           is_causal=is_causal, num_partitions=plan.num_splits)
-        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse)
-        return out, lse

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import torch
 from torch import Tensor
 
 from attnopt.cost import kernel as kernel_cost
@@ -12,8 +11,8 @@ from attnopt.hardware import HardwareProfile
 from attnopt.plan import StreamKPlan
 from attnopt.site import AttentionSite
 
-from .base import PlanContext, Strategy, register_strategy
-from .split_kv import fit_stages, kernel_check, kernel_configs, planned_len, rows_per_tile, use_triton
+from .base import PlanContext, register_strategy
+from .split_kv import KernelStrategy, cost_model_pick, fitting_configs, output_tiles, planned_len, use_triton
 
 #: Partitions the CPU fallback cuts the keys into (the persistent grid has no meaning there).
 CPU_PARTITIONS = 4
@@ -27,9 +26,9 @@ class StreamKState:
 
 
 @register_strategy(StreamKPlan)
-class StreamK(Strategy[StreamKPlan]):
-    def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
-        return kernel_check(site, ctx)
+class StreamK(KernelStrategy[StreamKPlan]):
+    def cpu_partitions(self, plan: StreamKPlan) -> int:
+        return CPU_PARTITIONS
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[StreamKPlan]:
         """One and two programs per SM, and a grid that is a whole multiple of the output tiles (each program's
@@ -42,13 +41,9 @@ class StreamK(Strategy[StreamKPlan]):
         for the 8-warp, 2-stage configs these candidates were before; a grid of 128 (16 programs per KV head)
         beat 132 at 128k by 2.5 %."""
         n = planned_len(site)
-        _, num_m = rows_per_tile(site)
-        base = (site.batch or 1) * site.kv_heads * num_m
+        base = output_tiles(site)
         seen = set()
-        for block_n, warps, stages in kernel_configs(site.head_dim):
-            stages = fit_stages(site, block_n, stages)
-            if stages is None:
-                continue
+        for block_n, warps, stages in fitting_configs(site):
             iterations = base * max(1, -(-n // block_n))
             grids = [hw.sm_count, 2 * hw.sm_count]
             if base <= hw.sm_count:
@@ -61,14 +56,13 @@ class StreamK(Strategy[StreamKPlan]):
                 if (grid, block_n, warps, stages) not in seen:
                     seen.add((grid, block_n, warps, stages))
                     yield StreamKPlan(grid=grid, block_n=block_n, num_warps=warps, num_stages=stages, tma=True)
-        best = getattr(kernel_cost, "best_stream_k", None)  # the cost model's own pick, when it has one
-        if best is not None:
-            c = best(site, hw)
+        pick = cost_model_pick("best_stream_k", site, hw)  # the cost model's own pick, when it has one
+        if pick is not None:
+            c, stages = pick
             grid = c.grid
             if site.kv_len is not None:
                 grid = max(1, min(grid, base * max(1, -(-n // c.block_n))))
-            stages = fit_stages(site, c.block_n, 3) if c.block_n >= 16 else None
-            if stages is not None and (grid, c.block_n, c.num_warps, stages) not in seen:
+            if (grid, c.block_n, c.num_warps, stages) not in seen:
                 yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages, tma=True)
 
     def estimate_us(self, plan: StreamKPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
@@ -90,24 +84,3 @@ class StreamK(Strategy[StreamKPlan]):
         stream_k_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, grid=plan.grid, block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, tma=plan.tma)
-
-    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
-        if not use_triton(q):
-            from ..reference import decode_attention
-
-            return decode_attention(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                    is_causal=is_causal, num_partitions=CPU_PARTITIONS)
-        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
-        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None)
-        return out
-
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
-        if not use_triton(q):
-            from ..reference import decode_attention_states
-
-            return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                           is_causal=is_causal, num_partitions=CPU_PARTITIONS)
-        out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse)
-        return out, lse

@@ -1,6 +1,6 @@
 """``tree``: Tree Attention decode over a sequence-sharded KV cache (local attention, one tree collective).
 
-The collectives, the group registry and the sharded cache live in ``runtime/distributed.py``; this file is
+The collectives, the group registry and the sharded cache live in ``runtime/distributed/``; this file is
 the planner's view (check, candidates, cost) and the op's entry (prepare, run).
 """
 from __future__ import annotations
@@ -15,6 +15,10 @@ from attnopt.hardware import HardwareProfile
 from attnopt.plan import TreePlan
 from attnopt.site import AttentionSite
 
+from ..distributed.cache import localize
+from ..distributed.checks import check_decode_shapes, check_world
+from ..distributed.groups import DistributedDecodeError, current_group
+from ..distributed.tree import TREE_COLLECTIVES, tree_step
 from .base import PlanContext, Strategy, register_strategy
 
 #: Longest query the distributed decode handles (decode-time only).
@@ -49,8 +53,6 @@ def topology_nodes(topology: Any, world: int) -> int:
             gpn = gpn() if callable(gpn) else gpn
             return int(min(n, -(-world // gpn))) if gpn else int(n)
     try:
-        from ..distributed import current_group
-
         g = current_group()
         return g.nodes if g.world == world else 1
     except Exception:
@@ -85,8 +87,6 @@ class Tree(Strategy[TreePlan]):
         return distributed_check(site, ctx)
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[TreePlan]:
-        from ..distributed import TREE_COLLECTIVES
-
         hier = [False]
         if topology_nodes(ctx.topology, ctx.world_size) > 1:
             hier.append(True)
@@ -100,21 +100,17 @@ class Tree(Strategy[TreePlan]):
         return float(tree_decode_us(site, hw, ctx.topology, plan.world, plan.collective, plan.hierarchical))
 
     def prepare(self, plan: TreePlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
-        from .. import distributed as D
-
-        g = D.current_group()
-        D.check_world(g, plan.world, f"tree plan {plan.describe()}")
+        g = current_group()
+        check_world(g, plan.world, f"tree plan {plan.describe()}")
         if plan.hierarchical and g.nodes <= 1:
-            raise D.DistributedDecodeError(f"tree plan {plan.describe()} is hierarchical but {g.describe()} has one node")
-        D.check_decode_shapes(g, q, k, v, f"tree plan {plan.describe()}", plan.runtime_key())
+            raise DistributedDecodeError(f"tree plan {plan.describe()} is hierarchical but {g.describe()} has one node")
+        check_decode_shapes(g, q, k, v, f"tree plan {plan.describe()}", plan.runtime_key())
         return TreeState(group=g)
 
     def _decode(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out_dtype, with_lse):
-        from .. import distributed as D
-
-        g = state.group if state is not None else D.current_group()
-        attn_mask, valid_len, is_causal = D.localize(g, q, k, attn_mask, valid_len, is_causal)
-        return D.tree_step(g, q, k, v, collective=plan.collective, hierarchical=plan.hierarchical,
+        g = state.group if state is not None else current_group()
+        attn_mask, valid_len, is_causal = localize(g, q, k, attn_mask, valid_len, is_causal)
+        return tree_step(g, q, k, v, collective=plan.collective, hierarchical=plan.hierarchical,
                            attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
                            local=plan.local, out_dtype=out_dtype, with_lse=with_lse)
 

@@ -139,6 +139,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hkv{}-G{}-L{}-N{}-D{}".format(*s))
 def test_kernels_match_reference(device, shape):
@@ -177,6 +178,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_masks_valid_len_strides(device, case):
@@ -222,6 +224,7 @@ def test_nothing_past_the_valid_length_reaches_the_output(device, poison):
         _check_lse(lse, ref_lse, f"{name} {poison} past the valid length")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_stream_k_replay_and_growing_length(device):
     """The same workspace (as a captured graph would hold it) serves repeated launches while the valid length
