@@ -205,10 +205,21 @@ def sliding_windows(model: torch.nn.Module) -> tuple[tuple[str, int], ...]:
 
 def last_plans(obj: Any = None) -> PlanReport:
     """The plan report of an optimized model or function (every graph it compiled so far), with live call
-    counts; with no argument, the report of the most recently compiled graph in this process."""
+    counts; with no argument, the report of the most recently compiled graph in this process.
+
+    ``obj`` is what ``attnopt.optimize`` returned, or what ``torch.compile(..., backend="attnopt")`` returned
+    (wrappers made without ``options`` share one report). Before anything was compiled the report is empty and its
+    headline says so.
+    """
     if obj is None:
         return with_call_counts(copy.deepcopy(_ALL_REPORTS[-1])) if _ALL_REPORTS else PlanReport()
     backend = obj if isinstance(obj, Backend) else getattr(obj, _BACKEND_ATTR, None)
     if backend is None:
-        raise ValueError("this object was not produced by attnopt.optimize (no attnopt backend attached)")
+        from .string_backend import backend_of
+
+        backend = backend_of(obj)
+    if backend is None:
+        raise ValueError(f"this {type(obj).__name__} was not compiled by attnopt: pass what attnopt.optimize(model) or "
+                         "torch.compile(model, backend=\"attnopt\") returned (not the original model), or call "
+                         "attnopt.last_plans() for the most recent graph")
     return backend.report()

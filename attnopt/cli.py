@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = ("plans", "explain", "calibrate", "bench", "tune", "export_onnx", "saap")
@@ -18,12 +19,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status after the reader of stdout went away (``attnopt plans --json log | head``): 128 + SIGPIPE, what a
+#: command killed by the signal reports.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that Python's own flush at exit does not raise again, and stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except (ValueError, OSError) as exc:
         print(f"attnopt {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from . import checks
+
 CONFIG_VERSION = 1
 
 INNER_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
@@ -59,29 +61,13 @@ class OptimizeConfig:
     saap_window: int = 2047
 
     def __post_init__(self) -> None:
-        if self.saap is not None and not os.path.isfile(self.saap):
-            raise ValueError(f"saap={self.saap!r}: no such index file (train one with 'attnopt saap train')")
-        for name, low in (("saap_probes", 1), ("saap_sink", 0), ("saap_window", 0)):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {getattr(self, name)!r}")
-        if self.version != CONFIG_VERSION:
-            raise ValueError(f"OptimizeConfig version {self.version} is not supported; this attnopt reads version {CONFIG_VERSION}")
-        if self.inner_backend not in INNER_BACKENDS:
-            raise ValueError(f"unknown inner_backend {self.inner_backend!r}; valid choices: {', '.join(INNER_BACKENDS)}")
-        if not 1 <= self.max_decode_q_len <= 16:
-            raise ValueError(f"max_decode_q_len must be in 1..16, got {self.max_decode_q_len}")
-        if self.verify_calls < 1:
-            raise ValueError(f"verify_calls must be >= 1, got {self.verify_calls}")
-        for name in ("strategies", "skip_sites"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
-                object.__setattr__(self, name, tuple(value))
-        windows = self.sliding_windows.items() if isinstance(self.sliding_windows, Mapping) else self.sliding_windows
-        try:
-            pairs = tuple((str(path), int(window)) for path, window in windows)
-        except (TypeError, ValueError):
-            raise ValueError(f"sliding_windows must be (module path, window) pairs, got {self.sliding_windows!r}") from None
-        object.__setattr__(self, "sliding_windows", pairs)
+        missing = [f.name for f in fields(self) if f.name not in FIELD_CHECKS]
+        if missing:  # a new field needs its one line in FIELD_CHECKS
+            raise TypeError(f"OptimizeConfig field(s) {missing} have no check in FIELD_CHECKS")
+        for f in fields(self):
+            object.__setattr__(self, f.name, FIELD_CHECKS[f.name](f.name, getattr(self, f.name)))
+        if self.saap is None and "saap" in (self.force_plan, *(self.strategies or ())):
+            raise ValueError("plan kind 'saap' needs an index: pass saap='index.safetensors' (attnopt saap train)")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -90,6 +76,8 @@ class OptimizeConfig:
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, **more: Any) -> "OptimizeConfig":
         """Build a config from a dict and keyword options; unknown keys raise ``ValueError``."""
+        if options is not None and not isinstance(options, Mapping):
+            raise TypeError(f"attnopt options must be an OptimizeConfig or a dict, got {type(options).__name__} {options!r}")
         merged = {**(options or {}), **more}
         unknown = sorted(set(merged) - set(cls.field_names()))
         if unknown:
@@ -117,4 +105,67 @@ class OptimizeConfig:
         return cls.from_options(json.loads(text))
 
     def resolved_plan_log(self) -> str | None:
-        return self.plan_log or os.environ.get(PLAN_LOG_ENV) or None
+        """``plan_log``, else ``$ATTNOPT_PLAN_LOG`` (checked like ``plan_log``, naming the variable), else None."""
+        if self.plan_log:
+            return self.plan_log
+        env = os.environ.get(PLAN_LOG_ENV)
+        return checks.writable_file(f"${PLAN_LOG_ENV}", env) if env else None
+
+
+def _check_saap_index(name: str, value: Any) -> str:
+    """A SAAP index file that exists (its contents are checked against the model when it is loaded)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be the path of a SAAP index file (str), got {type(value).__name__} {value!r}")
+    if not os.path.isfile(value):
+        raise ValueError(f"{name}={value!r}: no such index file (train one with 'attnopt saap train')")
+    return value
+
+
+def _check_version(value: Any) -> int:
+    if type(value) is not int or value != CONFIG_VERSION:
+        raise ValueError(f"OptimizeConfig version {value!r} is not supported; this attnopt reads version {CONFIG_VERSION}")
+    return value
+
+
+#: One check per field: ``check(name, value) -> normalised value``, raising ``TypeError`` (wrong type) or
+#: ``ValueError`` (wrong value) with a message that names the field and the valid choices.
+FIELD_CHECKS: dict[str, checks.Check] = {
+    "version": lambda name, value: _check_version(value),
+    "inner_backend": checks.one_of(INNER_BACKENDS),
+    "strategies": checks.optional(checks.names(checks.plan_kinds)),
+    "force_plan": checks.optional(checks.name_in(checks.plan_kinds)),
+    "max_decode_q_len": checks.integer(1, 16),
+    "min_kv_len": checks.integer(0),
+    "verify": checks.boolean,
+    "verify_calls": checks.integer(1),
+    "verify_atol": checks.optional(checks.real(0.0)),
+    "plan_log": checks.optional(checks.writable_file),
+    "hardware": checks.optional(checks.name_in(checks.hardware_names, paths=".json")),
+    "topology": checks.optional(checks.name_in(checks.topology_names, paths=".json")),
+    "dynamic": checks.optional(checks.boolean),
+    "skip_sites": checks.names(),
+    "sliding_windows": checks.sliding_windows,
+    "saap": checks.optional(_check_saap_index),
+    "saap_probes": checks.integer(1),
+    "saap_sink": checks.integer(0),
+    "saap_window": checks.integer(0),
+}
+
+#: ``mode`` of ``attnopt.optimize`` and ``torch.compile(..., backend="attnopt", mode=...)``.
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_call(config: OptimizeConfig, process_group: Any = None, mode: Any = None) -> None:
+    """What the fields alone cannot say, checked when a backend is made (``attnopt.optimize``, the string
+    backend): ``mode`` is one of ``MODES``; ``topology`` needs a process group; ``force_plan`` and ``strategies``
+    name kinds that a registered strategy implements (``runtime`` is imported here, at call time)."""
+    checks.one_of(MODES)("mode", mode)
+    if config.topology is not None and process_group is None:
+        raise ValueError(f"topology={config.topology!r} is only used to plan over a process group; pass "
+                         "process_group= to attnopt.optimize, or leave topology unset")
+    if config.force_plan is not None or config.strategies:
+        from attnopt.passes.plan import check_strategies
+
+        check_strategies(config)

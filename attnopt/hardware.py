@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import warnings
@@ -98,6 +99,8 @@ class HardwareProfile:
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field_type(self.name, f.name, f.type, getattr(self, f.name))
         if self.version != PROFILE_VERSION:
             raise ValueError(f"hardware profile version {self.version} is not supported (this attnopt reads {PROFILE_VERSION})")
         for name in ("sm_count", "hbm_read_gbps", "launch_us", "kernel_efficiency", "dense_efficiency",
@@ -148,10 +151,8 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"unknown hardware profile field(s) {unknown}; valid: {sorted(names)}")
         data = dict(data)
-        if "occupancy" in data:
-            data["occupancy"] = {int(k): int(v) for k, v in data["occupancy"].items()}
-        if "fitted" in data:
-            data["fitted"] = {str(k): float(v) for k, v in data["fitted"].items()}
+        if isinstance(data.get("occupancy"), dict):  # JSON keys are strings; anything else fails the type check
+            data["occupancy"] = {_int_key(k): v for k, v in data["occupancy"].items()}
         return cls(**data)
 
     @classmethod
@@ -160,6 +161,32 @@ class HardwareProfile:
 
     def replace(self, **changes: Any) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)
+
+
+def _int_key(key: Any) -> Any:
+    return int(key) if isinstance(key, str) and key.strip().isdigit() else key
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_field_type(profile: str, name: str, annotation: str, value: Any) -> None:
+    """``TypeError`` unless ``value`` fits the field's annotation: ``int`` (not a bool, not 1.5), ``float`` (a finite
+    number: a JSON ``Infinity`` or ``NaN`` is not a bandwidth), ``str``, ``bool``, ``dict[int, int]`` (occupancy)
+    or ``dict[str, float]`` (fitted constants)."""
+    ok = {"int": _is_int, "float": _is_number, "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+          "dict[int, int]": lambda v: isinstance(v, dict) and all(_is_int(k) and _is_int(x) for k, x in v.items()),
+          "dict[str, float]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_number(x)
+                                                                     for k, x in v.items())}[annotation]
+    if not ok(value):
+        want = {"float": "a finite number", "dict[int, int]": "an object of num_warps -> programs (integers)",
+                "dict[str, float]": "an object of names -> finite numbers"}.get(annotation, f"a{'n' if annotation == 'int' else ''} {annotation}")
+        raise TypeError(f"hardware profile {profile!r}: {name} must be {want}, got {type(value).__name__} {value!r}")
 
 
 _GiB = 1 << 30
@@ -259,6 +286,14 @@ def save_profile(profile: HardwareProfile, device_name: str | None = None) -> Pa
     return path
 
 
+def cached_profile_names() -> list[str]:
+    """The calibrated profiles in the cache, by file stem (``NVIDIA-H100-80GB-HBM3``); ``hardware=`` takes them."""
+    try:
+        return sorted(p.stem for p in profile_cache_dir().glob("*.json") if p.is_file())
+    except OSError:
+        return []
+
+
 def load_profile_file(path: str | os.PathLike) -> HardwareProfile:
     """Read a profile JSON file; ``ValueError`` names the file when it is not a valid profile."""
     p = Path(path)
@@ -266,6 +301,8 @@ def load_profile_file(path: str | os.PathLike) -> HardwareProfile:
         return HardwareProfile.from_json(p.read_text())
     except FileNotFoundError:
         raise
+    except IsADirectoryError:
+        raise ValueError(f"{p} is a directory, not an attnopt hardware profile") from None
     except (json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{p} is not a valid attnopt hardware profile: {exc}") from None
 
@@ -289,10 +326,11 @@ def load_cached_profile(device_name: str) -> HardwareProfile | None:
                       UserWarning, stacklevel=2)
         return None
     try:
-        return load_profile_file(path)
-    except (OSError, ValueError) as exc:
-        warnings.warn(f"ignoring the corrupt calibrated hardware profile {path}: {exc}. "
-                      "Run `attnopt calibrate` again to replace it.", UserWarning, stacklevel=2)
+        return HardwareProfile.from_json(path.read_text())
+    except (OSError, TypeError, ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        reason = " ".join(str(exc).split())
+        warnings.warn(f"ignoring the corrupt calibrated hardware profile {path}: {reason}; using the built-in "
+                      "profile. Run `attnopt calibrate` again to replace it.", UserWarning, stacklevel=2)
         return None
 
 
@@ -346,7 +384,8 @@ def resolve_profile(name: str | None = None) -> HardwareProfile:
         ``None`` or ``"local"``: the calibrated profile of the local GPU when cached (a corrupt cache file is
         ignored with a warning), else the detected datasheet profile, else ``cpu`` without a GPU.
         A built-in name (``h100-sxm``, ``h200``, ``a100-80gb``, ``rtx-4090``, ``mi300x``, ``cpu``, ...):
-        that datasheet profile. A path ending in ``.json``: that profile file.
+        that datasheet profile. The name of a calibrated profile in the cache (``cached_profile_names``): that
+        profile. A path ending in ``.json``: that profile file.
 
     Raises
     ------
@@ -362,4 +401,6 @@ def resolve_profile(name: str | None = None) -> HardwareProfile:
         return detect_profile()
     if name.endswith(".json"):
         return load_profile_file(name)
+    if name not in BUILTIN_PROFILES and name in cached_profile_names():
+        return load_profile_file(profile_cache_dir() / f"{name}.json")
     return builtin_profile(name)

@@ -72,7 +72,16 @@ class Plan:
         return json.dumps(d, sort_keys=True)
 
 
+def _expect(value: Any, kind: type, what: str) -> Any:
+    """``value`` if it is a ``kind``, else ``TypeError`` in JSON's words (``sites must be an array, got number 5``)."""
+    if not isinstance(value, kind):
+        names = {dict: "an object", list: "an array", str: "a string"}
+        raise TypeError(f"{what} must be {names.get(kind, kind.__name__)}, got {type(value).__name__} {value!r}")
+    return value
+
+
 def plan_from_dict(data: dict[str, Any]) -> Plan:
+    _expect(data, dict, "a plan")
     for key in ("kind", "version", "data"):
         if key not in data:
             raise ValueError(f"plan JSON lacks {key!r}: {data!r}")
@@ -267,6 +276,8 @@ class SiteReport:
     rejected: list[Rejection] = field(default_factory=list)
     rewritten: bool = False
     calls: int = 0
+    #: Calls that ``verify`` compared with the original attention and found within tolerance (a mismatch raises).
+    verified: int = 0
     #: Key the lowered op counts its calls under (``graph_id:node``); empty when not rewritten.
     key: str = ""
     #: Id of the compiled graph the site is in (``g3``); ``PlanReport.merge`` fills it from its report.
@@ -310,6 +321,7 @@ class SiteReport:
             "rejected": [dataclasses.asdict(r) for r in self.rejected],
             "rewritten": self.rewritten,
             "calls": self.calls,
+            "verified": self.verified,
             "key": self.key,
             "graph": self.graph,
             "choice": self.choice,
@@ -319,19 +331,27 @@ class SiteReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SiteReport":
+        _expect(data, dict, "a site report")
         return cls(
-            site=AttentionSite.from_dict(data["site"]),
+            site=AttentionSite.from_dict(_expect(data["site"], dict, "site")),
             chosen=plan_from_dict(data["chosen"]) if data.get("chosen") else None,
-            candidates=[plan_from_dict(c) for c in data.get("candidates", [])],
-            rejected=[Rejection(**r) for r in data.get("rejected", [])],
+            candidates=[plan_from_dict(c) for c in _expect(data.get("candidates", []), list, "candidates")],
+            rejected=[Rejection(**_expect(r, dict, "a rejection"))
+                      for r in _expect(data.get("rejected", []), list, "rejected")],
             rewritten=bool(data.get("rewritten", False)),
             calls=int(data.get("calls", 0)),
+            verified=int(data.get("verified", 0)),
             key=data.get("key", ""),
             graph=data.get("graph", ""),
             choice=data.get("choice", "model"),
             measured_us=math.nan if data.get("measured_us") is None else float(data["measured_us"]),
             exported_as=data.get("exported_as", ""),
         )
+
+
+#: The headline of an empty report that no graph went into.
+NOTHING_COMPILED = ("no graph compiled by attnopt yet: call the model (or function) returned by attnopt.optimize or "
+                    "torch.compile(..., backend=\"attnopt\") first")
 
 
 @dataclass
@@ -364,7 +384,8 @@ class PlanReport:
     def from_dict(cls, data: dict[str, Any]) -> "PlanReport":
         if data.get("version") != 1:
             raise ValueError(f"plan report version {data.get('version')!r} is not supported (expected 1)")
-        return cls(sites=[SiteReport.from_dict(s) for s in data.get("sites", [])], profile=data.get("profile", ""),
+        return cls(sites=[SiteReport.from_dict(s) for s in _expect(data.get("sites", []), list, "sites")],
+                   profile=_expect(data.get("profile", ""), str, "profile"),
                    graph=data.get("graph", ""), config=data.get("config", {}),
                    calls_without_attnopt=int(data.get("calls_without_attnopt", 0)))
 
@@ -406,6 +427,8 @@ class PlanReport:
         """One line: sites and graphs, rewritten by plan kind, left alone by reason, profile, op calls. E.g.
         ``150 attention site(s) in 5 graph(s): 60 rewritten (60 split_kv), 90 left alone (90 prefill); profile
         h100-sxm``."""
+        if not (self.sites or self.graph or self.profile):
+            return NOTHING_COMPILED
         graphs = {self.graph_of(s) for s in self.sites} - {""}
         kinds = Counter(s.chosen.kind if s.chosen else "?" for s in self.rewritten)
         why = Counter(s.untouched_category for s in self.untouched)
@@ -418,6 +441,10 @@ class PlanReport:
                 + f"; profile {self.profile or '?'}")
         calls = sum(s.calls for s in self.sites)
         text += f"; {calls} attnopt op call(s) so far" if calls else ""
+        verified = [s for s in self.sites if s.verified]
+        if verified:
+            text += (f"; verify passed: {sum(s.verified for s in verified)} call(s) of {len(verified)} site(s) matched "
+                     "the original attention")
         if self.calls_without_attnopt:
             text += f"; {self.calls_without_attnopt} call(s) ran WITHOUT attnopt (dynamo fell back to eager)"
         return text
@@ -477,14 +504,16 @@ class PlanReport:
                 lines.insert(0, f"[yellow]why: {_esc(why)}[/yellow]")
             cells = [self.graph_of(first) or "?",
                      site.node if all_sites else str(len(group)),
-                     _esc(site.module_path or "?") if all_sites else _esc(compact_paths([s.site.module_path for s in group])),
+                     _esc(site.module_path or TOP_LEVEL) if all_sites else _esc(compact_paths([s.site.module_path for s in group])),
                      f"{site.shape_str()}\n[dim]{site.dtype}[/dim]",
                      site.mask_kind, plan, est]
             if show_measured:
                 measured = done and not math.isnan(first.measured_us)
                 cells.append(f"{first.measured_us:.1f}\n[dim]{first.choice}[/dim]" if measured else "-")
             if show_calls:
-                cells.append(str(sum(s.calls for s in group)) if first.rewritten else "-")
+                verified = sum(s.verified for s in group)
+                cells.append((str(sum(s.calls for s in group)) if first.rewritten else "-")
+                             + (f"\n[green]{verified} verified[/green]" if verified else ""))
             cells.append("\n".join(lines) or "-")
             table.add_row(*cells)
         return table
@@ -510,6 +539,11 @@ class PlanReport:
 
 
 # --------------------------------------------------------------------------------------------- table helpers
+#: The module column of a site with no module path: dynamo records no module stack for attention called in the
+#: compiled module's own ``forward`` (its path in ``named_modules()`` is "") or in a compiled function.
+TOP_LEVEL = "(top level)"
+
+
 def _esc(text: str) -> str:
     from rich.markup import escape
 
@@ -586,8 +620,8 @@ def _ranges(nums: list[int]) -> str:
 
 def compact_paths(paths: list[str]) -> str:
     """Module paths of a group in one string: ``model.layers.{0..29}.self_attn`` when they differ in one
-    numeric component, else the first path and ``(+N more)``. An empty path is ``?``."""
-    uniq = list(dict.fromkeys(p or "?" for p in paths))
+    numeric component, else the first path and ``(+N more)``. An empty path is ``TOP_LEVEL``."""
+    uniq = list(dict.fromkeys(p or TOP_LEVEL for p in paths))
     if len(uniq) == 1:
         return uniq[0]
     parts = [u.split(".") for u in uniq]

@@ -129,7 +129,11 @@ def main(argv=None) -> int:
     options = {"inner_backend": args.inner_backend}
     if args.plan_log:
         options["plan_log"] = args.plan_log
-    optimized = attnopt.optimize(model, mode=args.mode, **options)
+    try:
+        optimized = attnopt.optimize(model, mode=args.mode, **options)
+    except ValueError as exc:  # a bad --mode or option: optimize() names the valid choices
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out, warm_s = timed_generate(optimized, enc, args)         # warm-up: compiles the decode graphs
     calls_before = sum(s.calls for s in attnopt.last_plans(optimized).sites)
     out, opt_s = timed_generate(optimized, enc, args)

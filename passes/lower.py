@@ -133,7 +133,7 @@ def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask
     """
     ops = _ops()
     batch: Any = m.site.batch
-    if batch is None or mask in new_nodes:
+    if batch is None or mask in new_nodes or m.mask_written:
         if batch is None:
             batch = graph.call_function(torch.ops.aten.sym_size.int, (q, 0))
             new_nodes.append(batch)
@@ -148,6 +148,23 @@ def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask
             node = ctx.valid_lens[key] = graph.call_function(ops.valid_len_from_mask.default, (mask, batch))
         new_nodes.append(node)
     return node
+
+
+def _nan_empty_rows(graph: fx.Graph, out: fx.Node, mask: fx.Node, new_nodes: list) -> fx.Node:
+    """NaN in the rows that ``mask`` (bool, True = attend; or additive) leaves without a visible key, as a plain
+    softmax over a row of -inf gives (``AttentionMatch.empty_rows == "nan"``); the op gives 0 there."""
+    aten = torch.ops.aten
+    if mask.target is torch.ops.aten.logical_not.default or getattr(meta_val(mask), "dtype", None) == torch.bool:
+        seen = graph.call_function(aten.any.dim, (mask, -1, True))
+        empty = graph.call_function(aten.logical_not.default, (seen,))
+        new_nodes += [seen, empty]
+    else:
+        hidden = graph.call_function(aten.isneginf.default, (mask,))
+        empty = graph.call_function(aten.all.dim, (hidden, -1, True))
+        new_nodes += [hidden, empty]
+    out = graph.call_function(aten.where.ScalarSelf, (empty, float("nan"), out))
+    new_nodes.append(out)
+    return out
 
 
 def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, meta_key: str,
@@ -193,6 +210,8 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
                                   (q, k, v, mask, valid_len, float(site.scale), bool(site.is_causal),
                                    plan.runtime_key(), site_key))
         new_nodes.append(out)
+        if m.empty_rows == "nan" and mask is not None:
+            out = _nan_empty_rows(graph, out, mask, new_nodes)
         if isinstance(orig_val, torch.Tensor) and isinstance(q_dtype, torch.dtype) and orig_val.dtype != q_dtype:
             out = graph.call_function(torch.ops.aten._to_copy.default, (out,), {"dtype": orig_val.dtype})
             new_nodes.append(out)

@@ -14,16 +14,27 @@ from .context import PassContext
 log = logging.getLogger("attnopt.tuning")
 
 
+def check_strategies(config) -> None:
+    """``ValueError`` when ``config.force_plan`` or ``config.strategies`` names a plan kind that no registered
+    strategy implements (the config checked the kinds against the plan types; a type can exist without its
+    strategy, e.g. ``saap`` before its strategy lands)."""
+    from attnopt.runtime.strategies import STRATEGIES
+
+    asked = ([config.force_plan] if config.force_plan is not None else []) + list(config.strategies or ())
+    missing = [kind for kind in dict.fromkeys(asked) if kind not in STRATEGIES]
+    if missing:
+        which = "force_plan" if config.force_plan in missing else "strategies"
+        raise ValueError(f"{which}: plan kind {', '.join(map(repr, missing))} has a plan type but no strategy implements "
+                         f"it in this build; kinds with a strategy: {', '.join(sorted(STRATEGIES))}")
+
+
 def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
     """Every applicable strategy's candidates at ``site`` with their estimates, lowest first (ties keep the
     strategies' order), and the rejections with their reasons."""
     from attnopt.runtime.strategies import STRATEGIES
 
+    check_strategies(config)
     allowed = set(config.strategies) if config.strategies is not None else None
-    if allowed is not None:
-        unknown = allowed - set(STRATEGIES)
-        if unknown:
-            raise ValueError(f"unknown strategies {sorted(unknown)} in config; registered: {', '.join(sorted(STRATEGIES))}")
     candidates, rejected = [], []
     for kind, strategy in STRATEGIES.items():
         if not getattr(strategy, "ranked", True):
@@ -48,13 +59,9 @@ def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
 def plan_site(site, hw, plan_ctx, config, tuner=None) -> SiteReport:
     """Rank every applicable strategy at one site. ``config.force_plan`` wins when it is applicable; otherwise
     ``tuner`` (an ``attnopt.tuning.Tuner``, ``None`` = the cost model alone) picks among the best candidates."""
-    from attnopt.runtime.strategies import STRATEGIES
-
     report = SiteReport(site=site)
     if site.unsupported:
         return report
-    if config.force_plan is not None and config.force_plan not in STRATEGIES:
-        raise ValueError(f"force_plan={config.force_plan!r} is not a registered plan kind; valid: {', '.join(sorted(STRATEGIES))}")
     report.candidates, report.rejected = rank_candidates(site, hw, plan_ctx, config)
     if config.force_plan is not None:
         forced = [c for c in report.candidates if c.kind == config.force_plan]
@@ -64,7 +71,8 @@ def plan_site(site, hw, plan_ctx, config, tuner=None) -> SiteReport:
         else:
             why = next((r.reason for r in report.rejected if r.kind == config.force_plan), "no candidate")
             report.site = report.site.__class__(**{**report.site.to_dict(),
-                                                   "unsupported": f"force_plan={config.force_plan!r} does not apply: {why}"})
+                                                   "unsupported": f"force_plan={config.force_plan!r} does not apply: {why}; "
+                                                                  "the site is left as the original attention"})
         return report
     if not report.candidates:
         return report

@@ -52,13 +52,57 @@ def _resolve(plan: str) -> tuple[Plan, Any]:
     return hit
 
 
-def _prepared(plan_key: str, plan: Plan, strategy, q: Tensor, k: Tensor, v: Tensor) -> Any:
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, valid_len: Tensor | None,
+                 mask_keys_local: bool = True) -> None:
+    """Raise ``ValueError`` naming what is wrong with the inputs of a decode-attention op (shapes and dtypes only:
+    no device sync). Run once per prepared state (plan and shape family), not per call.
+
+    q : (B, Hq, L, D); k : (B, Hkv, N, D); v : (B, Hkv, N, Dv) with Hq a multiple of Hkv; attn_mask : bool or
+    floating, broadcastable to (B, Hq, L, N); valid_len : (B,) int32/int64. ``mask_keys_local=False``: the mask's
+    last dim may be the global key count of a sequence-sharded cache (tree/ring plans), not ``k``'s.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"decode_attention: {name} must be 4-D (B, H, L|N, D); got shape {tuple(t.shape)}")
+    B, Hq, L, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"decode_attention: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"decode_attention: query heads ({Hq}) must be a multiple of KV heads ({k.shape[1]})")
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
+        raise ValueError(f"decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ in batch, heads or "
+                         "length")
+    if k.shape[3] != D:
+        raise ValueError(f"decode_attention: head dims differ: q {D}, k {k.shape[3]}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"decode_attention: q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise ValueError(f"decode_attention: attn_mask must be bool (True = attend) or floating (additive); got "
+                             f"{attn_mask.dtype}")
+        full = (B, Hq, L, k.shape[2])
+        shape = tuple(attn_mask.shape) if mask_keys_local else tuple(attn_mask.shape[:-1]) + (1,)
+        if attn_mask.dim() > 4 or any(s != 1 and s != f for s, f in zip(reversed(shape), reversed(full))):
+            raise ValueError(f"decode_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                             f"(B, Hq, L, N) = {full}")
+    if valid_len is not None:
+        if valid_len.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"decode_attention: valid_len must be int32 or int64; got {valid_len.dtype}")
+        if tuple(valid_len.shape) != (B,):
+            raise ValueError(f"decode_attention: valid_len must have shape (B,) = ({B},); got "
+                             f"{tuple(valid_len.shape)}")
+
+
+def _prepared(plan_key: str, plan: Plan, strategy, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+              valid_len: Tensor | None = None) -> Any:
     key = (plan_key, q.device, q.dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], v.shape[3])
     state = _STATES.get(key)
     if state is None:
         with _state_lock:
             state = _STATES.get(key)
             if state is None:
+                check_inputs(q, k, v, attn_mask, valid_len, not getattr(strategy, "distributed", False))
                 if getattr(strategy, "distributed", False):  # its prepare runs collectives: this thread
                     state = strategy.prepare(plan, q, k, v)
                 else:
@@ -99,14 +143,14 @@ def outside_graph_pools(make, device: torch.device):
 def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
-    state = _prepared(plan, p, strategy, q, k, v)
+    state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
     return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
 def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
-    state = _prepared(plan, p, strategy, q, k, v)
+    state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
     return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
@@ -138,6 +182,7 @@ def _check_close(new, ref, site, atol, rtol, calls):
                 f"attnopt verify: site {site} differs from the original attention: max abs error "
                 f"{err.max().item():.3e} > tolerance atol={atol:g} + rtol={rtol:g}*|ref| at {int(bad.sum())} of "
                 f"{bad.numel()} elements")
+        CALL_COUNTS["verified:" + site] += 1  # calls that ran the check and passed (last_plans reports them)
     return new.clone()
 
 

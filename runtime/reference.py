@@ -9,6 +9,12 @@ Conventions (shared with the Triton kernels):
 * ``is_causal`` is PyTorch's *top-left* alignment: query ``i`` sees key ``j`` iff ``j <= i``.
 * A softmax state is (o, lse): the normalised output and the natural-log sum of exp of the scaled scores.
   A partition with no visible key has lse = -inf and o = 0; merging it changes nothing and makes no NaN.
+* Fully masked rows follow PyTorch's SDPA: a row whose every key is hidden (False, or -inf) gives 0; a row whose
+  keys all carry the same huge finite bias (``finfo.min``, where fp32 absorbs the scores) gives the mean of V
+  over them. Partial states for a merge keep the row max ``m`` and ``log l`` apart (``lse = m + log l``): with
+  ``m`` near -3.4e38, ``lse`` would absorb ``log l`` and the merge would weigh partitions equally instead of by
+  their key counts. So ``merge_states`` takes an optional ``log_l_parts``, and the strategies' workspaces hold
+  both parts.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ def _bias(
     bias = None
     n = kv_end - kv_start
     if attn_mask is not None:
-        m = attn_mask[..., kv_start:kv_end]
+        m = attn_mask[..., kv_start:kv_end] if attn_mask.shape[-1] != 1 else attn_mask  # size 1: every key alike
         if m.dtype == torch.bool:
             bias = torch.zeros(m.shape, device=device, dtype=dtype).masked_fill(~m, float("-inf"))
         else:
@@ -66,7 +72,8 @@ def attention_states(
     kv_start: int = 0,
     kv_end: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
-) -> tuple[Tensor, Tensor]:
+    split_lse: bool = False,
+) -> tuple[Tensor, ...]:
     """Softmax state of Q over keys [kv_start, kv_end).
 
     Parameters
@@ -80,6 +87,8 @@ def attention_states(
     -------
     o : (B, Hq, L, Dv) in ``compute_dtype``, normalised within the partition (0 where it is empty).
     lse : (B, Hq, L) in ``compute_dtype``, natural log; -inf where the partition is empty.
+        With ``split_lse``: two tensors instead, the row max ``m`` and ``log l`` (lse = m + log l; both -inf where
+        the partition is empty), for a merge that must not lose ``log l`` next to a huge ``m``.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -90,8 +99,9 @@ def attention_states(
     scale = default_scale(D) if scale is None else scale
     Dv = v.shape[-1]
     if kv_end <= kv_start:
-        return (torch.zeros(B, Hq, L, Dv, device=q.device, dtype=compute_dtype),
-                torch.full((B, Hq, L), float("-inf"), device=q.device, dtype=compute_dtype))
+        empty_lse = torch.full((B, Hq, L), float("-inf"), device=q.device, dtype=compute_dtype)
+        return (torch.zeros(B, Hq, L, Dv, device=q.device, dtype=compute_dtype), empty_lse) + \
+            ((empty_lse.clone(),) if split_lse else ())
     # Pack the G query heads of one KV head together, as the kernels do: (B, Hkv, G*L, D).
     qc = q.to(compute_dtype).reshape(B, Hkv, G * L, D)
     kc = k[:, :, kv_start:kv_end].to(compute_dtype)
@@ -108,19 +118,24 @@ def attention_states(
     p = torch.exp(scores - safe_max)
     denom = p.sum(dim=-1, keepdim=True)
     o = (p @ vc) / torch.where(empty, torch.ones_like(denom), denom)
-    lse = (safe_max + torch.log(denom)).squeeze(-1)
-    lse = torch.where(empty.squeeze(-1), torch.full_like(lse, float("-inf")), lse)
-    o = torch.where(empty, torch.zeros_like(o), o)
-    return o.reshape(B, Hq, L, Dv), lse.reshape(B, Hq, L)
+    o = torch.where(empty, torch.zeros_like(o), o).reshape(B, Hq, L, Dv)
+    neg_inf = torch.full_like(row_max, float("-inf"))
+    if split_lse:  # log(0) = -inf for empty rows already
+        return o, torch.where(empty, neg_inf, row_max).reshape(B, Hq, L), torch.log(denom).reshape(B, Hq, L)
+    lse = torch.where(empty, neg_inf, safe_max + torch.log(denom))
+    return o, lse.reshape(B, Hq, L)
 
 
-def merge_states(o_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
+def merge_states(o_parts: Tensor, lse_parts: Tensor, log_l_parts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Merge P softmax states along dim 0.
 
     Parameters
     ----------
     o_parts : (P, ..., Dv) float32 normalised partial outputs.
-    lse_parts : (P, ...) float32 natural-log LSEs; -inf marks an empty partition.
+    lse_parts : (P, ...) float32 natural-log LSEs; -inf marks an empty partition. With ``log_l_parts``: the
+        partitions' row maxima ``m`` (lse = m + log l).
+    log_l_parts : (P, ...) float32 ``log l`` of each partition, or None. Needed for exact weights when ``m`` is so
+        large in magnitude (a row hidden by ``finfo.min``) that ``m + log l`` rounds to ``m``.
 
     Returns
     -------
@@ -129,7 +144,10 @@ def merge_states(o_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
     lse_max = lse_parts.amax(dim=0)
     all_empty = torch.isneginf(lse_max)
     safe_max = torch.where(all_empty, torch.zeros_like(lse_max), lse_max)
-    w = torch.exp(lse_parts - safe_max.unsqueeze(0))  # empty partitions: exp(-inf) = 0
+    rel = lse_parts - safe_max.unsqueeze(0)
+    if log_l_parts is not None:
+        rel = rel + log_l_parts  # weights l_p * exp(m_p - M); empty partitions: -inf
+    w = torch.exp(rel)  # empty partitions: exp(-inf) = 0
     total = w.sum(dim=0)
     safe_total = torch.where(all_empty, torch.ones_like(total), total)
     o = (o_parts * w.unsqueeze(-1)).sum(dim=0) / safe_total.unsqueeze(-1)
@@ -151,14 +169,17 @@ def decode_attention_states(
 ) -> tuple[Tensor, Tensor]:
     """Split-KV by partition and merge, the structure the kernels use. Returns (o, lse) in ``compute_dtype``."""
     N = k.shape[2]
+    if num_partitions < 1:
+        raise ValueError(f"decode_attention_states: num_partitions must be >= 1; got {num_partitions}")
     num_partitions = max(1, min(num_partitions, max(N, 1)))
     if num_partitions == 1:
         return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
                                 compute_dtype=compute_dtype)
     chunk = -(-N // num_partitions)
     states = [attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                               kv_start=s, kv_end=s + chunk, compute_dtype=compute_dtype) for s in range(0, N, chunk)]
-    return merge_states(torch.stack([s[0] for s in states]), torch.stack([s[1] for s in states]))
+                               kv_start=s, kv_end=s + chunk, compute_dtype=compute_dtype, split_lse=True)
+              for s in range(0, N, chunk)]
+    return merge_states(*(torch.stack([s[j] for s in states]) for j in range(3)))
 
 
 def decode_attention(
@@ -207,15 +228,35 @@ def sdpa_float64(
     return torch.where(empty, torch.zeros_like(out), out)
 
 
+#: ``valid_len`` of a batch row whose mask does not limit the keys (a mask broadcast along them): at least any
+#: key count; every consumer clamps valid lengths to the keys it has.
+UNLIMITED_LEN = 2**31 - 1
+
+
 def valid_len_from_mask(attn_mask: Tensor, batch: int) -> Tensor:
     """Per batch row, one past the last key position any query row may attend to: (B,) int32, on device.
 
+    Parameters
+    ----------
+    attn_mask : bool (True = attend) or additive float, of any shape broadcastable to (B, Hq, L, N) as in SDPA
+        (1-D (N,) to 4-D, any dim of size 1, a trailing dim of size 1 meaning every key alike).
+    batch : B.
+
     Exact for any mask: tiles after that position are fully masked for every row, so skipping them changes
-    nothing. A float mask counts a position as visible when its bias is > -inf.
+    nothing. A float mask counts a position as visible when its bias is > -inf (finfo.min is visible). A mask
+    broadcast along the keys gives ``UNLIMITED_LEN`` (or 0 where it hides every key).
     """
+    if attn_mask.dim() > 4:
+        raise ValueError(f"valid_len_from_mask: a mask of rank {attn_mask.dim()} does not broadcast to (B, Hq, L, N)")
     visible = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)
+    visible = visible.reshape((1,) * (4 - visible.dim()) + tuple(visible.shape))  # (B or 1, H or 1, L or 1, N or 1)
+    if visible.shape[0] not in (1, batch):
+        raise ValueError(f"valid_len_from_mask: the mask's batch dim {visible.shape[0]} is neither 1 nor {batch}")
+    visible = visible.any(dim=2).any(dim=1)  # (B or 1, N or 1)
     n = visible.shape[-1]
-    visible = visible.reshape(visible.shape[0], -1, n).any(dim=1)  # (B or 1, N)
-    positions = torch.arange(1, n + 1, device=visible.device, dtype=torch.int32)
-    last = (visible.to(torch.int32) * positions).amax(dim=-1)
+    if n == 1:
+        last = visible[:, 0].to(torch.int32) * UNLIMITED_LEN
+    else:
+        positions = torch.arange(1, n + 1, device=visible.device, dtype=torch.int32)
+        last = (visible.to(torch.int32) * positions).amax(dim=-1)
     return last.expand(batch).to(torch.int32).contiguous()

@@ -1,6 +1,8 @@
 """``attnopt bench kernels``: single-GPU decode attention, attnopt's kernels against every peer, in one process.
 
-For each case of the grid from issue 3 it times, on rotating inputs that span several L2 sizes:
+For each case (``--cases``, default all: Llama-3-8B's 32/8 heads at D=128 from 8k to 512k keys, SmolLM2's 9/3
+heads at D=64, 56-head MHA, batches of 8 and 64, and a static cache) it times, on rotating inputs that span
+several L2 sizes:
 
 * the peers: SDPA with each backend forced (flash, cuDNN, efficient; ``enable_gqa``), FlexAttention compiled
   (``torch.compile(flex_attention)``, ``enable_gqa``), and the eager matmul-softmax-matmul (HF's eager path,

@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default="local", help="topology for the cost model (default: detected)")
     p.add_argument("--hardware", default=None, help="hardware profile for the cost model (default: detected)")
     p.add_argument("--commit", default=None, help="commit sha to record")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="run on gloo without GPUs (GPU-sized work: many minutes; for testing the suite itself)")
 
 
 def parse_length(text: str) -> int:
@@ -442,6 +444,9 @@ def run_cli(args) -> int:
         raise ValueError("attnopt bench multigpu runs under torchrun: "
                          "torchrun --standalone --nproc-per-node 2 -m attnopt.cli bench multigpu")
     cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        raise ValueError("no CUDA GPU here: the multigpu suite times GPU-sized decode (up to 2M keys), which on gloo "
+                         "and CPUs runs for many minutes; pass --allow-cpu to run it anyway")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))

@@ -30,19 +30,43 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def load_log(path: str):
-    """A plan log holds one ``PlanReport`` JSON per line (one per compiled graph); merge them."""
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def load_log(path: str, all_sites: bool = False):
+    """A plan log holds one ``PlanReport`` JSON per line (one per compiled graph); merge them.
+
+    Anything else (a directory, a binary file, a line that is not a JSON object or has fields of the wrong type)
+    raises ``ValueError`` naming the file and the line."""
     from attnopt.plan import PlanReport
 
-    text = Path(path).read_text()
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{path} is a directory, not a plan log (the JSON-lines file that plan_log or "
+                         f"${PLAN_LOG_ENV} names)")
+    data = p.read_bytes()
     reports = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
             continue
         try:
-            reports.append(PlanReport.from_json(line))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{lineno} is not a valid attnopt plan report: {exc}") from None
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}:{lineno} is not text (bytes that are not UTF-8): not an attnopt plan log") from None
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError(f"a JSON {_JSON_TYPES.get(type(obj), type(obj).__name__)}, not an object")
+            report = PlanReport.from_dict(obj)
+            report.headline()  # every field the table reads, read once: a wrong type fails here, with its line
+            report.rich_table(all_sites=all_sites)
+        except KeyError as exc:
+            raise ValueError(f"{path}:{lineno} is not a valid attnopt plan report: missing field {exc}") from None
+        except (TypeError, ValueError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+            reason = " ".join(str(exc).split())
+            raise ValueError(f"{path}:{lineno} is not a valid attnopt plan report: {reason}") from None
+        reports.append(report)
     if not reports:
         raise ValueError(f"{path} holds no plan report")
     return PlanReport.merge(reports)
@@ -52,7 +76,7 @@ def run(args) -> int:
     path = args.log or os.environ.get(PLAN_LOG_ENV)
     if not path:
         raise ValueError(f"give a plan log path or set ${PLAN_LOG_ENV}")
-    report = load_log(path)
+    report = load_log(path, all_sites=args.all)
     if args.json:
         print(report.to_json(indent=2))
         return 0

@@ -340,8 +340,10 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     if MASK_KIND == 2:
         mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
                      + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
-        # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf.
-        bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e30) * 1.4426950408889634)
+        # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf. The clamp
+        # (-2.3e38, next to fp32's finfo.min of -3.4e38) keeps apart every finite bias a mask is likely to hold;
+        # only biases below it tie with finfo.min (a row that only they reach averages V over all of them).
+        bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -2.3e38) * 1.4426950408889634)
         s = s + bias
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -367,13 +369,18 @@ def _merged_rows(mb, L, G, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _merge_step(mm, den, acc, pl, po):
-    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) base-2 LSEs (-inf: empty or
-    padding), ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; (mm, den, acc) as in :func:`_attend`'s state."""
+def _merge_step(mm, den, acc, pl, po, pll):
+    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) base-2 row maxima (-inf: empty or
+    padding), ``pll`` (MERGE_P, R) their base-2 ``log l`` (lse = pl + pll; pass 0 when ``pl`` holds whole LSEs),
+    ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; (mm, den, acc) as in :func:`_attend`'s state.
+
+    The maximum and ``log l`` stay apart because next to a maximum near -3.4e38 * log2(e) (a row that
+    ``finfo.min`` hides, whose keys tie) ``pl + pll`` would round to ``pl``: the partials would then weigh the
+    same instead of by their key counts, and the merge would not give the original's mean of V."""
     m_new = tl.maximum(mm, tl.max(pl, axis=0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(mm - m_use)
-    w = tl.exp2(pl - m_use[None, :])  # 0 for empty partials and padding
+    w = tl.exp2((pl - m_use[None, :]) + pll)  # 0 for empty partials and padding
     den = den * alpha + tl.sum(w, axis=0)
     acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
     return m_new, den, acc
@@ -386,6 +393,17 @@ def _finish(acc, m_i, l_i):
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     return o, lse
+
+
+@triton.jit
+def _finish_parts(acc, m_i, l_i):
+    """A partial state for a later merge: (o (BLOCK_M, BLOCK_DV) fp32, m, log l (BLOCK_M,) natural log); empty
+    rows -> (0, -inf, -inf). See :func:`_merge_step` for why ``m`` and ``log l`` are kept apart."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    m = tl.where(empty, float("-inf"), m_i * 0.6931471805599453)
+    log_l = tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, l_i)))
+    return o, m, log_l
 
 
 @triton.jit

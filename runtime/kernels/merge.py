@@ -23,11 +23,13 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _merge_states_kernel(
     o_parts_ptr,  # (P, R, Dv) fp32 partial outputs (normalised within each partition)
-    lse_parts_ptr,  # (P, R) fp32 partial natural-log LSEs; -inf marks an empty partition
+    lse_parts_ptr,  # (P, R) fp32 partial natural-log LSEs (HAS_LOG_L: row maxima); -inf marks an empty partition
+    log_l_ptr,  # HAS_LOG_L: (P, R) fp32 natural log l of each partition (lse = m + log l); else unused
     o_ptr,  # (R, Dv) merged output, any float dtype
     lse_ptr,  # (R,) fp32 merged LSE (only written when WRITE_LSE)
     stride_op, stride_or, stride_od,  # o_parts strides (partition, row, dim)
     stride_lp, stride_lr,  # lse_parts strides (partition, row)
+    stride_llp, stride_llr,  # log_l strides (partition, row)
     stride_outr, stride_outd,  # output strides (row, dim)
     stride_lse_out,  # merged LSE stride
     P,  # number of partitions
@@ -36,6 +38,7 @@ def _merge_states_kernel(
     BLOCK_DV: tl.constexpr,  # padded Dv
     WRITE_LSE: tl.constexpr,  # whether to store the merged LSE
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the producer grid first
+    HAS_LOG_L: tl.constexpr,  # the partials' maxima and log l come apart (exact weights next to a huge maximum)
 ):
     if WAIT_PRIOR:
         gdc_wait()
@@ -53,10 +56,15 @@ def _merge_states_kernel(
                       other=float("-inf")) * 1.4426950408889634
         o = tl.load(o_parts_ptr + p.to(tl.int64)[:, None] * stride_op + row * stride_or
                     + offs_d.to(tl.int64)[None, :] * stride_od, mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+        if HAS_LOG_L:
+            log_l = tl.load(log_l_ptr + p.to(tl.int64) * stride_llp + row * stride_llr, mask=p_ok,
+                            other=float("-inf")) * 1.4426950408889634
+        else:
+            log_l = tl.zeros([BLOCK_P], dtype=tl.float32)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse - m_use)  # (BLOCK_P,); 0 for empty partitions
+        w = tl.exp2((lse - m_use) + log_l)  # (BLOCK_P,); 0 for empty partitions
         den = den * alpha + tl.sum(w, axis=0)
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         m = m_new
@@ -73,7 +81,8 @@ _MERGE_LAUNCH = KernelLauncher(_merge_states_kernel)
 
 
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
-                 lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None, pdl: bool = False):
+                 lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None, pdl: bool = False,
+                 log_l_parts: torch.Tensor | None = None):
     """Merge P softmax states along dim 0.
 
     Parameters
@@ -84,6 +93,8 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     lse_out : (...) fp32 merged LSE to write, or None to allocate one. Pass ``lse_out=False`` to skip it.
     pdl : launch as a programmatic dependent of the kernel before it in the stream (which must have called
         ``gdc_launch_dependents``); ignored where unsupported.
+    log_l_parts : (P, ...) fp32 natural ``log l`` of each partition, with ``lse_parts`` then holding the row
+        maxima ``m`` (lse = m + log l); see ``reference.merge_states``.
 
     Returns
     -------
@@ -94,6 +105,7 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     rest = o_parts.shape[1:-1]
     o3 = o_parts.reshape(P, -1, Dv)
     l2 = lse_parts.reshape(P, -1)
+    ll2 = log_l_parts.reshape(P, -1) if log_l_parts is not None else l2
     R = o3.shape[1]
     if out is None:
         out = torch.empty(rest + (Dv,), device=o_parts.device, dtype=out_dtype or torch.float32)
@@ -108,8 +120,10 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
     block_p = max(2, min(next_pow2(P), max(2, 8192 // block_dv)))
     _MERGE_LAUNCH(
-        (R,), o3, l2, out2, l_out, *o3.stride(), *l2.stride(), *out2.stride(), l_out.stride(0) if write_lse else 0,
+        (R,), o3, l2, ll2, out2, l_out, *o3.stride(), *l2.stride(), *ll2.stride(), *out2.stride(),
+        l_out.stride(0) if write_lse else 0,
         P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse, WAIT_PRIOR=pdl,
+        HAS_LOG_L=log_l_parts is not None,
         num_warps=8 if block_p * block_dv >= 8192 else 4, **({"launch_pdl": True} if pdl else {}),
     )
     return out, (lse_out if write_lse else None)

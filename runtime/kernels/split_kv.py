@@ -16,8 +16,8 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = None
 
-from .common import (_attend, _finish, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows, arrival_counters,
-                     decode_geometry, decode_inputs, dot_flags, pdl_supported, scale_log2)
+from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows,
+                     arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported, scale_log2)
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -29,7 +29,7 @@ def _split_kv_kernel(
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     o_ptr,  # output: (S, B, Hq, L, Dv) fp32 partials (S > 1) or the final (B, Hq, L, Dv) output (S == 1)
-    lse_ptr,  # (S, B, Hq, L) fp32 partial LSEs, or the final (B, Hq, L) LSE
+    lse_ptr,  # S > 1: (2, S, B, Hq, L) fp32 partial row maxima (plane 0) and log l (plane 1); else the final LSE
     out_ptr,  # FUSED: the final (B, Hq, L, Dv) output the last split to arrive merges into (else unused)
     lse_out_ptr,  # FUSED: the final (B, Hq, L) fp32 LSE (written when WRITE_LSE_OUT)
     counter_ptr,  # FUSED: (B * HKV * NUM_M,) int32 arrival counters, zero before and after every launch
@@ -39,6 +39,7 @@ def _split_kv_kernel(
     stride_mb, stride_mh, stride_ml, stride_mn,  # mask strides (0 on broadcast dims)
     stride_os, stride_ob, stride_oh, stride_ol, stride_od,  # output strides (split stride first)
     stride_ls, stride_lb, stride_lh, stride_ll,  # LSE strides (split stride first)
+    stride_lpart,  # S > 1: stride between the row-max and log-l planes of the partial LSEs
     stride_fb, stride_fh, stride_fl, stride_fd,  # FUSED: final output strides
     stride_gb, stride_gh, stride_gl,  # FUSED: final LSE strides
     sm_scale_log2,  # softmax scale times log2(e)
@@ -65,6 +66,7 @@ def _split_kv_kernel(
     BLOCK_R: tl.constexpr,  # FUSED: rows merged per tile (next power of two >= min(G * L, BLOCK_M))
     MERGE_P: tl.constexpr,  # FUSED: partials loaded per merge step
     USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
+    NUM_SPLITS_GT1: tl.constexpr,  # partial states go to the workspace (row max and log l apart)
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch (programmatic dependent launch) right away
 ):
     if LAUNCH_DEPENDENTS:
@@ -103,10 +105,18 @@ def _split_kv_kernel(
                             offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
                             sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA)
-    o, lse = _finish(acc, m_i, l_i)
+    o, m_part, log_l = _finish_parts(acc, m_i, l_i)
+    if NUM_SPLITS_GT1:
+        lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
+    else:
+        lse = m_part + log_l
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
                 stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+    if NUM_SPLITS_GT1:
+        ll_ptrs = (lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
+                   + (kvh * G + g).to(tl.int64) * stride_lh + i.to(tl.int64) * stride_ll)
+        tl.store(ll_ptrs, log_l, mask=row_ok)
     if FUSED:
         tl.debug_barrier()  # every thread's partial is stored before the release below
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -127,11 +137,14 @@ def _split_kv_kernel(
                 sp_ok = sp < NUM_SPLITS
                 pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=sp_ok[:, None] & ok_c[None, :],
                              other=float("-inf"), cache_modifier=".cg") * 1.4426950408889634
+                pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :],
+                              mask=sp_ok[:, None] & ok_c[None, :], other=float("-inf"),
+                              cache_modifier=".cg") * 1.4426950408889634
                 po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None]
                              + offs_dv[None, None, :] * stride_od,
                              mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV),
                              other=0.0, cache_modifier=".cg")
-                mm, den, acc2 = _merge_step(mm, den, acc2, pl, po)
+                mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
             o2, lse2 = _finish(acc2, mm, den)
             _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh,
                         stride_fl, stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
@@ -142,11 +155,12 @@ _SPLIT_KV_LAUNCH = KernelLauncher(_split_kv_kernel)
 
 
 def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Workspace for ``num_splits`` > 1: partial o (S, B, Hq, L, Dv) fp32, partial lse (S, B, Hq, L) fp32, and
-    the arrival counters of the fused merge (B * Hkv * num_m,) int32, zeroed (every launch leaves them zero)."""
+    """Workspace for ``num_splits`` > 1: partial o (S, B, Hq, L, Dv) fp32, partial (row max, log l) (2, S, B, Hq, L)
+    fp32 (natural log; see ``merge.merge_states``), and the arrival counters of the fused merge (B * Hkv * num_m,)
+    int32, zeroed (every launch leaves them zero)."""
     geo = decode_geometry(q, k, v)
     return (torch.empty((num_splits, geo.B, geo.Hq, geo.L, geo.Dv), device=q.device, dtype=torch.float32),
-            torch.empty((num_splits, geo.B, geo.Hq, geo.L), device=q.device, dtype=torch.float32),
+            torch.empty((2, num_splits, geo.B, geo.Hq, geo.L), device=q.device, dtype=torch.float32),
             arrival_counters(geo, q.device))
 
 
@@ -169,6 +183,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
         wherever the GPU and Triton support it.
     """
+    if num_splits < 1:
+        raise ValueError(f"split_kv_decode: num_splits must be >= 1; got {num_splits}")
     geo = decode_geometry(q, k, v)
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma)
     upcast, precision = dot_flags(q.dtype)
@@ -181,13 +197,15 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         if fused and ws_o.numel() >= 2**31:
             raise ValueError("fused split-KV merge needs a workspace under 2**31 elements")
         o_t, l_t = ws_o, ws_lse
-        ostr, lstr = ws_o.stride(), ws_lse.stride()
+        ostr, lstr = ws_o.stride(), ws_lse.stride()[1:]
+        lpart = ws_lse.stride(0)
         write_lse = True
     else:
         o_t, l_t = out, lse
         ostr = (0,) + tuple(out.stride())
         lstr = (0,) + (tuple(lse.stride()) if lse is not None else (0, 0, 0))
         write_lse = lse is not None
+        lpart = 0
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
@@ -195,14 +213,15 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _SPLIT_KV_LAUNCH(
         grid, *pointers, o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
-        *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, *fstr, *gstr,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, lpart, *fstr, *gstr,
         scale_log2(scale, geo.D), geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
         num_splits, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
-        MERGE_P=geo.merge_p, USE_TMA=use_tma, LAUNCH_DEPENDENTS=pdl,
+        MERGE_P=geo.merge_p, USE_TMA=use_tma, NUM_SPLITS_GT1=num_splits > 1, LAUNCH_DEPENDENTS=pdl,
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:
-        merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False, pdl=pdl)
+        merge_states(ws_o, ws_lse[0], out=out, lse_out=lse if lse is not None else False, pdl=pdl,
+                     log_l_parts=ws_lse[1])
     return out, lse

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import (_attend, _finish, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows,
+from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows,
                      arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags, next_pow2,
                      scale_log2)
 from .launch import KernelLauncher
@@ -34,7 +34,7 @@ def _stream_k_kernel(
     o_ptr,  # (B, Hq, L, Dv) output, any float dtype
     lse_ptr,  # (B, Hq, L) fp32 LSE output (written when WRITE_LSE)
     ws_o_ptr,  # (GRID * 2, BLOCK_M, Dv) fp32 partial outputs, two slots per program
-    ws_lse_ptr,  # (GRID * 2, BLOCK_M) fp32 partial LSEs
+    ws_lse_ptr,  # (2, GRID * 2, BLOCK_M) fp32 partial row maxima (plane 0) and log l (plane 1), natural log
     counter_ptr,  # (B * HKV * NUM_M,) int32 arrival counters, zero before and after every launch
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides
     stride_kb, stride_kh, stride_kn, stride_kd,  # K strides
@@ -44,6 +44,7 @@ def _stream_k_kernel(
     stride_lb, stride_lh, stride_ll,  # LSE output strides
     stride_ws, stride_wm, stride_wd,  # workspace o strides (slot, row, dim)
     stride_wls, stride_wlm,  # workspace lse strides (slot, row)
+    stride_wlpart,  # stride between the row-max and log-l planes of the workspace lse
     sm_scale_log2,  # softmax scale times log2(e)
     B,  # batch rows
     N,  # keys in the K/V tensors (the static cache length)
@@ -123,9 +124,10 @@ def _stream_k_kernel(
                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
                                 stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
                                 USE_TMA)
-        o, lse = _finish(acc, m_i, l_i)
+        o, m_part, log_l = _finish_parts(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
             # the whole tile is ours: write it out
+            lse = m_part + log_l
             _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol,
                         stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
         else:
@@ -134,7 +136,9 @@ def _stream_k_kernel(
             slot = pid * 2 + (it != range_start).to(tl.int32)
             tl.store(ws_o_ptr + slot * stride_ws + offs_m[:, None] * stride_wm + offs_dv[None, :] * stride_wd, o,
                      mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-            tl.store(ws_lse_ptr + slot * stride_wls + offs_m * stride_wlm, lse, mask=row_ok)
+            # m and log l kept apart for the merge (see _merge_step)
+            tl.store(ws_lse_ptr + slot * stride_wls + offs_m * stride_wlm, m_part, mask=row_ok)
+            tl.store(ws_lse_ptr + stride_wlpart + slot * stride_wls + offs_m * stride_wlm, log_l, mask=row_ok)
             tl.debug_barrier()  # every thread's partial is stored before the release below
             arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             ts = base + t_in_b * nb  # first iteration of the tile
@@ -177,11 +181,14 @@ def _stream_k_kernel(
                 pl = tl.load(ws_lse_ptr + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
                              mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
                              cache_modifier=".cg") * 1.4426950408889634  # (MERGE_P, BLOCK_R), base 2
+                pll = tl.load(ws_lse_ptr + stride_wlpart + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
+                              mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
+                              cache_modifier=".cg") * 1.4426950408889634
                 po = tl.load(ws_o_ptr + ps[:, None, None] * stride_ws + r[None, :, None] * stride_wm
                              + offs_dv[None, None, :] * stride_wd,
                              mask=p_ok[:, None, None] & row_ok[None, :, None] & (offs_dv[None, None, :] < DV),
                              other=0.0, cache_modifier=".cg")  # (MERGE_P, BLOCK_R, BLOCK_DV)
-                mm, den, acc2 = _merge_step(mm, den, acc2, pl, po)
+                mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
             o2, lse2 = _finish(acc2, mm, den)
             _store_rows(o2, lse2, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh,
                         stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
@@ -192,13 +199,14 @@ _STREAM_K_LAUNCH = KernelLauncher(_stream_k_kernel)
 
 
 def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """(ws_o (grid*2, BLOCK_M, Dv) fp32, ws_lse (grid*2, BLOCK_M) fp32, counters (B*Hkv*num_m,) int32 zeros).
+    """(ws_o (grid*2, BLOCK_M, Dv) fp32, ws_lse (2, grid*2, BLOCK_M) fp32 (row max, log l), counters
+    (B*Hkv*num_m,) int32 zeros).
 
     The counters must start at zero; every launch leaves them at zero again.
     """
     geo = decode_geometry(q, k, v)
     return (torch.empty((grid * 2, geo.block_m, geo.Dv), device=q.device, dtype=torch.float32),
-            torch.empty((grid * 2, geo.block_m), device=q.device, dtype=torch.float32),
+            torch.empty((2, grid * 2, geo.block_m), device=q.device, dtype=torch.float32),
             arrival_counters(geo, q.device))
 
 
@@ -217,6 +225,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
         is being captured into a CUDA graph (``tma_now``, as for split-KV); pointer loads otherwise.
     """
+    if grid < 1:
+        raise ValueError(f"stream_k_decode: grid must be >= 1; got {grid}")
     geo = decode_geometry(q, k, v)
     if workspace is None:
         workspace = stream_k_workspace(grid, q, k, v)
@@ -231,7 +241,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         extra["maxnreg"] = 128
     _STREAM_K_LAUNCH(
         (grid,), *pointers, out, lse if lse is not None else out, ws_o, ws_lse, counters,
-        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride()[1:],
+        ws_lse.stride(0),
         scale_log2(scale, geo.D), geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv, grid,
         BLOCK_B=max(2, next_pow2(geo.B)), BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d,
         BLOCK_DV=geo.block_dv, HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),

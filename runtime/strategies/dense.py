@@ -119,6 +119,9 @@ class Dense(Strategy[DensePlan]):
             return True
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+        if attn_mask is not None and attn_mask.dim() < 4:
+            # SDPA rejects a 1-D (N,) mask that broadcasts fine in eager code: view it as (1, ..., N)
+            attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         mask = combined_mask(q, k, attn_mask, valid_len)
         return _sdpa(plan, bool(state), q, k, v, mask, scale, is_causal)
 

@@ -39,7 +39,7 @@ def kernel_check(site: AttentionSite, ctx: PlanContext) -> str | None:
         return f"query heads ({site.q_heads}) are not a multiple of KV heads ({site.kv_heads})"
     if site.head_dim not in KERNEL_HEAD_DIMS:
         dims = ", ".join(str(d) for d in KERNEL_HEAD_DIMS)
-        return f"head_dim {site.head_dim} not supported by the kernels ({dims}); falls back to dense"
+        return f"head_dim {site.head_dim} not supported by the kernels ({dims})"
     if site.v_head_dim is not None and site.v_head_dim != site.head_dim:
         return f"v_head_dim {site.v_head_dim} != head_dim {site.head_dim}: the kernels need Dv == D"
     if site.dtype not in KERNEL_DTYPES:
@@ -233,6 +233,8 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
+        if plan.num_splits < 1:
+            raise ValueError(f"split_kv: num_splits must be >= 1; got {plan.num_splits}")
         if not use_triton(q) or plan.num_splits <= 1:
             return SplitKVState(workspace=None)
         from ..kernels.split_kv import split_kv_workspace

@@ -69,6 +69,8 @@ class StreamK(KernelStrategy[StreamKPlan]):
         return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps, plan.num_stages)
 
     def prepare(self, plan: StreamKPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
+        if plan.grid < 1:
+            raise ValueError(f"stream_k: grid must be >= 1; got {plan.grid}")
         if not use_triton(q):
             return StreamKState(workspace=None)
         from ..kernels.stream_k import stream_k_workspace

@@ -32,7 +32,7 @@ def _inputs(N=37, L=1):
     return torch.randn(2, 6, L, 64), torch.randn(2, 2, N, 64), torch.randn(2, 2, N, 64)
 
 
-@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_optimize_module_each_inner_backend(inner):
     torch._dynamo.reset()
     model = TinyDecoder().eval()
@@ -80,7 +80,7 @@ def test_optimize_plain_function_and_last_plans_without_argument():
 
 
 def test_last_plans_of_foreign_object_is_a_clear_error():
-    with pytest.raises(ValueError, match="not produced by attnopt.optimize"):
+    with pytest.raises(ValueError, match="Linear was not compiled by attnopt: pass what attnopt.optimize"):
         attnopt.last_plans(torch.nn.Linear(2, 2))
 
 
@@ -205,3 +205,89 @@ def test_plans_cli_corrupt_log_is_a_clear_error(tmp_path, capsys):
     bad.write_text("{not json\n")
     assert cli_main(["plans", str(bad)]) == 2
     assert "is not a valid attnopt plan report" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- the string backend
+class _Root(torch.nn.Module):
+    """Attention in the compiled module's own forward (no submodule), with a ``generate`` like HF's."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def generate(self, q, k, v):
+        return self(q, k, v)
+
+
+def test_last_plans_of_a_string_backend_module_and_function():
+    torch._dynamo.reset()
+    compiled = torch.compile(_Root(), backend="attnopt", options={"inner_backend": "eager", "min_kv_len": 3})
+    assert attnopt.last_plans(compiled).headline().startswith("no graph compiled by attnopt yet")
+    compiled(*_inputs())
+    report = attnopt.last_plans(compiled)
+    assert len(report.rewritten) == 1 and report.rewritten[0].calls == 1 and report.profile == "cpu"
+    assert "(top level)" in report.format_table()  # a site in the root module has a name, not "?"
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True) + 1
+
+    fn = torch.compile(attend, backend="attnopt", options={"inner_backend": "eager", "min_kv_len": 3})
+    fn(*_inputs(N=9))
+    # equal options, separate wrappers: each reports its own graphs
+    assert [s.site.kv_len for s in attnopt.last_plans(fn).rewritten] == [9]
+    assert [s.site.kv_len for s in attnopt.last_plans(compiled).rewritten] == [37]
+    with pytest.raises(ValueError, match="compiled with backend 'eager', not attnopt"):
+        attnopt.last_plans(torch.compile(_Root(), backend="eager"))
+
+
+def test_generate_of_a_string_backend_wrapper_warns_once_that_it_runs_uncompiled():
+    torch._dynamo.reset()
+    compiled = torch.compile(_Root(), backend="attnopt", options={"inner_backend": "eager", "min_kv_len": 5})
+    with pytest.warns(UserWarning, match=r"_Root.generate through torch.compile\(model, backend=\"attnopt\"\) runs the "
+                                         r"uncompiled forward.*attnopt.optimize\(model\)"):
+        compiled.generate(*_inputs())
+    assert attnopt.last_plans(compiled).sites == []  # generate really ran no attnopt graph
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled.generate(*_inputs())  # once per wrapper
+        opt = attnopt.optimize(_Root(), inner_backend="eager")
+        opt.generate(*_inputs())  # optimize() reaches generate, and says nothing
+    assert len(attnopt.last_plans(opt).rewritten) == 1
+
+
+@pytest.mark.parametrize("options,error,match", [
+    ({"mode": "bogus"}, ValueError, "mode='bogus' is not valid; valid choices: None, default"),
+    ({"topology": "dgx-h100x2"}, ValueError, "topology='dgx-h100x2' is only used to plan over a process group"),
+    ({"force_plan": "splitkv"}, ValueError, "unknown force_plan 'splitkv'; valid: .*dense"),
+    ({"hardware": 123}, TypeError, "hardware must be a str"),
+    ({"plan_log": "."}, ValueError, "plan_log='.' is a directory"),
+])
+def test_optimize_rejects_bad_options_before_compiling(options, error, match):
+    with pytest.raises(error, match=match):
+        attnopt.optimize(TinyDecoder(), inner_backend="eager", **options)
+
+
+def test_forced_plan_that_cannot_apply_says_the_site_is_left_as_it_was():
+    torch._dynamo.reset()
+    model = _Root()
+    opt = attnopt.optimize(model, inner_backend="eager", force_plan="split_kv")
+    q, k, v = torch.randn(2, 6, 1, 72), torch.randn(2, 2, 37, 72), torch.randn(2, 2, 37, 72)
+    torch.testing.assert_close(opt(q, k, v), model(q, k, v))
+    [site] = attnopt.last_plans(opt).sites
+    assert not site.rewritten and site.chosen is None
+    assert site.reason_untouched == ("force_plan='split_kv' does not apply: head_dim 72 not supported by the kernels "
+                                     "(64, 80, 96, 128, 256); the site is left as the original attention")
+    assert "falls back to dense" not in attnopt.last_plans(opt).format_table()
+
+
+def test_verify_reports_the_calls_it_checked():
+    torch._dynamo.reset()
+    opt = attnopt.optimize(TinyDecoder().eval(), inner_backend="eager", verify=True, verify_calls=2)
+    with torch.no_grad():
+        for _ in range(3):
+            opt(*_inputs())
+    report = attnopt.last_plans(opt)
+    assert report.rewritten[0].verified == 2 and report.rewritten[0].calls == 3
+    assert report.headline().endswith("verify passed: 2 call(s) of 1 site(s) matched the original attention")
+    assert "2 verified" in report.format_table()

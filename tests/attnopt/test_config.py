@@ -27,7 +27,7 @@ def test_unknown_option_lists_valid_ones():
 
 @pytest.mark.parametrize("bad,match", [({"inner_backend": "tvm"}, "valid choices: inductor, eager, aot_eager, cudagraphs"),
                                        ({"max_decode_q_len": 17}, "1..16"),
-                                       ({"version": 99}, "version 99"),
+                                       ({"version": 99}, "version 99 is not supported"),
                                        ({"verify_calls": 0}, "verify_calls")])
 def test_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -44,3 +44,116 @@ def test_plan_log_env(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNOPT_PLAN_LOG", str(tmp_path / "x.jsonl"))
     assert OptimizeConfig().resolved_plan_log() == str(tmp_path / "x.jsonl")
     assert OptimizeConfig(plan_log="a.jsonl").resolved_plan_log() == "a.jsonl"
+
+
+# ------------------------------------------------------------------------------- every field is checked early
+def test_every_field_has_a_check():
+    from attnopt.config import FIELD_CHECKS
+
+    assert set(FIELD_CHECKS) == set(OptimizeConfig.field_names())
+
+
+@pytest.mark.parametrize("field,value,normalised", [
+    ("strategies", "split_kv", ("split_kv",)),  # one name, never its characters
+    ("strategies", ["dense", "split_kv"], ("dense", "split_kv")),
+    ("skip_sites", "model.layers.0.self_attn", ("model.layers.0.self_attn",)),
+    ("verify_atol", 1, 1.0),
+    ("sliding_windows", {"layers.1": 6}, (("layers.1", 6),)),
+    ("hardware", "h200", "h200"),
+    ("topology", "dgx-h100x2", "dgx-h100x2"),
+    ("min_kv_len", 0, 0),
+])
+def test_values_are_normalised(field, value, normalised):
+    assert getattr(OptimizeConfig(**{field: value}), field) == normalised
+
+
+@pytest.mark.parametrize("field,value,error,match", [
+    ("max_decode_q_len", "16", TypeError, "max_decode_q_len must be an int in 1..16, got str '16'"),
+    ("max_decode_q_len", True, TypeError, "max_decode_q_len must be an int"),
+    ("dynamic", "yes", TypeError, "dynamic must be True or False, got str 'yes'"),
+    ("verify", "no", TypeError, "verify must be True or False, got str 'no'"),
+    ("verify", 1, TypeError, "verify must be True or False"),
+    ("hardware", 123, TypeError, "hardware must be a str, got int 123; valid: .*h100-sxm.*local, or a path to a .json"),
+    ("hardware", "h900", ValueError, "unknown hardware 'h900'; valid: a100-80gb, cpu, h100-pcie, h100-sxm, h200"),
+    ("hardware", "missing.json", ValueError, "hardware='missing.json': no such file"),
+    ("topology", "dgx-z", ValueError, "unknown topology 'dgx-z'; valid: .*dgx-h100x2"),
+    ("force_plan", "bogus", ValueError, "unknown force_plan 'bogus'; valid: .*dense, ring, saap, split_kv, stream_k, .*tree"),
+    ("strategies", ["split_kv", "splitkv"], ValueError, "strategies: unknown 'splitkv'; valid: .*dense, ring"),
+    ("strategies", 3, TypeError, "strategies must be a string or a list of strings"),
+    ("skip_sites", ["a", 1], TypeError, "skip_sites must hold strings"),
+    ("inner_backend", "tvm", ValueError, "valid choices: inductor, eager, aot_eager, cudagraphs"),
+    ("min_kv_len", -1, ValueError, "min_kv_len must be >= 0, got -1"),
+    ("min_kv_len", "64", TypeError, "min_kv_len must be an int"),
+    ("verify_calls", 0, ValueError, "verify_calls must be >= 1"),
+    ("verify_atol", "1e-3", TypeError, "verify_atol must be a number"),
+    ("verify_atol", -1.0, ValueError, "verify_atol must be a finite number >= 0"),
+    ("verify_atol", float("inf"), ValueError, "verify_atol must be a finite number >= 0"),
+    ("sliding_windows", {"layers.1": -4}, ValueError, "the window of 'layers.1' must be an int > 0, got -4"),
+    ("sliding_windows", [("layers.1",)], ValueError, "must be \\(module path, window\\) pairs"),
+    ("sliding_windows", "layers.1", TypeError, "sliding_windows must be"),
+    ("plan_log", "", ValueError, "plan_log must be a file path"),
+    ("plan_log", 5, TypeError, "plan_log must be a file path"),
+])
+def test_bad_field_values_name_the_field(field, value, error, match):
+    with pytest.raises(error, match=match):
+        OptimizeConfig(**{field: value})
+
+
+def test_plan_log_is_checked_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):
+        OptimizeConfig(plan_log=str(tmp_path))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=f"cannot be created: {blocker} is a file, not a directory"):
+        OptimizeConfig(plan_log=str(blocker / "sub" / "plans.jsonl"))
+    deep = tmp_path / "a" / "b" / "plans.jsonl"  # a parent that can be created is fine; nothing is created yet
+    assert OptimizeConfig(plan_log=deep).plan_log == str(deep) and not (tmp_path / "a").exists()
+
+
+def test_plan_log_env_is_checked_when_read(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNOPT_PLAN_LOG", str(tmp_path))
+    with pytest.raises(ValueError, match=r"\$ATTNOPT_PLAN_LOG=.* is a directory"):
+        OptimizeConfig().resolved_plan_log()
+
+
+def test_force_plan_of_a_registered_plan_type_passes_the_config():
+    """The config knows plan types (attnopt.plan), not strategies (runtime): a kind whose type exists passes here,
+    and ``check_call`` (run by optimize and the string backend) says when no strategy implements it."""
+    from attnopt.config import check_call
+    from attnopt.passes.plan import check_strategies
+    from attnopt.runtime.strategies import STRATEGIES
+
+    if "saap" in STRATEGIES:
+        pytest.skip("a SAAP strategy is registered in this build")
+    cfg = OptimizeConfig(force_plan="saap")
+    for call in (lambda: check_call(cfg), lambda: check_strategies(cfg)):
+        with pytest.raises(ValueError, match="force_plan: plan kind 'saap' has a plan type but no strategy implements it"):
+            call()
+
+
+@pytest.mark.parametrize("mode", [None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
+def test_valid_modes(mode):
+    from attnopt.config import check_call
+
+    check_call(OptimizeConfig(), mode=mode)
+
+
+def test_bad_mode_and_topology_without_a_group():
+    from attnopt.config import check_call
+
+    with pytest.raises(ValueError, match="mode='bogus' is not valid; valid choices: None, default, reduce-overhead"):
+        check_call(OptimizeConfig(), mode="bogus")
+    with pytest.raises(ValueError, match="topology='dgx-h100x2' is only used to plan over a process group"):
+        check_call(OptimizeConfig(topology="dgx-h100x2"))
+    check_call(OptimizeConfig(topology="dgx-h100x2"), process_group=object())
+
+
+def test_options_must_be_a_mapping():
+    with pytest.raises(TypeError, match="attnopt options must be an OptimizeConfig or a dict, got str"):
+        OptimizeConfig.from_options("eager")
+
+
+def test_round_trip_of_every_normalised_field(tmp_path):
+    cfg = OptimizeConfig(strategies="split_kv", skip_sites="a", sliding_windows={"l.1": 4}, verify_atol=1,
+                         hardware="h200", plan_log=tmp_path / "p.jsonl", dynamic=False, min_kv_len=0)
+    assert OptimizeConfig.from_json(cfg.to_json()) == cfg

@@ -271,6 +271,7 @@ def export_decode_step(model, path, position=5, max_cache_len=48, **options):
     return step, inputs, report
 
 
+@pytest.mark.slow
 def test_smollm2_shaped_decode_step(tmp_path):
     """A SmolLM2-135M-shaped Llama (9/3 heads of 64, hidden 576; 2 of its 30 layers, random weights) over a static
     cache, as planned here (dense on this CPU: the valid length then comes from the mask): every site exports as

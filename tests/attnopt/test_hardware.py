@@ -127,3 +127,49 @@ def test_profile_fitted_to_an_older_model_is_ignored_with_its_reason(cache_dir, 
     path.write_text(json.dumps(old))
     with pytest.warns(UserWarning, match="older cost model.*--from-samples"):
         assert H.load_cached_profile(device) is None
+
+
+@pytest.mark.parametrize("change,problem", [
+    ({"occupancy": [1, 2]}, "occupancy must be an object of num_warps -> programs"),
+    ({"occupancy": {"4": 1.5}}, "occupancy must be an object"),
+    ({"fitted": None}, "fitted must be an object of names -> finite numbers"),
+    ({"fitted": {"x": "fast"}}, "fitted must be an object"),
+    ({"sm_count": 1.5}, "sm_count must be an int"),
+    ({"sm_count": True}, "sm_count must be an int"),
+    ({"hbm_read_gbps": float("inf")}, "hbm_read_gbps must be a finite number"),
+    ({"launch_us": float("nan")}, "launch_us must be a finite number"),
+    ({"calibrated": "yes"}, "calibrated must be a bool"),
+    ({"name": 7}, "name must be a str"),
+])
+def test_cached_profile_of_the_wrong_types_warns_one_line_and_falls_back(cache_dir, monkeypatch, change, problem):
+    """A foreign or hand-edited cache file must not break every compile: one warning line naming the file and
+    the field, then the datasheet profile."""
+    device = "NVIDIA H100 80GB HBM3"
+    path = H.cached_profile_path(device)
+    path.parent.mkdir(parents=True)
+    data = {**H.profile_for_device_name(device).replace(calibrated=True).to_dict(), **change}
+    path.write_text(json.dumps(data))  # json writes inf and nan as Infinity and NaN, as a foreign writer might
+    monkeypatch.setattr(H, "local_device_name", lambda: device)
+    monkeypatch.setattr(H, "detect_profile", lambda: H.profile_for_device_name(device))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hw = H.resolve_profile(None)
+    assert hw.name == "h100-sxm" and not hw.calibrated
+    [w] = caught
+    text = str(w.message)
+    assert "\n" not in text and str(path) in text and problem in text and "using the built-in profile" in text
+
+
+def test_profile_json_types_are_checked_on_construction():
+    with pytest.raises(TypeError, match="sm_count must be an int"):
+        BUILTIN_PROFILES["h100-sxm"].replace(sm_count=1.5)
+    with pytest.raises(TypeError, match="sm_count must be an int, got str '132'"):
+        HardwareProfile.from_json(json.dumps({**BUILTIN_PROFILES["h100-sxm"].to_dict(), "sm_count": "132"}))
+
+
+def test_a_cached_profile_can_be_named(cache_dir):
+    device = "NVIDIA H100 80GB HBM3"
+    H.save_profile(H.profile_for_device_name(device).replace(calibrated=True, kernel_efficiency=0.7), device)
+    assert H.cached_profile_names() == ["NVIDIA-H100-80GB-HBM3"]
+    hw = H.resolve_profile("NVIDIA-H100-80GB-HBM3")
+    assert hw.calibrated and hw.kernel_efficiency == 0.7

@@ -152,7 +152,7 @@ def test_shape_str_shows_what_is_known():
     ([f"model.layers.{i}.self_attn" for i in range(30)], "model.layers.{0..29}.self_attn"),
     (["m.l.3.a", "m.l.0.a", "m.l.1.a", "m.l.7.a", "m.l.8.a", "m.l.9.a", "m.l.1.a"], "m.l.{0,1,3,7..9}.a"),
     (["enc.attn", "dec.self_attn", "dec.cross_attn"], "enc.attn (+2 more)"),
-    (["", ""], "?"),
+    (["", ""], "(top level)"),
 ])
 def test_compact_paths(paths, expected):
     assert compact_paths(paths) == expected

@@ -41,6 +41,7 @@ def section(stdout: str, title: str) -> str:
     return m.group(1)
 
 
+@pytest.mark.slow
 def test_generate_smollm2_defaults_short(tmp_path):
     log = tmp_path / "plans.jsonl"
     proc = run_example("--max-new-tokens", "8", "--prompt", "What is the capital of France?",
@@ -75,6 +76,7 @@ def test_generate_smollm2_defaults_short(tmp_path):
     assert reports and sum(len(r.rewritten) for r in reports) >= 30
 
 
+@pytest.mark.slow
 def test_generate_smollm2_static_eager_no_baseline():
     proc = run_example("--max-new-tokens", "4", "--cache", "static", "--attn", "eager", "--no-baseline",
                        "--table", "none")
@@ -100,6 +102,7 @@ def test_generate_smollm2_bad_arguments():
 DIST_SCRIPT = ROOT / "examples" / "distributed_generate.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan", ["auto", "tree:all_gather"])
 def test_distributed_generate_smollm2_two_gloo_ranks(plan):

@@ -201,6 +201,7 @@ def assert_rewritten_and_ran(optimized, n_layers: int, decode_steps: int, before
 
 
 # ------------------------------------------------------------------------------------------------ tests
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["sdpa", "manual", "sdpa_mask"])
 @pytest.mark.parametrize("n_kv_head", [6, 2], ids=["mha", "gqa3"])
 def test_nanogpt_decode(impl, n_kv_head):
@@ -222,6 +223,7 @@ def test_nanogpt_decode(impl, n_kv_head):
         assert {s.site.gqa_source for s in report.rewritten} == {"repeat_interleave"}
 
 
+@pytest.mark.slow
 def test_nanogpt_is_causal_top_left_at_decode():
     """nanoGPT's classic mistake: ``is_causal=True`` at decode. PyTorch aligns the causal mask top-left, so the
     single query sees only the first key. attnopt must reproduce that, not "fix" it."""
@@ -263,6 +265,7 @@ def test_nanogpt_is_causal_top_left_at_decode():
             assert s.reason_untouched, s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["bhnd", "bhdn"])
 def test_einsum_decode(layout):
     """Einsum attention with a (B, H, N, D) cache, or with K kept pre-transposed as (B, H, D, N)."""
@@ -299,6 +302,7 @@ class SeqMajorEinsum(EinsumAttention):
         return self.out(y.reshape(B, T, C)), (k, v)
 
 
+@pytest.mark.slow
 def test_einsum_seq_major_is_explained():
     """An einsum form attnopt does not rewrite: a sequence-major cache (``"bqhd,bkhd->bhqk"``). Every site is
     left alone with a reason naming the einsum, and the optimized model still runs exactly."""

@@ -185,6 +185,7 @@ def check_case(model, optimized, ids, cache: str, expect_untouched: str | None =
 CASES = [pytest.param(a, t, c, id=f"{a}-{t}-{c}") for a in ARCHS for t in ATTNS for c in CACHES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, attn, cache", CASES)
 def test_decode_sites_rewritten_and_exact(arch, attn, cache):
     model = build(arch, attn)
@@ -192,6 +193,7 @@ def test_decode_sites_rewritten_and_exact(arch, attn, cache):
     check_case(model, optimized, prompt(), cache, EXPECTED_UNTOUCHED.get((arch, attn, cache)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ATTNS)
 @pytest.mark.parametrize("cache", CACHES)
 def test_dynamic_shapes(attn, cache):
@@ -211,6 +213,7 @@ def test_dynamic_shapes(attn, cache):
     pytest.param("llama", "sdpa", "dynamic", id="llama-sdpa-dynamic"),
     pytest.param("gemma", "eager", "static", id="gemma-eager-static"),
 ])
+@pytest.mark.slow
 def test_inductor(arch, attn, cache):
     """The default inner backend: inductor compiles the graph around the attnopt op (slow on 2 cores)."""
     model = build(arch, attn)
@@ -218,6 +221,7 @@ def test_inductor(arch, attn, cache):
     check_case(model, optimized, prompt(), cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ATTNS)
 def test_batched_aot_eager(attn):
     """Batch 2 through aot_eager: the aten-level graph (``bmm``/``_softmax`` or the SDPA aten variants)."""
@@ -226,6 +230,7 @@ def test_batched_aot_eager(attn):
     check_case(model, optimized, prompt(batch=2), "dynamic")
 
 
+@pytest.mark.slow
 def test_short_prompt_static_cache():
     """A 5-token prompt over a StaticCache: the prefill is a q_len=5 query over the whole preallocated cache
     (decode-shaped by the q_len rule). Whatever attnopt decides for it, the result must be exact, and the
@@ -251,6 +256,7 @@ def test_short_prompt_static_cache():
 SLIDING = "sliding-window attention (window=8): left untouched"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn, cache", [("sdpa", "dynamic"), ("eager", "static")])
 def test_sliding_window_is_exact_or_explained(attn, cache):
     """Mistral with a sliding window (8) shorter than the sequence. attnopt has no window-aware plan, so
@@ -270,6 +276,7 @@ def test_sliding_window_is_exact_or_explained(attn, cache):
                for r in optimized._attnopt_backend.reports)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", CACHES)
 def test_sliding_window_layers_left_alone_full_layers_rewritten(cache):
     """Qwen2 with ``use_sliding_window`` and ``max_window_layers=1``: layer 0 attends fully, layer 1 through a
@@ -294,6 +301,7 @@ def test_sliding_window_layers_left_alone_full_layers_rewritten(cache):
     assert sliding and all(not s.rewritten and SLIDING in (s.reason_untouched or "") for s in sliding), sliding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", CACHES)
 def test_gemma2_softcapping_left_alone(cache):
     """Gemma 2 caps the attention logits with ``tanh`` (and Hugging Face allows only eager attention for it).

@@ -80,6 +80,7 @@ def check_decode_sites(report: PlanReport, before, decode_steps: int) -> None:
             assert not s.rewritten and "prefill" in (s.reason_untouched or ""), (s.site, s.reason_untouched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn, cache", [("sdpa", "dynamic"), ("sdpa", "static"), ("eager", "dynamic")])
 def test_optimize_generate_identical(smol, attn, cache):
     model, tok, enc, ref = smol
@@ -96,6 +97,7 @@ def test_optimize_generate_identical(smol, attn, cache):
     check_decode_sites(attnopt.last_plans(optimized), before, NEW_TOKENS - 1)
 
 
+@pytest.mark.slow
 def test_torch_compile_backend_string(smol, tmp_path):
     """``torch.compile(model, backend="attnopt")`` + a manual greedy loop over a DynamicCache."""
     from transformers import DynamicCache
@@ -144,6 +146,7 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fresh_process_backend_without_import(tmp_path):
     """``torch.compile(fn, backend="attnopt")`` in a new interpreter that never imports attnopt: the entry point
     of the group ``torch_dynamo_backends`` finds the backend; the plan log and the op call count prove it ran."""
@@ -170,6 +173,7 @@ def test_fresh_process_backend_without_import(tmp_path):
     assert result["calls"].get(sites[0].key) == 1, result["calls"]
 
 
+@pytest.mark.slow
 def test_model_cache_round_trip(smol, tmp_path, monkeypatch):
     """``load_smollm2`` keeps an fp32 copy of the dequantised GGUF; a load from that copy is bit-identical
     (weights, tied embeddings, tokenizer, chat template) and honours dtype and attn_implementation."""

@@ -149,11 +149,20 @@ def test_repeat_interleave_and_scale_on_q():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_dtype_preserved(dtype):
+    """A low-precision eager chain whose additive mask provably holds only 0 and -inf is rewritten; the same
+    chain with a graph-input mask (which may hold finfo.min, whose fully hidden rows the original rounds in
+    this dtype) is left alone with that reason."""
     q, k, v = qkv(B=1, Hq=6, Hkv=2, L=1, N=40, D=64, dtype=dtype)
-    m = float_mask(rand_bool_mask(1, 1, 40), dtype)
-    r = dynamo(eager_hf, q, k, v, m)
+    keep = rand_bool_mask(1, 1, 40)
+
+    def f(q, k, v, keep):
+        return eager_hf(q, k, v, torch.zeros((), dtype=q.dtype).masked_fill(~keep, float("-inf")))
+
+    untouched = dynamo(eager_hf, q, k, v, float_mask(keep, dtype))
+    assert untouched.count() == 0 and "cannot be reproduced" in untouched.sites[0].unsupported
+    r = dynamo(f, q, k, v, keep)
     assert r.count() == 1 and r.out.dtype == dtype
-    ref = eager_hf(q.float(), k.float(), v.float(), m.float())
+    ref = f(q.float(), k.float(), v.float(), keep)
     tol = 2e-3 if dtype == torch.float16 else 2e-2
     torch.testing.assert_close(r.out.float(), ref, atol=tol, rtol=tol)
 
@@ -310,7 +319,10 @@ def test_gpt2_style_eager(build):
 
     q, k, v = qkv(B=2, Hq=4, Hkv=4, L=2, N=13, D=64)
     r = build(f, q, k, v)
-    assert r.count() == 1 and r.sites[0].scale == pytest.approx(0.125), r.sites
+    # where(causal, w, finfo.min) replaces scores by a finite value: a row it hides whole gives the mean of V,
+    # which the rewrite does not reproduce, so the site is found (scale read) and left alone with that reason.
+    assert r.count() == 0 and r.sites[0].scale == pytest.approx(0.125), r.sites
+    assert "finite masking value" in r.sites[0].unsupported
     torch.testing.assert_close(r.out, f(q, k, v), **TOL)
 
 

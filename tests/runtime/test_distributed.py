@@ -209,6 +209,7 @@ def _keys(world):
     return keys
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_variant_matches_single_device_float64(world):
@@ -227,6 +228,7 @@ def test_every_variant_matches_single_device_float64(world):
     assert not bad, f"variants off the float64 reference (atol {ATOL}): {bad}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_cache_is_balanced(world):
@@ -264,6 +266,7 @@ def _stall(rank, world, what, mode):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("what,mode", [("tree:all_gather", "stall"), ("tree:all_reduce", "dead"),
                                        ("ring:pass_kv", "stall"), ("ring:pass_q", "dead")])
+@pytest.mark.slow
 def test_dead_or_stalled_rank_raises_within_timeout(what, mode):
     t0 = time.monotonic()
     res = run_ranks(_stall, 2, what, mode, deadline=40, wait_for=(0,))
@@ -311,6 +314,7 @@ def mismatch_results():
     return _MISMATCH[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_world_size_mismatch_is_a_clear_error():
     res = mismatch_results()
@@ -320,6 +324,7 @@ def test_world_size_mismatch_is_a_clear_error():
             assert msg and "planned for world=4" in msg and "rank" in msg and "world_size=2" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hierarchical_plan_on_one_node_is_a_clear_error():
     res = mismatch_results()
@@ -458,6 +463,7 @@ def _bench_case(rank, world):
     return rows, multigpu.summarize(rows)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_multigpu_bench_case_runs_on_gloo():
     """The benchmark's CPU path (no CUDA graphs): every tree and ring row is exact and carries the cost model's

@@ -88,6 +88,7 @@ def _generate(rank, world, plans):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_tiny_llama_matches_one_device_on_two_ranks():
     res = ok_payloads(run_ranks(_generate, 2, PLANS, deadline=130))
@@ -143,6 +144,7 @@ def _generate_padded(rank, world, plans):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_left_padded_batch_matches_one_device_on_two_ranks():
     plans = ("tree:all_gather", "tree:all_reduce", "ring:pass_kv", "ring:pass_q")
@@ -182,6 +184,7 @@ def _compiled_graphs_by_depth(rank, world, depths):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_distributed_compile_does_not_grow_with_depth():
     """The sharded cache's graph break must not cost one compilation per layer (a 30-layer model compiled

@@ -27,7 +27,7 @@ def test_check_reasons(kind):
     s = get_strategy(kind)
     assert s.check(AttentionSite.canonical(), H100, CUDA_CTX) is None
     assert s.check(AttentionSite.canonical(head_dim=72), H100, CUDA_CTX) == (
-        "head_dim 72 not supported by the kernels (64, 80, 96, 128, 256); falls back to dense")
+        "head_dim 72 not supported by the kernels (64, 80, 96, 128, 256)")
     assert "q_len 17" in s.check(AttentionSite.canonical(q_len=17), H100, CUDA_CTX)
     assert "multiple" in s.check(AttentionSite.canonical(q_heads=30, kv_heads=8), H100, CUDA_CTX)
     assert "v_head_dim" in s.check(AttentionSite.canonical(v_head_dim=64), H100, CUDA_CTX)

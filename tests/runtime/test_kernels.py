@@ -139,6 +139,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hkv{}-G{}-L{}-N{}-D{}".format(*s))
 def test_kernels_match_reference(device, shape):
@@ -177,6 +178,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_masks_valid_len_strides(device, case):
@@ -222,6 +224,7 @@ def test_nothing_past_the_valid_length_reaches_the_output(device, poison):
         _check_lse(lse, ref_lse, f"{name} {poison} past the valid length")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_stream_k_replay_and_growing_length(device):
     """The same workspace (as a captured graph would hold it) serves repeated launches while the valid length
@@ -465,3 +468,40 @@ def test_direct_launches_are_exact():
     merge_mod.merge_states(o3, lse, out=out, lse_out=False)
     assert launcher.jit == j1 + 1
     torch.testing.assert_close(out, ref_merge_states(o3, lse)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fully_masked_rows_follow_sdpa(device):
+    """Rows hidden whole: by finfo.min (fp32 absorbs the scores: SDPA gives the mean of V over the row's keys, and
+    every split's and stream-K partial's state must weigh by its key count, not equally), by -inf and by False
+    (SDPA gives 0). Splits of unequal key counts (N = 5 * BN - 3 over 3 splits) make equal weights visible."""
+    dev = _dev(device)
+    torch.manual_seed(7)
+    B, Hkv, G, L, N, D = 2, 1, 3, 2, 5 * BN - 3, 64
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float32, dev)
+    kr, vr = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    low = torch.finfo(torch.float32).min
+    additive = torch.rand(B, 1, L, N, device=dev) * -2.0
+    additive[0, :, 0] = low  # batch 0, query 0: every key at finfo.min
+    additive[1, :, 1] = float("-inf")  # batch 1, query 1: every key -inf
+    additive[1, :, 0, 5:] = low  # partly hidden by finfo.min: an ordinary row
+    boolean = torch.rand(B, 1, L, N, device=dev) > 0.3
+    boolean[0, :, 1] = False
+    for mask in (additive, boolean):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask).double()
+        for name, out, _ in _run_both(q, k, v, splits=(1, 3), grids=(3, 7), block_n=BN, attn_mask=mask):
+            err = (out.double() - ref).abs().max().item()
+            assert err < 2e-5, f"{name}, {mask.dtype} mask: max abs error {err:.3e} on fully masked rows"
+
+
+def test_merge_states_kernel_keeps_log_l_apart():
+    """The merge kernel's log_l_parts: partitions whose maxima tie near finfo.min weigh by their key counts."""
+    dev = _dev("cpu")
+    m = torch.full((3, 4), -1.0e30, device=dev)  # natural-log maxima of partials that a finfo.min row left tied
+    log_l = torch.log(torch.tensor([[1.0], [5.0], [10.0]], device=dev)).expand(3, 4).contiguous()
+    o = torch.randn(3, 4, 64, device=dev)
+    ro, _ = ref_merge_states(o, m, log_l)
+    mo, _ = merge_states(o, m, log_l_parts=log_l)
+    want = (o * torch.tensor([1.0, 5.0, 10.0], device=dev)[:, None, None]).sum(0) / 16.0
+    torch.testing.assert_close(ro, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mo, want, atol=1e-5, rtol=1e-5)

@@ -73,3 +73,40 @@ def test_unknown_plan_kind_is_a_clear_error():
     bad = '{"data": {}, "kind": "warp", "version": 1}'
     with pytest.raises(ValueError, match="registered kinds"):
         torch.ops.attnopt.decode_attention(q, k, v, None, None, 0.1, False, bad, "s")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(k=torch.randn(2, 4, 19, 64), v=torch.randn(2, 4, 19, 64)), "multiple of KV heads"),
+    (dict(k=torch.randn(1, 2, 19, 64), v=torch.randn(1, 2, 19, 64)), "batch sizes differ"),
+    (dict(v=torch.randn(2, 2, 18, 64)), "differ in batch, heads or length"),
+    (dict(k=torch.randn(2, 2, 19, 32)), "head dims differ"),
+    (dict(valid_len=torch.tensor([5, 6, 7], dtype=torch.int32)), r"shape \(B,\)"),
+    (dict(valid_len=torch.tensor([5.0, 6.0])), "int32 or int64"),
+    (dict(attn_mask=torch.ones(2, 1, 2, 19, dtype=torch.int64)), "bool .* or floating"),
+    (dict(attn_mask=torch.ones(3, 1, 2, 19, dtype=torch.bool)), "does not broadcast"),
+    (dict(attn_mask=torch.ones(2, 1, 2, 7, dtype=torch.bool)), "does not broadcast"),
+])
+@pytest.mark.parametrize("plan", ["dense", "split_kv", "stream_k"])
+def test_bad_inputs_raise_clear_errors(bad, match, plan):
+    from attnopt.plan import SplitKVPlan, StreamKPlan
+
+    ops.reset_runtime_state()
+    key = {"dense": DENSE, "split_kv": SplitKVPlan(num_splits=2, block_n=16).runtime_key(),
+           "stream_k": StreamKPlan(grid=3, block_n=16).runtime_key()}[plan]
+    q, k, v = _qkv()
+    args = dict(q=q, k=k, v=v, attn_mask=None, valid_len=None) | bad
+    with pytest.raises(ValueError, match=match):
+        torch.ops.attnopt.decode_attention(args["q"], args["k"], args["v"], args["attn_mask"], args["valid_len"],
+                                           0.125, False, key, "t:bad")
+
+
+def test_zero_splits_or_grid_is_a_clear_error():
+    from attnopt.plan import SplitKVPlan, StreamKPlan
+
+    q, k, v = _qkv()
+    for plan, match in ((SplitKVPlan(num_splits=0, block_n=16), "num_splits"), (StreamKPlan(grid=0, block_n=16), "grid")):
+        ops.reset_runtime_state()
+        with pytest.raises(ValueError, match=match):
+            torch.ops.attnopt.decode_attention(q, k, v, None, None, 0.125, False, plan.runtime_key(), "t:zero")
+    with pytest.raises(ValueError, match="num_partitions"):
+        reference.decode_attention(q, k, v, num_partitions=0)

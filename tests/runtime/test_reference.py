@@ -106,3 +106,30 @@ def test_head_mismatch_raises():
     q, k, v = _inputs(1, 5, 2, 1, 4, 64)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         ref.attention_states(q, k, v)
+
+
+@pytest.mark.parametrize("shape", [(19,), (2, 19), (6, 2, 19), (1, 6, 2, 19), (2, 1, 1, 19), (2, 6, 2, 19),
+                                   (2, 1, 1, 1), (1, 1, 1, 1), (1,), (2, 1, 2, 1)])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_valid_len_from_mask_every_broadcastable_shape(shape, kind):
+    """Any mask SDPA broadcasts to (B, Hq, L, N) = (2, 6, 2, 19): the valid length per batch row is exact, i.e.
+    attention with it equals attention without it (a key-broadcast mask gives an unlimited length, or 0 when it
+    hides every key)."""
+    torch.manual_seed(3)
+    B, Hq, Hkv, L, N, D = 2, 6, 2, 2, 19, 16
+    q, k, v = torch.randn(B, Hq, L, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    keep = torch.rand(shape) > 0.4
+    if keep.dim() and keep.shape[-1] > 1:
+        keep[..., -6:] = False  # a tail that a valid length can cut
+        keep[..., 0] = True
+    mask = keep if kind == "bool" else torch.zeros(shape).masked_fill(~keep, float("-inf"))
+    vl = ref.valid_len_from_mask(mask, B)
+    assert vl.shape == (B,) and vl.dtype == torch.int32
+    full = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape)).expand(B, Hq, L, N)
+    last = torch.where(full.any(2).any(1), torch.arange(1, N + 1), 0).amax(-1)
+    assert bool((vl.clamp(max=N) >= last).all()), (vl, last)
+    want = ref.sdpa_float64(q, k, v, attn_mask=mask)
+    got = ref.sdpa_float64(q, k, v, attn_mask=mask, valid_len=vl)
+    torch.testing.assert_close(got, want)
+    if shape[-1] > 1:
+        assert vl.tolist() == last.tolist()

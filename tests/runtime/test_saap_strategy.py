@@ -55,10 +55,14 @@ def test_never_planned_without_the_index_and_layer_zero_stays_dense(index_path):
 def test_config_fields_validate_early(tmp_path, index_path):
     cfg = OptimizeConfig(saap=index_path, saap_probes=4, saap_window=16, saap_sink=2)
     assert OptimizeConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="plan kind 'saap' needs an index"):
+        OptimizeConfig(force_plan="saap")
     with pytest.raises(ValueError, match="no such index file"):
         OptimizeConfig(saap=str(tmp_path / "missing.safetensors"))
-    with pytest.raises(ValueError, match="saap_probes must be an int >= 1"):
+    with pytest.raises(ValueError, match="saap_probes must be >= 1"):
         OptimizeConfig(saap=index_path, saap_probes=0)
+    with pytest.raises(TypeError, match="saap_window must be an int >= 0"):
+        OptimizeConfig(saap=index_path, saap_window="64")
 
 
 def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1):

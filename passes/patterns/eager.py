@@ -1,0 +1,445 @@
+"""Eager attention chains: ``matmul(q, k^T)`` (scale, additive or boolean mask) -> ``softmax(-1)`` (fp32 upcast,
+cast back, inference dropout, PyTorch's fully-masked-row guard) -> ``matmul(p, v)``, also as ``einsum`` and as
+aten ``bmm`` chains.
+
+Proves: every op between the score product and the softmax is a scalar scale or one mask/bias the op applies
+exactly (see the package docstring for the rules), and every op between the softmax and the value product
+leaves the probabilities unchanged; anything else becomes the site's reason.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..mutation import MutationIndex
+from .nodes import (AttentionMatch, _bare_name, _binary, _dtype_name, _is_call, _is_noop, _name, _ndim, _norm_dim,
+                    _number, _self, _sym_eq, arg, aten, is_metadata_assert, kind, meta_dtype, meta_shape, skip_noops)
+from .scale import Factor, _scale_factor
+from .layout import Dims, _assign_roles, _is_layout_op, _simulate, follow_output, layout_path, resolve_operand
+from .gqa import unrepeat_kv
+from .masks import additive_is_zero_or_neginf, mask_value_is_masking, may_hide_whole_rows
+
+
+# ============================================================================================ eager chains
+
+def matmul_behind(node: Any) -> tuple[fx.Node, list] | None:
+    """(matmul/bmm/einsum, layout path from it to ``node``) when ``node`` is a matmul result seen through
+    layout ops only (aten: ``view(bmm(...))``), else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    path = layout_path(node)
+    if kind(path[-1]) in ("matmul", "bmm", "einsum"):
+        return path[-1], path[:-1]
+    return None
+
+
+def _is_matmul_like(node: Any) -> bool:
+    return matmul_behind(node) is not None
+
+
+def _leads_to_matmul(node: Any, depth: int = 8) -> bool:
+    """Whether ``node`` is (after a few elementwise ops on its first tensor argument) a matmul result."""
+    cur = node
+    for _ in range(depth):
+        if not isinstance(cur, fx.Node):
+            return False
+        if _is_matmul_like(cur):
+            return True
+        k = kind(cur)
+        if k in ("add", "mul", "div"):
+            a, b = cur.args[0] if cur.args else None, cur.args[1] if len(cur.args) > 1 else None
+            if isinstance(b, fx.Node) and not isinstance(a, fx.Node):
+                cur = b
+                continue
+            if isinstance(a, fx.Node) and isinstance(b, fx.Node) and _leads_to_matmul(b, depth - 1) and not _leads_to_matmul(a, depth - 1):
+                cur = b
+                continue
+        cur = _self(cur) if k is not None or _is_call(cur) else None
+    return False
+
+_EINSUM_RE = re.compile(r"^\s*([a-zA-Z.]+)\s*,\s*([a-zA-Z.]+)\s*->\s*([a-zA-Z.]+)\s*$")
+
+
+def _einsum_operands(node: fx.Node) -> tuple[str | None, list[Any]]:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        eq, ops = node.args[0], list(node.args[1])
+    else:
+        eq = node.args[0]
+        ops = list(node.args[1]) if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else list(node.args[1:])
+    return (eq if isinstance(eq, str) else None), ops
+
+
+def _parse_einsum(eq: str | None) -> tuple[str, str, str] | None:
+    m = _EINSUM_RE.match(eq or "")
+    return (m.group(1), m.group(2), m.group(3)) if m else None
+
+
+_ID = [[0], [1], [2], [3]]
+
+
+def _einsum_groups(mm: fx.Node, which: str) -> tuple[list | None, list | None, list, str | None]:
+    """Operand role groups of a 4-D einsum score product (``bhqd,bhkd->bhqk``, any operand letter order) or
+    value product (``bhqk,bhkd->bhqd``). Returns (groups of operand 0, groups of operand 1, operands, reason)."""
+    eq, ops = _einsum_operands(mm)
+    p = _parse_einsum(eq)
+    if p is None or len(ops) != 2:
+        return None, None, ops, f"einsum {eq!r} is not understood"
+    a, b, o = p
+    contracted = (set(a) & set(b)) - set(o)
+    what = "(b h q d, b h k d -> b h q k) score" if which == "qk" else "(b h q k, b h k d -> b h q d) value"
+    if not (len(a) == len(b) == len(o) == 4 and len(set(o)) == 4 and len(contracted) == 1):
+        return None, None, ops, f"einsum {eq!r} is not a {what} product"
+    c = contracted.pop()
+    B, H, I, J = o
+    if set(a) != {B, H, I, c} or set(b) != {B, H, J, c}:
+        return None, None, ops, f"einsum {eq!r} is not a {what} product"
+    if which == "qk":  # q (b, h, i, d); K logical (b, h, n, d) with n = J
+        r0, r1 = {B: 0, H: 1, I: 2, c: 3}, {B: 0, H: 1, J: 2, c: 3}
+    else:  # p (b, h, i, n) with n = c; V logical (b, h, n, dv) with dv = J
+        r0, r1 = {B: 0, H: 1, I: 2, c: 3}, {B: 0, H: 1, c: 2, J: 3}
+    return [[r0[x]] for x in a], [[r1[x]] for x in b], ops, None
+
+
+def _operand_groups(mm: fx.Node, which: str) -> tuple[list | None, list | None, list, str | None]:
+    """(groups of operand 0, groups of operand 1, the two operands, reason) for a score ("qk") or value ("pv")
+    product given as matmul, bmm or einsum."""
+    k = kind(mm)
+    if k == "einsum":
+        return _einsum_groups(mm, which)
+    ops = list(_binary(mm))
+    nd = _ndim(mm)
+    if k == "bmm" or nd == 3:
+        g0 = [[0, 1], [2], [3]]
+        g1 = [[0, 1], [3], [2]] if which == "qk" else [[0, 1], [2], [3]]
+        return g0, g1, ops, None
+    if nd == 4:
+        return _ID, ([[0], [1], [3], [2]] if which == "qk" else _ID), ops, None
+    return None, None, ops, f"{nd}-D attention (expects (B, H, L, D) tensors)"
+
+
+def _softmax_dim_ok(node: fx.Node) -> bool:
+    src = _self(node)
+    nd = _ndim(src)
+    d = arg(node, 1, "dim", None)
+    return nd is not None and _norm_dim(d, nd) == nd - 1
+
+
+def _forward_to_pv(sm: fx.Node) -> tuple[fx.Node | None, str | None, list[fx.Node], bool]:
+    """Follow the softmax output through casts, inference dropout, the safe-softmax guard and layout ops to the
+    value product (whose first operand it must be). Returns (matmul/bmm/einsum node, reason, chain nodes, whether
+    the fully-masked-row guard was passed)."""
+    pv, reason, chain, guarded = _forward_walk(sm)
+    return pv, reason, chain, guarded
+
+
+def _forward_walk(sm: fx.Node):
+    cur = sm
+    chain: list[fx.Node] = []
+    reason = None
+    guarded = False
+    for _ in range(16):
+        users = [u for u in cur.users if kind(u) != "full_like" and not is_metadata_assert(u)]
+        if len(users) != 1:
+            if not users:
+                return None, None, chain, guarded
+            # Several consumers: the probabilities escape (e.g. output_attentions) unless one is the matmul.
+            mms = [u for u in users if kind(u) in ("matmul", "bmm", "einsum") or _is_layout_op(u)]
+            if len(mms) != 1:
+                return None, None, chain, guarded
+            reason = reason or "the attention probabilities are also used elsewhere (output_attentions?)"
+            users = mms
+        u = users[0]
+        k = kind(u)
+        chain.append(u)
+        if k in ("matmul", "bmm", "einsum"):
+            first = _einsum_operands(u)[1][0] if k == "einsum" else _binary(u)[0]
+            if first is not cur:
+                return None, None, chain, guarded  # probabilities on the right: not attention as we know it
+            return u, reason, chain, guarded
+        if _is_layout_op(u) or k == "cast":
+            cur = u
+            continue
+        if k == "dropout":
+            p = arg(u, 1, "p", 0.5)
+            training = arg(u, 2, "train", True) if isinstance(u.target, torch._ops.OpOverload) else arg(u, 2, "training", True)
+            if isinstance(p, fx.Node) or isinstance(training, fx.Node):
+                reason = reason or "dropout with a run-time probability or training flag"
+            elif training and p != 0:
+                reason = reason or f"training-mode dropout (p={p})"
+            cur = u
+            continue
+        if k == "train_dropout":
+            reason = reason or "training-mode dropout"
+            outs = ([x for x in u.users if x.target is operator.getitem and x.args[1] == 0]
+                    if u.target is aten.native_dropout.default else [u])
+            if not outs:
+                return None, None, chain, guarded
+            cur = outs[0]
+            continue
+        if k == "where":
+            # PyTorch's safe softmax: where(row_fully_masked, 0, p), with row_fully_masked provably "every score of
+            # this row is -inf" (the op gives 0 there too). Any other condition (a head-pruning mask, ...) is not.
+            c, a, b = (tuple(u.args) + (None, None, None))[:3]
+            zero = _number(a) == 0.0 or (isinstance(a, fx.Node) and kind(a) == "full_like"
+                                         and _number(arg(a, 1, "fill_value", 0)) == 0.0)
+            if b is cur and zero and is_empty_row_guard(c, _self(sm)):
+                guarded = True
+                cur = u
+                continue
+            reason = reason or "a where() on the attention probabilities that is not PyTorch's fully-masked-row guard"
+            if b is not cur:
+                return None, None, chain, guarded
+            cur = u
+            continue
+        if _scale_factor(u) is not None and _scale_factor(u)[0] is cur:
+            reason = reason or "the attention probabilities are scaled (softmax * c) before the value product"
+            cur = u
+            continue
+        return None, None, chain, guarded
+    return None, None, chain, guarded
+
+
+def _neginf_test(node: Any) -> tuple[fx.Node, bool] | None:
+    """``(x, True)`` for ``x == -inf`` / ``isneginf(x)``; ``(x, False)`` for ``x != -inf``; else None."""
+    if not _is_call(node):
+        return None
+    name = _bare_name(node)
+    if name == "isneginf":
+        return (_self(node), True) if isinstance(_self(node), fx.Node) else None
+    if name in ("eq", "ne"):
+        a, b = _binary(node)
+        for x, c in ((a, b), (b, a)):
+            if isinstance(x, fx.Node) and _number(c) == -math.inf:
+                return x, name == "eq"
+    return None
+
+
+def is_empty_row_guard(cond: Any, scores: Any) -> bool:
+    """Whether the boolean ``cond`` provably is "every entry of this row of ``scores`` is -inf", reduced over the
+    last dim with keepdim: ``all(scores == -inf, -1, keepdim=True)`` or its negated forms, as PyTorch's safe
+    softmax decomposition writes it (``logical_not(any(logical_not(eq(x, -inf)), -1, True))``)."""
+    negate = False
+    cur = cond
+    for _ in range(8):  # peel negations around the reduction
+        if _is_call(cur) and _bare_name(cur) in ("logical_not", "bitwise_not", "invert"):
+            negate, cur = not negate, _self(cur)
+            continue
+        break
+    if not _is_call(cur) or _bare_name(cur) not in ("all", "any"):
+        return False
+    red = _bare_name(cur)
+    nd = _ndim(_self(cur))
+    dim = arg(cur, 1, "dim", None)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    keepdim = arg(cur, 2, "keepdim", False)
+    if nd is None or _norm_dim(dim, nd) != nd - 1 or keepdim is not True:
+        return False
+    inner = _self(cur)
+    pos = True
+    for _ in range(8):
+        if _is_call(inner) and _bare_name(inner) in ("logical_not", "bitwise_not", "invert"):
+            pos, inner = not pos, _self(inner)
+            continue
+        break
+    test = _neginf_test(inner)
+    if test is None or skip_noops(test[0]) is not skip_noops(scores):
+        return False
+    pos = pos == test[1]  # the reduced predicate is (x == -inf) when pos, else (x != -inf)
+    # all(x == -inf), or not any(x != -inf); all(x != -inf) and any(x == -inf) are other conditions
+    return (red == "all" and pos and not negate) or (red == "any" and not pos and negate)
+
+
+def _sizes_of(x: fx.Node, perm: list) -> tuple:
+    s = meta_shape(x)
+    return tuple(s[i] for i in perm)
+
+
+def _mm_dims(mm: fx.Node) -> Dims:
+    return [(0, 1), (2,), (3,)] if (kind(mm) == "bmm" or _ndim(mm) == 3) else [(0,), (1,), (2,), (3,)]
+
+
+def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMatch | None:
+    """An eager attention chain anchored on its softmax. Returns None when ``sm`` is not attention's softmax
+    (no score matmul before it, or no value matmul after it)."""
+    if kind(sm) != "softmax" or not _softmax_dim_ok(sm):
+        return None
+    # -------- forward: probabilities -> value matmul
+    pv, reason, fchain, guarded = _forward_to_pv(sm)
+    if pv is None:
+        return None
+    # -------- backward: scores -> softmax
+    reasons: list[str] = []
+    if reason:
+        reasons.append(reason)
+    factors: list[Factor] = []
+    masks: list[tuple[fx.Node, bool]] = []  # (mask node, invert)
+    chain: list[fx.Node] = [sm]
+    cur = _self(sm)
+    mm = None
+    spath: list = []
+    for _ in range(16):
+        if not isinstance(cur, fx.Node):
+            break
+        mb = matmul_behind(cur)
+        if mb is not None:
+            mm, spath = mb
+            break
+        chain.append(cur)
+        k = kind(cur)
+        if k == "baddbmm":
+            # Bloom: baddbmm(alibi, q, k^T, beta, alpha) folds the bias into the score product; not matched as
+            # attention's operands, so reported rather than rewritten.
+            m = AttentionMatch(site=None, output=pv, q=None, k=None, v=None, pattern="eager_baddbmm", anchor=sm)
+            m.reason = "Bloom-style baddbmm scores (bias and scale folded into the score product): not matched"
+            m.nodes = list(reversed(chain)) + fchain
+            return m
+        if _is_noop(cur) or k == "cast":
+            cur = _self(cur)
+            continue
+        sf = _scale_factor(cur)
+        if sf is not None:
+            cur, f = sf
+            factors.append(f)
+            continue
+        if k == "add":
+            a, b = _binary(cur)
+            if cur.kwargs.get("alpha", 1) != 1:
+                reasons.append("add with alpha")
+            if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+                cur = a if isinstance(a, fx.Node) else b  # + constant: softmax-invariant
+                continue
+            scores, other = (a, b) if _leads_to_matmul(a) else (b, a)
+            if factors:
+                reasons.append("the scores are scaled after the mask is added")
+            odt = meta_dtype(other)
+            if odt is not None and not odt.is_floating_point:
+                reasons.append(f"a {_dtype_name(odt)} tensor added to the scores (a 0/1 bias in eager, not a mask)")
+            elif meta_dtype(cur) in (torch.float16, torch.bfloat16) and not additive_is_zero_or_neginf(other, writes):
+                reasons.append(f"an additive mask or bias summed with the scores in {_dtype_name(meta_dtype(cur))}: "
+                               "where it hides a whole row with large finite values (finfo.min), the original's "
+                               "result depends on that dtype's rounding and cannot be reproduced")
+            else:
+                masks.append((other, False))  # any float bias is applied exactly per tile (see ``classify_additive``)
+            cur = scores
+            continue
+        if k == "masked_fill":
+            x, cond = _self(cur), arg(cur, 1, "mask", None)
+            value = arg(cur, 2, "value", None)
+            if _number(value) == -math.inf:
+                masks.append((cond, True))
+                if factors:
+                    reasons.append("the scores are scaled after the mask is applied")
+            elif mask_value_is_masking(value):
+                reasons.append(f"masked_fill with the finite value {value!r}: a fully masked row gives the mean of V "
+                               "in the original, which the rewrite cannot reproduce")
+            else:
+                reasons.append(f"masked_fill with value {value!r} (not a masking value)")
+            cur = x
+            continue
+        if k == "where":
+            c, a, b = (list(cur.args) + [None, None, None])[:3]
+            if isinstance(a, fx.Node) and _leads_to_matmul(a) and _number(b) == -math.inf:
+                masks.append((c, False))
+                cur = a
+                continue
+            if isinstance(b, fx.Node) and _leads_to_matmul(b) and _number(a) == -math.inf:
+                masks.append((c, True))
+                cur = b
+                continue
+            if mask_value_is_masking(a) or mask_value_is_masking(b):
+                reasons.append("where() with a finite masking value: a fully masked row gives the mean of V in the "
+                               "original, which the rewrite cannot reproduce")
+                cur = a if isinstance(a, fx.Node) and _leads_to_matmul(a) else b
+                continue
+            reasons.append("a where() between the scores and the softmax that is not a mask")
+            cur = a if isinstance(a, fx.Node) and _leads_to_matmul(a) else b
+            continue
+        if k == "tanh":
+            reasons.append("logit softcapping (tanh between the scores and the softmax)")
+            cur = _self(cur)
+            continue
+        target = cur.target if cur.op == "call_function" else f".{cur.target}()"
+        reasons.append(f"unrecognised op {getattr(target, '__name__', target)} between the scores and the softmax")
+        cur = _self(cur)
+    if mm is None:
+        return None
+    # -------- operands
+    pattern = {"matmul": "eager_matmul", "einsum": "eager_einsum", "bmm": "eager_bmm"}[kind(mm)]
+    scores = spath[0] if spath else mm
+    m = AttentionMatch(site=None, output=pv, q=None, k=None, v=None, pattern=pattern, anchor=sm)
+    m.nodes = [mm] + list(reversed(spath)) + list(reversed(chain)) + fchain
+
+    def fail(why: str) -> AttentionMatch:
+        m.reason = reasons[0] if reasons else why
+        return m
+
+    g0, g1, ops, why = _operand_groups(mm, "qk")
+    if why is not None:
+        return fail(why)
+    ss = meta_shape(scores)
+    if ss is None or len(ss) != 4:
+        return fail("the attention scores are not a 4-D (B, H, L, N) tensor")
+    B, H, L, N = ss
+    d_q = meta_shape(ops[0])[-1] if meta_shape(ops[0]) else None
+    rq = resolve_operand(ops[0], g0, (B, H, L, d_q), allow_scale=True)
+    rk = resolve_operand(ops[1], g1, (B, H, N, d_q), allow_scale=True)
+    if rq is None or rk is None:
+        return fail("the score product's operands are not (B, H, L, D) / (B, H, N, D) tensors in a recognised layout")
+    (xq, pq, fq), (xk, pk, fk) = rq, rk
+    factors = fq + fk + factors
+    lab = _sizes_of(xq, pq)
+    sizes = {0: lab[0], 1: lab[1], 2: L, 3: N}
+    dims: Dims | None = _mm_dims(mm)
+    for n in reversed(spath):
+        dims = _simulate(n, dims, sizes) if dims is not None else None
+    if dims is None or _assign_roles(dims, sizes, _ID, (B, H, L, N)) != [0, 1, 2, 3]:
+        return fail("the attention scores are not laid out as (B, H, L, N)")
+    g0, g1, ops, why = _operand_groups(pv, "pv")
+    if why is not None:
+        return fail(why)
+    dv = meta_shape(pv)[-1] if meta_shape(pv) else None
+    rp = resolve_operand(ops[0], g0, (B, H, L, N))
+    rv = resolve_operand(ops[1], g1, (B, H, N, dv))
+    if rp is None or rp[1] != [0, 1, 2, 3] or rv is None:
+        return fail("the value product's operands are not (B, H, L, N) / (B, H, N, Dv) tensors in a recognised layout")
+    xv, pvm, _ = rv
+    out = follow_output(pv, _mm_dims(pv), {0: B, 1: H, 2: L, 3: dv})
+    if out is None:
+        return fail("the attention output is not laid out as (B, H, L, Dv)")
+    m.output = out
+    m.q = xq
+    if pq != [0, 1, 2, 3]:
+        m.perms["q"] = pq
+    k0, ks = unrepeat_kv(xk) if pk == [0, 1, 2, 3] else (xk, None)
+    v0, vs = unrepeat_kv(xv) if pvm == [0, 1, 2, 3] else (xv, None)
+    if ks is not None and ks == vs and _sym_eq(meta_shape(k0)[1], meta_shape(v0)[1]):
+        m.k, m.v, m.gqa_source = k0, v0, ks
+    else:
+        m.k, m.v = xk, xv
+        if pk != [0, 1, 2, 3]:
+            m.perms["k"] = pk
+        if pvm != [0, 1, 2, 3]:
+            m.perms["v"] = pvm
+    # scale: constants multiply into ``scale``; run-time scalar tensors are folded into q by lower.
+    m.scale = math.prod(f[0] for f in factors if f[0] is not None)
+    m.scale_nodes = [(f[1], f[2]) for f in factors if f[0] is None]
+    # mask
+    plain_softmax = not guarded and _name(sm) != "_safe_softmax"  # gives NaN for a row of -inf scores
+    if len(masks) > 1:
+        reasons.append("more than one mask between the scores and the softmax")
+    elif masks:
+        node, invert = masks[0]
+        if meta_dtype(node) is not None and meta_dtype(node) != torch.bool and invert:
+            reasons.append("masked_fill with a non-boolean mask")
+        m.attn_mask, m.mask_invert = node, invert
+        if plain_softmax and may_hide_whole_rows(node, writes):
+            m.empty_rows = "nan"
+    for r in reasons:
+        m.reason = m.reason or r
+    return m

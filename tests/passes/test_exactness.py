@@ -1,0 +1,334 @@
+"""Adversarial spellings of attention (issue 17): each comes out of ``attnopt.optimize`` equal to the original
+function, either rewritten (and exact) or left alone with a reason in the plan report.
+
+The functions are written as a user writes them. Each runs through ``attnopt.optimize(fn,
+inner_backend="eager")`` under every plan kind that reads the mask differently (dense SDPA, split-KV over
+unequal partitions with ``valid_len``, stream-K), and a few under inductor.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnopt
+
+B, H, HKV, L, N, D = 2, 4, 2, 1, 37, 64
+LOW = torch.finfo(torch.float32).min
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def rep(x):
+    return x.repeat_interleave(H // HKV, 1)
+
+
+def repeat_kv(x):
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, H // HKV, n, d).reshape(b, H, n, d)
+
+
+def scores(q, k):
+    return (q @ rep(k).transpose(-1, -2)) * 0.125
+
+
+# ----------------------------------------------------------------------------------- the spellings
+# name -> (fn, expected): "exact" = rewritten and equal; any other string = left alone with that in the reason.
+CASES = {}
+
+
+def case(expected):
+    def deco(fn):
+        CASES[fn.__name__] = (fn, expected)
+        return fn
+    return deco
+
+
+# class 1: in-place edits of the scores
+@case("in-place write")
+def scores_div_(q, k, v):
+    s = scores(q, k)
+    s.div_(2.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_masked_fill_(q, k, v):
+    s = scores(q, k)
+    s.masked_fill_(torch.arange(N) > 30, -math.inf)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_setitem(q, k, v):
+    s = scores(q, k)
+    s[..., :5] = -1.0
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_add_out(q, k, v):
+    s = scores(q, k)
+    torch.add(s, 1.5 * torch.arange(N).float(), out=s)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_clamp_tanh_copy(q, k, v):
+    s = scores(q, k)
+    s.clamp_(max=0.5)
+    s.tanh_()
+    s.copy_(s * 3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+# class 2: copies looked through
+@case("in-place write")
+def clone_then_setitem_repeat_kv(q, k, v):
+    kk = k.clone()
+    kk[:, :, 3] = 5.0
+    return F.scaled_dot_product_attention(q, repeat_kv(kk), repeat_kv(v))
+
+
+@case("in-place write")
+def clone_then_index_copy_eager(q, k, v):
+    kk = k.clone()
+    kk.index_copy_(2, torch.tensor([1, 2]), torch.ones(B, HKV, 2, D))
+    s = (q @ repeat_kv(kk).transpose(-1, -2)) * 0.125
+    return F.softmax(s, -1) @ repeat_kv(v)
+
+
+@case("in-place write")
+def contiguous_then_mul_(q, k, v):
+    qq = q.contiguous()
+    s = (qq @ rep(k).transpose(-1, -2)) * 0.125
+    qq.mul_(2)  # after the score product read it: the original used the old q
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("exact")
+def cache_written_before_the_read(q, k, v):
+    """HF StaticCache: index_copy_ into the cache, then attention reads the cache itself: rewritten."""
+    k.index_copy_(2, torch.tensor([N - 1]), torch.ones(B, HKV, 1, D))
+    return F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v))
+
+
+# class 3: where(cond, 0, p) with a cond that is not the fully-masked-row test
+@case("not PyTorch's fully-masked-row guard")
+def where_head_pruning(q, k, v):
+    p = F.softmax(scores(q, k), -1)
+    pruned = torch.tensor([True, False, True, False]).view(1, H, 1, 1)
+    return torch.where(pruned, torch.zeros_like(p), p) @ rep(v)
+
+
+@case("exact")
+def where_safe_softmax_guard(q, k, v):
+    m = torch.ones(B, 1, L, N, dtype=torch.bool)
+    m[0] = False
+    s = scores(q, k).masked_fill(~m, -math.inf)
+    p = F.softmax(s, -1)
+    p = torch.where((s == -math.inf).all(-1, keepdim=True), torch.zeros_like(p), p)
+    return p @ rep(v)
+
+
+# class 4: a bool tensor added to the scores is a 0/1 bias
+@case("bool tensor added")
+def bool_added(q, k, v):
+    return F.softmax(scores(q, k) + (torch.arange(N) < 20), -1) @ rep(v)
+
+
+# class 5: masks of every broadcastable shape
+@case("exact")
+def mask_2d_qlen_n(q, k, v):
+    m = torch.zeros(L, N, dtype=torch.bool)
+    m[:, :7] = True
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=m)
+
+
+@case("exact")
+def mask_3d_heads(q, k, v):
+    m = torch.ones(H, L, N, dtype=torch.bool)
+    m[1, :, 10:] = False
+    m[2, :, :3] = False
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=m)
+
+
+@case("exact")
+def mask_key_broadcast_b111(q, k, v):
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=torch.zeros(B, 1, 1, 1))
+
+
+@case("exact")
+def mask_key_broadcast_bool_b1l1(q, k, v):
+    m = torch.ones(B, 1, L, 1, dtype=torch.bool)
+    m[1] = False
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=m)
+
+
+@case("exact")
+def mask_1d_additive_eager(q, k, v):
+    m = torch.where(torch.arange(N) < 25, 0.0, -math.inf)
+    return F.softmax(scores(q, k) + m, -1) @ rep(v)
+
+
+@case("exact")
+def alibi_bias_eager(q, k, v):
+    return F.softmax(scores(q, k) + torch.arange(N).float() * -0.1, -1) @ rep(v)
+
+
+@case("exact")
+def alibi_bias_sdpa(q, k, v):
+    bias = (torch.arange(N).float() * -0.1).expand(B, H, L, N)
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=bias)
+
+
+# class 6: fully masked rows
+@case("exact")
+def sdpa_finfo_min_row(q, k, v):
+    m = torch.zeros(B, 1, L, N)
+    m[0] = LOW
+    m[1, ..., 30:] = LOW
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=m)
+
+
+@case("exact")
+def sdpa_neginf_and_false_rows(q, k, v):
+    m = torch.zeros(B, 1, L, N)
+    m[0] = -math.inf
+    b = torch.ones(B, 1, L, N, dtype=torch.bool)
+    b[1] = False
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=m) + \
+        F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=b)
+
+
+@case("exact")
+def eager_finfo_min_row(q, k, v):
+    m = torch.zeros(B, 1, L, N)
+    m[0] = LOW
+    return F.softmax(scores(q, k) + m, -1) @ rep(v)
+
+
+@case("exact")
+def eager_neginf_row_gives_nan(q, k, v):
+    m = torch.zeros(B, 1, L, N)
+    m[0] = -math.inf
+    return F.softmax(scores(q, k) + m, -1) @ rep(v)
+
+
+@case("exact")
+def eager_masked_fill_neginf_row_gives_nan(q, k, v):
+    keep = torch.ones(B, 1, L, N, dtype=torch.bool)
+    keep[1] = False
+    return F.softmax(scores(q, k).masked_fill(~keep, -math.inf), -1) @ rep(v)
+
+
+@case("finite value")
+def eager_masked_fill_finite_row(q, k, v):
+    keep = torch.ones(B, 1, L, N, dtype=torch.bool)
+    keep[1] = False
+    return F.softmax(scores(q, k).masked_fill(~keep, -1e9), -1) @ rep(v)
+
+
+# not silent, but undetected before
+@case("softmax * c")
+def softmax_times_scalar(q, k, v):
+    return (F.softmax(scores(q, k), -1) * 2.0) @ rep(v)
+
+
+@case("baddbmm")
+def bloom_baddbmm(q, k, v):
+    qq, kk, vv = q.reshape(B * H, L, D), rep(k).reshape(B * H, N, D), rep(v).reshape(B * H, N, D)
+    alibi = (torch.arange(N).float() * -0.1).view(1, 1, N).expand(B * H, 1, N)
+    s = torch.baddbmm(alibi, qq, kk.transpose(1, 2), beta=1.0, alpha=0.125)
+    return torch.bmm(F.softmax(s, -1), vv).view(B, H, L, D)
+
+
+# ----------------------------------------------------------------------------------- the check
+def inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*s, generator=g, dtype=dtype) for s in ((B, H, L, D), (B, HKV, N, D), (B, HKV, N, D)))
+
+
+def run_case(fn, expected, plan=None, backend="eager", dtype=torch.float32):
+    q, k, v = inputs(dtype=dtype)
+    ref = fn(q.clone(), k.clone(), v.clone())
+    opts = {"inner_backend": backend}
+    if plan:
+        opts["force_plan"] = plan
+    opt = attnopt.optimize(fn, **opts)
+    out = opt(q.clone(), k.clone(), v.clone())
+    sites = attnopt.last_plans(opt).sites
+    assert sites, "no attention site was even detected"
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)), "NaN positions differ from the original"
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=2e-5, rtol=2e-5)
+    if expected == "exact":
+        assert all(s.rewritten for s in sites), [s.reason_untouched for s in sites]
+    else:
+        assert not any(s.rewritten for s in sites)
+        assert all(expected in (s.reason_untouched or "") for s in sites), [s.reason_untouched for s in sites]
+    return sites
+
+
+@pytest.mark.parametrize("plan", ["dense", "split_kv", "stream_k"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_spelling_exact_or_left_alone(name, plan):
+    fn, expected = CASES[name]
+    if plan != "dense" and expected != "exact":
+        pytest.skip("left alone whatever the plan")
+    if plan == "stream_k" and not name.startswith(("mask_", "sdpa_", "eager_finfo")):
+        pytest.skip("stream-K differs from split-KV only in how it reads masks and merges partials")
+    run_case(fn, expected, plan)
+
+
+@pytest.mark.parametrize("name", ["scores_div_", "clone_then_setitem_repeat_kv", "where_head_pruning",
+                                  "mask_3d_heads", "sdpa_finfo_min_row", "eager_neginf_row_gives_nan"])
+def test_spelling_under_inductor(name):
+    fn, expected = CASES[name]
+    run_case(fn, expected, "split_kv", backend="inductor")
+
+
+def test_fp16_eager_with_a_finite_min_mask_is_left_alone():
+    """In fp16 the original rounds scores + finfo.min in fp16 (a row it hides whole gives neither the mean of V nor
+    softmax(qk)); the rewrite cannot reproduce that, so the site is left alone."""
+    def f(q, k, v, m):
+        return F.softmax(scores(q, k) + m, -1, dtype=torch.float32).to(q.dtype) @ rep(v)
+
+    q, k, v = inputs(dtype=torch.float16)
+    m = torch.where(torch.arange(N) < 30, 0.0, torch.finfo(torch.float16).min).to(torch.float16)
+    opt = attnopt.optimize(f, inner_backend="eager")
+    torch.testing.assert_close(opt(q, k, v, m), f(q, k, v, m))
+    (site,) = attnopt.last_plans(opt).sites
+    assert not site.rewritten and "float16" in site.reason_untouched
+
+
+def test_decomposed_sdpa_guard_is_proven_and_rewritten():
+    """SDPA decomposed to aten (make_fx with the core decompositions) spells PyTorch's fully-masked-row guard as
+    ``where(logical_not(any(logical_not(eq(s, -inf)), -1, True)), full_like(p, 0), p)``: proven, so the site is
+    rewritten, and an all-False row gives 0 as the original."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from attnopt.config import OptimizeConfig
+    from attnopt.passes import make_context, run_passes
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    q, k, v = inputs()
+    k, v = rep(k), rep(v)
+    m = torch.rand(B, 1, L, N) > 0.3
+    m[0] = False
+    gm = make_fx(f, decomposition_table=core_aten_decompositions())(q, k, v, m)
+    ctx = make_context(OptimizeConfig(force_plan="split_kv"), (q, k, v, m))
+    gm, _ = run_passes(gm, (q, k, v, m), ctx=ctx)
+    assert sum(ctx.rewrite_counts.values()) == 1, [mm.site.unsupported for mm in ctx.matches]
+    out = gm(q, k, v, m)
+    torch.testing.assert_close(out, f(q, k, v, m), atol=2e-5, rtol=2e-5)
+    assert bool((out[0] == 0).all())
