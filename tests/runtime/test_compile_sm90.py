@@ -1,0 +1,120 @@
+"""The Triton kernels compile for Hopper (sm_90) on a machine without a GPU.
+
+The interpreter runs a kernel's Python semantics but never its compiler pipeline (layouts, TTGIR lowering, ptxas),
+so a kernel change that is right in the interpreter can still fail to compile on the GPU. This test runs the
+split-KV (with and without its fused merge), merge and stream-K kernels in the interpreter to record the exact
+launches (signature, constexprs, warps, stages), then compiles each launch for ``cuda:90`` with the Triton here
+(its bundled ptxas), in a subprocess without ``TRITON_INTERPRET``.
+
+Not covered: the tensor-descriptor (TMA) variants, which the interpreter never launches, and anything at run time
+(races, numerics): the CUDA tests do that on a GPU.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace
+from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace
+
+triton = pytest.importorskip("triton")
+
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def _signature(interp, args, kwargs) -> tuple[dict, dict]:
+    """Triton's signature strings and constexpr values of one interpreted launch."""
+    import inspect
+
+    params = inspect.signature(interp.fn).parameters
+    annotations = interp.fn.__annotations__
+    values = dict(zip(interp.arg_names, args))
+    values.update(kwargs)
+    sig, consts = {}, {}
+    for name in interp.arg_names:
+        value = values.get(name, params[name].default)
+        if "constexpr" in str(annotations.get(name, "")) or value is None:
+            sig[name], consts[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{interp.fn.__name__}.{name}: cannot type a {type(value).__name__}")
+    return sig, consts
+
+
+def _launches(monkeypatch) -> list[dict]:
+    """Run the kernels in the interpreter on small fp16/fp32 inputs and record each distinct launch."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    recorded: dict[tuple, dict] = {}
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launch = {k: v for k, v in kwargs.items() if k not in _OPTIONS + ("num_ctas", "launch_pdl", "maxnreg")}
+        sig, consts = _signature(self, args, launch)
+        key = (self.fn.__module__, self.fn.__name__, json.dumps(sig, sort_keys=True),
+               json.dumps(consts, sort_keys=True, default=str))
+        recorded.setdefault(key, {"module": self.fn.__module__, "name": self.fn.__name__, "sig": sig,
+                                  "consts": consts, "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs}})
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    B, Hq, Hkv, L, N, D = 1, 4, 2, 2, 300, 64
+    for dtype in (torch.float16, torch.float32):
+        q, k, v = (torch.randn(B, h, n, D, dtype=dtype) for h, n in ((Hq, L), (Hkv, N), (Hkv, N)))
+        mask = torch.rand(B, 1, L, N) > 0.3
+        for fused in (False, True):
+            out, lse = torch.empty(B, Hq, L, D, dtype=dtype), torch.empty(B, Hq, L)
+            split_kv_decode(q, k, v, out, lse, workspace=split_kv_workspace(4, q, k, v), attn_mask=mask,
+                            valid_len=torch.tensor([250], dtype=torch.int32), scale=0.125, num_splits=4, block_n=64,
+                            num_warps=4, num_stages=3, fused_merge=fused)
+        out, lse = torch.empty(B, Hq, L, D, dtype=dtype), torch.empty(B, Hq, L)
+        stream_k_decode(q, k, v, out, lse, workspace=stream_k_workspace(8, q, k, v),
+                        attn_mask=torch.where(mask, 0.0, float("-inf")), scale=0.125, grid=8, block_n=64,
+                        num_warps=4, num_stages=3)
+    return list(recorded.values())
+
+
+_COMPILE = textwrap.dedent("""
+    import importlib, json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    failures = []
+    for job in json.load(sys.stdin):
+        fn = getattr(importlib.import_module(job["module"]), job["name"])
+        try:
+            triton.compile(ASTSource(fn=fn, signature=job["sig"], constexprs=job["consts"]),
+                           target=GPUTarget("cuda", 90, 32), options=job["options"])
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            failures.append(f"{job['name']} {job['consts']}: {type(e).__name__}: {str(e)[:2000]}")
+    print(json.dumps(failures))
+""")
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA tests compile and run the kernels on this machine's GPU")
+    jobs = _launches(monkeypatch)
+    names = {j["name"] for j in jobs}
+    assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel"} <= names, names
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs, default=str), text=True,
+                          capture_output=True, env=env, timeout=850)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not failures, "\n".join(failures)
