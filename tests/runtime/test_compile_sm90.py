@@ -2,7 +2,7 @@
 
 The interpreter runs a kernel's Python semantics but never its compiler pipeline (layouts, TTGIR lowering, ptxas),
 so a kernel change that is right in the interpreter can still fail to compile on the GPU. This test runs the
-split-KV (with and without its fused merge), merge and stream-K kernels in the interpreter to record the exact
+split-KV (with and without its fused merge), merge, stream-K and SAAP kernels in the interpreter to record the exact
 launches (signature, constexprs, warps, stages), then compiles each launch for ``cuda:90`` with the Triton here
 (its bundled ptxas), in a subprocess without ``TRITON_INTERPRET``.
 
@@ -85,7 +85,23 @@ def _launches(monkeypatch) -> list[dict]:
         stream_k_decode(q, k, v, out, lse, workspace=stream_k_workspace(8, q, k, v),
                         attn_mask=torch.where(mask, 0.0, float("-inf")), scale=0.125, grid=8, block_n=64,
                         num_warps=4, num_stages=3)
+        for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
+            _saap_launch(q, k, v, clusters, probes)
     return list(recorded.values())
+
+
+def _saap_launch(q, k, v, clusters, probes):
+    """The SAAP kernel (and its merge) over a random CSR table (some clusters empty), 4 splits."""
+    from attnopt.runtime.kernels.saap import saap_decode_kernel
+
+    B, Hkv, N = k.shape[0], k.shape[1], k.shape[2]
+    perm = torch.randperm(N - 40, dtype=torch.int32).add_(1).expand(B, Hkv, -1).contiguous()
+    offsets = torch.linspace(0, N - 40, clusters + 1).round().to(torch.int32).expand(B, Hkv, -1).contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    saap_decode_kernel(q, k, v, torch.rand(B, Hkv, clusters), offsets, perm,
+                       torch.full((B,), N - 39, dtype=torch.int32), out, torch.empty(q.shape[:3]), probes=probes,
+                       sink=1, scale=0.125, valid_len=torch.tensor([N - 10], dtype=torch.int32), num_splits=4,
+                       block_n=64)
 
 
 _COMPILE = textwrap.dedent("""
@@ -111,7 +127,7 @@ def test_kernels_compile_for_sm90(monkeypatch):
         pytest.skip("the CUDA tests compile and run the kernels on this machine's GPU")
     jobs = _launches(monkeypatch)
     names = {j["name"] for j in jobs}
-    assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel"} <= names, names
+    assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel"} <= names, names
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs, default=str), text=True,
                           capture_output=True, env=env, timeout=850)
