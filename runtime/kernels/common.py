@@ -345,6 +345,13 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
         # only biases below it tie with finfo.min (a row that only they reach averages V over all of them).
         bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -2.3e38) * 1.4426950408889634)
         s = s + bias
+    return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
+
+
+@triton.jit
+def _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step: fold the tile's base-2 scores ``s`` (BLOCK_M, BLOCK_N), hidden where ``visible`` is
+    False, and its values ``v`` (BLOCK_N, BLOCK_DV) into (acc, m_i, l_i). Returns the new (acc, m_i, l_i)."""
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty rows so far: no NaN from -inf - -inf

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _finish, _load_q, _row_coords, _store_rows, block_d_for, block_m_for, cdiv, dot_flags, \
-    next_pow2, scale_log2
+from .common import _finish, _load_q, _row_coords, _softmax_update, _store_rows, block_d_for, block_m_for, cdiv, \
+    dot_flags, next_pow2, scale_log2
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -148,18 +148,7 @@ def _saap_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         visible = t_ok[None, :] & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p, v, input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
     o, lse = _finish(acc, m_i, l_i)
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
