@@ -349,6 +349,16 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
 
 
 @triton.jit
+def _split_share(split, n, num_splits, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) of split ``split`` of ``n`` keys: tiles [s * T // S, (s + 1) * T // S) of the T tiles. Shares
+    differ by at most one tile (equal ceil(T / S) shares left the last splits short or empty)."""
+    n_tiles = tl.cdiv(n, BLOCK_N)
+    lo = (split.to(tl.int64) * n_tiles // num_splits).to(tl.int32) * BLOCK_N
+    hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // num_splits).to(tl.int32) * BLOCK_N, n)
+    return lo, hi
+
+
+@triton.jit
 def _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax step: fold the tile's base-2 scores ``s`` (BLOCK_M, BLOCK_N), hidden where ``visible`` is
     False, and its values ``v`` (BLOCK_N, BLOCK_DV) into (acc, m_i, l_i). Returns the new (acc, m_i, l_i)."""

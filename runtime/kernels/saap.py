@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _finish, _load_q, _row_coords, _softmax_update, _store_rows, block_d_for, block_m_for, cdiv, \
+from .common import _finish, _load_q, _row_coords, _softmax_update, _split_share, _store_rows, block_d_for, block_m_for, cdiv, \
     dot_flags, next_pow2, scale_log2
 from .launch import KernelLauncher
 from .merge import merge_states
@@ -104,9 +104,7 @@ def _saap_kernel(
     # this split's share of the virtual sequence: sink | chosen clusters | window
     n_win = kv_len - indexed_end
     n_virtual = sink + total + n_win
-    n_tiles = tl.cdiv(n_virtual, BLOCK_N)
-    lo = (split.to(tl.int64) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N
-    hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N, n_virtual)
+    lo, hi = _split_share(split, n_virtual, NUM_SPLITS, BLOCK_N)
 
     rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

@@ -16,8 +16,8 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = None
 
-from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows,
-                     arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported, scale_log2)
+from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _split_share,
+                     _store_rows, arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported, scale_log2)
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -89,9 +89,7 @@ def _split_kv_kernel(
     # This split's share of the keys that exist for row b: tiles [s * T // S, (s + 1) * T // S). Shares differ by
     # at most one tile. Equal ceil(T / S) shares left the last splits short or empty (33 splits of 256 tiles:
     # 32 splits of 8 tiles and an idle one), so the grid's real size was not the planned one.
-    n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    lo = (split.to(tl.int64) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N
-    hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // NUM_SPLITS).to(tl.int32) * BLOCK_N, kv_len)
+    lo, hi = _split_share(split, kv_len, NUM_SPLITS, BLOCK_N)
 
     rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
