@@ -23,7 +23,7 @@ from attnopt.plan import SaapPlan
 from attnopt.site import AttentionSite
 
 from .base import PlanContext, Strategy, register_strategy
-from .split_kv import KERNEL_DTYPES, KERNEL_HEAD_DIMS, MAX_Q_LEN, use_triton
+from .split_kv import MAX_Q_LEN, kernel_check, use_triton
 
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
 #: Attended keys per kernel tile.
@@ -72,15 +72,7 @@ class Saap(Strategy[SaapPlan]):
             return f"q_len {site.q_len} is not a static decode length <= {MAX_Q_LEN}"
         if site.mask_kind not in ("none", "valid_length") or site.is_causal:
             return f"mask {site.mask_kind!r} (is_causal={site.is_causal}) is not supported by SAAP (none or valid length)"
-        if site.v_head_dim is not None and site.v_head_dim != site.head_dim:
-            return f"v_head_dim {site.v_head_dim} != head_dim {site.head_dim}"
-        if site.head_dim not in KERNEL_HEAD_DIMS or site.dtype not in KERNEL_DTYPES:
-            return f"head_dim {site.head_dim} / dtype {site.dtype} not supported by the SAAP kernel"
-        if site.kv_layout != "bhnd":
-            return f"KV layout {site.kv_layout!r} not supported (bhnd only)"
-        if ctx.device_type == "cuda" and not ctx.triton_available:
-            return "Triton is not available on this CUDA machine"
-        return None
+        return kernel_check(site, ctx)  # head dims, dtypes, layout and Triton: those of the dense decode kernels
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[SaapPlan]:
         opts = ctx.extras["saap"]
