@@ -315,34 +315,6 @@ def test_tune_sites_drives_the_tuner(cache):
     assert all(r["predicted_us"] > 0 for r in rows)
 
 
-# ---------------------------------------------------------------------------------------- attnopt bench planner
-def test_planner_bench_grid_covers_every_group_and_head_dim():
-    from attnopt.bench.planner import GROUPS, HEAD_DIMS, MAX_SET_BYTES, sample_grid
-
-    grid = sample_grid(35, seed=19)
-    assert grid == sample_grid(35, seed=19) and len(grid) == 35
-    pairs = {(hq // hkv, d) for b, hq, hkv, d, n, L, cache in grid.values()}
-    assert pairs == {(g, d) for g in GROUPS for d in HEAD_DIMS}
-    for b, hq, hkv, d, n, L, cache in grid.values():
-        assert 1 <= b <= 64 and 1024 <= n <= 512 * 1024 and L in (1, 4) and cache in ("dynamic", "static")
-        assert b * hkv * n * 2 * d * 2 <= MAX_SET_BYTES
-    assert {cache for *_, cache in grid.values()} == {"dynamic", "static"}
-    assert {n & (n - 1) == 0 for _, _, _, _, n, _, _ in grid.values()} == {True, False}  # inside buckets too
-
-
-def test_planner_bench_overall_and_cli_without_gpu(monkeypatch, capsys):
-    from attnopt.bench.planner import overall
-    from attnopt.cli import main
-
-    out = overall([{"case": "a", "ratio_to_best_peer": 1.2, "compile_s": 3.0},
-                   {"case": "b", "ratio_to_best_peer": 0.9, "compile_s": 1.0}, {"case": "c", "error": "x"}])
-    assert out["worst_case"] == "b" and out["min_ratio"] == 0.9 and out["at_least_0_99"] == 1
-    assert out["geomean_ratio"] == pytest.approx(math.sqrt(1.2 * 0.9)) and out["compile_s_max"] == 3.0
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["bench", "planner", "--grid", "2"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
 @pytest.mark.cuda
 def test_gpu_timer_times_a_plan_and_the_tuner_picks_on_cuda(cache):
     """On a GPU: the real timer returns a positive time for a kernel plan and an SDPA backend, and the default
