@@ -213,7 +213,8 @@ def test_symbolic_length_gets_a_plan_per_bucket(cache):
     assert report.measured_us == 1.0  # the bucket of the trace-time hint
     assert {n for _, n in timer.calls} == set(tuning.BUCKETS)
     assert plan_from_json(plan.runtime_key()) == dataclasses.replace(plan, est_us=math.nan)
-    assert plan.describe().startswith("bucketed(N 1..1024: dense(") and "; N 8193..: " in plan.describe()
+    assert plan.describe().startswith("bucketed(N 1..") and "dense(" in plan.describe()
+    assert "; N 8193..: " in plan.describe()
 
 
 def test_bucketed_plan_runs_each_buckets_plan_through_the_op():

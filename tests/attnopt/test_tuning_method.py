@@ -323,3 +323,42 @@ def test_tune_charges_each_preset_site_its_share_of_the_valid_length(cache):
                       {spec: layers_of(spec, None) for spec in args.shapes})
     assert rows[0]["plan"].startswith("split_kv") and rows[0]["measured_us"] == pytest.approx(9.7)
     assert "cudnn" in rows[1]["plan"] and rows[1]["measured_us"] == 21.0
+
+
+# ---------------------------------------------------------------------------------------- the default pick: cuDNN
+def test_hopper_offers_cudnn_first_and_a_masked_dense_site_gets_it_without_tuning():
+    """On H100/H200 profiles the dense plan is cuDNN (measured no slower than flash on every decode shape there, and
+    23x faster than SDPA's own masked pick, the memory-efficient kernel); elsewhere SDPA's own pick stays first."""
+    from attnopt.cost import kernel as K
+    from attnopt.runtime.strategies.dense import Dense
+
+    site = AttentionSite.canonical(head_dim=112, kv_len=32768, mask_kind="valid_length")  # no kernel takes D=112
+    report = plan_site(site, HW, CUDA_CTX, OptimizeConfig())
+    assert report.chosen.kind == "dense" and report.chosen.backend == "cudnn"
+    auto = next(c for c in report.candidates if c.kind == "dense" and c.backend == "auto")
+    assert auto.est_us > 10 * report.chosen.est_us  # SDPA's own pick with a mask: the efficient kernel
+    unmasked = AttentionSite.canonical(head_dim=112, kv_len=32768)
+    assert K.cudnn_us(site, HW) == pytest.approx(K.dense_us(unmasked, HW) + 32768 / (HW.hbm_read_gbps * 1e3))
+    assert plan_site(unmasked, HW, CUDA_CTX, OptimizeConfig()).chosen.backend == "cudnn"  # ties: cuDNN first
+    a100 = builtin_profile("a100-80gb")
+    assert [p.backend for p in Dense().candidates(unmasked, a100, CUDA_CTX)][0] == "auto"
+    assert [p.backend for p in Dense().candidates(unmasked, HW, CUDA_CTX)][:2] == ["cudnn", "auto"]
+    assert [p.backend for p in Dense().candidates(unmasked, HW, PlanContext())] == ["auto"]  # CPU: SDPA's own
+
+
+def test_a_backend_that_cannot_run_falls_back_to_sdpas_own_pick(caplog):
+    """A planned cuDNN plan on a build or GPU without it (here: the CPU) is found out in prepare(), outside any
+    capture, and runs as SDPA's own pick: slower, never an error."""
+    import logging
+
+    from attnopt.runtime.reference import decode_attention
+    from attnopt.runtime.strategies.dense import Dense
+
+    q, k, v = torch.randn(2, 6, 1, 32), torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
+    plan = DensePlan(backend="cudnn")
+    with caplog.at_level(logging.WARNING, logger="attnopt"):
+        state = Dense().prepare(plan, q, k, v)
+    assert state == "auto" and any("cannot run" in r.getMessage() for r in caplog.records)
+    valid = torch.tensor([40, 17])
+    out = Dense().run(state, plan, q, k, v, None, valid, 0.2, False)
+    torch.testing.assert_close(out, decode_attention(q, k, v, valid_len=valid, scale=0.2), atol=1e-5, rtol=1e-5)
