@@ -112,7 +112,15 @@ class GpuTimer:
         self._warm = False
 
     def release(self) -> None:
+        """Drop the input sets and hand their memory back to the driver (they can take GBs at long contexts, and
+        the model being compiled needs its memory next)."""
+        had_sets = bool(self._sets)
         self._shape, self._sets, self._warm = None, [], False
+        if had_sets:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def _input_sets(self, site: AttentionSite) -> list[dict[str, Any]]:
         import torch
