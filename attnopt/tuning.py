@@ -432,8 +432,9 @@ def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
 
     Off by default for now. Its first GPU run (H100, SmolLM2's static-cache shape in bf16) chose cuDNN dense at
     every length, 21 µs alone against split-KV's 9.2 µs at 1k. The cause read from the code (not yet confirmed
-    on a GPU): that timer charged every kernel plan a whole ``valid_len_from_mask`` (about seven small kernels per
-    call) that the lowered graph computes once per step for all 30 layers, while cuDNN took the mask for free.
+    on a GPU): that timer charged every kernel plan a whole ``valid_len_from_mask`` (then seven small kernels per
+    call; one Triton launch since 4cc2575) that the lowered graph computes once per step for all 30 layers, while
+    cuDNN took the mask for free.
     Tuning version 2 times the valid length apart and charges each site its share (see the module docstring);
     ``attnopt bench planner`` measures the tuned and the model's picks side by side, which is what turning it on
     by default should rest on."""
