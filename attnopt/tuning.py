@@ -49,6 +49,8 @@ from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_
 TUNING_VERSION = 2
 #: ``0`` turns tuning off (the cost model alone plans, and cached measurements are not used).
 TUNE_ENV = "ATTNOPT_TUNE"
+#: Whether the measured choice is on when ``ATTNOPT_TUNE`` is unset (see ``default_tuner`` for why not yet).
+TUNE_BY_DEFAULT = False
 #: Seconds one site shape may spend being timed (new candidates stop starting after it).
 BUDGET_ENV = "ATTNOPT_TUNE_BUDGET_S"
 DEFAULT_BUDGET_S = 2.0
@@ -428,7 +430,8 @@ def use_tuner(tuner: Tuner):
 
 def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
     """The tuner the planner uses: the one of an enclosing ``use_tuner`` block; else ``None`` (cost model alone)
-    off CUDA, under the Triton interpreter, or unless ``ATTNOPT_TUNE=1``; else measuring, with the persistent cache.
+    off CUDA, under the Triton interpreter, with ``ATTNOPT_TUNE=0``, or with it unset while ``TUNE_BY_DEFAULT`` is
+    off; else measuring, with the persistent cache. Any other ``ATTNOPT_TUNE`` value is an error naming the valid ones.
 
     Off by default for now. Its first GPU run (H100, SmolLM2's static-cache shape in bf16) chose cuDNN dense at
     every length, 21 µs alone against split-KV's 9.2 µs at 1k. The cause read from the code (not yet confirmed
@@ -440,8 +443,11 @@ def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
     by default should rest on."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    if os.environ.get(TUNE_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+    setting = os.environ.get(TUNE_ENV, "").strip().lower()
+    if setting in ("0", "false", "no", "off") or (not setting and not TUNE_BY_DEFAULT):
         return None
+    if setting and setting not in ("1", "true", "yes", "on"):
+        raise ValueError(f"{TUNE_ENV}={setting!r}: expected 1/true/yes/on or 0/false/no/off")
     if device_type != "cuda" or not triton_available:
         return None
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

@@ -269,7 +269,9 @@ def run(args, on_case: Callable[[dict[str, Any]], Any] | None = None) -> dict[st
     if not args.keep_cache:
         os.environ["ATTNOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnopt-planner-bench-")
     tune_before = os.environ.get("ATTNOPT_TUNE")
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for limit in ("cache_size_limit", "recompile_limit"):  # the name differs across torch versions
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
     dtype_name = "float32" if args.smoke else DTYPES[args.dtype]
     dtype = getattr(torch, dtype_name)
     hw_name = detect_profile().name
@@ -337,7 +339,9 @@ def _run_case(name, case, dtype, dtype_name, clock, args, hw_name, read_bw, resu
                    max_sets=MAX_SETS if clock.device == "cuda" else 2)
     sets = rot.sets
     s0 = sets[0]
-    ref = decode_attention(s0["q"].float(), s0["k"].float(), s0["v"].float(), valid_len=s0["valid"], scale=scale)
+    # fp32 reference in partitions of about 1 GB of K/V (a set holds up to 6 GB; one fp32 copy of it would not fit)
+    ref = decode_attention(s0["q"].float(), s0["k"], s0["v"], valid_len=s0["valid"], scale=scale,
+                           num_partitions=max(1, B * Hkv * N * 2 * D * dtype.itemsize >> 30))
     base = {"case": name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "N": N, "q_len": L, "cache": cache,
             "valid_len": valid, "dtype": dtype_name, "floor_us": floor_us, "rotation_sets": rot.count}
     rows = [_optimized_row(base, "attnopt:planner", sets, case, ref, clock, args, hw_name, "1")]

@@ -362,3 +362,21 @@ def test_a_backend_that_cannot_run_falls_back_to_sdpas_own_pick(caplog):
     valid = torch.tensor([40, 17])
     out = Dense().run(state, plan, q, k, v, None, valid, 0.2, False)
     torch.testing.assert_close(out, decode_attention(q, k, v, valid_len=valid, scale=0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_the_default_switch_and_the_environment_variable(monkeypatch):
+    monkeypatch.delenv(tuning.TUNE_ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(tuning, "TUNE_BY_DEFAULT", False)
+    assert tuning.default_tuner("cuda", True) is None
+    monkeypatch.setattr(tuning, "TUNE_BY_DEFAULT", True)
+    assert isinstance(tuning.default_tuner("cuda", True), Tuner)
+    assert tuning.default_tuner("cpu", True) is None  # never off CUDA
+    monkeypatch.setenv(tuning.TUNE_ENV, "off")
+    assert tuning.default_tuner("cuda", True) is None
+    monkeypatch.setattr(tuning, "TUNE_BY_DEFAULT", False)
+    monkeypatch.setenv(tuning.TUNE_ENV, "yes")
+    assert isinstance(tuning.default_tuner("cuda", True), Tuner)
+    monkeypatch.setenv(tuning.TUNE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="ATTNOPT_TUNE='sometimes': expected 1/true/yes/on or 0/false/no/off"):
+        tuning.default_tuner("cuda", True)
