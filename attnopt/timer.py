@@ -10,6 +10,9 @@ the benchmark rank plans alike:
 * the calls cycle over input sets that together span ``L2_FACTOR`` L2 sizes (as many small sets as that takes),
   and one replay reads every set, so K/V come from HBM as they do in a model whose other layers evict them;
 * the inputs have the site's shape, dtype, mask kind and a valid length (``STATIC_FILL`` of a static cache);
+* where the graph will not replay as CUDA graphs (``mode`` other than ``reduce-overhead``), a call also costs
+  its host time (``host_us``: the op issued back to back, prepare done in the warm-up), so the tuner takes the
+  longer of the two: at small shapes the host's launch cost, not the kernel, sets the pace;
 * the valid length a kernel plan reads is computed from the mask once per input set, outside the timed region:
   the lowered graph computes it once per step for every site that reads that mask
   (``passes.lower._shared_valid_len``), so ``valid_len_us`` times it apart and the tuner charges each site its
@@ -33,6 +36,10 @@ L2_FACTOR = 4
 MAX_SETS = 256
 #: Eager calls of the first candidate of a shape before any timing, in ms: clocks ramp up after idle.
 WARM_MS = 20.0
+#: Host timing: calls issued per repeat (few enough that the launch queue never fills and blocks the host).
+HOST_CALLS = 50
+#: The op's site key for the calls the timer makes (its call count is not a model's).
+TUNING_SITE = "attnopt-tuning"
 #: CUDA-graph timing: about this many ms of calls per graph, the median over this many replays.
 TARGET_MS = 2.0
 REPLAYS = 5
@@ -166,15 +173,41 @@ class GpuTimer:
             torch.cuda.synchronize()
             return self._time([site_call(plan, site, s, state) for s in sets])
 
-    def valid_len_us(self, site: AttentionSite) -> float:
-        """µs of one ``attnopt::valid_len_from_mask`` over the site's mask, timed like a plan."""
+    def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
+        """µs of one ``attnopt::valid_len_from_mask`` over the site's mask, timed like a plan (``eager``: the longer
+        of that and its host time, as ``host_us``)."""
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.no_grad():
             sets = self._input_sets(site)
             b = int(site.batch)
-            return self._time([lambda m=s["mask"]: torch.ops.attnopt.valid_len_from_mask(m, b) for s in sets])
+            calls = [lambda m=s["mask"]: torch.ops.attnopt.valid_len_from_mask(m, b) for s in sets]
+            device = self._time(calls)
+            return max(device, self._host(calls)) if eager else device
+
+    def host_us(self, plan: Plan, site: AttentionSite) -> float:
+        """µs of host time per call of the ``attnopt::decode_attention`` op running ``plan``, the calls issued back
+        to back without a sync (what a graph that is not replayed as a CUDA graph pays per call when the GPU keeps
+        up). The op prepares its state on the first call, in the warm-up."""
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+        with unset_fake_temporarily(), torch.no_grad():
+            sets = self._input_sets(site)
+            key, scale = plan.runtime_key(), site.scale if site.scale is not None else site.head_dim ** -0.5
+            op = torch.ops.attnopt.decode_attention
+            return self._host([lambda s=s: op(s["q"], s["k"], s["v"], s["mask"],
+                                              s["valid_len"] if uses_valid_len(plan, site) else None, scale,
+                                              site.is_causal, key, TUNING_SITE) for s in sets])
+
+    @staticmethod
+    def _host(calls: list[Callable[[], Any]]) -> float:
+        from .bench.common import cycle, host_us
+
+        return host_us(cycle(calls), iters=max(HOST_CALLS, len(calls)), repeats=3, warmup=max(5, len(calls)))
 
 
 #: The default timer of ``attnopt.tuning.Tuner``.

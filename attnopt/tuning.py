@@ -94,14 +94,18 @@ class ShapeKey:
     is_causal: bool
     #: Sites sharing one valid-length computation (0 where the site has no valid-length or arbitrary mask).
     valid_len_sharing: int = 0
+    #: Whether the graph replays as CUDA graphs (else a call's host time counts too).
+    graphed: bool = True
 
     @classmethod
-    def of(cls, site: AttentionSite, kv_len: int, bucketed: bool, valid_len_sharing: int = 1) -> "ShapeKey":
+    def of(cls, site: AttentionSite, kv_len: int, bucketed: bool, valid_len_sharing: int = 1,
+           graphed: bool = True) -> "ShapeKey":
         masked = site.mask_kind in ("valid_length", "arbitrary")
         return cls(batch=int(site.batch), q_heads=site.q_heads, kv_heads=site.kv_heads, head_dim=site.head_dim,
                    v_head_dim=site.v_head_dim or site.head_dim, q_len=int(site.q_len), kv_len=int(kv_len),
                    bucketed=bucketed, dtype=site.dtype, mask_kind=site.mask_kind, valid_length=masked,
-                   is_causal=site.is_causal, valid_len_sharing=max(1, int(valid_len_sharing)) if masked else 0)
+                   is_causal=site.is_causal, valid_len_sharing=max(1, int(valid_len_sharing)) if masked else 0,
+                   graphed=bool(graphed))
 
 
 def tunable_reason(site: AttentionSite) -> str | None:
@@ -295,13 +299,15 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------- one shape
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
-               valid_len_sharing: int = 1) -> Choice:
+               valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
-        computation that kernel plans need there."""
+        computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
+        call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it)."""
         if not ranked:
             raise ValueError("no candidate to choose from")
-        shape = ShapeKey.of(site, site.kv_len, bucketed, valid_len_sharing)
+        eager = not graphed and hasattr(self.timer, "host_us")
+        shape = ShapeKey.of(site, site.kv_len, bucketed, valid_len_sharing, graphed)
         by_key = {p.runtime_key(): p for p in ranked}
         record = self.cache.get(self.environment(), shape) if self.cache is not None else None
         if record is not None:
@@ -316,11 +322,12 @@ class Tuner:
             return Choice(ranked[0], "model")
         start = time.perf_counter()
         plans = to_time(ranked, self.top_k)
-        samples, timings, extra = self._measure(plans, site, start)
+        samples, timings, extra = self._measure(plans, site, start, eager)
         valid_len_us = 0.0
         if any(uses_valid_len(p, site) for p in plans) and samples and hasattr(self.timer, "valid_len_us"):
             try:
-                valid_len_us = float(self.timer.valid_len_us(site))
+                valid_len_us = float(self.timer.valid_len_us(site, eager=True) if eager else
+                                     self.timer.valid_len_us(site))
             except Exception as exc:  # noqa: BLE001 - then kernel plans are charged nothing extra; say so
                 extra["valid_len_error"] = _error_text(exc)
             extra.update(valid_len_us=valid_len_us, valid_len_sharing=shape.valid_len_sharing)
@@ -344,13 +351,16 @@ class Tuner:
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
 
-    def _measure(self, plans: Sequence[Plan], site: AttentionSite,
-                 start: float) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
+    def _measure(self, plans: Sequence[Plan], site: AttentionSite, start: float,
+                 eager: bool = False) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
         The model's pick and the first SDPA backend always get one round; everything else only within the
-        budget. A candidate that fails once is not timed again."""
+        budget. A candidate that fails once is not timed again. ``eager``: a sample is the longer of the device
+        time and the host time (both kept in the extras)."""
         samples: dict[str, list[float]] = {}
         failed: dict[str, Any] = {}
+        device_us: dict[str, list[float]] = {}
+        host_us: dict[str, list[float]] = {}
         rounds_done = 0
         for r in range(self.rounds):
             if r > 0 and time.perf_counter() - start > self.budget_s:
@@ -364,16 +374,26 @@ class Tuner:
                         failed[key] = "skipped: tuning budget spent"
                     continue
                 try:
-                    samples.setdefault(key, []).append(float(self.timer(p, site)))
+                    t = float(self.timer(p, site))
+                    if eager:
+                        h = float(self.timer.host_us(p, site))
+                        device_us.setdefault(key, []).append(t)
+                        host_us.setdefault(key, []).append(h)
+                        t = max(t, h)
+                    samples.setdefault(key, []).append(t)
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is not a choice
                     samples.pop(key, None)
                     failed[key] = _error_text(exc)
             rounds_done = r + 1
-        return samples, failed, {"rounds": rounds_done}
+        extra: dict[str, Any] = {"rounds": rounds_done}
+        if eager:
+            extra.update(device_us={k: v for k, v in device_us.items() if k in samples},
+                         host_us={k: v for k, v in host_us.items() if k in samples})
+        return samples, failed, extra
 
     # ------------------------------------------------------------------------------------- symbolic length
     def choose_bucketed(self, site: AttentionSite, rank: Callable[[AttentionSite], list[Plan]], *,
-                        valid_len_sharing: int = 1) -> Choice:
+                        valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
         """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's edge)`` gives that
         bucket's ranked candidates, ``choose`` picks among them. Its estimate and measurement are those of the
         bucket holding the trace-time hint. Returns the bucket's plan itself when every bucket chose the same."""
@@ -383,7 +403,8 @@ class Tuner:
             ranked = rank(at)
             if not ranked:
                 raise ValueError(f"no candidate plan at KV length {bound} for {site.shape_str()}")
-            choices.append(self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing))
+            choices.append(self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
+                                       graphed=graphed))
         hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
         here = choices[self.buckets.index(hint)]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}

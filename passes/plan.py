@@ -82,12 +82,15 @@ def plan_site(site, hw, plan_ctx, config, tuner=None, valid_len_sharing: int = 1
         from attnopt.tuning import tunable_reason
 
         if tunable_reason(site) is None:
+            # Unknown (a caller without a backend): device time alone, as a CUDA-graph replay runs it.
+            graphed = plan_ctx.extras.get("graphed", True)
             try:
                 if site.kv_len is not None:
-                    picked = tuner.choose(site, report.candidates, valid_len_sharing=valid_len_sharing)
+                    picked = tuner.choose(site, report.candidates, valid_len_sharing=valid_len_sharing,
+                                          graphed=graphed)
                 else:
                     picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0],
-                                                   valid_len_sharing=valid_len_sharing)
+                                                   valid_len_sharing=valid_len_sharing, graphed=graphed)
             except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the compile
                 log.warning("attnopt: measuring plans for %s failed (%s: %s); using the cost model's choice",
                             site.shape_str(), type(exc).__name__, exc)

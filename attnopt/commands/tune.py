@@ -51,6 +51,9 @@ def register(sub) -> None:
                    help="with --mask valid_length: attention sites per step sharing the mask, whose one valid-length "
                         "computation each site is charged a share of (default: the preset's or config's layer "
                         "count; 1 for a bare shape)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="tune for a model compiled without CUDA graphs (any mode but reduce-overhead): a call then "
+                        "costs the longer of its device and host time (default: device time, as CUDA graphs replay)")
     p.add_argument("--symbolic", action="store_true",
                    help="tune every KV-length bucket of a growing cache instead of --context's lengths")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per shape (default: the planner's)")
@@ -170,7 +173,8 @@ def run(args) -> int:
 
     sites = build_sites(args)
     hw = resolve_profile(None)
-    ctx = PlanContext(device_type="cuda", triton_available=triton_usable("cuda"))
+    ctx = PlanContext(device_type="cuda", triton_available=triton_usable("cuda"),
+                      extras={"graphed": not getattr(args, "no_graphs", False)})
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("tuning", total=len(sites))
@@ -179,8 +183,9 @@ def run(args) -> int:
             bar.update(task, description=f"{site.shape_str()}: {plan.kind}")
             return gpu_timer(plan, site)
         timer.release = gpu_timer.release  # the tuner frees the timer's input sets after each shape
-        if hasattr(gpu_timer, "valid_len_us"):  # the valid length's share of a masked site (attnopt.timer)
-            timer.valid_len_us = gpu_timer.valid_len_us
+        for extra in ("valid_len_us", "host_us"):  # a masked site's valid length; host time without graphs
+            if hasattr(gpu_timer, extra):
+                setattr(timer, extra, getattr(gpu_timer, extra))
 
         tuner = Tuner(timer, TuningCache(), budget_s=args.budget)
         layers = {spec: layers_of(spec, args.layers) for spec in args.shapes}

@@ -107,16 +107,22 @@ def test_no_valid_length_is_timed_without_a_mask(cache):
     assert ShapeKey.of(AttentionSite.canonical(), 8192, False, 30).valid_len_sharing == 0
 
 
+class Listening(Tuner):
+    """A tuner (fake timer, one kernel candidate) that records the keyword arguments the planner gives it."""
+
+    def __init__(self, cache):
+        super().__init__(Scripted(lambda p, s, n: 1.0), cache, env=ENV, top_k=1)
+        self.heard = []
+
+    def choose(self, site, ranked, **kw):
+        self.heard.append(kw)
+        return super().choose(site, ranked, **kw)
+
+
 def test_the_plan_pass_counts_the_sites_that_share_a_mask(cache):
     """Three attention calls over one mask (a decoder's layers): the tuner hears ``valid_len_sharing=3`` for
     each; a site with its own mask hears 1."""
     torch._dynamo.reset()
-    heard = []
-
-    class Listening(Tuner):
-        def choose(self, site, ranked, **kw):
-            heard.append(kw.get("valid_len_sharing"))
-            return super().choose(site, ranked, **kw)
 
     def layers(q, k, v, mask, other):
         o = q
@@ -127,16 +133,26 @@ def test_the_plan_pass_counts_the_sites_that_share_a_mask(cache):
     q, k, v = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 48, 64), torch.randn(2, 2, 48, 64)
     mask = (torch.arange(48) < 30)[None, None, None, :].expand(2, 1, 1, 48).contiguous()
     other = (torch.arange(48) < 20)[None, None, None, :].expand(2, 1, 1, 48).contiguous()
-    with tuning.use_tuner(Listening(Scripted(lambda p, s, n: 1.0), cache, env=ENV, top_k=1)):
+    with tuning.use_tuner(Listening(cache)) as tuner:
         opt = attnopt.optimize(layers, inner_backend="eager", dynamic=False)
         out = opt(q, k, v, mask, other)
     torch.testing.assert_close(out, layers(q, k, v, mask, other), atol=1e-5, rtol=1e-5)
-    assert sorted(heard) == [1, 3, 3, 3]
+    assert sorted(kw["valid_len_sharing"] for kw in tuner.heard) == [1, 3, 3, 3]
 
 
 # ---------------------------------------------------------------------------------------- the GPU timer, faked
 class _Props:
     L2_cache_size = 1 << 20
+
+
+def _gpu_on_the_cpu(monkeypatch):
+    """The GPU timer's CUDA queries answered for a big GPU with a 1 MB L2, its input sets made on the CPU."""
+    real_inputs = T.synthetic_inputs
+    monkeypatch.setattr(T, "synthetic_inputs", lambda site, i, device="cuda": real_inputs(site, i, device="cpu"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 34, 1 << 35))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
 
 class _Recording:
@@ -163,12 +179,7 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
     log = []
     strategy = _Recording(log)
     monkeypatch.setattr(strategies, "get_strategy", lambda kind: strategy)
-    real_inputs = T.synthetic_inputs
-    monkeypatch.setattr(T, "synthetic_inputs", lambda site, i, device="cuda": real_inputs(site, i, device="cpu"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 34, 1 << 35))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _Props())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    _gpu_on_the_cpu(monkeypatch)
     seen = {}
 
     def fake_time_us(fn, mode="graph", *, target_ms=5.0, replays=11, min_calls=4):
@@ -380,3 +391,67 @@ def test_the_default_switch_and_the_environment_variable(monkeypatch):
     monkeypatch.setenv(tuning.TUNE_ENV, "sometimes")
     with pytest.raises(ValueError, match="ATTNOPT_TUNE='sometimes': expected 1/true/yes/on or 0/false/no/off"):
         tuning.default_tuner("cuda", True)
+
+
+# ---------------------------------------------------------------------------------------- graphs or not
+class HostAware(Scripted):
+    """A fake timer with host times: ``host(plan) -> µs`` per call issued eagerly."""
+
+    def __init__(self, rule, host, valid_len=None):
+        super().__init__(rule, valid_len)
+        self.host = host
+
+    def host_us(self, plan, site):
+        return self.host(plan)
+
+
+def test_without_cuda_graphs_a_call_costs_the_longer_of_device_and_host_time(cache):
+    """Split-KV: 9 µs on the device but 33 µs of host launches; cuDNN: 12 µs and 15 µs (the dispatch bench's host
+    costs on the H100). Replayed as CUDA graphs split-KV wins; launched eagerly cuDNN does."""
+    site = AttentionSite.canonical(q_heads=9, kv_heads=3, head_dim=64, kv_len=1024)
+    ranked = _ranked(site)
+
+    def rule(plan, site, n):
+        return 12.0 if plan.kind == "dense" else 9.0
+
+    def host(plan):
+        return 15.0 if plan.kind == "dense" else 33.0
+    graphed = Tuner(HostAware(rule, host), cache, env=ENV).choose(site, ranked, graphed=True)
+    eager = Tuner(HostAware(rule, host), cache, env=ENV).choose(site, ranked, graphed=False)
+    assert graphed.plan.kind != "dense" and graphed.measured_us == 9.0
+    assert eager.plan.kind == "dense" and eager.measured_us == 15.0
+    record = cache.get(ENV, ShapeKey.of(site, 1024, False, graphed=False))
+    assert record["host_us"] and record["device_us"] and ShapeKey.of(site, 1024, False) != ShapeKey.of(
+        site, 1024, False, graphed=False)
+
+
+def test_the_backend_tells_the_planner_whether_its_graph_replays_as_cuda_graphs(cache):
+    from attnopt.backend import replays_as_cuda_graphs
+    from attnopt.passes import make_context
+
+    assert replays_as_cuda_graphs("inductor", "reduce-overhead") and replays_as_cuda_graphs("cudagraphs", None)
+    assert not replays_as_cuda_graphs("inductor", None) and not replays_as_cuda_graphs("inductor", "max-autotune")
+    assert not replays_as_cuda_graphs("eager", "reduce-overhead")
+    assert make_context(OptimizeConfig(), graphed=True).plan_context.extras["graphed"] is True
+    assert "graphed" not in make_context(OptimizeConfig()).plan_context.extras
+    torch._dynamo.reset()
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 48, 64), torch.randn(1, 2, 48, 64)
+    with tuning.use_tuner(Listening(cache)) as tuner:
+        attnopt.optimize(attend, inner_backend="eager", dynamic=False)(q, k, v)
+    assert [kw["graphed"] for kw in tuner.heard] == [False]
+
+
+def test_gpu_timer_host_time_calls_the_op(monkeypatch):
+    """``host_us`` issues the lowered op itself (its dispatch and state lookup are part of an eager call)."""
+    from attnopt.runtime import ops
+
+    _gpu_on_the_cpu(monkeypatch)
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=64, dtype="float32",
+                                   mask_kind="valid_length")
+    before = ops.CALL_COUNTS[T.TUNING_SITE]
+    us = T.GpuTimer(warm_ms=0.0).host_us(DensePlan(backend="math"), site)
+    assert us > 0 and ops.CALL_COUNTS[T.TUNING_SITE] - before >= T.HOST_CALLS
