@@ -103,17 +103,27 @@ def _args_of(s, cache):
 
 
 class Clock:
-    """How this run times a call: CUDA-graph replay on a GPU (``bench.common.time_us``), host time on the CPU."""
+    """How this run times a call: CUDA-graph replay on a GPU (``bench.common.time_us``), host time on the CPU.
+    A call that cannot be captured in a graph is timed eagerly (``do_bench``'s median) and ``last`` says so."""
 
     def __init__(self, device: str):
         self.device = device
+        self.last = "graph" if device == "cuda" else "host"
 
     def time(self, fn: Callable[[], Any], calls: int) -> float:
         from .common import host_us, time_us
 
-        if self.device == "cuda":
+        if self.device != "cuda":
+            return host_us(fn, iters=max(2, calls), repeats=3, warmup=1, sync=lambda: None)
+        try:
+            self.last = "graph"
             return time_us(fn, "graph", min_calls=calls)
-        return host_us(fn, iters=max(2, calls), repeats=3, warmup=1, sync=lambda: None)
+        except RuntimeError as exc:
+            import torch
+
+            torch.cuda.synchronize()
+            self.last = f"eager (graph capture failed: {_error(exc)[:120]})"
+            return time_us(fn, "eager")
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -177,6 +187,7 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
                        tuned_us=None if math.isnan(site.measured_us) else site.measured_us,
                        why_untouched=site.reason_untouched)
         row["us"] = clock.time(cycle([lambda s=s: opt(*_args_of(s, case[6])) for s in sets]), len(sets))
+        row["timing"] = clock.last
     except Exception as exc:  # report and go on: one failing case must not lose the run
         row["error"] = _error(exc)
     return row
@@ -210,6 +221,7 @@ def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]
                 row["note"] = calls[0].note
             row["rel_err"] = rel_err(calls[0]().float(), ref)
             row["us"] = clock.time(cycle(calls), len(calls))
+            row["timing"] = clock.last
         except Exception as exc:
             row["error"] = _error(exc)
         rows.append(row)

@@ -85,6 +85,7 @@ def test_smoke_run_on_the_cpu_writes_every_field(tmp_path, monkeypatch):
     for s in data["summary"]:
         assert s["error"] is None and s["ratio_to_best_peer"] > 0 and s["compile_s"] > 0, s
         assert s["plan"] and s["best_peer"] in ("sdpa", "torch-compile")
+    assert all(r["timing"] == "host" for r in data["rows"] if r.get("us"))
     ours = [r for r in data["rows"] if r["method"] == "attnopt:planner"]
     assert all(r["rel_err"] < 1e-4 and r["rewritten"] for r in ours)
     assert all(r["plan"].startswith("split_kv") and r["choice"] == "forced" for r in ours)  # interpreted kernels
