@@ -13,8 +13,9 @@ fp32 reference:
 * ``attnopt:model`` (unless ``--no-compare-model``): the same with ``ATTNOPT_TUNE=0``, the cost model's pick alone
   (what a user gets while tuning is opt-in);
 * the peers: SDPA with flash, cuDNN and efficient forced (K/V expanded once outside the timing where a backend
-  lacks ``enable_gqa``), and ``torch.compile`` of the same function without attnopt (the compiled path a user
-  would otherwise take).
+  lacks ``enable_gqa``), ``torch.compile`` of the same function without attnopt (the compiled path a user would
+  otherwise take), and for a static GQA cache Hugging Face's StaticCache SDPA path compiled (``repeat_kv`` each
+  call, then SDPA with the mask).
 
 Per case: the ratio best peer / ours (>= 1: we are faster), the fraction of the HBM read roofline (the valid K/V
 bytes over the read bandwidth measured in the same run), the first-call seconds, and for static caches the
@@ -44,7 +45,7 @@ REL_ERR_OK = 2e-2
 MAX_SETS = 256
 #: --smoke: (B, Hq, Hkv, D, N, q_len, cache), tiny enough for the interpreter.
 SMOKE_CASES = {"smoke-fixed": (1, 4, 2, 64, 96, 1, "fixed"), "smoke-dynamic": (1, 4, 2, 64, 80, 1, "dynamic"),
-               "smoke-static": (2, 3, 3, 64, 64, 4, "static")}
+               "smoke-static": (2, 4, 2, 64, 64, 4, "static")}
 
 
 def register(sub) -> None:
@@ -79,6 +80,18 @@ def _attend(q, k, v, mask=None):
     import torch.nn.functional as F
 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _hf_static_attend(q, k, v, mask):
+    """What Hugging Face's SDPA attention runs over a StaticCache: K/V expanded to the query heads
+    (``repeat_kv``: expand + reshape), then SDPA with the bool mask and no ``enable_gqa``."""
+    import torch.nn.functional as F
+
+    b, hkv, n, d = k.shape
+    g = q.shape[1] // hkv
+    k = k[:, :, None].expand(b, hkv, g, n, d).reshape(b, hkv * g, n, d)
+    v = v[:, :, None].expand(b, hkv, g, n, v.shape[-1]).reshape(b, hkv * g, n, v.shape[-1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _make_set(i, case, dtype, device):
@@ -212,6 +225,10 @@ def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]
         compiled = torch.compile(_attend, backend=args.inner_backend, dynamic=cache == "dynamic")
         makers.append(("torch-compile", lambda s: (lambda: compiled(*_args_of(s, cache))),
                        "torch.compile of the same function, without attnopt"))
+        if cache == "static" and Hq != Hkv:
+            hf = torch.compile(_hf_static_attend, backend=args.inner_backend)
+            makers.append(("hf-static-compiled", lambda s: (lambda: hf(*_args_of(s, cache))),
+                           "Hugging Face's StaticCache SDPA path (repeat_kv, then SDPA with the mask), compiled"))
     rows = []
     for name, make, note in makers:
         row = dict(base, method=name, peer=True, **({"note": note} if note else {}))

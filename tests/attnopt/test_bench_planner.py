@@ -84,11 +84,13 @@ def test_smoke_run_on_the_cpu_writes_every_field(tmp_path, monkeypatch):
     assert [s["case"] for s in data["summary"]] == ["smoke-fixed", "smoke-dynamic", "smoke-static"]
     for s in data["summary"]:
         assert s["error"] is None and s["ratio_to_best_peer"] > 0 and s["compile_s"] > 0, s
-        assert s["plan"] and s["best_peer"] in ("sdpa", "torch-compile")
+        assert s["plan"] and s["best_peer"] in ("sdpa", "torch-compile", "hf-static-compiled")
     assert all(r["timing"] == "host" for r in data["rows"] if r.get("us"))
     ours = [r for r in data["rows"] if r["method"] == "attnopt:planner"]
     assert all(r["rel_err"] < 1e-4 and r["rewritten"] for r in ours)
     assert all(r["plan"].startswith("split_kv") and r["choice"] == "forced" for r in ours)  # interpreted kernels
+    hf = [r for r in data["rows"] if r["method"] == "hf-static-compiled"]
+    assert [r["cache"] for r in hf] == ["static"] and hf[0]["rel_err"] < 1e-4  # Hugging Face's static-cache path
     static = next(s for s in data["summary"] if s["cache"] == "static")
     assert static["speedup_vs_sdpa_full_cache"] > 0
     assert data["overall"]["cases"] == 3 and data["overall"]["geomean_ratio"] > 0
