@@ -13,14 +13,15 @@ fp32 reference:
 * ``attnopt:model`` (unless ``--no-compare-model``): the same with ``ATTNOPT_TUNE=0``, the cost model's pick alone
   (what a user gets while tuning is opt-in);
 * the peers: SDPA with flash, cuDNN and efficient forced (K/V expanded once outside the timing where a backend
-  lacks ``enable_gqa``), ``torch.compile`` of the same function without attnopt (the compiled path a user would
-  otherwise take), and for a static GQA cache Hugging Face's StaticCache SDPA path compiled (``repeat_kv`` each
-  call, then SDPA with the mask).
+  lacks ``enable_gqa``), for a static GQA cache Hugging Face's StaticCache SDPA path compiled (``repeat_kv`` each
+  call, then SDPA with the mask), and with ``--compiled-peer`` ``torch.compile`` of the same function without
+  attnopt.
 
 Per case: the ratio best peer / ours (>= 1: we are faster), the fraction of the HBM read roofline (the valid K/V
 bytes over the read bandwidth measured in the same run), the first-call seconds, and for static caches the
 speedup over the best SDPA over the whole cache. ``overall``: min ratio, geometric mean, the count >= 0.99, the
-static-cache check (``static-4k-of-32k`` >= 5x), first-call seconds. ``--time-budget`` stops starting new cases.
+static-cache check (``static-4k-of-32k`` >= 5x), first-call seconds. ``--time-budget`` stops starting new cases;
+``--part I/K`` runs every K-th case, so K device calls cover them all, and ``--merge`` joins their files.
 
 ``--smoke`` runs three tiny cases on the CPU (split-KV forced through the Triton interpreter, host timing, the
 eager inner backend, SDPA's CPU path as the peer): the code path, not a measurement (the CPU test).
@@ -67,7 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eager with --smoke)")
     p.add_argument("--no-compare-model", dest="compare_model", action="store_false",
                    help="skip timing the cost model's pick alone (ATTNOPT_TUNE=0; a second compile per case)")
-    p.add_argument("--no-compiled-peer", action="store_true", help="skip torch.compile of the function as a peer")
+    p.add_argument("--compiled-peer", action="store_true",
+                   help="also time torch.compile of the function without attnopt (SDPA's own pick, compiled: one more "
+                        "inductor compile per case)")
+    p.add_argument("--part", default=None, metavar="I/K",
+                   help="only every K-th case from the I-th (0-based): spread the cases over K device calls")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: join the results files of --part runs into --out (rows, summaries, overall)")
     p.add_argument("--time-budget", type=float, default=420.0,
                    help="seconds; no new case starts after this (default 420; 0: no limit)")
     p.add_argument("--keep-cache", action="store_true",
@@ -167,8 +174,10 @@ def _graph_timed_tuning(on: bool):
     return use_tuner(GraphTimed(cache=TuningCache()))
 
 
-def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str) -> dict[str, Any]:
-    """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune``: first-call seconds, plan, error, time."""
+def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str,
+                   inner: str | None = None) -> dict[str, Any]:
+    """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune`` (inner backend ``inner``, default ``--inner-backend``):
+    first-call seconds, plan, error, time."""
     import torch
 
     import attnopt
@@ -180,7 +189,7 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
         torch._dynamo.reset()
         # --smoke forces split-KV, so that the CPU run goes through the (interpreted) kernels, not the CPU's dense pick
         forced = {"force_plan": "split_kv"} if args.smoke else {}
-        opt = attnopt.optimize(_attend, hardware=hw_name, inner_backend=args.inner_backend, **forced)
+        opt = attnopt.optimize(_attend, hardware=hw_name, inner_backend=inner or args.inner_backend, **forced)
         if case[6] == "dynamic":  # a growing cache: the KV length is symbolic, planned per bucket
             for s in sets:
                 torch._dynamo.maybe_mark_dynamic(s["k"], 2)
@@ -221,14 +230,14 @@ def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]
             makers.append((m.name, m.make, None))
     else:
         makers.append(("sdpa", lambda s: (lambda: _attend(*_args_of(s, cache))), None))
-    if not args.no_compiled_peer:
+    if args.compiled_peer or args.smoke:
         compiled = torch.compile(_attend, backend=args.inner_backend, dynamic=cache == "dynamic")
         makers.append(("torch-compile", lambda s: (lambda: compiled(*_args_of(s, cache))),
                        "torch.compile of the same function, without attnopt"))
-        if cache == "static" and Hq != Hkv:
-            hf = torch.compile(_hf_static_attend, backend=args.inner_backend)
-            makers.append(("hf-static-compiled", lambda s: (lambda: hf(*_args_of(s, cache))),
-                           "Hugging Face's StaticCache SDPA path (repeat_kv, then SDPA with the mask), compiled"))
+    if cache == "static" and Hq != Hkv:
+        hf = torch.compile(_hf_static_attend, backend=args.inner_backend)
+        makers.append(("hf-static-compiled", lambda s: (lambda: hf(*_args_of(s, cache))),
+                       "Hugging Face's StaticCache SDPA path (repeat_kv, then SDPA with the mask), compiled"))
     rows = []
     for name, make, note in makers:
         row = dict(base, method=name, peer=True, **({"note": note} if note else {}))
@@ -315,6 +324,9 @@ def run(args, on_case: Callable[[dict[str, Any]], Any] | None = None) -> dict[st
     else:
         named = tuple(c.strip() for c in args.cases.split(",") if c.strip()) if args.cases else None
         cases = all_cases(args.grid, args.off_grid, args.seed, named)
+        if args.part:
+            i, k = parse_part(args.part)
+            cases = {name: c for j, (name, c) in enumerate(cases.items()) if j % k == i}
     if not args.keep_cache:
         os.environ["ATTNOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnopt-planner-bench-")
     tune_before = os.environ.get("ATTNOPT_TUNE")
@@ -395,7 +407,8 @@ def _run_case(name, case, dtype, dtype_name, clock, args, hw_name, read_bw, resu
             "valid_len": valid, "dtype": dtype_name, "floor_us": floor_us, "rotation_sets": rot.count}
     rows = [_optimized_row(base, "attnopt:planner", sets, case, ref, clock, args, hw_name, "1")]
     if args.compare_model:
-        rows.append(_optimized_row(base, "attnopt:model", sets, case, ref, clock, args, hw_name, "0"))
+        # the eager inner backend: the same op and kernels replay in the graph, one inductor compile fewer per case
+        rows.append(_optimized_row(base, "attnopt:model", sets, case, ref, clock, args, hw_name, "0", inner="eager"))
     rows += _peer_rows(base, case, sets, ref, scale, clock, args)
     for r in rows:
         if r.get("us") and floor_us:
@@ -414,12 +427,49 @@ def _run_case(name, case, dtype, dtype_name, clock, args, hw_name, read_bw, resu
     return summary
 
 
+def parse_part(text: str) -> tuple[int, int]:
+    """``"I/K"`` -> (I, K) with 0 <= I < K; a clear error otherwise."""
+    try:
+        i, k = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--part {text!r}: expected I/K such as 0/2") from None
+    if not 0 <= i < k:
+        raise ValueError(f"--part {text!r}: need 0 <= I < K")
+    return i, k
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One results dict from the files of several ``--part`` runs: the first file's header, every file's rows,
+    summaries and skipped cases, the overall recomputed, and each part's commit and elapsed seconds."""
+    import json
+
+    parts = [json.loads(open(p).read()) for p in paths]
+    out = {k: v for k, v in parts[0].items() if k not in ("rows", "summary", "overall", "skipped_cases", "elapsed_s")}
+    out["parts"] = [{"file": p, "commit": d.get("commit"), "device": d.get("device"), "elapsed_s": d.get("elapsed_s"),
+                     "cases": len(d.get("summary", []))} for p, d in zip(paths, parts)]
+    out["rows"] = [r for d in parts for r in d.get("rows", [])]
+    out["summary"] = [s for d in parts for s in d.get("summary", [])]
+    out["skipped_cases"] = [c for d in parts for c in d.get("skipped_cases", [])]
+    out["overall"] = overall(out["summary"])
+    return out
+
+
 def run_cli(args) -> int:
     import torch
 
+    from .common import write_results
+
+    if args.part:
+        parse_part(args.part)
+    if args.merge:
+        if not args.out:
+            raise ValueError("--merge needs --out (the joined results file)")
+        results = merge(args.merge)
+        print_summary(results)
+        print(f"\nwrote {write_results(args.out, results)}")
+        return 0
     if not args.smoke and not torch.cuda.is_available():
         raise ValueError("attnopt bench planner needs a CUDA GPU (--smoke runs its code path on the CPU)")
-    from .common import write_results
     from .kernels import _slug
 
     device = "cpu-smoke" if args.smoke else _slug(torch.cuda.get_device_name())

@@ -95,3 +95,30 @@ def test_smoke_run_on_the_cpu_writes_every_field(tmp_path, monkeypatch):
     assert static["speedup_vs_sdpa_full_cache"] > 0
     assert data["overall"]["cases"] == 3 and data["overall"]["geomean_ratio"] > 0
     assert "ATTNOPT_TUNE" not in __import__("os").environ  # restored
+
+
+def test_parts_cover_the_cases_once_and_merge_joins_them(tmp_path, capsys):
+    from attnopt.bench.planner import merge, parse_part
+
+    assert parse_part("1/3") == (1, 3)
+    for bad in ("3/3", "a/b", "1"):
+        with pytest.raises(ValueError, match="--part"):
+            parse_part(bad)
+    assert main(["bench", "planner", "--part", "2/2"]) == 2 and "--part '2/2'" in capsys.readouterr().err
+    names = list(G.all_cases(6, 2, 19))
+    parts = [[n for j, n in enumerate(names) if j % 3 == i] for i in range(3)]
+    assert sorted(sum(parts, [])) == sorted(names)
+    files = []
+    for i, ratio in enumerate((1.2, 0.9)):
+        f = tmp_path / f"p{i}.json"
+        f.write_text(json.dumps({"suite": "planner", "commit": "c", "device": "d", "elapsed_s": 100.0 + i,
+                                 "rows": [{"case": f"c{i}"}], "summary": [{"case": f"c{i}", "ratio_to_best_peer": ratio}],
+                                 "skipped_cases": [f"s{i}"], "overall": {}}))
+        files.append(str(f))
+    joined = merge(files)
+    assert [s["case"] for s in joined["summary"]] == ["c0", "c1"] and joined["skipped_cases"] == ["s0", "s1"]
+    assert joined["overall"]["geomean_ratio"] == pytest.approx(math.sqrt(1.2 * 0.9))
+    assert [p["elapsed_s"] for p in joined["parts"]] == [100.0, 101.0]
+    out = tmp_path / "all.json"
+    assert main(["bench", "planner", "--merge", *files, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["overall"]["with_ratio"] == 2
