@@ -291,6 +291,9 @@ class Tuner:
         self.capturing = capturing or _stream_capturing
         self.env = env
         self.buckets = tuple(buckets)
+        #: This tuner's own measurements by shape: the sites of one model share a shape, and a cache that cannot
+        #: be written must not make each of them measure again.
+        self._measured: dict[ShapeKey, tuple[str, float, dict[str, Any]]] = {}
 
     def environment(self) -> dict[str, str]:
         if self.env is None:
@@ -309,6 +312,9 @@ class Tuner:
         eager = not graphed and hasattr(self.timer, "host_us")
         shape = ShapeKey.of(site, site.kv_len, bucketed, valid_len_sharing, graphed)
         by_key = {p.runtime_key(): p for p in ranked}
+        mine = self._measured.get(shape)
+        if mine is not None and mine[0] in by_key:
+            return Choice(by_key[mine[0]], "cached", mine[1], dict(mine[2]))
         record = self.cache.get(self.environment(), shape) if self.cache is not None else None
         if record is not None:
             try:
@@ -343,6 +349,7 @@ class Tuner:
             return Choice(ranked[0], "model", timings=timings, tune_s=tune_s)
         best = min(measured, key=measured.get)
         choice = Choice(by_key[best], "measured", measured[best], timings, tune_s)
+        self._measured[shape] = (best, measured[best], timings)
         if self.cache is not None:
             self.cache.save(self.environment(), shape, {
                 "winner": by_key[best].to_dict(), "measured_us": measured[best], "timings": timings,

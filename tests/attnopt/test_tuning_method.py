@@ -455,3 +455,19 @@ def test_gpu_timer_host_time_calls_the_op(monkeypatch):
     before = ops.CALL_COUNTS[T.TUNING_SITE]
     us = T.GpuTimer(warm_ms=0.0).host_us(DensePlan(backend="math"), site)
     assert us > 0 and ops.CALL_COUNTS[T.TUNING_SITE] - before >= T.HOST_CALLS
+
+
+def test_one_tuner_measures_a_shape_once_even_when_its_cache_cannot_be_written(tmp_path):
+    """30 layers of one shape: the first site is measured, the other 29 reuse it, with or without a cache file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    site = AttentionSite.canonical()
+    ranked = _ranked(site)
+    for cache in (None, TuningCache(blocker / "tuning" / "tuning.json")):
+        timer = Scripted(lambda p, s, n: 5.0)
+        tuner = Tuner(timer, cache, env=ENV)
+        choices = [tuner.choose(site, ranked) for _ in range(30)]
+        calls = len(timer.calls)
+        assert choices[0].choice == "measured" and {c.choice for c in choices[1:]} == {"cached"}
+        assert calls == len(tuning.to_time(ranked, tuning.DEFAULT_TOP_K)) * tuning.ROUNDS
+        assert {c.plan.runtime_key() for c in choices} == {choices[0].plan.runtime_key()}
