@@ -9,7 +9,8 @@ pick. Under the Triton interpreter or on the CPU tuning is off.
 How a candidate is timed is ``attnopt.timer``'s business (CUDA-graph replay of ``run()`` alone over inputs that
 miss in L2, ``prepare()`` outside; the methodology of ``attnopt bench kernels``). What this module adds for a fair
 comparison: the candidates are timed in ``ROUNDS`` round-robin rounds and each keeps its median, so clock or
-thermal drift during the tuning does not favour whichever ran first or last; and a kernel plan at a masked site is
+thermal drift during the tuning does not favour whichever ran first or last (after the first round only those
+within ``PRUNE`` of the best go on, which keeps a shape's tuning to about a second); a kernel plan at a masked site is
 charged its share of the device valid-length computation that the lowered graph does once per step for every
 site reading that mask (``valid_len_sharing`` sites; measured once by ``timer.valid_len_us``).
 
@@ -60,6 +61,8 @@ DEFAULT_TOP_K = 4
 BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
+#: After the first round, only candidates within this fraction of the best are timed again.
+PRUNE = 0.15
 
 log = logging.getLogger(__name__)
 
@@ -328,21 +331,24 @@ class Tuner:
             return Choice(ranked[0], "model")
         start = time.perf_counter()
         plans = to_time(ranked, self.top_k)
-        samples, timings, extra = self._measure(plans, site, start, eager)
+        extra: dict[str, Any] = {}
         valid_len_us = 0.0
-        if any(uses_valid_len(p, site) for p in plans) and samples and hasattr(self.timer, "valid_len_us"):
+        if any(uses_valid_len(p, site) for p in plans) and hasattr(self.timer, "valid_len_us"):
             try:
                 valid_len_us = float(self.timer.valid_len_us(site, eager=True) if eager else
                                      self.timer.valid_len_us(site))
             except Exception as exc:  # noqa: BLE001 - then kernel plans are charged nothing extra; say so
                 extra["valid_len_error"] = _error_text(exc)
             extra.update(valid_len_us=valid_len_us, valid_len_sharing=shape.valid_len_sharing)
+        share = valid_len_us / max(shape.valid_len_sharing, 1)
+        charge = {p.runtime_key(): share if uses_valid_len(p, site) else 0.0 for p in plans}
+        samples, timings, measure_extra = self._measure(plans, site, start, eager, charge)
+        extra.update(measure_extra)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
             release()
-        share = valid_len_us / max(shape.valid_len_sharing, 1)
         for key, times in samples.items():
-            timings[key] = _median(times) + (share if uses_valid_len(by_key[key], site) else 0.0)
+            timings[key] = _median(times) + charge[key]
         measured = {k: v for k, v in timings.items() if isinstance(v, float) and math.isfinite(v)}
         tune_s = time.perf_counter() - start
         if not measured:
@@ -358,23 +364,30 @@ class Tuner:
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
 
-    def _measure(self, plans: Sequence[Plan], site: AttentionSite, start: float,
-                 eager: bool = False) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
+    def _measure(self, plans: Sequence[Plan], site: AttentionSite, start: float, eager: bool = False,
+                 charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
         The model's pick and the first SDPA backend always get one round; everything else only within the
-        budget. A candidate that fails once is not timed again. ``eager``: a sample is the longer of the device
-        time and the host time (both kept in the extras)."""
+        budget. A candidate that fails once is not timed again, nor one whose first round, with its ``charge``
+        (µs added to each of its samples), was over ``PRUNE`` slower than the best: round-to-round noise is a few
+        per cent, so it cannot win, and the later rounds go to the close ones. ``eager``: a sample is the longer
+        of the device time and the host time (both kept in the extras)."""
+        charge = charge or {}
         samples: dict[str, list[float]] = {}
         failed: dict[str, Any] = {}
         device_us: dict[str, list[float]] = {}
         host_us: dict[str, list[float]] = {}
         rounds_done = 0
+        close: set[str] | None = None
         for r in range(self.rounds):
             if r > 0 and time.perf_counter() - start > self.budget_s:
                 break
+            if r == 1 and samples:
+                first = {k: v[0] + charge.get(k, 0.0) for k, v in samples.items()}
+                close = {k for k, t in first.items() if t <= (1 + PRUNE) * min(first.values())}
             for i, p in enumerate(plans):
                 key = p.runtime_key()
-                if key in failed:
+                if key in failed or (close is not None and key not in close):
                     continue
                 if (r > 0 or i >= 2) and time.perf_counter() - start > self.budget_s:
                     if key not in samples:

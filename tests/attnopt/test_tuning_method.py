@@ -60,17 +60,38 @@ def test_candidates_are_timed_round_robin_and_keep_their_median(cache):
     plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
     first, cudnn = plans[0].runtime_key(), next(p for p in plans if getattr(p, "backend", "") == "cudnn").runtime_key()
 
-    def rule(plan, site, n):  # the model's pick has one slow outlier round (clocks ramping); cuDNN is steady
+    def rule(plan, site, n):  # the model's pick has one slow outlier round (clocks ramping); the rest are steady
         if plan.runtime_key() == first:
-            return (50.0, 10.0, 11.0)[n]
-        return 12.0 if plan.runtime_key() == cudnn else 30.0
+            return (13.2, 10.0, 11.0)[n]
+        return 11.5 if plan.runtime_key() == cudnn else 12.5
     timer = Scripted(rule)
     choice = Tuner(timer, cache, env=ENV, rounds=3).choose(AttentionSite.canonical(), ranked)
     keys = [p.runtime_key() for p in plans]
     assert timer.calls == keys * 3  # round-robin: every candidate once per round, in the same order
-    assert choice.plan.runtime_key() == first and choice.measured_us == 11.0  # the median, not the mean (23.7)
+    assert choice.plan.runtime_key() == first and choice.measured_us == 11.0  # the median, not the mean (11.4)
     record = cache.get(ENV, ShapeKey.of(AttentionSite.canonical(), 8192, False))
-    assert record["samples"][first] == [50.0, 10.0, 11.0] and record["rounds"] == 3
+    assert record["samples"][first] == [13.2, 10.0, 11.0] and record["rounds"] == 3
+
+
+def test_candidates_far_behind_after_the_first_round_are_not_timed_again(cache):
+    """A candidate over PRUNE slower than the best in round 1 (its valid-length share included) keeps its one
+    sample; the close ones get every round."""
+    site = STATIC
+    ranked = _ranked(site)
+    best_kernel = next(p for p in ranked if p.kind != "dense").runtime_key()
+
+    def rule(plan, site, n):
+        if plan.kind == "dense":
+            return 10.0
+        return 9.0 if plan.runtime_key() == best_kernel else 20.0  # + 1.5 µs of valid length: 10.5 and 21.5
+    timer = Scripted(rule, valid_len=1.5)
+    choice = Tuner(timer, cache, env=ENV, rounds=3).choose(site, ranked)
+    counts = {k: timer.calls.count(k) for k in set(timer.calls)}
+    slow = [k for k in counts if '"dense"' not in k and k != best_kernel]
+    assert slow and all(counts[k] == 1 for k in slow) and counts[best_kernel] == 3
+    assert all(n == 3 for k, n in counts.items() if k not in slow)
+    assert choice.plan.backend == "cudnn" and choice.measured_us == 10.0
+    assert tuning.PRUNE == 0.15
 
 
 def test_later_rounds_stop_when_the_budget_is_spent(cache):
