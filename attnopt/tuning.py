@@ -10,8 +10,8 @@ How a candidate is timed is ``attnopt.timer``'s business (CUDA-graph replay of `
 miss in L2, ``prepare()`` outside; the methodology of ``attnopt bench kernels``). What this module adds for a fair
 comparison: the candidates are timed in ``ROUNDS`` round-robin rounds and each keeps its median, so clock or
 thermal drift during the tuning does not favour whichever ran first or last (after the first round only those
-within ``PRUNE`` of the best go on, which keeps a shape's tuning to about a second); a kernel plan at a masked site is
-charged its share of the device valid-length computation that the lowered graph does once per step for every
+within ``PRUNE`` of the best go on, to spend the rounds where they can change the winner); a kernel plan at a
+masked site is charged its share of the device valid-length computation that the lowered graph does once per step for every
 site reading that mask (``valid_len_sharing`` sites; measured once by ``timer.valid_len_us``).
 
 The results persist in ``<user cache>/attnopt/tuning/tuning.json`` (``$ATTNOPT_CACHE_DIR/tuning`` when set),
