@@ -1,0 +1,216 @@
+"""``export_onnx`` for the plan kinds beyond one device's exact ones: tree and ring (their single-device equivalent,
+also checked against a real 2-rank gloo decode), bucketed (the bucket of the exported length), and SAAP (an
+``attnopt:saap_decode_attention`` node whose function body is SAAP's reference decode), each run in onnxruntime on
+the CPU against PyTorch (fp32, 1e-5); and the early errors that name what can be exported.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+pytest.importorskip("safetensors")
+
+from attnopt.export import EXPORTABLE_KINDS, OnnxTranslator, export_onnx  # noqa: E402
+from attnopt.plan import BucketedPlan, RingPlan, SaapPlan, SplitKVPlan, StreamKPlan, TreePlan  # noqa: E402
+from attnopt.runtime import ops as _ops, reference  # noqa: E402,F401  (ops registers torch.ops.attnopt.*)
+from attnopt.runtime.saap import registry  # noqa: E402
+from attnopt.runtime.saap.build import build_clusters  # noqa: E402
+from attnopt.runtime.saap.index import LayerIndex, synthetic_index  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_export import close, nodes as ops_of  # noqa: E402  (checker-validated (domain, op) list; fp32 compare)
+
+SCALE = 0.125
+BUCKETED = BucketedPlan(bounds=(64, 4096), plans=(SplitKVPlan(num_splits=2).runtime_key(),
+                                                  StreamKPlan().runtime_key()))
+
+
+def run_ort(path, feeds):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in feeds.items()})
+
+
+def attention_fn(plan: str, causal: bool = False):
+    def fn(q, k, v, lengths):
+        return torch.ops.attnopt.decode_attention(q, k, v, None, lengths, SCALE, causal, plan, "model.layers.1.attn")
+
+    return fn
+
+
+def decode_case(seed=0, B=2, Hq=6, Hkv=2, L=1, N=96, D=64, lengths=(85, 90)):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, Hq, L, D, generator=g), torch.randn(B, Hkv, N, D, generator=g),
+               torch.randn(B, Hkv, N, D, generator=g))
+    return q, k, v, torch.tensor(lengths[:B])
+
+
+# --------------------------------------------------------------------------------------------- tree, ring, bucketed
+@pytest.mark.parametrize("plan", [TreePlan(world=2), TreePlan(world=4, collective="all_reduce", hierarchical=True),
+                                  RingPlan(world=2, variant="pass_kv"), RingPlan(world=2, variant="pass_q"), BUCKETED],
+                         ids=lambda p: p.describe())
+@pytest.mark.parametrize("attention", ["auto", "function"])
+def test_exact_plans_export_as_exact_attention(tmp_path, plan, attention):
+    """Tree and ring become their single-device equivalent and a bucketed plan the plan of the exported length's
+    bucket (stream_k at N=96): one standard Attention node, or the exact decode_attention body."""
+    q, k, v, lengths = decode_case()
+    path = tmp_path / "x.onnx"
+    export_onnx(attention_fn(plan.runtime_key()), (q, k, v, lengths), path, attention=attention)
+    model, ops = ops_of(path)
+    if attention == "auto":
+        assert ops.count(("", "Attention")) == 1 and not any(d == "attnopt" for d, _ in ops), ops
+    else:
+        assert ("attnopt", "decode_attention") in ops and [f.name for f in model.functions] == ["decode_attention"]
+    (got,) = run_ort(path, {"q": q, "k": k, "v": v, "lengths": lengths})
+    close(got, reference.decode_attention(q, k, v, valid_len=lengths, scale=SCALE))
+
+
+def test_exported_as_names_the_plan_that_became_the_node():
+    t = OnnxTranslator(24)
+    assert t.resolve(TreePlan(world=2).runtime_key(), 96) == ("standard", "tree", "tree plan, single-device equivalent")
+    assert t.resolve(BUCKETED.runtime_key(), 40) == ("standard", "split_kv", "bucketed: split_kv at N=40")
+    assert t.resolve(BUCKETED.runtime_key(), None) == ("standard", "bucketed", "bucketed: every bucket exact")
+    assert OnnxTranslator(24, "function").resolve(RingPlan(world=2).runtime_key(), 8)[0] == "function"
+    assert t.resolve(SaapPlan(index="i", layer=1).runtime_key(), 8)[0] == "saap"
+
+
+@pytest.mark.parametrize("plan,kwargs,match", [
+    ('{"kind": "warp_drive", "version": 1, "data": {}}', {}, "exportable kinds: dense, split_kv, stream_k, tree, ring, "
+                                                              "saap, bucketed"),
+    (SaapPlan(index="i", layer=1).runtime_key(), {"attention": "standard"}, "no standard ONNX node"),
+    (SaapPlan(index="i", layer=1).runtime_key(), {"states": True}, "decode_attention only"),
+    (BucketedPlan(bounds=(64, 128), plans=(SplitKVPlan().runtime_key(), SaapPlan(index="i", layer=1).runtime_key())
+                  ).runtime_key(), {"kv_len": None}, "static KV length"),
+])
+def test_what_cannot_be_exported_fails_early_naming_what_can(plan, kwargs, match):
+    translator = OnnxTranslator(24, kwargs.pop("attention", "auto"))
+    with pytest.raises(ValueError, match=match):
+        translator.resolve(plan, kwargs.get("kv_len", 96), kwargs.get("states", False))
+
+
+def test_unknown_kind_fails_before_the_export(tmp_path):
+    """The check runs on the rewritten graph, before torch.onnx starts."""
+    q, k, v, lengths = decode_case()
+    with pytest.raises(ValueError, match="no ONNX export for plan kind 'warp_drive'.*exportable kinds"):
+        export_onnx(attention_fn('{"kind": "warp_drive", "version": 1, "data": {}}'), (q, k, v, lengths),
+                    tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+    assert set(EXPORTABLE_KINDS) >= {"dense", "split_kv", "stream_k", "tree", "ring", "saap", "bucketed"}
+
+
+def _sharded_decode(rank, world, q, k, v, lengths):
+    """A rank's tree and ring decode over its shard of the cache (the op path, as attnopt runs it)."""
+    from attnopt.runtime import distributed as D
+
+    group = D.register_group(timeout=20, name="export")
+    cache = D.ShardedKVCache(group)
+    local_k, local_v = cache.update(0, k, v)
+    out = {}
+    for plan in (TreePlan(world=world), RingPlan(world=world, variant="pass_kv")):
+        out[plan.kind] = torch.ops.attnopt.decode_attention(q, local_k, local_v, None, lengths, SCALE, False,
+                                                            plan.runtime_key(), "export:" + plan.kind)
+    group.cache = None
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_single_device_graph_equals_the_sharded_decode_on_gloo(tmp_path):
+    """Two gloo ranks decode over a sequence-sharded cache with tree and ring plans; the exported graph of each
+    plan, given the whole cache, computes the same output in onnxruntime."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from test_distributed import ok_payloads, run_ranks  # the gloo harness
+
+    q, k, v, lengths = decode_case(seed=3, lengths=(70, 96))
+    results = ok_payloads(run_ranks(_sharded_decode, 2, q, k, v, lengths, deadline=150))
+    for kind, plan in (("tree", TreePlan(world=2)), ("ring", RingPlan(world=2, variant="pass_kv"))):
+        path = tmp_path / f"{kind}.onnx"
+        export_onnx(attention_fn(plan.runtime_key()), (q, k, v, lengths), path)
+        (got,) = run_ort(path, {"q": q, "k": k, "v": v, "lengths": lengths})
+        for rank in (0, 1):
+            close(got, results[rank][kind])
+
+
+# --------------------------------------------------------------------------------------------- SAAP
+def saap_index(tmp_path, mlp: bool, clusters=8, theta=10000.0):
+    """A 2-layer index (layer 1 covered) for 6 query / 2 KV heads of 64: random centroids, and with ``mlp`` a
+    random query MLP (hidden 16) with a BatchNorm that is not the identity."""
+    index = synthetic_index(6, 2, 64, clusters, layers=(1,), num_layers=2, seed=1, rope_theta=theta)
+    if mlp:
+        g = torch.Generator().manual_seed(2)
+        hkv, hidden = 2, 16
+        weights = {"w1": torch.randn(hkv, hidden, 64, generator=g) / 8, "b1": torch.randn(hkv, hidden, generator=g),
+                   "bn_mean": torch.randn(hkv, hidden, generator=g), "bn_var": torch.rand(hkv, hidden, generator=g) + 0.5,
+                   "bn_weight": torch.randn(hkv, hidden, generator=g), "bn_bias": torch.randn(hkv, hidden, generator=g),
+                   "w2": torch.randn(hkv, clusters, hidden, generator=g), "b2": torch.randn(hkv, clusters, generator=g)}
+        index.layers[1] = LayerIndex(index.layers[1].centroids, weights)
+    path = tmp_path / ("mlp.safetensors" if mlp else "centroids.safetensors")
+    index.save(path)
+    return str(path)
+
+
+@pytest.fixture
+def fresh_registry():
+    registry.reset()
+    yield
+    registry.reset()
+
+
+@pytest.mark.parametrize("mlp,L,with_lengths", [(False, 1, True), (True, 1, True), (True, 2, False)],
+                         ids=["centroids", "mlp", "mlp-q2-no-valid-len"])
+def test_saap_exports_its_sparse_decode_as_a_function_body(tmp_path, fresh_registry, mlp, L, with_lengths):
+    """The SAAP node's body picks the same clusters and attends to the same keys as the op's PyTorch path (the
+    reference decode); it differs from dense attention, so the selection is really exercised. The index is in
+    the file, the clusters of the keys are a graph input, ``saap_cluster_inputs`` makes them from the registry."""
+    from attnopt.export_saap import saap_cluster_inputs
+
+    path = saap_index(tmp_path, mlp)
+    q, k, v, lengths = decode_case(seed=4, L=L)
+    index = registry.get_index(path)
+    registry.set_state(path, 1, build_clusters(index, 1, k, prompt_len=80, sink=4, window=16))
+    plan = SaapPlan(index=path, probes=3, sink=4, window=16, layer=1)
+    lengths = lengths if with_lengths else None
+
+    def fn(q, k, v):
+        return torch.ops.attnopt.decode_attention(q, k, v, None, lengths, SCALE, False, plan.runtime_key(), "s1")
+
+    want = fn(q, k, v)
+    out = tmp_path / "saap.onnx"
+    export_onnx(fn, (q, k, v), out)
+    model, ops = ops_of(out)
+    name = "saap_decode_attention_mlp" if mlp else "saap_decode_attention"
+    assert ops.count(("attnopt", name)) == 1 and [f.name for f in model.functions] == [name]
+    assert [i.name for i in model.graph.input] == ["q", "k", "v", "saap_clusters_1"]
+
+    class Report:  # what saap_cluster_inputs reads of a PlanReport
+        sites = [type("Site", (), {"rewritten": True, "chosen": plan})()]
+
+    feeds = {"q": q, "k": k, "v": v, **saap_cluster_inputs(Report, k.shape[2])}
+    (got,) = run_ort(out, feeds)
+    close(got, want)
+    dense = reference.decode_attention(q, k, v, valid_len=lengths, scale=SCALE)
+    assert np.abs(got - dense.numpy()).max() > 1e-2
+    if not mlp:
+        close(onnx.reference.ReferenceEvaluator(model).run(None, {k_: np.asarray(v_) for k_, v_ in
+                                                                  ((n, t.numpy() if isinstance(t, torch.Tensor) else t)
+                                                                   for n, t in feeds.items())})[0], want)
+
+
+def test_saap_with_every_cluster_probed_is_dense_attention(tmp_path, fresh_registry):
+    """All 8 clusters probed: the node attends to every key, so ORT's output is exact attention."""
+    path = saap_index(tmp_path, mlp=False)
+    q, k, v, lengths = decode_case(seed=5)
+    index = registry.get_index(path)
+    state = build_clusters(index, 1, k, prompt_len=80, sink=4, window=16)
+    plan = SaapPlan(index=path, probes=8, sink=4, window=16, layer=1)
+    out = tmp_path / "all.onnx"
+    export_onnx(attention_fn(plan.runtime_key()), (q, k, v, lengths), out)
+    (got,) = run_ort(out, {"q": q, "k": k, "v": v, "lengths": lengths,
+                           "saap_clusters_1": state.cluster_of_positions(k.shape[2]).numpy()})
+    close(got, reference.decode_attention(q, k, v, valid_len=lengths, scale=SCALE))
