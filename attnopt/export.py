@@ -265,7 +265,6 @@ class OnnxTranslator:
         if form == "saap":
             from .export_saap import saap_attention
 
-            self.exported[site] = _described("attnopt:saap_decode_attention", "function body")
             bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
             return saap_attention(self, q, k, v, bias, lengths, float(scale), bool(is_causal), plan, site)
         if form == "function":

@@ -52,6 +52,7 @@ def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_cau
                          f"got {shape}")
     # a placeholder: ``add_cluster_inputs`` replaces it with the graph input after the export
     clusters = op.Constant(value=ir.tensor(np.full(shape, -1, dtype=np.int64), name=f"saap_l{p.layer}_placeholder"))
+    translator.exported[site] = f"attnopt:{name} (function body)"
     attrs = dict(scale=scale, is_causal=int(is_causal), probes=int(p.probes), plan=plan, site=site)
     if layer.mlp is not None:
         attrs["bn_eps"] = float(index.bn_eps)

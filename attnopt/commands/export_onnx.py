@@ -93,8 +93,8 @@ def build_model(name: str, layers: int | None, dtype: str, seed: int):
 
 
 def example_step(step, batch: int, max_cache_len: int, position: int, seed: int) -> tuple:
-    """Inputs of one decode step at ``position``: the caches filled by running ``position`` random tokens through
-    ``step`` (a ``StaticCacheDecodeStep``) in PyTorch, then the next token."""
+    """Inputs of one decode step at ``position``, on the model's device: the caches filled by running ``position``
+    random tokens through ``step`` (a ``StaticCacheDecodeStep``) in PyTorch, then the next token."""
     import torch
 
     if not 0 <= position < max_cache_len:
@@ -102,13 +102,14 @@ def example_step(step, batch: int, max_cache_len: int, position: int, seed: int)
     if batch < 1:
         raise ValueError(f"--batch must be >= 1, got {batch}")
     vocab = step.model.config.vocab_size
+    device = next(step.model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (batch, position + 1), generator=gen)
+    tokens = torch.randint(0, vocab, (batch, position + 1), generator=gen).to(device)
     caches = step.empty_caches(batch, max_cache_len)
     with torch.no_grad():
         for i in range(position):
-            step(tokens[:, i:i + 1], torch.tensor([i]), *caches)
-    return (tokens[:, position:position + 1], torch.tensor([position]), *caches)
+            step(tokens[:, i:i + 1], torch.tensor([i], device=device), *caches)
+    return (tokens[:, position:position + 1], torch.tensor([position], device=device), *caches)
 
 
 def compare_with_onnxruntime(path: str, step, inputs: tuple) -> dict[str, Any]:

@@ -114,8 +114,8 @@ def _sharded_decode(rank, world, q, k, v, lengths):
     out = {}
     for plan in (TreePlan(world=world), RingPlan(world=world, variant="pass_kv")):
         out[plan.kind] = torch.ops.attnopt.decode_attention(q, local_k, local_v, None, lengths, SCALE, False,
-                                                            plan.runtime_key(), "export:" + plan.kind)
-    group.cache = None
+                                                            plan.runtime_key(), "export:" + plan.kind).numpy()
+    group.cache = None  # numpy, not tensors: a tensor crosses the queue as a shared-memory handle of a dead process
     return out
 
 
@@ -134,7 +134,7 @@ def test_single_device_graph_equals_the_sharded_decode_on_gloo(tmp_path):
         export_onnx(attention_fn(plan.runtime_key()), (q, k, v, lengths), path)
         (got,) = run_ort(path, {"q": q, "k": k, "v": v, "lengths": lengths})
         for rank in (0, 1):
-            close(got, results[rank][kind])
+            close(got, torch.from_numpy(results[rank][kind]))
 
 
 # --------------------------------------------------------------------------------------------- SAAP
@@ -214,3 +214,108 @@ def test_saap_with_every_cluster_probed_is_dense_attention(tmp_path, fresh_regis
     (got,) = run_ort(out, {"q": q, "k": k, "v": v, "lengths": lengths,
                            "saap_clusters_1": state.cluster_of_positions(k.shape[2]).numpy()})
     close(got, reference.decode_attention(q, k, v, valid_len=lengths, scale=SCALE))
+
+
+# --------------------------------------------------------------------------------------------- SmolLM2 decode step
+def plan_as(monkeypatch, world_size: int = 1, tuner=None):
+    """Make the export's planning context a ``world_size``-rank one (tree and ring candidates), or give it a tuner."""
+    import attnopt.passes as passes
+
+    make = passes.make_context
+
+    def context(config, example_inputs=(), **kw):
+        ctx = make(config, example_inputs, **{**kw, "world_size": world_size})
+        if tuner is not None:
+            ctx.plan_context.extras["tuner"] = tuner
+        return ctx
+
+    monkeypatch.setattr(passes, "make_context", context)
+
+
+class BucketingTuner:
+    """A tuner that measured a bucketed choice: split_kv up to 32 keys, stream_k above (the step's cache has 48)."""
+
+    def choose(self, site, ranked):
+        from attnopt.tuning import Choice
+
+        return Choice(plan=BucketedPlan(bounds=(32, 4096), plans=(SplitKVPlan(num_splits=2).runtime_key(),
+                                                                   StreamKPlan().runtime_key())), choice="measured")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "split_kv", "stream_k", "tree", "ring", "bucketed"])
+def test_smollm2_shaped_decode_step_for_every_exact_kind(tmp_path, monkeypatch, kind):
+    """A SmolLM2-135M-shaped Llama (9/3 heads of 64, hidden 576, 2 of its 30 layers, random weights, a 48-slot static
+    cache) planned with each exact kind (tree and ring as a 2-rank planner picks them, bucketed as a tuner does):
+    every site is one Attention-24 node with ``nonpad_kv_seqlen`` and no repeat_kv copy, and onnxruntime matches
+    PyTorch on this step and the next, with the same next token."""
+    from test_export import check_decode_steps, export_decode_step, smollm2_shaped
+
+    if kind in ("tree", "ring"):
+        plan_as(monkeypatch, world_size=2)
+    if kind == "bucketed":
+        plan_as(monkeypatch, tuner=BucketingTuner())
+    path = tmp_path / f"smollm2_{kind}.onnx"
+    step, inputs, report = export_decode_step(smollm2_shaped(2), path, **({} if kind == "bucketed" else
+                                                                          {"force_plan": kind}))
+    assert [s.chosen.kind for s in report.sites] == [kind, kind]
+    note = {"tree": "; tree plan, single-device equivalent", "ring": "; ring plan, single-device equivalent",
+            "bucketed": "; bucketed: stream_k at N=48"}.get(kind, "")
+    assert {s.exported_as for s in report.sites} == {f"onnx:Attention-24 (nonpad_kv_seqlen{note})"}
+    _, ops = ops_of(path)
+    assert ops.count(("", "Attention")) == 2 and ("", "Expand") not in ops, ops
+    check_decode_steps(path, step, inputs)
+
+
+@pytest.mark.slow
+def test_smollm2_shaped_decode_step_with_saap(tmp_path, monkeypatch, fresh_registry):
+    """The same step with SAAP at layer 1 (an index with a query MLP; layer 0 stays dense, as the index leaves it):
+    layer 0 is an Attention node, layer 1 an attnopt:saap_decode_attention_mlp node, and onnxruntime, fed the
+    clusters that the prefill built, matches the rewritten graph run in PyTorch (the op's reference SAAP decode) on
+    this step and the next; SAAP really drops keys (the logits differ from dense attention's)."""
+    from test_export import smollm2_shaped
+
+    from attnopt.commands.export_onnx import example_step
+    from attnopt.export import StaticCacheDecodeStep, rewrite_for_export
+    from attnopt.export_saap import saap_cluster_inputs
+    from attnopt.config import OptimizeConfig
+
+    model = smollm2_shaped(2)
+    index = synthetic_index(9, 3, 64, 8, layers=(1,), num_layers=2, seed=1, rope_theta=100000.0)
+    g = torch.Generator().manual_seed(2)
+    index.layers[1] = LayerIndex(index.layers[1].centroids, {
+        "w1": torch.randn(3, 16, 64, generator=g) / 8, "b1": torch.randn(3, 16, generator=g),
+        "bn_mean": torch.zeros(3, 16), "bn_var": torch.ones(3, 16), "bn_weight": torch.ones(3, 16),
+        "bn_bias": torch.randn(3, 16, generator=g), "w2": torch.randn(3, 8, 16, generator=g),
+        "b2": torch.zeros(3, 8)})
+    index_file = str(tmp_path / "smol.safetensors")
+    index.save(index_file)
+    step = StaticCacheDecodeStep(model)
+    position, max_len = 36, 48
+    inputs = example_step(step, batch=1, max_cache_len=max_len, position=position, seed=0)
+    # the prefill's clusters: layer 1's keys [sink, position - window) assigned to the index's clusters
+    registry.set_state(index_file, 1, build_clusters(registry.get_index(index_file), 1, inputs[4], position, 1, 8))
+    names = step.cache_names()
+    options = dict(saap=index_file, saap_probes=2, saap_sink=1, saap_window=8, force_plan="saap")
+    path = tmp_path / "smollm2_saap.onnx"
+    report = export_onnx(step, inputs, path, input_names=["input_ids", "cache_position", *names], **options)
+    assert [s.rewritten and s.chosen.kind for s in report.sites] == [False, "saap"]
+    assert report.sites[1].exported_as == "attnopt:saap_decode_attention_mlp (function body)"
+    model_proto, ops = ops_of(path)
+    assert ("attnopt", "saap_decode_attention_mlp") in ops and ("", "Attention") in ops
+    gm, _ = rewrite_for_export(step, inputs, {}, OptimizeConfig(**options))
+    clusters = saap_cluster_inputs(report, max_len)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed_names = [i.name for i in session.get_inputs()]
+    assert feed_names == ["input_ids", "cache_position", *names, "saap_clusters_1"]
+    for _ in range(2):
+        got = session.run(None, {**{n: t.numpy() for n, t in zip(feed_names, inputs)}, **clusters})
+        with torch.no_grad():
+            want = gm(*[t.clone() for t in inputs])
+            dense = step(*[t.clone() for t in inputs])
+        for g_, w in zip(got, want):
+            close(g_, w)
+        assert (got[0] - dense[0].numpy()).__abs__().max() > 1e-4
+        token = torch.from_numpy(got[0][:, -1]).argmax(-1, keepdim=True)
+        assert torch.equal(token, want[0][:, -1].argmax(-1, keepdim=True))
+        inputs = (token, inputs[1] + 1, *want[1:])
