@@ -230,11 +230,18 @@ class OnnxTranslator:
                 if is_function and getattr(q, "dtype", None) == torch.float64:
                     raise ValueError("attnopt's ONNX function bodies compute in float32, less precise than this "
                                      "float64 attention; export it with attention='auto' (a standard Attention node)")
+                if form == "saap":
+                    from .export_saap import check_saap
+
+                    check_saap(node.args[7], q, k, node.args[8])
             if node.target in (ops.decode_attention_states.default, ops.merge_states.default) and self.attention == "standard":
                 raise ValueError(f"{node.target} has no standard ONNX node (softmax states); export with "
                                  "attention='auto' or 'function' to write it as an attnopt node with a function body")
             if node.target in (ops.check_close.default, ops.shard_mask_columns.default):
                 raise ValueError(f"{node.target} cannot be exported to ONNX (a run-time check / a sharded cache)")
+            if getattr(node.target, "namespace", None) == "attnopt" and node.target not in self.table():
+                names = ", ".join(sorted(str(op) for op in self.table()))
+                raise ValueError(f"{node.target} has no ONNX translation; attnopt ops that export: {names}")
 
     # ----------------------------------------------------------------------------------------- translations
     def table(self) -> dict[Any, Callable]:

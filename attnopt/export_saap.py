@@ -22,6 +22,23 @@ CLUSTERS_INPUT = "saap_clusters_{layer}"
 _CLUSTERS_ARG = 5  # the node's input that the graph input replaces
 
 
+def check_saap(plan: str, q, k, site: str) -> None:
+    """``ValueError`` before the export when a SAAP site cannot be exported: its index does not load or lacks the
+    plan's layer, or the clusters input would not have a static shape. ``q``/``k`` are example (fake) tensors."""
+    from attnopt.plan import plan_from_json
+    from attnopt.runtime.saap.registry import get_index
+
+    p = plan_from_json(plan)
+    index = get_index(p.index)
+    if p.layer not in index.layers:
+        raise ValueError(f"SAAP plan at {site}: layer {p.layer} is not in the index {p.index} "
+                         f"(layers {sorted(index.layers)})")
+    shape = (q.shape[0], k.shape[1], k.shape[2]) if q is not None and k is not None else (None,)
+    if not all(isinstance(d, int) for d in shape):
+        raise ValueError(f"SAAP plan at {site}: the clusters input needs a static batch, KV heads and cache length; "
+                         f"got {shape}; export with static shapes")
+
+
 def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_causal: bool, plan: str, site: str):
     """The ``attnopt:saap_decode_attention[_mlp]`` node of one site (an ``OnnxTranslator`` translation)."""
     import onnx_ir as ir
@@ -32,10 +49,7 @@ def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_cau
     from .onnx_functions import SAAP_INDEX_INPUTS
 
     p = plan_from_json(plan)
-    index = get_index(p.index)
-    if p.layer not in index.layers:
-        raise ValueError(f"SAAP plan at {site}: layer {p.layer} is not in the index {p.index} "
-                         f"(layers {sorted(index.layers)})")
+    index = get_index(p.index)  # check_saap checked the layer before the export
     layer = index.layers[p.layer]
     name = "saap_decode_attention" if layer.mlp is None else "saap_decode_attention_mlp"
     op = translator._op()
@@ -46,10 +60,7 @@ def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_cau
 
     tensors = [layer.centroids] if layer.mlp is None else [layer.mlp[n] for n in SAAP_INDEX_INPUTS[name]]
     weights = [constant(t, n) for t, n in zip(tensors, SAAP_INDEX_INPUTS[name])]
-    shape = (q.shape[0], k.shape[1], k.shape[2])
-    if not all(isinstance(d, int) for d in shape):
-        raise ValueError(f"SAAP plan at {site}: the clusters input needs a static batch, KV heads and cache length; "
-                         f"got {shape}")
+    shape = (q.shape[0], k.shape[1], k.shape[2])  # static: check_saap
     # a placeholder: ``add_cluster_inputs`` replaces it with the graph input after the export
     clusters = op.Constant(value=ir.tensor(np.full(shape, -1, dtype=np.int64), name=f"saap_l{p.layer}_placeholder"))
     translator.exported[site] = f"attnopt:{name} (function body)"
@@ -117,4 +128,4 @@ def saap_cluster_inputs(report: Any, n_keys: int, states: dict[int, Any] | None 
     return out
 
 
-__all__ = ["CLUSTERS_INPUT", "saap_attention", "add_cluster_inputs", "saap_cluster_inputs"]
+__all__ = ["CLUSTERS_INPUT", "check_saap", "saap_attention", "add_cluster_inputs", "saap_cluster_inputs"]

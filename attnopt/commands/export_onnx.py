@@ -44,7 +44,9 @@ def register(sub) -> None:
     p.add_argument("--position", type=int, default=8,
                    help="cache_position of the example step; the cache holds that many tokens (default 8)")
     p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
-    p.add_argument("--plan", default=None, help="force this plan kind at every site (dense, split_kv, stream_k)")
+    p.add_argument("--plan", default=None, help="force this plan kind at every site (dense, split_kv, stream_k; a "
+                                                "tree or ring plan exports as the same single-device graph; saap: "
+                                                "attnopt.export_onnx(..., saap=INDEX))")
     p.add_argument("--hardware", default=None, help="plan for this hardware profile (default: this machine's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the example tokens")
     p.add_argument("--check", action="store_true", help="run the file in onnxruntime and compare with PyTorch")

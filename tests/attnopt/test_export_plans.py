@@ -104,6 +104,18 @@ def test_unknown_kind_fails_before_the_export(tmp_path):
     assert set(EXPORTABLE_KINDS) >= {"dense", "split_kv", "stream_k", "tree", "ring", "saap", "bucketed"}
 
 
+_TEST_LIB = torch.library.Library("attnopt", "FRAGMENT")
+_TEST_LIB.define("export_test_identity(Tensor x) -> Tensor")
+_TEST_LIB.impl("export_test_identity", lambda x: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("attnopt::export_test_identity", lambda x: torch.empty_like(x), lib=_TEST_LIB)
+
+
+def test_an_attnopt_op_without_translation_fails_early_naming_those_that_export(tmp_path):
+    with pytest.raises(ValueError, match="export_test_identity.default has no ONNX translation; attnopt ops that "
+                                         "export: attnopt.decode_attention"):
+        export_onnx(lambda x: torch.ops.attnopt.export_test_identity(x), (torch.ones(2),), tmp_path / "x.onnx")
+
+
 def _sharded_decode(rank, world, q, k, v, lengths):
     """A rank's tree and ring decode over its shard of the cache (the op path, as attnopt runs it)."""
     from attnopt.runtime import distributed as D
@@ -202,6 +214,13 @@ def test_saap_exports_its_sparse_decode_as_a_function_body(tmp_path, fresh_regis
                                                                    for n, t in feeds.items())})[0], want)
 
 
+def test_saap_layer_outside_the_index_fails_early(tmp_path, fresh_registry):
+    plan = SaapPlan(index=saap_index(tmp_path, mlp=False), layer=0)
+    with pytest.raises(ValueError, match=r"layer 0 is not in the index .*\(layers \[1\]\)"):
+        export_onnx(attention_fn(plan.runtime_key()), decode_case(), tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+
+
 def test_saap_with_every_cluster_probed_is_dense_attention(tmp_path, fresh_registry):
     """All 8 clusters probed: the node attends to every key, so ORT's output is exact attention."""
     path = saap_index(tmp_path, mlp=False)
@@ -243,7 +262,7 @@ class BucketingTuner:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "split_kv", "stream_k", "tree", "ring", "bucketed"])
+@pytest.mark.parametrize("kind", ["split_kv", "stream_k", "tree", "ring", "bucketed"])  # dense: test_export.py
 def test_smollm2_shaped_decode_step_for_every_exact_kind(tmp_path, monkeypatch, kind):
     """A SmolLM2-135M-shaped Llama (9/3 heads of 64, hidden 576, 2 of its 30 layers, random weights, a 48-slot static
     cache) planned with each exact kind (tree and ring as a 2-rank planner picks them, bucketed as a tuner does):
