@@ -178,9 +178,9 @@ class OnnxTranslator:
 
     # ----------------------------------------------------------------------------------------- checks
     def resolve(self, plan: str, kv_len: int | None = None, states: bool = False) -> tuple[str, str, str]:
-        """(form, kind, note) of a site's plan key at KV length ``kv_len`` (None when not static): form is "standard"
-        (one ``Attention`` node), "function" (``attnopt:decode_attention`` with its body) or "saap"; kind is the
-        kind that runs (a bucketed plan's bucket at ``kv_len``); note says how a plan became its export.
+        """(form, plan, note) of a site's plan key at KV length ``kv_len`` (None when not static): form is "standard"
+        (one ``Attention`` node), "function" (``attnopt:decode_attention`` with its body) or "saap"; plan is the key
+        of the plan that runs (a bucketed plan's bucket at ``kv_len``); note says how a plan became its export.
         ``ValueError`` naming the exportable kinds for anything else, before any export work."""
         from .plan import plan_from_json
 
@@ -191,12 +191,13 @@ class OnnxTranslator:
             bucketed = plan_from_json(plan)
             if kv_len is not None:
                 form, inner, note = self.resolve(bucketed.plan_for(kv_len), kv_len, states)
-                return form, inner, "; ".join(x for x in (f"bucketed: {inner} at N={kv_len}", note) if x)
+                described = f"bucketed: {json.loads(inner)['kind']} at N={kv_len}"
+                return form, inner, "; ".join(x for x in (described, note) if x)
             inner_forms = {self.resolve(p, None, states)[0] for p in bucketed.plans}
             if inner_forms != {self.exact_form()}:
                 raise ValueError(f"a bucketed plan ({bucketed.describe()}) whose buckets export differently needs a "
                                  "static KV length to pick its bucket; export with static shapes")
-            return inner_forms.pop(), kind, "bucketed: every bucket exact"
+            return inner_forms.pop(), plan, "bucketed: every bucket exact"
         note = f"{kind} plan, single-device equivalent" if kind in SINGLE_DEVICE_KINDS else ""
         if kind in FUNCTION_KINDS:
             if self.attention == "standard":
@@ -205,8 +206,8 @@ class OnnxTranslator:
             if states:
                 raise ValueError(f"a {kind} plan exports through attnopt::decode_attention only, not its softmax "
                                  "states (decode_attention_states)")
-            return "saap", kind, note
-        return self.exact_form(), kind, note
+            return "saap", plan, note
+        return self.exact_form(), plan, note
 
     def exact_form(self) -> str:
         """The form of an exact-attention site: "function" with ``attention="function"``, else "standard"."""
@@ -224,7 +225,7 @@ class OnnxTranslator:
             if node.target in (ops.decode_attention.default, ops.decode_attention_states.default):
                 states = node.target == ops.decode_attention_states.default
                 k = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
-                form = self.resolve(node.args[7], _static(k.shape[2]) if k is not None else None, states)[0]
+                form, runs, _ = self.resolve(node.args[7], _static(k.shape[2]) if k is not None else None, states)
                 q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
                 is_function = form != "standard" or states
                 if is_function and getattr(q, "dtype", None) == torch.float64:
@@ -233,7 +234,7 @@ class OnnxTranslator:
                 if form == "saap":
                     from .export_saap import check_saap
 
-                    check_saap(node.args[7], q, k, node.args[8])
+                    check_saap(runs, q, k, node.args[8])
             if node.target in (ops.decode_attention_states.default, ops.merge_states.default) and self.attention == "standard":
                 raise ValueError(f"{node.target} has no standard ONNX node (softmax states); export with "
                                  "attention='auto' or 'function' to write it as an attnopt node with a function body")
@@ -268,12 +269,12 @@ class OnnxTranslator:
         return Op(Opset(DOMAIN, DOMAIN_VERSION), name, op_schema(name))
 
     def decode_attention(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="", site=""):
-        form, _, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None)
+        form, runs, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None)
         if form == "saap":
             from .export_saap import saap_attention
 
             bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
-            return saap_attention(self, q, k, v, bias, lengths, float(scale), bool(is_causal), plan, site)
+            return saap_attention(self, q, k, v, bias, lengths, float(scale), bool(is_causal), runs, site)
         if form == "function":
             self.exported[site] = _described("attnopt:decode_attention", "function body", note)
             bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)

@@ -5,6 +5,7 @@ the CPU against PyTorch (fp32, 1e-5); and the early errors that name what can be
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -71,13 +72,27 @@ def test_exact_plans_export_as_exact_attention(tmp_path, plan, attention):
     close(got, reference.decode_attention(q, k, v, valid_len=lengths, scale=SCALE))
 
 
-def test_exported_as_names_the_plan_that_became_the_node():
+def test_exported_as_names_the_plan_that_became_the_node(tmp_path, fresh_registry):
     t = OnnxTranslator(24)
-    assert t.resolve(TreePlan(world=2).runtime_key(), 96) == ("standard", "tree", "tree plan, single-device equivalent")
-    assert t.resolve(BUCKETED.runtime_key(), 40) == ("standard", "split_kv", "bucketed: split_kv at N=40")
-    assert t.resolve(BUCKETED.runtime_key(), None) == ("standard", "bucketed", "bucketed: every bucket exact")
+    tree = TreePlan(world=2).runtime_key()
+    assert t.resolve(tree, 96) == ("standard", tree, "tree plan, single-device equivalent")
+    split = SplitKVPlan(num_splits=2).runtime_key()
+    assert t.resolve(BUCKETED.runtime_key(), 40) == ("standard", split, "bucketed: split_kv at N=40")
+    assert t.resolve(BUCKETED.runtime_key(), None) == ("standard", BUCKETED.runtime_key(), "bucketed: every bucket exact")
     assert OnnxTranslator(24, "function").resolve(RingPlan(world=2).runtime_key(), 8)[0] == "function"
-    assert t.resolve(SaapPlan(index="i", layer=1).runtime_key(), 8)[0] == "saap"
+    saap = SaapPlan(index=saap_index(tmp_path, mlp=False), probes=8, sink=4, window=16, layer=1).runtime_key()
+    assert t.resolve(saap, 8)[0] == "saap"
+    # a bucketed plan with a SAAP bucket: the SAAP node of the exported length's bucket, with its own plan
+    mixed = BucketedPlan(bounds=(64, 4096), plans=(split, saap))
+    assert t.resolve(mixed.runtime_key(), 96) == ("saap", saap, "bucketed: saap at N=96")
+    q, k, v, lengths = decode_case(seed=5)
+    state = build_clusters(registry.get_index(json.loads(saap)["data"]["index"]), 1, k, prompt_len=80, sink=4,
+                           window=16)
+    out = tmp_path / "mixed.onnx"
+    export_onnx(attention_fn(mixed.runtime_key()), (q, k, v, lengths), out)
+    (got,) = run_ort(out, {"q": q, "k": k, "v": v, "lengths": lengths,
+                           "saap_clusters_1": state.cluster_of_positions(k.shape[2]).numpy()})
+    close(got, reference.decode_attention(q, k, v, valid_len=lengths, scale=SCALE))  # every cluster probed
 
 
 @pytest.mark.parametrize("plan,kwargs,match", [
