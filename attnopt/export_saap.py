@@ -9,11 +9,12 @@ keys, which the runtime builds at prefill, become an input of the graph per laye
 ``saap_clusters_<layer>`` (B, Hkv, N) int64: the cluster of each key position of the static cache, -1 for the keys
 every query attends (the sink, the recent window and everything decoded after the prefill).
 ``saap_cluster_inputs`` makes them from the clusters that a prefill with ``saap_cache`` registered, or from a
-``ClusterState`` (``runtime.saap.build.build_clusters``).
+``ClusterState`` (``runtime.saap.build.build_clusters``); where there is no PyTorch, ``export_saap_clusters`` writes
+the prefill's assignment as its own ONNX graph (standard ops: keys and the prompt length in, the clusters out).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -128,4 +129,62 @@ def saap_cluster_inputs(report: Any, n_keys: int, states: dict[int, Any] | None 
     return out
 
 
-__all__ = ["CLUSTERS_INPUT", "check_saap", "saap_attention", "add_cluster_inputs", "saap_cluster_inputs"]
+def export_saap_clusters(index: str, path: str, *, batch: int, max_cache_len: int, sink: int, window: int,
+                         layers: Sequence[int] | None = None, opset: int = 24) -> list[str]:
+    """Export the prefill's cluster assignment as its own ONNX graph (standard ops only), so that a deployment
+    without PyTorch can make the ``saap_clusters_<layer>`` inputs of an exported decode step.
+
+    The graph takes ``prompt_len`` (scalar int64: the keys [0, prompt_len) are the prompt) and ``keys_<layer>``
+    (B, Hkv, max_cache_len, D) float, the static cache's rotated keys, per layer; it returns ``saap_clusters_<layer>``
+    (B, Hkv, max_cache_len) int64: each key's nearest centroid (L2, de-roped, as ``runtime/saap/build.py`` assigns
+    the prompt at prefill) for the indexed keys [sink, max(sink, prompt_len - window)), -1 for every other position.
+    ``layers`` defaults to every layer of the index. Returns the output names.
+    """
+    import torch
+
+    from attnopt.runtime.saap.registry import get_index
+
+    loaded = get_index(index)
+    layers = sorted(loaded.layers) if layers is None else list(layers)
+    missing = [l for l in layers if l not in loaded.layers]
+    if missing:
+        raise ValueError(f"layers {missing} are not in the SAAP index {index} (layers {sorted(loaded.layers)})")
+    if sink < 0 or window < 0:
+        raise ValueError(f"sink ({sink}) and window ({window}) must be >= 0")
+    module = _assignment_module(loaded, layers, sink, window).eval()
+    ident = loaded.identity
+    keys = [torch.zeros(batch, ident.num_kv_heads, max_cache_len, ident.head_dim) for _ in layers]
+    outputs = [CLUSTERS_INPUT.format(layer=l) for l in layers]
+    program = torch.onnx.export(module, (torch.tensor(max_cache_len), *keys), dynamo=True, opset_version=opset,
+                                input_names=["prompt_len", *[f"keys_{l}" for l in layers]], output_names=outputs,
+                                verbose=False)
+    program.save(str(path))
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=True)
+    return outputs
+
+
+def _assignment_module(index: Any, layers: list[int], sink: int, window: int):
+    """``runtime/saap/build.py``'s assignment over a whole static cache as a module: every position's cluster, -1
+    outside the indexed range, whose end moves with ``prompt_len`` (an input)."""
+    import torch
+
+    from attnopt.runtime.saap.build import assign_keys
+    from attnopt.runtime.saap.rope import remove_rope
+
+    class ClusterAssignment(torch.nn.Module):
+        def forward(self, prompt_len, *keys):
+            out = []
+            for layer, k in zip(layers, keys):
+                positions = torch.arange(k.shape[2], device=k.device)
+                assign = assign_keys(index.layers[layer].centroids, remove_rope(k, positions, index.rope))
+                end = torch.clamp(prompt_len - window, min=sink)
+                indexed = (positions >= sink) & (positions < end)
+                out.append(torch.where(indexed, assign, torch.full_like(assign, -1)))
+            return tuple(out)
+
+    return ClusterAssignment()
+
+
+__all__ = ["CLUSTERS_INPUT", "export_saap_clusters", "check_saap", "saap_attention", "add_cluster_inputs", "saap_cluster_inputs"]

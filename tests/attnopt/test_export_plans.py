@@ -359,3 +359,28 @@ def test_smollm2_shaped_decode_step_with_saap(tmp_path, monkeypatch, fresh_regis
         token = torch.from_numpy(got[0][:, -1]).argmax(-1, keepdim=True)
         assert torch.equal(token, want[0][:, -1].argmax(-1, keepdim=True))
         inputs = (token, inputs[1] + 1, *want[1:])
+
+
+def test_saap_clusters_from_the_exported_assignment_graph(tmp_path, fresh_registry):
+    """A deployment without PyTorch: ``export_saap_clusters``'s graph makes, from the cache's keys, exactly the
+    clusters the runtime builds at prefill (for any prompt length, one shorter than sink + window too), and the
+    decode graph fed them computes what the op computes."""
+    from attnopt.export_saap import export_saap_clusters
+
+    path = saap_index(tmp_path, mlp=False)
+    q, k, v, lengths = decode_case(seed=6)
+    assign = tmp_path / "assign.onnx"
+    assert export_saap_clusters(path, assign, batch=2, max_cache_len=96, sink=4, window=16) == ["saap_clusters_1"]
+    index = registry.get_index(path)
+    for prompt_len in (96, 10, 80):
+        (clusters,) = run_ort(assign, {"prompt_len": np.array(prompt_len), "keys_1": k})
+        want = build_clusters(index, 1, k, prompt_len, sink=4, window=16)
+        np.testing.assert_array_equal(clusters, want.cluster_of_positions(96).numpy())
+    registry.set_state(path, 1, want)  # the last prompt: 80 keys
+    plan = SaapPlan(index=path, probes=2, sink=4, window=16, layer=1)
+    decode = tmp_path / "decode.onnx"
+    export_onnx(attention_fn(plan.runtime_key()), (q, k, v, lengths), decode)
+    (got,) = run_ort(decode, {"q": q, "k": k, "v": v, "lengths": lengths, "saap_clusters_1": clusters})
+    close(got, attention_fn(plan.runtime_key())(q, k, v, lengths))
+    with pytest.raises(ValueError, match=r"layers \[0\] are not in the SAAP index"):
+        export_saap_clusters(path, assign, batch=2, max_cache_len=96, sink=4, window=16, layers=[0])
