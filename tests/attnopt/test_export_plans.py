@@ -5,6 +5,7 @@ the CPU against PyTorch (fp32, 1e-5); and the early errors that name what can be
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -257,19 +258,14 @@ def test_saap_with_every_cluster_probed_is_dense_attention(tmp_path, fresh_regis
 
 
 # --------------------------------------------------------------------------------------------- SmolLM2 decode step
-def plan_as(monkeypatch, world_size: int = 1, tuner=None):
-    """Make the export's planning context a ``world_size``-rank one (tree and ring candidates), or give it a tuner."""
+def plan_for_two_ranks(monkeypatch):
+    """Make the export's planning context a 2-rank one, where tree and ring are candidates (no group is needed to
+    plan; the export never runs the op)."""
     import attnopt.passes as passes
 
     make = passes.make_context
-
-    def context(config, example_inputs=(), **kw):
-        ctx = make(config, example_inputs, **{**kw, "world_size": world_size})
-        if tuner is not None:
-            ctx.plan_context.extras["tuner"] = tuner
-        return ctx
-
-    monkeypatch.setattr(passes, "make_context", context)
+    monkeypatch.setattr(passes, "make_context", lambda config, example_inputs=(), **kw: make(
+        config, example_inputs, **{**kw, "world_size": 2}))
 
 
 class BucketingTuner:
@@ -291,13 +287,14 @@ def test_smollm2_shaped_decode_step_for_every_exact_kind(tmp_path, monkeypatch, 
     PyTorch on this step and the next, with the same next token."""
     from test_export import check_decode_steps, export_decode_step, smollm2_shaped
 
+    from attnopt.tuning import use_tuner
+
     if kind in ("tree", "ring"):
-        plan_as(monkeypatch, world_size=2)
-    if kind == "bucketed":
-        plan_as(monkeypatch, tuner=BucketingTuner())
+        plan_for_two_ranks(monkeypatch)
     path = tmp_path / f"smollm2_{kind}.onnx"
-    step, inputs, report = export_decode_step(smollm2_shaped(2), path, **({} if kind == "bucketed" else
-                                                                          {"force_plan": kind}))
+    with use_tuner(BucketingTuner()) if kind == "bucketed" else contextlib.nullcontext():
+        step, inputs, report = export_decode_step(smollm2_shaped(2), path, **({} if kind == "bucketed" else
+                                                                              {"force_plan": kind}))
     assert [s.chosen.kind for s in report.sites] == [kind, kind]
     note = {"tree": "; tree plan, single-device equivalent", "ring": "; ring plan, single-device equivalent",
             "bucketed": "; bucketed: stream_k at N=48"}.get(kind, "")
