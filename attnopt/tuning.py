@@ -461,7 +461,9 @@ _OVERRIDE: list[Tuner] = []
 @contextlib.contextmanager
 def use_tuner(tuner: Tuner):
     """Within this block the planner uses ``tuner`` on every device (tests drive the measured choice on the CPU
-    with a fake timer; ``attnopt tune`` passes its progress-reporting tuner)."""
+    with a fake timer; ``attnopt tune`` passes its progress-reporting tuner). A tuner answers
+    ``choose(site, ranked, **kw)`` and, for a symbolic length, ``choose_bucketed(site, rank, **kw)``; ``kw`` is
+    what the planner knows of how the site runs (``valid_len_sharing``, ``graphed``), so take ``**kw``."""
     _OVERRIDE.append(tuner)
     try:
         yield tuner
