@@ -414,6 +414,8 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
     if state is None:
         state = strategy.prepare(plan, s["q"], s["k"], s["v"])
     scale = site.scale if site.scale is not None else site.head_dim ** -0.5
+    if hasattr(strategy, "timed_call"):  # a plan whose op takes other inputs than (q, k, v): the cascade
+        return strategy.timed_call(plan, site, s, state, scale)
     q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
     needs_len = mask is not None and plan.kind not in ("dense", "tree", "ring")
 
