@@ -53,6 +53,12 @@ def batch_broadcast_source(node: Any) -> Any:
     return src
 
 
+def _differ(a: Any, b: Any) -> bool:
+    """Two lengths that are static and unequal. Symbolic ones (a growing cache's K and V are separate inputs with
+    separate symbols) are taken as equal: were they not, the original attention raises at run time, as does the op."""
+    return isinstance(a, int) and isinstance(b, int) and a != b
+
+
 def find_shared_prefix(m: AttentionMatch, writes) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
     """(k_prefix (1, Hkv, P, D), v_prefix (1, Hkv, P, Dv), k_suffix (B, Hkv, S, D), v_suffix (B, Hkv, S, Dv)) when
     the match's K and V provably are a shared prefix plus per-row suffixes (module docstring), else None."""
@@ -65,8 +71,8 @@ def find_shared_prefix(m: AttentionMatch, writes) -> tuple[fx.Node, fx.Node, fx.
     if kp is None or vp is None:
         return None
     shapes = [meta_shape(x) for x in (kp, vp, k_parts[1], v_parts[1])]
-    if any(s is None or len(s) != 4 for s in shapes) or not same_size(shapes[0][2:3], shapes[1][2:3]) \
-            or not same_size(shapes[2][2:3], shapes[3][2:3]):
+    if any(s is None or len(s) != 4 for s in shapes) or _differ(shapes[0][2], shapes[1][2]) \
+            or _differ(shapes[2][2], shapes[3][2]):
         return None
     parts = (kp, vp, k_parts[1], v_parts[1])
     if writes.reason(list(parts), m.output) is not None:
