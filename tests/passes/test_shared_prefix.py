@@ -120,3 +120,16 @@ def test_one_row_is_not_worth_a_cascade():
     assert r.sites[0].shared_prefix == 40
     assert "batch of 1" in _reasons(r)["cascade"]
     assert not op_nodes(r.gm, CASCADE_OP)
+
+
+def test_onnx_export_takes_a_plain_plan(tmp_path):
+    """The cascade op has no ONNX form: an exported shared-prefix site gets a plain plan, with the reason."""
+    import attnopt
+
+    args = _parts()
+    report = attnopt.export_onnx(shared_sdpa, args, tmp_path / "m.onnx")
+    (site,) = report.sites
+    assert site.rewritten and site.chosen.kind != "cascade" and site.exported_as
+    assert any(r.kind == "cascade" and "not in config.strategies" in r.reason for r in site.rejected)
+    with pytest.raises(ValueError, match="no ONNX form"):
+        attnopt.export_onnx(shared_sdpa, args, tmp_path / "m2.onnx", force_plan="cascade")
