@@ -209,3 +209,23 @@ def test_cascade_compiled_on_gpu_and_under_graph_replay(dtype, L, mask):
     graph.replay()
     k = torch.cat([parts[0].expand(16, -1, -1, -1), parts[2]], dim=2)
     torch.testing.assert_close(captured.double(), _oracle(q, k, v, m, 128 ** -0.5), atol=2e-2, rtol=2e-2)
+
+
+def test_tuner_times_a_cascade_site_on_its_own_inputs_and_keys_it_apart():
+    """``attnopt.tuning`` times a cascade candidate through ``Cascade.timed_call`` (row 0's first P keys as the
+    prefix), and a shared-prefix site's measurements are cached under their own key."""
+    import dataclasses
+
+    from attnopt.tuning import ShapeKey, TuningCache, site_call, synthetic_inputs
+
+    site = AttentionSite.canonical(batch=3, q_heads=4, kv_heads=2, head_dim=64, kv_len=50, dtype="float32",
+                                   mask_kind="arbitrary", shared_prefix=40)
+    plain = dataclasses.replace(site, shared_prefix=None)
+    assert TuningCache.key({}, ShapeKey.of(site, 50, False)) != TuningCache.key({}, ShapeKey.of(plain, 50, False))
+    assert "shared_prefix" not in TuningCache.key({}, ShapeKey.of(plain, 50, False))
+    s = synthetic_inputs(site, 0, device="cpu")
+    out = site_call(CascadePlan(prefix_splits=2, suffix_splits=2), site, s)()
+    k = torch.cat([s["k"][:1, :, :40].expand(3, -1, -1, -1), s["k"][:, :, 40:]], dim=2)
+    v = torch.cat([s["v"][:1, :, :40].expand(3, -1, -1, -1), s["v"][:, :, 40:]], dim=2)
+    torch.testing.assert_close(out.double(), _oracle(s["q"], k, v, s["mask"], site.scale or 64 ** -0.5),
+                               atol=1e-5, rtol=1e-5)
