@@ -75,7 +75,7 @@ def test_finfo_min_row_is_the_mean_of_v_weighted_by_key_counts():
 def interpret(monkeypatch):
     from attnopt.runtime.kernels import triton_usable
 
-    if not triton_usable("cpu") and not torch.cuda.is_available():
+    if not triton_usable("cpu"):  # a GPU machine compiles Triton for the GPU: the cuda-marked tests cover it there
         pytest.skip("Triton interpreter unavailable")
     monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
     attnopt.runtime.ops.reset_runtime_state()
