@@ -20,6 +20,8 @@ Each rewritten site's ``SiteReport.exported_as`` says what it became (``onnx:Att
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import warnings
@@ -98,7 +100,8 @@ def export_onnx(model_or_fn: torch.nn.Module | Callable, example_inputs: Sequenc
     if cfg.verify:
         raise ValueError("verify=True checks the rewrite against the original attention at run time, which an "
                          "exported graph cannot do; export with verify=False")
-    cfg = _without_cascade(cfg)
+    if cfg.force_plan == "cascade":
+        raise ValueError("force_plan='cascade': the shared-prefix cascade has no ONNX form; export with another plan")
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else _FunctionModule(model_or_fn)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if input_names is None and module is not model_or_fn and not kwargs:
@@ -133,18 +136,6 @@ def export_onnx(model_or_fn: torch.nn.Module | Callable, example_inputs: Sequenc
     return report
 
 
-def _without_cascade(cfg: OptimizeConfig) -> OptimizeConfig:
-    """The config with the shared-prefix cascade off: its op (prefix and suffixes apart) has no ONNX translation, so
-    an exported shared-prefix site gets one of the plain plans (``not in config.strategies`` in the report)."""
-    from attnopt.plan import PLAN_KINDS
-
-    if cfg.force_plan == "cascade":
-        raise ValueError("force_plan='cascade': the shared-prefix cascade has no ONNX form; export with another plan")
-    kinds = cfg.strategies if cfg.strategies is not None else tuple(
-        k for k in PLAN_KINDS if k != "saap" or cfg.saap is not None)
-    return cfg.replace(strategies=tuple(k for k in kinds if k != "cascade"))
-
-
 def rewrite_for_export(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
                        config: OptimizeConfig) -> tuple[torch.fx.GraphModule, PlanReport]:
     """``torch.export`` ``module``, then attnopt's passes over the exported graph. Returns the rewritten
@@ -161,6 +152,8 @@ def rewrite_for_export(module: torch.nn.Module, args: tuple, kwargs: dict[str, A
     gm = program.module()
     flat = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     ctx = make_context(config, flat)
+    # the shared-prefix cascade's op (prefix and suffixes apart) has no ONNX form: its check says so
+    ctx.plan_context = dataclasses.replace(ctx.plan_context, extras={**ctx.plan_context.extras, "onnx_export": True})
     gm, report = run_passes(gm, flat, ctx=ctx)
     return gm, report
 

@@ -44,6 +44,8 @@ def cascade_check(site: AttentionSite, ctx: PlanContext) -> str | None:
         return "batch of 1: a shared prefix saves nothing with one row"
     if site.is_causal:
         return "is_causal (top-left) at decode hides every key past the first q_len: nothing to share"
+    if ctx.extras.get("onnx_export"):
+        return "ONNX export: the cascade op has no ONNX form (the site exports with a plain plan)"
     return kernel_check(site, ctx)
 
 
