@@ -336,7 +336,7 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     gen(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape of the timed calls seen
     times: dict[int, list[float]] = {}
     with gpu_turn():
-        for n in (short, long, short, long):
+        for n in (short, long) * 4:  # interleaved repeats: per-token is the difference of the minima
             _sync(args.device)
             t0 = time.perf_counter()
             gen(ids, max_new_tokens=n, min_new_tokens=n, **kw)
