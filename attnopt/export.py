@@ -114,8 +114,9 @@ def export_onnx(model_or_fn: torch.nn.Module | Callable, example_inputs: Sequenc
     if cfg.verify:
         raise ValueError("verify=True checks the rewrite against the original attention at run time, which an "
                          "exported graph cannot do; export with verify=False")
-    if cfg.force_plan == "cascade":
-        raise ValueError("force_plan='cascade': the shared-prefix cascade has no ONNX form; export with another plan")
+    if cfg.force_plan is not None and cfg.force_plan not in EXPORTABLE_KINDS:
+        raise ValueError(f"force_plan={cfg.force_plan!r} has no ONNX form; exportable kinds: "
+                         f"{', '.join(EXPORTABLE_KINDS)}")
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else _FunctionModule(model_or_fn)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if input_names is None and module is not model_or_fn and not kwargs:
