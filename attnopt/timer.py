@@ -84,6 +84,8 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
     if state is None:
         state = strategy.prepare(plan, s["q"], s["k"], s["v"])
     scale = site.scale if site.scale is not None else site.head_dim ** -0.5
+    if hasattr(strategy, "timed_call"):  # a plan whose op takes other inputs than (q, k, v): the cascade
+        return strategy.timed_call(plan, site, s, state, scale)
     q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
     valid_len = s.get("valid_len") if uses_valid_len(plan, site) else None
     if uses_valid_len(plan, site) and valid_len is None and mask is not None:
@@ -195,8 +197,14 @@ class GpuTimer:
 
         from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
 
+        from attnopt.runtime.strategies import get_strategy
+
         with unset_fake_temporarily(), torch.no_grad():
             sets = self._input_sets(site)
+            strategy = get_strategy(plan.kind)
+            if hasattr(strategy, "timed_call"):  # its own op and inputs (the cascade): its timed call, host side
+                state = strategy.prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+                return self._host([site_call(plan, site, s, state) for s in sets])
             key, scale = plan.runtime_key(), site.scale if site.scale is not None else site.head_dim ** -0.5
             op = torch.ops.attnopt.decode_attention
             return self._host([lambda s=s: op(s["q"], s["k"], s["v"], s["mask"],

@@ -99,6 +99,9 @@ class ShapeKey:
     valid_len_sharing: int = 0
     #: Whether the graph replays as CUDA graphs (else a call's host time counts too).
     graphed: bool = True
+    #: Keys shared by every row (``AttentionSite.shared_prefix``): a cascade site measures differently from a plain
+    #: site of the same shape. Left out of the key when None.
+    shared_prefix: int | None = None
 
     @classmethod
     def of(cls, site: AttentionSite, kv_len: int, bucketed: bool, valid_len_sharing: int = 1,
@@ -108,7 +111,7 @@ class ShapeKey:
                    v_head_dim=site.v_head_dim or site.head_dim, q_len=int(site.q_len), kv_len=int(kv_len),
                    bucketed=bucketed, dtype=site.dtype, mask_kind=site.mask_kind, valid_length=masked,
                    is_causal=site.is_causal, valid_len_sharing=max(1, int(valid_len_sharing)) if masked else 0,
-                   graphed=bool(graphed))
+                   graphed=bool(graphed), shared_prefix=site.shared_prefix)
 
 
 def tunable_reason(site: AttentionSite) -> str | None:
@@ -164,7 +167,8 @@ class TuningCache:
 
     @staticmethod
     def key(env: dict[str, str], shape: ShapeKey) -> str:
-        return json.dumps({"env": env, "shape": dataclasses.asdict(shape)}, sort_keys=True)
+        fields = {k: v for k, v in dataclasses.asdict(shape).items() if k != "shared_prefix" or v is not None}
+        return json.dumps({"env": env, "shape": fields}, sort_keys=True)
 
     def load(self) -> dict[str, Any]:
         """Every record; ``{}`` when the file is missing or corrupt (then one warning line names the file)."""
