@@ -63,14 +63,15 @@ class Setting:
     probes: int
 
 
-METHODS = ("mlp", "centroids", "window")
+METHODS = ("mlp", "centroids", "window", "oracle")
 
 
 def setting_for(index: SaapIndex, method: str, target: float, context: int, tail: int, sink: int = 4) -> Setting:
     """Window and probes that aim at ``target`` total selectivity at ``context`` keys (tail tokens count too).
 
-    ``method`` "mlp" (SAAP), "centroids" (the training-free baseline: same clusters, scored by centroids), or
-    "window" (StreamingLLM: sink + a window that takes the whole budget, no cluster)."""
+    ``method`` "mlp" (SAAP), "centroids" (the training-free baseline: same clusters, scored by centroids),
+    "window" (StreamingLLM: sink + a window that takes the whole budget, no cluster), or "oracle" (the same
+    clusters ranked by their true attention mass: the bound of any query model over this partition)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     if method == "window":
@@ -111,15 +112,18 @@ class Harness:
         if layer not in self.states:
             self.states[layer] = build_clusters(index, layer, key, self.prompt_len, s.sink, s.window)
         positions = torch.arange(N - L, N, device=query.device)
-        clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)  # (.., 0) for "window"
-        keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
         G = query.shape[1] // key.shape[1]
-        mask = keep.repeat_interleave(G, dim=1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
         scores = torch.matmul(query.float(), key.float().repeat_interleave(G, 1).transpose(-1, -2)) * scaling
         cols = torch.arange(N, device=key.device)
         visible = cols[None, :] <= positions[:, None]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # (B, Hq, L, N) dense
+        if s.method == "oracle":
+            clusters = oracle_clusters(self.states[layer], probs, s.probes)
+        else:  # (.., 0) for "window"
+            clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)
+        keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
+        mask = keep.repeat_interleave(G, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
         self.stats["recall"].append(float((probs * mask).sum(-1).mean()))
         self.layer_recall.setdefault(layer, []).append(self.stats["recall"][-1])
         self.stats["selectivity"].append(float((keep.sum(-1).float() / (positions + 1).float()).mean()))
@@ -127,6 +131,18 @@ class Harness:
 
     def summary(self) -> dict[str, float]:
         return {k: (sum(v) / len(v) if v else math.nan) for k, v in self.stats.items()}
+
+
+def oracle_clusters(state: ClusterState, probs: Tensor, probes: int) -> Tensor:
+    """Each group's top-``probes`` clusters by true attention mass: probs (B, Hq, L, N), the dense softmax of
+    each query head -> (B, Hkv, L, probes) int64 (the G heads of a group summed, as the query model's are)."""
+    B, Hq, L, N = probs.shape
+    owner = state.cluster_of_positions(N)  # (B, Hkv, N)
+    Hkv = owner.shape[1]
+    group = probs.reshape(B, Hkv, Hq // Hkv, L, N).sum(dim=2) * (owner >= 0)[:, :, None, :]
+    mass = torch.zeros((B, Hkv, L, state.num_clusters), device=probs.device)
+    mass.scatter_add_(-1, owner.clamp(min=0)[:, :, None, :].expand(-1, -1, L, -1), group)
+    return mass.topk(min(probes, state.num_clusters), dim=-1).indices
 
 
 def _truncate(cache: Any, length: int) -> None:

@@ -8,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("faiss")
 
-from attnopt.runtime.saap import build_clusters, saap_decode  # noqa: E402
+from attnopt.runtime.saap import attended_keys, build_clusters, saap_decode  # noqa: E402
+from attnopt.runtime.saap.decode import saap_decode_states, selectivity  # noqa: E402
 from attnopt.runtime.saap.collect import collect, custom_attention  # noqa: E402
 from attnopt.runtime.saap.evaluate import (Harness, Setting, corpus_text, evaluate_language,  # noqa: E402
                                            setting_for)
@@ -51,7 +52,7 @@ def test_every_cluster_gives_dense_results(tiny):
     assert math.isclose(full["selectivity"], 1.0) and math.isclose(full["recall"], 1.0, rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("method,probes", [("mlp", 3), ("centroids", 3), ("window", 0)])
+@pytest.mark.parametrize("method,probes", [("mlp", 3), ("centroids", 3), ("window", 0), ("oracle", 3)])
 def test_harness_attention_is_the_reference_decode(tiny, method, probes):
     model, _, index = tiny
     harness = Harness(model, index)
@@ -61,12 +62,32 @@ def test_harness_attention_is_the_reference_decode(tiny, method, probes):
     out, _ = harness(types.SimpleNamespace(layer_idx=2), q, k, v, None, scaling=0.25)
     ref_index = index if method == "mlp" else index.without_mlp()
     state = build_clusters(ref_index, 2, k, 150, 1, 8)
-    want, _, sel = saap_decode(ref_index, 2, state, q, k, v, probes, 0.25)
+    if method == "oracle":  # the clusters holding the most dense attention mass of the group's 3 heads
+        probs = torch.softmax((q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.25, dim=-1)[:, :, 0]
+        owner = state.cluster_of_positions(151)
+        mass = torch.zeros(1, 2, index.num_clusters)
+        mass.scatter_add_(-1, owner.clamp(min=0), probs.reshape(1, 2, 3, 151).sum(2) * (owner >= 0))
+        keep = attended_keys(state, mass.topk(probes, dim=-1).indices, 151, 1)
+        want, sel = saap_decode_states(q, k, v, keep, 0.25)[0], selectivity(keep)
+    else:
+        want, _, sel = saap_decode(ref_index, 2, state, q, k, v, probes, 0.25)
     torch.testing.assert_close(out.transpose(1, 2), want)
     assert math.isclose(harness.summary()["selectivity"], float(sel), rel_tol=1e-6)
     assert 0 < harness.summary()["recall"] < 1
     if method == "window":  # sink + window only: 1 + (151 - 142) keys
         assert math.isclose(float(sel), 10 / 151, rel_tol=1e-6)
+
+
+def test_oracle_recall_bounds_every_query_model_at_the_same_budget(tiny):
+    model, _, index = tiny
+    ids = torch.randint(0, 97, (1, 200 + 8 + 1), generator=torch.Generator().manual_seed(5))[0]
+    settings = [Setting(m, 0.1, sink=1, window=8, probes=3) for m in ("oracle", "mlp", "centroids")]
+    harness = Harness(model, index)
+    with custom_attention(model, "attnopt_saap_test", harness):
+        rows, _ = evaluate_language(model, harness, [ids], 8, settings)
+    oracle, mlp, centroids = rows[1:]
+    assert oracle["recall"] >= max(mlp["recall"], centroids["recall"]) - 1e-6
+    assert oracle["recall"] < 1
 
 
 def test_setting_shrinks_the_window_with_the_context(tiny):
@@ -76,7 +97,7 @@ def test_setting_shrinks_the_window_with_the_context(tiny):
     assert s8.window == 128 and s2.window == 32 and s8.probes >= 1
     streaming = setting_for(index, "window", 0.10, 8192, 64)
     assert streaming.probes == 0 and streaming.window == round(819.2 - 4 - 32)
-    with pytest.raises(ValueError, match="valid: mlp, centroids, window"):
+    with pytest.raises(ValueError, match="valid: mlp, centroids, window, oracle"):
         setting_for(index, "lsh", 0.1, 8192, 64)
 
 

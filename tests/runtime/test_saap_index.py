@@ -193,3 +193,27 @@ def test_multi_token_decode_is_causal_within_the_call(trained):
     assert keep.shape == (1, 2, 4, N)
     for i in range(4):
         assert not keep[0, :, i, N - 4 + i + 1:].any() and keep[0, :, i, 180:N - 4 + i + 1].all()
+
+
+def test_torch_kmeans_reaches_a_lloyd_fixed_point_as_good_as_faiss():
+    from attnopt.runtime.saap.build import assign_keys
+    from attnopt.runtime.saap.train import kmeans
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(600, 8, generator=gen) * torch.linspace(0.5, 3, 8)
+
+    def inertia(c):
+        a = assign_keys(c[None], keys[None, None])[0, 0]
+        return a, float(((keys - c[a]) ** 2).sum())
+
+    cents = kmeans(keys, 12, iterations=60, seed=1, backend="torch")
+    a, mine = inertia(cents)
+    assert torch.bincount(a, minlength=12).min() > 0
+    means = torch.zeros(12, 8).index_add_(0, a, keys) / torch.bincount(a, minlength=12)[:, None]
+    torch.testing.assert_close(cents, means, atol=1e-4, rtol=1e-4)  # each centroid is its keys' mean
+    assert mine <= 1.1 * inertia(kmeans(keys, 12, iterations=60, seed=1, backend="faiss"))[1]
+    # fewer distinct keys than clusters: the empty clusters are re-seeded, never NaN
+    few = kmeans(keys[:3].repeat(20, 1), 5, iterations=5, backend="torch")
+    assert torch.isfinite(few).all()
+    with pytest.raises(ValueError, match="valid: auto, faiss, torch"):
+        kmeans(keys, 6, backend="sklearn")
