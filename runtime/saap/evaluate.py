@@ -63,7 +63,7 @@ class Setting:
     probes: int
 
 
-METHODS = ("mlp", "centroids", "window", "oracle")
+METHODS = ("mlp", "centroids", "window", "oracle", "topk")
 
 
 def setting_for(index: SaapIndex, method: str, target: float, context: int, tail: int, sink: int = 4) -> Setting:
@@ -71,7 +71,9 @@ def setting_for(index: SaapIndex, method: str, target: float, context: int, tail
 
     ``method`` "mlp" (SAAP), "centroids" (the training-free baseline: same clusters, scored by centroids),
     "window" (StreamingLLM: sink + a window that takes the whole budget, no cluster), or "oracle" (the same
-    clusters ranked by their true attention mass: the bound of any query model over this partition)."""
+    clusters ranked by their true attention mass: the bound of any query model over this partition). "topk" is
+    the bound of any sparse selection: the keys themselves ranked by true attention mass, ``probes`` of them
+    (keys, not clusters) beside the sink and the window; ``setting_for`` gives it the oracle's budget."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     if method == "window":
@@ -79,6 +81,8 @@ def setting_for(index: SaapIndex, method: str, target: float, context: int, tail
     window = max(16, round(context * WINDOW_FRACTION.get(target, target / 5)))
     per_cluster = max(1.0, (context - window - sink) / index.num_clusters)
     probes = max(1, round((target * context - sink - window - tail / 2) / per_cluster))
+    if method == "topk":
+        return Setting(method, target, sink, window, round(min(probes, index.num_clusters) * per_cluster))
     return Setting(method, target, sink, window, min(probes, index.num_clusters))
 
 
@@ -117,11 +121,14 @@ class Harness:
         cols = torch.arange(N, device=key.device)
         visible = cols[None, :] <= positions[:, None]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # (B, Hq, L, N) dense
-        if s.method == "oracle":
-            clusters = oracle_clusters(self.states[layer], probs, s.probes)
-        else:  # (.., 0) for "window"
-            clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)
-        keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
+        if s.method == "topk":
+            keep = top_keys(self.states[layer], probs, s.probes, visible)
+        else:
+            if s.method == "oracle":
+                clusters = oracle_clusters(self.states[layer], probs, s.probes)
+            else:  # (.., 0) for "window"
+                clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)
+            keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
         mask = keep.repeat_interleave(G, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
         self.stats["recall"].append(float((probs * mask).sum(-1).mean()))
@@ -145,6 +152,22 @@ def oracle_clusters(state: ClusterState, probs: Tensor, probes: int) -> Tensor:
     return mass.topk(min(probes, state.num_clusters), dim=-1).indices
 
 
+def top_keys(state: ClusterState, probs: Tensor, count: int, visible: Tensor) -> Tensor:
+    """(B, Hkv, L, N) bool: the always-attended keys (sink, window, later tokens) plus each group's ``count``
+    indexed keys of most attention mass (probs (B, Hq, L, N) summed over the group's heads); ``visible`` (L, N)."""
+    B, Hq, L, N = probs.shape
+    owner = state.cluster_of_positions(N)  # (B, Hkv, N)
+    Hkv = owner.shape[1]
+    indexed = (owner >= 0)[:, :, None, :]
+    group = probs.reshape(B, Hkv, Hq // Hkv, L, N).sum(dim=2).masked_fill(~indexed, -1.0)
+    keep = ~indexed & visible
+    k = min(count, N)
+    if k > 0:
+        top = torch.zeros_like(keep).scatter_(-1, group.topk(k, dim=-1).indices, True)
+        keep = keep | (top & indexed)
+    return keep
+
+
 def _truncate(cache: Any, length: int) -> None:
     """Drop the cache's keys past ``length`` (a negative ``crop``, which transformers 5.17 and 5.23 both take)."""
     extra = cache.get_seq_length() - length
@@ -152,8 +175,14 @@ def _truncate(cache: Any, length: int) -> None:
         cache.crop(-extra)
 
 
+def _sync(model: Any) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def _continue(model: Any, cache: Any, ids: Tensor) -> Tensor:
-    out = model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
+    """Logits (T, vocab) fp32 of ``ids`` (T,) run after ``cache``; the ids go to the model's device."""
+    out = model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
     return out.logits[0].float()
 
 
@@ -165,6 +194,7 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
     first window's dense prefill time and the time to build every layer's clusters over its keys (seconds)."""
     from transformers import DynamicCache
 
+    settings = list(dict.fromkeys(settings))  # a repeated setting would count its tokens twice
     rows: dict[Setting | None, dict[str, list]] = {s: {"nll": [], "agree": [], "recall": [], "sel": [], "layers": {}}
                                                   for s in [None, *settings]}
     task = progress.add_task("evaluate text", total=len(windows) * (len(settings) + 1)) if progress else None
@@ -174,14 +204,16 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
         cache = DynamicCache()
         harness.use(None, P)
         start = time.perf_counter()
-        model(input_ids=ids[:P].view(1, -1), past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:P].view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
         if not timing:  # what the build at prefill adds: every covered layer's clusters over the prompt's keys
+            _sync(model)  # (the first window's prefill also warms up a GPU: an upper bound there)
             timing["prefill_s"] = time.perf_counter() - start
             start = time.perf_counter()
             for layer in harness.index.layers:
                 build_clusters(harness.index, layer, cache.layers[layer].keys, P, 1, 0)
+            _sync(model)
             timing["index_build_s"] = time.perf_counter() - start
-        labels = ids[P + 1:P + tail + 1]
+        labels = ids[P + 1:P + tail + 1].to(model.device)
         dense_top = None
         for s in [None, *settings]:
             _truncate(cache, P)
@@ -239,7 +271,7 @@ def evaluate_passkey(model: Any, tokenizer: Any, harness: Harness, lengths: list
     total = sum(len(settings_for_length(n)) + 1 for n in lengths) * trials
     task = progress.add_task("passkey", total=total) if progress else None
     for n in lengths:
-        settings = [None, *settings_for_length(n)]
+        settings = [None, *dict.fromkeys(settings_for_length(n))]
         hits = {s: 0 for s in settings}
         sels = {s: [] for s in settings}
         for t in range(trials):
@@ -247,7 +279,7 @@ def evaluate_passkey(model: Any, tokenizer: Any, harness: Harness, lengths: list
             ids, P = passkey_prompt(tokenizer, n, key, depth=0.2 + 0.6 * (t + 0.5) / trials, filler=filler)
             cache = DynamicCache()
             harness.use(None, P)
-            model(input_ids=ids[:P].view(1, -1), past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:P].view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
             for s in settings:
                 _truncate(cache, P)
                 harness.use(s, P)

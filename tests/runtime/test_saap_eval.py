@@ -41,18 +41,21 @@ def test_train_and_eval_text_parts_are_disjoint():
 def test_every_cluster_gives_dense_results(tiny):
     model, _, index = tiny
     ids = torch.randint(0, 97, (1, 200 + 8 + 1))[0]
-    every = Setting("mlp", 1.0, sink=1, window=4, probes=index.num_clusters)
+    every = [Setting("mlp", 1.0, sink=1, window=4, probes=index.num_clusters),
+             Setting("topk", 1.0, sink=1, window=4, probes=209)]
     harness = Harness(model, index)
     with custom_attention(model, "attnopt_saap_test", harness):
-        rows, timing = evaluate_language(model, harness, [ids], 8, [every])
+        rows, timing = evaluate_language(model, harness, [ids], 8, every)
     assert timing["prefill_s"] > 0 and timing["index_build_s"] > 0
-    dense, full = rows
-    assert full["next_token_agreement"] == 1.0
-    assert math.isclose(full["perplexity"], dense["perplexity"], rel_tol=1e-4)
-    assert math.isclose(full["selectivity"], 1.0) and math.isclose(full["recall"], 1.0, rel_tol=1e-5)
+    dense, *full = rows
+    for row in full:
+        assert row["next_token_agreement"] == 1.0
+        assert math.isclose(row["perplexity"], dense["perplexity"], rel_tol=1e-4)
+        assert math.isclose(row["selectivity"], 1.0) and math.isclose(row["recall"], 1.0, rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("method,probes", [("mlp", 3), ("centroids", 3), ("window", 0), ("oracle", 3)])
+@pytest.mark.parametrize("method,probes", [("mlp", 3), ("centroids", 3), ("window", 0), ("oracle", 3),
+                                            ("topk", 20)])
 def test_harness_attention_is_the_reference_decode(tiny, method, probes):
     model, _, index = tiny
     harness = Harness(model, index)
@@ -68,6 +71,14 @@ def test_harness_attention_is_the_reference_decode(tiny, method, probes):
         mass = torch.zeros(1, 2, index.num_clusters)
         mass.scatter_add_(-1, owner.clamp(min=0), probs.reshape(1, 2, 3, 151).sum(2) * (owner >= 0))
         keep = attended_keys(state, mass.topk(probes, dim=-1).indices, 151, 1)
+        want, sel = saap_decode_states(q, k, v, keep, 0.25)[0], selectivity(keep)
+    elif method == "topk":  # the 20 indexed keys of most group mass, plus sink and window
+        probs = torch.softmax((q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.25, dim=-1)[:, :, 0]
+        group = probs.reshape(1, 2, 3, 151).sum(2)
+        group[..., :1] = group[..., 142:] = -1
+        keep = torch.zeros(1, 2, 1, 151, dtype=torch.bool)
+        keep[..., :1] = keep[..., 142:] = True
+        keep.scatter_(-1, group.topk(20, dim=-1).indices[:, :, None], True)
         want, sel = saap_decode_states(q, k, v, keep, 0.25)[0], selectivity(keep)
     else:
         want, _, sel = saap_decode(ref_index, 2, state, q, k, v, probes, 0.25)
@@ -97,7 +108,7 @@ def test_setting_shrinks_the_window_with_the_context(tiny):
     assert s8.window == 128 and s2.window == 32 and s8.probes >= 1
     streaming = setting_for(index, "window", 0.10, 8192, 64)
     assert streaming.probes == 0 and streaming.window == round(819.2 - 4 - 32)
-    with pytest.raises(ValueError, match="valid: mlp, centroids, window, oracle"):
+    with pytest.raises(ValueError, match="valid: mlp, centroids, window, oracle, topk"):
         setting_for(index, "lsh", 0.1, 8192, 64)
 
 

@@ -114,6 +114,30 @@ def test_index_round_trip_and_scores(tmp_path, trained):
     assert not torch.allclose(s, base)
 
 
+def test_rotated_index_clusters_and_scores_the_vectors_as_the_cache_holds_them(tmp_path, trained):
+    coll, _ = trained
+    index = train_index(coll, clusters=16, hidden=16, steps=5, batch=32, window=16, kmeans_iterations=3,
+                        rotated=True)
+    path = tmp_path / "rot.safetensors"
+    index.save(path)
+    back = load_index(path, tiny_config())
+    assert back.rotated and back.without_mlp().rotated and back.to("cpu").rotated
+    # the centroids live among the rotated keys: the recorded (de-roped) keys, rotated back, sit nearer to them
+    rec = coll.sequences[0]
+    rotated = apply_rope(rec.keys[1], torch.arange(rec.length), back.rope)[:, 1:]
+    cents = back.layers[1].centroids
+    assert torch.cdist(rotated, cents).min(-1).values.mean() < torch.cdist(rec.keys[1][:, 1:], cents).min(-1).values.mean()
+    k = torch.randn(1, 2, 120, 16)
+    st = build_clusters(back, 1, k, prompt_len=100, sink=1, window=10)
+    from attnopt.runtime.saap.build import assign_keys
+
+    assert torch.equal(st.assign, assign_keys(cents, k[:, :, 1:90]))  # no de-roping
+    q = torch.randn(1, 6, 1, 16)
+    got = back.without_mlp().cluster_scores(1, q, torch.tensor([119]), 0.25)
+    want = torch.softmax(torch.einsum("bhld,hcd->bhlc", q.reshape(1, 2, 3, 16), cents) * 0.25, -1).sum(2)
+    torch.testing.assert_close(got[:, :, 0], want)
+
+
 def test_mismatched_or_corrupt_index_names_the_file_and_the_mismatch(tmp_path, trained):
     _, index = trained
     path = tmp_path / "idx.safetensors"
