@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -63,9 +64,27 @@ class Backend:
         #: Calls of the graphs this backend compiled, and calls of the optimized object that ran none of them.
         self.graph_calls = 0
         self.uncompiled_calls = 0
+        #: Seconds spent in attnopt's passes (detection, planning, tuning, lowering) and in the inner backend's
+        #: compile, over every graph so far: what attnopt adds to a first call, beside dynamo's tracing.
+        self.pass_seconds = 0.0
+        self.inner_compile_seconds = 0.0
         self.__name__ = "attnopt"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return self.compile(gm, example_inputs, self.mode)
+
+    def with_mode(self, mode: str | None) -> Callable:
+        """A backend that compiles like this one, into its reports and call counts, with another inner ``mode``."""
+        check_call(self.config, self.process_group, mode)
+
+        def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+            return self.compile(gm, example_inputs, mode)
+
+        backend.__name__ = "attnopt"
+        return backend
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None) -> Callable:
+        """Run the passes over ``gm``, record its report, and compile it with the inner backend in ``mode``."""
         from attnopt.passes import make_context, run_passes
 
         world_size, topology = 1, None
@@ -74,8 +93,10 @@ class Backend:
 
             world_size = distributed.register_group(self.process_group).world
             topology = self.config.topology
+        t0 = time.perf_counter()
         ctx = make_context(self.config, example_inputs, world_size=world_size, topology=topology)
         gm, report = run_passes(gm, example_inputs, ctx=ctx)
+        self.pass_seconds += time.perf_counter() - t0
         self.reports.append(report)
         _ALL_REPORTS.append(report)
         if world_size > 1:
@@ -84,7 +105,10 @@ class Backend:
         if path:
             append_plan_log(path, report)
         log.info("attnopt: %s (graph %s)", report.summary(), report.graph)
-        return self._counted(_compile_inner(self.config.inner_backend, gm, example_inputs, self.mode))
+        t0 = time.perf_counter()
+        compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
+        self.inner_compile_seconds += time.perf_counter() - t0
+        return self._counted(compiled)
 
     def _counted(self, compiled: Callable) -> Callable:
         """``compiled``, counting its calls in ``graph_calls`` (one attribute increment per call)."""
