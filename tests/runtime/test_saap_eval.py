@@ -125,3 +125,36 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     index = load_index(ipath, model.config)
     assert index.has_mlp and sorted(index.layers) == [1, 2] and index.train_info["hidden"] == 8
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
+
+
+def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "saap_quality_gpu", Path(__file__).parents[2] / "benchmarks" / "saap_quality_gpu.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def row(method, C, window, probes, sel, agree, ppl):
+        return {"method": method, "clusters": C, "window": window, "probes": probes, "selectivity": sel,
+                "recall": 0.9, "next_token_agreement": agree, "perplexity": ppl}
+
+    results = {"rows": [row("dense", None, None, None, 1.0, 1.0, 10.0),
+                        row("mlp", "64", 32, 2, 0.04, 0.90, 10.5), row("mlp", "64", 32, 4, 0.09, 0.96, 10.2),
+                        row("mlp", "64", 32, 8, 0.16, 0.99, 10.0), row("window", None, 400, 0, 0.05, 0.8, 12.0)],
+               "passkey": [{"length": 2048, "method": "dense", "found": 3, "trials": 4},
+                           {"length": 2048, "method": "mlp", "clusters": "64", "target": 0.1, "probes": 4,
+                            "window": 8, "found": 3, "trials": 4},
+                           {"length": 2048, "method": "mlp", "clusters": "64", "target": 0.05, "probes": 2,
+                            "window": 8, "found": 1, "trials": 4}],
+               "passkey_points": {"64": [{"method": "mlp", "window": 32, "probes": 2, "target": 0.05},
+                                         {"method": "mlp", "window": 32, "probes": 4, "target": 0.1},
+                                         {"method": "window", "window": 400, "probes": 0, "target": 0.05}]}}
+    summary = script.summarize(results, ["mlp", "window"], ["64"])
+    by = {(r["method"], r["clusters"], r["at_most"]): r for r in summary}
+    five, ten = by[("mlp", "64", 0.05)], by[("mlp", "64", 0.1)]
+    assert (five["probes"], five["passkey"], five["done"]) == (2, "1/4", False)
+    assert (ten["probes"], ten["passkey"], ten["done"]) == (4, "3/4", True)  # 0.96 at 9 %, +2 % ppl, 3/4 as dense
+    assert math.isclose(ten["ppl_vs_dense"], 0.02)
+    assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]
