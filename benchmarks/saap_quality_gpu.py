@@ -141,7 +141,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--train-sequences", type=int, default=8, help="at most this many 8k training windows")
     ap.add_argument("--queries", type=int, default=4096, help="query positions recorded per training window")
-    ap.add_argument("--clusters", default="1024,1024r",
+    ap.add_argument("--clusters", default="1024,1024r,256",
                     help="cluster counts per KV head to train and compare; a trailing r: clusters over the rotated "
                          "keys (SaapIndex.rotated) instead of the de-roped ones")
     ap.add_argument("--hidden", type=int, default=1024)
