@@ -436,3 +436,10 @@ def _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv,
     tl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     if WRITE_LSE:
         tl.store(lse_ptr + b64 * stride_lb + h64 * stride_lh + i64 * stride_ll, lse, mask=row_ok)
+
+
+@triton.jit
+def _store_lse(lse, lse_ptr, b, kvh, g, i, row_ok, stride_lb, stride_lh, stride_ll, G):
+    """Store a (BLOCK_M,) per-row value (an LSE, or the log l plane of a split state) into a (B, Hq, L) plane."""
+    h64 = (kvh * G + g).to(tl.int64)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h64 * stride_lh + i.to(tl.int64) * stride_ll, lse, mask=row_ok)

@@ -125,7 +125,8 @@ class Dense(Strategy[DensePlan]):
         mask = combined_mask(q, k, attn_mask, valid_len)
         return _sdpa(plan, bool(state), q, k, v, mask, scale, is_causal)
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False):
         from ..reference import attention_states
 
-        return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal)
+        return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                                split_lse=split_lse)
