@@ -123,9 +123,9 @@ class Dense(Strategy[DensePlan]):
             # SDPA rejects a 1-D (N,) mask that broadcasts fine in eager code: view it as (1, ..., N)
             attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         if attn_mask is not None and attn_mask.dtype in (torch.float16, torch.bfloat16) and attn_mask.dtype != q.dtype:
-            # Eager code adds a half-precision bias to fp32 scores (type promotion); SDPA takes a float mask only in
-            # q's dtype or fp32. fp32 holds every fp16/bf16 value exactly.
-            attn_mask = attn_mask.float()
+            # Eager code adds a half-precision bias to wider scores (type promotion); SDPA takes a float mask only in
+            # q's dtype or fp32. The promoted dtype (fp32 or fp64) holds every fp16/bf16 value exactly.
+            attn_mask = attn_mask.to(torch.promote_types(attn_mask.dtype, q.dtype))
         mask = combined_mask(q, k, attn_mask, valid_len)
         return _sdpa(plan, bool(state), q, k, v, mask, scale, is_causal)
 
