@@ -17,8 +17,6 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 from .common import next_pow2, pdl_supported
 from .launch import KernelLauncher
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _merge_states_kernel(

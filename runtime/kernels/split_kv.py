@@ -17,7 +17,8 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_launch_dependents = None
 
 from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _split_share,
-                     _store_rows, arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported, scale_log2)
+                     _store_rows, arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported,
+                     softmax_scale)
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -42,7 +43,7 @@ def _split_kv_kernel(
     stride_lpart,  # S > 1: stride between the row-max and log-l planes of the partial LSEs
     stride_fb, stride_fh, stride_fl, stride_fd,  # FUSED: final output strides
     stride_gb, stride_gh, stride_gl,  # FUSED: final LSE strides
-    sm_scale_log2,  # softmax scale times log2(e)
+    sm_scale,  # softmax scale (natural units)
     N,  # keys in the K/V tensors (the static cache length)
     L,  # query tokens per head (q_len)
     G,  # query heads per KV head
@@ -103,7 +104,7 @@ def _split_kv_kernel(
                             row_ok,
                             offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                            sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA)
+                            sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)
     if LSE_PLANES:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
@@ -135,10 +136,10 @@ def _split_kv_kernel(
                 sp = s0 + offs_p
                 sp_ok = sp < NUM_SPLITS
                 pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=sp_ok[:, None] & ok_c[None, :],
-                             other=float("-inf"), cache_modifier=".cg") * 1.4426950408889634
+                             other=float("-inf"), cache_modifier=".cg")
                 pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :],
                               mask=sp_ok[:, None] & ok_c[None, :], other=float("-inf"),
-                              cache_modifier=".cg") * 1.4426950408889634
+                              cache_modifier=".cg")
                 po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None]
                              + offs_dv[None, None, :] * stride_od,
                              mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV),
@@ -220,7 +221,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     _SPLIT_KV_LAUNCH(
         grid, *pointers, o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, lpart, *fstr, *gstr,
-        scale_log2(scale, geo.D), geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
+        softmax_scale(scale, geo.D), geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
         num_splits, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,

@@ -21,7 +21,7 @@ import triton.language as tl
 from . import interpreting
 from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_lse,
                      _store_rows, arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags,
-                     next_pow2, scale_log2)
+                     next_pow2, softmax_scale)
 from .launch import KernelLauncher
 
 
@@ -46,7 +46,7 @@ def _stream_k_kernel(
     stride_ws, stride_wm, stride_wd,  # workspace o strides (slot, row, dim)
     stride_wls, stride_wlm,  # workspace lse strides (slot, row)
     stride_wlpart,  # stride between the row-max and log-l planes of the workspace lse
-    sm_scale_log2,  # softmax scale times log2(e)
+    sm_scale,  # softmax scale (natural units)
     B,  # batch rows
     N,  # keys in the K/V tensors (the static cache length)
     L,  # query tokens per head (q_len)
@@ -124,7 +124,7 @@ def _stream_k_kernel(
                                 v_desc, mask_ptr,
                                 b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                                stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
+                                stride_mn, sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
                                 USE_TMA)
         o, m_part, log_l = _finish_parts(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
@@ -184,10 +184,10 @@ def _stream_k_kernel(
                 ps = p * 2 + (p * share < ts).to(tl.int32)  # slot 0 when the tile began at or before p's share
                 pl = tl.load(ws_lse_ptr + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
                              mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
-                             cache_modifier=".cg") * 1.4426950408889634  # (MERGE_P, BLOCK_R), base 2
+                             cache_modifier=".cg")  # (MERGE_P, BLOCK_R), natural log
                 pll = tl.load(ws_lse_ptr + stride_wlpart + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
                               mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
-                              cache_modifier=".cg") * 1.4426950408889634
+                              cache_modifier=".cg")
                 po = tl.load(ws_o_ptr + ps[:, None, None] * stride_ws + r[None, :, None] * stride_wm
                              + offs_dv[None, None, :] * stride_wd,
                              mask=p_ok[:, None, None] & row_ok[None, :, None] & (offs_dv[None, None, :] < DV),
@@ -257,7 +257,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         (grid,), *pointers, out, lse if lse is not None else out, ws_o, ws_lse, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, lse.stride(0) if planes else 0, *ws_o.stride(), *ws_lse.stride()[1:],
         ws_lse.stride(0),
-        scale_log2(scale, geo.D), geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv, grid,
+        softmax_scale(scale, geo.D), geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv, grid,
         BLOCK_B=max(2, next_pow2(geo.B)), BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d,
         BLOCK_DV=geo.block_dv, HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,

@@ -515,9 +515,6 @@ def test_state_planes_keep_row_max_and_log_l_apart(device):
     mask[0, :, 0] = torch.finfo(torch.float32).min
     mask[1, :, 1] = float("-inf")
     o_ref, m_ref, ll_ref = attention_states(q, k, v, attn_mask=mask, split_lse=True, compute_dtype=torch.float64)
-    # The kernels clamp finite biases at -2.3e38 (so that log2(e) times them cannot overflow): a finfo.min row's
-    # maximum is that clamp; log l is still its key count.
-    m_ref = torch.where((m_ref < -1e38) & ~torch.isneginf(m_ref), torch.full_like(m_ref, -2.3e38), m_ref)
     assert torch.allclose(ll_ref[0, :, 0], torch.full_like(ll_ref[0, :, 0], math.log(N)))
     launches = [(f"split_kv(S={s}, fused={f})", lambda o, p, s=s, f=f: split_kv_decode(
         q, k, v, o, p, attn_mask=mask, num_splits=s, block_n=BN, fused_merge=f)) for s, f in ((1, False), (3, False),
@@ -534,6 +531,27 @@ def test_state_planes_keep_row_max_and_log_l_apart(device):
                                    rtol=1e-6, msg=name)
         torch.testing.assert_close(planes[1].double().nan_to_num(neginf=0), ll_ref.nan_to_num(neginf=0), atol=1e-4,
                                    rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_hidden_by_a_large_finite_bias_round_as_the_original(device):
+    """A row that a large finite bias (-1e6, -1e9, as older models write masks) hides whole: fp32 rounds
+    ``scores + bias`` to the bias's grid (64 apart at 1e9), so the original ties some keys and tells others apart.
+    The kernels add the bias to the scaled scores in natural units as the original does; base-2 scores
+    (``(qk * scale + bias) * log2(e)``) rounded on another grid and moved the output by up to 1.8."""
+    dev = _dev(device)
+    torch.manual_seed(3)
+    B, Hkv, G, L, N, D = 1, 2, 2, 2, 3 * BN + 5, 64
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float32, dev)
+    q, k = q * 6, k * 6  # scores of a few tens: several grid steps apart
+    kr, vr = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    for big in (-1e6, -1e9):
+        mask = torch.zeros(B, 1, L, N, device=dev)
+        mask[..., 0, :] = big  # query 0: every key carries the bias
+        ref = torch.softmax((q @ kr.transpose(-1, -2)) * D ** -0.5 + mask, -1) @ vr  # eager fp32, the original
+        for name, out, _ in _run_both(q, k, v, splits=(1, 3), grids=(5,), block_n=BN, attn_mask=mask):
+            err = (out - ref).abs().max().item()
+            assert err < 2e-5, f"{name}, bias {big:g}: max abs error {err:.3e}"
 
 
 def test_merge_states_kernel_keeps_log_l_apart():
