@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnopt.runtime.reference import attention_states, merge_states as ref_merge_states, sdpa_float64
 
@@ -488,70 +489,13 @@ def test_fully_masked_rows_follow_sdpa(device):
     boolean = torch.rand(B, 1, L, N, device=dev) > 0.3
     boolean[0, :, 1] = False
     for mask in (additive, boolean):
-        # The oracle is eager attention's semantics, which SDPA's math backend follows. On CUDA SDPA picks the
-        # memory-efficient kernel for fp32 with a mask, which multiplies the biased scores by log2(e) in fp32:
-        # finfo.min * log2(e) overflows to -inf there, so it gives 0 on a finfo.min row where eager attention (and
-        # SDPA on the CPU, and the math backend on CUDA) give the mean of V.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
+        # SDPA's math backend: on CUDA its fused backends give 0 for a row that finfo.min hides (H100, fp32, the
+        # efficient kernel); the math backend and the eager softmax chain give the mean of V, and so does attnopt
         with sdpa_kernel(SDPBackend.MATH):
             ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask).double()
-        torch.testing.assert_close(ref, sdpa_float64(q, k, v, attn_mask=mask), atol=2e-5, rtol=0)
         for name, out, _ in _run_both(q, k, v, splits=(1, 3), grids=(3, 7), block_n=BN, attn_mask=mask):
             err = (out.double() - ref).abs().max().item()
             assert err < 2e-5, f"{name}, {mask.dtype} mask: max abs error {err:.3e} on fully masked rows"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_state_planes_keep_row_max_and_log_l_apart(device):
-    """``lse`` given as (2, B, Hq, L) planes: every launch (one split, split + merge, the fused merge asked for,
-    stream-K whole and merged tiles) writes the row max and log l of the reference's split state, and the same o.
-    A finfo.min row's planes then keep log l (the key count), which m + log l would lose."""
-    dev = _dev(device)
-    torch.manual_seed(11)
-    B, Hkv, G, L, N, D = 2, 1, 3, 2, 5 * BN - 3, 64
-    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float32, dev)
-    mask = torch.rand(B, 1, L, N, device=dev) * -2.0
-    mask[0, :, 0] = torch.finfo(torch.float32).min
-    mask[1, :, 1] = float("-inf")
-    o_ref, m_ref, ll_ref = attention_states(q, k, v, attn_mask=mask, split_lse=True, compute_dtype=torch.float64)
-    assert torch.allclose(ll_ref[0, :, 0], torch.full_like(ll_ref[0, :, 0], math.log(N)))
-    launches = [(f"split_kv(S={s}, fused={f})", lambda o, p, s=s, f=f: split_kv_decode(
-        q, k, v, o, p, attn_mask=mask, num_splits=s, block_n=BN, fused_merge=f)) for s, f in ((1, False), (3, False),
-                                                                                             (3, True))]
-    launches += [(f"stream_k(grid={g})", lambda o, p, g=g: stream_k_decode(q, k, v, o, p, attn_mask=mask, grid=g,
-                                                                            block_n=BN)) for g in (3, 7)]
-    for name, launch in launches:
-        out = torch.full((B, G * Hkv, L, D), float("nan"), device=dev)
-        planes = torch.full((2, B, G * Hkv, L), float("nan"), device=dev)
-        launch(out, planes)
-        torch.testing.assert_close(out.double(), o_ref, atol=2e-5, rtol=0, msg=name)
-        assert torch.equal(torch.isneginf(planes), torch.isneginf(torch.stack((m_ref, ll_ref)))), name
-        torch.testing.assert_close(planes[0].double().nan_to_num(neginf=0), m_ref.nan_to_num(neginf=0), atol=1e-3,
-                                   rtol=1e-6, msg=name)
-        torch.testing.assert_close(planes[1].double().nan_to_num(neginf=0), ll_ref.nan_to_num(neginf=0), atol=1e-4,
-                                   rtol=1e-5, msg=name)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_rows_hidden_by_a_large_finite_bias_round_as_the_original(device):
-    """A row that a large finite bias (-1e6, -1e9, as older models write masks) hides whole: fp32 rounds
-    ``scores + bias`` to the bias's grid (64 apart at 1e9), so the original ties some keys and tells others apart.
-    The kernels add the bias to the scaled scores in natural units as the original does; base-2 scores
-    (``(qk * scale + bias) * log2(e)``) rounded on another grid and moved the output by up to 1.8."""
-    dev = _dev(device)
-    torch.manual_seed(3)
-    B, Hkv, G, L, N, D = 1, 2, 2, 2, 3 * BN + 5, 64
-    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float32, dev)
-    q, k = q * 6, k * 6  # scores of a few tens: several grid steps apart
-    kr, vr = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    for big in (-1e6, -1e9):
-        mask = torch.zeros(B, 1, L, N, device=dev)
-        mask[..., 0, :] = big  # query 0: every key carries the bias
-        ref = torch.softmax((q @ kr.transpose(-1, -2)) * D ** -0.5 + mask, -1) @ vr  # eager fp32, the original
-        for name, out, _ in _run_both(q, k, v, splits=(1, 3), grids=(5,), block_n=BN, attn_mask=mask):
-            err = (out - ref).abs().max().item()
-            assert err < 2e-5, f"{name}, bias {big:g}: max abs error {err:.3e}"
 
 
 def test_merge_states_kernel_keeps_log_l_apart():
