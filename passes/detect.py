@@ -152,6 +152,9 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
             reason = why
         elif m.attn_mask is not None and isinstance(m.attn_mask, fx.Node):
             reason = _check_mask(m, qs, ks)
+    if m.shared_prefix is not None:
+        prefix, prefix_hint = _static(meta_shape(m.shared_prefix[0])[2])
+        fields["shared_prefix"] = prefix if prefix is not None else prefix_hint
     fields["unsupported"] = reason
     return AttentionSite(**fields)
 
