@@ -11,7 +11,9 @@ Conventions (the same as ``runtime/reference.py``):
   ``fl(qk * scale)``, plus the bias ``fl(s + bias)``. Only differences from the row max are scaled by log2(e) for
   ``exp2``. (Base-2 scores, ``qk * scale * log2(e) + bias * log2(e)``, round a large bias differently: a row that a
   finite bias such as -1e9 hides whole ties keys the original tells apart, and the output moved by up to 1.8.)
-  Empty rows (no visible key) give o = 0 and lse = -inf.
+  Every difference is taken between rounded values before any scaling: a scaled value minus a rounded maximum is
+  contracted into one FMA by the compiler, whose residual (up to 1e31 next to finfo.min) gave inf weights and NaN
+  on the H100 while the interpreter was exact. Empty rows (no visible key) give o = 0 and lse = -inf.
 * All memory offsets are int64.
 """
 from __future__ import annotations
