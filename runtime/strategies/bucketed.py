@@ -47,6 +47,6 @@ class Bucketed(Strategy[BucketedPlan]):
         inner, strategy, inner_state = state[plan.index_of(k.shape[2])]
         return strategy.run(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal)
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False):
         inner, strategy, inner_state = state[plan.index_of(k.shape[2])]
-        return strategy.run_states(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal)
+        return strategy.run_states(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse)
