@@ -397,7 +397,11 @@ def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> d
          "mask": None}
     if site.mask_kind in ("valid_length", "arbitrary"):
         keep = max(1, int(n * STATIC_FILL))
-        s["mask"] = (torch.arange(n, device=device) < keep)[None, None, None, :].expand(b, 1, L, n).contiguous()
+        cols = torch.arange(n, device=device)
+        band = cols < keep
+        if site.window is not None:  # a sliding window's band: the last ``window`` keys before ``keep``
+            band &= cols >= keep - site.window
+        s["mask"] = band[None, None, None, :].expand(b, 1, L, n).contiguous()
     return s
 
 
@@ -409,6 +413,7 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
 
     from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
     from attnopt.runtime.strategies import get_strategy
+    from attnopt.runtime.strategies.base import variant_kwargs
 
     strategy = get_strategy(plan.kind)
     if state is None:
@@ -416,9 +421,15 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
     scale = site.scale if site.scale is not None else site.head_dim ** -0.5
     q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
     needs_len = mask is not None and plan.kind not in ("dense", "tree", "ring")
+    needs_start = mask is not None and site.window is not None and "window" in strategy.variants
+    softcap = site.softcap or 0.0
 
     def call():
         valid_len = torch.ops.attnopt.valid_len_from_mask(mask, q.shape[0]) if needs_len else None
+        if needs_start or softcap:
+            key_start = torch.ops.attnopt.key_start_from_mask(mask, q.shape[0]) if needs_start else None
+            return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal,
+                                **variant_kwargs(strategy, key_start, softcap))
         return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal)
     return call
 

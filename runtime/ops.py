@@ -5,7 +5,9 @@ dispatch than ``torch.library.custom_op``'s Python wrapper) and fake implementat
 ``torch.export`` trace through them.
 
 ``plan`` is a plan's ``runtime_key()`` JSON; it is parsed once and cached with the strategy's prepared state.
-``site`` names the site for call counting and error messages.
+``site`` names the site for call counting and error messages. ``softcap`` (c != 0: scores ``c * tanh(s)``) and
+``key_start`` ((B,) first key per row: a sliding window's, from ``key_start_from_mask``) are the variants of
+``runtime/strategies/base.py``'s ``VARIANTS``.
 """
 from __future__ import annotations
 
@@ -21,15 +23,16 @@ from attnopt.plan import Plan, plan_from_json
 _lib = torch.library.Library("attnopt", "DEF")
 _lib.define(
     "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
-    "bool is_causal, str plan, str site) -> Tensor"
+    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None) -> Tensor"
 )
 _lib.define(
     "decode_attention_states(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
-    "bool is_causal, str plan, str site) -> (Tensor, Tensor)"
+    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None) -> (Tensor, Tensor)"
 )
 _lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)")
 _lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
 _lib.define("valid_len_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
+_lib.define("key_start_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
 _lib.define("shard_mask_columns(Tensor attn_mask, SymInt local_len) -> Tensor")
 
 #: Calls per site key, counted on the host by the op (not under CUDA-graph replay).
@@ -140,17 +143,28 @@ def outside_graph_pools(make, device: torch.device):
     return _PREPARE_THREAD[0].submit(work).result()
 
 
-def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
     state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
+    if softcap or key_start is not None:
+        from .strategies.base import variant_kwargs
+
+        return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
+                            **variant_kwargs(strategy, key_start, softcap))
     return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
-def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0,
+                             key_start=None):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
     state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
+    if softcap or key_start is not None:
+        from .strategies.base import variant_kwargs
+
+        return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
+                                   **variant_kwargs(strategy, key_start, softcap))
     return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
@@ -192,6 +206,12 @@ def _valid_len_from_mask(attn_mask, batch):
     return valid_len_from_mask(attn_mask, batch)
 
 
+def _key_start_from_mask(attn_mask, batch):
+    from .reference import key_start_from_mask
+
+    return key_start_from_mask(attn_mask, batch)
+
+
 def _shard_mask_columns(attn_mask, local_len):
     """A mask over the global key columns (..., N) -> this rank's columns (..., local_len), through the current
     group's sequence-sharded cache (``runtime.distributed``); unchanged when it already has local_len columns."""
@@ -206,17 +226,19 @@ def _shard_mask_columns(attn_mask, local_len):
 
 for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_states", _decode_attention_states),
                    ("merge_states", _merge_states), ("check_close", _check_close),
-                   ("valid_len_from_mask", _valid_len_from_mask), ("shard_mask_columns", _shard_mask_columns)):
+                   ("valid_len_from_mask", _valid_len_from_mask), ("key_start_from_mask", _key_start_from_mask),
+                   ("shard_mask_columns", _shard_mask_columns)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("attnopt::decode_attention")
-def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 
 @torch.library.register_fake("attnopt::decode_attention_states")
-def _decode_attention_states_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention_states_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0,
+                                  key_start=None):
     shape = (q.shape[0], q.shape[1], q.shape[2])
     return q.new_empty(shape + (v.shape[3],), dtype=torch.float32), q.new_empty(shape, dtype=torch.float32)
 
@@ -233,6 +255,11 @@ def _check_close_fake(new, ref, site, atol, rtol, calls):
 
 @torch.library.register_fake("attnopt::valid_len_from_mask")
 def _valid_len_from_mask_fake(attn_mask, batch):
+    return attn_mask.new_empty((batch,), dtype=torch.int32)
+
+
+@torch.library.register_fake("attnopt::key_start_from_mask")
+def _key_start_from_mask_fake(attn_mask, batch):
     return attn_mask.new_empty((batch,), dtype=torch.int32)
 
 

@@ -5,6 +5,12 @@ aten ``bmm`` chains.
 Proves: every op between the score product and the softmax is a scalar scale or one mask/bias the op applies
 exactly (see the package docstring for the rules), and every op between the softmax and the value product
 leaves the probabilities unchanged; anything else becomes the site's reason.
+
+Logit softcapping (Gemma 2: ``tanh(s * scaling / cap) * cap``): one ``tanh`` whose result is multiplied only by
+constants (their product is the cap ``c``) before any mask or bias is added, and whose argument is the scaled
+score product alone (no mask, bias or constant inside). The match then carries ``softcap = c`` and the scale of
+the argument (``scaling / cap``); the op computes ``c * tanh(qk * scale)``. A run-time cap, a second ``tanh`` or
+anything inside it is a reason.
 """
 from __future__ import annotations
 
@@ -283,6 +289,8 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     cur = _self(sm)
     mm = None
     spath: list = []
+    softcap: float | None = None
+    masks_outside_cap = 0  # masks found before the tanh (walking back): added after the cap, as the op does
     for _ in range(16):
         if not isinstance(cur, fx.Node):
             break
@@ -312,6 +320,8 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             if cur.kwargs.get("alpha", 1) != 1:
                 reasons.append("add with alpha")
             if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+                if softcap is not None:  # inside tanh a constant is not softmax-invariant
+                    reasons.append("a constant added to the scores inside the softcap's tanh")
                 cur = a if isinstance(a, fx.Node) else b  # + constant: softmax-invariant
                 continue
             scores, other = (a, b) if _leads_to_matmul(a) else (b, a)
@@ -361,7 +371,16 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             cur = a if isinstance(a, fx.Node) and _leads_to_matmul(a) else b
             continue
         if k == "tanh":
-            reasons.append("logit softcapping (tanh between the scores and the softmax)")
+            cap = math.prod(f[0] for f in factors) if all(f[0] is not None for f in factors) else None
+            if softcap is not None:
+                reasons.append("more than one tanh between the scores and the softmax")
+            elif cap is None:
+                reasons.append("logit softcapping with a run-time cap (the factor after tanh is not a constant)")
+            elif cap == 0 or not math.isfinite(cap):
+                reasons.append(f"logit softcapping with the cap {cap!r}")
+            else:
+                softcap, masks_outside_cap = float(cap), len(masks)
+                factors = []  # the cap; the factors inside tanh are the scores' scale
             cur = _self(cur)
             continue
         target = cur.target if cur.op == "call_function" else f".{cur.target}()"
@@ -429,6 +448,10 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     # scale: constants multiply into ``scale``; run-time scalar tensors are folded into q by lower.
     m.scale = math.prod(f[0] for f in factors if f[0] is not None)
     m.scale_nodes = [(f[1], f[2]) for f in factors if f[0] is None]
+    if softcap is not None:
+        if len(masks) > masks_outside_cap:
+            reasons.append("a mask or bias applied inside the softcap's tanh")
+        m.softcap = softcap
     # mask
     plain_softmax = not guarded and _name(sm) != "_safe_softmax"  # gives NaN for a row of -inf scores
     if len(masks) > 1:

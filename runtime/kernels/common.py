@@ -175,6 +175,14 @@ def scale_log2(scale: float | None, head_dim: int) -> float:
     return s * LOG2E
 
 
+def score_args(scale: float | None, head_dim: int, softcap: float) -> tuple[float, float]:
+    """(sm_scale_log2, softcap_log2) as the kernels' :func:`_scores` takes them: without a cap the scale in base-2
+    units and 0; with a cap c the plain scale and c * log2(e)."""
+    if not softcap:
+        return scale_log2(scale, head_dim), 0.0
+    return (1.0 / math.sqrt(head_dim) if scale is None else float(scale)), float(softcap) * LOG2E
+
+
 class DecodeGeometry(NamedTuple):
     """The launch geometry that the split-KV and stream-K launchers derive alike from q, k and v (see the module
     docstring for the packed query tile)."""
@@ -215,21 +223,24 @@ def arrival_counters(geo: DecodeGeometry, device: torch.device) -> torch.Tensor:
 
 
 def decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                  valid_len: torch.Tensor | None, geo: DecodeGeometry, block_n: int, tma: bool):
+                  valid_len: torch.Tensor | None, geo: DecodeGeometry, block_n: int, tma: bool,
+                  key_start: torch.Tensor | None = None):
     """The inputs both decode kernels take first, and how to read them.
 
     Returns
     -------
-    pointers : (q, k, v, K tiles, V tiles, mask, valid_len): the tiles are TMA descriptors when ``tma`` is asked
-        for and applies to this launch (``tma_now``), else K and V again; an absent mask or valid length is q
-        (never read).
+    pointers : (q, k, v, K tiles, V tiles, mask, valid_len, key_start): the tiles are TMA descriptors when ``tma``
+        is asked for and applies to this launch (``tma_now``), else K and V again; an absent mask, valid length or
+        key start is q (never read).
     mask_strides, mask_kind : from :func:`mask_args`.
     use_tma : whether the tiles are descriptors.
     """
     mask, mask_strides, mask_kind = mask_args(attn_mask, geo.B, geo.Hq, geo.L, geo.N)
     descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
+    if key_start is not None and tuple(key_start.shape) != (geo.B,):
+        raise ValueError(f"key_start must have shape (B,) = ({geo.B},); got {tuple(key_start.shape)}")
     pointers = (q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q,
-                valid_len if valid_len is not None else q)
+                valid_len if valid_len is not None else q, key_start if key_start is not None else q)
     return pointers, mask_strides, mask_kind, descs is not None
 
 
@@ -263,7 +274,8 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
             stride_mb, stride_mh, stride_ml, stride_mn,
             sm_scale_log2, G, D, DV,
             BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
+            kv_first=0, softcap_log2=0.0, HAS_START: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
     masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) base-2 max, l_i (BLOCK_M,) sum).
 
@@ -273,7 +285,11 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
     A bulk copy reads a tile's rows past ``kv_len`` from the tensor as they are (a sharded cache's spare capacity,
     a static cache's unused tail: any bits, NaN included), and a masked key's zero weight times a NaN value is
     NaN. So with TMA only the whole tiles below ``kv_len`` go through the copy engine; the one tile that crosses it
-    (the only one past it with a visible key) is read with masked pointer loads."""
+    (the only one past it with a visible key) is read with masked pointer loads.
+
+    HAS_START: keys before ``kv_first`` do not exist (a sliding window's first key; ``lo`` may be a tile below
+    it). SOFTCAP: the scores are ``softcap_log2 * tanh(qk * sm_scale_log2)``, where ``sm_scale_log2`` is then the
+    plain softmax scale and ``softcap_log2`` the cap times log2(e) (see :func:`_scores`)."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
@@ -285,7 +301,8 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, True)
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, True,
+                kv_first, softcap_log2, HAS_START, SOFTCAP)
         tail = full_end < end
     else:
         full_end = lo
@@ -294,14 +311,16 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False)
+                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
+                kv_first, softcap_log2, HAS_START, SOFTCAP)
     if tail:
         # the tile that crosses kv_len, by masked pointer loads: straight-line code, so it adds no pipeline buffers
         # (a second pipelined loop doubled the shared memory); tiles wholly past kv_len hold no visible key
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, full_end, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
             row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-            stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False)
+            stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
+            kv_first, softcap_log2, HAS_START, SOFTCAP)
     return acc, m_i, l_i
 
 
@@ -311,7 +330,8 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
                  stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
                  sm_scale_log2, D, DV,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                 kv_first, softcap_log2, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr):
     """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
     head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -329,7 +349,9 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+    s = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), sm_scale_log2, softcap_log2, SOFTCAP)
+    if HAS_START:
+        n_ok = n_ok & (offs_n >= kv_first)
     visible = n_ok[None, :] & row_ok[:, None]
     if IS_CAUSAL:
         visible = visible & (offs_n[None, :] <= i[:, None])  # top-left: query i sees keys j <= i
@@ -346,6 +368,19 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
         bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -2.3e38) * 1.4426950408889634)
         s = s + bias
     return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
+
+
+@triton.jit
+def _scores(qk, sm_scale_log2, softcap_log2, SOFTCAP: tl.constexpr):
+    """Base-2 scores of the dot products ``qk``: ``qk * sm_scale_log2``; SOFTCAP: ``softcap_log2 * tanh(qk *
+    sm_scale_log2)`` (there ``sm_scale_log2`` is the plain scale). tanh is written with exp2, stable for any x
+    (libdevice's tanh does not run in the interpreter): tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|)."""
+    x = qk * sm_scale_log2
+    if SOFTCAP:
+        e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|) = 2^(-2 log2(e) |x|)
+        t = (1.0 - e) / (1.0 + e)
+        x = tl.where(x < 0, -t, t) * softcap_log2
+    return x
 
 
 @triton.jit

@@ -41,6 +41,10 @@ class Strategy(Generic[P]):
     plan_type: type[P]
     #: Whether the plan needs a process group (tree, ring). Single-device sites skip these.
     distributed: bool = False
+    #: The attention variants ``run``/``run_states`` take as keywords (see ``VARIANTS``): "window" accepts
+    #: ``key_start`` (B,) (the first key of each row; any strategy without it is still exact, as the mask it
+    #: applies hides those keys), "softcap" accepts ``softcap`` (a site with a cap is refused by the others).
+    variants: frozenset[str] = frozenset()
 
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         raise NotImplementedError
@@ -64,6 +68,32 @@ class Strategy(Generic[P]):
                    valid_len: Tensor | None, scale: float, is_causal: bool) -> tuple[Tensor, Tensor]:
         """Like ``run`` but returns the softmax state (o fp32 (B, Hq, L, Dv), lse fp32 (B, Hq, L))."""
         raise NotImplementedError(f"{type(self).__name__} does not return softmax states")
+
+
+#: Attention variants beyond plain softmax attention that a strategy may implement (``Strategy.variants``).
+VARIANTS = ("window", "softcap")
+
+
+def variant_reason(strategy: Strategy, site: AttentionSite) -> str | None:
+    """Why ``strategy`` cannot run ``site``'s variant (a softcapped site needs the "softcap" variant), or None."""
+    if site.softcap is not None and "softcap" not in strategy.variants:
+        return (f"logit softcapping (cap={site.softcap:g}): this plan kind does not apply the cap; the split-KV and "
+                "stream-K kernels do")
+    return None
+
+
+def variant_kwargs(strategy: Strategy, key_start: Tensor | None = None, softcap: float = 0.0) -> dict[str, Any]:
+    """The variant keywords ``strategy.run`` takes for this call: ``key_start`` where it reads windows (else dropped:
+    the mask hides those keys), ``softcap`` where it caps (else ``ValueError``: the planner refuses such plans)."""
+    kw: dict[str, Any] = {}
+    if key_start is not None and "window" in strategy.variants:
+        kw["key_start"] = key_start
+    if softcap:
+        if "softcap" not in strategy.variants:
+            raise ValueError(f"{type(strategy).__name__} does not apply logit softcapping (softcap={softcap}); plan kinds "
+                             "that do: " + ", ".join(sorted(k for k, s in STRATEGIES.items() if "softcap" in s.variants)))
+        kw["softcap"] = softcap
+    return kw
 
 
 STRATEGIES: dict[str, Strategy] = {}

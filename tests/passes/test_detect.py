@@ -88,28 +88,33 @@ def test_graph_order_and_module_path():
     assert r.count("sdpa") == 1 and [s.rewritten for s in r.reports] == [False, True]
 
 
-def test_sliding_windows_config_leaves_those_modules_alone():
-    """``config.sliding_windows`` (what ``attnopt.optimize`` reads off the model) names modules by path: their
-    sites are left alone with the window in the reason, the others are rewritten, and the config survives JSON."""
+def test_sliding_windows_config_marks_window_sites():
+    """``config.sliding_windows`` (what ``attnopt.optimize`` reads off the model) names modules by path: their sites
+    with a mask are rewritten as window sites (``site.window``, shown in the plan table), the op reads the keys from
+    ``key_start_from_mask`` on; the other module's site is a plain one; the config survives JSON."""
     class Attn(torch.nn.Module):
-        def forward(self, q, k, v):
-            return sdpa_gqa(q, k, v)
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = torch.nn.ModuleList([Attn(), Attn()])
 
-        def forward(self, q, k, v):
-            return self.layers[1](self.layers[0](q, k, v), k, v)
+        def forward(self, q, k, v, mask):
+            return self.layers[1](self.layers[0](q, k, v, mask), k, v, mask)
 
-    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=12, D=64)
-    cfg = OptimizeConfig(force_plan="dense", sliding_windows={"layers.1": 6})
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, L=1, N=12, D=64)
+    mask = torch.zeros(1, 1, 1, 12, dtype=torch.bool)
+    mask[..., 6:] = True  # the last 6 keys: a window
+    cfg = OptimizeConfig(force_plan="split_kv", sliding_windows={"layers.1": 6})
     assert OptimizeConfig.from_json(cfg.to_json()) == cfg and cfg.sliding_windows == (("layers.1", 6),)
-    r = dynamo(Model(), q, k, v, config=cfg)
-    assert [s.rewritten for s in r.reports] == [True, False] and r.count("sdpa") == 1
-    assert r.sites[1].unsupported == "sliding-window attention (window=6): left untouched (attnopt has no window-aware plan)"
-    torch.testing.assert_close(r.out, Model()(q, k, v), **TOL)
+    r = dynamo(Model(), q, k, v, mask, config=cfg)
+    assert [s.rewritten for s in r.reports] == [True, True]
+    assert [s.site.window for s in r.reports] == [None, 6]
+    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1  # only the window site finds its start
+    assert "window=6" in r.ctx.report.format_table(width=200)
+    torch.testing.assert_close(r.out, Model()(q, k, v, mask), **TOL)
 
 
 def test_optimize_reads_sliding_windows_off_the_modules():
@@ -194,16 +199,56 @@ def test_min_kv_len():
 
 
 # ------------------------------------------------------------------------------------------- unsupported variants
-def test_softcapping_is_not_rewritten():
-    def f(q, k, v):
+@pytest.mark.parametrize("spelling", ["gemma2", "cap_first", "aten"])
+def test_softcapping_is_rewritten_with_its_cap(spelling):
+    """Gemma 2's ``tanh(scores * scaling / cap) * cap`` (+ mask after the cap): the cap is read off the chain, the
+    scale is the argument's (``scaling / cap``), the dense plan is refused with a reason (SDPA cannot cap) and the
+    split-KV plan gives the original's output, in dynamo and aten graphs."""
+    mask = torch.where(rand_bool_mask(1, 1, 33), 0.0, float("-inf"))
+
+    def f(q, k, v, mask):
+        s = q @ k.transpose(-1, -2)
+        if spelling == "cap_first":
+            s = torch.tanh((s / 50.0) * 0.125) * 50.0
+        else:
+            s = torch.tanh(s * 0.125 / 50.0) * 50.0
+        return torch.softmax(s + mask, -1) @ v
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    build = aot if spelling == "aten" else dynamo
+    r = build(f, q, k, v, mask, config=OptimizeConfig(force_plan="split_kv"))
+    (s,) = r.sites
+    assert s.softcap == 50.0 and math.isclose(s.scale, 0.125 / 50.0) and r.count() == 1, s
+    torch.testing.assert_close(r.out, f(q, k, v, mask), **TOL)
+    dense = build(f, q, k, v, mask)
+    assert dense.count() == 0 and "logit softcapping (cap=50)" in (dense.reports[0].reason_untouched or "")
+
+
+@pytest.mark.parametrize("case", ["mask_inside", "runtime_cap", "two_tanh", "constant_inside"])
+def test_softcap_near_misses_are_left_alone(case):
+    """Anything but the exact chain keeps its reason: a mask inside tanh, a cap that is a tensor, two tanh, a
+    constant added inside tanh (not softmax-invariant there)."""
+    mask = torch.where(rand_bool_mask(1, 1, 33), 0.0, float("-inf"))
+    cap = torch.tensor(50.0)
+
+    def f(q, k, v, mask, cap):
         s = q @ k.transpose(-1, -2) * 0.125
-        s = torch.tanh(s / 50.0) * 50.0
+        if case == "mask_inside":
+            s = torch.tanh(s / 50.0 + mask) * 50.0
+        elif case == "runtime_cap":
+            s = torch.tanh(s / cap) * cap + mask
+        elif case == "two_tanh":
+            s = torch.tanh(torch.tanh(s / 50.0) * 50.0) + mask
+        else:
+            s = torch.tanh(s / 50.0 + 1.0) * 50.0 + mask
         return torch.softmax(s, -1) @ v
 
     q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
-    r = dynamo(f, q, k, v)
-    _untouched(r, "softcapping")
-    torch.testing.assert_close(r.out, f(q, k, v))
+    r = dynamo(f, q, k, v, mask, cap, config=OptimizeConfig(force_plan="split_kv"))
+    why = {"mask_inside": "inside the softcap", "runtime_cap": "run-time cap", "two_tanh": "more than one tanh",
+           "constant_inside": "constant added to the scores inside"}[case]
+    _untouched(r, why)
+    torch.testing.assert_close(r.out, f(q, k, v, mask, cap))
 
 
 def test_alibi_bias_is_rewritten_exactly():
@@ -317,9 +362,10 @@ def test_valid_length_mask_kind():
 
 
 @pytest.mark.parametrize("spelling", ["kv > q - w", "q - w < kv", "kv >= q + (1 - w)"])
-def test_sliding_window_mask_is_left_alone(spelling):
+def test_sliding_window_mask_is_a_window_site(spelling):
     """A mask with a window start ``key > query - w`` (Hugging Face's ``sliding_window_overlay``) is a sliding
-    window: never "valid_length", and left alone with the window in the reason (no module object needed)."""
+    window (no module object needed): never "valid_length", rewritten with ``site.window`` read off the mask, the
+    kernels starting at ``key_start_from_mask``; the output is the original's."""
     def f(q, k, v, cache_position):
         kv_idx = torch.arange(k.shape[2])[None, None, None, :]
         qp = cache_position[None, None, :, None]
@@ -330,9 +376,9 @@ def test_sliding_window_mask_is_left_alone(spelling):
 
     q, k, v = qkv(B=1, Hq=4, Hkv=2, L=2, N=33, D=64)
     pos = torch.tensor([20, 21])
-    r = dynamo(f, q, k, v, pos)
-    _untouched(r, "sliding-window attention (window=8): left untouched")
-    assert r.sites[0].mask_kind == "arbitrary"
+    r = dynamo(f, q, k, v, pos, config=OptimizeConfig(force_plan="split_kv"))
+    assert r.count("sdpa") == 1 and r.sites[0].window == 8 and r.sites[0].mask_kind == "arbitrary"
+    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
 
 
