@@ -41,7 +41,9 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         cuts the global mask to the local keys; on an unsharded cache it computes exactly what it did before.
     mode : str, optional
         Passed to the inner backend. ``"reduce-overhead"`` turns on inductor's CUDA-graph trees: with a static
-        cache, each decode step replays as CUDA graphs with attnopt's kernels inside, the fast path on a GPU.
+        cache, each decode step replays as CUDA graphs with attnopt's kernels inside, the fast path on a GPU. A
+        Hugging Face model's decode calls over a ``DynamicCache`` run the same graphs without CUDA graphs (its
+        tensors grow every step, so graphs could not be replayed).
     """
     if isinstance(config, OptimizeConfig):
         cfg = config.replace(**options) if options else config
@@ -71,7 +73,12 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
             compiled_forward = _never_eager_over_shards(compiled_forward, model)
         forward = _counting_uncompiled_calls(compiled_forward, backend)
         if process_group is None and gen_cfg is not None:
-            forward = _prefill_eagerly(forward, model.forward, cfg.max_decode_q_len)
+            growing = None
+            if mode == "reduce-overhead":
+                growing = _counting_uncompiled_calls(
+                    torch.compile(private_code(model.forward), backend=backend.with_mode(None), dynamic=cfg.dynamic),
+                    backend)
+            forward = _prefill_eagerly(forward, model.forward, cfg.max_decode_q_len, growing_cache=growing)
         optimized.forward = forward
         object.__setattr__(optimized, _BACKEND_ATTR, backend)
         return optimized
@@ -104,7 +111,8 @@ def private_code(fn: Callable) -> Callable:
     return types.MethodType(copy_fn, owner) if owner is not None and hasattr(fn, "__func__") else copy_fn
 
 
-def _prefill_eagerly(compiled: Callable, original: Callable, max_decode_q_len: int) -> Callable:
+def _prefill_eagerly(compiled: Callable, original: Callable, max_decode_q_len: int,
+                     growing_cache: Callable | None = None) -> Callable:
     """A Hugging Face model's forward that runs prefill calls (more than ``max_decode_q_len`` new tokens) through the
     model's own forward and decode calls through ``compiled``, as HF's compiled ``generate()`` does.
 
@@ -113,6 +121,12 @@ def _prefill_eagerly(compiled: Callable, original: Callable, max_decode_q_len: i
     the first update and marks them static addresses only outside a compiled region; allocated inside a compiled
     prefill they stayed unmarked, the decode graphs mutated unmarked inputs, and inductor ran them without CUDA
     graphs (``generate()`` with ``mode="reduce-overhead"`` was slower than HF's on the H100).
+
+    Decode calls over a cache that grows by concatenation (``past_key_values.is_compileable`` False: HF's
+    ``DynamicCache``) go to ``growing_cache`` when given: the same backend without CUDA graphs. Under CUDA-graph
+    trees the cache's tensors would be graph outputs that the next step's replay overwrites (inductor raises
+    "accessing tensor output of CUDAGraphs that has been overwritten", H100, torch 2.11), and every length would be
+    recorded anew. HF's own compiled ``generate()`` compiles static caches only.
     """
 
     @functools.wraps(compiled)
@@ -127,6 +141,8 @@ def _prefill_eagerly(compiled: Callable, original: Callable, max_decode_q_len: i
             new_tokens = 0
         if new_tokens > max_decode_q_len:
             return original(*args, **kwargs)
+        if growing_cache is not None and getattr(kwargs.get("past_key_values"), "is_compileable", True) is False:
+            return growing_cache(*args, **kwargs)
         return compiled(*args, **kwargs)
 
     return forward

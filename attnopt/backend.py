@@ -66,6 +66,20 @@ class Backend:
         self.__name__ = "attnopt"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return self.compile(gm, example_inputs, self.mode)
+
+    def with_mode(self, mode: str | None) -> Callable:
+        """A backend that compiles like this one, into its reports and call counts, with another inner ``mode``."""
+        check_call(self.config, self.process_group, mode)
+
+        def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+            return self.compile(gm, example_inputs, mode)
+
+        backend.__name__ = "attnopt"
+        return backend
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None) -> Callable:
+        """Run the passes over ``gm``, record its report, and compile it with the inner backend in ``mode``."""
         from attnopt.passes import make_context, run_passes
 
         world_size, topology = 1, None
@@ -84,7 +98,7 @@ class Backend:
         if path:
             append_plan_log(path, report)
         log.info("attnopt: %s (graph %s)", report.summary(), report.graph)
-        return self._counted(_compile_inner(self.config.inner_backend, gm, example_inputs, self.mode))
+        return self._counted(_compile_inner(self.config.inner_backend, gm, example_inputs, mode))
 
     def _counted(self, compiled: Callable) -> Callable:
         """``compiled``, counting its calls in ``graph_calls`` (one attribute increment per call)."""

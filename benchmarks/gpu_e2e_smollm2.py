@@ -67,7 +67,9 @@ def main() -> None:
     ap.add_argument("--gguf", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--plans", default="auto,split_kv,stream_k")
+    ap.add_argument("--plans", default="auto,split_kv,stream_k",
+                    help="comma-separated: auto, a plan kind to force, or auto-ro (auto through inductor with "
+                         "mode='reduce-overhead', the documented fast path); the others use inner_backend='eager'")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--caches", default="dynamic,static")
     ap.add_argument("--prompt-tokens", type=int, default=0,
@@ -128,10 +130,13 @@ def main() -> None:
                 compare(baseline, "hf-eager-attention", optimized=False)
             for plan in args.plans.split(","):
                 torch._dynamo.reset()
-                opts = {"inner_backend": "eager"}
-                if plan != "auto":
-                    opts["force_plan"] = plan
-                opt = attnopt.optimize(model, **opts)
+                if plan == "auto-ro":
+                    opt = attnopt.optimize(model, mode="reduce-overhead" if args.device == "cuda" else None)
+                else:
+                    opts = {"inner_backend": "eager"}
+                    if plan != "auto":
+                        opts["force_plan"] = plan
+                    opt = attnopt.optimize(model, **opts)
                 compare(opt, plan)
         del model, baseline
         if args.device == "cuda":

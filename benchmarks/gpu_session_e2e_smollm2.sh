@@ -33,7 +33,7 @@ run)
   . "$(dirname "${BASH_SOURCE[0]}")/gpu.sh"  # installs the checkout; sets REPO, OUT, t0
   for n in ${PROMPTS:-0 2000}; do for d in float32 bfloat16; do for c in dynamic static; do
     timeout 520 python "$REPO/benchmarks/gpu_e2e_smollm2.py" --gguf /tmp/e2e/smol.gguf --prompt-tokens "$n" \
-      --tokens 32 --plans auto,split_kv,stream_k --baseline --dtypes $d --caches $c \
+      --tokens 32 --plans ${PLANS:-auto,auto-ro,split_kv,stream_k} --baseline --dtypes $d --caches $c \
       --out "$OUT/e2e-$n-$d-$c.json" > "/tmp/e2e-$n-$d-$c.log" 2>&1 &
   done; done; done
   wait

@@ -422,17 +422,22 @@ def _merged_rows(mb, L, G, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _merge_step(mm, den, acc, pl, po, pll):
-    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) base-2 row maxima (-inf: empty or
-    padding), ``pll`` (MERGE_P, R) their base-2 ``log l`` (lse = pl + pll; pass 0 when ``pl`` holds whole LSEs),
-    ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; (mm, den, acc) as in :func:`_attend`'s state.
+    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) natural-log row maxima as stored
+    (-inf: empty or padding), ``pll`` (MERGE_P, R) their natural ``log l`` (lse = pl + pll; pass 0 when ``pl``
+    holds whole LSEs), ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; ``mm`` (R,) the running maximum, natural
+    log; (den, acc) as in :func:`_attend`'s state. Finish with ``_finish(acc, mm * LOG2E, den)``.
 
-    The maximum and ``log l`` stay apart because next to a maximum near -3.4e38 * log2(e) (a row that
-    ``finfo.min`` hides, whose keys tie) ``pl + pll`` would round to ``pl``: the partials would then weigh the
-    same instead of by their key counts, and the merge would not give the original's mean of V."""
+    The maximum and ``log l`` stay apart because next to a maximum near -2.3e38 (a row that ``finfo.min`` hides,
+    whose keys tie) ``pl + pll`` would round to ``pl``: the partials would then weigh the same instead of by their
+    key counts, and the merge would not give the original's mean of V. The differences are taken in the units the
+    maxima were stored in, before any scaling: with ``pl * log2(e) - m`` the compiler contracts the product and
+    the difference into one FMA, whose unrounded product minus the rounded maximum left a residual of up to half
+    an ulp at 3.3e38 (about 1e31) in the exponent: inf weights and NaN outputs on the H100, while the interpreter,
+    which rounds every step, was exact."""
     m_new = tl.maximum(mm, tl.max(pl, axis=0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(mm - m_use)
-    w = tl.exp2((pl - m_use[None, :]) + pll)  # 0 for empty partials and padding
+    alpha = tl.exp2((mm - m_use) * 1.4426950408889634)
+    w = tl.exp2((pl - m_use[None, :]) * 1.4426950408889634 + pll * 1.4426950408889634)  # 0 for empty partials
     den = den * alpha + tl.sum(w, axis=0)
     acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
     return m_new, den, acc

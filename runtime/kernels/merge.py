@@ -46,25 +46,27 @@ def _merge_states_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < DV
-    m = tl.full([1], float("-inf"), dtype=tl.float32)  # running max of lse (base 2)
+    # running max of the partials' lse (or row maxima), natural log: differences are taken before scaling to base
+    # 2 (see common._merge_step: a scaled load contracted into an FMA gave NaN on the H100 next to finfo.min)
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
     den = tl.zeros([1], dtype=tl.float32)  # running sum of weights relative to m
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + offs_p
         p_ok = p < P
         lse = tl.load(lse_parts_ptr + p.to(tl.int64) * stride_lp + row * stride_lr, mask=p_ok,
-                      other=float("-inf")) * 1.4426950408889634
+                      other=float("-inf"))
         o = tl.load(o_parts_ptr + p.to(tl.int64)[:, None] * stride_op + row * stride_or
                     + offs_d.to(tl.int64)[None, :] * stride_od, mask=p_ok[:, None] & d_ok[None, :], other=0.0)
         if HAS_LOG_L:
             log_l = tl.load(log_l_ptr + p.to(tl.int64) * stride_llp + row * stride_llr, mask=p_ok,
-                            other=float("-inf")) * 1.4426950408889634
+                            other=float("-inf"))
         else:
             log_l = tl.zeros([BLOCK_P], dtype=tl.float32)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2((lse - m_use) + log_l)  # (BLOCK_P,); 0 for empty partitions
+        alpha = tl.exp2((m - m_use) * 1.4426950408889634)
+        w = tl.exp2((lse - m_use) * 1.4426950408889634 + log_l * 1.4426950408889634)  # 0 for empty partitions
         den = den * alpha + tl.sum(w, axis=0)
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         m = m_new
@@ -73,7 +75,7 @@ def _merge_states_kernel(
     tl.store(o_ptr + row * stride_outr + offs_d.to(tl.int64) * stride_outd, out.to(o_ptr.dtype.element_ty),
              mask=d_ok)
     if WRITE_LSE:
-        lse_out = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, den))) * 0.6931471805599453)
+        lse_out = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, den)))
         tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), lse_out)
 
 

@@ -148,16 +148,16 @@ def _split_kv_kernel(
                 sp = s0 + offs_p
                 sp_ok = sp < NUM_SPLITS
                 pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=sp_ok[:, None] & ok_c[None, :],
-                             other=float("-inf"), cache_modifier=".cg") * 1.4426950408889634
+                             other=float("-inf"), cache_modifier=".cg")
                 pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :],
                               mask=sp_ok[:, None] & ok_c[None, :], other=float("-inf"),
-                              cache_modifier=".cg") * 1.4426950408889634
+                              cache_modifier=".cg")
                 po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None]
                              + offs_dv[None, None, :] * stride_od,
                              mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV),
                              other=0.0, cache_modifier=".cg")
                 mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
-            o2, lse2 = _finish(acc2, mm, den)
+            o2, lse2 = _finish(acc2, mm * 1.4426950408889634, den)
             _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh,
                         stride_fl, stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch

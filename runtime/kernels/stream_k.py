@@ -193,16 +193,16 @@ def _stream_k_kernel(
                 ps = p * 2 + (p * share < ts).to(tl.int32)  # slot 0 when the tile began at or before p's share
                 pl = tl.load(ws_lse_ptr + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
                              mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
-                             cache_modifier=".cg") * 1.4426950408889634  # (MERGE_P, BLOCK_R), base 2
+                             cache_modifier=".cg")  # (MERGE_P, BLOCK_R), natural log
                 pll = tl.load(ws_lse_ptr + stride_wlpart + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
                               mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
-                              cache_modifier=".cg") * 1.4426950408889634
+                              cache_modifier=".cg")
                 po = tl.load(ws_o_ptr + ps[:, None, None] * stride_ws + r[None, :, None] * stride_wm
                              + offs_dv[None, None, :] * stride_wd,
                              mask=p_ok[:, None, None] & row_ok[None, :, None] & (offs_dv[None, None, :] < DV),
                              other=0.0, cache_modifier=".cg")  # (MERGE_P, BLOCK_R, BLOCK_DV)
                 mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
-            o2, lse2 = _finish(acc2, mm, den)
+            o2, lse2 = _finish(acc2, mm * 1.4426950408889634, den)
             _store_rows(o2, lse2, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh,
                         stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch

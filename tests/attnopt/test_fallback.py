@@ -115,3 +115,30 @@ def test_hf_prefill_runs_eagerly_and_leaves_the_static_cache_marked():
     tokens = opt.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static")
     assert torch.equal(tokens, model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                               cache_implementation="static"))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_reduce_overhead_runs_growing_caches_without_cuda_graphs(monkeypatch, cache):
+    """With mode="reduce-overhead", decode calls over a DynamicCache (its tensors grow by concatenation, so CUDA-graph
+    replays would overwrite them: inductor raises on the H100) compile without CUDA graphs; static caches keep them.
+    Both run attnopt's rewritten graphs and give the original's tokens."""
+    import attnopt.backend as backend_module
+    from attnopt.bench.e2e import build_model
+
+    modes = []
+    inner = backend_module._compile_inner
+
+    def recording(name, gm, example_inputs, mode):
+        modes.append(mode)
+        return inner(name, gm, example_inputs, mode)
+
+    monkeypatch.setattr(backend_module, "_compile_inner", recording)
+    model, _ = build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=256)
+    opt = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead")
+    ids = torch.randint(0, model.config.vocab_size, (1, 24))
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, cache_implementation=cache)
+    assert torch.equal(opt.generate(ids, **kw), model.generate(ids, **kw))
+    assert modes and set(modes) == {None if cache == "dynamic" else "reduce-overhead"}
+    report = attnopt.last_plans(opt)
+    assert len(report.rewritten) >= model.config.num_hidden_layers and report.calls_without_attnopt == 0

@@ -1,0 +1,78 @@
+"""``valid_len_from_mask`` in one launch: per batch row, one past the last key any query row may attend to.
+
+The pure-PyTorch version (``reference.valid_len_from_mask``) is seven kernels on a GPU (the visibility test, two
+``any`` reductions, a cast, a product with the positions, ``amax``, the expand's copy): about 25 µs of a SmolLM2
+decode step on an H100 (benchmarks/results/e2e-nvidia-h100-80gb-hbm3.json, 3eec1a5), for a length the attention
+kernels only use to skip tiles. One program per batch row reads its mask rows once and reduces them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import KernelLauncher
+
+
+@triton.jit
+def _valid_len_kernel(
+    mask_ptr,  # mask viewed as (Bm, H, L, N): uint8 (bool) or float (additive; -inf hides); any strides
+    out_ptr,  # (B,) int32
+    stride_mb, stride_mh, stride_ml, stride_mn,  # mask strides (the batch stride 0 when the mask has one row)
+    ROWS,  # H * L mask rows per batch row
+    L,  # query rows per head in the mask view
+    N,  # key columns
+    IS_BOOL: tl.constexpr,  # bool mask (True = visible); else additive (visible where > -inf)
+    BLOCK_R: tl.constexpr,  # mask rows per step
+    BLOCK_N: tl.constexpr,  # key columns per step
+):
+    b = tl.program_id(0).to(tl.int64)
+    last = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    for r0 in range(0, ROWS, BLOCK_R):
+        r = r0 + offs_r
+        r_ok = r < ROWS
+        row_base = b * stride_mb + (r // L).to(tl.int64) * stride_mh + (r % L).to(tl.int64) * stride_ml
+        for n0 in range(0, N, BLOCK_N):
+            n = n0 + offs_n
+            ok = r_ok[:, None] & (n < N)[None, :]
+            ptrs = mask_ptr + row_base[:, None] + n.to(tl.int64)[None, :] * stride_mn
+            if IS_BOOL:
+                seen = tl.load(ptrs, mask=ok, other=0) != 0
+            else:
+                seen = tl.load(ptrs, mask=ok, other=float("-inf")).to(tl.float32) != float("-inf")
+            last = tl.maximum(last, tl.where(seen, n[None, :] + 1, 0))
+    tl.store(out_ptr + b, tl.max(tl.max(last, axis=1), axis=0))
+
+
+_VALID_LEN_LAUNCH = KernelLauncher(_valid_len_kernel)
+
+
+def valid_len_from_mask(attn_mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """The kernel's ``valid_len_from_mask``: (batch,) int32, equal to ``reference.valid_len_from_mask``.
+
+    Parameters
+    ----------
+    attn_mask : bool or additive float mask of rank 1-4 whose shape broadcasts to (batch, Hq, L, N) with N > 1.
+    batch : B.
+    """
+    if attn_mask.dim() > 4 or attn_mask.dim() < 1:
+        raise ValueError(f"valid_len_from_mask: a mask of rank {attn_mask.dim()} does not broadcast to (B, Hq, L, N)")
+    m4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
+    bm, h, L, n = m4.shape
+    if bm not in (1, batch):
+        raise ValueError(f"valid_len_from_mask: the mask's batch dim {bm} is neither 1 nor {batch}")
+    if n < 2:
+        raise ValueError("valid_len_from_mask kernel: a mask broadcast along the keys goes to the reference")
+    is_bool = attn_mask.dtype == torch.bool
+    if is_bool:
+        m4 = m4.view(torch.uint8)
+    out = torch.empty((batch,), device=attn_mask.device, dtype=torch.int32)
+    rows = h * L
+    block_n = min(4096, max(16, triton.next_power_of_2(n)))
+    block_r = max(1, min(triton.next_power_of_2(rows), 8192 // block_n))
+    stride_b = m4.stride(0) if bm == batch and batch > 1 else 0
+    _VALID_LEN_LAUNCH((batch,), m4, out, stride_b, m4.stride(1), m4.stride(2), m4.stride(3), rows, L, n,
+                      IS_BOOL=is_bool, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+    return out

@@ -1,0 +1,77 @@
+"""The one-launch ``valid_len_from_mask`` kernel against the reference, for every mask shape SDPA broadcasts, bool
+and additive masks, fully hidden rows and batch rows, and strided (expanded, sliced) masks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnopt.runtime.kernels import interpreting
+from attnopt.runtime.kernels.valid_len import valid_len_from_mask as kernel
+from attnopt.runtime.reference import valid_len_from_mask as reference
+
+DEVICES = [pytest.param("cpu", id="interp"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+def _dev(device: str) -> str:
+    if device == "cpu" and not interpreting():
+        pytest.skip("CPU kernel tests need the Triton interpreter (TRITON_INTERPRET=1)")
+    return device
+
+
+def _mask(shape, dtype, p_visible, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    visible = torch.rand(shape, generator=g) < p_visible
+    if dtype == torch.bool:
+        m = visible
+    else:
+        low = torch.finfo(dtype).min if seed % 2 else float("-inf")  # finfo.min counts as visible
+        m = torch.where(visible, torch.rand(shape, generator=g) * -3, torch.tensor(low)).to(dtype)
+        if seed % 2:
+            m = torch.where(torch.rand(shape, generator=g) < 0.3, torch.tensor(float("-inf"), dtype=dtype), m)
+    return m.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_kernel_matches_reference_for_broadcast_shapes(device, data):
+    device = _dev(device)
+    B = data.draw(st.integers(1, 3), label="B")
+    H = data.draw(st.sampled_from([1, 3]), label="H")
+    L = data.draw(st.sampled_from([1, 2]), label="L")
+    N = data.draw(st.integers(2, 300), label="N")
+    rank = data.draw(st.integers(1, 4), label="rank")
+    full = [data.draw(st.sampled_from([1, B]), label="b"), data.draw(st.sampled_from([1, H]), label="h"),
+            data.draw(st.sampled_from([1, L]), label="l"), N]
+    shape = full[4 - rank:]
+    dtype = data.draw(st.sampled_from([torch.bool, torch.float32, torch.float16]), label="dtype")
+    p = data.draw(st.sampled_from([0.0, 0.05, 0.5, 1.0]), label="p")
+    m = _mask(shape, dtype, p, data.draw(st.integers(0, 99), label="seed"), device)
+    batch = B if shape and len(shape) == 4 and shape[0] == B else data.draw(st.sampled_from([1, B]), label="batch")
+    got = kernel(m, batch)
+    assert got.dtype == torch.int32 and got.shape == (batch,)
+    assert torch.equal(got.cpu(), reference(m, batch).cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_reads_strided_and_expanded_masks(device):
+    device = _dev(device)
+    base = torch.zeros(2, 1, 1, 700, dtype=torch.bool, device=device)
+    base[0, ..., :513] = True
+    base[1, ..., 40] = True
+    expanded = base.expand(2, 4, 3, 700)  # stride 0 on heads and rows
+    sliced = torch.zeros(2, 4, 3, 1400, dtype=torch.bool, device=device)[..., ::2]  # stride 2 on keys
+    sliced[1, 2, 1, 699] = True
+    for m in (base, expanded, sliced, base[..., :600]):
+        assert torch.equal(kernel(m, 2).cpu(), reference(m, 2).cpu())
+    assert kernel(base, 2).tolist() == [513, 41]
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    _dev("cpu")
+    with pytest.raises(ValueError, match="neither 1 nor"):
+        kernel(torch.ones(3, 1, 1, 8, dtype=torch.bool), 2)
+    with pytest.raises(ValueError, match="broadcast along the keys"):
+        kernel(torch.ones(1, 1, 1, 1, dtype=torch.bool), 2)
