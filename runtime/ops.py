@@ -213,6 +213,12 @@ def _valid_len_from_mask(attn_mask, batch):
 
 
 def _key_start_from_mask(attn_mask, batch):
+    from .strategies.split_kv import use_triton
+
+    if use_triton(attn_mask) and attn_mask.dim() >= 1 and attn_mask.shape[-1] > 1:
+        from .kernels.valid_len import key_start_from_mask as kernel
+
+        return kernel(attn_mask, batch)  # one launch, as valid_len_from_mask
     from .reference import key_start_from_mask
 
     return key_start_from_mask(attn_mask, batch)
