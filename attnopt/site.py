@@ -50,6 +50,9 @@ class AttentionSite:
     #: c when the scores are logit-softcapped as ``c * tanh(s)`` (Gemma 2's ``tanh(s / cap) * cap``, the
     #: ``1 / cap`` folded into ``scale``), else None.
     softcap: float | None = None
+    #: Whether the scores get ALiBi (a per-head slope times the key position), proved in the graph; the op then
+    #: takes the slopes (Hq,) instead of reading a bias tensor.
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         if self.mask_kind not in MASK_KINDS:
@@ -83,7 +86,7 @@ class AttentionSite:
     def variant_str(self) -> str:
         """The attention variant for the plan table: ``window=4096``, ``softcap=50``, both, or ""."""
         parts = ([f"window={self.window}"] if self.window is not None else []) + \
-            ([f"softcap={self.softcap:g}"] if self.softcap is not None else [])
+            ([f"softcap={self.softcap:g}"] if self.softcap is not None else []) + (["alibi"] if self.alibi else [])
         return " ".join(parts)
 
     @property

@@ -423,13 +423,16 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
     needs_len = mask is not None and plan.kind not in ("dense", "tree", "ring")
     needs_start = mask is not None and site.window is not None and "window" in strategy.variants
     softcap = site.softcap or 0.0
+    # ALiBi sites: Bloom's slopes for the site's heads (the kernels' time does not depend on their values)
+    slopes = (torch.tensor([2.0 ** -(8 * (h + 1) / site.q_heads) for h in range(site.q_heads)], device=q.device)
+              if site.alibi else None)
 
     def call():
         valid_len = torch.ops.attnopt.valid_len_from_mask(mask, q.shape[0]) if needs_len else None
-        if needs_start or softcap:
+        if needs_start or softcap or slopes is not None:
             key_start = torch.ops.attnopt.key_start_from_mask(mask, q.shape[0]) if needs_start else None
             return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal,
-                                **variant_kwargs(strategy, key_start, softcap))
+                                **variant_kwargs(strategy, key_start, softcap, slopes))
         return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal)
     return call
 

@@ -33,7 +33,8 @@ the graph can tell: a mask that is a graph input (``generate()`` over a StaticCa
 window and is read whole. A site without a mask (HF's sdpa path drops it while the window exceeds the keys)
 attends to every key, as the original does.
 
-Logit softcapping (``site.softcap``, from the eager pattern): only plan kinds that apply it are planned.
+Logit softcapping (``site.softcap``) and ALiBi (``site.alibi``), from the eager pattern: only plan kinds that
+apply them are planned.
 """
 from __future__ import annotations
 
@@ -157,6 +158,7 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
     if reason is None:
         fields["window"] = sliding_window_of(m, fields["module_path"], config)
         fields["softcap"] = m.softcap
+        fields["alibi"] = m.alibi_slopes is not None
     fields["unsupported"] = reason
     return AttentionSite(**fields)
 

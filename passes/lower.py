@@ -154,6 +154,18 @@ def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask
     return node
 
 
+def _slopes_per_head(graph: fx.Graph, slopes: fx.Node, heads: int, new_nodes: list) -> fx.Node:
+    """The ALiBi slopes (broadcastable to (1, H, 1, 1), H = ``heads`` or 1) as the op takes them: (Hq,) fp32,
+    contiguous."""
+    aten = torch.ops.aten
+    flat = graph.call_function(aten.reshape.default, (slopes, [-1]))
+    f32 = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.float32})
+    full = graph.call_function(aten.expand.default, (f32, [heads]))
+    out = graph.call_function(aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
+    new_nodes += [flat, f32, full, out]
+    return out
+
+
 def _reads_windows(plan) -> bool:
     """Whether ``plan``'s strategy reads only a window's keys given ``key_start`` (its "window" variant)."""
     from attnopt.runtime.strategies import get_strategy
@@ -220,6 +232,8 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
         variant: dict[str, Any] = {}
         if site.softcap is not None:
             variant["softcap"] = float(site.softcap)
+        if m.alibi_slopes is not None:
+            variant["alibi_slopes"] = _slopes_per_head(graph, m.alibi_slopes, site.q_heads, new_nodes)
         if site.window is not None and mask is not None and _reads_windows(plan):
             variant["key_start"] = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_start_from_mask")
         out = graph.call_function(ops.decode_attention.default,

@@ -6,7 +6,8 @@ dispatch than ``torch.library.custom_op``'s Python wrapper) and fake implementat
 
 ``plan`` is a plan's ``runtime_key()`` JSON; it is parsed once and cached with the strategy's prepared state.
 ``site`` names the site for call counting and error messages. ``softcap`` (c != 0: scores ``c * tanh(s)``) and
-``key_start`` ((B,) first key per row: a sliding window's, from ``key_start_from_mask``) are the variants of
+``key_start`` ((B,) first key per row: a sliding window's, from ``key_start_from_mask``) and ``alibi_slopes``
+((Hq,): ALiBi, scores + slope[h] * key position) are the variants of
 ``runtime/strategies/base.py``'s ``VARIANTS``.
 """
 from __future__ import annotations
@@ -23,11 +24,13 @@ from attnopt.plan import Plan, plan_from_json
 _lib = torch.library.Library("attnopt", "DEF")
 _lib.define(
     "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
-    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None) -> Tensor"
+    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None, Tensor? alibi_slopes=None) "
+    "-> Tensor"
 )
 _lib.define(
     "decode_attention_states(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
-    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None) -> (Tensor, Tensor)"
+    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None, Tensor? alibi_slopes=None) "
+    "-> (Tensor, Tensor)"
 )
 _lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)")
 _lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
@@ -143,28 +146,29 @@ def outside_graph_pools(make, device: torch.device):
     return _PREPARE_THREAD[0].submit(work).result()
 
 
-def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None):
+def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None,
+                      alibi_slopes=None):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
     state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
-    if softcap or key_start is not None:
+    if softcap or key_start is not None or alibi_slopes is not None:
         from .strategies.base import variant_kwargs
 
         return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
-                            **variant_kwargs(strategy, key_start, softcap))
+                            **variant_kwargs(strategy, key_start, softcap, alibi_slopes))
     return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
 def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0,
-                             key_start=None):
+                             key_start=None, alibi_slopes=None):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
     state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
-    if softcap or key_start is not None:
+    if softcap or key_start is not None or alibi_slopes is not None:
         from .strategies.base import variant_kwargs
 
         return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
-                                   **variant_kwargs(strategy, key_start, softcap))
+                                   **variant_kwargs(strategy, key_start, softcap, alibi_slopes))
     return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
@@ -244,13 +248,14 @@ for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_s
 
 
 @torch.library.register_fake("attnopt::decode_attention")
-def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None):
+def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None,
+                           alibi_slopes=None):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 
 @torch.library.register_fake("attnopt::decode_attention_states")
 def _decode_attention_states_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0,
-                                  key_start=None):
+                                  key_start=None, alibi_slopes=None):
     shape = (q.shape[0], q.shape[1], q.shape[2])
     return q.new_empty(shape + (v.shape[3],), dtype=torch.float32), q.new_empty(shape, dtype=torch.float32)
 

@@ -11,6 +11,8 @@ Conventions (shared with the Triton kernels):
   first key, from ``key_start_from_mask``); with ``valid_len`` a row reads keys ``[key_start, valid_len)``.
 * ``softcap`` c != 0: the scaled scores ``s`` become ``c * tanh(s)`` before any mask or bias is added (Gemma 2's
   logit softcapping ``tanh(x / cap) * cap`` with the ``1 / cap`` folded into the scale).
+* ``alibi_slopes`` (Hq,) float: ALiBi, the scores of query head h get ``slope[h] * j`` for key position j (after
+  the cap, with the mask).
 * A softmax state is (o, lse): the normalised output and the natural-log sum of exp of the scaled scores.
   A partition with no visible key has lse = -inf and o = 0; merging it changes nothing and makes no NaN.
 * Fully masked rows follow PyTorch's SDPA: a row whose every key is hidden (False, or -inf) gives 0; a row whose
@@ -42,6 +44,7 @@ def _bias(
     device: torch.device,
     dtype: torch.dtype,
     key_start: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | None:
     """Additive bias for keys [kv_start, kv_end): shape broadcastable to (B, Hq, L, n), or None."""
     bias = None
@@ -67,6 +70,10 @@ def _bias(
         before = cols[None, :] < key_start.to(device).view(-1, 1)  # (B, n)
         ks = torch.zeros(before.shape, device=device, dtype=dtype).masked_fill(before, float("-inf"))[:, None, None, :]
         bias = ks if bias is None else bias + ks
+    if alibi_slopes is not None:
+        cols = torch.arange(kv_start, kv_end, device=device, dtype=dtype)
+        ab = (alibi_slopes.to(device=device, dtype=dtype)[:, None] * cols[None, :])[None, :, None, :]  # (1, Hq, 1, n)
+        bias = ab if bias is None else bias + ab
     return bias
 
 
@@ -85,6 +92,7 @@ def attention_states(
     split_lse: bool = False,
     key_start: Tensor | None = None,
     softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Softmax state of Q over keys [kv_start, kv_end).
 
@@ -96,6 +104,7 @@ def attention_states(
     valid_len : (B,) integer tensor, or None.
     key_start : (B,) integer tensor, or None: the first key of each row (earlier keys do not exist).
     softcap : c != 0 caps the scaled scores to ``c * tanh(s)`` before the mask is added (0: no cap).
+    alibi_slopes : (Hq,) float tensor, or None: ALiBi slopes (scores + ``slope[h] * j``).
 
     Returns
     -------
@@ -123,7 +132,8 @@ def attention_states(
     scores = (qc @ kc.transpose(-1, -2)) * scale  # (B, Hkv, G*L, n)
     if softcap:
         scores = torch.tanh(scores) * softcap
-    bias = _bias(L, kv_start, kv_end, attn_mask, valid_len, is_causal, q.device, compute_dtype, key_start)
+    bias = _bias(L, kv_start, kv_end, attn_mask, valid_len, is_causal, q.device, compute_dtype, key_start,
+                 alibi_slopes)
     if bias is not None:
         n = kv_end - kv_start
         bias = bias.expand(B, Hq, L, n).reshape(B, Hkv, G * L, n)
@@ -184,6 +194,7 @@ def decode_attention_states(
     compute_dtype: torch.dtype = torch.float32,
     key_start: Tensor | None = None,
     softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-KV by partition and merge, the structure the kernels use. Returns (o, lse) in ``compute_dtype``."""
     N = k.shape[2]
@@ -192,11 +203,12 @@ def decode_attention_states(
     num_partitions = max(1, min(num_partitions, max(N, 1)))
     if num_partitions == 1:
         return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                                compute_dtype=compute_dtype, key_start=key_start, softcap=softcap)
+                                compute_dtype=compute_dtype, key_start=key_start, softcap=softcap,
+                                alibi_slopes=alibi_slopes)
     chunk = -(-N // num_partitions)
     states = [attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
                                kv_start=s, kv_end=s + chunk, compute_dtype=compute_dtype, split_lse=True,
-                               key_start=key_start, softcap=softcap)
+                               key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
               for s in range(0, N, chunk)]
     return merge_states(*(torch.stack([s[j] for s in states]) for j in range(3)))
 
@@ -213,12 +225,13 @@ def decode_attention(
     num_partitions: int = 1,
     key_start: Tensor | None = None,
     softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Exact decode attention in fp32 (fp64 for fp64 inputs), returned in ``q.dtype``: (B, Hq, L, Dv)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     o, _ = decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
                                    is_causal=is_causal, num_partitions=num_partitions, compute_dtype=compute,
-                                   key_start=key_start, softcap=softcap)
+                                   key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
     return o.to(q.dtype)
 
 
@@ -233,6 +246,7 @@ def sdpa_float64(
     is_causal: bool = False,
     key_start: Tensor | None = None,
     softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """The oracle: one dense softmax in float64 over explicitly repeated K/V heads. Returns float64 (B, Hq, L, Dv)."""
     B, Hq, L, D = q.shape
@@ -243,7 +257,7 @@ def sdpa_float64(
     s = (q.double() @ k64.transpose(-1, -2)) * scale
     if softcap:
         s = torch.tanh(s) * softcap
-    bias = _bias(L, 0, k.shape[2], attn_mask, valid_len, is_causal, q.device, torch.float64, key_start)
+    bias = _bias(L, 0, k.shape[2], attn_mask, valid_len, is_causal, q.device, torch.float64, key_start, alibi_slopes)
     if bias is not None:
         s = s + bias
     mx = s.amax(-1, keepdim=True)

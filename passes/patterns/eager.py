@@ -11,6 +11,10 @@ constants (their product is the cap ``c``) before any mask or bias is added, and
 score product alone (no mask, bias or constant inside). The match then carries ``softcap = c`` and the scale of
 the argument (``scaling / cap``); the op computes ``c * tanh(qk * scale)``. A run-time cap, a second ``tanh`` or
 anything inside it is a reason.
+
+ALiBi: an additive bias that ``alibi.alibi_slopes_of`` proves to be a per-head slope times the key position (built
+in the graph from ``arange``, not written in place) becomes the match's ``alibi_slopes`` instead of a mask, so the
+op adds ``slope[h] * j`` itself and reads no bias tensor; at most one such term, outside any softcap.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from .scale import Factor, _scale_factor
 from .layout import Dims, _assign_roles, _is_layout_op, _simulate, follow_output, layout_path, resolve_operand
 from .gqa import unrepeat_kv
 from .masks import additive_is_zero_or_neginf, mask_value_is_masking, may_hide_whole_rows
+from .alibi import alibi_slopes_of
 
 
 # ============================================================================================ eager chains
@@ -290,6 +295,7 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     mm = None
     spath: list = []
     softcap: float | None = None
+    m_alibi: fx.Node | None = None  # the slopes of an ALiBi bias (see the module docstring)
     masks_outside_cap = 0  # masks found before the tanh (walking back): added after the cap, as the op does
     for _ in range(16):
         if not isinstance(cur, fx.Node):
@@ -330,6 +336,9 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             odt = meta_dtype(other)
             if odt is not None and not odt.is_floating_point:
                 reasons.append(f"a {_dtype_name(odt)} tensor added to the scores (a 0/1 bias in eager, not a mask)")
+            elif (slopes := alibi_slopes_of(other)) is not None and m_alibi is None and softcap is None \
+                    and not (writes is not None and (writes.written(slopes) or writes.written(other))):
+                m_alibi = slopes  # a per-head slope times the key position: the op adds it itself
             elif meta_dtype(cur) in (torch.float16, torch.bfloat16) and not additive_is_zero_or_neginf(other, writes):
                 reasons.append(f"an additive mask or bias summed with the scores in {_dtype_name(meta_dtype(cur))}: "
                                "where it hides a whole row with large finite values (finfo.min), the original's "
@@ -448,6 +457,7 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     # scale: constants multiply into ``scale``; run-time scalar tensors are folded into q by lower.
     m.scale = math.prod(f[0] for f in factors if f[0] is not None)
     m.scale_nodes = [(f[1], f[2]) for f in factors if f[0] is None]
+    m.alibi_slopes = m_alibi
     if softcap is not None:
         if len(masks) > masks_outside_cap:
             reasons.append("a mask or bias applied inside the softcap's tanh")

@@ -30,6 +30,7 @@ def _split_kv_kernel(
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     start_ptr,  # (B,) int32/int64 first keys (a sliding window's start), or a dummy when HAS_START is False
+    alibi_ptr,  # (Hq,) float ALiBi slopes (scores + slope[h] * key position), or a dummy when ALIBI is False
     o_ptr,  # output: (S, B, Hq, L, Dv) fp32 partials (S > 1) or the final (B, Hq, L, Dv) output (S == 1)
     lse_ptr,  # S > 1: (2, S, B, Hq, L) fp32 partial row maxima (plane 0) and log l (plane 1); else the final LSE
     out_ptr,  # FUSED: the final (B, Hq, L, Dv) output the last split to arrive merges into (else unused)
@@ -73,6 +74,7 @@ def _split_kv_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch (programmatic dependent launch) right away
     HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
     SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
+    ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -116,7 +118,7 @@ def _split_kv_kernel(
                             offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
                             sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-                            first, softcap_log2, HAS_START, SOFTCAP)
+                            first, softcap_log2, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)
     if NUM_SPLITS_GT1:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
@@ -178,7 +180,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
-                    tma=False, pdl=None, key_start=None, softcap=0.0):
+                    tma=False, pdl=None, key_start=None, softcap=0.0, alibi_slopes=None):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -191,6 +193,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     key_start : (B,) int tensor or None: keys before ``key_start[b]`` do not exist for row b (a sliding window);
         the splits share only the keys [key_start, valid_len), read on device, so a captured graph follows it.
     softcap : c != 0 caps the scaled scores to ``c * tanh(s)`` before the mask (Gemma 2); 0 = no cap.
+    alibi_slopes : (Hq,) contiguous float tensor or None: ALiBi, scores + ``slope[h] * j`` for key position j
+        (after the cap, before the mask).
     fused_merge : with S > 1, the last split to finish each tile merges the partials in the same launch
         (arrival counter per tile) instead of a second ``merge_states`` launch.
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
@@ -201,7 +205,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     if num_splits < 1:
         raise ValueError(f"split_kv_decode: num_splits must be >= 1; got {num_splits}")
     geo = decode_geometry(q, k, v)
-    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start)
+    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
+                                                       alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
     score_scale, softcap_log2 = score_args(scale, geo.D, softcap)
     fused = bool(fused_merge) and num_splits > 1
@@ -235,7 +240,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
         MERGE_P=geo.merge_p, USE_TMA=use_tma, NUM_SPLITS_GT1=num_splits > 1, LAUNCH_DEPENDENTS=pdl,
-        HAS_START=key_start is not None, SOFTCAP=bool(softcap),
+        HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

@@ -32,6 +32,7 @@ def _stream_k_kernel(
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     start_ptr,  # (B,) int32/int64 first keys (a sliding window's start), or a dummy when HAS_START is False
+    alibi_ptr,  # (Hq,) float ALiBi slopes (scores + slope[h] * key position), or a dummy when ALIBI is False
     o_ptr,  # (B, Hq, L, Dv) output, any float dtype
     lse_ptr,  # (B, Hq, L) fp32 LSE output (written when WRITE_LSE)
     ws_o_ptr,  # (GRID * 2, BLOCK_M, Dv) fp32 partial outputs, two slots per program
@@ -73,6 +74,7 @@ def _stream_k_kernel(
     USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
     HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
     SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
+    ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
 ):
     pid = tl.program_id(0)
     # ---- the iteration space, from the valid lengths on device
@@ -136,7 +138,7 @@ def _stream_k_kernel(
                                 b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
                                 stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
-                                USE_TMA, start, softcap_log2, HAS_START, SOFTCAP)
+                                USE_TMA, start, softcap_log2, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
         o, m_part, log_l = _finish_parts(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
             # the whole tile is ours: write it out
@@ -225,7 +227,7 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2, tma=False, key_start=None,
-                    softcap=0.0):
+                    softcap=0.0, alibi_slopes=None):
     """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch.
 
     Parameters
@@ -238,6 +240,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     key_start : (B,) int tensor or None: keys before ``key_start[b]`` do not exist for row b (a sliding window);
         the iteration space covers only [key_start, valid_len) of each row, read on device.
     softcap : c != 0 caps the scaled scores to ``c * tanh(s)`` before the mask (Gemma 2); 0 = no cap.
+    alibi_slopes : (Hq,) contiguous float tensor or None: ALiBi, scores + ``slope[h] * j`` for key position j
+        (after the cap, before the mask).
     grid : programs in the persistent grid (more programs than iterations just leaves some idle).
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
         is being captured into a CUDA graph (``tma_now``, as for split-KV); pointer loads otherwise.
@@ -248,7 +252,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     if workspace is None:
         workspace = stream_k_workspace(grid, q, k, v)
     ws_o, ws_lse, counters = workspace
-    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start)
+    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
+                                                       alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
     score_scale, softcap_log2 = score_args(scale, geo.D, softcap)
     lstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
@@ -266,7 +271,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         BLOCK_DV=geo.block_dv, HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, HAS_START=key_start is not None,
-        SOFTCAP=bool(softcap),
+        SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
         **extra,
     )

@@ -43,7 +43,8 @@ class Strategy(Generic[P]):
     distributed: bool = False
     #: The attention variants ``run``/``run_states`` take as keywords (see ``VARIANTS``): "window" accepts
     #: ``key_start`` (B,) (the first key of each row; any strategy without it is still exact, as the mask it
-    #: applies hides those keys), "softcap" accepts ``softcap`` (a site with a cap is refused by the others).
+    #: applies hides those keys), "softcap" accepts ``softcap`` and "alibi" ``alibi_slopes`` (Hq,) (a site with a
+    #: cap or ALiBi slopes is refused by the others).
     variants: frozenset[str] = frozenset()
 
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
@@ -71,7 +72,7 @@ class Strategy(Generic[P]):
 
 
 #: Attention variants beyond plain softmax attention that a strategy may implement (``Strategy.variants``).
-VARIANTS = ("window", "softcap")
+VARIANTS = ("window", "softcap", "alibi")
 
 
 def variant_reason(strategy: Strategy, site: AttentionSite) -> str | None:
@@ -79,10 +80,13 @@ def variant_reason(strategy: Strategy, site: AttentionSite) -> str | None:
     if site.softcap is not None and "softcap" not in strategy.variants:
         return (f"logit softcapping (cap={site.softcap:g}): this plan kind does not apply the cap; the split-KV and "
                 "stream-K kernels do")
+    if site.alibi and "alibi" not in strategy.variants:
+        return "ALiBi (per-head slope times key position): this plan kind does not add it; the split-KV and stream-K kernels do"
     return None
 
 
-def variant_kwargs(strategy: Strategy, key_start: Tensor | None = None, softcap: float = 0.0) -> dict[str, Any]:
+def variant_kwargs(strategy: Strategy, key_start: Tensor | None = None, softcap: float = 0.0,
+                   alibi_slopes: Tensor | None = None) -> dict[str, Any]:
     """The variant keywords ``strategy.run`` takes for this call: ``key_start`` where it reads windows (else dropped:
     the mask hides those keys), ``softcap`` where it caps (else ``ValueError``: the planner refuses such plans)."""
     kw: dict[str, Any] = {}
@@ -93,6 +97,11 @@ def variant_kwargs(strategy: Strategy, key_start: Tensor | None = None, softcap:
             raise ValueError(f"{type(strategy).__name__} does not apply logit softcapping (softcap={softcap}); plan kinds "
                              "that do: " + ", ".join(sorted(k for k, s in STRATEGIES.items() if "softcap" in s.variants)))
         kw["softcap"] = softcap
+    if alibi_slopes is not None:
+        if "alibi" not in strategy.variants:
+            raise ValueError(f"{type(strategy).__name__} does not add ALiBi slopes; plan kinds that do: "
+                             + ", ".join(sorted(k for k, s in STRATEGIES.items() if "alibi" in s.variants)))
+        kw["alibi_slopes"] = alibi_slopes
     return kw
 
 

@@ -21,7 +21,7 @@ class Bucketed(Strategy[BucketedPlan]):
     #: The planner does not rank this kind: ``attnopt.tuning`` builds it from the plans chosen per bucket.
     ranked = False
     #: Its inner plans were ranked for the same site, so they take the site's variant: forwarded as given.
-    variants = frozenset({"window", "softcap"})
+    variants = frozenset({"window", "softcap", "alibi"})
 
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         return None

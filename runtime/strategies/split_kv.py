@@ -165,7 +165,7 @@ class KernelStrategy(Strategy[P]):
     ``cpu_partitions(plan)`` partitions, else allocate the output and ``_launch`` the plan's kernel."""
 
     #: Both kernels read only a window's keys (``key_start`` on device) and apply a softcap (constexpr paths).
-    variants = frozenset({"window", "softcap"})
+    variants = frozenset({"window", "softcap", "alibi"})
 
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         return kernel_check(site, ctx)
@@ -174,34 +174,35 @@ class KernelStrategy(Strategy[P]):
         raise NotImplementedError
 
     def _launch(self, state, plan: P, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, *, key_start=None,
-                softcap=0.0) -> None:
+                softcap=0.0, alibi_slopes=None) -> None:
         """Launch the kernel into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L) fp32 or None."""
         raise NotImplementedError
 
-    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, *, key_start=None, softcap=0.0):
+    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, *, key_start=None, softcap=0.0,
+            alibi_slopes=None):
         if not use_triton(q):
             from ..reference import decode_attention
 
             return decode_attention(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
                                     is_causal=is_causal, num_partitions=self.cpu_partitions(plan),
-                                    key_start=key_start, softcap=softcap)
+                                    key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
         out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
         self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None, key_start=key_start,
-                     softcap=softcap)
+                     softcap=softcap, alibi_slopes=alibi_slopes)
         return out
 
     def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, *, key_start=None,
-                   softcap=0.0):
+                   softcap=0.0, alibi_slopes=None):
         if not use_triton(q):
             from ..reference import decode_attention_states
 
             return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
                                            is_causal=is_causal, num_partitions=self.cpu_partitions(plan),
-                                           key_start=key_start, softcap=softcap)
+                                           key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
         out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, key_start=key_start,
-                     softcap=softcap)
+                     softcap=softcap, alibi_slopes=alibi_slopes)
         return out, lse
 
 
@@ -252,11 +253,11 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         return SplitKVState(workspace=split_kv_workspace(plan.num_splits, q, k, v))
 
     def _launch(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, *, key_start=None,
-                softcap=0.0):
+                softcap=0.0, alibi_slopes=None):
         from ..kernels.split_kv import split_kv_decode
 
         workspace = state.workspace if state is not None else None
         split_kv_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, num_splits=plan.num_splits, block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
-                        tma=plan.tma, key_start=key_start, softcap=softcap)
+                        tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)

@@ -251,21 +251,56 @@ def test_softcap_near_misses_are_left_alone(case):
     torch.testing.assert_close(r.out, f(q, k, v, mask, cap))
 
 
-def test_alibi_bias_is_rewritten_exactly():
-    """The rule (``patterns`` docstring): an additive float bias is applied exactly per tile, in eager code as in
-    SDPA's ``attn_mask``, so an ALiBi bias is rewritten in both."""
-    def f(q, k, v, slopes):
+@pytest.mark.parametrize("spelling", ["mpt", "bloom_no_padding", "single_slope"])
+def test_alibi_bias_becomes_slopes(spelling):
+    """An eager ALiBi bias built in the graph (MPT's ``slopes * arange(1 - n, 1)``, Bloom's ``slopes[:, None, None] *
+    arange(n)``, one slope for all heads) plus a causal mask: the bias is proved a per-head slope times the key
+    position, the op adds it from the slopes (``site.alibi``; the mask stays a mask) and the output is the
+    original's. SDPA cannot take slopes, so the dense plan is refused with a reason."""
+    def f(q, k, v, slopes, mask):
         n = k.shape[-2]
-        pos = torch.arange(n, dtype=torch.float32)
-        bias = slopes[None, :, None, None] * (pos - (n - 1))[None, None, None, :]
+        if spelling == "mpt":
+            bias = slopes.view(1, -1, 1, 1) * torch.arange(1 - n, 1, dtype=torch.int32).view(1, 1, 1, n)
+        elif spelling == "bloom_no_padding":
+            bias = (slopes[:, None, None] * torch.arange(n))[None]
+        else:
+            bias = slopes[:1].view(1, 1, 1, 1) * torch.arange(n, dtype=torch.float32)[None, None, None, :]
         s = q @ k.transpose(-1, -2) * 0.125 + bias
-        return torch.softmax(s, -1) @ v
+        return torch.softmax(s + mask, -1) @ v
+
+    q, k, v = qkv(B=2, Hq=4, Hkv=4, L=2, N=33, D=64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    mask = torch.where(rand_bool_mask(2, 2, 33), 0.0, float("-inf"))
+    r = dynamo(f, q, k, v, slopes, mask, config=OptimizeConfig(force_plan="split_kv"))
+    (site,) = r.sites
+    assert r.count() == 1 and site.alibi and site.mask_kind == "arbitrary", site
+    (op,) = op_nodes(r.gm)
+    assert "alibi_slopes" in op.kwargs
+    torch.testing.assert_close(r.out, f(q, k, v, slopes, mask), **TOL)
+    dense = dynamo(f, q, k, v, slopes, mask)
+    assert dense.count() == 0 and "ALiBi" in (dense.reports[0].reason_untouched or "")
+
+
+@pytest.mark.parametrize("case", ["step2", "from_input", "half"])
+def test_biases_that_are_not_provably_alibi_stay_masks(case):
+    """A bias over positions with step 2, a bias read from an input, a bias rounded to fp16: not ALiBi; each is
+    applied exactly as a general additive mask (the dense plan rewrites them)."""
+    def f(q, k, v, slopes, given):
+        n = k.shape[-2]
+        if case == "step2":
+            bias = slopes.view(1, -1, 1, 1) * torch.arange(0, 2 * n, 2, dtype=torch.float32).view(1, 1, 1, n)
+        elif case == "from_input":
+            bias = given
+        else:
+            bias = (slopes.view(1, -1, 1, 1) * torch.arange(n, dtype=torch.float32)).half().float()
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.125 + bias, -1) @ v
 
     q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    r = dynamo(f, q, k, v, slopes)
-    assert r.count() == 1 and r.sites[0].mask_kind == "arbitrary", r.sites
-    torch.testing.assert_close(r.out, f(q, k, v, slopes), **TOL)
+    given = slopes.view(1, -1, 1, 1) * torch.arange(33.0)
+    r = dynamo(f, q, k, v, slopes, given)
+    assert r.count() == 1 and not r.sites[0].alibi and r.sites[0].mask_kind == "arbitrary", r.sites
+    torch.testing.assert_close(r.out, f(q, k, v, slopes, given), **TOL)
 
 
 def test_training_dropout_sdpa_is_not_rewritten():

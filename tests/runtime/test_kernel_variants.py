@@ -1,5 +1,5 @@
 """The decode kernels' variant paths against the float64 reference: a per-row key start (sliding windows, read on
-device) and logit softcapping, in split-KV and stream-K, including fully masked windows and rows.
+device), logit softcapping and ALiBi slopes, in split-KV and stream-K, including fully masked windows and rows.
 
 On the CPU the kernels run in the Triton interpreter (fp32/fp16); the same tests run compiled on CUDA (``cuda``).
 """
@@ -161,13 +161,34 @@ def test_softcap_matches_reference(device, kernel):
         assert err < 5e-5, f"{kernel} ({n}): max abs error {err:.3e}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", ["split_kv", "stream_k"])
+def test_alibi_matches_reference(device, kernel):
+    """Bloom's slopes times the key position (large enough at these lengths to move the softmax), with a causal
+    additive mask and GQA; the oracle's bias is the explicit ``slope[h] * j`` tensor."""
+    dev = _dev(device)
+    B, Hkv, G, L, N, D = 2, 2, 3, 2, 3 * BN + 5, 64
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.float32, dev)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(Hkv * G)], device=dev)
+    mask = torch.where(torch.rand(B, 1, L, N, device=dev) > 0.2, 0.0, float("-inf"))
+    bias = slopes[None, :, None, None] * torch.arange(N, device=dev, dtype=torch.float32)
+    ref = sdpa_float64(q, k, v, attn_mask=mask + bias)
+    torch.testing.assert_close(ref, sdpa_float64(q, k, v, attn_mask=mask, alibi_slopes=slopes))
+    for n in (1, 3):
+        out = _run(kernel, q, k, v, splits_or_grid=n, attn_mask=mask, alibi_slopes=slopes)
+        err = (out.double() - ref).abs().max().item()
+        assert err < 5e-5, f"{kernel} ({n}): max abs error {err:.3e}"
+    with pytest.raises(ValueError, match="alibi_slopes must be"):
+        _run(kernel, q, k, v, splits_or_grid=1, alibi_slopes=slopes[:2])
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 4]), L=st.integers(1, 3),
        N=st.integers(1, 4 * BN + 1), D=st.sampled_from([64, 80]), window=st.integers(1, 3 * BN),
        softcap=st.sampled_from([0.0, 2.0, 30.0]), splits=st.integers(1, 4), kernel=st.sampled_from(["split_kv", "stream_k"]),
-       fp16=st.booleans(), data=st.data())
-def test_fuzz_window_and_softcap(B, Hkv, G, L, N, D, window, softcap, splits, kernel, fp16, data):
-    """Random small shapes, windows, caps and lengths: kernel == reference (interpreter)."""
+       fp16=st.booleans(), alibi=st.booleans(), data=st.data())
+def test_fuzz_window_softcap_alibi(B, Hkv, G, L, N, D, window, softcap, splits, kernel, fp16, alibi, data):
+    """Random small shapes, windows, caps, ALiBi slopes and lengths: kernel == reference (interpreter)."""
     if not interpreting():
         pytest.skip("needs the Triton interpreter")
     dtype = torch.float16 if fp16 else torch.float32
@@ -175,8 +196,9 @@ def test_fuzz_window_and_softcap(B, Hkv, G, L, N, D, window, softcap, splits, ke
     q, k, v = _inputs(B, Hkv, G, L, N, D, dtype, "cpu")
     mask = band_mask(B, L, N, lengths, window, "cpu")
     start, valid = key_start_from_mask(mask, B), valid_len_from_mask(mask, B)
-    ref = sdpa_float64(q, k, v, attn_mask=mask, softcap=softcap)
+    slopes = torch.rand(Hkv * G) * 0.5 if alibi else None
+    ref = sdpa_float64(q, k, v, attn_mask=mask, softcap=softcap, alibi_slopes=slopes)
     out = _run(kernel, q, k, v, splits_or_grid=splits, attn_mask=mask, valid_len=valid, key_start=start,
-               softcap=softcap)
+               softcap=softcap, alibi_slopes=slopes)
     err = (out.double() - ref).abs().max().item()
     assert err < (4e-3 if fp16 else 5e-5), f"max abs error {err:.3e}"
