@@ -7,11 +7,9 @@ In one run, on one GPU, with CUDA graphs and L2 rotation as the other suites:
   against the same function through ``optimize`` (the kernels start at the window's first key, found on device).
   Target: >= 10x at W = 4k, N = 128k. L2 rotation moves the window (its position) between disjoint parts of the
   cache, so no two consecutive calls read the same keys.
-* ``softcap``: Gemma 2's eager chain ``tanh(s * scale / cap) * cap`` against the same chain without the cap, both
-  through ``optimize`` with the split-KV plan at the same shape. Target: within 5 %.
-
-ALiBi has no plan of its own yet (an additive bias is rewritten exactly through the general mask path), so it has
-no row here.
+* ``softcap`` and ``alibi``: Gemma 2's eager chain ``tanh(s * scale / cap) * cap``, and an eager chain with an
+  MPT-style ALiBi bias (slopes times ``arange`` built in the function), against the same chain without either,
+  all through ``optimize`` with the split-KV plan at the same shape. Target: within 5 %.
 """
 from __future__ import annotations
 
@@ -37,8 +35,14 @@ def windowed_sdpa(window: int) -> Callable:
     return attend
 
 
-def eager_chain(softcap: float | None) -> Callable:
-    """The user's eager attention (Hugging Face's ``repeat_kv`` and fp32 softmax), capped like Gemma 2 or not."""
+def alibi_slopes(heads: int, device) -> torch.Tensor:
+    """ALiBi's geometric slopes ``2^(-8 h / H)``, h = 1..H."""
+    return 2.0 ** (-8.0 * torch.arange(1, heads + 1, device=device, dtype=torch.float32) / heads)
+
+
+def eager_chain(softcap: float | None, alibi: bool = False) -> Callable:
+    """The user's eager attention (Hugging Face's ``repeat_kv`` and fp32 softmax), capped like Gemma 2, with an
+    ALiBi bias like MPT's, or plain."""
     def attend(q, k, v):
         b, hkv, n, d = k.shape
         g = q.shape[1] // hkv
@@ -47,6 +51,8 @@ def eager_chain(softcap: float | None) -> Callable:
         s = torch.matmul(q, kr.transpose(2, 3)) * d ** -0.5
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
+        if alibi:
+            s = s + alibi_slopes(q.shape[1], q.device).view(1, -1, 1, 1) * torch.arange(n, device=q.device)
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(p, vr)
     return attend
@@ -61,10 +67,14 @@ def _time(fn: Callable[[], Any], device: str) -> float:
 
 
 def _plan(optimized) -> str:
+    """The plan of the rewritten site, with its variant (``window=...``, ``softcap=...``, ``alibi``)."""
     import attnopt
 
     sites = [s for s in attnopt.last_plans(optimized).sites if s.rewritten]
-    return sites[0].chosen.describe() if sites else "not rewritten"
+    if not sites:
+        return "not rewritten"
+    variant = sites[0].site.variant_str()
+    return sites[0].chosen.describe() + (f" [{variant}]" if variant else "")
 
 
 def _row(case: str, method: str, us: float, err: float, plan: str, **shape) -> dict:
@@ -123,19 +133,22 @@ def bench_softcap(B: int, Hq: int, Hkv: int, D: int, N: int, dtype, device: str,
     q0, k0, v0 = rot.sets[0]
     shape = dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, window=None, dtype=str(dtype).removeprefix("torch."))
     rows = []
+    slopes = alibi_slopes(Hq, device)
     with torch.inference_mode():
-        for method, cap in (("attnopt-plain", None), ("attnopt-softcap", CAP)):
-            fn = attnopt.optimize(eager_chain(cap), inner_backend="eager", force_plan="split_kv")
-            ref = (sdpa_float64(q0, k0, v0, scale=D ** -0.5 / cap, softcap=cap) if cap
-                   else sdpa_float64(q0, k0, v0, scale=D ** -0.5))
+        for case, cap, alibi in (("plain", None, False), ("softcap", CAP, False), ("alibi", None, True)):
+            fn = attnopt.optimize(eager_chain(cap, alibi), inner_backend="eager", force_plan="split_kv")
+            ref = sdpa_float64(q0, k0, v0, scale=D ** -0.5 / (cap or 1.0), softcap=cap or 0.0,
+                               alibi_slopes=slopes if alibi else None)
             err = rel_err(fn(q0, k0, v0), ref)
-            rows.append(_row("softcap", method, _time(lambda: fn(*rot.next()), device), err, _plan(fn), **shape))
-    rows[1]["vs_plain"] = rows[1]["us"] / rows[0]["us"]
+            rows.append(_row(case, "attnopt", _time(lambda: fn(*rot.next()), device), err, _plan(fn), **shape))
+    for r in rows[1:]:
+        r["vs_plain"] = r["us"] / rows[0]["us"]
     return rows
 
 
 def register(suites) -> None:
-    p = suites.add_parser("variants", help="sliding window vs SDPA with the window as a mask; softcap vs plain split-KV")
+    p = suites.add_parser("variants", help="sliding window vs SDPA with the window as a mask; softcap and ALiBi vs "
+                                           "the plain split-KV plan")
     p.add_argument("--out", help="write the results JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the Triton interpreter), to keep it runnable")
     p.set_defaults(func=run)
@@ -164,5 +177,5 @@ def run(args) -> int:
         if "speedup_vs_sdpa" in r:
             print(f"window: attnopt is {r['speedup_vs_sdpa']:.1f}x SDPA with the window as a mask (target >= 10x)")
         if "vs_plain" in r:
-            print(f"softcap: {100 * (r['vs_plain'] - 1):+.1f} % against the plain split-KV plan (target within 5 %)")
+            print(f"{r['case']}: {100 * (r['vs_plain'] - 1):+.1f} % against the plain split-KV plan (target within 5 %)")
     return 0

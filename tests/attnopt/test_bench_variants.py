@@ -24,9 +24,12 @@ def test_variants_smoke(tmp_path, monkeypatch, capsys):
     assert run(SimpleNamespace(out=str(out), smoke=True)) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["method"]) for r in rows] == [("window", "sdpa-mask"), ("window", "attnopt"),
-                                                       ("softcap", "attnopt-plain"), ("softcap", "attnopt-softcap")]
+                                                       ("plain", "attnopt"), ("softcap", "attnopt"), ("alibi", "attnopt")]
     for r in rows:
         assert r["rel_err"] < 1e-4, r
         if r["method"].startswith("attnopt"):
             assert r["plan"].startswith(("split_kv", "stream_k")), r
-    assert "x SDPA with the window as a mask" in capsys.readouterr().out
+            want = {"window": "[window=64]", "softcap": "[softcap=50]", "alibi": "[alibi]"}.get(r["case"], "")
+            assert r["plan"].endswith(want) and (want or "[" not in r["plan"]), r
+    printed = capsys.readouterr().out
+    assert "x SDPA with the window as a mask" in printed and "alibi:" in printed and "softcap:" in printed
