@@ -203,7 +203,10 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
     new_nodes: list[fx.Node] = []
     with graph.inserting_before(orig):
         mask = m.attn_mask
-        if mask is not None and m.mask_invert:
+        if mask is not None and m.mask_invert and m.mask_fill is not None:
+            mask = graph.call_function(torch.ops.aten.where.Scalar, (mask, m.mask_fill, 0.0))
+            new_nodes.append(mask)
+        elif mask is not None and m.mask_invert:
             mask = graph.call_function(torch.ops.aten.logical_not.default, (mask,))
             new_nodes.append(mask)
         q, k, v = m.q, m.k, m.v

@@ -1,6 +1,7 @@
 """ALiBi biases: an additive score bias that provably is a per-head slope times the key position.
 
-Proves: the bias is ``S * P`` (through unsqueeze / view / expand / clone, fp32/fp64 casts) where ``P`` holds key
+Proves: the bias is ``S * P`` (through layout ops that keep the last three dims (head, query, key), slices of the
+query and key dims with step 1, fp32/fp64 casts: MPT's ``alibi.squeeze(0)[:, qi:, ki:]``) where ``P`` holds key
 positions (``arange`` with step 1 along the last dim plus offsets that are the same for every key, as
 ``masks._key_positions`` proves) and ``S`` depends on nothing but the head: its query and key dims have size 1 and
 so has its batch dim (where it has one). Then ``S * P = S * j + S * offset``, and the second term is the same for
@@ -20,16 +21,47 @@ import torch.fx as fx
 
 from .layout import _getitem_index, _is_one
 from .masks import _key_positions
-from .nodes import _binary, _is_call, _is_noop, _self, kind, meta_dtype, meta_shape
+from .nodes import _binary, _is_call, _is_noop, _self, arg, kind, meta_dtype, meta_shape
 
 _WIDE = (torch.float32, torch.float64)
 
 
+def _trailing(node: Any) -> tuple | None:
+    """The sizes of the last three dims (head, query, key) of ``node``, padded with 1 on the left."""
+    s = meta_shape(node)
+    return None if s is None else ((1, 1, 1) + tuple(s))[-3:]
+
+
+def _slices_query_or_keys(node: fx.Node) -> bool:
+    """A slice that cuts only the query and key dims (the last two), with step 1: the key positions shift by a
+    constant and each head keeps its slope."""
+    nd = len(meta_shape(node) or ())
+    if kind(node) == "slice":  # aten.slice.Tensor(x, dim, start, end, step)
+        dim, step = arg(node, 1, "dim", 0), arg(node, 4, "step", 1)
+        return isinstance(dim, int) and (dim % max(nd, 1)) >= nd - 2 and step == 1
+    if kind(node) != "getitem" or len(node.args) < 2:
+        return False
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if any(i is None or i is Ellipsis or not isinstance(i, slice) for i in idx) or len(idx) > nd:
+        return False
+    full = (slice(None),) * (nd - len(idx)) + tuple(idx)
+    return all(i == slice(None) for i in full[:-2]) and all(i.step in (None, 1) for i in full[-2:])
+
+
 def _keeps_values(node: fx.Node) -> bool:
-    """A layout op or a widening float cast: every element keeps its value."""
+    """An op after which every (head, query, key) element still holds its value, or a value of the same head in the
+    same row shifted along the keys: a widening float cast, a layout op that keeps the last three dims (a size 1
+    may be broadcast), a slice of the query or key dims."""
+    src = _self(node)
     if kind(node) == "cast":
-        return meta_dtype(node) in _WIDE and meta_dtype(_self(node)) in _WIDE
-    return kind(node) in ("unsqueeze", "view", "expand", "clone") or _is_noop(node) or _getitem_index(node) is not None
+        return meta_dtype(node) in _WIDE and meta_dtype(src) in _WIDE
+    if _slices_query_or_keys(node):
+        return True
+    if not (kind(node) in ("unsqueeze", "squeeze", "view", "expand", "clone") or _is_noop(node)
+            or _getitem_index(node) is not None):
+        return False
+    a, b = _trailing(src), _trailing(node)
+    return a is not None and b is not None and all(x == y or _is_one(x) for x, y in zip(a, b))
 
 
 def _peel(node: Any, depth: int = 12) -> Any:
@@ -60,7 +92,7 @@ def alibi_slopes_of(bias: Any) -> fx.Node | None:
     if not isinstance(bias, fx.Node) or meta_dtype(bias) not in _WIDE:
         return None
     s = meta_shape(bias)
-    if s is None or len(s) != 4:
+    if s is None or not 1 <= len(s) <= 4:
         return None
     cur = _peel(bias)
     if kind(cur) != "mul" or meta_dtype(cur) not in _WIDE:

@@ -35,6 +35,10 @@ from .gqa import unrepeat_kv
 from .masks import additive_is_zero_or_neginf, mask_value_is_masking, may_hide_whole_rows
 from .alibi import alibi_slopes_of
 
+#: A ``masked_fill`` value at or below this hides scores as an additive mask does: next to it fp32 absorbs any
+#: finite score (|s| < 1e22), so the hidden scores of a row tie, as the original's filled ones do.
+ABSORBING_FILL = -1e30
+
 
 # ============================================================================================ eager chains
 
@@ -296,6 +300,7 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     spath: list = []
     softcap: float | None = None
     m_alibi: fx.Node | None = None  # the slopes of an ALiBi bias (see the module docstring)
+    fill_values: dict[Any, float] = {}  # masked_fill conditions with a finite (absorbing) fill value
     masks_outside_cap = 0  # masks found before the tanh (walking back): added after the cap, as the op does
     for _ in range(16):
         if not isinstance(cur, fx.Node):
@@ -350,13 +355,22 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
         if k == "masked_fill":
             x, cond = _self(cur), arg(cur, 1, "mask", None)
             value = arg(cur, 2, "value", None)
+            if _number(value) is not None and meta_dtype(cur) is not None and meta_dtype(cur).is_floating_point:
+                value = float(torch.tensor(_number(value), dtype=meta_dtype(cur)))  # as the scores hold it
             if _number(value) == -math.inf:
                 masks.append((cond, True))
                 if factors:
                     reasons.append("the scores are scaled after the mask is applied")
+            elif mask_value_is_masking(value) and _number(value) <= ABSORBING_FILL:
+                # fp32 absorbs any finite score next to such a value, so replacing the hidden scores by it (a row
+                # hidden whole: the mean of V) equals adding it, which the op does for an additive mask
+                masks.append((cond, True))
+                fill_values[cond] = float(_number(value))
+                if factors:
+                    reasons.append("the scores are scaled after the mask is applied")
             elif mask_value_is_masking(value):
                 reasons.append(f"masked_fill with the finite value {value!r}: a fully masked row gives the mean of V "
-                               "in the original, which the rewrite cannot reproduce")
+                               "in the original, and next to a value this small the rewrite's scores would not tie")
             else:
                 reasons.append(f"masked_fill with value {value!r} (not a masking value)")
             cur = x
@@ -471,7 +485,8 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
         if meta_dtype(node) is not None and meta_dtype(node) != torch.bool and invert:
             reasons.append("masked_fill with a non-boolean mask")
         m.attn_mask, m.mask_invert = node, invert
-        if plain_softmax and may_hide_whole_rows(node, writes):
+        m.mask_fill = fill_values.get(node)
+        if m.mask_fill is None and plain_softmax and may_hide_whole_rows(node, writes):
             m.empty_rows = "nan"
     for r in reasons:
         m.reason = m.reason or r

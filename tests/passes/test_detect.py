@@ -528,3 +528,29 @@ def test_grad_requiring_attention_is_not_rewritten():
     _untouched(r, "training: gradients flow")
     r.out.sum().backward()
     assert q.grad is not None
+
+
+@pytest.mark.parametrize("dtype, fill, rewritten", [
+    (torch.float32, torch.finfo(torch.float32).min, True),   # MPT's masked_fill(mask, finfo.min)
+    (torch.bfloat16, torch.finfo(torch.bfloat16).min, True),
+    (torch.float16, torch.finfo(torch.float16).min, False),  # -65504: the scores would not tie next to it
+    (torch.float32, -1e9, False),
+])
+def test_masked_fill_with_an_absorbing_value_is_an_additive_mask(dtype, fill, rewritten):
+    """``scores.masked_fill(~keep, finfo.min)`` (MPT) hides scores as the additive mask ``where(~keep, finfo.min, 0)``
+    does: fp32 absorbs the scores next to it, so a row hidden whole gives the mean of V in both. Rewritten, and equal
+    to the original on such a row; a fill the scores do not absorb (fp16's -65504, -1e9) is left alone."""
+    def f(q, k, v, keep):
+        s = (q @ k.transpose(-1, -2) * 0.125).masked_fill(~keep, fill)
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+    q, k, v = qkv(B=2, Hq=4, Hkv=4, L=1, N=33, D=64, dtype=dtype)
+    keep = rand_bool_mask(2, 1, 33)
+    keep[1] = False  # batch row 1: every key hidden
+    r = dynamo(f, q, k, v, keep, config=OptimizeConfig(force_plan="split_kv"))
+    assert r.count() == int(rewritten), r.sites
+    want = f(q, k, v, keep)
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(r.out, want, equal_nan=True, **tol)
+    if not rewritten:
+        assert "masked_fill with the finite value" in r.sites[0].unsupported
