@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -63,6 +64,10 @@ class Backend:
         #: Calls of the graphs this backend compiled, and calls of the optimized object that ran none of them.
         self.graph_calls = 0
         self.uncompiled_calls = 0
+        #: Seconds spent in attnopt's passes (detection, planning, tuning, lowering) and in the inner backend's
+        #: compile, over every graph so far: what attnopt adds to a first call, beside dynamo's tracing.
+        self.pass_seconds = 0.0
+        self.inner_compile_seconds = 0.0
         self.__name__ = "attnopt"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -88,8 +93,10 @@ class Backend:
 
             world_size = distributed.register_group(self.process_group).world
             topology = self.config.topology
+        t0 = time.perf_counter()
         ctx = make_context(self.config, example_inputs, world_size=world_size, topology=topology)
         gm, report = run_passes(gm, example_inputs, ctx=ctx)
+        self.pass_seconds += time.perf_counter() - t0
         self.reports.append(report)
         _ALL_REPORTS.append(report)
         if world_size > 1:
@@ -98,7 +105,10 @@ class Backend:
         if path:
             append_plan_log(path, report)
         log.info("attnopt: %s (graph %s)", report.summary(), report.graph)
-        return self._counted(_compile_inner(self.config.inner_backend, gm, example_inputs, mode))
+        t0 = time.perf_counter()
+        compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
+        self.inner_compile_seconds += time.perf_counter() - t0
+        return self._counted(compiled)
 
     def _counted(self, compiled: Callable) -> Callable:
         """``compiled``, counting its calls in ``graph_calls`` (one attribute increment per call)."""

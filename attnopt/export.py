@@ -9,12 +9,23 @@ attention into ``attnopt::decode_attention`` calls, and ``torch.onnx.export`` tr
   ``valid_len_from_mask``; under a dense plan, derived from a boolean mask the same way) goes to
   ``nonpad_kv_seqlen``; at opset 23, and with ``is_causal`` (whose alignment ``nonpad_kv_seqlen`` would move to
   bottom-right), it is folded into the mask;
+* ``tree`` and ``ring`` plans export as their single-device equivalent, the same standard node. Their result is
+  exact attention over the whole (sequence-sharded) cache: local attention plus a merge of softmax states across
+  ranks. ONNX has no process group and ONNX Runtime's only collectives (``com.microsoft`` AllGather/AllReduce) exist
+  only in its NCCL builds, so a per-rank graph would need a collective between every layer's attention and the
+  rest of the layer, which no stock runtime runs. The exported graph is the one a single device deploys: it takes
+  the whole cache. A graph that was rewritten on a rank of a sharded cache (``shard_mask_columns``) is refused;
+* a ``bucketed`` plan exports as the plan of the bucket of the exported (static) KV length, or, when the length is
+  symbolic and every bucket is exact attention, as that one exact node;
+* a ``saap`` plan (sparse: sink + recent window + top clusters, not exact) becomes an ``attnopt:saap_decode_attention``
+  node whose function body is SAAP's reference decode; the index becomes initializers and each layer's key
+  clusters a graph input (``attnopt/export_saap.py``);
 * otherwise (``attention="function"``, or an op ONNX has no standard node for, such as
   ``attnopt::decode_attention_states`` and ``attnopt::merge_states``) the site becomes an ``attnopt`` domain node
   whose ONNX function body (``attnopt/onnx_functions.py``) is stored in ``model.functions``: ONNX Runtime, or any
-  runtime without attnopt's kernels, runs the body;
-* tree and ring plans need a process group and a sharded cache, which an ONNX graph does not have: they raise.
+  runtime without attnopt's kernels, runs the body.
 
+Anything else (another plan kind, ``check_close``, a sharded mask) raises ``ValueError`` before the export starts.
 Each rewritten site's ``SiteReport.exported_as`` says what it became (``onnx:Attention-24``,
 ``attnopt:decode_attention (function body)``).
 """
@@ -36,15 +47,18 @@ OPSETS = (23, 24)
 #: ``attention=``: "auto" (standard where it fits), "standard" (raise where it does not), "function" (every site
 #: as an attnopt domain node with a function body).
 ATTENTION_FORMS = ("auto", "standard", "function")
-#: Plan kinds whose attention is exact, so one standard ``Attention`` node computes what the plan computes.
-STANDARD_KINDS = ("dense", "split_kv", "stream_k")
-#: Plan kinds that cannot be exported, and why.
-UNEXPORTABLE_KINDS = {
-    "tree": "tree decode needs a process group and a sequence-sharded KV cache, which an ONNX graph has not; "
-            "export the model optimized without a process group",
-    "ring": "ring decode needs a process group and a sequence-sharded KV cache, which an ONNX graph has not; "
-            "export the model optimized without a process group",
-}
+#: Plan kinds whose attention is exact over the keys the node is given, so one standard ``Attention`` node computes
+#: what the plan computes.
+STANDARD_KINDS = ("dense", "split_kv", "stream_k", "tree", "ring")
+#: Sequence-parallel kinds, exported as their single-device equivalent: an ONNX graph has no process group, so the
+#: node attends over the whole cache the graph is given, which is exactly what the plan's local attention plus its
+#: collective merge compute (see the module docstring).
+SINGLE_DEVICE_KINDS = ("tree", "ring")
+#: Kinds that are not exact attention: an ``attnopt`` node with a function body computing what the plan computes.
+FUNCTION_KINDS = ("saap",)
+#: Kinds that stand for another plan: a bucketed plan exports as the plan of the bucket of the exported KV length.
+RESOLVED_KINDS = ("bucketed",)
+EXPORTABLE_KINDS = STANDARD_KINDS + FUNCTION_KINDS + RESOLVED_KINDS
 
 _ONNX_FLOAT, _ONNX_BOOL, _ONNX_INT64 = 1, 9, 7
 
@@ -163,13 +177,40 @@ class OnnxTranslator:
         self.functions: set[str] = set()
 
     # ----------------------------------------------------------------------------------------- checks
-    def form_of(self, plan: str) -> str:
-        """"standard" or "function" for a plan's runtime key; ``ValueError`` for a plan that cannot be exported."""
+    def resolve(self, plan: str, kv_len: int | None = None, states: bool = False) -> tuple[str, str, str]:
+        """(form, plan, note) of a site's plan key at KV length ``kv_len`` (None when not static): form is "standard"
+        (one ``Attention`` node), "function" (``attnopt:decode_attention`` with its body) or "saap"; plan is the key
+        of the plan that runs (a bucketed plan's bucket at ``kv_len``); note says how a plan became its export.
+        ``ValueError`` naming the exportable kinds for anything else, before any export work."""
+        from .plan import plan_from_json
+
         kind = json.loads(plan).get("kind", "?")
-        if kind in UNEXPORTABLE_KINDS:
-            raise ValueError(f"cannot export a {kind} plan to ONNX: {UNEXPORTABLE_KINDS[kind]}")
-        if kind not in STANDARD_KINDS:
-            raise ValueError(f"no ONNX export for plan kind {kind!r} yet; exportable kinds: {', '.join(STANDARD_KINDS)}")
+        if kind not in EXPORTABLE_KINDS:
+            raise ValueError(f"no ONNX export for plan kind {kind!r}; exportable kinds: {', '.join(EXPORTABLE_KINDS)}")
+        if kind == "bucketed":
+            bucketed = plan_from_json(plan)
+            if kv_len is not None:
+                form, inner, note = self.resolve(bucketed.plan_for(kv_len), kv_len, states)
+                described = f"bucketed: {json.loads(inner)['kind']} at N={kv_len}"
+                return form, inner, "; ".join(x for x in (described, note) if x)
+            inner_forms = {self.resolve(p, None, states)[0] for p in bucketed.plans}
+            if inner_forms != {self.exact_form()}:
+                raise ValueError(f"a bucketed plan ({bucketed.describe()}) whose buckets export differently needs a "
+                                 "static KV length to pick its bucket; export with static shapes")
+            return inner_forms.pop(), plan, "bucketed: every bucket exact"
+        note = f"{kind} plan, single-device equivalent" if kind in SINGLE_DEVICE_KINDS else ""
+        if kind in FUNCTION_KINDS:
+            if self.attention == "standard":
+                raise ValueError(f"a {kind} plan is not exact attention and has no standard ONNX node; export with "
+                                 "attention='auto' or 'function' (an attnopt node with a function body)")
+            if states:
+                raise ValueError(f"a {kind} plan exports through attnopt::decode_attention only, not its softmax "
+                                 "states (decode_attention_states)")
+            return "saap", plan, note
+        return self.exact_form(), plan, note
+
+    def exact_form(self) -> str:
+        """The form of an exact-attention site: "function" with ``attention="function"``, else "standard"."""
         return "function" if self.attention == "function" else "standard"
 
     def check_graph(self, gm: torch.fx.GraphModule) -> None:
@@ -182,12 +223,18 @@ class OnnxTranslator:
             if node.op != "call_function":
                 continue
             if node.target in (ops.decode_attention.default, ops.decode_attention_states.default):
-                form = self.form_of(node.args[7])
+                states = node.target == ops.decode_attention_states.default
+                k = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
+                form, runs, _ = self.resolve(node.args[7], _static(k.shape[2]) if k is not None else None, states)
                 q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-                is_function = form == "function" or node.target == ops.decode_attention_states.default
+                is_function = form != "standard" or states
                 if is_function and getattr(q, "dtype", None) == torch.float64:
                     raise ValueError("attnopt's ONNX function bodies compute in float32, less precise than this "
                                      "float64 attention; export it with attention='auto' (a standard Attention node)")
+                if form == "saap":
+                    from .export_saap import check_saap
+
+                    check_saap(runs, q, k, node.args[8])
             if node.target in (ops.decode_attention_states.default, ops.merge_states.default) and self.attention == "standard":
                 raise ValueError(f"{node.target} has no standard ONNX node (softmax states); export with "
                                  "attention='auto' or 'function' to write it as an attnopt node with a function body")
@@ -197,6 +244,9 @@ class OnnxTranslator:
                     (node.kwargs.get("softcap") or node.kwargs.get("alibi_slopes") is not None):
                 raise ValueError(f"{node.name}: logit softcapping and ALiBi slopes are not exported to ONNX yet; "
                                  "optimize with skip_sites naming this site to export it as the original attention")
+            if getattr(node.target, "namespace", None) == "attnopt" and node.target not in self.table():
+                names = ", ".join(sorted(str(op) for op in self.table()))
+                raise ValueError(f"{node.target} has no ONNX translation; attnopt ops that export: {names}")
 
     # ----------------------------------------------------------------------------------------- translations
     def table(self) -> dict[Any, Callable]:
@@ -226,8 +276,14 @@ class OnnxTranslator:
     def decode_attention(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="", site="",
                          softcap=0.0, key_start=None, alibi_slopes=None):
         # key_start (a window's first key) only saves reads: the mask, exported as it is, hides those keys
-        if self.form_of(plan) == "function":
-            self.exported[site] = "attnopt:decode_attention (function body)"
+        form, runs, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None)
+        if form == "saap":
+            from .export_saap import saap_attention
+
+            bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
+            return saap_attention(self, q, k, v, bias, lengths, float(scale), bool(is_causal), runs, site)
+        if form == "function":
+            self.exported[site] = _described("attnopt:decode_attention", "function body", note)
             bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
             return self._attnopt_op("decode_attention")(q, k, v, bias, lengths, scale=float(scale),
                                                         is_causal=int(bool(is_causal)), plan=plan, site=site)
@@ -247,13 +303,14 @@ class OnnxTranslator:
             y, _, _, _ = op.Attention(q, k, v, attn_mask, None, None, nonpad, scale=float(scale), is_causal=int(bool(is_causal)))
         else:
             y, _, _, _ = op.Attention(q, k, v, attn_mask, scale=float(scale), is_causal=int(bool(is_causal)))
-        self.exported[site] = f"onnx:Attention-{self.opset}" + (" (nonpad_kv_seqlen)" if nonpad is not None else "")
+        self.exported[site] = _described(f"onnx:Attention-{self.opset}", "nonpad_kv_seqlen" if nonpad is not None else "",
+                                         note)
         return y
 
     def decode_attention_states(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="",
                                 site="", softcap=0.0, key_start=None, alibi_slopes=None):
-        self.form_of(plan)
-        self.exported[site] = "attnopt:decode_attention_states (function body)"
+        _, _, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None, states=True)
+        self.exported[site] = _described("attnopt:decode_attention_states", "function body", note)
         bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
         return self._attnopt_op("decode_attention_states")(q, k, v, bias, lengths, scale=float(scale),
                                                            is_causal=int(bool(is_causal)), plan=plan, site=site)
@@ -345,6 +402,10 @@ class OnnxTranslator:
         for name in sorted(self.functions):
             fn = ir.serde.deserialize_function(function_proto(name, self.opset))
             model.functions[fn.identifier()] = fn
+        if any(name.startswith("saap_") for name in self.functions):
+            from .export_saap import add_cluster_inputs
+
+            add_cluster_inputs(model)
 
 
 def _parameter_names(fn: Callable, count: int) -> list[str] | None:
@@ -367,6 +428,17 @@ def _plain(method: Callable) -> Callable:
     return translation
 
 
+def _described(form: str, *notes: str) -> str:
+    """``form (note; note)``, or ``form`` when no note is set: a site's ``exported_as``."""
+    shown = [n for n in notes if n]
+    return f"{form} ({'; '.join(shown)})" if shown else form
+
+
+def _static(dim: Any) -> int | None:
+    """A tensor dimension as an int, or None when it is symbolic (a ``torch.SymInt`` or an ONNX symbolic dim)."""
+    return dim if isinstance(dim, int) else None
+
+
 def _ir_bool():
     import onnx_ir as ir
 
@@ -374,7 +446,7 @@ def _ir_bool():
 
 
 __all__ = ["export_onnx", "rewrite_for_export", "OnnxTranslator", "StaticCacheDecodeStep", "OPSETS", "ATTENTION_FORMS", "STANDARD_KINDS",
-           "UNEXPORTABLE_KINDS"]
+           "SINGLE_DEVICE_KINDS", "FUNCTION_KINDS", "RESOLVED_KINDS", "EXPORTABLE_KINDS"]
 
 
 class StaticCacheDecodeStep(torch.nn.Module):

@@ -26,11 +26,10 @@ _HEADER = '<domain: "attnopt", opset_import: ["" : {opset}]>\n'
 # Shared by decode_attention and decode_attention_states: scores in the packed (B, Hkv, G*L, N) layout, masked
 # in the (B, Hq, L, N) layout, then the softmax state. "bad" marks keys a row must not see; -inf biases count too,
 # so a row whose every key is masked has p = 0 everywhere and no -inf - -inf = NaN.
-_ATTENTION_BODY = """
+_SHAPES = """
     qf = Cast <to = 1> (q)
     kf = Cast <to = 1> (k)
     vf = Cast <to = 1> (v)
-    bf = Cast <to = 1> (bias)
     batch = Shape <start = 0, end = 1> (q)
     q_heads = Shape <start = 1, end = 2> (q)
     q_len = Shape <start = 2, end = 3> (q)
@@ -44,13 +43,6 @@ _ATTENTION_BODY = """
     packed_s_shape = Concat <axis = 0> (batch, kv_heads, packed_rows, kv_len)
     full_s_shape = Concat <axis = 0> (batch, q_heads, q_len, kv_len)
     out_shape = Concat <axis = 0> (batch, q_heads, q_len, v_dim)
-    q_packed = Reshape (qf, packed_q_shape)
-    k_t = Transpose <perm = [0, 1, 3, 2]> (kf)
-    raw = MatMul (q_packed, k_t)
-    scale_value = Constant <value_float: float = @scale> ()
-    scaled = Mul (raw, scale_value)
-    scores_full = Reshape (scaled, full_s_shape)
-    scores = Add (scores_full, bf)
     zero_i = Constant <value_int = 0> ()
     one_i = Constant <value_int = 1> ()
     last_axis = Constant <value_ints = [-1]> ()
@@ -58,6 +50,16 @@ _ATTENTION_BODY = """
     n_scalar = Squeeze (kv_len)
     l_scalar = Squeeze (q_len)
     cols = Range (zero_i, n_scalar, one_i)
+"""
+_ATTENTION = """
+    bf = Cast <to = 1> (bias)
+    q_packed = Reshape (qf, packed_q_shape)
+    k_t = Transpose <perm = [0, 1, 3, 2]> (kf)
+    raw = MatMul (q_packed, k_t)
+    scale_value = Constant <value_float: float = @scale> ()
+    scaled = Mul (raw, scale_value)
+    scores_full = Reshape (scaled, full_s_shape)
+    scores = Add (scores_full, bf)
     rows = Range (zero_i, l_scalar, one_i)
     valid_col = Unsqueeze (valid_len, last_axis)
     past_valid = GreaterOrEqual (cols, valid_col)
@@ -86,6 +88,8 @@ _ATTENTION_BODY = """
     o_full = Reshape (o_packed, out_shape)
     o_norm = Div (o_full, safe_denom)
 """
+_ATTENTION_BODY = _SHAPES + _ATTENTION
+
 
 _DECODE_ATTENTION = (_HEADER + "decode_attention <scale: float = 1.0, is_causal: int = 0, plan: string = \"\", "
                      "site: string = \"\"> (q, k, v, bias, valid_len) => (out) {" + _ATTENTION_BODY + """
@@ -131,8 +135,115 @@ _MERGE_STATES = _HEADER + """merge_states (o_parts, lse_parts) => (o, lse) {
 }
 """
 
+# SAAP (``runtime/saap/decode.py``): de-rope the queries at their positions, score the clusters per KV head (the
+# group's and the call's tokens summed), take the top ``probes``, and keep the sink, the window (``clusters`` < 0)
+# and the keys of the chosen clusters, then the exact attention over the kept keys. It shares the attention body's
+# shapes (``_SHAPES``); the prefix "s_" keeps its own names apart.
+_SAAP_DEROPE = """
+    s_ax1 = Constant <value_ints = [1]> ()
+    s_ax2 = Constant <value_ints = [2]> ()
+    s_ax13 = Constant <value_ints = [1, 3]> ()
+    s_kv_len = Min (valid_len, kv_len)
+    s_steps = Range (zero_i, l_scalar, one_i)
+    s_kv_col = Unsqueeze (s_kv_len, last_axis)
+    s_start = Sub (s_kv_col, q_len)
+    s_pos = Add (s_start, s_steps)
+    s_posf = Cast <to = 1> (s_pos)
+    s_pos4 = Unsqueeze (s_posf, s_ax13)
+    s_freqs = Mul (s_pos4, inv_freq)
+    s_emb = Concat <axis = -1> (s_freqs, s_freqs)
+    s_cos = Cos (s_emb)
+    s_sin = Sin (s_emb)
+    s_x1, s_x2 = Split <axis = -1, num_outputs = 2> (qf)
+    s_nx2 = Neg (s_x2)
+    s_rot = Concat <axis = -1> (s_nx2, s_x1)
+    s_qc = Mul (qf, s_cos)
+    s_rs = Mul (s_rot, s_sin)
+    s_qd = Sub (s_qc, s_rs)
+    s_qpk = Reshape (s_qd, packed_q_shape)
+"""
+_SAAP_SCORE_CENTROIDS = """
+    s_ct = Transpose <perm = [0, 2, 1]> (centroids)
+    s_raw = MatMul (s_qpk, s_ct)
+    s_scale = Constant <value_float: float = @scale> ()
+    s_logits = Mul (s_raw, s_scale)
+"""
+# The query MLP in eval mode (``runtime/saap/index.py``'s ``mlp_logits``): Linear -> BatchNorm -> ReLU -> Linear.
+_SAAP_SCORE_MLP = """
+    s_w1t = Transpose <perm = [0, 2, 1]> (w1)
+    s_h0 = MatMul (s_qpk, s_w1t)
+    s_b1 = Unsqueeze (b1, s_ax1)
+    s_h1 = Add (s_h0, s_b1)
+    s_mean = Unsqueeze (bn_mean, s_ax1)
+    s_var = Unsqueeze (bn_var, s_ax1)
+    s_eps = Constant <value_float: float = @bn_eps> ()
+    s_var_eps = Add (s_var, s_eps)
+    s_std = Sqrt (s_var_eps)
+    s_rstd = Reciprocal (s_std)
+    s_hc = Sub (s_h1, s_mean)
+    s_h2 = Mul (s_hc, s_rstd)
+    s_gamma = Unsqueeze (bn_weight, s_ax1)
+    s_beta = Unsqueeze (bn_bias, s_ax1)
+    s_h3 = Mul (s_h2, s_gamma)
+    s_h4 = Add (s_h3, s_beta)
+    s_h5 = Relu (s_h4)
+    s_w2t = Transpose <perm = [0, 2, 1]> (w2)
+    s_o2 = MatMul (s_h5, s_w2t)
+    s_b2 = Unsqueeze (b2, s_ax1)
+    s_logits = Add (s_o2, s_b2)
+"""
+_SAAP_SELECT = """
+    s_probs = Softmax <axis = -1> (s_logits)
+    s_scores = ReduceSum <keepdims = 0> (s_probs, s_ax2)
+    s_c = Shape <start = -1> (s_scores)
+    s_probes0 = Constant <value_int: int = @probes> ()
+    s_probes = Reshape (s_probes0, last_axis)
+    s_topk = Min (s_probes, s_c)
+    s_top_values, s_top = TopK <axis = -1, largest = 1, sorted = 1> (s_scores, s_topk)
+    s_zero_f = Constant <value = float {0.0}> ()
+    s_one_f = Constant <value = float {1.0}> ()
+    s_none = Mul (s_scores, s_zero_f)
+    s_top_zero = Mul (s_top_values, s_zero_f)
+    s_top_one = Add (s_top_zero, s_one_f)
+    s_chosen = ScatterElements <axis = 2> (s_none, s_top, s_top_one)
+    s_owner = Max (clusters, zero_i)
+    s_picked = GatherElements <axis = 2> (s_chosen, s_owner)
+    s_picked_b = Cast <to = 9> (s_picked)
+    s_always = Less (clusters, zero_i)
+    s_keep3 = Or (s_always, s_picked_b)
+    s_row0 = Sub (n_scalar, l_scalar)
+    s_rows = Range (s_row0, n_scalar, one_i)
+    s_rows_col = Unsqueeze (s_rows, last_axis)
+    s_causal = LessOrEqual (cols, s_rows_col)
+    s_keep3u = Unsqueeze (s_keep3, s_ax2)
+    s_keep4 = And (s_keep3u, s_causal)
+    s_keep5 = Unsqueeze (s_keep4, s_ax2)
+    s_ex_shape = Concat <axis = 0> (batch, kv_heads, group, q_len, kv_len)
+    s_keep6 = Expand (s_keep5, s_ex_shape)
+    s_keep = Reshape (s_keep6, full_s_shape)
+    s_user_bias = Cast <to = 1> (user_bias)
+    s_neg_inf = Constant <value = float {-inf}> ()
+    bias = Where (s_keep, s_user_bias, s_neg_inf)
+"""
+_SAAP_ATTRS = "scale: float = 1.0, is_causal: int = 0, probes: int = 1, plan: string = \"\", site: string = \"\""
+_SAAP_INPUTS = "q, k, v, user_bias, valid_len, clusters, inv_freq"
+_SAAP_OUT = """
+    out = CastLike (o_norm, q)
+}
+"""
+_SAAP_DECODE_ATTENTION = (_HEADER + f"saap_decode_attention <{_SAAP_ATTRS}> ({_SAAP_INPUTS}, centroids) => (out) {{"
+                          + _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_CENTROIDS + _SAAP_SELECT + _ATTENTION + _SAAP_OUT)
+_SAAP_DECODE_ATTENTION_MLP = (_HEADER + f"saap_decode_attention_mlp <{_SAAP_ATTRS}, bn_eps: float = 1e-5> "
+                              f"({_SAAP_INPUTS}, w1, b1, bn_mean, bn_var, bn_weight, bn_bias, w2, b2) => (out) {{"
+                              + _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_MLP + _SAAP_SELECT + _ATTENTION + _SAAP_OUT)
+#: The inputs after (q, k, v, bias, valid_len) of the SAAP functions: the clusters of each key (an input of the
+#: graph), the RoPE's inverse frequencies and the index's tensors (initializers).
+SAAP_INDEX_INPUTS = {"saap_decode_attention": ("centroids",),
+                     "saap_decode_attention_mlp": ("w1", "b1", "bn_mean", "bn_var", "bn_weight", "bn_bias", "w2", "b2")}
+
 _TEXTS = {"decode_attention": _DECODE_ATTENTION, "decode_attention_states": _DECODE_ATTENTION_STATES,
-          "merge_states": _MERGE_STATES}
+          "merge_states": _MERGE_STATES, "saap_decode_attention": _SAAP_DECODE_ATTENTION,
+          "saap_decode_attention_mlp": _SAAP_DECODE_ATTENTION_MLP}
 
 
 def function_proto(name: str, opset: int):
@@ -160,6 +271,21 @@ def op_schema(name: str):
         return OpSchema(name, DOMAIN, DOMAIN_VERSION, inputs=[param("o_parts", "F"), param("lse_parts", "F")],
                         outputs=[param("o", "F"), param("lse", "F")],
                         type_constraints=[("F", ["tensor(float)"], "float32 softmax states")])
+    if name in SAAP_INDEX_INPUTS:
+        attrs = [OpSchema.Attribute(n, t, d) for n, t, d in (
+            ("scale", OpSchema.AttrType.FLOAT, "softmax scale (also the centroid scores')"),
+            ("is_causal", OpSchema.AttrType.INT, "top-left causal mask"),
+            ("probes", OpSchema.AttrType.INT, "clusters attended per KV head"),
+            ("plan", OpSchema.AttrType.STRING, "the plan's runtime key (JSON)"),
+            ("site", OpSchema.AttrType.STRING, "the site key"))]
+        if name.endswith("_mlp"):
+            attrs.append(OpSchema.Attribute("bn_eps", OpSchema.AttrType.FLOAT, "the query MLP's BatchNorm epsilon"))
+        inputs = [param("q", "T"), param("k", "T"), param("v", "T"), param("user_bias", "M"), param("valid_len", "I"),
+                  param("clusters", "I"), param("inv_freq", "F")] + [param(n, "F") for n in SAAP_INDEX_INPUTS[name]]
+        return OpSchema(name, DOMAIN, DOMAIN_VERSION, inputs=inputs, outputs=[param("out", "T")], attributes=attrs,
+                        type_constraints=[("T", floats, "Q/K/V"), ("M", floats, "additive mask"),
+                                          ("I", ["tensor(int64)"], "valid length, clusters of the keys"),
+                                          ("F", ["tensor(float)"], "the SAAP index")])
     if name not in ("decode_attention", "decode_attention_states"):
         raise ValueError(f"no ONNX schema for attnopt op {name!r}")
     attrs = [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale"),
@@ -175,4 +301,4 @@ def op_schema(name: str):
                     attributes=attrs)
 
 
-__all__ = ["DOMAIN", "DOMAIN_VERSION", "function_proto", "op_schema"]
+__all__ = ["DOMAIN", "DOMAIN_VERSION", "SAAP_INDEX_INPUTS", "function_proto", "op_schema"]

@@ -177,6 +177,10 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
                    kinds=sorted({s.chosen.kind for s in report.rewritten if s.chosen}),
                    attnopt_calls=sum(s.calls for s in report.sites),
                    calls_without_attnopt=report.calls_without_attnopt)
+        backend = getattr(opt, "_attnopt_backend", None)
+        if backend is not None:  # the first call's parts that attnopt owns (the rest: dynamo, the first run)
+            row.update(attnopt_pass_s=round(backend.pass_seconds, 3),
+                       inner_compile_s=round(backend.inner_compile_seconds, 3))
         if args.profile and device == "cuda":
             try:
                 with gpu_turn():
@@ -332,7 +336,7 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     gen(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape of the timed calls seen
     times: dict[int, list[float]] = {}
     with gpu_turn():
-        for n in (short, long, short, long):
+        for n in (short, long) * 4:  # interleaved repeats: per-token is the difference of the minima
             _sync(args.device)
             t0 = time.perf_counter()
             gen(ids, max_new_tokens=n, min_new_tokens=n, **kw)

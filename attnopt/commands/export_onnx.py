@@ -44,7 +44,9 @@ def register(sub) -> None:
     p.add_argument("--position", type=int, default=8,
                    help="cache_position of the example step; the cache holds that many tokens (default 8)")
     p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
-    p.add_argument("--plan", default=None, help="force this plan kind at every site (dense, split_kv, stream_k)")
+    p.add_argument("--plan", default=None, help="force this plan kind at every site (dense, split_kv, stream_k; a "
+                                                "tree or ring plan exports as the same single-device graph; saap: "
+                                                "attnopt.export_onnx(..., saap=INDEX))")
     p.add_argument("--hardware", default=None, help="plan for this hardware profile (default: this machine's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the example tokens")
     p.add_argument("--check", action="store_true", help="run the file in onnxruntime and compare with PyTorch")
@@ -93,8 +95,8 @@ def build_model(name: str, layers: int | None, dtype: str, seed: int):
 
 
 def example_step(step, batch: int, max_cache_len: int, position: int, seed: int) -> tuple:
-    """Inputs of one decode step at ``position``: the caches filled by running ``position`` random tokens through
-    ``step`` (a ``StaticCacheDecodeStep``) in PyTorch, then the next token."""
+    """Inputs of one decode step at ``position``, on the model's device: the caches filled by running ``position``
+    random tokens through ``step`` (a ``StaticCacheDecodeStep``) in PyTorch, then the next token."""
     import torch
 
     if not 0 <= position < max_cache_len:
@@ -102,13 +104,14 @@ def example_step(step, batch: int, max_cache_len: int, position: int, seed: int)
     if batch < 1:
         raise ValueError(f"--batch must be >= 1, got {batch}")
     vocab = step.model.config.vocab_size
+    device = next(step.model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (batch, position + 1), generator=gen)
+    tokens = torch.randint(0, vocab, (batch, position + 1), generator=gen).to(device)
     caches = step.empty_caches(batch, max_cache_len)
     with torch.no_grad():
         for i in range(position):
-            step(tokens[:, i:i + 1], torch.tensor([i]), *caches)
-    return (tokens[:, position:position + 1], torch.tensor([position]), *caches)
+            step(tokens[:, i:i + 1], torch.tensor([i], device=device), *caches)
+    return (tokens[:, position:position + 1], torch.tensor([position], device=device), *caches)
 
 
 def compare_with_onnxruntime(path: str, step, inputs: tuple) -> dict[str, Any]:

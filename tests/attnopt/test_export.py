@@ -1,8 +1,8 @@
 """``attnopt.export_onnx``: the rewritten graph as ONNX, run in onnxruntime on the CPU against PyTorch (fp32, 1e-5).
 
-Every plan kind that runs on one device (dense, split_kv, stream_k) exports as one standard ``Attention`` node or,
-with ``attention="function"``, as an ``attnopt`` node whose function body onnxruntime runs; tree and ring plans,
-and kinds with no export, raise.
+The plan kinds that run on one device (dense, split_kv, stream_k) export as one standard ``Attention`` node or,
+with ``attention="function"``, as an ``attnopt`` node whose function body onnxruntime runs; tree, ring, bucketed and
+SAAP plans are in ``test_export_plans.py``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ pytest.importorskip("onnxscript")
 
 from attnopt import PlanReport, SplitKVPlan, TreePlan  # noqa: E402
 from attnopt.export import StaticCacheDecodeStep, export_onnx  # noqa: E402
-from attnopt.plan import SaapPlan  # noqa: E402
 from attnopt.runtime import ops as _ops, reference  # noqa: E402,F401  (ops registers torch.ops.attnopt.*)
 
 ATOL = 1e-5
@@ -198,16 +197,18 @@ def test_softmax_states_and_merge_export_as_function_nodes(tmp_path):
         export_onnx(fn, (q, k, v, mask), tmp_path / "x.onnx", attention="standard")
 
 
-@pytest.mark.parametrize("plan,match", [(TreePlan(world=2), "process group"), (SaapPlan(), "no ONNX export for plan kind 'saap'")])
-def test_unexportable_plans_raise(tmp_path, plan, match):
-    key = plan.runtime_key()
+def test_a_rank_of_a_sharded_cache_is_refused(tmp_path):
+    """A graph rewritten on a rank of a sequence-sharded cache holds only that rank's keys: its single-device
+    export would attend to a shard, so it is refused before exporting."""
+    key = TreePlan(world=2).runtime_key()
 
-    def fn(q, k, v):
-        return torch.ops.attnopt.decode_attention(q, k, v, None, None, 0.125, False, key, "s0")
+    def fn(q, k, v, mask):
+        local = torch.ops.attnopt.shard_mask_columns(mask, k.shape[2])
+        return torch.ops.attnopt.decode_attention(q, k, v, local, None, 0.125, False, key, "s0")
 
-    with pytest.raises(ValueError, match=match):
-        export_onnx(fn, (torch.randn(1, 2, 1, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)),
-                    tmp_path / "x.onnx")
+    with pytest.raises(ValueError, match="sharded cache"):
+        export_onnx(fn, (torch.randn(1, 2, 1, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64),
+                         torch.ones(1, 1, 1, 16, dtype=torch.bool)), tmp_path / "x.onnx")
 
 
 @pytest.mark.parametrize("kwargs,match", [({"opset": 20}, "valid: 23, 24"), ({"attention": "fast"}, "auto, standard"),
