@@ -14,6 +14,16 @@ from .site import AttentionSite
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "last_plans", "export_onnx", "Backend", "OptimizeConfig", "AttentionSite", "Plan", "PlanReport",
+
+
+def __getattr__(name: str):
+    if name == "SharedPrefixCache":  # imports transformers: only when asked for
+        from .shared_prefix import SharedPrefixCache
+
+        return SharedPrefixCache
+    raise AttributeError(f"module 'attnopt' has no attribute {name!r}")
+
+
+__all__ = ["optimize", "SharedPrefixCache", "last_plans", "export_onnx", "Backend", "OptimizeConfig", "AttentionSite", "Plan", "PlanReport",
            "SiteReport", "DensePlan", "SplitKVPlan", "StreamKPlan", "TreePlan", "RingPlan", "SaapPlan",
            "plan_from_json"]

@@ -31,6 +31,8 @@ Each rewritten site's ``SiteReport.exported_as`` says what it became (``onnx:Att
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import warnings
@@ -112,6 +114,9 @@ def export_onnx(model_or_fn: torch.nn.Module | Callable, example_inputs: Sequenc
     if cfg.verify:
         raise ValueError("verify=True checks the rewrite against the original attention at run time, which an "
                          "exported graph cannot do; export with verify=False")
+    if cfg.force_plan is not None and cfg.force_plan not in EXPORTABLE_KINDS:
+        raise ValueError(f"force_plan={cfg.force_plan!r} has no ONNX form; exportable kinds: "
+                         f"{', '.join(EXPORTABLE_KINDS)}")
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else _FunctionModule(model_or_fn)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if input_names is None and module is not model_or_fn and not kwargs:
@@ -162,6 +167,8 @@ def rewrite_for_export(module: torch.nn.Module, args: tuple, kwargs: dict[str, A
     gm = program.module()
     flat = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     ctx = make_context(config, flat)
+    # the shared-prefix cascade's op (prefix and suffixes apart) has no ONNX form: its check says so
+    ctx.plan_context = dataclasses.replace(ctx.plan_context, extras={**ctx.plan_context.extras, "onnx_export": True})
     gm, report = run_passes(gm, flat, ctx=ctx)
     return gm, report
 

@@ -216,6 +216,32 @@ class SaapPlan(Plan):
 
 @register_plan_kind
 @dataclass(frozen=True)
+class CascadePlan(Plan):
+    """Shared-prefix cascade: K/V are one prefix shared by every batch row plus a suffix per row. The prefix is
+    attended once for all rows (their queries stacked into one tile per KV head), each row's suffix on its own,
+    and the softmax states are merged exactly (row max and ``log l`` kept apart).
+
+    ``prefix_splits`` / ``suffix_splits``: split-KV programs per KV head over the prefix, and per (row, KV head)
+    over the suffixes (at least 2 each: the partial states go to one workspace that a single merge reads).
+    """
+
+    kind: ClassVar[str] = "cascade"
+    prefix_splits: int = 64
+    suffix_splits: int = 2
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    #: K/V tiles through the copy engine (TMA tensor descriptors) where the GPU and the strides allow it.
+    tma: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix_splits < 2 or self.suffix_splits < 2:
+            raise ValueError(f"a cascade plan needs >= 2 prefix and suffix splits (its partial states are merged "
+                             f"together), got {self.prefix_splits} and {self.suffix_splits}")
+
+
+@register_plan_kind
+@dataclass(frozen=True)
 class BucketedPlan(Plan):
     """One plan per KV-length bucket, for a site whose KV length is symbolic (a growing cache).
 

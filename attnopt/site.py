@@ -43,6 +43,9 @@ class AttentionSite:
     v_head_dim: int | None = None
     kv_layout: str = "bhnd"
     kv_len_hint: int | None = None
+    #: Keys [0, P) of K/V are one (1, Hkv, P, D) tensor broadcast over the batch (``passes/patterns/prefix.py``
+    #: proves it): P, or None when no shared prefix is proven. The cascade plan attends it once for all rows.
+    shared_prefix: int | None = None
     unsupported: str | None = None
     #: Keys a query row attends to when the site is a sliding window (the module's window, or one proved in the
     #: mask), else None. The kernels then read only the keys from the window's first one (found on device).
@@ -111,8 +114,9 @@ class AttentionSite:
         d = f"D={known(self.head_dim, True)}"
         if self.v_head_dim is not None and self.v_head_dim != self.head_dim:
             d += f" Dv={self.v_head_dim}"
+        prefix = f" prefix={self.shared_prefix}" if self.shared_prefix is not None else ""
         return (f"B={known(self.batch)} H={known(self.q_heads, True)}/{known(self.kv_heads, True)} "
-                f"q={known(self.q_len)} {n} {d}")
+                f"q={known(self.q_len)} {n}{prefix} {d}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

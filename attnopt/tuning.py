@@ -79,13 +79,17 @@ class ShapeKey:
     mask_kind: str
     valid_length: bool
     is_causal: bool
+    #: Keys shared by every row (``AttentionSite.shared_prefix``): a cascade site measures differently from a plain
+    #: site of the same shape. Left out of the key when None, so measurements of plain sites keep their keys.
+    shared_prefix: int | None = None
 
     @classmethod
     def of(cls, site: AttentionSite, kv_len: int, bucketed: bool) -> "ShapeKey":
         return cls(batch=int(site.batch), q_heads=site.q_heads, kv_heads=site.kv_heads, head_dim=site.head_dim,
                    v_head_dim=site.v_head_dim or site.head_dim, q_len=int(site.q_len), kv_len=int(kv_len),
                    bucketed=bucketed, dtype=site.dtype, mask_kind=site.mask_kind,
-                   valid_length=site.mask_kind in ("valid_length", "arbitrary"), is_causal=site.is_causal)
+                   valid_length=site.mask_kind in ("valid_length", "arbitrary"), is_causal=site.is_causal,
+                   shared_prefix=site.shared_prefix)
 
 
 def tunable_reason(site: AttentionSite) -> str | None:
@@ -141,7 +145,8 @@ class TuningCache:
 
     @staticmethod
     def key(env: dict[str, str], shape: ShapeKey) -> str:
-        return json.dumps({"env": env, "shape": dataclasses.asdict(shape)}, sort_keys=True)
+        fields = {k: v for k, v in dataclasses.asdict(shape).items() if k != "shared_prefix" or v is not None}
+        return json.dumps({"env": env, "shape": fields}, sort_keys=True)
 
     def load(self) -> dict[str, Any]:
         """Every record; ``{}`` when the file is missing or corrupt (then one warning line names the file)."""
@@ -419,6 +424,8 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
     if state is None:
         state = strategy.prepare(plan, s["q"], s["k"], s["v"])
     scale = site.scale if site.scale is not None else site.head_dim ** -0.5
+    if hasattr(strategy, "timed_call"):  # a plan whose op takes other inputs than (q, k, v): the cascade
+        return strategy.timed_call(plan, site, s, state, scale)
     q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
     needs_len = mask is not None and plan.kind not in ("dense", "tree", "ring")
     needs_start = mask is not None and site.window is not None and "window" in strategy.variants

@@ -14,7 +14,7 @@
 #   distributed-generate   examples/distributed_generate.py: SmolLM2 with its KV cache sharded over $GPUS (2) GPUs,
 #                fp32 tokens equal to one device's, bf16 logits within tolerance ($GENERATE_RUNS: dtype:plan ...);
 #                needs the GGUF that `smollm2 run` joins (/tmp/e2e/smol.gguf) and the gguf package in /tmp/site
-#   <name>       any other name is `attnopt bench <name>` (kernels, dispatch, e2e, headroom, ...)
+#   <name>       any other name is `attnopt bench <name>` (kernels, dispatch, e2e, headroom, cascade, ...)
 # and the SmolLM2 GGUF end to end, whose 98 MB file travels in two parts over two back-to-back device calls:
 #   bash benchmarks/gpu.sh smollm2 prepare|stage|run   (benchmarks/gpu_session_e2e_smollm2.sh says how)
 #

@@ -159,6 +159,9 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
         fields["window"] = sliding_window_of(m, fields["module_path"], config)
         fields["softcap"] = m.softcap
         fields["alibi"] = m.alibi_slopes is not None
+    if m.shared_prefix is not None:
+        prefix, prefix_hint = _static(meta_shape(m.shared_prefix[0])[2])
+        fields["shared_prefix"] = prefix if prefix is not None else prefix_hint
     fields["unsupported"] = reason
     return AttentionSite(**fields)
 

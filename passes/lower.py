@@ -190,6 +190,15 @@ def _nan_empty_rows(graph: fx.Graph, out: fx.Node, mask: fx.Node, new_nodes: lis
     return out
 
 
+def runs_cascade(plan) -> bool:
+    """Whether ``plan`` (or a bucket of a bucketed plan) is a shared-prefix cascade, which the cascade op runs."""
+    from attnopt.plan import plan_from_json
+
+    if plan.kind == "bucketed":
+        return any(plan_from_json(p).kind == "cascade" for p in plan.plans)
+    return plan.kind == "cascade"
+
+
 def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, meta_key: str,
                aten_graph: bool) -> fx.Node:
     """Rewrite one site in place (the caller recompiles). Returns the node that now stands for the output."""
@@ -232,16 +241,23 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
         # rank's, and the tree/ring runtime cannot tell which; the mask alone is exact either way.
         if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
             valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
-        variant: dict[str, Any] = {}
-        if site.softcap is not None:
-            variant["softcap"] = float(site.softcap)
-        if m.alibi_slopes is not None:
-            variant["alibi_slopes"] = _slopes_per_head(graph, m.alibi_slopes, site.q_heads, new_nodes)
-        if site.window is not None and mask is not None and _reads_windows(plan):
-            variant["key_start"] = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_start_from_mask")
-        out = graph.call_function(ops.decode_attention.default,
-                                  (q, k, v, mask, valid_len, float(site.scale), bool(site.is_causal),
-                                   plan.runtime_key(), site_key), variant)
+        if m.shared_prefix is not None and runs_cascade(plan):  # the prefix and suffixes apart; the cat goes dead
+            # (the cascade takes no variant: the planner refuses it softcapped and ALiBi sites, and a window's mask
+            # alone is exact)
+            out = graph.call_function(ops.cascade_attention.default,
+                                      (q, *m.shared_prefix, mask, valid_len, float(site.scale), bool(site.is_causal),
+                                       plan.runtime_key(), site_key))
+        else:
+            variant: dict[str, Any] = {}
+            if site.softcap is not None:
+                variant["softcap"] = float(site.softcap)
+            if m.alibi_slopes is not None:
+                variant["alibi_slopes"] = _slopes_per_head(graph, m.alibi_slopes, site.q_heads, new_nodes)
+            if site.window is not None and mask is not None and _reads_windows(plan):
+                variant["key_start"] = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_start_from_mask")
+            out = graph.call_function(ops.decode_attention.default,
+                                      (q, k, v, mask, valid_len, float(site.scale), bool(site.is_causal),
+                                       plan.runtime_key(), site_key), variant)
         new_nodes.append(out)
         if m.empty_rows == "nan" and mask is not None:
             out = _nan_empty_rows(graph, out, mask, new_nodes)

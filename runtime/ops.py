@@ -32,6 +32,10 @@ _lib.define(
     "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None, Tensor? alibi_slopes=None) "
     "-> (Tensor, Tensor)"
 )
+_lib.define(
+    "cascade_attention(Tensor q, Tensor k_prefix, Tensor v_prefix, Tensor k_suffix, Tensor v_suffix, Tensor? attn_mask, "
+    "Tensor? valid_len, float scale, bool is_causal, str plan, str site) -> Tensor"
+)
 _lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)")
 _lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
 _lib.define("valid_len_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
@@ -172,6 +176,58 @@ def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, pl
     return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
+def check_cascade_inputs(q: Tensor, k_prefix: Tensor, v_prefix: Tensor, k_suffix: Tensor, v_suffix: Tensor,
+                         attn_mask: Tensor | None, valid_len: Tensor | None, is_causal: bool) -> None:
+    """``ValueError`` naming what is wrong with the inputs of ``cascade_attention`` (shapes and dtypes only), run
+    once per prepared state. k_prefix (1, Hkv, P, D) / v_prefix (1, Hkv, P, Dv) are every row's first P keys,
+    k_suffix (B, Hkv, S, D) / v_suffix (B, Hkv, S, Dv) each row's next S; the mask covers P + S keys."""
+    if k_prefix.dim() != 4 or k_prefix.shape[0] != 1 or v_prefix.dim() != 4 or v_prefix.shape[0] != 1:
+        raise ValueError(f"cascade_attention: the shared prefix must be (1, Hkv, P, D); got k {tuple(k_prefix.shape)}, "
+                         f"v {tuple(v_prefix.shape)}")
+    if tuple(k_prefix.shape[1:2]) + tuple(k_prefix.shape[3:]) != tuple(k_suffix.shape[1:2]) + tuple(k_suffix.shape[3:]) \
+            or v_prefix.shape[1] != v_suffix.shape[1] or v_prefix.shape[3] != v_suffix.shape[3]:
+        raise ValueError(f"cascade_attention: prefix k {tuple(k_prefix.shape)} / v {tuple(v_prefix.shape)} and suffix "
+                         f"k {tuple(k_suffix.shape)} / v {tuple(v_suffix.shape)} differ in heads or head dim")
+    if is_causal:
+        raise ValueError("cascade_attention: is_causal is not supported (top-left causal at decode hides every key "
+                         "past the first q_len)")
+    if valid_len is not None and attn_mask is None:
+        raise ValueError("cascade_attention: valid_len needs the attn_mask it was read from (the shared prefix is "
+                         "attended for all rows at once; per-row limits inside it must be in the mask)")
+    rows = (k_suffix.shape[0], k_suffix.shape[1], k_prefix.shape[2] + k_suffix.shape[2])
+    check_inputs(q, torch.empty(rows + (k_suffix.shape[3],), device="meta", dtype=k_suffix.dtype),
+                 torch.empty(rows + (v_suffix.shape[3],), device="meta", dtype=v_suffix.dtype), attn_mask, valid_len)
+    if not (k_prefix.dtype == v_prefix.dtype == v_suffix.dtype == q.dtype):
+        raise ValueError(f"cascade_attention: q, k, v must share one floating dtype; got {q.dtype}, prefix "
+                         f"{k_prefix.dtype}/{v_prefix.dtype}, suffix {k_suffix.dtype}/{v_suffix.dtype}")
+
+
+def _cascade_attention(q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask, valid_len, scale, is_causal, plan, site):
+    """The cascade op. Its plan is a cascade plan, or (from the tuner) a bucketed plan choosing by the total key
+    count; a bucket whose plan is another kind gets the concatenated K/V, as the original attention read them."""
+    CALL_COUNTS[site] += 1
+    p, strategy = _resolve(plan)
+    if p.kind == "bucketed":
+        p, strategy = _resolve(p.plan_for(k_prefix.shape[2] + k_suffix.shape[2]))
+    if p.kind != "cascade":
+        rows = (q.shape[0], -1, -1, -1)
+        k = torch.cat([k_prefix.expand(rows), k_suffix], dim=2)
+        v = torch.cat([v_prefix.expand(rows), v_suffix], dim=2)
+        state = _prepared(p.runtime_key(), p, strategy, q, k, v, attn_mask, valid_len)
+        return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
+    key = ("cascade", plan, q.device, q.dtype, *q.shape, k_prefix.shape[1], k_prefix.shape[2] == 0,
+           k_suffix.shape[2] == 0, v_prefix.shape[3])
+    state = _STATES.get(key)
+    if state is None:
+        check_cascade_inputs(q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask, valid_len, is_causal)
+        with _state_lock:
+            state = _STATES.get(key)
+            if state is None:
+                state = _STATES[key] = outside_graph_pools(lambda: strategy.prepare(p, q, k_suffix, v_suffix),
+                                                           q.device)
+    return strategy.run_cascade(state, p, q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask, valid_len, scale)
+
+
 def _merge_states(o_parts, lse_parts):
     if o_parts.is_cuda and o_parts.dtype == torch.float32 and lse_parts.dtype == torch.float32:
         from .kernels import triton_usable
@@ -241,6 +297,7 @@ def _shard_mask_columns(attn_mask, local_len):
 
 
 for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_states", _decode_attention_states),
+                   ("cascade_attention", _cascade_attention),
                    ("merge_states", _merge_states), ("check_close", _check_close),
                    ("valid_len_from_mask", _valid_len_from_mask), ("key_start_from_mask", _key_start_from_mask),
                    ("shard_mask_columns", _shard_mask_columns)):
@@ -251,6 +308,12 @@ for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_s
 def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None,
                            alibi_slopes=None):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+@torch.library.register_fake("attnopt::cascade_attention")
+def _cascade_attention_fake(q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask, valid_len, scale, is_causal, plan,
+                            site):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v_prefix.shape[3]))
 
 
 @torch.library.register_fake("attnopt::decode_attention_states")

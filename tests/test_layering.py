@@ -51,7 +51,7 @@ RUNTIME_LAYERS = (
     ("reference and kernels", (f"{RT}.reference", f"{RT}.kernels")),
     ("SAAP index", (f"{RT}.saap",)),
     ("single-device plan kinds", (f"{RT}.strategies.base", f"{RT}.strategies.dense", f"{RT}.strategies.split_kv",
-                                  f"{RT}.strategies.stream_k")),
+                                  f"{RT}.strategies.stream_k", f"{RT}.strategies.cascade")),
     ("distributed algorithms", (f"{RT}.distributed.",)),
     ("distributed plan kinds", (f"{RT}.strategies.tree", f"{RT}.strategies.ring")),
     ("strategy registry", (f"{RT}.strategies",)),

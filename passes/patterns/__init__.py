@@ -70,6 +70,7 @@ from .masks import (MaskForm, additive_is_zero_or_neginf, additive_values, class
                     mask_provenance, mask_value_is_masking, may_hide_whole_rows)  # noqa: F401
 from .sdpa import match_sdpa, match_sdpa_fused  # noqa: F401
 from .eager import is_empty_row_guard, match_eager, matmul_behind  # noqa: F401
+from .prefix import find_shared_prefix  # noqa: F401
 
 
 # ============================================================================================ module path
@@ -159,6 +160,7 @@ def find_matches(gm: fx.GraphModule) -> list[AttentionMatch]:
                 sources = [m.q, m.k, m.v, m.attn_mask] + [c for c, _ in m.scale_nodes]
                 m.reason = writes.reason(sources, m.output)
                 m.mask_written = writes.written_after(m.attn_mask)
+                m.shared_prefix = find_shared_prefix(m, writes)
             out.append(m)
     return out
 

@@ -76,6 +76,9 @@ class AttentionMatch:
     #: The mask's storage is written in place after the mask node (``lower`` then computes its ``valid_len`` at
     #: the site, not once right after the mask's producer).
     mask_written: bool = False
+    #: (k_prefix, v_prefix, k_suffix, v_suffix) when K/V provably are one batch-1 prefix broadcast over the rows
+    #: plus per-row suffixes (``patterns.prefix``); the cascade plan reads these instead of ``k``/``v``.
+    shared_prefix: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
-                    tma=False, pdl=None, key_start=None, softcap=0.0, alibi_slopes=None):
+                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -201,6 +201,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         is being captured into a CUDA graph (``tma_now``); pointer loads otherwise (the result is the same).
     pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
         wherever the GPU and Triton support it.
+    merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
+        that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
     if num_splits < 1:
         raise ValueError(f"split_kv_decode: num_splits must be >= 1; got {num_splits}")
@@ -230,7 +232,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
-    two_launches = num_splits > 1 and not fused
+    two_launches = num_splits > 1 and not fused and merge
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _SPLIT_KV_LAUNCH(
         grid, *pointers, o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,

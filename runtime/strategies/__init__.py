@@ -7,5 +7,6 @@ from . import tree  # noqa: F401  (registers TreePlan)
 from . import ring  # noqa: F401  (registers RingPlan)
 from . import bucketed  # noqa: F401  (registers BucketedPlan)
 from . import saap  # noqa: F401  (registers SaapPlan)
+from . import cascade  # noqa: F401  (registers CascadePlan)
 
 __all__ = ["STRATEGIES", "PlanContext", "Strategy", "get_strategy", "register_strategy"]

@@ -36,7 +36,12 @@ def test_bad_plan_json(bad, match):
 
 
 def _opt_in(kind, site, ctx, tmp_path):
-    """Opt-in kinds need the user's input: ``saap`` a SAAP index for the site's shapes, at a layer it covers."""
+    """Opt-in kinds need the user's input: ``saap`` a SAAP index for the site's shapes, at a layer it covers;
+    ``cascade`` a site whose K/V share a prefix (several rows over a prompt)."""
+    if kind == "cascade":
+        import dataclasses
+
+        return dataclasses.replace(site, batch=4, kv_len=site.kv_len + 64, shared_prefix=site.kv_len), ctx
     if kind != "saap":
         return site, ctx
     import dataclasses
@@ -70,6 +75,8 @@ def test_every_strategy_has_candidates_on_canonical_site(kind, tmp_path):
 def test_every_single_device_strategy_matches_reference_on_cpu(kind):
     if kind == "saap":  # approximate by design: tests/runtime/test_saap_strategy.py checks it against its reference
         pytest.skip("saap is approximate attention; compared with the SAAP reference in test_saap_strategy.py")
+    if kind == "cascade":  # its op takes the prefix and suffixes apart: tests/runtime/test_cascade.py
+        pytest.skip("cascade runs on a shared prefix plus suffixes; compared with the reference in test_cascade.py")
     strategy = STRATEGIES[kind]
     site = AttentionSite.canonical(q_heads=6, kv_heads=2, head_dim=64, kv_len=37, dtype="float32")
     ctx = PlanContext(device_type="cpu")
