@@ -202,3 +202,46 @@ def test_fuzz_window_softcap_alibi(B, Hkv, G, L, N, D, window, softcap, splits, 
                softcap=softcap, alibi_slopes=slopes)
     err = (out.double() - ref).abs().max().item()
     assert err < (4e-3 if fp16 else 5e-5), f"max abs error {err:.3e}"
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_as_the_window_slides():
+    """The window path under a captured CUDA graph: the key start and valid length are found from the mask on the
+    device (one launch each) and the plans read them there, so one capture serves every position of the window
+    (the mask is rewritten in place between replays); each replay equals the reference."""
+    import torch.cuda
+
+    from attnopt.plan import SplitKVPlan, StreamKPlan
+    from attnopt.runtime.kernels.valid_len import key_start_from_mask as start_kernel
+    from attnopt.runtime.kernels.valid_len import valid_len_from_mask as len_kernel
+    from attnopt.runtime.strategies import get_strategy
+
+    dev = torch.device("cuda")
+    B, Hkv, G, L, N, D, W = 2, 8, 4, 1, 8192, 128, 1024
+    q, k, v = _inputs(B, Hkv, G, L, N, D, torch.bfloat16, dev)
+    mask = band_mask(B, L, N, [2000, 3000], W, dev)
+    slopes = torch.rand(Hkv * G, device=dev) * 0.01
+    for plan in (SplitKVPlan(num_splits=16, block_n=64, tma=True), StreamKPlan(grid=132, block_n=64, tma=True)):
+        strat = get_strategy(plan.kind)
+        state = strat.prepare(plan, q, k, v)
+
+        def step():
+            start, valid = start_kernel(mask, B), len_kernel(mask, B)
+            return strat.run(state, plan, q, k, v, mask, valid, D ** -0.5, False, key_start=start, softcap=30.0,
+                             alibi_slopes=slopes)
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        for lengths in ([2000, 3000], [1025, 8192], [5000, 40]):
+            mask.copy_(band_mask(B, L, N, lengths, W, dev))
+            g.replay()
+            torch.cuda.synchronize()
+            ref = sdpa_float64(q, k, v, attn_mask=mask, softcap=30.0, alibi_slopes=slopes)
+            err = (out.double() - ref).abs().max().item()
+            assert err < 2e-2, f"{plan.describe()} replay at {lengths}: max abs error {err:.3e}"
