@@ -77,6 +77,12 @@ class Topology:
     graph_small_msg_gbps: float = 57.0
     #: Software latency of one eager P2P send/recv step (batch_isend_irecv), µs.
     p2p_us: float = 20.0
+    #: Bandwidth that NCCL send/recv reaches per rank in a ring step with every rank sending at once, GB/s;
+    #: 0 = the slowest hop's link bandwidth.
+    p2p_gbps: float = 0.0
+    #: Device time of one ring step beyond its bytes / ``p2p_gbps`` (NCCL's P2P protocol ramp and the step's
+    #: synchronisation), in eager mode and inside a CUDA graph alike, µs.
+    p2p_step_us: float = 0.0
     #: Free-form source of the numbers.
     source: str = ""
     version: int = TOPOLOGY_VERSION
@@ -248,10 +254,22 @@ XGMI3 = Link("xgmi", 50.0, 1.5)
 LOOPBACK = Link("ethernet", 5.0, 50.0)
 
 
+#: NCCL send/recv ring steps over NVLink 4 and NVSwitch, every rank sending (this project's pass-KV ring in CUDA
+#: graphs, benchmarks/results/multigpu-2xh200-stepgraph-0c072be.json and multigpu-4xh200-2026-11-22.json: 12
+#: points of 67 MB-4.3 GB per step): a least-squares line gives 296 µs + bytes / 309 GB/s per step (2 GB steps
+#: ran at 300-302 GB/s; 134 MB steps at 147-222 GB/s). The 390 GB/s of ``NVLINK4`` alone predicted these rings
+#: 1.2-2.4x too fast. The DGX H100 has the same NVLink generation and switch, so it takes the same numbers.
+NVLINK4_P2P_GBPS = 309.0
+NVLINK4_P2P_STEP_US = 296.0
+
+
 def _dgx(nodes: int) -> Topology:
     return Topology(f"dgx-h100x{nodes}", nodes=nodes, gpus_per_node=8, device="h100-sxm", intra=NVLINK4,
-                    fabric="switch", inter=IB_NDR if nodes > 1 else NO_LINK,
-                    source="DGX H100: NVLink 4 via NVSwitch (900 GB/s), 8x 400 Gb/s NDR IB per node")
+                    fabric="switch", inter=IB_NDR if nodes > 1 else NO_LINK, p2p_gbps=NVLINK4_P2P_GBPS,
+                    # the step's ramp was measured inside one node; across nodes the IB hop binds (unmeasured)
+                    p2p_step_us=NVLINK4_P2P_STEP_US if nodes == 1 else 0.0,
+                    source="DGX H100: NVLink 4 via NVSwitch (900 GB/s), 8x 400 Gb/s NDR IB per node; P2P ring steps "
+                           "inside a node as measured over NVLink 4 on the H200 machines")
 
 
 def _h200(gpus: int) -> Topology:
@@ -261,7 +279,8 @@ def _h200(gpus: int) -> Topology:
         "collective latencies taken from the 2xH200 measurements"
     return Topology(f"{gpus}x-h200-nvlink", nodes=1, gpus_per_node=gpus, device="h200", intra=NVLINK4,
                     fabric="switch", collective_us=20.5, graph_collective_us=7.2, small_msg_gbps=11.0,
-                    graph_small_msg_gbps=57.0, p2p_us=20.0, source=f"the lent {gpus}xH200 (NV18, NVSwitch); {measured}")
+                    graph_small_msg_gbps=57.0, p2p_us=20.0, p2p_gbps=NVLINK4_P2P_GBPS, p2p_step_us=NVLINK4_P2P_STEP_US,
+                    source=f"the lent {gpus}xH200 (NV18, NVSwitch); {measured}; P2P ring steps measured on 2x and 4x")
 
 
 BUILTIN_TOPOLOGIES: dict[str, Topology] = {

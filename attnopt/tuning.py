@@ -6,10 +6,19 @@ backend that applies (called explicitly), on synthetic inputs of the site's shap
 the fastest. It never tunes while a CUDA graph is being captured: there it takes a cached result or the model's
 pick. Under the Triton interpreter or on the CPU tuning is off.
 
+How a candidate is timed is ``attnopt.timer``'s business (CUDA-graph replay of ``run()`` alone over inputs that
+miss in L2, ``prepare()`` outside; the methodology of ``attnopt bench kernels``). What this module adds for a fair
+comparison: the candidates are timed in ``ROUNDS`` round-robin rounds and each keeps its median, so clock or
+thermal drift during the tuning does not favour whichever ran first or last (after the first round only those
+within ``PRUNE`` of the best go on, to spend the rounds where they can change the winner); a kernel plan at a
+masked site is charged its share of the device valid-length computation that the lowered graph does once per step for every
+site reading that mask (``valid_len_sharing`` sites; measured once by ``timer.valid_len_us``).
+
 The results persist in ``<user cache>/attnopt/tuning/tuning.json`` (``$ATTNOPT_CACHE_DIR/tuning`` when set),
-keyed by the environment (device, driver, torch, triton and attnopt versions) and the shape, so a process reuses
-what another measured. Writers replace the file atomically (temporary file + ``os.replace``); a corrupt file is
-reported in one warning line and treated as empty.
+keyed by the environment (device, driver, torch, triton and attnopt versions, and ``TUNING_VERSION``, bumped
+whenever the way of measuring changes so that older measurements are not reused) and the shape, so a process
+reuses what another measured. Writers replace the file atomically (temporary file + ``os.replace``); a corrupt
+file is reported in one warning line and treated as empty.
 
 A site whose KV length is symbolic (a growing cache) is tuned per length bucket (``BUCKETS``: powers of two from
 1k to 512k). The bucket's upper edge stands for it; the op picks the bucket's plan by ``k.shape[2]`` at run
@@ -34,10 +43,15 @@ from typing import Any, Callable, Sequence
 
 from .plan import BucketedPlan, Plan, plan_from_dict
 from .site import AttentionSite
+from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
 
-TUNING_VERSION = 1
+#: 2: valid length outside the timed region and charged per sharing site, round-robin medians, L2-sized
+#: rotation (version 1 charged every kernel plan a whole valid-length computation and picked cuDNN for it).
+TUNING_VERSION = 2
 #: ``0`` turns tuning off (the cost model alone plans, and cached measurements are not used).
 TUNE_ENV = "ATTNOPT_TUNE"
+#: Whether the measured choice is on when ``ATTNOPT_TUNE`` is unset (see ``default_tuner`` for why not yet).
+TUNE_BY_DEFAULT = False
 #: Seconds one site shape may spend being timed (new candidates stop starting after it).
 BUDGET_ENV = "ATTNOPT_TUNE_BUDGET_S"
 DEFAULT_BUDGET_S = 2.0
@@ -45,8 +59,10 @@ DEFAULT_BUDGET_S = 2.0
 DEFAULT_TOP_K = 4
 #: Upper edges of the KV-length buckets of a symbolic length; longer lengths take the last bucket.
 BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
-#: The fill a static cache (valid-length mask) is timed at: half its capacity, the mean over its life.
-STATIC_FILL = 0.5
+#: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
+ROUNDS = 3
+#: After the first round, only candidates within this fraction of the best are timed again.
+PRUNE = 0.15
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +95,23 @@ class ShapeKey:
     mask_kind: str
     valid_length: bool
     is_causal: bool
+    #: Sites sharing one valid-length computation (0 where the site has no valid-length or arbitrary mask).
+    valid_len_sharing: int = 0
+    #: Whether the graph replays as CUDA graphs (else a call's host time counts too).
+    graphed: bool = True
     #: Keys shared by every row (``AttentionSite.shared_prefix``): a cascade site measures differently from a plain
-    #: site of the same shape. Left out of the key when None, so measurements of plain sites keep their keys.
+    #: site of the same shape. Left out of the key when None.
     shared_prefix: int | None = None
 
     @classmethod
-    def of(cls, site: AttentionSite, kv_len: int, bucketed: bool) -> "ShapeKey":
+    def of(cls, site: AttentionSite, kv_len: int, bucketed: bool, valid_len_sharing: int = 1,
+           graphed: bool = True) -> "ShapeKey":
+        masked = site.mask_kind in ("valid_length", "arbitrary")
         return cls(batch=int(site.batch), q_heads=site.q_heads, kv_heads=site.kv_heads, head_dim=site.head_dim,
                    v_head_dim=site.v_head_dim or site.head_dim, q_len=int(site.q_len), kv_len=int(kv_len),
-                   bucketed=bucketed, dtype=site.dtype, mask_kind=site.mask_kind,
-                   valid_length=site.mask_kind in ("valid_length", "arbitrary"), is_causal=site.is_causal,
-                   shared_prefix=site.shared_prefix)
+                   bucketed=bucketed, dtype=site.dtype, mask_kind=site.mask_kind, valid_length=masked,
+                   is_causal=site.is_causal, valid_len_sharing=max(1, int(valid_len_sharing)) if masked else 0,
+                   graphed=bool(graphed), shared_prefix=site.shared_prefix)
 
 
 def tunable_reason(site: AttentionSite) -> str | None:
@@ -242,14 +264,18 @@ class Tuner:
     Parameters
     ----------
     timer
-        ``timer(plan, site) -> µs``; default ``gpu_timer`` (CUDA-graph replay over rotating inputs). Tests inject a
-        fake one.
+        ``timer(plan, site) -> µs`` of one call; optionally ``timer.valid_len_us(site)`` (µs of one device
+        valid-length computation over the site's mask) and ``timer.release()``. Default ``gpu_timer``
+        (``attnopt.timer``). Tests inject a fake one.
     cache
         A ``TuningCache``, or ``None`` for no persistence.
     enabled
         Whether new measurements may be taken (the cache is read either way).
     budget_s
-        Seconds per shape; once spent, no new candidate starts (the model's pick and one SDPA backend always run).
+        Seconds per shape; once spent, no new candidate starts and no new round begins (the model's pick and one
+        SDPA backend are always timed once).
+    rounds
+        Round-robin rounds over the candidates; a candidate's time is the median of its rounds.
     capturing
         ``() -> bool``: whether a CUDA graph is being captured now (default: the current stream's state).
     env
@@ -257,7 +283,7 @@ class Tuner:
     """
 
     def __init__(self, timer: Timer | None = None, cache: TuningCache | None = None, *, enabled: bool = True,
-                 budget_s: float | None = None, top_k: int = DEFAULT_TOP_K,
+                 budget_s: float | None = None, top_k: int = DEFAULT_TOP_K, rounds: int = ROUNDS,
                  capturing: Callable[[], bool] | None = None, env: dict[str, str] | None = None,
                  buckets: Sequence[int] = BUCKETS):
         self.timer = timer or gpu_timer
@@ -266,10 +292,15 @@ class Tuner:
         self.budget_s = float(os.environ.get(BUDGET_ENV, DEFAULT_BUDGET_S)) if budget_s is None else budget_s
         if self.budget_s < 0:
             raise ValueError(f"the tuning budget must be >= 0 s, got {self.budget_s}")
-        self.top_k = top_k
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        self.top_k, self.rounds = top_k, rounds
         self.capturing = capturing or _stream_capturing
         self.env = env
         self.buckets = tuple(buckets)
+        #: This tuner's own measurements by shape: the sites of one model share a shape, and a cache that cannot
+        #: be written must not make each of them measure again.
+        self._measured: dict[ShapeKey, tuple[str, float, dict[str, Any]]] = {}
 
     def environment(self) -> dict[str, str]:
         if self.env is None:
@@ -277,12 +308,20 @@ class Tuner:
         return self.env
 
     # ------------------------------------------------------------------------------------- one shape
-    def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False) -> Choice:
-        """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first)."""
+    def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
+               valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
+        """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
+        ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
+        computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
+        call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it)."""
         if not ranked:
             raise ValueError("no candidate to choose from")
-        shape = ShapeKey.of(site, site.kv_len, bucketed)
+        eager = not graphed and hasattr(self.timer, "host_us")
+        shape = ShapeKey.of(site, site.kv_len, bucketed, valid_len_sharing, graphed)
         by_key = {p.runtime_key(): p for p in ranked}
+        mine = self._measured.get(shape)
+        if mine is not None and mine[0] in by_key:
+            return Choice(by_key[mine[0]], "cached", mine[1], dict(mine[2]))
         record = self.cache.get(self.environment(), shape) if self.cache is not None else None
         if record is not None:
             try:
@@ -295,35 +334,90 @@ class Tuner:
         if not self.enabled or self.capturing():
             return Choice(ranked[0], "model")
         start = time.perf_counter()
-        timings: dict[str, Any] = {}
         plans = to_time(ranked, self.top_k)
-        for i, p in enumerate(plans):
-            # The model's pick and the first SDPA backend always run; the rest only within the budget.
-            if i >= 2 and time.perf_counter() - start > self.budget_s:
-                timings[p.runtime_key()] = "skipped: tuning budget spent"
-                continue
+        extra: dict[str, Any] = {}
+        valid_len_us = 0.0
+        if any(uses_valid_len(p, site) for p in plans) and hasattr(self.timer, "valid_len_us"):
             try:
-                timings[p.runtime_key()] = float(self.timer(p, site))
-            except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is not a choice
-                timings[p.runtime_key()] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                valid_len_us = float(self.timer.valid_len_us(site, eager=True) if eager else
+                                     self.timer.valid_len_us(site))
+            except Exception as exc:  # noqa: BLE001 - then kernel plans are charged nothing extra; say so
+                extra["valid_len_error"] = _error_text(exc)
+            extra.update(valid_len_us=valid_len_us, valid_len_sharing=shape.valid_len_sharing)
+        share = valid_len_us / max(shape.valid_len_sharing, 1)
+        charge = {p.runtime_key(): share if uses_valid_len(p, site) else 0.0 for p in plans}
+        samples, timings, measure_extra = self._measure(plans, site, start, eager, charge)
+        extra.update(measure_extra)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
             release()
+        for key, times in samples.items():
+            timings[key] = _median(times) + charge[key]
         measured = {k: v for k, v in timings.items() if isinstance(v, float) and math.isfinite(v)}
         tune_s = time.perf_counter() - start
         if not measured:
             return Choice(ranked[0], "model", timings=timings, tune_s=tune_s)
         best = min(measured, key=measured.get)
         choice = Choice(by_key[best], "measured", measured[best], timings, tune_s)
+        self._measured[shape] = (best, measured[best], timings)
         if self.cache is not None:
             self.cache.save(self.environment(), shape, {
                 "winner": by_key[best].to_dict(), "measured_us": measured[best], "timings": timings,
+                "samples": samples, **extra,
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
 
+    def _measure(self, plans: Sequence[Plan], site: AttentionSite, start: float, eager: bool = False,
+                 charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
+        """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
+        The model's pick and the first SDPA backend always get one round; everything else only within the
+        budget. A candidate that fails once is not timed again, nor one whose first round, with its ``charge``
+        (µs added to each of its samples), was over ``PRUNE`` slower than the best: round-to-round noise is a few
+        per cent, so it cannot win, and the later rounds go to the close ones. ``eager``: a sample is the longer
+        of the device time and the host time (both kept in the extras)."""
+        charge = charge or {}
+        samples: dict[str, list[float]] = {}
+        failed: dict[str, Any] = {}
+        device_us: dict[str, list[float]] = {}
+        host_us: dict[str, list[float]] = {}
+        rounds_done = 0
+        close: set[str] | None = None
+        for r in range(self.rounds):
+            if r > 0 and time.perf_counter() - start > self.budget_s:
+                break
+            if r == 1 and samples:
+                first = {k: v[0] + charge.get(k, 0.0) for k, v in samples.items()}
+                close = {k for k, t in first.items() if t <= (1 + PRUNE) * min(first.values())}
+            for i, p in enumerate(plans):
+                key = p.runtime_key()
+                if key in failed or (close is not None and key not in close):
+                    continue
+                if (r > 0 or i >= 2) and time.perf_counter() - start > self.budget_s:
+                    if key not in samples:
+                        failed[key] = "skipped: tuning budget spent"
+                    continue
+                try:
+                    t = float(self.timer(p, site))
+                    if eager:
+                        h = float(self.timer.host_us(p, site))
+                        device_us.setdefault(key, []).append(t)
+                        host_us.setdefault(key, []).append(h)
+                        t = max(t, h)
+                    samples.setdefault(key, []).append(t)
+                except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is not a choice
+                    samples.pop(key, None)
+                    failed[key] = _error_text(exc)
+            rounds_done = r + 1
+        extra: dict[str, Any] = {"rounds": rounds_done}
+        if eager:
+            extra.update(device_us={k: v for k, v in device_us.items() if k in samples},
+                         host_us={k: v for k, v in host_us.items() if k in samples})
+        return samples, failed, extra
+
     # ------------------------------------------------------------------------------------- symbolic length
-    def choose_bucketed(self, site: AttentionSite, rank: Callable[[AttentionSite], list[Plan]]) -> Choice:
+    def choose_bucketed(self, site: AttentionSite, rank: Callable[[AttentionSite], list[Plan]], *,
+                        valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
         """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's edge)`` gives that
         bucket's ranked candidates, ``choose`` picks among them. Its estimate and measurement are those of the
         bucket holding the trace-time hint. Returns the bucket's plan itself when every bucket chose the same."""
@@ -333,7 +427,8 @@ class Tuner:
             ranked = rank(at)
             if not ranked:
                 raise ValueError(f"no candidate plan at KV length {bound} for {site.shape_str()}")
-            choices.append(self.choose(at, ranked, bucketed=True))
+            choices.append(self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
+                                       graphed=graphed))
         hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
         here = choices[self.buckets.index(hint)]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}
@@ -345,6 +440,17 @@ class Tuner:
             return Choice(here.plan, how, here.measured_us, timings, tune_s)
         plan = BucketedPlan(bounds=self.buckets, plans=tuple(keys)).with_estimate(here.plan.est_us)
         return Choice(plan, how, here.measured_us, timings, tune_s)
+
+
+def _median(xs: Sequence[float]) -> float:
+    import statistics
+
+    return float(statistics.median(xs))
+
+
+def _error_text(exc: Exception) -> str:
+    text = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return f"error: {type(exc).__name__}: {text}"
 
 
 def _stream_capturing() -> bool:
@@ -359,7 +465,9 @@ _OVERRIDE: list[Tuner] = []
 @contextlib.contextmanager
 def use_tuner(tuner: Tuner):
     """Within this block the planner uses ``tuner`` on every device (tests drive the measured choice on the CPU
-    with a fake timer; ``attnopt tune`` passes its progress-reporting tuner)."""
+    with a fake timer; ``attnopt tune`` passes its progress-reporting tuner). A tuner answers
+    ``choose(site, ranked, **kw)`` and, for a symbolic length, ``choose_bucketed(site, rank, **kw)``; ``kw`` is
+    what the planner knows of how the site runs (``valid_len_sharing``, ``graphed``), so take ``**kw``."""
     _OVERRIDE.append(tuner)
     try:
         yield tuner
@@ -369,131 +477,26 @@ def use_tuner(tuner: Tuner):
 
 def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
     """The tuner the planner uses: the one of an enclosing ``use_tuner`` block; else ``None`` (cost model alone)
-    off CUDA, under the Triton interpreter, or unless ``ATTNOPT_TUNE=1``; else measuring, with the persistent cache.
+    off CUDA, under the Triton interpreter, with ``ATTNOPT_TUNE=0``, or with it unset while ``TUNE_BY_DEFAULT`` is
+    off; else measuring, with the persistent cache. Any other ``ATTNOPT_TUNE`` value is an error naming the valid ones.
 
-    Off by default: its first GPU run (H100, SmolLM2's shape in bf16, this session) chose cuDNN dense at every
-    length, 21 µs alone against split-KV's 9.2 µs at 1k, and the steps of that run through
-    ``mode="reduce-overhead"`` took 17-33 ms against 2.3-3.3 ms with the cost model's picks (the run also changed
-    one inductor option; which change made the ops run outside the CUDA graphs was not established)."""
+    Off by default for now. Its first GPU run (H100, SmolLM2's static-cache shape in bf16) chose cuDNN dense at
+    every length, 21 µs alone against split-KV's 9.2 µs at 1k. The cause read from the code (not yet confirmed
+    on a GPU): that timer charged every kernel plan a whole ``valid_len_from_mask`` (then seven small kernels per
+    call; one Triton launch since 4cc2575) that the lowered graph computes once per step for all 30 layers, while
+    cuDNN took the mask for free.
+    Tuning version 2 times the valid length apart and charges each site its share (see the module docstring);
+    ``attnopt bench planner`` measures the tuned and the model's picks side by side, which is what turning it on
+    by default should rest on."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    if os.environ.get(TUNE_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+    setting = os.environ.get(TUNE_ENV, "").strip().lower()
+    if setting in ("0", "false", "no", "off") or (not setting and not TUNE_BY_DEFAULT):
         return None
+    if setting and setting not in ("1", "true", "yes", "on"):
+        raise ValueError(f"{TUNE_ENV}={setting!r}: expected 1/true/yes/on or 0/false/no/off")
     if device_type != "cuda" or not triton_available:
         return None
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return None
     return Tuner(cache=TuningCache())
-
-
-# --------------------------------------------------------------------------------------------- the GPU timer
-def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> dict[str, Any]:
-    """One input set of ``site``'s shape: q (B, Hq, L, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv) in its dtype, and for
-    a valid-length or arbitrary mask a bool mask (B, 1, L, N) keeping the first ``STATIC_FILL * N`` keys."""
-    import torch
-
-    dtype = getattr(torch, site.dtype)
-    b, L, n = int(site.batch), int(site.q_len), int(site.kv_len)
-    g = torch.Generator(device=device).manual_seed(4321 + index)
-    s = {"q": torch.randn(b, site.q_heads, L, site.head_dim, device=device, dtype=dtype, generator=g),
-         "k": torch.randn(b, site.kv_heads, n, site.head_dim, device=device, dtype=dtype, generator=g),
-         "v": torch.randn(b, site.kv_heads, n, site.v_head_dim or site.head_dim, device=device, dtype=dtype,
-                          generator=g),
-         "mask": None}
-    if site.mask_kind in ("valid_length", "arbitrary"):
-        keep = max(1, int(n * STATIC_FILL))
-        cols = torch.arange(n, device=device)
-        band = cols < keep
-        if site.window is not None:  # a sliding window's band: the last ``window`` keys before ``keep``
-            band &= cols >= keep - site.window
-        s["mask"] = band[None, None, None, :].expand(b, 1, L, n).contiguous()
-    return s
-
-
-def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = None) -> Callable[[], Any]:
-    """A call of ``plan`` on input set ``s`` as the lowered op runs it: kernel plans take the valid length that
-    ``attnopt::valid_len_from_mask`` computes from the mask on the device (its cost included), dense plans the
-    mask itself. ``state``: the strategy's prepared state (prepared here when ``None``)."""
-    import torch
-
-    from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
-    from attnopt.runtime.strategies import get_strategy
-    from attnopt.runtime.strategies.base import variant_kwargs
-
-    strategy = get_strategy(plan.kind)
-    if state is None:
-        state = strategy.prepare(plan, s["q"], s["k"], s["v"])
-    scale = site.scale if site.scale is not None else site.head_dim ** -0.5
-    if hasattr(strategy, "timed_call"):  # a plan whose op takes other inputs than (q, k, v): the cascade
-        return strategy.timed_call(plan, site, s, state, scale)
-    q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
-    needs_len = mask is not None and plan.kind not in ("dense", "tree", "ring")
-    needs_start = mask is not None and site.window is not None and "window" in strategy.variants
-    softcap = site.softcap or 0.0
-    # ALiBi sites: Bloom's slopes for the site's heads (the kernels' time does not depend on their values)
-    slopes = (torch.tensor([2.0 ** -(8 * (h + 1) / site.q_heads) for h in range(site.q_heads)], device=q.device)
-              if site.alibi else None)
-
-    def call():
-        valid_len = torch.ops.attnopt.valid_len_from_mask(mask, q.shape[0]) if needs_len else None
-        if needs_start or softcap or slopes is not None:
-            key_start = torch.ops.attnopt.key_start_from_mask(mask, q.shape[0]) if needs_start else None
-            return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal,
-                                **variant_kwargs(strategy, key_start, softcap, slopes))
-        return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal)
-    return call
-
-
-class GpuTimer:
-    """``timer(plan, site)`` -> µs of one call of ``plan`` at ``site``'s shape: CUDA-graph replay
-    (``bench.common.time_us``: a graph of about 2 ms of calls, median of 5 replays) cycling over input sets that
-    together span several L2 sizes (``bench.common.Rotation``).
-
-    The sets of the last shape are kept for the next candidate of the same shape (the tuner times several in a
-    row) and dropped by ``release()`` or a new shape. Raises ``MemoryError`` before allocating when one set would
-    take over half the free device memory (fewer sets are used when all of them would)."""
-
-    def __init__(self):
-        self._shape: ShapeKey | None = None
-        self._sets: list[dict[str, Any]] = []
-
-    def release(self) -> None:
-        self._shape, self._sets = None, []
-
-    def _input_sets(self, site: AttentionSite) -> list[dict[str, Any]]:
-        import torch
-
-        from .bench.common import Rotation
-
-        shape = ShapeKey.of(site, site.kv_len, False)
-        if shape == self._shape:
-            return self._sets
-        self.release()
-        item = getattr(torch, site.dtype).itemsize
-        set_bytes = int(site.batch) * site.kv_heads * int(site.kv_len) * (
-            site.head_dim + (site.v_head_dim or site.head_dim)) * item
-        free, _ = torch.cuda.mem_get_info()
-        if set_bytes > free // 2:
-            raise MemoryError(f"timing {site.shape_str()} needs {set_bytes / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
-        rotation = Rotation(lambda i: synthetic_inputs(site, i), set_bytes, l2,
-                            max_sets=max(1, min(8, int(free // 2 // max(set_bytes, 1)))))
-        self._shape, self._sets = shape, rotation.sets
-        return self._sets
-
-    def __call__(self, plan: Plan, site: AttentionSite) -> float:
-        import torch
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        from .bench.common import cycle, time_us
-
-        with unset_fake_temporarily(), torch.no_grad():
-            from attnopt.runtime.strategies import get_strategy
-
-            sets = self._input_sets(site)
-            state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
-            return time_us(cycle([site_call(plan, site, s, state) for s in sets]), "graph", target_ms=2.0, replays=5)
-
-
-#: The default timer of ``Tuner``.
-gpu_timer = GpuTimer()

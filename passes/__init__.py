@@ -17,8 +17,10 @@ PASSES = (detect, plan, lower)
 
 
 def make_context(config: OptimizeConfig, example_inputs: Sequence[Any] = (), world_size: int = 1,
-                 topology: Any = None) -> PassContext:
-    """Resolve the hardware profile and the planning context for ``config`` on this machine."""
+                 topology: Any = None, graphed: bool | None = None) -> PassContext:
+    """Resolve the hardware profile and the planning context for ``config`` on this machine. ``graphed``: whether
+    the compiled graph will replay as CUDA graphs (``None``: not known; the measured choice then times device time
+    alone), kept in ``plan_context.extras["graphed"]``."""
     from attnopt.hardware import resolve_profile
     from attnopt.runtime.strategies import PlanContext
 
@@ -31,10 +33,12 @@ def make_context(config: OptimizeConfig, example_inputs: Sequence[Any] = (), wor
     hw = resolve_profile(config.hardware) if (config.hardware or device_type == "cuda") else resolve_profile("cpu")
     from attnopt.runtime.kernels import triton_usable
 
+    extras: dict[str, Any] = {"saap": {"index": config.saap, "probes": config.saap_probes, "sink": config.saap_sink,
+                                       "window": config.saap_window}} if config.saap else {}
+    if graphed is not None:
+        extras["graphed"] = bool(graphed)
     plan_ctx = PlanContext(world_size=world_size, topology=topology, device_type=device_type,
-                           triton_available=triton_usable(device_type),
-                           extras={"saap": {"index": config.saap, "probes": config.saap_probes, "sink": config.saap_sink,
-                                            "window": config.saap_window}} if config.saap else {})
+                           triton_available=triton_usable(device_type), extras=extras)
     return PassContext(config=config, hardware=hw, plan_context=plan_ctx, example_inputs=list(example_inputs))
 
 

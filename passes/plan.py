@@ -57,9 +57,10 @@ def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
     return candidates, rejected
 
 
-def plan_site(site, hw, plan_ctx, config, tuner=None) -> SiteReport:
+def plan_site(site, hw, plan_ctx, config, tuner=None, valid_len_sharing: int = 1) -> SiteReport:
     """Rank every applicable strategy at one site. ``config.force_plan`` wins when it is applicable; otherwise
-    ``tuner`` (an ``attnopt.tuning.Tuner``, ``None`` = the cost model alone) picks among the best candidates."""
+    ``tuner`` (an ``attnopt.tuning.Tuner``, ``None`` = the cost model alone) picks among the best candidates.
+    ``valid_len_sharing``: the sites that share this site's valid-length computation (``valid_len_sharing``)."""
     report = SiteReport(site=site)
     if site.unsupported:
         return report
@@ -82,11 +83,15 @@ def plan_site(site, hw, plan_ctx, config, tuner=None) -> SiteReport:
         from attnopt.tuning import tunable_reason
 
         if tunable_reason(site) is None:
+            # Unknown (a caller without a backend): device time alone, as a CUDA-graph replay runs it.
+            graphed = plan_ctx.extras.get("graphed", True)
             try:
                 if site.kv_len is not None:
-                    picked = tuner.choose(site, report.candidates)
+                    picked = tuner.choose(site, report.candidates, valid_len_sharing=valid_len_sharing,
+                                          graphed=graphed)
                 else:
-                    picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0])
+                    picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0],
+                                                   valid_len_sharing=valid_len_sharing, graphed=graphed)
             except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the compile
                 log.warning("attnopt: measuring plans for %s failed (%s: %s); using the cost model's choice",
                             site.shape_str(), type(exc).__name__, exc)
@@ -106,11 +111,33 @@ def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         tuner = default_tuner(ctx.plan_context.device_type, ctx.plan_context.triton_available)
     if getattr(ctx.config, "tune", None) is False:  # an OptimizeConfig ``tune`` option, where the config has one
         tuner = None
-    for match in ctx.matches:
-        ctx.report.sites.append(plan_site(match.site, ctx.hardware, ctx.plan_context, ctx.config, tuner))
+    sharing = valid_len_sharing(ctx.matches)
+    for match, shared in zip(ctx.matches, sharing):
+        ctx.report.sites.append(plan_site(match.site, ctx.hardware, ctx.plan_context, ctx.config, tuner, shared))
     return gm
+
+
+def valid_len_sharing(matches) -> list[int]:
+    """Per match, how many matches share its device valid-length computation: the lowering makes one
+    ``valid_len_from_mask`` per (mask node, static batch size) for every site reading that mask as it is
+    (``lower._shared_valid_len``), and one of its own for a site with a symbolic batch, an inverted mask or a mask
+    written for it alone. Every layer of a decoder reads the same mask, so the count is usually the layer count:
+    the tuner charges each site ``1 / count`` of the computation's measured time."""
+    def key(m):
+        site = m.site
+        if (site is None or site.mask_kind not in ("valid_length", "arbitrary") or m.attn_mask is None
+                or site.batch is None or m.mask_invert or m.mask_written):
+            return None
+        return (m.attn_mask, int(m.site.batch))
+
+    keys = [key(m) for m in matches]
+    counts: dict = {}
+    for k in keys:
+        if k is not None:
+            counts[k] = counts.get(k, 0) + 1
+    return [counts[k] if k is not None else 1 for k in keys]
 
 
 _default = object()
 
-__all__ = ["plan", "plan_site", "rank_candidates"]
+__all__ = ["plan", "plan_site", "rank_candidates", "valid_len_sharing"]

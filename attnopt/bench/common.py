@@ -54,10 +54,12 @@ def device_info(device: int = 0) -> dict[str, Any]:
     return info
 
 
-def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.0, replays: int = 11) -> float:
+def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.0, replays: int = 11,
+            min_calls: int = 4) -> float:
     """Median time of one call of ``fn`` in µs.
 
-    ``graph``: warm up, capture ``n`` back-to-back calls (about ``target_ms`` in all) in one CUDA graph, replay it
+    ``graph``: warm up, capture ``n`` back-to-back calls (about ``target_ms`` in all, at least ``min_calls``: pass
+    the number of rotating input sets so that one replay reads each of them) in one CUDA graph, replay it
     ``replays`` times and take the median per call. ``eager``: ``triton.testing.do_bench`` median.
     """
     if mode == "eager":
@@ -79,7 +81,7 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
         end.record()
         torch.cuda.synchronize()
     est_ms = max(start.elapsed_time(end) / 5, 1e-3)
-    n = int(max(4, min(400, target_ms / est_ms)))
+    n = int(max(4, min_calls, min(400, target_ms / est_ms)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(n):

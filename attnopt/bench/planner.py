@@ -1,55 +1,56 @@
-"""``attnopt bench planner``: the planner's pick on the user's route against SDPA flash and cuDNN, in one run.
+"""``attnopt bench planner``: the planner's pick on the user's route against SDPA's backends, in one run.
 
-For each case, a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA, the mask passed in
-for a static cache) goes through ``attnopt.optimize`` with the datasheet profile and tuning on, exactly as a
-user calls it. Its first call (compile, plan, tuning) is timed as ``compile_s``; then the compiled function and
-the peers (SDPA with flash and with cuDNN forced) are timed by CUDA-graph replay over rotating input sets that
-together span several L2 sizes (``bench.common``), and checked against an fp32 reference.
+For each case (``planner_grid``: the issue's named shapes, the grid's corners, a seeded Latin-hypercube sample of
+the grid, a few shapes off it), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
+the mask passed in for a static cache) goes through ``attnopt.optimize`` with the datasheet profile, exactly as a
+user calls it, with the measured choice on (``ATTNOPT_TUNE=1``, a fresh tuning cache; timing device time as for
+``mode="reduce-overhead"``, since this bench times CUDA-graph replays). Its first call (compile, plan, tuning) is
+timed as ``compile_s``. Then, in the same run and over the same rotating input sets (spanning
+several L2 sizes; one call per set per replay), every method is timed by CUDA-graph replay and checked against an
+fp32 reference:
 
-Cases: the issue's named shapes (fixed length), then a sampled grid: B in 1-64, G in {1,2,3,4,5,7,8}, D in
-{64,80,96,128,256}, N in 1k-512k, q_len 1 and 4, and two cache kinds:
+* ``attnopt:planner``: the compiled function (tuned choice);
+* ``attnopt:model`` (unless ``--no-compare-model``): the same with ``ATTNOPT_TUNE=0``, the cost model's pick alone
+  (what a user gets while tuning is opt-in);
+* the peers: SDPA with flash, cuDNN and efficient forced (K/V expanded once outside the timing where a backend
+  lacks ``enable_gqa``), for a static GQA cache Hugging Face's StaticCache SDPA path compiled (``repeat_kv`` each
+  call, then SDPA with the mask), and with ``--compiled-peer`` ``torch.compile`` of the same function without
+  attnopt.
 
-* ``dynamic``: the KV length is marked dynamic, so the site is planned per length bucket (``BucketedPlan``);
-* ``static``: a preallocated cache of N keys holding N/8, with a bool mask (peers attend over the whole cache).
+Per case: the ratio best peer / ours (>= 1: we are faster), the fraction of the HBM read roofline (the valid K/V
+bytes over the read bandwidth measured in the same run), the first-call seconds, and for static caches the
+speedup over the best SDPA over the whole cache. ``overall``: min ratio, geometric mean, the count >= 0.99, the
+static-cache check (``static-4k-of-32k`` >= 5x), first-call seconds. ``--time-budget`` stops starting new cases;
+``--part I/K`` runs every K-th case, so K device calls cover them all, and ``--merge`` joins their files.
 
-The tuning cache starts empty (``ATTNOPT_CACHE_DIR`` points to a fresh folder unless ``--keep-cache``), so
-``compile_s`` includes the tuning a first-time user pays. ``--time-budget`` stops starting new cases.
+``--smoke`` runs three tiny cases on the CPU (split-KV forced through the Triton interpreter, host timing, the
+eager inner backend, SDPA's CPU path as the peer): the code path, not a measurement (the CPU test).
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
-#: name -> (B, Hq, Hkv, D, N, q_len, cache kind); the issue-19 table's shapes (the D=96 MHA one is ours).
-NAMED: dict[str, tuple[int, int, int, int, int, int, str]] = {
-    "llama3-8b-8k": (1, 32, 8, 128, 8192, 1, "fixed"),
-    "llama3-8b-128k": (1, 32, 8, 128, 131072, 1, "fixed"),
-    "smollm2-8k": (1, 9, 3, 64, 8192, 1, "fixed"),
-    "smollm2-128k": (1, 9, 3, 64, 131072, 1, "fixed"),
-    "mha56-d64-64k": (1, 56, 56, 64, 65536, 1, "fixed"),
-    "llama3-8b-B64-4k": (64, 32, 8, 128, 4096, 1, "fixed"),
-    "mha32-d96-32k": (1, 32, 32, 96, 32768, 1, "fixed"),
-    "static-4k-of-32k": (1, 32, 8, 128, 32768, 1, "static"),
-}
-GROUPS = (1, 2, 3, 4, 5, 7, 8)
-HEAD_DIMS = (64, 80, 96, 128, 256)
-BATCHES = (1, 2, 4, 8, 16, 32, 64)
-#: A static cache holds this fraction of its capacity (the issue's 4k of 32k).
-STATIC_FILL = 8
-#: K/V bytes of one input set above which a sampled shape is drawn again (keeps the rotation in memory).
-MAX_SET_BYTES = 6 << 30
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+from .planner_grid import STATIC_CHECK_CASE, STATIC_CHECK_MIN, all_cases, geomean, valid_len_of
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: Relative error above which a row does not count (bf16 outputs land near 3e-3).
+REL_ERR_OK = 2e-2
+#: Input sets per case at most (small shapes need many to span the L2).
+MAX_SETS = 256
+#: --smoke: (B, Hq, Hkv, D, N, q_len, cache), tiny enough for the interpreter.
+SMOKE_CASES = {"smoke-fixed": (1, 4, 2, 64, 96, 1, "fixed"), "smoke-dynamic": (1, 4, 2, 64, 80, 1, "dynamic"),
+               "smoke-static": (2, 4, 2, 64, 64, 4, "static")}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("planner", help="the planner's pick through optimize() vs SDPA flash and cuDNN",
+    p = sub.add_parser("planner", help="the planner's pick through optimize() vs SDPA's backends, on a wide grid",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run_cli)
@@ -57,38 +58,29 @@ def register(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/planner-<device>.json)")
-    p.add_argument("--grid", type=int, default=28, help="sampled grid shapes after the named ones (default 28)")
-    p.add_argument("--seed", type=int, default=19, help="seed of the grid sample (default 19)")
-    p.add_argument("--cases", default=None, help=f"only these named cases (comma-separated): {', '.join(NAMED)}")
+    p.add_argument("--grid", type=int, default=40, help="Latin-hypercube grid shapes (default 40)")
+    p.add_argument("--off-grid", type=int, default=4, help="seeded shapes off the grid (default 4)")
+    p.add_argument("--seed", type=int, default=19, help="seed of the sample (default 19)")
+    p.add_argument("--cases", default=None, help="only these named cases (comma-separated), before the sample")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--inner-backend", default="inductor", help="optimize()'s inner backend (default: inductor)")
-    p.add_argument("--time-budget", type=float, default=220.0,
-                   help="seconds; no new case starts after this (default 220; 0: no limit)")
+    p.add_argument("--inner-backend", default=None,
+                   help="optimize()'s inner backend, and torch.compile's for the compiled peer (default: inductor; "
+                        "eager with --smoke)")
+    p.add_argument("--no-compare-model", dest="compare_model", action="store_false",
+                   help="skip timing the cost model's pick alone (ATTNOPT_TUNE=0; a second compile per case)")
+    p.add_argument("--compiled-peer", action="store_true",
+                   help="also time torch.compile of the function without attnopt (SDPA's own pick, compiled: one more "
+                        "inductor compile per case)")
+    p.add_argument("--part", default=None, metavar="I/K",
+                   help="only every K-th case from the I-th (0-based): spread the cases over K device calls")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: join the results files of --part runs into --out (rows, summaries, overall)")
+    p.add_argument("--time-budget", type=float, default=420.0,
+                   help="seconds; no new case starts after this (default 420; 0: no limit)")
     p.add_argument("--keep-cache", action="store_true",
                    help="use the user's tuning cache instead of a fresh one (compile_s then excludes tuning)")
+    p.add_argument("--smoke", action="store_true", help="three tiny cases on the CPU: the code path only")
     p.add_argument("--commit", default=None, help="commit sha to record (default: git rev-parse HEAD)")
-
-
-def sample_grid(count: int, seed: int) -> dict[str, tuple[int, int, int, int, int, int, str]]:
-    """``count`` shapes: G and D cycle through every pair (7 x 5 coprime), B, N, q_len and the cache kind drawn
-    from ``seed``; N is a power of two or three quarters of one (a length inside a bucket), 1k..512k."""
-    rng = random.Random(seed)
-    out = {}
-    i = 0
-    while len(out) < count:
-        g, d = GROUPS[i % len(GROUPS)], HEAD_DIMS[i % len(HEAD_DIMS)]
-        i += 1
-        for _ in range(50):
-            hkv = rng.choice((8, 16, 32, 56)) if g == 1 else rng.choice((1, 2, 4, 8))
-            b = rng.choice(BATCHES)
-            k = rng.randint(10, 19)
-            n = (1 << k) if rng.random() < 0.5 or k == 10 else 3 << (k - 2)
-            if b * hkv * n * 2 * d * 2 <= MAX_SET_BYTES:
-                break
-        L = rng.choice((1, 4))
-        cache = rng.choice(("dynamic", "static"))
-        out[f"grid{len(out):02d}-B{b}-{g * hkv}/{hkv}-d{d}-N{n}-q{L}-{cache}"] = (b, g * hkv, hkv, d, n, L, cache)
-    return out
 
 
 def _attend(q, k, v, mask=None):
@@ -97,165 +89,391 @@ def _attend(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def run(args, on_case=None) -> dict[str, Any]:
+def _hf_static_attend(q, k, v, mask):
+    """What Hugging Face's SDPA attention runs over a StaticCache: K/V expanded to the query heads
+    (``repeat_kv``: expand + reshape), then SDPA with the bool mask and no ``enable_gqa``."""
+    import torch.nn.functional as F
+
+    b, hkv, n, d = k.shape
+    g = q.shape[1] // hkv
+    k = k[:, :, None].expand(b, hkv, g, n, d).reshape(b, hkv * g, n, d)
+    v = v[:, :, None].expand(b, hkv, g, n, v.shape[-1]).reshape(b, hkv * g, n, v.shape[-1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _make_set(i, case, dtype, device):
+    """Input set ``i``: q (B, Hq, L, D), k/v (B, Hkv, N, D); a static case adds its bool mask (B, 1, L, N) and the
+    (B,) valid length the reference uses."""
+    import torch
+
+    B, Hq, Hkv, D, N, L, cache = case
+    g = torch.Generator(device=device).manual_seed(1234 + i)
+    s = {"q": torch.randn(B, Hq, L, D, device=device, dtype=dtype, generator=g),
+         "k": torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g),
+         "v": torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=g), "mask": None, "valid": None}
+    valid = valid_len_of(case)
+    if valid is not None:
+        s["valid"] = torch.full((B,), valid, device=device, dtype=torch.int32)
+        s["mask"] = (torch.arange(N, device=device) < valid)[None, None, None, :].expand(B, 1, L, N).contiguous()
+    return s
+
+
+def _args_of(s, cache):
+    return (s["q"], s["k"], s["v"]) + ((s["mask"],) if cache == "static" else ())
+
+
+class Clock:
+    """How this run times a call: CUDA-graph replay on a GPU (``bench.common.time_us``), host time on the CPU.
+    A call that cannot be captured in a graph is timed eagerly (``do_bench``'s median) and ``last`` says so."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.last = "graph" if device == "cuda" else "host"
+
+    def time(self, fn: Callable[[], Any], calls: int) -> float:
+        from .common import host_us, time_us
+
+        if self.device != "cuda":
+            return host_us(fn, iters=max(2, calls), repeats=3, warmup=1, sync=lambda: None)
+        try:
+            self.last = "graph"
+            return time_us(fn, "graph", min_calls=calls)
+        except RuntimeError as exc:
+            import torch
+
+            torch.cuda.synchronize()
+            self.last = f"eager (graph capture failed: {_error(exc)[:120]})"
+            return time_us(fn, "eager")
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def _graph_timed_tuning(on: bool):
+    """The measured choice as it runs for a graph replayed as CUDA graphs (``mode="reduce-overhead"``): device time
+    alone. This bench times every method by CUDA-graph replay, so its tuner must rank them the same way (with the
+    default mode the tuner would add each call's host time, which a replay does not pay)."""
+    import contextlib
+
+    from attnopt.tuning import Tuner, TuningCache, use_tuner
+
+    if not on:
+        return contextlib.nullcontext()
+
+    class GraphTimed(Tuner):
+        def choose(self, site, ranked, **kw):
+            return super().choose(site, ranked, **{**kw, "graphed": True})
+
+    return use_tuner(GraphTimed(cache=TuningCache()))
+
+
+def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str,
+                   inner: str | None = None) -> dict[str, Any]:
+    """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune`` (inner backend ``inner``, default ``--inner-backend``):
+    first-call seconds, plan, error, time."""
     import torch
 
     import attnopt
-    from attnopt.hardware import detect_profile
-    from attnopt.runtime.reference import decode_attention
+    from .common import cycle, rel_err
 
-    from .common import Rotation, cycle, read_bandwidth_TBps, rel_err, results_header, time_us
-    from .kernels import _make_set, _peer_methods
+    row = dict(base, method=method, peer=False)
+    os.environ["ATTNOPT_TUNE"] = tune
+    try:
+        torch._dynamo.reset()
+        # --smoke forces split-KV, so that the CPU run goes through the (interpreted) kernels, not the CPU's dense pick
+        forced = {"force_plan": "split_kv"} if args.smoke else {}
+        opt = attnopt.optimize(_attend, hardware=hw_name, inner_backend=inner or args.inner_backend, **forced)
+        if case[6] == "dynamic":  # a growing cache: the KV length is symbolic, planned per bucket
+            for s in sets:
+                torch._dynamo.maybe_mark_dynamic(s["k"], 2)
+                torch._dynamo.maybe_mark_dynamic(s["v"], 2)
+        clock.sync()
+        t0 = time.perf_counter()
+        with _graph_timed_tuning(tune == "1" and clock.device == "cuda"):
+            out = opt(*_args_of(sets[0], case[6]))
+        clock.sync()
+        row["compile_s"] = round(time.perf_counter() - t0, 3)
+        row["rel_err"] = rel_err(out.float(), ref)
+        report = attnopt.last_plans(opt)
+        site = report.rewritten[0] if report.rewritten else (report.sites[0] if report.sites else None)
+        if site is not None:
+            row.update(plan=site.chosen.describe() if site.chosen else None, rewritten=site.rewritten,
+                       choice=site.choice, est_us=site.chosen.est_us if site.chosen else None,
+                       tuned_us=None if math.isnan(site.measured_us) else site.measured_us,
+                       why_untouched=site.reason_untouched)
+        row["us"] = clock.time(cycle([lambda s=s: opt(*_args_of(s, case[6])) for s in sets]), len(sets))
+        row["timing"] = clock.last
+    except Exception as exc:  # report and go on: one failing case must not lose the run
+        row["error"] = _error(exc)
+    return row
 
-    names = dict(NAMED)
-    if args.cases:
-        wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
-        unknown = [c for c in wanted if c not in NAMED]
-        if unknown:
-            raise ValueError(f"unknown case(s) {unknown}; known: {', '.join(NAMED)}")
-        names = {c: NAMED[c] for c in wanted}
-    cases = {**names, **sample_grid(args.grid, args.seed)}
-    if not args.keep_cache:
-        os.environ["ATTNOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnopt-planner-bench-")
-    os.environ["ATTNOPT_TUNE"] = "1"  # measured choice is opt-in; this bench measures it
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    dtype_name = DTYPES[args.dtype]
-    dtype = getattr(torch, dtype_name)
-    hw_name = detect_profile().name
-    reads = read_bandwidth_TBps()
-    read_bw = reads["best"]
-    results = results_header("planner", commit=args.commit, read_bw_TBps=round(read_bw, 4), read_bw_detail=reads,
-                             dtype=dtype_name, timing="graph", profile=hw_name, inner_backend=args.inner_backend,
-                             tuning_cache=os.environ.get("ATTNOPT_CACHE_DIR", "user cache"),
-                             timing_note="us: median per call over CUDA-graph replays of many back-to-back calls, "
-                                         "inputs rotated over sets spanning several L2 sizes")
-    print(f"device {results['device']}: read {read_bw:.3f} TB/s; profile {hw_name}; torch {results['torch']}, "
-          f"triton {results['triton']}; {len(cases)} cases", flush=True)
-    t_start = time.time()
-    summaries = []
-    for case, (B, Hq, Hkv, D, N, L, cache) in cases.items():
-        if args.time_budget and time.time() - t_start > args.time_budget:
-            results.setdefault("skipped_cases", []).append(case)
-            continue
-        valid = N // STATIC_FILL if cache == "static" else None
-        kv_bytes = B * Hkv * (valid or N) * 2 * D * dtype.itemsize
-        floor_us = kv_bytes / (read_bw * 1e12) * 1e6
-        scale = 1.0 / math.sqrt(D)
-        print(f"\n== {case}: B={B} H={Hq}/{Hkv} D={D} N={N} q={L} {cache}"
-              + (f" valid={valid}" if valid else "") + f"  floor {floor_us:.1f} µs", flush=True)
-        rot = Rotation(lambda i: _make_set(i, B, Hq, Hkv, D, N, L, valid, dtype), B * Hkv * N * 2 * D * dtype.itemsize,
-                       results.get("l2_bytes"))
-        s0 = rot.sets[0]
-        ref = decode_attention(s0["q"].float(), s0["k"], s0["v"], valid_len=s0["valid"], scale=scale).float()
-        base = {"case": case, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "N": N, "q_len": L, "cache": cache,
-                "valid_len": valid, "dtype": dtype_name, "floor_us": floor_us, "rotation_sets": rot.count}
-        rows = []
-        # --- the user's route
-        row = dict(base, method="attnopt:planner", peer=False)
+
+def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]]:
+    """SDPA with each backend forced (GPU), or SDPA's own path (CPU); torch.compile of the same function."""
+    import torch
+
+    from .common import cycle, rel_err
+    from .kernels import _peer_methods
+
+    B, Hq, Hkv, D, N, L, cache = case
+    makers: list[tuple[str, Callable, str | None]] = []
+    if clock.device == "cuda":
+        for m in _peer_methods(B, Hq, Hkv, D, N, valid_len_of(case), scale,
+                               argparse.Namespace(no_flex=True, no_eager_peer=True)):
+            makers.append((m.name, m.make, None))
+    else:
+        makers.append(("sdpa", lambda s: (lambda: _attend(*_args_of(s, cache))), None))
+    if args.compiled_peer or args.smoke:
+        compiled = torch.compile(_attend, backend=args.inner_backend, dynamic=cache == "dynamic")
+        makers.append(("torch-compile", lambda s: (lambda: compiled(*_args_of(s, cache))),
+                       "torch.compile of the same function, without attnopt"))
+    if cache == "static" and Hq != Hkv:
+        hf = torch.compile(_hf_static_attend, backend=args.inner_backend)
+        makers.append(("hf-static-compiled", lambda s: (lambda: hf(*_args_of(s, cache))),
+                       "Hugging Face's StaticCache SDPA path (repeat_kv, then SDPA with the mask), compiled"))
+    rows = []
+    for name, make, note in makers:
+        row = dict(base, method=name, peer=True, **({"note": note} if note else {}))
         try:
-            torch._dynamo.reset()
-            opt = attnopt.optimize(_attend, hardware=hw_name, inner_backend=args.inner_backend)
-
-            def args_of(s):
-                return (s["q"], s["k"], s["v"]) + ((s["mask"],) if cache == "static" else ())
-            if cache == "dynamic":  # a growing cache: the KV length is symbolic, planned per bucket
-                for s in rot.sets:
-                    torch._dynamo.maybe_mark_dynamic(s["k"], 2)
-                    torch._dynamo.maybe_mark_dynamic(s["v"], 2)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = opt(*args_of(s0))
-            torch.cuda.synchronize()
-            row["compile_s"] = round(time.perf_counter() - t0, 3)
-            row["rel_err"] = rel_err(out.float(), ref)
-            report = attnopt.last_plans(opt)
-            site = report.rewritten[0] if report.rewritten else (report.sites[0] if report.sites else None)
-            if site is not None:
-                row.update(plan=site.chosen.describe() if site.chosen else None, rewritten=site.rewritten,
-                           choice=site.choice, est_us=site.chosen.est_us if site.chosen else None,
-                           tuned_us=None if math.isnan(site.measured_us) else site.measured_us,
-                           why_untouched=site.reason_untouched)
-            row["us"] = time_us(cycle([lambda s=s: opt(*args_of(s)) for s in rot.sets]), "graph")
-            row["frac_of_roofline"] = floor_us / row["us"]
-        except Exception as exc:  # report and go on: one failing case must not lose the run
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            torch.cuda.synchronize()
+            calls = [make(s) for s in sets]
+            if getattr(calls[0], "note", None):
+                row["note"] = calls[0].note
+            row["rel_err"] = rel_err(calls[0]().float(), ref)
+            row["us"] = clock.time(cycle(calls), len(calls))
+            row["timing"] = clock.last
+        except Exception as exc:
+            row["error"] = _error(exc)
         rows.append(row)
-        # --- the peers: SDPA with flash and with cuDNN forced, over the whole cache
-        peer_args = argparse.Namespace(no_flex=True, no_eager_peer=True)
-        for m in _peer_methods(B, Hq, Hkv, D, N, valid, scale, peer_args):
-            if m.name not in ("sdpa-flash", "sdpa-cudnn"):
-                continue
-            prow = dict(base, method=m.name, peer=True)
-            try:
-                calls = [m.make(s) for s in rot.sets]
-                if getattr(calls[0], "note", None):
-                    prow["note"] = calls[0].note
-                prow["rel_err"] = rel_err(calls[0]().float(), ref)
-                prow["us"] = time_us(cycle(calls), "graph")
-                prow["frac_of_roofline"] = floor_us / prow["us"]
-            except Exception as exc:
-                prow["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                torch.cuda.synchronize()
-            rows.append(prow)
-        peers = [r for r in rows if r["peer"] and r.get("us") and r.get("rel_err", 1) < 2e-2]
-        ours = rows[0]
-        summary = {"case": case, "cache": cache, "plan": ours.get("plan"), "choice": ours.get("choice"),
-                   "compile_s": ours.get("compile_s"), "attnopt_us": ours.get("us"),
-                   "frac_of_roofline": ours.get("frac_of_roofline"), "error": ours.get("error")}
-        if peers:
-            best = min(peers, key=lambda r: r["us"])
-            summary.update(best_peer=best["method"], best_peer_us=best["us"])
-            if ours.get("us") and ours.get("rel_err", 1) < 2e-2:
-                summary["ratio_to_best_peer"] = best["us"] / ours["us"]
-                for r in rows:
-                    if r.get("us"):
-                        r["ratio_to_best_peer"] = best["us"] / r["us"]
-        for r in rows:
-            print(f"  {r['method']:<16} " + (f"{r['us']:9.1f} µs  {r['frac_of_roofline']:5.2f} roof  "
-                                             f"err {r['rel_err']:.1e}" if r.get("us") else r.get("error", "")), flush=True)
-        if "ratio_to_best_peer" in summary:
-            print(f"  -> {summary['ratio_to_best_peer']:.3f}x best peer ({summary['best_peer']}); "
-                  f"{ours.get('choice')} {ours.get('plan')}; first call {ours.get('compile_s')} s", flush=True)
-        summaries.append(summary)
-        results["rows"].extend(rows)
-        results["summary"] = summaries
-        results["overall"] = overall(summaries)
-        if on_case is not None:
-            on_case(results)
-        del rot, s0, ref
-        torch.cuda.empty_cache()
-    results["overall"] = overall(summaries)
-    results["elapsed_s"] = round(time.time() - t_start, 1)
-    print("\noverall:", results["overall"])
-    return results
+    return rows
+
+
+def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case's summary: our rows against the best peer (ratio = best peer µs / ours; >= 1 is faster)."""
+    ok = [r for r in rows if r.get("us") and r.get("rel_err", 1.0) < REL_ERR_OK]
+    peers = [r for r in ok if r["peer"]]
+    ours = {r["method"]: r for r in rows if not r["peer"]}
+    planner = ours.get("attnopt:planner", {})
+    s = {"case": case_name, "cache": case[6], "plan": planner.get("plan"), "choice": planner.get("choice"),
+         "compile_s": planner.get("compile_s"), "attnopt_us": planner.get("us"),
+         "frac_of_roofline": planner.get("frac_of_roofline"), "error": planner.get("error")}
+    if not peers:
+        return s
+    best = min(peers, key=lambda r: r["us"])
+    s.update(best_peer=best["method"], best_peer_us=best["us"])
+    for r in rows:
+        if r.get("us"):
+            r["ratio_to_best_peer"] = best["us"] / r["us"]
+    for method, key in (("attnopt:planner", "ratio_to_best_peer"), ("attnopt:model", "model_ratio_to_best_peer")):
+        r = ours.get(method)
+        if r and r in ok:
+            s[key] = best["us"] / r["us"]
+    if "attnopt:model" in ours:
+        s.update(model_plan=ours["attnopt:model"].get("plan"), model_us=ours["attnopt:model"].get("us"),
+                 model_compile_s=ours["attnopt:model"].get("compile_s"))
+    sdpa = [r for r in peers if r["method"].startswith("sdpa")]
+    if case[6] == "static" and sdpa and planner in ok:
+        s["speedup_vs_sdpa_full_cache"] = min(r["us"] for r in sdpa) / planner["us"]
+    return s
 
 
 def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ratio to the best peer over the cases that have one: min, geometric mean, how many are >= 0.99, the worst
-    case; and the first-call times."""
-    ratios = {s["case"]: s["ratio_to_best_peer"] for s in summaries if s.get("ratio_to_best_peer")}
-    compile_s = [s["compile_s"] for s in summaries if s.get("compile_s") is not None]
-    out: dict[str, Any] = {"cases": len(summaries), "with_ratio": len(ratios)}
-    if ratios:
+    """Over the cases with a ratio: min, geometric mean, the count >= 0.99 and the worst case, for the tuned pick
+    and the model's (``model_*``); the static-cache check; first-call seconds."""
+    out: dict[str, Any] = {"cases": len(summaries)}
+    for key, prefix in (("ratio_to_best_peer", ""), ("model_ratio_to_best_peer", "model_")):
+        ratios = {s["case"]: s[key] for s in summaries if s.get(key)}
+        if not ratios:
+            continue
         worst = min(ratios, key=ratios.get)
-        out.update(min_ratio=ratios[worst], worst_case=worst,
-                   geomean_ratio=math.exp(statistics.fmean(math.log(r) for r in ratios.values())),
-                   at_least_0_99=sum(r >= 0.99 for r in ratios.values()))
+        out.update({f"{prefix}with_ratio": len(ratios), f"{prefix}min_ratio": ratios[worst],
+                    f"{prefix}worst_case": worst, f"{prefix}geomean_ratio": geomean(ratios.values()),
+                    f"{prefix}at_least_0_99": sum(r >= 0.99 for r in ratios.values())})
+    static = [s for s in summaries if s.get("speedup_vs_sdpa_full_cache")]
+    if static:
+        out["static_speedup_vs_sdpa_full_cache_min"] = min(s["speedup_vs_sdpa_full_cache"] for s in static)
+    check = next((s for s in summaries if s["case"] == STATIC_CHECK_CASE), None)
+    if check is not None and check.get("speedup_vs_sdpa_full_cache"):
+        out["static_check"] = {"case": STATIC_CHECK_CASE, "speedup": check["speedup_vs_sdpa_full_cache"],
+                               "pass": check["speedup_vs_sdpa_full_cache"] >= STATIC_CHECK_MIN}
+    compile_s = [s["compile_s"] for s in summaries if s.get("compile_s") is not None]
     if compile_s:
         out.update(compile_s_median=statistics.median(compile_s), compile_s_max=max(compile_s))
+    return out
+
+
+def run(args, on_case: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    import torch
+
+    from attnopt.hardware import detect_profile
+    from attnopt.runtime.reference import decode_attention
+
+    from .common import Rotation, read_bandwidth_TBps, results_header
+
+    device = "cpu" if args.smoke else "cuda"
+    clock = Clock(device)
+    args.inner_backend = args.inner_backend or ("eager" if args.smoke else "inductor")
+    if args.smoke:
+        cases = dict(SMOKE_CASES)
+    else:
+        named = tuple(c.strip() for c in args.cases.split(",") if c.strip()) if args.cases else None
+        cases = all_cases(args.grid, args.off_grid, args.seed, named)
+        if args.part:
+            i, k = parse_part(args.part)
+            cases = {name: c for j, (name, c) in enumerate(cases.items()) if j % k == i}
+    if not args.keep_cache:
+        os.environ["ATTNOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnopt-planner-bench-")
+    tune_before = os.environ.get("ATTNOPT_TUNE")
+    for limit in ("cache_size_limit", "recompile_limit"):  # the name differs across torch versions
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+    dtype_name = "float32" if args.smoke else DTYPES[args.dtype]
+    dtype = getattr(torch, dtype_name)
+    hw_name = detect_profile().name
+    reads = read_bandwidth_TBps() if device == "cuda" else {"best": None}
+    read_bw = reads["best"]
+    results = results_header("planner", commit=args.commit, read_bw_TBps=read_bw and round(read_bw, 4),
+                             read_bw_detail=reads, dtype=dtype_name, timing="graph" if device == "cuda" else "host",
+                             profile=hw_name, inner_backend=args.inner_backend, seed=args.seed,
+                             tuning_cache=os.environ.get("ATTNOPT_CACHE_DIR", "user cache"),
+                             timing_note="us: median per call over CUDA-graph replays of back-to-back calls, one per "
+                                         "rotating input set (the sets span several L2 sizes)")
+    print(f"device {results['device']}: read {read_bw} TB/s; profile {hw_name}; torch {results['torch']}, "
+          f"triton {results['triton']}; {len(cases)} cases", flush=True)
+    t_start = time.time()
+    summaries = []
+    try:
+        for name, case in cases.items():
+            if args.time_budget and time.time() - t_start > args.time_budget:
+                results.setdefault("skipped_cases", []).append(name)
+                continue
+            summaries.append(_run_case(name, case, dtype, dtype_name, clock, args, hw_name, read_bw, results,
+                                       Rotation, decode_attention))
+            results["summary"] = summaries
+            results["overall"] = overall(summaries)
+            if on_case is not None:
+                on_case(results)
+    finally:
+        if tune_before is None:
+            os.environ.pop("ATTNOPT_TUNE", None)
+        else:
+            os.environ["ATTNOPT_TUNE"] = tune_before
+    results["summary"] = summaries
+    results["overall"] = overall(summaries)
+    results["elapsed_s"] = round(time.time() - t_start, 1)
+    print_summary(results)
+    return results
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    """The per-case table (ratio = best peer µs / ours: >= 1 is faster) and the overall line."""
+    from .common import format_table
+
+    print("\nsummary (ratio = best peer / attnopt; model = the cost model's pick alone; roof = floor / attnopt)")
+    print(format_table(results.get("summary", []), [
+        ("case", "case", ""), ("best_peer", "best peer", ""), ("best_peer_us", "peer µs", ".1f"),
+        ("attnopt_us", "tuned µs", ".1f"), ("ratio_to_best_peer", "ratio", ".3f"), ("model_us", "model µs", ".1f"),
+        ("model_ratio_to_best_peer", "model ratio", ".3f"), ("frac_of_roofline", "roof", ".2f"),
+        ("compile_s", "first s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"), ("choice", "choice", ""),
+        ("plan", "plan", ""), ("error", "error", "")]))
+    print("\noverall:", results.get("overall"), "skipped:", len(results.get("skipped_cases", [])))
+
+
+def _run_case(name, case, dtype, dtype_name, clock, args, hw_name, read_bw, results, Rotation, decode_attention):
+    import torch
+
+    B, Hq, Hkv, D, N, L, cache = case
+    valid = valid_len_of(case)
+    kv_bytes = B * Hkv * (valid or N) * 2 * D * dtype.itemsize
+    floor_us = kv_bytes / (read_bw * 1e12) * 1e6 if read_bw else None
+    scale = 1.0 / math.sqrt(D)
+    print(f"\n== {name}: B={B} H={Hq}/{Hkv} D={D} N={N} q={L} {cache}" + (f" valid={valid}" if valid else "")
+          + (f"  floor {floor_us:.1f} µs" if floor_us else ""), flush=True)
+    rot = Rotation(lambda i: _make_set(i, case, dtype, clock.device), B * Hkv * N * 2 * D * dtype.itemsize,
+                   results.get("l2_bytes") if clock.device == "cuda" else None,
+                   max_sets=MAX_SETS if clock.device == "cuda" else 2)
+    sets = rot.sets
+    s0 = sets[0]
+    # fp32 reference in partitions of about 1 GB of K/V (a set holds up to 6 GB; one fp32 copy of it would not fit)
+    ref = decode_attention(s0["q"].float(), s0["k"], s0["v"], valid_len=s0["valid"], scale=scale,
+                           num_partitions=max(1, B * Hkv * N * 2 * D * dtype.itemsize >> 30))
+    base = {"case": name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "N": N, "q_len": L, "cache": cache,
+            "valid_len": valid, "dtype": dtype_name, "floor_us": floor_us, "rotation_sets": rot.count}
+    rows = [_optimized_row(base, "attnopt:planner", sets, case, ref, clock, args, hw_name, "1")]
+    if args.compare_model:
+        # the eager inner backend: the same op and kernels replay in the graph, one inductor compile fewer per case
+        rows.append(_optimized_row(base, "attnopt:model", sets, case, ref, clock, args, hw_name, "0", inner="eager"))
+    rows += _peer_rows(base, case, sets, ref, scale, clock, args)
+    for r in rows:
+        if r.get("us") and floor_us:
+            r["frac_of_roofline"] = floor_us / r["us"]
+    summary = summarize(name, case, rows)
+    for r in rows:
+        print(f"  {r['method']:<16} " + (f"{r['us']:9.1f} µs  roof {r.get('frac_of_roofline') or 0:5.2f}  "
+                                         f"err {r['rel_err']:.1e}" if r.get("us") else r.get("error", "")), flush=True)
+    if "ratio_to_best_peer" in summary:
+        print(f"  -> {summary['ratio_to_best_peer']:.3f}x best peer ({summary['best_peer']}); "
+              f"{summary.get('choice')} {summary.get('plan')}; first call {summary.get('compile_s')} s", flush=True)
+    results["rows"].extend(rows)
+    del rot, sets, s0, ref
+    if clock.device == "cuda":
+        torch.cuda.empty_cache()
+    return summary
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``"I/K"`` -> (I, K) with 0 <= I < K; a clear error otherwise."""
+    try:
+        i, k = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--part {text!r}: expected I/K such as 0/2") from None
+    if not 0 <= i < k:
+        raise ValueError(f"--part {text!r}: need 0 <= I < K")
+    return i, k
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One results dict from the files of several ``--part`` runs: the first file's header, every file's rows,
+    summaries and skipped cases, the overall recomputed, and each part's commit and elapsed seconds."""
+    import json
+
+    parts = [json.loads(open(p).read()) for p in paths]
+    out = {k: v for k, v in parts[0].items() if k not in ("rows", "summary", "overall", "skipped_cases", "elapsed_s")}
+    out["parts"] = [{"file": p, "commit": d.get("commit"), "device": d.get("device"), "elapsed_s": d.get("elapsed_s"),
+                     "cases": len(d.get("summary", []))} for p, d in zip(paths, parts)]
+    out["rows"] = [r for d in parts for r in d.get("rows", [])]
+    out["summary"] = [s for d in parts for s in d.get("summary", [])]
+    out["skipped_cases"] = [c for d in parts for c in d.get("skipped_cases", [])]
+    out["overall"] = overall(out["summary"])
     return out
 
 
 def run_cli(args) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        raise ValueError("attnopt bench planner needs a CUDA GPU")
     from .common import write_results
+
+    if args.part:
+        parse_part(args.part)
+    if args.merge:
+        if not args.out:
+            raise ValueError("--merge needs --out (the joined results file)")
+        results = merge(args.merge)
+        print_summary(results)
+        print(f"\nwrote {write_results(args.out, results)}")
+        return 0
+    if not args.smoke and not torch.cuda.is_available():
+        raise ValueError("attnopt bench planner needs a CUDA GPU (--smoke runs its code path on the CPU)")
     from .kernels import _slug
 
-    out = args.out or f"benchmarks/results/planner-{_slug(torch.cuda.get_device_name())}.json"
+    device = "cpu-smoke" if args.smoke else _slug(torch.cuda.get_device_name())
+    out = args.out or f"benchmarks/results/planner-{device}.json"
     results = run(args, on_case=lambda partial: write_results(out, partial))
     print(f"\nwrote {write_results(out, results)}")
     return 0

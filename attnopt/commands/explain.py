@@ -279,72 +279,6 @@ def builtin_profile_of(hw):
     return hw if "h100" in hw.name else builtin_profile("h100-sxm")
 
 
-def plot_multi(path: str, site, hw, topo, sim: dict[str, Any]) -> None:
-    """Three panels: predicted speed-up of tree over ring pass-KV and over the best ring (device time, lines per GPU
-    count), and the paper's measured points beside the model of its harness (markers, labelled as such)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = sim["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
-    panels = (("speedup_vs_pass_kv", "ring pass-KV (Ring Attention, the paper's baseline)", "crossover_vs_pass_kv"),
-              ("speedup_vs_best_ring", "the best ring variant (pass-KV or pass-Q)", "crossover_vs_best_ring"))
-    for ax, (key, title, xkey) in zip(axes, panels):
-        for p in sim["gpu_counts"]:
-            pts = sorted((r["N"], r[key]) for r in rows if r["gpus"] == p)
-            line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker=".",
-                            label=f"predicted, {p} GPUs ({topo.num_nodes(p)} node{'s' if topo.num_nodes(p) > 1 else ''})")
-            cx = sim[xkey].get(str(p))
-            if cx:
-                ax.plot([cx], [1.0], "o", mfc="none", ms=10, color=line.get_color())
-                ax.annotate(f"{cx / 1e3:.0f}k", (cx, 1.0), textcoords="offset points", xytext=(4, 6), fontsize=7,
-                            color=line.get_color())
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("PREDICTED speed-up of tree over ring, device time (ring µs / tree µs)")
-        ax.set_title(f"model: tree vs {title}", fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    _plot_paper(axes[2], sim.get("paper_check"))
-    fig.suptitle(f"Simulated decode, B={site.batch} H={site.q_heads}/{site.kv_heads} D={site.head_dim} {site.dtype}, "
-                 f"{topo.describe()}; lines: predicted; circles: predicted crossovers; right: the paper's MEASURED "
-                 "points beside the model of its harness", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-
-
-def _plot_paper(ax, check: dict[str, Any] | None) -> None:
-    """The paper's measured points (filled) and the model's predictions for the same runs (hollow)."""
-    if not check:
-        ax.set_axis_off()
-        return
-    t1 = check["table1"]
-    xs = [r["context"] for r in t1]
-    ax.plot(xs, [r["measured_us"] / 1e3 for r in t1], "o", color="crimson", ms=8,
-            label="MEASURED (paper Table 1): ring - tree per decode call, 8 H100")
-    ax.plot(xs, [r["predicted_us"] / 1e3 for r in t1], "o", mfc="none", color="crimson", ms=8,
-            label="predicted for the same runs (PyTorch eager ring, NCCL)")
-    s = check["sec61"]
-    ax.plot([5_120_000], [s["measured"]], "*", color="navy", ms=14,
-            label="MEASURED (paper Sec. 6.1): speed-up ~8x, 128 GPUs, 5.12M")
-    ax.plot([5_120_000], [s["ratio_with_harness"]], "*", mfc="none", color="navy", ms=14,
-            label=f"predicted speed-up with the harness's first call ({check['first_call_s_assumed']} s compile)")
-    ax.plot([5_120_000], [s["device_ratio"]], "x", color="navy", ms=10,
-            label=f"predicted speed-up, device time only ({s['device_ratio']:.0f}x)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("red: ms per decode call; blue: speed-up (x)")
-    ax.set_title("the paper's measurements (filled) vs the model of its code (hollow)", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6.5, loc="upper left")
-
-
 # --------------------------------------------------------------------------------------------- measure
 def measure(site, info: dict[str, Any]) -> dict[str, float]:
     """Measured µs per candidate (CUDA only)."""
@@ -493,6 +427,8 @@ def run(args) -> int:
         info = explain_multi(site, hw, topo, args.gpus)
         sim = simulation(site, hw, topo, args.gpus) if (args.plot or args.out) else None
         if args.plot:
+            from .explain_plot import plot_multi
+
             plot_multi(args.plot, site, hw, topo, sim)
         if args.out:
             from attnopt.bench.common import git_commit, write_results

@@ -27,6 +27,11 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "mistral-7b": (32, 8, 128),
     "qwen2.5-7b": (28, 4, 128),
 }
+#: A bare shape, ``HQ/HKVxD`` or ``HxD``.
+SHAPE_RE = re.compile(r"\s*(\d+(?:/\d+)?)\s*x\s*(\d+)\s*")
+#: Their layer counts: the sites of one decode step that share one valid-length computation (``--mask``).
+PRESET_LAYERS: dict[str, int] = {"llama3-8b": 32, "llama3-70b": 80, "smollm2": 30, "mistral-7b": 32,
+                                 "qwen2.5-7b": 28}
 
 
 def register(sub) -> None:
@@ -42,6 +47,13 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--mask", default="none", choices=("none", "valid_length"),
                    help="valid_length: a static cache with a mask (timed at half fill)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --mask valid_length: attention sites per step sharing the mask, whose one valid-length "
+                        "computation each site is charged a share of (default: the preset's or config's layer "
+                        "count; 1 for a bare shape)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="tune for a model compiled without CUDA graphs (any mode but reduce-overhead): a call then "
+                        "costs the longer of its device and host time (default: device time, as CUDA graphs replay)")
     p.add_argument("--symbolic", action="store_true",
                    help="tune every KV-length bucket of a growing cache instead of --context's lengths")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per shape (default: the planner's)")
@@ -65,7 +77,7 @@ def resolve_heads(spec: str) -> tuple[int, int, int]:
 
     if spec in PRESETS:
         return PRESETS[spec]
-    m = re.fullmatch(r"\s*(\d+(?:/\d+)?)\s*x\s*(\d+)\s*", spec)
+    m = SHAPE_RE.fullmatch(spec)
     if m:
         hq, hkv = parse_heads(m.group(1))
         return hq, hkv, int(m.group(2))
@@ -103,14 +115,34 @@ def build_sites(args) -> list:
     return sites
 
 
-def tune_sites(sites, tuner, hw, ctx) -> list[dict[str, Any]]:
-    """Plan every site with ``tuner``; one result row per site."""
+def layers_of(spec: str, explicit: int | None) -> int:
+    """Sites per decode step that share one mask: ``explicit``, else the preset's or Hugging Face config's layer
+    count, else 1."""
+    if explicit is not None:
+        if explicit < 1:
+            raise ValueError(f"--layers {explicit}: must be >= 1")
+        return explicit
+    if spec in PRESET_LAYERS:
+        return PRESET_LAYERS[spec]
+    if SHAPE_RE.fullmatch(spec):
+        return 1
+    try:
+        from transformers import AutoConfig
+
+        return int(getattr(AutoConfig.from_pretrained(spec), "num_hidden_layers", 1) or 1)
+    except Exception:  # noqa: BLE001 - resolve_heads already reported an unreadable spec
+        return 1
+
+
+def tune_sites(sites, tuner, hw, ctx, layers: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Plan every site with ``tuner``; one result row per site. ``layers``: per ``site.module_path`` (the spec),
+    the sites sharing one valid-length computation (default 1)."""
     from attnopt.config import OptimizeConfig
     from attnopt.passes.plan import plan_site
 
     rows = []
     for site in sites:
-        report = plan_site(site, hw, ctx, OptimizeConfig(), tuner)
+        report = plan_site(site, hw, ctx, OptimizeConfig(), tuner, (layers or {}).get(site.module_path, 1))
         chosen = report.chosen
         rows.append({"model": site.module_path, "shape": site.shape_str(), "mask": site.mask_kind,
                      "plan": chosen.describe() if chosen else None, "choice": report.choice,
@@ -121,6 +153,9 @@ def tune_sites(sites, tuner, hw, ctx) -> list[dict[str, Any]]:
 
 def run(args) -> int:
     import torch
+
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers {args.layers}: must be >= 1")
 
     if not torch.cuda.is_available():
         print("attnopt tune: tuning times plans on a CUDA GPU, and this machine has none. Without a GPU the "
@@ -138,7 +173,8 @@ def run(args) -> int:
 
     sites = build_sites(args)
     hw = resolve_profile(None)
-    ctx = PlanContext(device_type="cuda", triton_available=triton_usable("cuda"))
+    ctx = PlanContext(device_type="cuda", triton_available=triton_usable("cuda"),
+                      extras={"graphed": not getattr(args, "no_graphs", False)})
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("tuning", total=len(sites))
@@ -147,11 +183,15 @@ def run(args) -> int:
             bar.update(task, description=f"{site.shape_str()}: {plan.kind}")
             return gpu_timer(plan, site)
         timer.release = gpu_timer.release  # the tuner frees the timer's input sets after each shape
+        for extra in ("valid_len_us", "host_us"):  # a masked site's valid length; host time without graphs
+            if hasattr(gpu_timer, extra):
+                setattr(timer, extra, getattr(gpu_timer, extra))
 
         tuner = Tuner(timer, TuningCache(), budget_s=args.budget)
+        layers = {spec: layers_of(spec, args.layers) for spec in args.shapes}
         rows = []
         for site in sites:
-            rows += tune_sites([site], tuner, hw, ctx)
+            rows += tune_sites([site], tuner, hw, ctx, layers)
             bar.advance(task)
     if args.json:
         import json
@@ -169,4 +209,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["register", "run", "build_sites", "tune_sites", "resolve_heads", "PRESETS"]
+__all__ = ["register", "run", "build_sites", "tune_sites", "resolve_heads", "layers_of", "PRESETS", "PRESET_LAYERS"]

@@ -163,8 +163,10 @@ def p2p_step_us(nbytes: float, world: int, topology: Topology | str, graph: bool
     if world == 1:
         return 0.0
     bw, lat = topo.ring_bottleneck(world)
+    if topo.p2p_gbps > 0:  # what NCCL send/recv reaches on this fabric, measured; never above the slowest hop
+        bw = min(bw, topo.p2p_gbps)
     software = topo.p2p_us * (topo.graph_collective_us / topo.collective_us if graph and topo.collective_us else 1.0)
-    return software + lat + nbytes / (bw * 1e3)
+    return software + lat + topo.p2p_step_us + nbytes / (bw * 1e3)
 
 
 # --------------------------------------------------------------------------------------------- decode

@@ -26,6 +26,7 @@ over the range of lengths a symbolic site is expected to see (``planning_lengths
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -221,7 +222,27 @@ def dense_config(site: AttentionSite) -> str:
 
 
 def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
-    """The dense plan: one SDPA call over the un-expanded K/V (``enable_gqa``).
+    """The dense plan: one SDPA call over the un-expanded K/V (``enable_gqa``), as SDPA's own pick runs it."""
+    return config_adjust(hw, dense_config(site), _dense_model_us(site, hw))
+
+
+def cudnn_us(site: AttentionSite, hw: HardwareProfile) -> float:
+    """The dense plan with SDPA's cuDNN backend called explicitly: it splits the keys at decode as flash does, with
+    or without a mask tensor, and reads the mask. So: the flash model over the whole cache, plus the mask's bytes
+    (B x L x N bools), with its own calibration key ``dense/cudnn``.
+
+    Measured on an H100 (benchmarks/results/kernels-nvidia-h100-80gb-hbm3.json): a 32k cache with its bool mask
+    took cuDNN 58.5 µs, against flash's 58.9 µs over 32k keys without a mask and the memory-efficient kernel's
+    1349.6 µs with the mask (what SDPA's own pick runs there); without a mask cuDNN was no slower than flash on
+    any of the nine shapes, on the H200 too (kernels-nvidia-h200.json)."""
+    b, _, _, L, *_ = _dims(site)
+    mask = float(b * L * _kv_len(site)) if site.mask_kind in ("valid_length", "arbitrary") else 0.0
+    unmasked = dataclasses.replace(site, mask_kind="none")
+    return config_adjust(hw, "dense/cudnn", _dense_model_us(unmasked, hw) + mask / (hw.hbm_read_gbps * 1e3))
+
+
+def _dense_model_us(site: AttentionSite, hw: HardwareProfile) -> float:
+    """The dense plan's wave model, before calibration.
 
     Without a mask it is flash attention, which at decode packs the G query heads of a KV head into one row
     block and splits the keys (FlashAttention-2's split-KV, then a combine kernel). With a mask tensor
@@ -248,7 +269,7 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
         stream = wave_time_us(hw, programs, tiles, tile, eff * g, 4)
         through_l2 = programs * tiles * tile / (hw.l2_gbps() * 1e3)
         mma = programs * tiles * 4 * 128 * 128 * max(d, dv, 128) / (hw.mma_tflops * 1e6)
-        return config_adjust(hw, dense_config(site), hw.launch_us + max(stream, through_l2, mma))
+        return hw.launch_us + max(stream, through_l2, mma)
     if dense_backend(site) == "flash":
         # FA2's split-KV kernel uses 256/128/64-key blocks for D <= 64 / <= 128 / larger; one 128-key
         # granularity for every D keeps the estimate monotone in D (a larger head is never cheaper).
@@ -268,13 +289,12 @@ def dense_us(site: AttentionSite, hw: HardwareProfile) -> float:
                 t += hw.launch_us + _stream_us(hw, 2 * state_bytes(site) * s)
             return t
 
-        return config_adjust(hw, dense_config(site), min(flash(s) for s in splits))
+        return min(flash(s) for s in splits)
     block_n = 64
     tiles = max(1, math.ceil(n / block_n))
     # The G programs of one KV head read the same K/V; L2 serves the repeats, so HBM sees each tile once and
     # the bandwidth the programs share is G times the unique-byte rate.
-    return config_adjust(hw, dense_config(site), hw.launch_us + wave_time_us(
-        hw, b * hkv * g * math.ceil(L / 64), tiles, _tile_bytes(site, block_n), eff * g, 4))
+    return hw.launch_us + wave_time_us(hw, b * hkv * g * math.ceil(L / 64), tiles, _tile_bytes(site, block_n), eff * g, 4)
 
 
 # --------------------------------------------------------------------------------------------- split-KV

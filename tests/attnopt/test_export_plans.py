@@ -271,7 +271,7 @@ def plan_for_two_ranks(monkeypatch):
 class BucketingTuner:
     """A tuner that measured a bucketed choice: split_kv up to 32 keys, stream_k above (the step's cache has 48)."""
 
-    def choose(self, site, ranked):
+    def choose(self, site, ranked, **kw):  # kw: the planner's valid_len_sharing and graphed
         from attnopt.tuning import Choice
 
         return Choice(plan=BucketedPlan(bounds=(32, 4096), plans=(SplitKVPlan(num_splits=2).runtime_key(),

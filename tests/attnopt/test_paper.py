@@ -55,18 +55,45 @@ def test_harness_range_arithmetic():
     assert all(math.isnan(x) for x in P.harness_range_s(ring_us=2.0, tree_us=1.0, measured=8.0))
 
 
-# Table 1 status. Reproduced within 2x: 32k (0.51x) and 256k (0.54x). NOT reproduced: 64k (0.30x) and 128k
-# (0.41x): the paper's per-call difference grows 6.8 -> 11.6 ms from 32k to 64k (+469 MB of transfers, ~100 GB/s
-# at the margin) and then 11.6 -> 12.8 ms to 128k (+938 MB), which no single bandwidth explains; the paper's
-# standard errors put about +-1.7 ms on each per-call value.
-TABLE1_WITHIN_2X = {32_000: True, 64_000: False, 128_000: False, 256_000: True}
-
-
 @pytest.mark.parametrize("point", P.TABLE1_POINTS, ids=lambda p: f"{p.context // 1000}k")
-def test_table1_ring_minus_tree_per_call(point):
+def test_table1_ring_minus_tree_per_call_within_2x(point):
+    """Every Table 1 point within 2x (0.65x, 0.52x, 0.73x, 0.86x at 32k-256k with the h100-sxm profile), from two
+    corrections that read no paper number: the ring's local copies (``ring_copies_us``) and NCCL send/recv steps as
+    this project measured them (``test_p2p_steps_match_this_projects_measured_rings``). Before them 64k and 128k
+    were at 0.30x and 0.41x. The model still under-predicts the ring's extra time everywhere."""
     r = P.table1_prediction(HW, point)
-    assert 0 < r["predicted_us"] < r["measured_us"]  # the model never over-predicts the ring's extra time
-    assert (0.5 <= r["ratio"] <= 2.0) == TABLE1_WITHIN_2X[point.context], r
+    assert 0 < r["predicted_us"] < r["measured_us"]
+    assert 0.5 <= r["ratio"] <= 2.0, r
+
+
+def test_ring_copies_are_eight_passes_over_the_local_kv():
+    """contiguous (read + write), cat to float32 (read 1x, write 2x), back to bf16 (read 2x, write 1x)."""
+    chunk = P.C.shard_site(P._site(P.TABLE1_POINTS[1]), 8)
+    kv = P.K.kv_bytes(chunk)
+    assert kv == 8000 * 32 * 128 * 2 * 2  # 64k / 8 ranks, K and V expanded to 32 heads, bf16
+    assert P.ring_copies_us(chunk, HW) == pytest.approx(8 * kv / (HW.copy_gbps * 1e3) + 6 * HW.launch_us)
+
+
+def test_p2p_steps_match_this_projects_measured_rings():
+    """The P2P step model (``topology.NVLINK4_P2P_*``) against every pass-KV ring step this project timed in CUDA
+    graphs on 2x and 4x H200 (NVLink 4): within 0.65-1.4x of each (the link's 390 GB/s alone gave 0.39-0.8x)."""
+    import json
+    import os
+
+    from attnopt.topology import builtin_topology
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
+    ratios = []
+    for name in ("multigpu-2xh200-stepgraph-0c072be.json", "multigpu-4xh200-2026-11-22.json"):
+        with open(os.path.join(root, name)) as f:
+            data = json.load(f)
+        world = data["world_size"]
+        topo = builtin_topology(f"{world}x-h200-nvlink")
+        for r in data["rows"]:
+            if r.get("method") == "ring:pass_kv" and r["mode"] == "graph":
+                step_bytes = r["B"] * r["Hkv"] * r["N_local"] * 2 * r["D"] * 2
+                ratios.append(P.C.p2p_step_us(step_bytes, world, topo, graph=True) / (r["us"] / (world - 1)))
+    assert len(ratios) == 12 and 0.65 <= min(ratios) and max(ratios) <= 1.4, ratios
 
 
 def test_explain_labels_measured_and_predicted(capsys, tmp_path):

@@ -18,6 +18,7 @@ from attnopt.runtime.strategies import PlanContext
 from attnopt.runtime.strategies.dense import Dense, backend_reason
 from attnopt.site import AttentionSite
 from attnopt.tuning import ShapeKey, Tuner, TuningCache, bucket_of
+from attnopt import timer as tuning_timer
 from attnopt.passes.plan import plan_site
 
 ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "570.1", "torch": "2.11.0", "triton": "3.6.0",
@@ -212,7 +213,8 @@ def test_symbolic_length_gets_a_plan_per_bucket(cache):
     assert report.measured_us == 1.0  # the bucket of the trace-time hint
     assert {n for _, n in timer.calls} == set(tuning.BUCKETS)
     assert plan_from_json(plan.runtime_key()) == dataclasses.replace(plan, est_us=math.nan)
-    assert plan.describe().startswith("bucketed(N 1..1024: dense(") and "; N 8193..: " in plan.describe()
+    assert plan.describe().startswith("bucketed(N 1..") and "dense(" in plan.describe()
+    assert "; N 8193..: " in plan.describe()
 
 
 def test_bucketed_plan_runs_each_buckets_plan_through_the_op():
@@ -266,9 +268,9 @@ def test_optimize_uses_the_measured_choice_end_to_end(cache):
         return 1.0 if plan.runtime_key() == winner.get("key") else 2.0
 
     class LastWins(Tuner):
-        def choose(self, site, ranked, *, bucketed=False):
+        def choose(self, site, ranked, **kw):
             winner["key"] = tuning.to_time(ranked, self.top_k)[-1].runtime_key()
-            return super().choose(site, ranked, bucketed=bucketed)
+            return super().choose(site, ranked, **kw)
 
     with tuning.use_tuner(LastWins(FakeTimer(rule), cache, env=ENV)):
         opt = attnopt.optimize(attend, inner_backend="eager", dynamic=False)
@@ -312,34 +314,6 @@ def test_tune_sites_drives_the_tuner(cache):
     assert [r["choice"] for r in rows] == ["measured", "measured"]
     assert all("backend=cudnn" in r["plan"] and r["measured_us"] == 5.0 for r in rows)
     assert all(r["predicted_us"] > 0 for r in rows)
-
-
-# ---------------------------------------------------------------------------------------- attnopt bench planner
-def test_planner_bench_grid_covers_every_group_and_head_dim():
-    from attnopt.bench.planner import GROUPS, HEAD_DIMS, MAX_SET_BYTES, sample_grid
-
-    grid = sample_grid(35, seed=19)
-    assert grid == sample_grid(35, seed=19) and len(grid) == 35
-    pairs = {(hq // hkv, d) for b, hq, hkv, d, n, L, cache in grid.values()}
-    assert pairs == {(g, d) for g in GROUPS for d in HEAD_DIMS}
-    for b, hq, hkv, d, n, L, cache in grid.values():
-        assert 1 <= b <= 64 and 1024 <= n <= 512 * 1024 and L in (1, 4) and cache in ("dynamic", "static")
-        assert b * hkv * n * 2 * d * 2 <= MAX_SET_BYTES
-    assert {cache for *_, cache in grid.values()} == {"dynamic", "static"}
-    assert {n & (n - 1) == 0 for _, _, _, _, n, _, _ in grid.values()} == {True, False}  # inside buckets too
-
-
-def test_planner_bench_overall_and_cli_without_gpu(monkeypatch, capsys):
-    from attnopt.bench.planner import overall
-    from attnopt.cli import main
-
-    out = overall([{"case": "a", "ratio_to_best_peer": 1.2, "compile_s": 3.0},
-                   {"case": "b", "ratio_to_best_peer": 0.9, "compile_s": 1.0}, {"case": "c", "error": "x"}])
-    assert out["worst_case"] == "b" and out["min_ratio"] == 0.9 and out["at_least_0_99"] == 1
-    assert out["geomean_ratio"] == pytest.approx(math.sqrt(1.2 * 0.9)) and out["compile_s_max"] == 3.0
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["bench", "planner", "--grid", "2"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.cuda
@@ -434,7 +408,7 @@ def test_a_failing_tuner_falls_back_to_the_model(caplog):
     from attnopt.config import OptimizeConfig
 
     class Broken(Tuner):
-        def choose(self, site, ranked, *, bucketed=False):
+        def choose(self, site, ranked, **kw):
             raise RuntimeError("driver went away")
 
     with caplog.at_level(logging.WARNING, logger="attnopt.tuning"):
@@ -484,13 +458,15 @@ class _FakeProps:
 
 def _cpu_gpu_timer(monkeypatch, free_bytes):
     """``GpuTimer`` with its CUDA queries and input device redirected to the CPU (its input-set bookkeeping only)."""
+    from attnopt import timer as T
+
     made = []
-    real = tuning.synthetic_inputs
+    real = T.synthetic_inputs
 
     def on_cpu(site, index, device="cuda"):
         made.append(index)
         return real(site, index, device="cpu")
-    monkeypatch.setattr(tuning, "synthetic_inputs", on_cpu)
+    monkeypatch.setattr(T, "synthetic_inputs", on_cpu)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free_bytes, 2 * free_bytes))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _FakeProps())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -504,14 +480,20 @@ def test_gpu_timer_input_sets_are_kept_per_shape_and_bounded_by_memory(monkeypat
     set_bytes = 1 * 2 * 256 * 128 * 4
     timer, made = _cpu_gpu_timer(monkeypatch, free_bytes=64 * set_bytes)
     sets = timer._input_sets(site)
-    assert len(sets) == 8 and made == list(range(8))  # 4 x L2 / set bytes, at most 8
-    assert timer._input_sets(site) is sets and len(made) == 8  # the next candidate reuses them
+    assert len(sets) == 16 and made == list(range(16))  # enough sets to span 4 x L2
+    assert timer._input_sets(site) is sets and len(made) == 16  # the next candidate reuses them
     other = timer._input_sets(dataclasses.replace(site, kv_len=128))
     assert other is not sets and other[0]["k"].shape[2] == 128
     timer.release()
     assert timer._sets == [] and timer._shape is None
     tight, _ = _cpu_gpu_timer(monkeypatch, free_bytes=5 * set_bytes)
     assert len(tight._input_sets(site)) == 2  # half the free memory holds two sets
+    big_l2, _ = _cpu_gpu_timer(monkeypatch, free_bytes=1 << 40)
+    _FakeProps.L2_cache_size = 1 << 30
+    try:
+        assert len(big_l2._input_sets(site)) == tuning_timer.MAX_SETS
+    finally:
+        _FakeProps.L2_cache_size = 1 << 20
     none_fit, _ = _cpu_gpu_timer(monkeypatch, free_bytes=set_bytes)
     with pytest.raises(MemoryError, match="GB free"):
         none_fit._input_sets(site)

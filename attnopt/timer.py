@@ -1,0 +1,247 @@
+"""The GPU timer of the measured plan choice (``attnopt.tuning``): one candidate plan, timed as the compiled model
+will run it.
+
+The methodology is ``attnopt bench kernels``'s (``bench.common.time_us`` and ``Rotation``), so that the tuner and
+the benchmark rank plans alike:
+
+* ``prepare()`` runs once per shape and plan, outside the timed region (the op prepares once per shape family);
+* only ``run()`` is timed, by CUDA-graph replay of back-to-back calls (the way a decode step captured by
+  ``mode="reduce-overhead"`` runs it), the median of several replays after an eager warm-up;
+* the calls cycle over input sets that together span ``L2_FACTOR`` L2 sizes (as many small sets as that takes),
+  and one replay reads every set, so K/V come from HBM as they do in a model whose other layers evict them;
+* the inputs have the site's shape, dtype, mask kind and a valid length (``STATIC_FILL`` of a static cache);
+* where the graph will not replay as CUDA graphs (``mode`` other than ``reduce-overhead``), a call also costs
+  its host time (``host_us``: the op issued back to back, prepare done in the warm-up), so the tuner takes the
+  longer of the two: at small shapes the host's launch cost, not the kernel, sets the pace;
+* the valid length a kernel plan reads is computed from the mask once per input set, outside the timed region:
+  the lowered graph computes it once per step for every site that reads that mask
+  (``passes.lower._shared_valid_len``), so ``valid_len_us`` times it apart and the tuner charges each site its
+  share.
+
+Nothing here runs at import time; torch and the runtime are imported by the calls.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .plan import Plan
+from .site import AttentionSite
+
+#: The fill a static cache (valid-length mask) is timed at: half its capacity, the mean over its life.
+STATIC_FILL = 0.5
+#: The input sets of one timing span this many L2 sizes.
+L2_FACTOR = 4
+#: At most this many input sets (small shapes need many to span the L2; each is a few hundred kB there).
+MAX_SETS = 256
+#: Eager calls of the first candidate of a shape before any timing, in ms: clocks ramp up after idle.
+WARM_MS = 20.0
+#: Host timing: calls issued per repeat (few enough that the launch queue never fills and blocks the host).
+HOST_CALLS = 50
+#: The op's site key for the calls the timer makes (its call count is not a model's).
+TUNING_SITE = "attnopt-tuning"
+#: CUDA-graph timing: about this many ms of calls per graph, the median over this many replays.
+TARGET_MS = 2.0
+REPLAYS = 5
+
+
+def uses_valid_len(plan: Plan, site: AttentionSite) -> bool:
+    """Whether the lowered op gives ``plan`` a device valid length computed from the site's mask (the kernel plans
+    at a valid-length or arbitrary mask; dense and distributed plans take the mask itself)."""
+    return site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring")
+
+
+def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> dict[str, Any]:
+    """One input set of ``site``'s shape: q (B, Hq, L, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv) in its dtype; for a
+    valid-length or arbitrary mask a bool mask (B, 1, L, N) keeping the first ``STATIC_FILL * N`` keys and the
+    (B,) int32 ``valid_len`` that ``attnopt::valid_len_from_mask`` makes of it (computed here, once). A sliding
+    window's mask keeps only the last ``window`` of those keys, with its ``key_start`` (also computed once)."""
+    import torch
+
+    dtype = getattr(torch, site.dtype)
+    b, L, n = int(site.batch), int(site.q_len), int(site.kv_len)
+    g = torch.Generator(device=device).manual_seed(4321 + index)
+    s = {"q": torch.randn(b, site.q_heads, L, site.head_dim, device=device, dtype=dtype, generator=g),
+         "k": torch.randn(b, site.kv_heads, n, site.head_dim, device=device, dtype=dtype, generator=g),
+         "v": torch.randn(b, site.kv_heads, n, site.v_head_dim or site.head_dim, device=device, dtype=dtype,
+                          generator=g),
+         "mask": None, "valid_len": None}
+    if site.mask_kind in ("valid_length", "arbitrary"):
+        from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+        keep = max(1, int(n * STATIC_FILL))
+        cols = torch.arange(n, device=device)
+        band = cols < keep
+        if site.window is not None:  # a sliding window's band: the last ``window`` keys before ``keep``
+            band &= cols >= keep - site.window
+        s["mask"] = band[None, None, None, :].expand(b, 1, L, n).contiguous()
+        s["valid_len"] = torch.ops.attnopt.valid_len_from_mask(s["mask"], b)
+        if site.window is not None:
+            s["key_start"] = torch.ops.attnopt.key_start_from_mask(s["mask"], b)
+    return s
+
+
+def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = None) -> Callable[[], Any]:
+    """A call of ``plan`` on input set ``s`` as the lowered op runs it: ``strategy.run`` only, with the set's mask
+    and, for a plan that reads one, its precomputed valid length. ``state``: the strategy's prepared state
+    (prepared here, before the call is made, when ``None``)."""
+    from attnopt.runtime.strategies import get_strategy
+
+    strategy = get_strategy(plan.kind)
+    if state is None:
+        state = strategy.prepare(plan, s["q"], s["k"], s["v"])
+    scale = site.scale if site.scale is not None else site.head_dim ** -0.5
+    if hasattr(strategy, "timed_call"):  # a plan whose op takes other inputs than (q, k, v): the cascade
+        return strategy.timed_call(plan, site, s, state, scale)
+    q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
+    valid_len = s.get("valid_len") if uses_valid_len(plan, site) else None
+    if uses_valid_len(plan, site) and valid_len is None and mask is not None:
+        raise ValueError("site_call: the input set has a mask but no precomputed valid_len (synthetic_inputs "
+                         "makes one)")
+
+    variant = _variant(strategy, site, s)
+    if variant:
+        def call_variant():
+            return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal, **variant)
+        return call_variant
+
+    def call():
+        return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal)
+    return call
+
+
+def _variant(strategy, site: AttentionSite, s: dict[str, Any]) -> dict[str, Any]:
+    """The variant keywords the lowered op gives ``strategy`` at ``site``: the set's window start, the cap, and for
+    ALiBi Bloom's slopes for the site's heads (the kernels' time does not depend on their values)."""
+    import torch
+
+    from attnopt.runtime.strategies.base import variant_kwargs
+
+    slopes = (torch.tensor([2.0 ** -(8 * (h + 1) / site.q_heads) for h in range(site.q_heads)], device=s["q"].device)
+              if site.alibi else None)
+    return variant_kwargs(strategy, s.get("key_start"), site.softcap or 0.0, slopes)
+
+
+def set_count(set_bytes: int, l2_bytes: int | None, free_bytes: int) -> int:
+    """Input sets for one timing: enough to span ``L2_FACTOR`` L2 sizes, at most ``MAX_SETS`` and at most what
+    half the free memory holds. ``MemoryError`` when not even one set fits there."""
+    if set_bytes > free_bytes // 2:
+        raise MemoryError(f"one input set needs {set_bytes / 1e9:.2f} GB, {free_bytes / 1e9:.1f} GB free")
+    l2 = l2_bytes or (50 << 20)
+    want = -(-L2_FACTOR * l2 // max(set_bytes, 1))
+    return int(max(1, min(MAX_SETS, want, free_bytes // 2 // max(set_bytes, 1))))
+
+
+class GpuTimer:
+    """``timer(plan, site)`` -> µs of one ``run()`` of ``plan`` at ``site``'s shape (see the module docstring), and
+    ``timer.valid_len_us(site)``: µs of one ``valid_len_from_mask`` over the site's mask.
+
+    The input sets of the last shape are kept for the next candidate of the same shape (the tuner times several in
+    turn, in rounds) and dropped by ``release()`` or a new shape."""
+
+    def __init__(self, *, target_ms: float = TARGET_MS, replays: int = REPLAYS, warm_ms: float = WARM_MS):
+        self.target_ms, self.replays, self.warm_ms = target_ms, replays, warm_ms
+        self._shape: Any = None
+        self._sets: list[dict[str, Any]] = []
+        self._warm = False
+
+    def release(self) -> None:
+        """Drop the input sets and hand their memory back to the driver (they can take GBs at long contexts, and
+        the model being compiled needs its memory next)."""
+        had_sets = bool(self._sets)
+        self._shape, self._sets, self._warm = None, [], False
+        if had_sets:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def _input_sets(self, site: AttentionSite) -> list[dict[str, Any]]:
+        import torch
+
+        from .tuning import ShapeKey
+
+        shape = ShapeKey.of(site, site.kv_len, False)
+        if shape == self._shape:
+            return self._sets
+        self.release()
+        item = getattr(torch, site.dtype).itemsize
+        set_bytes = int(site.batch) * site.kv_heads * int(site.kv_len) * (
+            site.head_dim + (site.v_head_dim or site.head_dim)) * item
+        free, _ = torch.cuda.mem_get_info()
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
+        count = set_count(set_bytes, l2, free)
+        self._shape, self._sets = shape, [synthetic_inputs(site, i) for i in range(count)]
+        return self._sets
+
+    def _time(self, calls: list[Callable[[], Any]]) -> float:
+        import torch
+
+        from .bench.common import cycle, time_us
+
+        if not self._warm:  # the first timing of a shape: bring the clocks up first
+            self._warm = True
+            end = time.perf_counter() + self.warm_ms / 1e3
+            while time.perf_counter() < end:
+                for c in calls[:8]:
+                    c()
+                torch.cuda.synchronize()
+        return time_us(cycle(calls), "graph", target_ms=self.target_ms, replays=self.replays, min_calls=len(calls))
+
+    def __call__(self, plan: Plan, site: AttentionSite) -> float:
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from attnopt.runtime.strategies import get_strategy
+
+        with unset_fake_temporarily(), torch.no_grad():
+            sets = self._input_sets(site)
+            state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+            torch.cuda.synchronize()
+            return self._time([site_call(plan, site, s, state) for s in sets])
+
+    def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
+        """µs of one ``attnopt::valid_len_from_mask`` over the site's mask, timed like a plan (``eager``: the longer
+        of that and its host time, as ``host_us``)."""
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad():
+            sets = self._input_sets(site)
+            b = int(site.batch)
+            calls = [lambda m=s["mask"]: torch.ops.attnopt.valid_len_from_mask(m, b) for s in sets]
+            device = self._time(calls)
+            return max(device, self._host(calls)) if eager else device
+
+    def host_us(self, plan: Plan, site: AttentionSite) -> float:
+        """µs of host time per call of the ``attnopt::decode_attention`` op running ``plan``, the calls issued back
+        to back without a sync (what a graph that is not replayed as a CUDA graph pays per call when the GPU keeps
+        up). The op prepares its state on the first call, in the warm-up."""
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+        from attnopt.runtime.strategies import get_strategy
+
+        with unset_fake_temporarily(), torch.no_grad():
+            sets = self._input_sets(site)
+            strategy = get_strategy(plan.kind)
+            if hasattr(strategy, "timed_call"):  # its own op and inputs (the cascade): its timed call, host side
+                state = strategy.prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+                return self._host([site_call(plan, site, s, state) for s in sets])
+            key, scale = plan.runtime_key(), site.scale if site.scale is not None else site.head_dim ** -0.5
+            op = torch.ops.attnopt.decode_attention
+            return self._host([lambda s=s: op(s["q"], s["k"], s["v"], s["mask"],
+                                              s["valid_len"] if uses_valid_len(plan, site) else None, scale,
+                                              site.is_causal, key, TUNING_SITE) for s in sets])
+
+    @staticmethod
+    def _host(calls: list[Callable[[], Any]]) -> float:
+        from .bench.common import cycle, host_us
+
+        return host_us(cycle(calls), iters=max(HOST_CALLS, len(calls)), repeats=3, warmup=max(5, len(calls)))
+
+
+#: The default timer of ``attnopt.tuning.Tuner``.
+gpu_timer = GpuTimer()

@@ -1,0 +1,124 @@
+"""``attnopt bench planner``: the sampled grid covers the issue's axes, the summaries compute what the issue asks
+(ratio to the best peer, geometric mean, the static-cache check), and the whole suite runs on the CPU (--smoke:
+the Triton interpreter, host timing) and writes its JSON."""
+import json
+import math
+
+import pytest
+import torch
+
+from attnopt.bench import planner_grid as G
+from attnopt.bench.planner import overall, summarize
+from attnopt.cli import main
+
+
+def test_the_sample_covers_every_axis_of_the_grid_and_is_seeded():
+    grid = G.latin_hypercube(40, seed=19)
+    assert grid == G.latin_hypercube(40, seed=19) and grid != G.latin_hypercube(40, seed=20) and len(grid) == 40
+    cases = list(grid.values())
+    assert {hq // hkv for _, hq, hkv, *_ in cases} == set(G.GROUPS)
+    assert {c[3] for c in cases} == set(G.HEAD_DIMS)
+    assert {c[5] for c in cases} == set(G.Q_LENS) and {c[6] for c in cases} == set(G.CACHES)
+    for b, hq, hkv, d, n, L, cache in cases:
+        assert 1 <= b <= 64 and 1024 <= n <= 512 * 1024 and hq % hkv == 0
+        assert b * hkv * n * 2 * d * 2 <= G.MAX_SET_BYTES
+    # stratified: every octave of N from 1k up to 512k and of B from 1 to 64 is sampled
+    assert {int(math.log2(c[4])) for c in cases} >= set(range(10, 19))
+    assert {int(math.log2(c[0])) for c in cases} >= {0, 1, 2, 3, 4, 5}
+    assert any(n & (n - 1) for *_, n, _, _ in cases)  # lengths inside buckets, not only on their edges
+
+
+def test_corners_named_and_off_grid_cases():
+    cases = G.all_cases(4, 3, seed=19)
+    assert set(G.NAMED) <= set(cases) and set(G.CORNERS) <= set(cases) and len(cases) == len(G.NAMED) + len(
+        G.CORNERS) + 7
+    corners = list(G.CORNERS.values())
+    assert {c[0] for c in corners} >= {1, 64} and {c[3] for c in corners} >= {64, 256}
+    assert {c[4] for c in corners} >= {1024, 524288} and {c[1] // c[2] for c in corners} >= {1, 8}
+    off = G.off_grid(6, seed=19)
+    for b, hq, hkv, d, n, L, cache in off.values():
+        assert hq // hkv not in G.GROUPS or d not in G.HEAD_DIMS or L not in G.Q_LENS
+    assert G.valid_len_of(G.NAMED["static-4k-of-32k"]) == 4096 and G.valid_len_of(G.NAMED["smollm2-8k"]) is None
+    with pytest.raises(ValueError, match="unknown case"):
+        G.all_cases(0, 0, 19, ("nope",))
+
+
+def _row(method, us, peer, err=1e-3, **kw):
+    return {"method": method, "us": us, "peer": peer, "rel_err": err, **kw}
+
+
+def test_summary_ratios_roofline_and_the_static_check():
+    case = G.NAMED["static-4k-of-32k"]
+    rows = [_row("attnopt:planner", 10.0, False, plan="split_kv(...)", choice="measured", compile_s=3.0),
+            _row("attnopt:model", 12.5, False, plan="split_kv(..)"),
+            _row("sdpa-cudnn", 60.0, True), _row("sdpa-efficient", 55.0, True),
+            _row("sdpa-flash", 5.0, True, err=0.5),  # wrong answers never count as the best peer
+            _row("torch-compile", 11.0, True)]
+    s = summarize("static-4k-of-32k", case, rows)
+    assert s["best_peer"] == "torch-compile" and s["ratio_to_best_peer"] == pytest.approx(1.1)
+    assert s["model_ratio_to_best_peer"] == pytest.approx(11.0 / 12.5)
+    assert s["speedup_vs_sdpa_full_cache"] == pytest.approx(5.5)  # the best SDPA over the whole cache / ours
+    fixed = summarize("b", G.NAMED["smollm2-8k"], [_row("attnopt:planner", 9.0, False), _row("sdpa-cudnn", 8.1, True)])
+    out = overall([s, fixed, {"case": "c", "error": "x"}])
+    assert out["min_ratio"] == pytest.approx(0.9) and out["worst_case"] == "b" and out["at_least_0_99"] == 1
+    assert out["geomean_ratio"] == pytest.approx(math.sqrt(1.1 * 0.9))
+    assert out["model_with_ratio"] == 1 and out["static_check"] == {"case": "static-4k-of-32k",
+                                                                    "speedup": pytest.approx(5.5), "pass": True}
+    assert out["compile_s_max"] == 3.0
+
+
+def test_needs_a_gpu_without_smoke(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "planner", "--grid", "2"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_smoke_run_on_the_cpu_writes_every_field(tmp_path, monkeypatch):
+    """The suite end to end on the CPU: three tiny cases (fixed, dynamic, static with q_len 4) through optimize()
+    (interpreted kernels, eager inner backend), SDPA and torch.compile as peers, host timing."""
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "planner.json"
+    assert main(["bench", "planner", "--smoke", "--out", str(out), "--commit", "smoke"]) == 0
+    data = json.loads(out.read_text())
+    assert data["suite"] == "planner" and data["commit"] == "smoke" and data["timing"] == "host"
+    assert [s["case"] for s in data["summary"]] == ["smoke-fixed", "smoke-dynamic", "smoke-static"]
+    for s in data["summary"]:
+        assert s["error"] is None and s["ratio_to_best_peer"] > 0 and s["compile_s"] > 0, s
+        assert s["plan"] and s["best_peer"] in ("sdpa", "torch-compile", "hf-static-compiled")
+    assert all(r["timing"] == "host" for r in data["rows"] if r.get("us"))
+    ours = [r for r in data["rows"] if r["method"] == "attnopt:planner"]
+    assert all(r["rel_err"] < 1e-4 and r["rewritten"] for r in ours)
+    assert all(r["plan"].startswith("split_kv") and r["choice"] == "forced" for r in ours)  # interpreted kernels
+    hf = [r for r in data["rows"] if r["method"] == "hf-static-compiled"]
+    assert [r["cache"] for r in hf] == ["static"] and hf[0]["rel_err"] < 1e-4  # Hugging Face's static-cache path
+    static = next(s for s in data["summary"] if s["cache"] == "static")
+    assert static["speedup_vs_sdpa_full_cache"] > 0
+    assert data["overall"]["cases"] == 3 and data["overall"]["geomean_ratio"] > 0
+    assert "ATTNOPT_TUNE" not in __import__("os").environ  # restored
+
+
+def test_parts_cover_the_cases_once_and_merge_joins_them(tmp_path, capsys):
+    from attnopt.bench.planner import merge, parse_part
+
+    assert parse_part("1/3") == (1, 3)
+    for bad in ("3/3", "a/b", "1"):
+        with pytest.raises(ValueError, match="--part"):
+            parse_part(bad)
+    assert main(["bench", "planner", "--part", "2/2"]) == 2 and "--part '2/2'" in capsys.readouterr().err
+    names = list(G.all_cases(6, 2, 19))
+    parts = [[n for j, n in enumerate(names) if j % 3 == i] for i in range(3)]
+    assert sorted(sum(parts, [])) == sorted(names)
+    files = []
+    for i, ratio in enumerate((1.2, 0.9)):
+        f = tmp_path / f"p{i}.json"
+        f.write_text(json.dumps({"suite": "planner", "commit": "c", "device": "d", "elapsed_s": 100.0 + i,
+                                 "rows": [{"case": f"c{i}"}], "summary": [{"case": f"c{i}", "ratio_to_best_peer": ratio}],
+                                 "skipped_cases": [f"s{i}"], "overall": {}}))
+        files.append(str(f))
+    joined = merge(files)
+    assert [s["case"] for s in joined["summary"]] == ["c0", "c1"] and joined["skipped_cases"] == ["s0", "s1"]
+    assert joined["overall"]["geomean_ratio"] == pytest.approx(math.sqrt(1.2 * 0.9))
+    assert [p["elapsed_s"] for p in joined["parts"]] == [100.0, 101.0]
+    out = tmp_path / "all.json"
+    assert main(["bench", "planner", "--merge", *files, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["overall"]["with_ratio"] == 2
