@@ -33,3 +33,26 @@ def test_variants_smoke(tmp_path, monkeypatch, capsys):
             assert r["plan"].endswith(want) and (want or "[" not in r["plan"]), r
     printed = capsys.readouterr().out
     assert "x SDPA with the window as a mask" in printed and "alibi:" in printed and "softcap:" in printed
+
+
+def test_timed_call_runs_the_variant():
+    """The tuner's timed call at a window / softcap / ALiBi site runs the plan as the lowered op does: the set's
+    precomputed key start (the band's first key), the cap and slopes; its output equals the reference's."""
+    from attnopt.plan import SplitKVPlan
+    from attnopt.runtime.reference import decode_attention
+    from attnopt.site import AttentionSite
+    from attnopt.timer import site_call, synthetic_inputs
+
+    base = dict(batch=1, q_heads=4, kv_heads=2, head_dim=64, q_len=1, kv_len=200, dtype="float32",
+                mask_kind="arbitrary", scale=0.125)
+    for extra in (dict(window=32), dict(softcap=20.0), dict(alibi=True)):
+        site = AttentionSite.canonical(**base, **extra)
+        s = synthetic_inputs(site, 0, device="cpu")
+        if "window" in extra:
+            keep = int(s["valid_len"][0])
+            assert s["key_start"].tolist() == [keep - 32]
+        out = site_call(SplitKVPlan(num_splits=2, block_n=32), site, s)()
+        slopes = torch.tensor([2.0 ** -(8 * (h + 1) / 4) for h in range(4)]) if site.alibi else None
+        ref = decode_attention(s["q"], s["k"], s["v"], attn_mask=s["mask"], scale=0.125, softcap=site.softcap or 0.0,
+                               alibi_slopes=slopes)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
