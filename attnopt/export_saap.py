@@ -31,6 +31,7 @@ def check_saap(plan: str, q, k, site: str) -> None:
 
     p = plan_from_json(plan)
     index = get_index(p.index)
+    _refuse_rotated(index, p.index, f"SAAP plan at {site}")
     if p.layer not in index.layers:
         raise ValueError(f"SAAP plan at {site}: layer {p.layer} is not in the index {p.index} "
                          f"(layers {sorted(index.layers)})")
@@ -145,6 +146,7 @@ def export_saap_clusters(index: str, path: str, *, batch: int, max_cache_len: in
     from attnopt.runtime.saap.registry import get_index
 
     loaded = get_index(index)
+    _refuse_rotated(loaded, index, "export_saap_clusters")
     layers = sorted(loaded.layers) if layers is None else list(layers)
     missing = [l for l in layers if l not in loaded.layers]
     if missing:
@@ -163,6 +165,13 @@ def export_saap_clusters(index: str, path: str, *, batch: int, max_cache_len: in
 
     onnx.checker.check_model(str(path), full_check=True)
     return outputs
+
+
+def _refuse_rotated(index: Any, path: Any, where: str) -> None:
+    """The exported graphs de-rope queries and keys: an index over rotated keys would export wrong, so refuse."""
+    if index.rotated:
+        raise ValueError(f"{where}: the SAAP index {path} clusters rotated keys (trained with --rotated); the ONNX "
+                         f"export supports de-roped indexes only (train without --rotated to export)")
 
 
 def _assignment_module(index: Any, layers: list[int], sink: int, window: int):

@@ -168,7 +168,7 @@ class StreamKPlan(Plan):
 class TreePlan(Plan):
     """Tree Attention: local attention over the sequence shard, one collective of softmax states, local merge.
 
-    ``collective``: ``all_gather`` of packed (o, lse); ``all_reduce`` of the max then of [num | den];
+    ``collective``: ``all_gather`` of packed (o, m, log l); ``all_reduce`` of the max then of [num | den];
     ``all_reduce3`` the paper's three all-reduces (baseline).
     """
 

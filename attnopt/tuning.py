@@ -47,16 +47,21 @@ from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_
 
 #: 2: valid length outside the timed region and charged per sharing site, round-robin medians, L2-sized
 #: rotation (version 1 charged every kernel plan a whole valid-length computation and picked cuDNN for it).
-TUNING_VERSION = 2
+TUNING_VERSION = 3
 #: ``0`` turns tuning off (the cost model alone plans, and cached measurements are not used).
 TUNE_ENV = "ATTNOPT_TUNE"
 #: Whether the measured choice is on when ``ATTNOPT_TUNE`` is unset (see ``default_tuner`` for why not yet).
 TUNE_BY_DEFAULT = False
 #: Seconds one site shape may spend being timed (new candidates stop starting after it).
 BUDGET_ENV = "ATTNOPT_TUNE_BUDGET_S"
-DEFAULT_BUDGET_S = 2.0
+DEFAULT_BUDGET_S = 4.0  # room for the further families' first compiles (about a second each, cold)
 #: Kernel (non-SDPA) candidates timed per shape, best estimates first.
 DEFAULT_TOP_K = 4
+#: Kernel configurations beyond the top ``DEFAULT_TOP_K``: the best-estimated plan of each further (kind, block_n,
+#: num_warps, num_stages) family, up to this many. On the H100 the datasheet model ranked SmolLM2's 1k static site
+#: (9/3 heads, D=64) S=5/256/8/2 first, 10.0 µs alone in a graph, and left the fastest family out of its top four:
+#: S=16/64/4/3 ran in 6.2 µs (probe at c761f67). Timing one plan per family lets measurement find it.
+DEFAULT_EXTRA_FAMILIES = 4
 #: Upper edges of the KV-length buckets of a symbolic length; longer lengths take the last bucket.
 BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
@@ -241,21 +246,38 @@ class Choice:
     tune_s: float = 0.0
 
 
-def to_time(ranked: Sequence[Plan], top_k: int) -> list[Plan]:
+def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EXTRA_FAMILIES) -> list[Plan]:
     """The candidates worth timing, in the order they are timed: the model's pick, every explicit SDPA backend
-    (cuDNN first: the fastest on Hopper), then the next kernel plans by estimate, ``top_k`` kernel plans in all.
-    ``auto`` SDPA is timed only when no backend is named explicitly (it is one of them)."""
+    (cuDNN first: the fastest on Hopper), then the next kernel plans by estimate, ``top_k`` kernel plans, then the
+    best-estimated plan of up to ``extra_families`` kernel configurations (kind, block_n, num_warps, num_stages)
+    not among them: the model ranks grids of one configuration well and configurations against each other
+    poorly. ``auto`` SDPA is timed only when no backend is named explicitly (it is one of them)."""
     if not ranked:
         return []
     explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
     order = {"cudnn": 0, "flash": 1, "efficient": 2, "math": 3}
     dense = sorted(explicit, key=lambda p: order.get(p.backend, 9)) or [p for p in ranked if p.kind == "dense"][:1]
-    kernels = [p for p in ranked if p.kind != "dense"][:top_k]
+    ranked_kernels = [p for p in ranked if p.kind != "dense"]
+    kernels = ranked_kernels[:top_k]
+    families = {_family(p) for p in [ranked[0]] + kernels}
+    for p in ranked_kernels[top_k:]:
+        if extra_families <= 0:
+            break
+        if _family(p) not in families:
+            families.add(_family(p))
+            kernels.append(p)
+            extra_families -= 1
     out: list[Plan] = [ranked[0]]
     for p in dense + kernels:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
     return out
+
+
+def _family(plan: Plan) -> tuple:
+    """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages)."""
+    return (plan.kind, getattr(plan, "block_n", None), getattr(plan, "num_warps", None),
+            getattr(plan, "num_stages", None))
 
 
 class Tuner:

@@ -16,7 +16,7 @@
 #                needs the GGUF that `smollm2 run` joins (/tmp/e2e/smol.gguf) and the gguf package in /tmp/site
 #   <name>       any other name is `attnopt bench <name>` (kernels, dispatch, e2e, headroom, cascade, ...)
 # and the SmolLM2 GGUF end to end, whose 98 MB file travels in two parts over two back-to-back device calls:
-#   bash benchmarks/gpu.sh smollm2 prepare|stage|run   (benchmarks/gpu_session_e2e_smollm2.sh says how)
+#   bash benchmarks/gpu.sh smollm2 prepare|stage|run|saap-quality   (benchmarks/gpu_session_e2e_smollm2.sh says how)
 #
 # Environment:
 #   ATTNOPT_COMMIT  the commit measured, recorded in every result. Pass it: the device copy's git HEAD is stale.

@@ -5,6 +5,8 @@
 #   here:          bash benchmarks/gpu_session_e2e_smollm2.sh prepare   # .devcarry_a, .devcarry_b (git-excluded)
 #   device call 1: bash benchmarks/gpu_session_e2e_smollm2.sh stage     # carry .devcarry_a; copies part 1 to /tmp
 #   device call 2: bash benchmarks/gpu_session_e2e_smollm2.sh run       # carry .devcarry_b, within the idle window
+#              or: bash benchmarks/gpu_session_e2e_smollm2.sh saap-quality  # the same, then SAAP's quality curve
+#                  (benchmarks/saap_quality_gpu.py; options through ARGS_saap_quality) instead of the e2e runs
 # "run" joins the parts, checks their md5, installs the carried gguf wheel, and runs one process per (prompt,
 # dtype, cache) in parallel; JSON to $OUT. Pass ATTNOPT_COMMIT=<sha>. Another "stage" command may precede it in
 # call 1 (the machine keeps /tmp while it is warm).
@@ -23,7 +25,7 @@ prepare)
   du -sh .devcarry_a .devcarry_b ;;
 stage)
   mkdir -p /tmp/e2e && cp .devcarry_a/* /tmp/e2e/ && ls -la /tmp/e2e ;;
-run)
+run|saap-quality)
   cat /tmp/e2e/smol.part1 .devcarry_b/smol.part2 > /tmp/e2e/smol.gguf
   echo "$(cat .devcarry_b/md5)  /tmp/e2e/smol.gguf" | md5sum -c
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -31,6 +33,11 @@ run)
   export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1
   set +e
   . "$(dirname "${BASH_SOURCE[0]}")/gpu.sh"  # installs the checkout; sets REPO, OUT, t0
+  if [ "$1" = saap-quality ]; then  # SAAP's whole quality curve at 8k (benchmarks/saap_quality_gpu.py)
+    timeout 560 python "$REPO/benchmarks/saap_quality_gpu.py" --gguf /tmp/e2e/smol.gguf --out "$OUT" \
+      ${ARGS_saap_quality:-} 2>&1 | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/saap-quality.log"
+    exit "${PIPESTATUS[0]}"
+  fi
   for n in ${PROMPTS:-0 2000}; do for d in float32 bfloat16; do for c in dynamic static; do
     timeout 520 python "$REPO/benchmarks/gpu_e2e_smollm2.py" --gguf /tmp/e2e/smol.gguf --prompt-tokens "$n" \
       --tokens 32 --plans ${PLANS:-auto,auto-ro,split_kv,stream_k} --baseline --dtypes $d --caches $c \
@@ -40,5 +47,5 @@ run)
   echo "all $(( $(date +%s) - t0 )) s"
   for f in /tmp/e2e-*.log; do grep -v "Warning\|it/s\|return F\|^{\|warn\|^dtype " "$f" | tail -4; done ;;
 *)
-  echo "usage: $0 prepare|stage|run" >&2; exit 2 ;;
+  echo "usage: $0 prepare|stage|run|saap-quality" >&2; exit 2 ;;
 esac

@@ -152,7 +152,8 @@ def attention_states(
     return o, lse.reshape(B, Hq, L)
 
 
-def merge_states(o_parts: Tensor, lse_parts: Tensor, log_l_parts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def merge_states(o_parts: Tensor, lse_parts: Tensor, log_l_parts: Tensor | None = None, *,
+                 split_lse: bool = False) -> tuple[Tensor, ...]:
     """Merge P softmax states along dim 0.
 
     Parameters
@@ -163,9 +164,13 @@ def merge_states(o_parts: Tensor, lse_parts: Tensor, log_l_parts: Tensor | None 
     log_l_parts : (P, ...) float32 ``log l`` of each partition, or None. Needed for exact weights when ``m`` is so
         large in magnitude (a row hidden by ``finfo.min``) that ``m + log l`` rounds to ``m``.
 
+    split_lse : return the merged state's row max ``m`` and ``log l`` apart instead of lse = m + log l, for a
+        later merge (a multi-GPU combine) that must not lose ``log l`` either.
+
     Returns
     -------
-    o : (..., Dv) and lse : (...). Rows empty in every partition give o = 0 and lse = -inf.
+    o : (..., Dv) and lse : (...) (with ``split_lse``: m (...) and log l (...)). Rows empty in every partition give
+    o = 0 and lse = -inf (m = log l = -inf).
     """
     lse_max = lse_parts.amax(dim=0)
     all_empty = torch.isneginf(lse_max)
@@ -177,6 +182,8 @@ def merge_states(o_parts: Tensor, lse_parts: Tensor, log_l_parts: Tensor | None 
     total = w.sum(dim=0)
     safe_total = torch.where(all_empty, torch.ones_like(total), total)
     o = (o_parts * w.unsqueeze(-1)).sum(dim=0) / safe_total.unsqueeze(-1)
+    if split_lse:  # all-empty rows: lse_max is -inf already and log(0) = -inf
+        return o, lse_max, torch.log(total)
     lse = torch.where(all_empty, torch.full_like(lse_max, float("-inf")), safe_max + torch.log(safe_total))
     return o, lse
 
@@ -195,8 +202,10 @@ def decode_attention_states(
     key_start: Tensor | None = None,
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Split-KV by partition and merge, the structure the kernels use. Returns (o, lse) in ``compute_dtype``."""
+    split_lse: bool = False,
+) -> tuple[Tensor, ...]:
+    """Split-KV by partition and merge, the structure the kernels use. Returns (o, lse) in ``compute_dtype``, or
+    with ``split_lse`` (o, m, log l) (see :func:`attention_states`)."""
     N = k.shape[2]
     if num_partitions < 1:
         raise ValueError(f"decode_attention_states: num_partitions must be >= 1; got {num_partitions}")
@@ -204,13 +213,13 @@ def decode_attention_states(
     if num_partitions == 1:
         return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
                                 compute_dtype=compute_dtype, key_start=key_start, softcap=softcap,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, split_lse=split_lse)
     chunk = -(-N // num_partitions)
     states = [attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
                                kv_start=s, kv_end=s + chunk, compute_dtype=compute_dtype, split_lse=True,
                                key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
               for s in range(0, N, chunk)]
-    return merge_states(*(torch.stack([s[j] for s in states]) for j in range(3)))
+    return merge_states(*(torch.stack([s[j] for s in states]) for j in range(3)), split_lse=split_lse)
 
 
 def decode_attention(

@@ -173,7 +173,7 @@ class SymmMemTree:
         self.handles = [symm_mem.rendezvous(b, self.name) for b in self.bufs]
         self.i = 0
 
-    def __call__(self, o, lse):
+    def __call__(self, o, m, log_l):
         import torch
 
         from attnopt.runtime.distributed import _pack, merge_packed
@@ -181,7 +181,7 @@ class SymmMemTree:
         buf = self.bufs[self.i]
         self.i ^= 1
         buf.zero_()
-        _pack(o, lse, buf[self.g.rank])
+        _pack(o, m, log_l, buf[self.g.rank])
         total = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.name)
         return merge_packed(total)
 
@@ -247,12 +247,11 @@ def run_case(args, g, shape_name: str, n_total: int, hw, topo, cuda: bool, log,
     if phase == "symm":
         del k_full, v_full
         try:
-            sm = SymmMemTree(g, (B, Hq, 1, Dh + 1), dev)
+            sm = SymmMemTree(g, (B, Hq, 1, Dh + D.PACKED_EXTRA), dev)
             res = [None]
 
             def tree_sm():
-                o, lse = D.local_states(q, k, v, scale=scale)
-                res[0] = sm(o, lse)[0]
+                res[0] = sm(*D.local_states(q, k, v, scale=scale, split_lse=True))[0]
 
             row("tree:symm_mem", "eager", eager_us(tree_sm, g, args.iters, cuda), res[0])
             if not args.no_graph:

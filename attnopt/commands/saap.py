@@ -49,6 +49,9 @@ def register(sub) -> None:
     t.add_argument("--window", type=int, default=64, help="recent keys excluded from the targets (default 64)")
     t.add_argument("--max-queries", type=int, default=None, help="recorded queries used per sequence (default all)")
     t.add_argument("--no-mlp", action="store_true", help="k-means only (the centroid-scored baseline)")
+    t.add_argument("--rotated", action="store_true",
+                   help="cluster the keys as the cache holds them (with RoPE), not de-roped: better within the "
+                        "trained positions, the paper's de-roping extrapolates past them")
     t.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
     t.set_defaults(func=run_train)
@@ -126,8 +129,7 @@ def run_train(args) -> int:
     with _progress() as bar:
         index = train_index(coll, clusters=args.clusters, hidden=args.hidden, steps=args.steps, batch=args.batch,
                             lr=args.lr, sink=args.sink, window=args.window, mlp=not args.no_mlp, device=args.device,
-                            max_queries=args.max_queries,
-                            progress=bar)
+                            max_queries=args.max_queries, rotated=args.rotated, progress=bar)
     index.save(args.out)
     print(f"wrote {args.out}: {len(index.layers)} layers, C={index.num_clusters}, "
           f"MLP={'yes' if index.has_mlp else 'no'} ({time.perf_counter() - start:.0f} s)")

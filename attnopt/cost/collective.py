@@ -32,9 +32,11 @@ from . import kernel
 #: Messages up to this size pay the small-message protocol bandwidth (``Topology.small_msg_gbps``).
 SMALL_MESSAGE_BYTES = 256 * 1024
 TREE_COLLECTIVES = ("all_gather", "all_reduce", "all_reduce3")
-#: Eager ops (each ``hw.launch_us``) of the steps in runtime/distributed.py: packing (o, lse) into one buffer,
-#: merging states, rescaling into [num | den], and the final division.
+#: Eager ops (each ``hw.launch_us``) of the steps in runtime/distributed/: packing [num | den] into one buffer,
+#: packing a state [o | m | log l] (one concatenation: a launch when its parts are fp32, a copy per part when o is
+#: in the model's dtype), merging states, rescaling into [num | den], and the final division.
 PACK_LAUNCHES = 2
+STATE_PACK_LAUNCHES = 2
 MERGE_LAUNCHES = 3
 RESCALE_LAUNCHES = 4
 FINISH_LAUNCHES = 3
@@ -205,8 +207,8 @@ def tree_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
     Parameters
     ----------
     collective
-        ``all_gather``: one all-gather of packed (o, lse), then a local merge of the ``world`` states;
-        ``all_reduce``: an all-reduce (max) of the LSE, then one all-reduce (sum) of [num | den];
+        ``all_gather``: one all-gather of packed (o, m, log l), then a local merge of the ``world`` states;
+        ``all_reduce``: an all-reduce (max) of the row max, then one all-reduce (sum) of [num | den];
         ``all_reduce3``: the paper's three all-reduces (max, numerator, denominator).
     hierarchical
         Explicit two-level collectives (inside a node, then across nodes); equal to the flat form on one node.
@@ -220,7 +222,8 @@ def tree_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
     local = local_attention_us(site, hw, world)
     if world == 1:
         return local
-    state = kernel.state_bytes(site)                 # (o, lse) fp32
+    state = kernel.state_bytes(site)                 # (o, lse) fp32: [num | den]
+    packed = kernel.packed_state_bytes(site)         # [o | m | log l] fp32: what the all-gather moves
     b, hkv, g, L, d, dv, e = kernel._dims(site)
     lse = float(b * hkv * g * L * 4)
     out = float(b * hkv * g * L * dv * site.dtype_bytes)
@@ -229,13 +232,14 @@ def tree_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
     if collective == "all_gather":
         if hierarchical:
             gpn, _ = topo.split(world)
-            merge_node = _merge_us(hw, state * gpn, launches=MERGE_LAUNCHES)
-            comm = hierarchical_all_gather_us(state, world, topo, graph=graph, combine_us=merge_node,
-                                              combined_bytes=state)
+            merge_node = _merge_us(hw, packed * gpn, launches=MERGE_LAUNCHES)
+            comm = hierarchical_all_gather_us(packed, world, topo, graph=graph, combine_us=merge_node,
+                                              combined_bytes=packed)
             n = topo.num_nodes(world)
-            return local + _merge_us(hw, state, PACK_LAUNCHES) + comm + _merge_us(hw, state * n + out, MERGE_LAUNCHES)
-        return (local + _merge_us(hw, state, PACK_LAUNCHES) + all_gather_us(state, world, topo, graph=graph)
-                + _merge_us(hw, state * world + out, MERGE_LAUNCHES))
+            return (local + _merge_us(hw, packed, STATE_PACK_LAUNCHES) + comm
+                    + _merge_us(hw, packed * n + out, MERGE_LAUNCHES))
+        return (local + _merge_us(hw, packed, STATE_PACK_LAUNCHES) + all_gather_us(packed, world, topo, graph=graph)
+                + _merge_us(hw, packed * world + out, MERGE_LAUNCHES))
     ar = hierarchical_all_reduce_us if hierarchical else all_reduce_us
     if collective == "all_reduce":
         # max of lse; rescale into [num | den] (a few ops); sum; divide.
@@ -257,7 +261,7 @@ def ring_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
     variant
         ``pass_kv`` (Ring Attention's baseline): ``world - 1`` steps, each sending the current K/V shard to the
         next rank while attending to it (overlapped: a step costs the slower of the two) and merging.
-        ``pass_q``: every rank attends to its own shard, then ``world - 1`` steps pass the running (o, lse) to
+        ``pass_q``: every rank attends to its own shard, then ``world - 1`` steps pass the running (o, m, log l) to
         the next rank, which merges its own state in (at decode the query is already on every rank).
     graph
         Whether the step is captured in a CUDA graph.
@@ -269,7 +273,7 @@ def ring_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
     local = local_attention_us(site, hw, world)
     if world == 1:
         return local
-    state = kernel.state_bytes(site)
+    state = kernel.packed_state_bytes(site)  # the running (o, m, log l), fp32
     b, hkv, g, L, d, dv, e = kernel._dims(site)
     out = float(b * hkv * g * L * dv * e)
     merge = _merge_us(hw, 3 * state, MERGE_LAUNCHES)
@@ -278,8 +282,9 @@ def ring_decode_us(site: AttentionSite, hw: HardwareProfile, topology: Topology 
         step = max(local, p2p_step_us(shard_kv, world, topo, graph))
         return local + (world - 1) * (step + merge) + _merge_us(hw, state + out)
     # pass_q: the query is replicated at decode, so only the packed state travels; each hop merges and repacks.
-    hop = p2p_step_us(state, world, topo, graph) + merge + _merge_us(hw, state, PACK_LAUNCHES)
-    return local + _merge_us(hw, state, PACK_LAUNCHES) + (world - 1) * hop + _merge_us(hw, state + out, PACK_LAUNCHES)
+    hop = p2p_step_us(state, world, topo, graph) + merge + _merge_us(hw, state, STATE_PACK_LAUNCHES)
+    return (local + _merge_us(hw, state, STATE_PACK_LAUNCHES) + (world - 1) * hop
+            + _merge_us(hw, state + out, PACK_LAUNCHES))
 
 
 def best_tree(site: AttentionSite, hw: HardwareProfile, topology: Topology | str, world: int,

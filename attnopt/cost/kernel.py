@@ -107,6 +107,13 @@ def state_bytes(site: AttentionSite) -> float:
     return float(b * hkv * g * L * (dv + 1) * 4)
 
 
+def packed_state_bytes(site: AttentionSite) -> float:
+    """Bytes of one fp32 softmax state as it crosses ranks, with the row max and log l apart (exact weights for a
+    row that finfo.min hides; ``runtime/distributed/local.py``): (B, Hq, L, Dv + 2) x 4."""
+    b, hkv, g, L, _, dv, _ = _dims(site)
+    return float(b * hkv * g * L * (dv + 2) * 4)
+
+
 def total_bytes(site: AttentionSite) -> float:
     return kv_bytes(site) + mask_bytes(site) + io_bytes(site)
 

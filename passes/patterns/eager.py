@@ -137,6 +137,23 @@ def _operand_groups(mm: fx.Node, which: str) -> tuple[list | None, list | None, 
     return None, None, ops, f"{nd}-D attention (expects (B, H, L, D) tensors)"
 
 
+def _narrowing_reason(mm: fx.Node, nodes: list[fx.Node]) -> str | None:
+    """Why the chain cannot be rewritten when one of its ``nodes`` (between the score product ``mm`` and the value
+    product, inclusive) holds a float dtype less precise than the scores (``softmax(s, dtype=float16)`` or
+    ``p.half()`` in an fp32 model): the original rounds there, and the kernels (which keep the scores and
+    probabilities in fp32) would not reproduce that rounding. Casts to the scores' dtype or wider are exact."""
+    base = meta_dtype(mm)
+    if base is None or not base.is_floating_point:
+        return None
+    eps = torch.finfo(base).eps
+    for n in nodes:
+        dt = meta_dtype(n)
+        if dt is not None and dt.is_floating_point and torch.finfo(dt).eps > eps:
+            return (f"the attention is rounded to {_dtype_name(dt)} between the score and value products (the scores "
+                    f"are {_dtype_name(base)}): the rewrite would not reproduce that rounding")
+    return None
+
+
 def _softmax_dim_ok(node: fx.Node) -> bool:
     src = _self(node)
     nd = _ndim(src)
@@ -420,6 +437,10 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     def fail(why: str) -> AttentionMatch:
         m.reason = reasons[0] if reasons else why
         return m
+
+    narrowed = _narrowing_reason(mm, chain + fchain)
+    if narrowed is not None:
+        reasons.append(narrowed)
 
     g0, g1, ops, why = _operand_groups(mm, "qk")
     if why is not None:

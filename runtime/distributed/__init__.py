@@ -41,7 +41,7 @@ from .groups import (_CURRENT, _GROUPS, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, Collecti
                      unregister_group, use_group)
 from .hf import (DECODE_MAX_Q_LEN, hf_sharded_attention, hf_sharded_cache_class, make_sharded_cache,
                  register_hf_attention, register_hf_shard_aware)
-from .local import LOCAL_KINDS, _merge_parts, _pack, local_states, merge_packed, merge_packed_triton
+from .local import LOCAL_KINDS, PACKED_EXTRA, _merge_parts, _pack, local_states, merge_packed, merge_packed_triton
 from .ring import RING_VARIANTS, ring_decode, ring_pass_kv, ring_pass_q
 from .tree import TREE_COLLECTIVES, combine_tree, tree_decode, tree_step
 from .watchdog import _ReplayWatchdog, thread_local_capture_mode

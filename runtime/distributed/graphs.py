@@ -1,6 +1,6 @@
 """Step graphs: a tree decode step, or its combine, captured once in a CUDA graph and replayed (NCCL on CUDA).
 
-* :class:`_CombineGraph`: the all-gather of the packed [o | lse] states and the merge;
+* :class:`_CombineGraph`: the all-gather of the packed [o | m | log l] states and the merge;
 * :class:`_StepGraph`: the whole step, split-KV over the local shard writing straight into the packed buffer,
   the all-gather and the merge.
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .groups import DistGroup
-from .local import _local_plan, _triton_merge_available, single_device_strategy
+from .local import PACKED_EXTRA, _local_plan, _pack, _triton_merge_available, single_device_strategy
 from .watchdog import _ReplayWatchdog
 
 
@@ -47,8 +47,7 @@ class _CombineGraph:
         shape = tuple(o.shape)
         dev = o.device
         self.g = g
-        self.packed = torch.zeros(shape[:-1] + (shape[-1] + 1,), dtype=torch.float32, device=dev)
-        self.packed_o, self.packed_lse = self.packed[..., :-1], self.packed[..., -1]  # views made once
+        self.packed = torch.zeros(shape[:-1] + (shape[-1] + PACKED_EXTRA,), dtype=torch.float32, device=dev)
         self.parts = torch.zeros((g.world,) + tuple(self.packed.shape), dtype=torch.float32, device=dev)
         self.out = torch.empty(shape, dtype=out_dtype, device=dev)
         self.lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev) if with_lse else None
@@ -69,12 +68,11 @@ class _CombineGraph:
 
         dist.all_gather_into_tensor(self.parts.view((-1,) + tuple(self.packed.shape[1:])), self.packed,
                                     group=self.g.pg)
-        triton_merge_states(self.parts[..., :-1], self.parts[..., -1], out=self.out,
-                            lse_out=self.lse if self.lse is not None else False)
+        triton_merge_states(self.parts[..., :-2], self.parts[..., -2], out=self.out,
+                            lse_out=self.lse if self.lse is not None else False, log_l_parts=self.parts[..., -1])
 
-    def __call__(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor | None]:
-        self.packed_o.copy_(o)
-        self.packed_lse.copy_(lse)
+    def __call__(self, o: Tensor, m: Tensor, log_l: Tensor) -> tuple[Tensor, Tensor | None]:
+        _pack(o, m, log_l, self.packed)  # [o | m | log l]: the row max and log l apart (see local.py)
         self.graph.replay()
         stream = self.stream if torch._C._cuda_getCurrentRawStream(self.device_index) == self.raw_stream else None
         self.g._watch.watch("tree all_gather + merge", stream)
@@ -86,7 +84,7 @@ def graph_combine_enabled() -> bool:
     return os.environ.get("ATTNOPT_TREE_GRAPH", "1") != "0"
 
 
-def _replayed_combine(g: "DistGroup", o: Tensor, lse: Tensor, out_dtype: torch.dtype | None,
+def _replayed_combine(g: "DistGroup", o: Tensor, m: Tensor, log_l: Tensor, out_dtype: torch.dtype | None,
                       with_lse: bool) -> tuple[Tensor, Tensor | None] | None:
     """The combine through a captured graph, or None where that does not apply: not NCCL on CUDA, turned off,
     inside someone else's capture (which records the eager ops itself), or the first call of a shape (the eager
@@ -100,7 +98,7 @@ def _replayed_combine(g: "DistGroup", o: Tensor, lse: Tensor, out_dtype: torch.d
         raise g.failure
     key = (tuple(o.shape), o.device, out_dtype or torch.float32, with_lse)
     return _graph_entry(g, g._graphs, key, lambda: _CombineGraph(g, o, out_dtype or torch.float32, with_lse),
-                        lambda entry: entry(o, lse))
+                        lambda entry: entry(o, m, log_l))
 
 
 def _graph_entry(g: "DistGroup", table: dict, key: tuple, capture, replay, limit: int | None = None):
@@ -146,8 +144,8 @@ MAX_STEP_GRAPHS = _env_count("ATTNOPT_TREE_STEP_GRAPHS", 256)
 
 
 class _StepGraph:
-    """A whole tree decode step captured in one CUDA graph: split-KV over the local shard writing its (o, lse)
-    straight into the packed [o | lse] buffer, the all-gather, and the merge.
+    """A whole tree decode step captured in one CUDA graph: split-KV over the local shard writing its (o, m, log l)
+    straight into the packed [o | m | log l] buffer, the all-gather, and the merge.
 
     The graph reads K, V, the valid length and the mask where they lie (they are part of the key: a static cache,
     or a sharded cache's storage between regrowths, keeps them in place) and the query from a static buffer it
@@ -174,8 +172,9 @@ class _StepGraph:
         self.plan = plan
         self.q = torch.empty_like(q)
         self.q.copy_(q)
-        packed = torch.zeros((B, Hq, L, Dv + 1), dtype=torch.float32, device=dev)
-        parts = torch.zeros((g.world, B, Hq, L, Dv + 1), dtype=torch.float32, device=dev)
+        width = Dv + PACKED_EXTRA  # [o | m | log l]
+        packed = torch.zeros((B, Hq, L, width), dtype=torch.float32, device=dev)
+        parts = torch.zeros((g.world, B, Hq, L, width), dtype=torch.float32, device=dev)
         self.out = torch.empty((B, Hq, L, Dv), dtype=out_dtype, device=dev)
         self.lse = torch.empty((B, Hq, L), dtype=torch.float32, device=dev) if with_lse else None
         # The graph's own buffers (and the shared workspace) live as long as it does. K, V, the length and the mask
@@ -188,13 +187,14 @@ class _StepGraph:
         self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):  # records only: no collective runs here (see ``_replayed_step``)
-            split_kv_decode(self.q, k, v, packed[..., :-1], packed[..., -1], workspace=state.workspace,
-                            attn_mask=attn_mask, valid_len=valid_len, is_causal=is_causal, scale=scale,
-                            num_splits=plan.num_splits, block_n=plan.block_n, num_warps=plan.num_warps,
+            # the (2, B, Hq, L) view of the packed row max and log l columns: the kernel writes them apart
+            split_kv_decode(self.q, k, v, packed[..., :-2], packed[..., -2:].movedim(-1, 0),
+                            workspace=state.workspace, attn_mask=attn_mask, valid_len=valid_len,
+                            is_causal=is_causal, scale=scale, num_splits=plan.num_splits, block_n=plan.block_n, num_warps=plan.num_warps,
                             num_stages=plan.num_stages, fused_merge=plan.fused_merge, tma=plan.tma)
-            dist.all_gather_into_tensor(parts.view(-1, Hq, L, Dv + 1), packed, group=g.pg)
-            triton_merge_states(parts[..., :-1], parts[..., -1], out=self.out,
-                                lse_out=self.lse if self.lse is not None else False)
+            dist.all_gather_into_tensor(parts.view(-1, Hq, L, width), packed, group=g.pg)
+            triton_merge_states(parts[..., :-2], parts[..., -2], out=self.out,
+                                lse_out=self.lse if self.lse is not None else False, log_l_parts=parts[..., -1])
 
     def __call__(self, q: Tensor) -> tuple[Tensor, Tensor | None]:
         self.q.copy_(q)

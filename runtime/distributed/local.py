@@ -1,4 +1,9 @@
-"""Local attention: the softmax state (o, lse) of the query over this rank's shard, and the merge of packed states.
+"""Local attention: the softmax state of the query over this rank's shard, and the merge of packed states.
+
+The states that cross ranks keep the row max ``m`` and ``log l`` apart (``lse = m + log l``), as the single-device
+merge does: a row that ``finfo.min`` hides in a shard has ``m`` near -3.4e38, where ``m + log l`` rounds to ``m``,
+so whole LSEs would weigh every rank alike instead of by its key count (the original gives the mean of V over the
+row's keys). A packed state is [o | m | log l], (..., Dv + 2) fp32.
 
 Tree and ring decode both start from :func:`local_states`. The local back-end is the reference, flash attention
 (CUDA), or a single-device plan kind (dense, split_kv, stream_k) run through its strategy's ``run_states``: those
@@ -75,7 +80,7 @@ def _local_plan(kind: str, strategy, q: Tensor, k: Tensor, v: Tensor):
 
 def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
                  valid_len: Tensor | None = None, scale: float | None = None, is_causal: bool = False,
-                 local: str = "auto", fp32: bool = True) -> tuple[Tensor, Tensor]:
+                 local: str = "auto", fp32: bool = True, split_lse: bool = False) -> tuple[Tensor, ...]:
     """Softmax state of ``q`` over the local shard.
 
     Parameters
@@ -86,11 +91,12 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
     local : one of ``LOCAL_KINDS``.
     fp32 : False lets o come back in q's dtype where the local kernel produces that (flash): one conversion
         fewer when the caller converts anyway (the tree's pack).
+    split_lse : return the row max and ``log l`` apart (see the module docstring), for a merge across ranks.
 
     Returns
     -------
     o : (B, Hq, L, Dv) float32 (or q's dtype, see ``fp32``); lse : (B, Hq, L) float32 (-inf where no key is
-    visible).
+    visible); with ``split_lse`` m and log l (B, Hq, L) float32 instead of lse (both -inf where no key is visible).
     """
     if local not in LOCAL_KINDS:
         raise ValueError(f"unknown local attention {local!r}; valid: {', '.join(LOCAL_KINDS)}")
@@ -98,10 +104,13 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     plain = attn_mask is None and valid_len is None and not is_causal
     if k.shape[2] == 0:
-        return attention_states(q, k, v, scale=scale)
+        return attention_states(q, k, v, scale=scale, split_lse=split_lse)
     if local in ("auto", "flash") and plain and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) \
             and v.shape[-1] == D and D <= 256:
-        return _flash_states(q, k, v, scale, fp32)
+        o, lse = _flash_states(q, k, v, scale, fp32)
+        # No mask, so no huge bias: the scores' own max is far from where m + log l would absorb log l, and
+        # (m, log l) = (lse, 0) weighs this state exactly.
+        return (o, lse, torch.zeros_like(lse)) if split_lse else (o, lse)
     if local not in ("auto", "reference", "flash"):
         strategy = single_device_strategy(local)
         if strategy is not None and (q.is_cuda or local == "dense"):
@@ -110,33 +119,43 @@ def local_states(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = 
                 plan = _local_plan(local, strategy, q, k, v)
                 _LOCAL_STATES[key] = (plan, strategy.prepare(plan, q, k, v))
             plan, state = _LOCAL_STATES[key]
-            return strategy.run_states(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal)
-    return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal)
+            return strategy.run_states(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal,
+                                       split_lse=split_lse)
+    return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                            split_lse=split_lse)
 
 
-def _pack(o: Tensor, lse: Tensor, out: Tensor) -> Tensor:
-    """[o | lse] into ``out`` (..., Dv + 1) fp32."""
-    out[..., :-1].copy_(o)
-    out[..., -1].copy_(lse)
-    return out
+#: Extra columns of a packed state after o: the row max and log l.
+PACKED_EXTRA = 2
 
 
-def merge_packed(parts: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge P packed states (P, ..., Dv + 1) into (o (..., Dv), lse (...)); empty parts (lse=-inf) are ignored.
+def _pack(o: Tensor, m: Tensor, log_l: Tensor, out: Tensor) -> Tensor:
+    """[o | m | log l] into ``out`` (..., Dv + 2) fp32 (o converted on the way): one concatenation, a single
+    launch on CUDA where the parts are fp32 already (a copy per part otherwise)."""
+    return torch.cat((o, m.unsqueeze(-1), log_l.unsqueeze(-1)), dim=-1, out=out)
+
+
+def merge_packed(parts: Tensor, split_lse: bool = False) -> tuple[Tensor, ...]:
+    """Merge P packed states (P, ..., Dv + 2) [o | m | log l] into (o (..., Dv), lse (...)), or with ``split_lse``
+    (o, m, log l); empty parts (m = -inf) are ignored.
 
     On CUDA this is one launch of the Triton merge kernel (``runtime/kernels/merge.py``, strided reads of the
     packed buffer); elsewhere the reference merge.
     """
     if parts.is_cuda and _triton_merge_available():
-        return merge_packed_triton(parts)
-    return merge_states(parts[..., :-1], parts[..., -1])
+        return merge_packed_triton(parts, split_lse)
+    return merge_states(parts[..., :-2], parts[..., -2], parts[..., -1], split_lse=split_lse)
 
 
-def merge_packed_triton(parts: Tensor) -> tuple[Tensor, Tensor]:
+def merge_packed_triton(parts: Tensor, split_lse: bool = False) -> tuple[Tensor, ...]:
     """``merge_packed`` through the Triton kernel (on CPU tensors it needs ``TRITON_INTERPRET=1``)."""
     from ..kernels.merge import merge_states as triton_merge_states
 
-    return triton_merge_states(parts[..., :-1], parts[..., -1])
+    if not split_lse:
+        return triton_merge_states(parts[..., :-2], parts[..., -2], log_l_parts=parts[..., -1])
+    planes = torch.empty((2,) + tuple(parts.shape[1:-1]), device=parts.device, dtype=torch.float32)
+    o, _ = triton_merge_states(parts[..., :-2], parts[..., -2], lse_out=planes, log_l_parts=parts[..., -1])
+    return o, planes[0], planes[1]
 
 
 _TRITON_MERGE: list[bool] = []
@@ -156,7 +175,7 @@ def _merge_parts(parts: Tensor, out_dtype: torch.dtype | None, with_lse: bool) -
     if parts.is_cuda and _triton_merge_available():
         from ..kernels.merge import merge_states as triton_merge_states
 
-        return triton_merge_states(parts[..., :-1], parts[..., -1], out_dtype=out_dtype or torch.float32,
-                                   lse_out=None if with_lse else False)
+        return triton_merge_states(parts[..., :-2], parts[..., -2], out_dtype=out_dtype or torch.float32,
+                                   lse_out=None if with_lse else False, log_l_parts=parts[..., -1])
     o, lse = merge_packed(parts)
     return (o.to(out_dtype) if out_dtype is not None else o), (lse if with_lse else None)

@@ -1,7 +1,8 @@
 """Ring decode: ``pass_kv`` rotates the K/V shards around the ring in P-1 overlapped P2P steps and merges the state
 of each visiting shard (Ring Attention's decode baseline); ``pass_q`` rotates the query's partial state instead (at
-decode the query is replicated, so only [o | lse] travels): each rank merges its own local state into what it
-receives, P-1 hops. Both return the exact state over the whole sequence.
+decode the query is replicated, so only [o | m | log l] travels): each rank merges its own local state into what it
+receives, P-1 hops. Both return the exact state over the whole sequence. The running states keep the row max and
+log l apart (see ``local.py``), so that a row that finfo.min hides weighs each shard by its key count.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import Tensor
 from ..reference import merge_states
 from .checks import check_shapes_once, decode_signature
 from .groups import DistGroup, DistributedDecodeError, current_group
-from .local import _pack, local_states
+from .local import PACKED_EXTRA, _pack, local_states
 
 #: Ring variants (``RingPlan.variant``).
 RING_VARIANTS = ("pass_kv", "pass_q")
@@ -95,7 +96,7 @@ def ring_pass_kv(q: Tensor, k: Tensor, v: Tensor, g: DistGroup, *, attn_mask: Te
         if bias is not None:
             own[3][..., :n].copy_(bias)
             own[3][..., n:].fill_(float("-inf"))
-    o_acc = lse_acc = None
+    acc = None  # the running (o, m, log l)
     cur = own
     for step in range(P):
         # Receive buffers alternate (two suffice: a buffer is refilled only after its block was attended to).
@@ -103,23 +104,23 @@ def ring_pass_kv(q: Tensor, k: Tensor, v: Tensor, g: DistGroup, *, attn_mask: Te
         works = g.exchange(cur, nxt, (r + 1) % P, (r - 1) % P) if nxt is not None else []
         src = (r - step) % P
         m = lens[src]
-        o_s, lse_s = local_states(q, cur[0][:, :, :m], cur[1][:, :, :m],
-                                  attn_mask=cur[3][..., :m] if bias is not None else None,
-                                  valid_len=cur[2] if valid_len is not None else None,
-                                  scale=scale, local=local)
-        if o_acc is None:
-            o_acc, lse_acc = o_s, lse_s
+        state = local_states(q, cur[0][:, :, :m], cur[1][:, :, :m],
+                             attn_mask=cur[3][..., :m] if bias is not None else None,
+                             valid_len=cur[2] if valid_len is not None else None,
+                             scale=scale, local=local, split_lse=True)
+        if acc is None:
+            acc = state
         else:
-            o_acc, lse_acc = merge_states(torch.stack((o_acc, o_s)), torch.stack((lse_acc, lse_s)))
+            acc = merge_states(*(torch.stack(pair) for pair in zip(acc, state)), split_lse=True)
         g.finish(works, f"ring pass_kv step {step + 1}/{P - 1}")
         cur = nxt
-    return o_acc, lse_acc
+    return acc[0], acc[1] + acc[2]
 
 
 def ring_pass_q(q: Tensor, k: Tensor, v: Tensor, g: DistGroup, *, attn_mask: Tensor | None = None,
                 valid_len: Tensor | None = None, scale: float | None = None, is_causal: bool = False,
                 local: str = "auto", check_shapes: bool = True) -> tuple[Tensor, Tensor]:
-    """Ring pass-Q at decode: the K/V stay; the query's partial state [o | lse] travels the ring.
+    """Ring pass-Q at decode: the K/V stay; the query's partial state [o | m | log l] travels the ring.
 
     Every rank attends to its own shard once. At decode the query is replicated on every rank, so a rank
     receiving a partial state merges its own local state into it and passes it on: after P-1 hops every rank
@@ -131,19 +132,20 @@ def ring_pass_q(q: Tensor, k: Tensor, v: Tensor, g: DistGroup, *, attn_mask: Ten
         check_shapes_once(g, "ring_pass_q", decode_signature(q, k, v))
     B, Hq, L, D = q.shape
     Dv = v.shape[-1]
-    o, lse = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                          local=local)
-    width = Dv + 1
+    own = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                       local=local, split_lse=True)
+    width = Dv + PACKED_EXTRA  # [o | m | log l]
     bufs = [g.buffer(("passq", i), (B, Hq, L, width), torch.float32, q.device) for i in range(2)]
     cur, nxt = bufs
-    _pack(o, lse, cur)
+    _pack(*own, cur)
     for step in range(P - 1):
         works = g.exchange([cur], [nxt], (r + 1) % P, (r - 1) % P)
         g.finish(works, f"ring pass_q step {step + 1}/{P - 1}")
-        o_m, lse_m = merge_states(torch.stack((nxt[..., :Dv], o)), torch.stack((nxt[..., Dv], lse)))
+        got = (nxt[..., :Dv], nxt[..., Dv], nxt[..., Dv + 1])
+        merged = merge_states(*(torch.stack(pair) for pair in zip(got, own)), split_lse=True)
         cur, nxt = nxt, cur
-        _pack(o_m, lse_m, cur)
-    return cur[..., :Dv].clone(), cur[..., Dv].clone()
+        _pack(*merged, cur)
+    return cur[..., :Dv].clone(), cur[..., Dv] + cur[..., Dv + 1]
 
 
 def ring_decode(q: Tensor, k: Tensor, v: Tensor, group: DistGroup | None = None, *, variant: str = "pass_kv",

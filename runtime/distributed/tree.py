@@ -1,10 +1,13 @@
 """Tree decode (Tree Attention, arXiv:2408.04093): local attention over this rank's shard, one tree collective of
 the softmax states, and a local merge. The collective is one of ``TREE_COLLECTIVES``:
 
-- ``all_gather``: one all-gather of the packed [o | lse] state, then a local merge;
-- ``all_reduce``: an all-reduce(MAX) of the lse, then one all-reduce(SUM) of the packed [num | den]
-  (num = o * exp(lse - max), den = exp(lse - max));
+- ``all_gather``: one all-gather of the packed [o | m | log l] state, then a local merge;
+- ``all_reduce``: an all-reduce(MAX) of the row max m, then one all-reduce(SUM) of the packed [num | den]
+  (num = o * w, den = w with w = exp(m - max + log l));
 - ``all_reduce3``: the paper's baseline, all-reduce(MAX), all-reduce(SUM) of num, all-reduce(SUM) of den;
+
+The row max and log l travel apart (see ``local.py``): next to a row max near -3.4e38 (a row that finfo.min hides)
+a whole LSE loses log l and would weigh every rank alike instead of by its key count.
 
 and a hierarchical form (the same collective inside each node, then across nodes) for multi-node groups. Each
 returns the exact state over the whole sequence. On NCCL the flat all-gather form replays from a CUDA graph
@@ -21,49 +24,61 @@ from torch import Tensor
 from .graphs import _replayed_combine, _replayed_step, step_graph_reason
 from .checks import DTYPE_CODES, check_shapes_once, decode_signature
 from .groups import DistGroup, DistributedDecodeError, current_group
-from .local import _merge_parts, _pack, local_states
+from .local import PACKED_EXTRA, _merge_parts, _pack, local_states, merge_packed
 
 #: Tree collective variants (``TreePlan.collective``).
 TREE_COLLECTIVES = ("all_gather", "all_reduce", "all_reduce3")
 
 
-def _tree_all_gather(g: DistGroup, o: Tensor, lse: Tensor, pg, size: int, tag: str,
-                     out_dtype: torch.dtype | None = None, with_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+def _packed_buffer(g: DistGroup, key, o: Tensor) -> Tensor:
+    return g.buffer(key, o.shape[:-1] + (o.shape[-1] + PACKED_EXTRA,), torch.float32, o.device)
+
+
+def _tree_all_gather(g: DistGroup, o: Tensor, m: Tensor, log_l: Tensor, pg, size: int, tag: str,
+                     out_dtype: torch.dtype | None = None, with_lse: bool = True, split_lse: bool = False):
+    """All-gather of the packed states and their merge: (o, lse or None), or with ``split_lse`` (o fp32, m, log l)
+    for a later stage."""
     # the pack converts o (any float dtype) to fp32 on the way: no separate conversion op
-    packed = _pack(o, lse, g.buffer(("pack", tag), o.shape[:-1] + (o.shape[-1] + 1,), torch.float32, o.device))
+    packed = _pack(o, m, log_l, _packed_buffer(g, ("pack", tag), o))
     parts = g.buffer(("gather", tag), (size,) + tuple(packed.shape), torch.float32, o.device)
     g.all_gather(parts, packed, pg=pg, what=f"tree all_gather[{tag}]")
+    if split_lse:
+        return merge_packed(parts, split_lse=True)
     return _merge_parts(parts, out_dtype, with_lse)
 
 
-def _num_den(o: Tensor, lse: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Scale a state to the global max: (safe max, num = o * w, den = w) with w = exp(lse - max)."""
-    safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - safe)
+def _num_den(o: Tensor, m: Tensor, log_l: Tensor, m_max: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Scale a state to the global max: (safe max, num = o * w, den = w) with w = exp(m - max + log l): the
+    difference of the maxima first, so that log l is not lost next to a huge max."""
+    safe = torch.where(torch.isneginf(m_max), torch.zeros_like(m_max), m_max)
+    w = torch.exp((m - safe) + log_l)
     return safe, o * w.unsqueeze(-1), w
 
 
-def _finish(num: Tensor, den: Tensor, safe_max: Tensor) -> tuple[Tensor, Tensor]:
+def _finish(num: Tensor, den: Tensor, safe_max: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, m, log l) of the summed state: empty rows give (0, -inf, -inf)."""
     empty = den == 0
     o = num / torch.where(empty, torch.ones_like(den), den).unsqueeze(-1)
-    lse = torch.where(empty, torch.full_like(den, float("-inf")), safe_max + torch.log(den))
-    return o, lse
+    m = torch.where(empty, torch.full_like(den, float("-inf")), safe_max)
+    return o, m, torch.log(den)
 
 
-def _tree_all_reduce(g: DistGroup, o: Tensor, lse: Tensor, pg, tag: str) -> tuple[Tensor, Tensor]:
-    m = g.buffer(("max", tag), lse.shape, torch.float32, lse.device)
-    m.copy_(lse)
-    g.all_reduce(m, dist.ReduceOp.MAX, pg=pg, what=f"tree all_reduce(max)[{tag}]")
-    safe, num, den = _num_den(o, lse, m)
-    packed = _pack(num, den, g.buffer(("numden", tag), o.shape[:-1] + (o.shape[-1] + 1,), torch.float32, o.device))
+def _tree_all_reduce(g: DistGroup, o: Tensor, m: Tensor, log_l: Tensor, pg, tag: str):
+    m_max = g.buffer(("max", tag), m.shape, torch.float32, m.device)
+    m_max.copy_(m)
+    g.all_reduce(m_max, dist.ReduceOp.MAX, pg=pg, what=f"tree all_reduce(max)[{tag}]")
+    safe, num, den = _num_den(o, m, log_l, m_max)
+    packed = g.buffer(("numden", tag), o.shape[:-1] + (o.shape[-1] + 1,), torch.float32, o.device)
+    packed[..., :-1].copy_(num)
+    packed[..., -1].copy_(den)
     g.all_reduce(packed, dist.ReduceOp.SUM, pg=pg, what=f"tree all_reduce(sum [num|den])[{tag}]")
     return _finish(packed[..., :-1], packed[..., -1], safe)
 
 
-def _tree_all_reduce3(g: DistGroup, o: Tensor, lse: Tensor, pg, tag: str) -> tuple[Tensor, Tensor]:
-    m = lse.clone()
-    g.all_reduce(m, dist.ReduceOp.MAX, pg=pg, what=f"tree all_reduce(max)[{tag}]")
-    safe, num, den = _num_den(o, lse, m)
+def _tree_all_reduce3(g: DistGroup, o: Tensor, m: Tensor, log_l: Tensor, pg, tag: str):
+    m_max = m.clone()
+    g.all_reduce(m_max, dist.ReduceOp.MAX, pg=pg, what=f"tree all_reduce(max)[{tag}]")
+    safe, num, den = _num_den(o, m, log_l, m_max)
     num = num.contiguous()
     den = den.contiguous()
     g.all_reduce(num, dist.ReduceOp.SUM, pg=pg, what=f"tree all_reduce(sum num)[{tag}]")
@@ -72,14 +87,17 @@ def _tree_all_reduce3(g: DistGroup, o: Tensor, lse: Tensor, pg, tag: str) -> tup
 
 
 def combine_tree(o: Tensor, lse: Tensor, group: DistGroup, collective: str = "all_gather",
-                 hierarchical: bool = False, *, out_dtype: torch.dtype | None = None,
+                 hierarchical: bool = False, *, log_l: Tensor | None = None, out_dtype: torch.dtype | None = None,
                  with_lse: bool = True, check_shapes: bool = True) -> tuple[Tensor, Tensor | None]:
     """Combine every rank's local state into the global one with a tree collective.
 
     Parameters
     ----------
     o : (B, Hq, L, Dv) local output (float32, or any float dtype); lse : (B, Hq, L) float32 local LSE (-inf
-        for an empty shard).
+        for an empty shard), or with ``log_l`` the local row max m.
+    log_l : (B, Hq, L) float32 local log l (lse = m + log l; -inf for an empty shard), or None. Pass it (from
+        ``local_states(..., split_lse=True)``) for exact weights where a row's max is huge (a row that finfo.min
+        hides); without it, lse is taken as m with log l = 0.
     collective : one of ``TREE_COLLECTIVES``.
     hierarchical : reduce inside each node first, then across nodes (needs a multi-node group).
     out_dtype : dtype of the returned o (default float32); the single-stage all-gather merge writes it directly.
@@ -103,26 +121,28 @@ def combine_tree(o: Tensor, lse: Tensor, group: DistGroup, collective: str = "al
     if collective == "all_gather" and group.world > 1 and not (hierarchical and group.ranks_per_node > 1):
         # the decode hot path: pack (converting o), one all-gather, one merge launch writing out_dtype; on NCCL
         # the all-gather and merge are replayed from a CUDA graph
-        replayed = _replayed_combine(group, o, lse, out_dtype, with_lse)
+        log_l = torch.zeros_like(lse) if log_l is None else log_l
+        replayed = _replayed_combine(group, o, lse, log_l, out_dtype, with_lse)
         if replayed is not None:
             return replayed
-        return _tree_all_gather(group, o, lse.float(), group.pg, group.world, "world", out_dtype, with_lse)
+        return _tree_all_gather(group, o, lse, log_l, group.pg, group.world, "world", out_dtype, with_lse)
     o = o.float().contiguous()
-    lse = lse.float().contiguous()
+    m = lse.float().contiguous()
+    log_l = torch.zeros_like(m) if log_l is None else log_l.float().contiguous()
     if group.world == 1:
-        return (o.to(out_dtype) if out_dtype is not None else o), lse
+        return (o.to(out_dtype) if out_dtype is not None else o), m + log_l
     if hierarchical and group.ranks_per_node > 1:
         stages = [(group.intra, group.ranks_per_node, "intra"), (group.inter, group.nodes, "inter")]
     else:
         stages = [(group.pg, group.world, "world")]
     for pg, size, tag in stages:
         if collective == "all_gather":
-            o, lse = _tree_all_gather(group, o, lse, pg, size, tag)
+            o, m, log_l = _tree_all_gather(group, o, m, log_l, pg, size, tag, split_lse=True)
         elif collective == "all_reduce":
-            o, lse = _tree_all_reduce(group, o, lse, pg, tag)
+            o, m, log_l = _tree_all_reduce(group, o, m, log_l, pg, tag)
         else:
-            o, lse = _tree_all_reduce3(group, o, lse, pg, tag)
-    return (o.to(out_dtype) if out_dtype is not None else o), lse
+            o, m, log_l = _tree_all_reduce3(group, o, m, log_l, pg, tag)
+    return (o.to(out_dtype) if out_dtype is not None else o), m + log_l
 
 
 def tree_decode(q: Tensor, k: Tensor, v: Tensor, group: DistGroup | None = None, *, collective: str = "all_gather",
@@ -177,8 +197,8 @@ def tree_step(g: DistGroup, q: Tensor, k: Tensor, v: Tensor, *, collective: str,
                                   scale=scale, out_dtype=out_dtype, with_lse=with_lse)
         if replayed is not None:
             return replayed
-    o, lse = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                          local=local, fp32=False)
-    return combine_tree(o, lse, g, collective, hierarchical, out_dtype=out_dtype, with_lse=with_lse,
+    o, m, log_l = local_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
+                               is_causal=is_causal, local=local, fp32=False, split_lse=True)
+    return combine_tree(o, m, g, collective, hierarchical, log_l=log_l, out_dtype=out_dtype, with_lse=with_lse,
                         check_shapes=False)
 

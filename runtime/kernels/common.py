@@ -7,8 +7,13 @@ Conventions (the same as ``runtime/reference.py``):
 * The G * L query rows of one KV head are packed into one tile: packed row ``r = g * L + i`` is query head
   ``kvh * G + g`` at query position ``i``. Rows are cut into blocks of ``BLOCK_M`` (a power of two >= 16 so
   that ``tl.dot`` can run on them); padding rows are masked.
-* Scores are kept in base-2 units (``qk * scale * log2(e)``) so the loop uses ``exp2``; the LSE that leaves a
-  kernel is in natural-log units. Empty rows (no visible key) give o = 0 and lse = -inf.
+* Scores, row maxima and LSEs are in natural-log units, rounded as the original rounds them: the scaled score
+  ``fl(qk * scale)``, plus the bias ``fl(s + bias)``. Only differences from the row max are scaled by log2(e) for
+  ``exp2``. (Base-2 scores, ``qk * scale * log2(e) + bias * log2(e)``, round a large bias differently: a row that a
+  finite bias such as -1e9 hides whole ties keys the original tells apart, and the output moved by up to 1.8.)
+  Every difference is taken between rounded values before any scaling: a scaled value minus a rounded maximum is
+  contracted into one FMA by the compiler, whose residual (up to 1e31 next to finfo.min) gave inf weights and NaN
+  on the H100 while the interpreter was exact. Empty rows (no visible key) give o = 0 and lse = -inf.
 * All memory offsets are int64.
 """
 from __future__ import annotations
@@ -24,10 +29,6 @@ import triton.language as tl
 
 from . import interpreting
 
-#: log2(e): converts natural-log scores to base-2 units.
-LOG2E = 1.4426950408889634
-#: ln(2): converts a base-2 LSE back to natural-log units.
-LN2 = 0.6931471805599453
 #: Largest packed query block (G * q_len rows); more rows are cut into several M blocks.
 MAX_BLOCK_M = 64
 
@@ -169,18 +170,9 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return upcast, precision
 
 
-def scale_log2(scale: float | None, head_dim: int) -> float:
-    """The softmax scale in base-2 units."""
-    s = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    return s * LOG2E
-
-
-def score_args(scale: float | None, head_dim: int, softcap: float) -> tuple[float, float]:
-    """(sm_scale_log2, softcap_log2) as the kernels' :func:`_scores` takes them: without a cap the scale in base-2
-    units and 0; with a cap c the plain scale and c * log2(e)."""
-    if not softcap:
-        return scale_log2(scale, head_dim), 0.0
-    return (1.0 / math.sqrt(head_dim) if scale is None else float(scale)), float(softcap) * LOG2E
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    """The softmax scale (``1 / sqrt(head_dim)`` when None)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 class DecodeGeometry(NamedTuple):
@@ -277,13 +269,13 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
             stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd,
             stride_mb, stride_mh, stride_ml, stride_mn,
-            sm_scale_log2, G, D, DV,
+            sm_scale, G, D, DV,
             BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
-            kv_first=0, softcap_log2=0.0, HAS_START: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+            kv_first=0, softcap=0.0, HAS_START: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
             alibi_ptr=0, ALIBI: tl.constexpr = False):
     """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
-    masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) base-2 max, l_i (BLOCK_M,) sum).
+    masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) natural-log max, l_i (BLOCK_M,) sum).
 
     USE_TMA: K/V tiles come through the tensor descriptors ``k_desc``/``v_desc`` (4-D, block (1, 1, BLOCK_N,
     BLOCK_D)) as bulk copies; rows past the tensor and padded dims arrive as zeros. Else through pointers.
@@ -294,8 +286,7 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
     (the only one past it with a visible key) is read with masked pointer loads.
 
     HAS_START: keys before ``kv_first`` do not exist (a sliding window's first key; ``lo`` may be a tile below
-    it). SOFTCAP: the scores are ``softcap_log2 * tanh(qk * sm_scale_log2)``, where ``sm_scale_log2`` is then the
-    plain softmax scale and ``softcap_log2`` the cap times log2(e) (see :func:`_scores`). ALIBI: the scores get
+    it). SOFTCAP: the scores are ``softcap * tanh(qk * sm_scale)`` (see :func:`_scores`). ALIBI: the scores get
     ``slope[h] * j`` for key position j, slopes (Hq,) at ``alibi_ptr`` (after the cap, before the mask)."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
@@ -308,8 +299,8 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, True,
-                kv_first, softcap_log2, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+                stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, True,
+                kv_first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
         tail = full_end < end
     else:
         full_end = lo
@@ -318,16 +309,16 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
-                kv_first, softcap_log2, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+                stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
+                kv_first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
     if tail:
         # the tile that crosses kv_len, by masked pointer loads: straight-line code, so it adds no pipeline buffers
         # (a second pipelined loop doubled the shared memory); tiles wholly past kv_len hold no visible key
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, full_end, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
             row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-            stride_mn, sm_scale_log2, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
-            kv_first, softcap_log2, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+            stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
+            kv_first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
     return acc, m_i, l_i
 
 
@@ -335,10 +326,10 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
 def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
                  k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv,
                  stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                 sm_scale_log2, D, DV,
+                 sm_scale, D, DV,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                 kv_first, softcap_log2, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, alibi_ptr,
+                 kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, alibi_ptr,
                  ALIBI: tl.constexpr):
     """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
     head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64)."""
@@ -357,9 +348,9 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), sm_scale_log2, softcap_log2, SOFTCAP)
-    if ALIBI:  # a per-head slope times the key position, in base-2 units
-        slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    s = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), sm_scale, softcap, SOFTCAP)
+    if ALIBI:  # a per-head slope times the key position
+        slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32)
         s = s + slope[:, None] * offs_n.to(tl.float32)[None, :]
     if HAS_START:
         n_ok = n_ok & (offs_n >= kv_first)
@@ -373,24 +364,22 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     if MASK_KIND == 2:
         mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
                      + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
-        # -inf stays -inf; finite biases are clamped so that log2(e) * bias cannot overflow to -inf. The clamp
-        # (-2.3e38, next to fp32's finfo.min of -3.4e38) keeps apart every finite bias a mask is likely to hold;
-        # only biases below it tie with finfo.min (a row that only they reach averages V over all of them).
-        bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -2.3e38) * 1.4426950408889634)
-        s = s + bias
+        # natural units, rounded as the original's ``scores + mask`` (see the module docstring); finfo.min absorbs
+        # the scores (a row it hides whole ties every key: the mean of V, as the original)
+        s = s + mv
     return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
 
 
 @triton.jit
-def _scores(qk, sm_scale_log2, softcap_log2, SOFTCAP: tl.constexpr):
-    """Base-2 scores of the dot products ``qk``: ``qk * sm_scale_log2``; SOFTCAP: ``softcap_log2 * tanh(qk *
-    sm_scale_log2)`` (there ``sm_scale_log2`` is the plain scale). tanh is written with exp2, stable for any x
-    (libdevice's tanh does not run in the interpreter): tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|)."""
-    x = qk * sm_scale_log2
+def _scores(qk, sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores (natural units) of the dot products ``qk``: ``qk * sm_scale``; SOFTCAP: ``softcap * tanh(qk *
+    sm_scale)``. tanh is written with exp2, stable for any x (libdevice's tanh does not run in the interpreter):
+    tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|)."""
+    x = qk * sm_scale
     if SOFTCAP:
         e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|) = 2^(-2 log2(e) |x|)
         t = (1.0 - e) / (1.0 + e)
-        x = tl.where(x < 0, -t, t) * softcap_log2
+        x = tl.where(x < 0, -t, t) * softcap
     return x
 
 
@@ -406,13 +395,14 @@ def _split_share(split, n, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step: fold the tile's base-2 scores ``s`` (BLOCK_M, BLOCK_N), hidden where ``visible`` is
-    False, and its values ``v`` (BLOCK_N, BLOCK_DV) into (acc, m_i, l_i). Returns the new (acc, m_i, l_i)."""
+    """One online-softmax step: fold the tile's natural-log scores ``s`` (BLOCK_M, BLOCK_N), hidden where ``visible``
+    is False, and its values ``v`` (BLOCK_N, BLOCK_DV) into (acc, m_i, l_i). Returns the new (acc, m_i, l_i).
+    Differences from the max are taken in natural units, then scaled by log2(e) for ``exp2``."""
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty rows so far: no NaN from -inf - -inf
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2((m_i - m_use) * 1.4426950408889634)
+    p = tl.exp2((s - m_use[:, None]) * 1.4426950408889634)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if UPCAST:
         pv = tl.dot(p, v, input_precision=PRECISION)
@@ -433,22 +423,17 @@ def _merged_rows(mb, L, G, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _merge_step(mm, den, acc, pl, po, pll):
-    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) natural-log row maxima as stored
-    (-inf: empty or padding), ``pll`` (MERGE_P, R) their natural ``log l`` (lse = pl + pll; pass 0 when ``pl``
-    holds whole LSEs), ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; ``mm`` (R,) the running maximum, natural
-    log; (den, acc) as in :func:`_attend`'s state. Finish with ``_finish(acc, mm * LOG2E, den)``.
+    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) natural-log row maxima (-inf: empty or
+    padding), ``pll`` (MERGE_P, R) their natural ``log l`` (lse = pl + pll; pass 0 when ``pl`` holds whole LSEs),
+    ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; (mm, den, acc) as in :func:`_attend`'s state.
 
-    The maximum and ``log l`` stay apart because next to a maximum near -2.3e38 (a row that ``finfo.min`` hides,
+    The maximum and ``log l`` stay apart because next to a maximum near -3.4e38 (a row that ``finfo.min`` hides,
     whose keys tie) ``pl + pll`` would round to ``pl``: the partials would then weigh the same instead of by their
-    key counts, and the merge would not give the original's mean of V. The differences are taken in the units the
-    maxima were stored in, before any scaling: with ``pl * log2(e) - m`` the compiler contracts the product and
-    the difference into one FMA, whose unrounded product minus the rounded maximum left a residual of up to half
-    an ulp at 3.3e38 (about 1e31) in the exponent: inf weights and NaN outputs on the H100, while the interpreter,
-    which rounds every step, was exact."""
+    key counts, and the merge would not give the original's mean of V."""
     m_new = tl.maximum(mm, tl.max(pl, axis=0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2((mm - m_use) * 1.4426950408889634)
-    w = tl.exp2((pl - m_use[None, :]) * 1.4426950408889634 + pll * 1.4426950408889634)  # 0 for empty partials
+    w = tl.exp2(((pl - m_use[None, :]) + pll) * 1.4426950408889634)  # 0 for empty partials and padding
     den = den * alpha + tl.sum(w, axis=0)
     acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
     return m_new, den, acc
@@ -459,7 +444,7 @@ def _finish(acc, m_i, l_i):
     """Normalise a state: (o (BLOCK_M, BLOCK_DV) fp32, lse (BLOCK_M,) natural log); empty rows -> (0, -inf)."""
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     return o, lse
 
 
@@ -469,7 +454,7 @@ def _finish_parts(acc, m_i, l_i):
     rows -> (0, -inf, -inf). See :func:`_merge_step` for why ``m`` and ``log l`` are kept apart."""
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    m = tl.where(empty, float("-inf"), m_i * 0.6931471805599453)
+    m = tl.where(empty, float("-inf"), m_i)
     log_l = tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, l_i)))
     return o, m, log_l
 
@@ -487,3 +472,10 @@ def _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv,
     tl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     if WRITE_LSE:
         tl.store(lse_ptr + b64 * stride_lb + h64 * stride_lh + i64 * stride_ll, lse, mask=row_ok)
+
+
+@triton.jit
+def _store_lse(lse, lse_ptr, b, kvh, g, i, row_ok, stride_lb, stride_lh, stride_ll, G):
+    """Store a (BLOCK_M,) per-row value (an LSE, or the log l plane of a split state) into a (B, Hq, L) plane."""
+    h64 = (kvh * G + g).to(tl.int64)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h64 * stride_lh + i.to(tl.int64) * stride_ll, lse, mask=row_ok)

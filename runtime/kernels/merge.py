@@ -17,8 +17,6 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 from .common import next_pow2, pdl_supported
 from .launch import KernelLauncher
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _merge_states_kernel(
@@ -26,12 +24,13 @@ def _merge_states_kernel(
     lse_parts_ptr,  # (P, R) fp32 partial natural-log LSEs (HAS_LOG_L: row maxima); -inf marks an empty partition
     log_l_ptr,  # HAS_LOG_L: (P, R) fp32 natural log l of each partition (lse = m + log l); else unused
     o_ptr,  # (R, Dv) merged output, any float dtype
-    lse_ptr,  # (R,) fp32 merged LSE (only written when WRITE_LSE)
+    lse_ptr,  # (R,) fp32 merged LSE (only written when WRITE_LSE); LSE_PLANES: its row max plane
     stride_op, stride_or, stride_od,  # o_parts strides (partition, row, dim)
     stride_lp, stride_lr,  # lse_parts strides (partition, row)
     stride_llp, stride_llr,  # log_l strides (partition, row)
     stride_outr, stride_outd,  # output strides (row, dim)
     stride_lse_out,  # merged LSE stride
+    stride_lse_plane,  # LSE_PLANES: from the merged row max plane to the merged log l plane
     P,  # number of partitions
     DV: tl.constexpr,  # head dim of the output (constexpr: keeps loads vectorised)
     BLOCK_P: tl.constexpr,  # partitions handled per step
@@ -39,6 +38,7 @@ def _merge_states_kernel(
     WRITE_LSE: tl.constexpr,  # whether to store the merged LSE
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the producer grid first
     HAS_LOG_L: tl.constexpr,  # the partials' maxima and log l come apart (exact weights next to a huge maximum)
+    LSE_PLANES: tl.constexpr,  # write the merged row max and log l apart (natural log) instead of their sum
 ):
     if WAIT_PRIOR:
         gdc_wait()
@@ -46,16 +46,16 @@ def _merge_states_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < DV
-    # running max of the partials' lse (or row maxima), natural log: differences are taken before scaling to base
-    # 2 (see common._merge_step: a scaled load contracted into an FMA gave NaN on the H100 next to finfo.min)
-    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    # The maxima stay in natural-log units and only their differences are scaled by log2(e): the partials may come
+    # from the reference (a row that finfo.min hides has m = -3.4e38, which times log2(e) overflows to -inf and
+    # would drop the partition as if it were empty).
+    m = tl.full([1], float("-inf"), dtype=tl.float32)  # running max of lse (natural log)
     den = tl.zeros([1], dtype=tl.float32)  # running sum of weights relative to m
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + offs_p
         p_ok = p < P
-        lse = tl.load(lse_parts_ptr + p.to(tl.int64) * stride_lp + row * stride_lr, mask=p_ok,
-                      other=float("-inf"))
+        lse = tl.load(lse_parts_ptr + p.to(tl.int64) * stride_lp + row * stride_lr, mask=p_ok, other=float("-inf"))
         o = tl.load(o_parts_ptr + p.to(tl.int64)[:, None] * stride_op + row * stride_or
                     + offs_d.to(tl.int64)[None, :] * stride_od, mask=p_ok[:, None] & d_ok[None, :], other=0.0)
         if HAS_LOG_L:
@@ -66,7 +66,7 @@ def _merge_states_kernel(
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2((m - m_use) * 1.4426950408889634)
-        w = tl.exp2((lse - m_use) * 1.4426950408889634 + log_l * 1.4426950408889634)  # 0 for empty partitions
+        w = tl.exp2(((lse - m_use) + log_l) * 1.4426950408889634)  # (BLOCK_P,); 0 for empty partitions
         den = den * alpha + tl.sum(w, axis=0)
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         m = m_new
@@ -75,8 +75,12 @@ def _merge_states_kernel(
     tl.store(o_ptr + row * stride_outr + offs_d.to(tl.int64) * stride_outd, out.to(o_ptr.dtype.element_ty),
              mask=d_ok)
     if WRITE_LSE:
-        lse_out = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, den)))
-        tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), lse_out)
+        log_den = tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, den)))
+        if LSE_PLANES:  # for a later merge (a multi-GPU combine); an empty row gets -inf in both planes
+            tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), tl.where(empty, float("-inf"), m))
+            tl.store(lse_ptr + stride_lse_plane + row * stride_lse_out + tl.arange(0, 1), log_den)
+        else:
+            tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), m + log_den)
 
 
 _MERGE_LAUNCH = KernelLauncher(_merge_states_kernel)
@@ -92,7 +96,9 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     o_parts : (P, ..., Dv) fp32 partial outputs; lse_parts : (P, ...) fp32 natural-log LSEs (-inf = empty).
     out : (..., Dv) output to write (any float dtype; its rows must be viewable as (R, Dv)), or None to allocate
         one of ``out_dtype`` (default fp32).
-    lse_out : (...) fp32 merged LSE to write, or None to allocate one. Pass ``lse_out=False`` to skip it.
+    lse_out : (...) fp32 merged LSE to write, or None to allocate one. Pass ``lse_out=False`` to skip it. A
+        (2, ...) tensor instead receives the merged row max (plane 0) and log l (plane 1) apart, natural log, for a
+        later merge that must keep them apart (see ``log_l_parts``).
     pdl : launch as a programmatic dependent of the kernel before it in the stream (which must have called
         ``gdc_launch_dependents``); ignored where unsupported.
     log_l_parts : (P, ...) fp32 natural ``log l`` of each partition, with ``lse_parts`` then holding the row
@@ -114,8 +120,12 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     write_lse = lse_out is not False
     if lse_out is None:
         lse_out = torch.empty(rest, device=o_parts.device, dtype=torch.float32)
+    planes = write_lse and lse_out.dim() == len(rest) + 1
+    if planes and tuple(lse_out.shape) != (2,) + tuple(rest):
+        raise ValueError(f"merge_states: lse_out of shape {tuple(lse_out.shape)}: expected {tuple(rest)} or the two "
+                         f"planes {(2,) + tuple(rest)}")
     out2 = out.view(-1, Dv)
-    l_out = lse_out.view(-1) if write_lse else out2
+    l_out = (lse_out[0] if planes else lse_out).view(-1) if write_lse else out2
     if R == 0:
         return out, (lse_out if write_lse else None)
     block_dv = max(16, next_pow2(Dv))
@@ -123,9 +133,9 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     block_p = max(2, min(next_pow2(P), max(2, 8192 // block_dv)))
     _MERGE_LAUNCH(
         (R,), o3, l2, ll2, out2, l_out, *o3.stride(), *l2.stride(), *ll2.stride(), *out2.stride(),
-        l_out.stride(0) if write_lse else 0,
+        l_out.stride(0) if write_lse else 0, lse_out.stride(0) if planes else 0,
         P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse, WAIT_PRIOR=pdl,
-        HAS_LOG_L=log_l_parts is not None,
+        HAS_LOG_L=log_l_parts is not None, LSE_PLANES=planes,
         num_warps=8 if block_p * block_dv >= 8192 else 4, **({"launch_pdl": True} if pdl else {}),
     )
     return out, (lse_out if write_lse else None)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import _finish, _load_q, _row_coords, _softmax_update, _split_share, _store_rows, block_d_for, block_m_for, cdiv, \
-    dot_flags, next_pow2, scale_log2
+    dot_flags, next_pow2, softmax_scale
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -44,7 +44,7 @@ def _saap_kernel(
     stride_pb, stride_ph, stride_pn,  # perm strides
     stride_os, stride_ob, stride_oh, stride_ol, stride_od,  # partial output strides
     stride_ls, stride_lb, stride_lh, stride_ll,  # partial LSE strides
-    sm_scale_log2,  # softmax scale times log2(e)
+    sm_scale,  # softmax scale (natural units)
     N,  # keys in the K/V tensors
     L,  # query tokens per head
     G,  # query heads per KV head
@@ -144,7 +144,7 @@ def _saap_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
         visible = t_ok[None, :] & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
     o, lse = _finish(acc, m_i, l_i)
@@ -200,7 +200,7 @@ def saap_decode_kernel(q, k, v, scores, offsets, perm, indexed_end, out, lse=Non
         (num_splits, B * Hkv * num_m), q, k, v, scores, offsets, perm, indexed_end,
         valid_len if has_valid else indexed_end, ws_o, ws_lse, scratch,
         *q.stride(), *k.stride(), *v.stride(), *scores.stride(), *offsets.stride(), *perm.stride(),
-        *ws_o.stride(), *ws_lse.stride(), scale_log2(scale, D), N, L, G, Hkv, num_m, C, probes, int(sink),
+        *ws_o.stride(), *ws_lse.stride(), softmax_scale(scale, D), N, L, G, Hkv, num_m, C, probes, int(sink),
         num_splits, D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d_for(D), BLOCK_DV=block_d_for(Dv),
         BLOCK_C=block_c, SEARCH_STEPS=block_c.bit_length(), HAS_VALID=has_valid, UPCAST=upcast,
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 
 from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _split_share,
                      _store_rows, arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported,
-                     score_args)
+                     softmax_scale)
 from .launch import KernelLauncher
 from .merge import merge_states
 
@@ -45,8 +45,8 @@ def _split_kv_kernel(
     stride_lpart,  # S > 1: stride between the row-max and log-l planes of the partial LSEs
     stride_fb, stride_fh, stride_fl, stride_fd,  # FUSED: final output strides
     stride_gb, stride_gh, stride_gl,  # FUSED: final LSE strides
-    sm_scale_log2,  # softmax scale times log2(e) (SOFTCAP: the plain scale)
-    softcap_log2,  # SOFTCAP: the cap times log2(e) (scores are softcap_log2 * tanh(qk * sm_scale_log2))
+    sm_scale,  # softmax scale (natural units)
+    softcap,  # SOFTCAP: the cap (scores are softcap * tanh(qk * sm_scale))
     N,  # keys in the K/V tensors (the static cache length)
     L,  # query tokens per head (q_len)
     G,  # query heads per KV head
@@ -70,7 +70,8 @@ def _split_kv_kernel(
     BLOCK_R: tl.constexpr,  # FUSED: rows merged per tile (next power of two >= min(G * L, BLOCK_M))
     MERGE_P: tl.constexpr,  # FUSED: partials loaded per merge step
     USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
-    NUM_SPLITS_GT1: tl.constexpr,  # partial states go to the workspace (row max and log l apart)
+    LSE_PLANES: tl.constexpr,  # the states go out with the row max and log l apart (two planes of lse_ptr): the
+    # partials to the workspace (S > 1), or with one split the final state when the caller asked for the planes
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch (programmatic dependent launch) right away
     HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
     SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
@@ -117,17 +118,17 @@ def _split_kv_kernel(
                             row_ok,
                             offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                            sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-                            first, softcap_log2, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+                            sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
+                            first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)
-    if NUM_SPLITS_GT1:
+    if LSE_PLANES:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
     else:
         lse = m_part + log_l
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
                 stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
-    if NUM_SPLITS_GT1:
+    if LSE_PLANES:
         ll_ptrs = (lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
                    + (kvh * G + g).to(tl.int64) * stride_lh + i.to(tl.int64) * stride_ll)
         tl.store(ll_ptrs, log_l, mask=row_ok)
@@ -159,7 +160,7 @@ def _split_kv_kernel(
                              mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV),
                              other=0.0, cache_modifier=".cg")
                 mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
-            o2, lse2 = _finish(acc2, mm * 1.4426950408889634, den)
+            o2, lse2 = _finish(acc2, mm, den)
             _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh,
                         stride_fl, stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
@@ -187,7 +188,10 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     ----------
     q : (B, Hq, L, D) fp16/bf16/fp32; k : (B, Hkv, N, D); v : (B, Hkv, N, Dv), same dtype, any strides.
     out : (B, Hq, L, Dv) any float dtype, written in full.
-    lse : (B, Hq, L) fp32 or None: the natural-log LSE of each row (-inf where no key is visible).
+    lse : (B, Hq, L) fp32 or None: the natural-log LSE of each row (-inf where no key is visible). A (2, B, Hq, L)
+        fp32 tensor instead receives the row max (plane 0) and log l (plane 1) apart, natural log (-inf for a row
+        with no visible key), for a later merge that must keep them apart (``merge.merge_states``'s
+        ``log_l_parts``); the merge then runs as a second launch (``fused_merge`` is ignored).
     workspace : the triple from ``split_kv_workspace``; needed when S > 1 (allocated here when None).
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
     key_start : (B,) int tensor or None: keys before ``key_start[b]`` do not exist for row b (a sliding window);
@@ -210,8 +214,11 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
                                                        alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
-    score_scale, softcap_log2 = score_args(scale, geo.D, softcap)
-    fused = bool(fused_merge) and num_splits > 1
+    planes = lse is not None and lse.dim() == 4
+    if planes and (lse.shape[0] != 2 or tuple(lse.shape[1:]) != tuple(q.shape[:3])):
+        raise ValueError(f"split_kv_decode: lse of shape {tuple(lse.shape)}: expected {tuple(q.shape[:3])} or the "
+                         f"two planes {(2,) + tuple(q.shape[:3])}")
+    fused = bool(fused_merge) and num_splits > 1 and not planes
     counters = q
     if num_splits > 1:
         if workspace is None:
@@ -226,22 +233,22 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     else:
         o_t, l_t = out, lse
         ostr = (0,) + tuple(out.stride())
-        lstr = (0,) + (tuple(lse.stride()) if lse is not None else (0, 0, 0))
+        lstr = (0,) + (tuple(lse.stride()[-3:]) if lse is not None else (0, 0, 0))
         write_lse = lse is not None
-        lpart = 0
+        lpart = lse.stride(0) if planes else 0
     fstr = tuple(out.stride())
-    gstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
+    gstr = tuple(lse.stride()) if lse is not None and not planes else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
     two_launches = num_splits > 1 and not fused and merge
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _SPLIT_KV_LAUNCH(
         grid, *pointers, o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, lpart, *fstr, *gstr,
-        score_scale, softcap_log2, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
+        softmax_scale(scale, geo.D), float(softcap), geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
         num_splits, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
-        MERGE_P=geo.merge_p, USE_TMA=use_tma, NUM_SPLITS_GT1=num_splits > 1, LAUNCH_DEPENDENTS=pdl,
+        MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_rows,
-                     arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags, next_pow2,
-                     score_args)
+from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_lse,
+                     _store_rows, arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags,
+                     next_pow2, softmax_scale)
 from .launch import KernelLauncher
 
 
@@ -34,7 +34,7 @@ def _stream_k_kernel(
     start_ptr,  # (B,) int32/int64 first keys (a sliding window's start), or a dummy when HAS_START is False
     alibi_ptr,  # (Hq,) float ALiBi slopes (scores + slope[h] * key position), or a dummy when ALIBI is False
     o_ptr,  # (B, Hq, L, Dv) output, any float dtype
-    lse_ptr,  # (B, Hq, L) fp32 LSE output (written when WRITE_LSE)
+    lse_ptr,  # (B, Hq, L) fp32 LSE output (written when WRITE_LSE); LSE_PLANES: its row max plane
     ws_o_ptr,  # (GRID * 2, BLOCK_M, Dv) fp32 partial outputs, two slots per program
     ws_lse_ptr,  # (2, GRID * 2, BLOCK_M) fp32 partial row maxima (plane 0) and log l (plane 1), natural log
     counter_ptr,  # (B * HKV * NUM_M,) int32 arrival counters, zero before and after every launch
@@ -44,11 +44,12 @@ def _stream_k_kernel(
     stride_mb, stride_mh, stride_ml, stride_mn,  # mask strides (0 on broadcast dims)
     stride_ob, stride_oh, stride_ol, stride_od,  # output strides
     stride_lb, stride_lh, stride_ll,  # LSE output strides
+    stride_lplane,  # LSE_PLANES: from the output's row max plane to its log l plane
     stride_ws, stride_wm, stride_wd,  # workspace o strides (slot, row, dim)
     stride_wls, stride_wlm,  # workspace lse strides (slot, row)
     stride_wlpart,  # stride between the row-max and log-l planes of the workspace lse
-    sm_scale_log2,  # softmax scale times log2(e) (SOFTCAP: the plain scale)
-    softcap_log2,  # SOFTCAP: the cap times log2(e) (scores are softcap_log2 * tanh(qk * sm_scale_log2))
+    sm_scale,  # softmax scale (natural units)
+    softcap,  # SOFTCAP: the cap (scores are softcap * tanh(qk * sm_scale))
     B,  # batch rows
     N,  # keys in the K/V tensors (the static cache length)
     L,  # query tokens per head (q_len)
@@ -72,6 +73,7 @@ def _stream_k_kernel(
     BLOCK_R: tl.constexpr,  # rows merged per tile (next power of two >= min(G * L, BLOCK_M)): the real ones
     MERGE_P: tl.constexpr,  # partials the merging program loads per step
     USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
+    LSE_PLANES: tl.constexpr,  # write the final row max and log l apart (natural log), for a later merge
     HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
     SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
     ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
@@ -137,14 +139,16 @@ def _stream_k_kernel(
                                 v_desc, mask_ptr,
                                 b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                                stride_mn, sm_scale_log2, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
-                                USE_TMA, start, softcap_log2, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+                                stride_mn, sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
+                                USE_TMA, start, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
         o, m_part, log_l = _finish_parts(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
             # the whole tile is ours: write it out
-            lse = m_part + log_l
+            lse = m_part if LSE_PLANES else m_part + log_l
             _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol,
                         stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+            if LSE_PLANES:
+                _store_lse(log_l, lse_ptr + stride_lplane, b, kvh, g, i, row_ok, stride_lb, stride_lh, stride_ll, G)
         else:
             # a partial: park it in our slot, then count our arrival at the tile
             # (the workspace is small: int32 offsets keep the register count down)
@@ -204,7 +208,12 @@ def _stream_k_kernel(
                              mask=p_ok[:, None, None] & row_ok[None, :, None] & (offs_dv[None, None, :] < DV),
                              other=0.0, cache_modifier=".cg")  # (MERGE_P, BLOCK_R, BLOCK_DV)
                 mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
-            o2, lse2 = _finish(acc2, mm * 1.4426950408889634, den)
+            if LSE_PLANES:
+                o2, lse2, log_l2 = _finish_parts(acc2, mm, den)
+                _store_lse(log_l2, lse_ptr + stride_lplane, b, kvh, g, i, row_ok, stride_lb, stride_lh, stride_ll,
+                           G)
+            else:
+                o2, lse2 = _finish(acc2, mm, den)
             _store_rows(o2, lse2, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh,
                         stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
@@ -234,7 +243,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     ----------
     q : (B, Hq, L, D) fp16/bf16/fp32; k : (B, Hkv, N, D); v : (B, Hkv, N, Dv), same dtype, any strides.
     out : (B, Hq, L, Dv) any float dtype, written in full.
-    lse : (B, Hq, L) fp32 or None: the natural-log LSE of each row (-inf where no key is visible).
+    lse : (B, Hq, L) fp32 or None: the natural-log LSE of each row (-inf where no key is visible). A (2, B, Hq, L)
+        fp32 tensor instead receives the row max (plane 0) and log l (plane 1) apart (see ``split_kv_decode``).
     workspace : the triple from ``stream_k_workspace(grid, q, k, v)`` (allocated here when None).
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
     key_start : (B,) int tensor or None: keys before ``key_start[b]`` do not exist for row b (a sliding window);
@@ -255,8 +265,11 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
                                                        alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
-    score_scale, softcap_log2 = score_args(scale, geo.D, softcap)
-    lstr = tuple(lse.stride()) if lse is not None else (0, 0, 0)
+    planes = lse is not None and lse.dim() == 4
+    if planes and (lse.shape[0] != 2 or tuple(lse.shape[1:]) != tuple(q.shape[:3])):
+        raise ValueError(f"stream_k_decode: lse of shape {tuple(lse.shape)}: expected {tuple(q.shape[:3])} or the "
+                         f"two planes {(2,) + tuple(q.shape[:3])}")
+    lstr = tuple(lse.stride()[-3:]) if lse is not None else (0, 0, 0)
     extra = {}
     if num_warps >= 8 and not interpreting() and backend_has_option("maxnreg"):
         # The kernel holds the KV loop, the partial path and the merge: capping registers at 128 (a few spills)
@@ -264,14 +277,15 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         extra["maxnreg"] = 128
     _STREAM_K_LAUNCH(
         (grid,), *pointers, out, lse if lse is not None else out, ws_o, ws_lse, counters,
-        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, *ws_o.stride(), *ws_lse.stride()[1:],
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, lse.stride(0) if planes else 0, *ws_o.stride(), *ws_lse.stride()[1:],
         ws_lse.stride(0),
-        score_scale, softcap_log2, geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv, grid,
+        softmax_scale(scale, geo.D), float(softcap), geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
+        grid,
         BLOCK_B=max(2, next_pow2(geo.B)), BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d,
         BLOCK_DV=geo.block_dv, HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
-        BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, HAS_START=key_start is not None,
-        SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
+        BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=planes,
+        HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
         **extra,
     )

@@ -92,7 +92,8 @@ def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sin
     C = centroids.shape[1]
     if n > 0:
         pos = torch.arange(sink, end, device=k.device) + start_position
-        assign = assign_keys(centroids, remove_rope(k[:, :, sink:end], pos, index.rope))
+        keys = k[:, :, sink:end].float() if index.rotated else remove_rope(k[:, :, sink:end], pos, index.rope)
+        assign = assign_keys(centroids, keys)
     else:
         assign = torch.zeros((B, H, 0), dtype=torch.int64, device=k.device)
     sorted_assign, order = torch.sort(assign, dim=-1, stable=True)

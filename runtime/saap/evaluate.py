@@ -63,14 +63,17 @@ class Setting:
     probes: int
 
 
-METHODS = ("mlp", "centroids", "window")
+METHODS = ("mlp", "centroids", "window", "oracle", "topk")
 
 
 def setting_for(index: SaapIndex, method: str, target: float, context: int, tail: int, sink: int = 4) -> Setting:
     """Window and probes that aim at ``target`` total selectivity at ``context`` keys (tail tokens count too).
 
-    ``method`` "mlp" (SAAP), "centroids" (the training-free baseline: same clusters, scored by centroids), or
-    "window" (StreamingLLM: sink + a window that takes the whole budget, no cluster)."""
+    ``method`` "mlp" (SAAP), "centroids" (the training-free baseline: same clusters, scored by centroids),
+    "window" (StreamingLLM: sink + a window that takes the whole budget, no cluster), or "oracle" (the same
+    clusters ranked by their true attention mass: the bound of any query model over this partition). "topk" is
+    the bound of any sparse selection: the keys themselves ranked by true attention mass, ``probes`` of them
+    (keys, not clusters) beside the sink and the window; ``setting_for`` gives it the oracle's budget."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     if method == "window":
@@ -78,6 +81,8 @@ def setting_for(index: SaapIndex, method: str, target: float, context: int, tail
     window = max(16, round(context * WINDOW_FRACTION.get(target, target / 5)))
     per_cluster = max(1.0, (context - window - sink) / index.num_clusters)
     probes = max(1, round((target * context - sink - window - tail / 2) / per_cluster))
+    if method == "topk":
+        return Setting(method, target, sink, window, round(min(probes, index.num_clusters) * per_cluster))
     return Setting(method, target, sink, window, min(probes, index.num_clusters))
 
 
@@ -111,15 +116,21 @@ class Harness:
         if layer not in self.states:
             self.states[layer] = build_clusters(index, layer, key, self.prompt_len, s.sink, s.window)
         positions = torch.arange(N - L, N, device=query.device)
-        clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)  # (.., 0) for "window"
-        keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
         G = query.shape[1] // key.shape[1]
-        mask = keep.repeat_interleave(G, dim=1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
         scores = torch.matmul(query.float(), key.float().repeat_interleave(G, 1).transpose(-1, -2)) * scaling
         cols = torch.arange(N, device=key.device)
         visible = cols[None, :] <= positions[:, None]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # (B, Hq, L, N) dense
+        if s.method == "topk":
+            keep = top_keys(self.states[layer], probs, s.probes, visible)
+        else:
+            if s.method == "oracle":
+                clusters = oracle_clusters(self.states[layer], probs, s.probes)
+            else:  # (.., 0) for "window"
+                clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)
+            keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
+        mask = keep.repeat_interleave(G, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
         self.stats["recall"].append(float((probs * mask).sum(-1).mean()))
         self.layer_recall.setdefault(layer, []).append(self.stats["recall"][-1])
         self.stats["selectivity"].append(float((keep.sum(-1).float() / (positions + 1).float()).mean()))
@@ -129,6 +140,34 @@ class Harness:
         return {k: (sum(v) / len(v) if v else math.nan) for k, v in self.stats.items()}
 
 
+def oracle_clusters(state: ClusterState, probs: Tensor, probes: int) -> Tensor:
+    """Each group's top-``probes`` clusters by true attention mass: probs (B, Hq, L, N), the dense softmax of
+    each query head -> (B, Hkv, L, probes) int64 (the G heads of a group summed, as the query model's are)."""
+    B, Hq, L, N = probs.shape
+    owner = state.cluster_of_positions(N)  # (B, Hkv, N)
+    Hkv = owner.shape[1]
+    group = probs.reshape(B, Hkv, Hq // Hkv, L, N).sum(dim=2) * (owner >= 0)[:, :, None, :]
+    mass = torch.zeros((B, Hkv, L, state.num_clusters), device=probs.device)
+    mass.scatter_add_(-1, owner.clamp(min=0)[:, :, None, :].expand(-1, -1, L, -1), group)
+    return mass.topk(min(probes, state.num_clusters), dim=-1).indices
+
+
+def top_keys(state: ClusterState, probs: Tensor, count: int, visible: Tensor) -> Tensor:
+    """(B, Hkv, L, N) bool: the always-attended keys (sink, window, later tokens) plus each group's ``count``
+    indexed keys of most attention mass (probs (B, Hq, L, N) summed over the group's heads); ``visible`` (L, N)."""
+    B, Hq, L, N = probs.shape
+    owner = state.cluster_of_positions(N)  # (B, Hkv, N)
+    Hkv = owner.shape[1]
+    indexed = (owner >= 0)[:, :, None, :]
+    group = probs.reshape(B, Hkv, Hq // Hkv, L, N).sum(dim=2).masked_fill(~indexed, -1.0)
+    keep = ~indexed & visible
+    k = min(count, N)
+    if k > 0:
+        top = torch.zeros_like(keep).scatter_(-1, group.topk(k, dim=-1).indices, True)
+        keep = keep | (top & indexed)
+    return keep
+
+
 def _truncate(cache: Any, length: int) -> None:
     """Drop the cache's keys past ``length`` (a negative ``crop``, which transformers 5.17 and 5.23 both take)."""
     extra = cache.get_seq_length() - length
@@ -136,8 +175,14 @@ def _truncate(cache: Any, length: int) -> None:
         cache.crop(-extra)
 
 
+def _sync(model: Any) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def _continue(model: Any, cache: Any, ids: Tensor) -> Tensor:
-    out = model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
+    """Logits (T, vocab) fp32 of ``ids`` (T,) run after ``cache``; the ids go to the model's device."""
+    out = model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
     return out.logits[0].float()
 
 
@@ -149,6 +194,7 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
     first window's dense prefill time and the time to build every layer's clusters over its keys (seconds)."""
     from transformers import DynamicCache
 
+    settings = list(dict.fromkeys(settings))  # a repeated setting would count its tokens twice
     rows: dict[Setting | None, dict[str, list]] = {s: {"nll": [], "agree": [], "recall": [], "sel": [], "layers": {}}
                                                   for s in [None, *settings]}
     task = progress.add_task("evaluate text", total=len(windows) * (len(settings) + 1)) if progress else None
@@ -158,14 +204,16 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
         cache = DynamicCache()
         harness.use(None, P)
         start = time.perf_counter()
-        model(input_ids=ids[:P].view(1, -1), past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:P].view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
         if not timing:  # what the build at prefill adds: every covered layer's clusters over the prompt's keys
+            _sync(model)  # (the first window's prefill also warms up a GPU: an upper bound there)
             timing["prefill_s"] = time.perf_counter() - start
             start = time.perf_counter()
             for layer in harness.index.layers:
                 build_clusters(harness.index, layer, cache.layers[layer].keys, P, 1, 0)
+            _sync(model)
             timing["index_build_s"] = time.perf_counter() - start
-        labels = ids[P + 1:P + tail + 1]
+        labels = ids[P + 1:P + tail + 1].to(model.device)
         dense_top = None
         for s in [None, *settings]:
             _truncate(cache, P)
@@ -223,7 +271,7 @@ def evaluate_passkey(model: Any, tokenizer: Any, harness: Harness, lengths: list
     total = sum(len(settings_for_length(n)) + 1 for n in lengths) * trials
     task = progress.add_task("passkey", total=total) if progress else None
     for n in lengths:
-        settings = [None, *settings_for_length(n)]
+        settings = [None, *dict.fromkeys(settings_for_length(n))]
         hits = {s: 0 for s in settings}
         sels = {s: [] for s in settings}
         for t in range(trials):
@@ -231,7 +279,7 @@ def evaluate_passkey(model: Any, tokenizer: Any, harness: Harness, lengths: list
             ids, P = passkey_prompt(tokenizer, n, key, depth=0.2 + 0.6 * (t + 0.5) / trials, filler=filler)
             cache = DynamicCache()
             harness.use(None, P)
-            model(input_ids=ids[:P].view(1, -1), past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:P].view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
             for s in settings:
                 _truncate(cache, P)
                 harness.use(s, P)

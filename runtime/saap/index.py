@@ -1,6 +1,7 @@
 """The SAAP index artifact: safetensors tensors plus versioned JSON metadata.
 
-Per covered layer and KV head it holds the k-means centroids over de-roped keys and, optionally, the query
+Per covered layer and KV head it holds the k-means centroids over de-roped keys (or, with ``rotated``, over the
+keys as the cache holds them) and, optionally, the query
 MLP (Linear -> BatchNorm -> ReLU -> Linear, stored batched over the KV heads); the metadata holds the RoPE
 parameters used to de-rope and the identity of the model it was trained on. ``load_index`` refuses a corrupt
 file or one made for another model (name/config hash, layer count, heads, head dim, RoPE) with an error that
@@ -89,6 +90,10 @@ class SaapIndex:
     bn_eps: float = 1e-5
     #: Free-form training facts (context, keys per cluster, steps, ...), kept in the metadata.
     train_info: dict[str, Any] = field(default_factory=dict)
+    #: Clusters over the keys as the cache holds them (rotated) instead of de-roped, queries scored rotated too.
+    #: Better where decode stays within the positions trained on (measured at 4k: oracle recall +2 points);
+    #: the paper's de-roping is what extrapolates past them.
+    rotated: bool = False
 
     @property
     def num_clusters(self) -> int:
@@ -100,12 +105,12 @@ class SaapIndex:
 
     def to(self, device: torch.device | str) -> "SaapIndex":
         return SaapIndex(self.identity, self.rope, {l: li.to(device) for l, li in self.layers.items()}, self.bn_eps,
-                         dict(self.train_info))
+                         dict(self.train_info), self.rotated)
 
     def without_mlp(self) -> "SaapIndex":
         """The training-free baseline: the same clusters, scored by centroids."""
         return SaapIndex(self.identity, self.rope, {l: LayerIndex(li.centroids) for l, li in self.layers.items()},
-                         self.bn_eps, dict(self.train_info))
+                         self.bn_eps, dict(self.train_info), self.rotated)
 
     def check_model(self, config: Any, path: str | Path = "<index>") -> None:
         """``SaapIndexError`` naming ``path`` and the mismatch when ``config`` is not the model this index is for."""
@@ -139,7 +144,7 @@ class SaapIndex:
         B, Hq, L, D = q.shape
         Hkv, C, _ = li.centroids.shape
         pos = positions if positions.dim() == 1 else positions[:, None, :]
-        qd = remove_rope(q, pos, self.rope).reshape(B, Hkv, Hq // Hkv * L, D)  # (B, Hkv, G*L, D)
+        qd = (q.float() if self.rotated else remove_rope(q, pos, self.rope)).reshape(B, Hkv, Hq // Hkv * L, D)
         if li.mlp is None:
             logits = torch.einsum("bhmd,hcd->bhmc", qd, li.centroids.to(qd.device)) * scale
         else:
@@ -150,7 +155,7 @@ class SaapIndex:
     def metadata(self) -> dict[str, Any]:
         return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "model": self.identity.to_dict(),
                 "rope": self.rope.to_dict(), "layers": sorted(self.layers), "num_clusters": self.num_clusters,
-                "mlp": self.has_mlp, "bn_eps": self.bn_eps, "train": self.train_info}
+                "mlp": self.has_mlp, "bn_eps": self.bn_eps, "train": self.train_info, "rotated": self.rotated}
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
@@ -222,7 +227,8 @@ def load_index(path: str | Path, config: Any = None) -> SaapIndex:
         layers[l] = LayerIndex(cent.float(), mlp)
     if not layers:
         raise SaapIndexError(f"SAAP index {path} covers no layer")
-    index = SaapIndex(identity, rope, layers, float(meta.get("bn_eps", 1e-5)), dict(meta.get("train") or {}))
+    index = SaapIndex(identity, rope, layers, float(meta.get("bn_eps", 1e-5)), dict(meta.get("train") or {}),
+                      bool(meta.get("rotated", False)))  # absent: an index of before the option, de-roped
     if config is not None:
         index.check_model(config, path)
     return index

@@ -31,19 +31,53 @@ def cluster_count(context: int, keys_per_cluster: int = KEYS_PER_CLUSTER) -> int
     return max(16, 1 << max(0, round(math.log2(max(1, context / keys_per_cluster)))))
 
 
-def kmeans(keys: Tensor, clusters: int, iterations: int = 10, seed: int = 0) -> Tensor:
-    """faiss k-means (L2) of keys (n, D) -> centroids (C, D) fp32."""
+def kmeans(keys: Tensor, clusters: int, iterations: int = 10, seed: int = 0, backend: str = "auto") -> Tensor:
+    """k-means (L2) of keys (n, D) -> centroids (C, D) fp32.
+
+    ``backend`` "faiss" (CPU), "torch" (Lloyd's iterations on the keys' device: the GPU machines have no faiss,
+    and the keys are already there), or "auto": faiss where it imports, else torch.
+    """
+    if backend not in ("auto", "faiss", "torch"):
+        raise ValueError(f"unknown k-means backend {backend!r}; valid: auto, faiss, torch")
+    if keys.shape[0] < clusters:
+        raise ValueError(f"k-means needs at least {clusters} keys, got {keys.shape[0]}")
+    if backend == "auto":
+        try:
+            import faiss  # noqa: F401
+            backend = "faiss"
+        except ImportError:
+            backend = "torch"
+    if backend == "torch":
+        return _torch_kmeans(keys, clusters, iterations, seed)
     import faiss
     import numpy as np
 
     faiss.omp_set_num_threads(torch.get_num_threads())  # follow torch's thread setting
     x = np.ascontiguousarray(keys.detach().float().cpu().numpy())
-    if x.shape[0] < clusters:
-        raise ValueError(f"k-means needs at least {clusters} keys, got {x.shape[0]}")
     km = faiss.Kmeans(x.shape[1], clusters, niter=iterations, seed=seed, verbose=False,
                       max_points_per_centroid=max(256, x.shape[0] // clusters + 1))
     km.train(x)
     return torch.from_numpy(km.centroids.copy())
+
+
+def _torch_kmeans(keys: Tensor, clusters: int, iterations: int, seed: int) -> Tensor:
+    """Lloyd's k-means as faiss runs it: random distinct keys as the start, empty clusters re-seeded by
+    splitting the largest one (a perturbed copy of its centroid). Returns (C, D) fp32 on the CPU."""
+    x = keys.detach().float()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    cents = x[torch.randperm(x.shape[0], generator=gen)[:clusters].to(x.device)].clone()
+    for _ in range(iterations):
+        assign = assign_keys(cents[None], x[None, None])[0, 0]  # (n,)
+        sums = torch.zeros_like(cents).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=clusters)
+        empty = counts == 0
+        cents = torch.where(empty[:, None], cents, sums / counts.clamp(min=1)[:, None].float())
+        for c in empty.nonzero().flatten().tolist():  # rare: a host loop over the empty clusters only
+            big = int(counts.argmax())
+            noise = 1e-3 * cents[big].norm() * torch.randn(cents.shape[1], generator=gen).to(x.device)
+            cents[c], cents[big] = cents[big] + noise, cents[big] - noise
+            counts[big] //= 2
+    return cents.cpu()
 
 
 def long_range_targets(queries: Tensor, positions: Tensor, keys: Tensor, assign: Tensor, clusters: int, sink: int,
@@ -120,12 +154,13 @@ def _progress(progress: Any) -> Iterator[Any]:
 def train_index(collection: Collection, clusters: int | None = None, hidden: int = 1024, steps: int = 300,
                 batch: int = 256, lr: float = 1e-3, sink: int = 1, window: int = 64, kmeans_iterations: int = 10,
                 layers: list[int] | None = None, mlp: bool = True, device: str = "cpu", seed: int = 0,
-                max_queries: int | None = None, progress: Any = None) -> SaapIndex:
+                max_queries: int | None = None, rotated: bool = False, progress: Any = None) -> SaapIndex:
     """Train a SAAP index from a ``Collection``.
 
     ``clusters`` defaults to ``cluster_count`` of the shortest sequence. ``layers`` defaults to every layer but 0.
     With ``mlp=False`` only the k-means is trained (the training-free, centroid-scored baseline).
     ``max_queries`` keeps at most that many of each sequence's recorded queries (fewer attention targets to compute).
+    ``rotated`` clusters the keys as the cache holds them and feeds the MLP rotated queries (``SaapIndex.rotated``).
     """
     ident, rope = collection.identity, collection.rope
     if not collection.sequences:
@@ -140,29 +175,40 @@ def train_index(collection: Collection, clusters: int | None = None, hidden: int
     with _progress(progress) as bar:
         task = bar.add_task(f"train SAAP (C={C}, hidden={hidden if mlp else 0})", total=len(layer_ids))
         for l in layer_ids:
-            cents = torch.stack([kmeans(torch.cat([rec.keys[l][h, sink:] for rec in collection.sequences]), C,
-                                        kmeans_iterations, seed + h) for h in range(ident.num_kv_heads)])
+            keys = [_keys(rec, l, rope, rotated, device)[:, sink:] for rec in collection.sequences]
+            cents = torch.stack([kmeans(torch.cat([k[h] for k in keys]), C, kmeans_iterations, seed + h)
+                                 for h in range(ident.num_kv_heads)])
+            del keys
             model_mlp = None
             if mlp:
-                xs, ts = _layer_samples(collection, l, cents, rope, sink, window, scale, G, device, max_queries)
+                xs, ts = _layer_samples(collection, l, cents, rope, sink, window, scale, G, device, max_queries,
+                                        rotated)
                 model_mlp = _fit_mlp(xs, ts, hidden, C, steps, batch, lr, device)
             out[l] = LayerIndex(cents, model_mlp)
             bar.advance(task)
     info = {"context": context, "clusters": C, "hidden": hidden if mlp else 0, "steps": steps if mlp else 0,
             "sink": sink, "window": window, "sequences": len(collection.sequences), "max_queries": max_queries}
-    return SaapIndex(ident, rope, out, train_info=info)
+    return SaapIndex(ident, rope, out, train_info=info, rotated=rotated)
+
+
+def _keys(rec, layer: int, rope, rotated: bool, device: str) -> Tensor:
+    """(Hkv, N, D) keys of one recorded sequence on ``device``: de-roped as recorded, or rotated back."""
+    keys = rec.keys[layer].to(device)
+    return apply_rope(keys, torch.arange(keys.shape[1], device=device), rope) if rotated else keys
 
 
 def _layer_samples(collection: Collection, layer: int, cents: Tensor, rope, sink: int, window: int, scale: float,
-                   G: int, device: str, max_queries: int | None = None) -> tuple[Tensor, Tensor]:
-    """(Hkv, M, D) de-roped training queries and their (Hkv, M, C) long-range cluster-mass targets."""
+                   G: int, device: str, max_queries: int | None = None,
+                   rotated: bool = False) -> tuple[Tensor, Tensor]:
+    """(Hkv, M, D) training queries (de-roped, or rotated with ``rotated``) and their (Hkv, M, C) long-range
+    cluster-mass targets."""
     Hkv, C, _ = cents.shape
     xs, ts = [[] for _ in range(Hkv)], [[] for _ in range(Hkv)]
     for rec in collection.sequences:
         keys = rec.keys[layer].to(device)  # (Hkv, N, D) de-roped
         n = keys.shape[1]
-        assign = assign_keys(cents.to(device), keys[None, :, sink:])[0]  # (Hkv, N - sink)
         k_rot = apply_rope(keys, torch.arange(n, device=device), rope)
+        assign = assign_keys(cents.to(device), (k_rot if rotated else keys)[None, :, sink:])[0]  # (Hkv, N - sink)
         m = rec.query_positions.numel()
         keep = torch.linspace(0, m - 1, min(m, max_queries or m)).round().long()  # spread over the positions
         pos = rec.query_positions[keep].to(device)
@@ -172,7 +218,7 @@ def _layer_samples(collection: Collection, layer: int, cents: Tensor, rope, sink
         for h in range(Hkv):
             for g in range(G):
                 t, has = long_range_targets(q_rot[h * G + g], pos, k_rot[h], assign[h], C, sink, window, scale)
-                xs[h].append(q[h * G + g][has])
+                xs[h].append((q_rot if rotated else q)[h * G + g][has])
                 ts[h].append(t[has])
     m = min(sum(x.shape[0] for x in xs[h]) for h in range(Hkv))
     return (torch.stack([torch.cat(xs[h])[:m] for h in range(Hkv)]),
@@ -184,6 +230,8 @@ def _fit_mlp(xs: Tensor, ts: Tensor, hidden: int, C: int, steps: int, batch: int
     Hkv, M, D = xs.shape
     net = BatchedQueryMLP(Hkv, D, hidden, C).to(device)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
+    # cosine decay to zero: the last steps settle instead of hopping between mini-batches
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
     net.train()
     for _ in range(steps):
         idx = torch.randint(0, M, (min(batch, M),), device=device)
@@ -193,5 +241,6 @@ def _fit_mlp(xs: Tensor, ts: Tensor, hidden: int, C: int, steps: int, batch: int
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        sched.step()
     net.eval()
     return net.export()

@@ -66,8 +66,13 @@ class Strategy(Generic[P]):
         raise NotImplementedError
 
     def run_states(self, state: Any, plan: P, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-                   valid_len: Tensor | None, scale: float, is_causal: bool) -> tuple[Tensor, Tensor]:
-        """Like ``run`` but returns the softmax state (o fp32 (B, Hq, L, Dv), lse fp32 (B, Hq, L))."""
+                   valid_len: Tensor | None, scale: float, is_causal: bool,
+                   split_lse: bool = False) -> tuple[Tensor, ...]:
+        """Like ``run`` but returns the softmax state (o fp32 (B, Hq, L, Dv), lse fp32 (B, Hq, L)).
+
+        ``split_lse`` (the single-device kinds, which the distributed decode runs as its local attention): return
+        (o, m, log l) instead, the row max and ``log l`` apart (``reference.attention_states``), so that a merge
+        across ranks weighs a row that ``finfo.min`` hides by its key counts."""
         raise NotImplementedError(f"{type(self).__name__} does not return softmax states")
 
 

@@ -50,7 +50,7 @@ class Bucketed(Strategy[BucketedPlan]):
         return strategy.run(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal,
                             **variant_kwargs(strategy, **variant))
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, **variant):
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False, **variant):
         inner, strategy, inner_state = state[plan.index_of(k.shape[2])]
-        return strategy.run_states(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal,
+        return strategy.run_states(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse,
                                    **variant_kwargs(strategy, **variant))

@@ -144,12 +144,17 @@ class Dense(Strategy[DensePlan]):
         if attn_mask is not None and attn_mask.dim() < 4:
             # SDPA rejects a 1-D (N,) mask that broadcasts fine in eager code: view it as (1, ..., N)
             attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        if attn_mask is not None and attn_mask.dtype in (torch.float16, torch.bfloat16) and attn_mask.dtype != q.dtype:
+            # Eager code adds a half-precision bias to wider scores (type promotion); SDPA takes a float mask only in
+            # q's dtype or fp32. The promoted dtype (fp32 or fp64) holds every fp16/bf16 value exactly.
+            attn_mask = attn_mask.to(torch.promote_types(attn_mask.dtype, q.dtype))
         mask = combined_mask(q, k, attn_mask, valid_len)
         if state == "auto":
             return _sdpa(_AUTO, False, q, k, v, mask, scale, is_causal)
         return _sdpa(plan, bool(state), q, k, v, mask, scale, is_causal)
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False):
         from ..reference import attention_states
 
-        return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal)
+        return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
+                                split_lse=split_lse)

@@ -175,7 +175,8 @@ class KernelStrategy(Strategy[P]):
 
     def _launch(self, state, plan: P, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, *, key_start=None,
                 softcap=0.0, alibi_slopes=None) -> None:
-        """Launch the kernel into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L) fp32 or None."""
+        """Launch the kernel into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L) fp32, or its (2, B, Hq, L) planes of
+        row max and log l, or None."""
         raise NotImplementedError
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, *, key_start=None, softcap=0.0,
@@ -191,19 +192,20 @@ class KernelStrategy(Strategy[P]):
                      softcap=softcap, alibi_slopes=alibi_slopes)
         return out
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, *, key_start=None,
-                   softcap=0.0, alibi_slopes=None):
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False, *,
+                   key_start=None, softcap=0.0, alibi_slopes=None):
         if not use_triton(q):
             from ..reference import decode_attention_states
 
             return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
                                            is_causal=is_causal, num_partitions=self.cpu_partitions(plan),
-                                           key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
+                                           split_lse=split_lse, key_start=key_start, softcap=softcap,
+                                           alibi_slopes=alibi_slopes)
         out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        lse = torch.empty(((2,) if split_lse else ()) + tuple(q.shape[:3]), device=q.device, dtype=torch.float32)
         self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, key_start=key_start,
                      softcap=softcap, alibi_slopes=alibi_slopes)
-        return out, lse
+        return (out, lse[0], lse[1]) if split_lse else (out, lse)
 
 
 @register_strategy(SplitKVPlan)

@@ -244,7 +244,7 @@ def test_environment_key_follows_the_installed_versions(monkeypatch):
 
     env = tuning.environment_key()
     assert env["torch"] == torch.__version__ and env["triton"] == triton.__version__
-    assert env["attnopt"] == __version__ and env["tuning"] == "2" and env["device"] == "cpu"
+    assert env["attnopt"] == __version__ and env["tuning"] == str(tuning.TUNING_VERSION) and env["device"] == "cpu"
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     monkeypatch.setattr(triton, "__version__", "8.8.8")
     monkeypatch.setattr(attnopt, "__version__", "7.7.7")
@@ -492,3 +492,24 @@ def test_one_tuner_measures_a_shape_once_even_when_its_cache_cannot_be_written(t
         assert choices[0].choice == "measured" and {c.choice for c in choices[1:]} == {"cached"}
         assert calls == len(tuning.to_time(ranked, tuning.DEFAULT_TOP_K)) * tuning.ROUNDS
         assert {c.plan.runtime_key() for c in choices} == {choices[0].plan.runtime_key()}
+
+
+def test_one_plan_of_each_further_kernel_configuration_is_timed():
+    """Beyond the top estimates, the best-estimated plan of each further (kind, block_n, warps, stages) family is a
+    candidate: the model ranks grids within a configuration well and configurations against each other poorly."""
+    ranked = _ranked(AttentionSite.canonical())
+    kernels = [p for p in ranked if p.kind != "dense"]
+    families = []
+    for p in kernels:
+        if tuning._family(p) not in families:
+            families.append(tuning._family(p))
+    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
+    timed = [tuning._family(p) for p in plans if p.kind != "dense"]
+    top = {tuning._family(p) for p in kernels[:tuning.DEFAULT_TOP_K]} | {tuning._family(ranked[0])}
+    further = [f for f in families if f not in top][:tuning.DEFAULT_EXTRA_FAMILIES]
+    assert further, "the canonical site should offer more configurations than the top estimates cover"
+    assert all(f in timed for f in further)
+    for f in further:  # each further family by its best-estimated plan, in the model's order
+        best = next(p for p in kernels if tuning._family(p) == f)
+        assert any(p.runtime_key() == best.runtime_key() for p in plans)
+    assert len(tuning.to_time(ranked, tuning.DEFAULT_TOP_K, extra_families=0)) < len(plans)

@@ -250,6 +250,37 @@ def bloom_baddbmm(q, k, v):
     return torch.bmm(F.softmax(s, -1), vv).view(B, H, L, D)
 
 
+# a cast in the chain to a dtype less precise than the scores: the original rounds there, the kernels would not
+@case("rounded to float16")
+def softmax_in_fp16_of_fp32_scores(q, k, v):
+    return F.softmax(scores(q, k), -1, dtype=torch.float16).to(q.dtype) @ rep(v)
+
+
+@case("rounded to bfloat16")
+def probabilities_round_tripped_through_bf16(q, k, v):
+    return F.softmax(scores(q, k), -1).bfloat16().float() @ rep(v)
+
+
+@case("exact")
+def softmax_in_fp64_of_fp32_scores(q, k, v):  # wider than the scores: exact
+    return F.softmax(scores(q, k), -1, dtype=torch.float64).to(q.dtype) @ rep(v)
+
+
+# a half-precision bias added to fp32 scores: eager promotes it to fp32 (exactly); SDPA takes a float mask only in
+# q's dtype or fp32, so the dense rewrite converts it instead of failing
+@case("exact")
+def fp16_bias_on_fp32_scores(q, k, v):
+    bias = (torch.arange(N) * -0.25).to(torch.float16).view(1, 1, 1, N).expand(B, 1, L, N)
+    return F.softmax(scores(q, k) + bias, -1) @ rep(v)
+
+
+@case("exact")
+def bf16_finfo_min_row_on_fp32_scores(q, k, v):
+    bias = torch.zeros(B, 1, L, N, dtype=torch.bfloat16)
+    bias[1] = torch.finfo(torch.bfloat16).min  # a whole row at bf16's min: fp32 scores tie, the mean of V
+    return F.softmax(scores(q, k) + bias, -1) @ rep(v)
+
+
 # ----------------------------------------------------------------------------------- the check
 def inputs(seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,17 @@ It draws the spelling (SDPA with ``enable_gqa`` or expanded K/V, eager ``matmul`
 shape from 1-D to 4-D; applied by ``+``, ``masked_fill`` with -inf or a finite value (finfo.min among them), ``where``), fully masked
 rows, in-place edits of the scores, clones and ``.contiguous()`` copies written afterwards, the fully-masked-row
 ``where`` guard and a head-pruning ``where``, a scalar after the softmax, fp32/fp64, odd shapes, and the plan
-(planner's pick, dense, split-KV, stream-K).
+(planner's pick, dense, split-KV, stream-K). Also: additive masks in fp16/bf16 on fp32/fp64 queries, 0/1 integer
+masks, -1e9 additive masks (with larger scores in a third of the cases: a row they hide whole rounds onto fp32's
+grid at 1e9), the scale as a float or a 0-d tensor input, inference dropout (``training=False``, or ``p=0``),
+``is_causal`` with q_len > 1 against the cache, casts of the probabilities (narrower, or wider, than the scores),
+and NaN in V at a key every row hides. Half the cases carry none of the spellings that must be left alone, so that
+most of those are rewritten and compared.
+
+NaN in V at a hidden key: the original gives NaN (0 * NaN in the value product); the kernels skip tiles past the
+last visible key (a static cache's unused tail may hold any bits) and the reference zeroes partitions with no
+visible key. So there the rewrite may give NaN as the original, or the attention over the visible keys (the
+original with those NaNs replaced by 0), never anything else.
 
 ``ATTNOPT_FUZZ_EXAMPLES`` sets the number of examples (default 30: about a minute on 2 cores); a few more run
 through the Triton interpreter (``ATTNOPT_CPU_KERNELS=interpret``).
@@ -39,21 +49,32 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["form"] = draw(st.sampled_from(["sdpa", "eager", "einsum"]))
     s["graph"] = draw(st.sampled_from(["dynamo"] * 6 + ["aot", "make_fx", "export"]))
     s["B"], s["Hkv"], s["G"] = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
-    s["L"] = draw(st.sampled_from([1, 1, 2, 3]))
+    s["L"] = draw(st.sampled_from([1, 1, 2, 3, 4]))
     s["N"] = draw(st.sampled_from([5, 16, 17, 33, 47]))
     s["gqa"] = draw(st.sampled_from(["repeat_kv", "repeat_interleave"] + (["enable_gqa"] if s["form"] == "sdpa" else [])))
-    s["mask"] = draw(st.sampled_from([None, "bool", "zero_neginf", "finfo_min", "bias"]))
+    s["mask"] = draw(st.sampled_from([None, "bool", "bool", "zero_neginf", "finfo_min", "minus_1e9", "bias", "int01"]))
+    s["mask_dtype"] = draw(st.sampled_from(["same", "same", "float16", "bfloat16"]))  # additive masks only
     s["rank"] = draw(st.integers(1, 4))
     s["bcast"] = draw(st.lists(st.booleans(), min_size=4, max_size=4))  # per dim of (B, H, L, N): size 1?
     s["apply"] = draw(st.sampled_from(["add", "masked_fill", "where"]))  # eager: how a bool mask is applied
     s["fill"] = draw(st.sampled_from([-math.inf, -math.inf, -1e9, torch.finfo(torch.float32).min]))
     s["full_rows"] = draw(st.booleans())
     s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after"]))
-    s["guard"] = draw(st.sampled_from(["none", "none", "safe", "head_prune"]))
-    s["post_scalar"] = draw(st.booleans() if s["form"] != "sdpa" else st.just(False))
+    s["guard"] = draw(st.sampled_from(["none"] * 4 + ["safe", "safe", "head_prune"]))
+    s["post_scalar"] = draw(st.sampled_from([False] * 4 + [True]) if s["form"] != "sdpa" else st.just(False))
+    s["scale_kind"] = draw(st.sampled_from(["float", "float", "tensor"]))
+    s["dropout"] = draw(st.sampled_from(["none", "none", "eval", "p0"]))
+    s["causal"] = s["form"] == "sdpa" and s["mask"] is None and draw(st.booleans())
+    s["cast"] = draw(st.sampled_from(["none"] * 6 + ["narrow", "wide"]) if s["form"] != "sdpa" else st.just("none"))
+    s["nan_v"] = draw(st.booleans()) if s["mask"] in ("bool", "zero_neginf") else False
     s["dtype"] = draw(st.sampled_from(dtypes))
     s["plan"] = draw(st.sampled_from(plans))
     s["seed"] = draw(st.integers(0, 2**16))
+    if draw(st.booleans()):  # half the cases carry none of the spellings that must be left alone
+        s.update(mutation="none", post_scalar=False, fill=-math.inf,
+                 guard="none" if s["guard"] == "head_prune" else s["guard"],
+                 cast="none" if s["cast"] == "narrow" else s["cast"],
+                 mask="bool" if s["mask"] == "int01" else s["mask"])
     return s
 
 
@@ -78,26 +99,38 @@ def make_mask(spec, gen):
         keep.view(-1, shape[-1])[0] = False  # one row (or every row broadcast from it) hides every key
     elif keep.numel():
         keep[..., 0] = True
-    dt = spec["dtype"]
+    if spec["nan_v"] and shape[-1] == N:
+        keep[..., nan_key(spec)] = False  # every row hides the key whose value is NaN
+    dt = spec["dtype"] if spec["mask_dtype"] == "same" else getattr(torch, spec["mask_dtype"])
     if spec["mask"] == "bool":
         return keep
+    if spec["mask"] == "int01":
+        return keep.to(torch.int64)  # added to the scores in eager: a 0/1 bias
     if spec["mask"] == "zero_neginf":
         return torch.zeros(shape, dtype=dt).masked_fill(~keep, -math.inf)
     if spec["mask"] == "finfo_min":
-        return torch.zeros(shape, dtype=dt).masked_fill(~keep, torch.finfo(torch.float32).min)
-    bias = torch.randn(shape, generator=gen, dtype=dt)
+        return torch.zeros(shape, dtype=dt).masked_fill(~keep, torch.finfo(dt).min)
+    if spec["mask"] == "minus_1e9":  # a large finite bias: a row it hides whole rounds onto its fp32 grid
+        return torch.zeros(shape, dtype=dt).masked_fill(~keep, max(-1e9, torch.finfo(dt).min))
+    bias = torch.randn(shape, generator=gen).to(dt)
     return bias.masked_fill(~keep, -math.inf) if spec["full_rows"] else bias
+
+
+def nan_key(spec) -> int:
+    """The key whose value holds NaN (with ``nan_v``): the last one (a static cache's tail) or one inside."""
+    return spec["N"] - 1 if spec["seed"] % 2 else spec["N"] // 2
 
 
 def make_fn(spec):
     form, scale = spec["form"], 0.125
 
-    def scores_of(q, k):
+    def scores_of(q, k, scale_t):
+        sc = scale if spec["scale_kind"] == "float" else scale_t
         if form == "einsum":
-            return torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-        return torch.matmul(q, k.transpose(-1, -2)) * scale
+            return torch.einsum("bhqd,bhkd->bhqk", q, k) * sc
+        return torch.matmul(q, k.transpose(-1, -2)) * sc
 
-    def fn(q, k, v, mask):
+    def fn(q, k, v, mask, scale_t):
         if spec["mutation"] == "clone_k_write":
             k = k.clone()
             k[:, :, 0] = 1.0
@@ -107,11 +140,15 @@ def make_fn(spec):
             if spec["mutation"] == "contiguous_q_after":
                 q2.mul_(2.0)  # written before SDPA reads it: the op reads the written q, as the original
                 q = q2
+            sc = scale
+            if spec["scale_kind"] == "tensor":
+                q, sc = q * scale_t, 1.0  # SDPA takes a float: a tensor scale multiplies the query
             if spec["gqa"] == "enable_gqa":
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sc, is_causal=spec["causal"],
                                                       enable_gqa=spec["G"] > 1)
-            return F.scaled_dot_product_attention(q, _expand(k, spec), _expand(v, spec), attn_mask=mask, scale=scale)
-        s = scores_of(q2 if spec["mutation"] == "contiguous_q_after" else q, _expand(k, spec))
+            return F.scaled_dot_product_attention(q, _expand(k, spec), _expand(v, spec), attn_mask=mask, scale=sc,
+                                                  dropout_p=0.0, is_causal=spec["causal"])
+        s = scores_of(q2 if spec["mutation"] == "contiguous_q_after" else q, _expand(k, spec), scale_t)
         if spec["mutation"] == "contiguous_q_after":
             q2.mul_(2.0)  # after the score product read it
         if spec["mutation"] == "scores_inplace":
@@ -123,7 +160,16 @@ def make_fn(spec):
                 s = torch.where(mask, s, torch.tensor(spec["fill"], dtype=s.dtype))
             else:
                 s = s.masked_fill(~mask, spec["fill"])
-        p = F.softmax(s, dim=-1)
+        if spec["cast"] == "wide":
+            p = F.softmax(s, dim=-1, dtype=torch.float64).to(s.dtype)
+        else:
+            p = F.softmax(s, dim=-1)
+        if spec["cast"] == "narrow":
+            p = p.to(torch.bfloat16).to(s.dtype)  # the original rounds the probabilities: left alone
+        if spec["dropout"] == "eval":
+            p = F.dropout(p, 0.3, training=False)
+        elif spec["dropout"] == "p0":
+            p = F.dropout(p, 0.0, training=True)
         if spec["guard"] == "safe":
             p = torch.where((s == -math.inf).all(-1, keepdim=True), torch.zeros_like(p), p)
         elif spec["guard"] == "head_prune":
@@ -144,19 +190,23 @@ BUILDERS = {"dynamo": dynamo, "aot": aot, "make_fx": fx_trace, "export": export}
 def check_spec(spec):
     gen = torch.Generator().manual_seed(spec["seed"])
     B, Hkv, G, L, N, D, dt = spec["B"], spec["Hkv"], spec["G"], spec["L"], spec["N"], 64, spec["dtype"]
-    q = torch.randn(B, Hkv * G, L, D, generator=gen, dtype=dt)
+    q = torch.randn(B, Hkv * G, L, D, generator=gen, dtype=dt) * (4 if spec["seed"] % 3 == 0 else 1)
     k = torch.randn(B, Hkv, N, D, generator=gen, dtype=dt)
     v = torch.randn(B, Hkv, N, D, generator=gen, dtype=dt)
     mask = make_mask(spec, gen)
+    nan_v = spec["nan_v"] and mask is not None and mask.shape[-1] == N
+    if nan_v:
+        v[:, :, nan_key(spec)] = float("nan")
+    scale_t = torch.tensor(0.125, dtype=dt)
     fn = make_fn(spec)
     try:
-        ref = fn(q.clone(), k.clone(), v.clone(), mask)
+        ref = fn(q.clone(), k.clone(), v.clone(), mask, scale_t)
     except (RuntimeError, IndexError):
         hypothesis.assume(False)  # the original itself rejects this spelling (e.g. SDPA with a 1-D mask)
     config = OptimizeConfig(force_plan=spec["plan"]) if spec["plan"] else OptimizeConfig()
     build = BUILDERS[spec["graph"]]
     try:
-        r = build(fn, q.clone(), k.clone(), v.clone(), mask, config=config)
+        r = build(fn, q.clone(), k.clone(), v.clone(), mask, scale_t, config=config)
     except Exception as e:  # noqa: BLE001 - the graph form cannot trace this spelling: not the passes' concern
         if "attnopt" in repr(e) or "passes" in "".join(getattr(e, "__notes__", [])):
             raise
@@ -164,8 +214,13 @@ def check_spec(spec):
             raise
         hypothesis.assume(False)
     out = r.out
-    assert torch.equal(torch.isnan(out), torch.isnan(ref)), f"NaN positions differ: {spec}"
     tol = TOL[dt]
+    if nan_v:  # NaN as the original, or the attention over the visible keys (see the module docstring)
+        clean = fn(q.clone(), k.clone(), v.nan_to_num(0.0), mask, scale_t)
+        assert bool((torch.isnan(out) <= torch.isnan(ref)).all()), f"NaN where the original has none: {spec}"
+        finite = ~torch.isnan(out)
+        ref = torch.where(finite & torch.isnan(ref), clean, ref)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)), f"NaN positions differ: {spec}"
     torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=tol, rtol=tol, msg=lambda m: f"{spec}: {m}")
     reports = r.reports
     assert reports, f"no attention site detected: {spec}"

@@ -85,6 +85,13 @@ def _launches(monkeypatch) -> list[dict]:
         stream_k_decode(q, k, v, out, lse, workspace=stream_k_workspace(8, q, k, v),
                         attn_mask=torch.where(mask, 0.0, float("-inf")), scale=0.125, grid=8, block_n=64,
                         num_warps=4, num_stages=3)
+        # a distributed decode's local state: the row max and log l apart, as two planes (one split, a merge launch,
+        # stream-K)
+        for splits in (1, 4):
+            split_kv_decode(q, k, v, torch.empty(B, Hq, L, D), torch.empty(2, B, Hq, L), attn_mask=mask, scale=0.125,
+                            num_splits=splits, block_n=64, num_warps=4, num_stages=3)
+        stream_k_decode(q, k, v, torch.empty(B, Hq, L, D), torch.empty(2, B, Hq, L), attn_mask=mask, scale=0.125,
+                        grid=8, block_n=64, num_warps=4, num_stages=3)
         for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
             _saap_launch(q, k, v, clusters, probes)
         _variant_launches(q, k, v, mask)

@@ -425,8 +425,9 @@ def test_cost_model_ranks_tree_and_ring():
 
 
 def test_packed_merge_kernel_matches_reference():
-    """The Triton merge the tree uses on CUDA (run here in the interpreter) equals the reference merge,
-    with empty partitions and a row empty everywhere."""
+    """The Triton merge the tree uses on CUDA (run here in the interpreter) equals the reference merge, on packed
+    [o | m | log l] states, with empty partitions, a row empty everywhere, and maxima at fp32's finfo.min (which
+    times log2(e) overflows to -inf: the kernel must not take those partitions for empty)."""
     pytest.importorskip("triton")
     from attnopt.runtime import distributed as D
     from attnopt.runtime.kernels import interpreting
@@ -435,15 +436,27 @@ def test_packed_merge_kernel_matches_reference():
     if not interpreting() and not torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    parts = torch.randn(3, 2, 4, 2, 17, device=dev)
-    parts[1, 0, 0, 0, -1] = float("-inf")
-    parts[:, 1, 1, 1, -1] = float("-inf")
+    parts = torch.randn(3, 2, 4, 2, 18, device=dev)
+    parts[..., -1] = parts[..., -1].abs()  # log l
+    parts[1, 0, 0, 0, -2:] = float("-inf")
+    parts[:, 1, 1, 1, -2:] = float("-inf")
+    parts[:, 0, 2, 1, -2] = torch.finfo(torch.float32).min  # a row that finfo.min hides in every partition
+    parts[1, 0, 2, 1, -2:] = float("-inf")
     o, lse = D.merge_packed_triton(parts)
-    o_ref, lse_ref = merge_states(parts[..., :-1], parts[..., -1])
+    o_ref, lse_ref = merge_states(parts[..., :-2], parts[..., -2], parts[..., -1])
     torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-6)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
     torch.testing.assert_close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), atol=1e-6, rtol=1e-6)
     assert not torch.isnan(o).any() and bool((o[1, 1, 1] == 0).all())
+    weights = parts[:, 0, 2, 1, -1].exp() * torch.tensor([1.0, 0.0, 1.0], device=dev)  # l of partitions 0 and 2
+    want = (parts[:, 0, 2, 1, :-2] * weights[:, None]).sum(0) / weights.sum()
+    torch.testing.assert_close(o[0, 2, 1], want, atol=1e-5, rtol=1e-5)
+    # split output for a later stage: the merged row max and log l apart
+    o2, m2, ll2 = D.merge_packed_triton(parts, split_lse=True)
+    o_r, m_r, ll_r = merge_states(parts[..., :-2], parts[..., -2], parts[..., -1], split_lse=True)
+    torch.testing.assert_close(o2, o_r, atol=1e-6, rtol=1e-6)
+    assert torch.equal(m2, m_r)
+    torch.testing.assert_close(ll2, ll_r, atol=1e-6, rtol=1e-6)
 
 
 def _bench_case(rank, world):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from attnopt.bench.saap import budget
+from attnopt.bench.saap import budget, speed_verdict
 from attnopt.cli import build_parser
 
 
@@ -14,6 +14,19 @@ def test_budget_hits_the_target_selectivity():
             window, probes = budget(target, n, clusters)
             attended = 1 + window + probes * n / clusters
             assert window <= 2047 and abs(attended / n - target) < 0.5 * n / clusters / n + 1e-9
+
+
+def test_speed_verdict_compares_with_the_fastest_dense_method():
+    rows = [{"case": "llama3-8b-128k", "method": "attnopt:saap", "target": 0.05, "selectivity": 0.051, "us": 20.0,
+             "fastest_dense": "sdpa-cudnn", "fastest_dense_us": 110.0, "speedup_vs_fastest_dense": 5.5},
+            {"case": "llama3-8b-512k", "method": "attnopt:saap", "target": 0.05, "selectivity": 0.05, "us": 60.0,
+             "fastest_dense": "attnopt:split_kv", "fastest_dense_us": 420.0, "speedup_vs_fastest_dense": 7.0},
+            {"case": "llama3-8b-512k", "method": "attnopt:saap", "target": 0.10, "selectivity": 0.1, "us": 90.0,
+             "fastest_dense": "attnopt:split_kv", "fastest_dense_us": 420.0, "speedup_vs_fastest_dense": 4.7}]
+    lines = speed_verdict(rows)
+    assert len(lines) == 2  # the 10 % row is not a target
+    assert "5.50x sdpa-cudnn" in lines[0] and lines[0].endswith("need 5x: PASS")
+    assert "7.00x attnopt:split_kv" in lines[1] and lines[1].endswith("need 8x: FAIL")
 
 
 def test_bench_saap_is_registered():

@@ -8,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("faiss")
 
-from attnopt.runtime.saap import build_clusters, saap_decode  # noqa: E402
+from attnopt.runtime.saap import attended_keys, build_clusters, saap_decode  # noqa: E402
+from attnopt.runtime.saap.decode import saap_decode_states, selectivity  # noqa: E402
 from attnopt.runtime.saap.collect import collect, custom_attention  # noqa: E402
 from attnopt.runtime.saap.evaluate import (Harness, Setting, corpus_text, evaluate_language,  # noqa: E402
                                            setting_for)
@@ -40,18 +41,21 @@ def test_train_and_eval_text_parts_are_disjoint():
 def test_every_cluster_gives_dense_results(tiny):
     model, _, index = tiny
     ids = torch.randint(0, 97, (1, 200 + 8 + 1))[0]
-    every = Setting("mlp", 1.0, sink=1, window=4, probes=index.num_clusters)
+    every = [Setting("mlp", 1.0, sink=1, window=4, probes=index.num_clusters),
+             Setting("topk", 1.0, sink=1, window=4, probes=209)]
     harness = Harness(model, index)
     with custom_attention(model, "attnopt_saap_test", harness):
-        rows, timing = evaluate_language(model, harness, [ids], 8, [every])
+        rows, timing = evaluate_language(model, harness, [ids], 8, every)
     assert timing["prefill_s"] > 0 and timing["index_build_s"] > 0
-    dense, full = rows
-    assert full["next_token_agreement"] == 1.0
-    assert math.isclose(full["perplexity"], dense["perplexity"], rel_tol=1e-4)
-    assert math.isclose(full["selectivity"], 1.0) and math.isclose(full["recall"], 1.0, rel_tol=1e-5)
+    dense, *full = rows
+    for row in full:
+        assert row["next_token_agreement"] == 1.0
+        assert math.isclose(row["perplexity"], dense["perplexity"], rel_tol=1e-4)
+        assert math.isclose(row["selectivity"], 1.0) and math.isclose(row["recall"], 1.0, rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("method,probes", [("mlp", 3), ("centroids", 3), ("window", 0)])
+@pytest.mark.parametrize("method,probes", [("mlp", 3), ("centroids", 3), ("window", 0), ("oracle", 3),
+                                            ("topk", 20)])
 def test_harness_attention_is_the_reference_decode(tiny, method, probes):
     model, _, index = tiny
     harness = Harness(model, index)
@@ -61,12 +65,40 @@ def test_harness_attention_is_the_reference_decode(tiny, method, probes):
     out, _ = harness(types.SimpleNamespace(layer_idx=2), q, k, v, None, scaling=0.25)
     ref_index = index if method == "mlp" else index.without_mlp()
     state = build_clusters(ref_index, 2, k, 150, 1, 8)
-    want, _, sel = saap_decode(ref_index, 2, state, q, k, v, probes, 0.25)
+    if method == "oracle":  # the clusters holding the most dense attention mass of the group's 3 heads
+        probs = torch.softmax((q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.25, dim=-1)[:, :, 0]
+        owner = state.cluster_of_positions(151)
+        mass = torch.zeros(1, 2, index.num_clusters)
+        mass.scatter_add_(-1, owner.clamp(min=0), probs.reshape(1, 2, 3, 151).sum(2) * (owner >= 0))
+        keep = attended_keys(state, mass.topk(probes, dim=-1).indices, 151, 1)
+        want, sel = saap_decode_states(q, k, v, keep, 0.25)[0], selectivity(keep)
+    elif method == "topk":  # the 20 indexed keys of most group mass, plus sink and window
+        probs = torch.softmax((q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.25, dim=-1)[:, :, 0]
+        group = probs.reshape(1, 2, 3, 151).sum(2)
+        group[..., :1] = group[..., 142:] = -1
+        keep = torch.zeros(1, 2, 1, 151, dtype=torch.bool)
+        keep[..., :1] = keep[..., 142:] = True
+        keep.scatter_(-1, group.topk(20, dim=-1).indices[:, :, None], True)
+        want, sel = saap_decode_states(q, k, v, keep, 0.25)[0], selectivity(keep)
+    else:
+        want, _, sel = saap_decode(ref_index, 2, state, q, k, v, probes, 0.25)
     torch.testing.assert_close(out.transpose(1, 2), want)
     assert math.isclose(harness.summary()["selectivity"], float(sel), rel_tol=1e-6)
     assert 0 < harness.summary()["recall"] < 1
     if method == "window":  # sink + window only: 1 + (151 - 142) keys
         assert math.isclose(float(sel), 10 / 151, rel_tol=1e-6)
+
+
+def test_oracle_recall_bounds_every_query_model_at_the_same_budget(tiny):
+    model, _, index = tiny
+    ids = torch.randint(0, 97, (1, 200 + 8 + 1), generator=torch.Generator().manual_seed(5))[0]
+    settings = [Setting(m, 0.1, sink=1, window=8, probes=3) for m in ("oracle", "mlp", "centroids")]
+    harness = Harness(model, index)
+    with custom_attention(model, "attnopt_saap_test", harness):
+        rows, _ = evaluate_language(model, harness, [ids], 8, settings)
+    oracle, mlp, centroids = rows[1:]
+    assert oracle["recall"] >= max(mlp["recall"], centroids["recall"]) - 1e-6
+    assert oracle["recall"] < 1
 
 
 def test_setting_shrinks_the_window_with_the_context(tiny):
@@ -76,7 +108,7 @@ def test_setting_shrinks_the_window_with_the_context(tiny):
     assert s8.window == 128 and s2.window == 32 and s8.probes >= 1
     streaming = setting_for(index, "window", 0.10, 8192, 64)
     assert streaming.probes == 0 and streaming.window == round(819.2 - 4 - 32)
-    with pytest.raises(ValueError, match="valid: mlp, centroids, window"):
+    with pytest.raises(ValueError, match="valid: mlp, centroids, window, oracle, topk"):
         setting_for(index, "lsh", 0.1, 8192, 64)
 
 
@@ -93,3 +125,36 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     index = load_index(ipath, model.config)
     assert index.has_mlp and sorted(index.layers) == [1, 2] and index.train_info["hidden"] == 8
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
+
+
+def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "saap_quality_gpu", Path(__file__).parents[2] / "benchmarks" / "saap_quality_gpu.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def row(method, C, window, probes, sel, agree, ppl):
+        return {"method": method, "clusters": C, "window": window, "probes": probes, "selectivity": sel,
+                "recall": 0.9, "next_token_agreement": agree, "perplexity": ppl}
+
+    results = {"rows": [row("dense", None, None, None, 1.0, 1.0, 10.0),
+                        row("mlp", "64", 32, 2, 0.04, 0.90, 10.5), row("mlp", "64", 32, 4, 0.09, 0.96, 10.2),
+                        row("mlp", "64", 32, 8, 0.16, 0.99, 10.0), row("window", None, 400, 0, 0.05, 0.8, 12.0)],
+               "passkey": [{"length": 2048, "method": "dense", "found": 3, "trials": 4},
+                           {"length": 2048, "method": "mlp", "clusters": "64", "target": 0.1, "probes": 4,
+                            "window": 8, "found": 3, "trials": 4},
+                           {"length": 2048, "method": "mlp", "clusters": "64", "target": 0.05, "probes": 2,
+                            "window": 8, "found": 1, "trials": 4}],
+               "passkey_points": {"64": [{"method": "mlp", "window": 32, "probes": 2, "target": 0.05},
+                                         {"method": "mlp", "window": 32, "probes": 4, "target": 0.1},
+                                         {"method": "window", "window": 400, "probes": 0, "target": 0.05}]}}
+    summary = script.summarize(results, ["mlp", "window"], ["64"])
+    by = {(r["method"], r["clusters"], r["at_most"]): r for r in summary}
+    five, ten = by[("mlp", "64", 0.05)], by[("mlp", "64", 0.1)]
+    assert (five["probes"], five["passkey"], five["done"]) == (2, "1/4", False)
+    assert (ten["probes"], ten["passkey"], ten["done"]) == (4, "3/4", True)  # 0.96 at 9 %, +2 % ppl, 3/4 as dense
+    assert math.isclose(ten["ppl_vs_dense"], 0.02)
+    assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]

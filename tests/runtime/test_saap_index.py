@@ -114,6 +114,30 @@ def test_index_round_trip_and_scores(tmp_path, trained):
     assert not torch.allclose(s, base)
 
 
+def test_rotated_index_clusters_and_scores_the_vectors_as_the_cache_holds_them(tmp_path, trained):
+    coll, _ = trained
+    index = train_index(coll, clusters=16, hidden=16, steps=5, batch=32, window=16, kmeans_iterations=3,
+                        rotated=True)
+    path = tmp_path / "rot.safetensors"
+    index.save(path)
+    back = load_index(path, tiny_config())
+    assert back.rotated and back.without_mlp().rotated and back.to("cpu").rotated
+    # the centroids live among the rotated keys: the recorded (de-roped) keys, rotated back, sit nearer to them
+    rec = coll.sequences[0]
+    rotated = apply_rope(rec.keys[1], torch.arange(rec.length), back.rope)[:, 1:]
+    cents = back.layers[1].centroids
+    assert torch.cdist(rotated, cents).min(-1).values.mean() < torch.cdist(rec.keys[1][:, 1:], cents).min(-1).values.mean()
+    k = torch.randn(1, 2, 120, 16)
+    st = build_clusters(back, 1, k, prompt_len=100, sink=1, window=10)
+    from attnopt.runtime.saap.build import assign_keys
+
+    assert torch.equal(st.assign, assign_keys(cents, k[:, :, 1:90]))  # no de-roping
+    q = torch.randn(1, 6, 1, 16)
+    got = back.without_mlp().cluster_scores(1, q, torch.tensor([119]), 0.25)
+    want = torch.softmax(torch.einsum("bhld,hcd->bhlc", q.reshape(1, 2, 3, 16), cents) * 0.25, -1).sum(2)
+    torch.testing.assert_close(got[:, :, 0], want)
+
+
 def test_mismatched_or_corrupt_index_names_the_file_and_the_mismatch(tmp_path, trained):
     _, index = trained
     path = tmp_path / "idx.safetensors"
@@ -193,3 +217,27 @@ def test_multi_token_decode_is_causal_within_the_call(trained):
     assert keep.shape == (1, 2, 4, N)
     for i in range(4):
         assert not keep[0, :, i, N - 4 + i + 1:].any() and keep[0, :, i, 180:N - 4 + i + 1].all()
+
+
+def test_torch_kmeans_reaches_a_lloyd_fixed_point_as_good_as_faiss():
+    from attnopt.runtime.saap.build import assign_keys
+    from attnopt.runtime.saap.train import kmeans
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(600, 8, generator=gen) * torch.linspace(0.5, 3, 8)
+
+    def inertia(c):
+        a = assign_keys(c[None], keys[None, None])[0, 0]
+        return a, float(((keys - c[a]) ** 2).sum())
+
+    cents = kmeans(keys, 12, iterations=60, seed=1, backend="torch")
+    a, mine = inertia(cents)
+    assert torch.bincount(a, minlength=12).min() > 0
+    means = torch.zeros(12, 8).index_add_(0, a, keys) / torch.bincount(a, minlength=12)[:, None]
+    torch.testing.assert_close(cents, means, atol=1e-4, rtol=1e-4)  # each centroid is its keys' mean
+    assert mine <= 1.1 * inertia(kmeans(keys, 12, iterations=60, seed=1, backend="faiss"))[1]
+    # fewer distinct keys than clusters: the empty clusters are re-seeded, never NaN
+    few = kmeans(keys[:3].repeat(20, 1), 5, iterations=5, backend="torch")
+    assert torch.isfinite(few).all()
+    with pytest.raises(ValueError, match="valid: auto, faiss, torch"):
+        kmeans(keys, 6, backend="sklearn")

