@@ -31,7 +31,7 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         forward, as HF's compiled ``generate()`` does: attnopt rewrites decode attention only.
         Hugging Face's own auto-compile during ``generate`` is switched off on the copy, because an outer
         ``torch.compile`` would trace around attnopt's backend. Attention modules with a sliding window are
-        recorded in ``config.sliding_windows`` (see ``sliding_windows``), so that their sites are left alone.
+        recorded in ``config.sliding_windows`` (see ``sliding_windows``): their sites read only the window.
     config : OptimizeConfig or dict, optional
         Options; keyword ``options`` are merged on top. Unknown keys raise ``ValueError``.
     process_group : torch.distributed.ProcessGroup, optional

@@ -247,6 +247,10 @@ class OnnxTranslator:
                                  "attention='auto' or 'function' to write it as an attnopt node with a function body")
             if node.target in (ops.check_close.default, ops.shard_mask_columns.default):
                 raise ValueError(f"{node.target} cannot be exported to ONNX (a run-time check / a sharded cache)")
+            if node.target in (ops.decode_attention.default, ops.decode_attention_states.default) and \
+                    (node.kwargs.get("softcap") or node.kwargs.get("alibi_slopes") is not None):
+                raise ValueError(f"{node.name}: logit softcapping and ALiBi slopes are not exported to ONNX yet; "
+                                 "optimize with skip_sites naming this site to export it as the original attention")
             if getattr(node.target, "namespace", None) == "attnopt" and node.target not in self.table():
                 names = ", ".join(sorted(str(op) for op in self.table()))
                 raise ValueError(f"{node.target} has no ONNX translation; attnopt ops that export: {names}")
@@ -260,7 +264,8 @@ class OnnxTranslator:
         return {ops.decode_attention.default: _plain(self.decode_attention),
                 ops.decode_attention_states.default: _plain(self.decode_attention_states),
                 ops.merge_states.default: _plain(self.merge_states),
-                ops.valid_len_from_mask.default: _plain(self.valid_len_from_mask)}
+                ops.valid_len_from_mask.default: _plain(self.valid_len_from_mask),
+                ops.key_start_from_mask.default: _plain(self.key_start_from_mask)}
 
     def _op(self):
         from onnxscript.onnx_opset import opset23, opset24
@@ -275,7 +280,9 @@ class OnnxTranslator:
         self.functions.add(name)
         return Op(Opset(DOMAIN, DOMAIN_VERSION), name, op_schema(name))
 
-    def decode_attention(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="", site=""):
+    def decode_attention(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="", site="",
+                         softcap=0.0, key_start=None, alibi_slopes=None):
+        # key_start (a window's first key) only saves reads: the mask, exported as it is, hides those keys
         form, runs, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None)
         if form == "saap":
             from .export_saap import saap_attention
@@ -308,7 +315,7 @@ class OnnxTranslator:
         return y
 
     def decode_attention_states(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="",
-                                site=""):
+                                site="", softcap=0.0, key_start=None, alibi_slopes=None):
         _, _, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None, states=True)
         self.exported[site] = _described("attnopt:decode_attention_states", "function body", note)
         bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
@@ -331,6 +338,18 @@ class OnnxTranslator:
         last = op.ReduceMax(op.Mul(any_row, positions), op.Constant(value_ints=[-1]), keepdims=0)
         size = op.Constant(value_ints=[int(batch)]) if isinstance(batch, int) else op.Reshape(batch, op.Constant(value_ints=[1]))
         return op.Expand(last, size)
+
+    def key_start_from_mask(self, attn_mask, batch):
+        """The first visible key of each batch row (0 where none is), (batch,) int32: ArgMax (first index of the
+        maximum) over the rows' visibility."""
+        op = self._op()
+        visible = attn_mask if attn_mask.dtype == _ir_bool() else op.Not(op.IsInf(attn_mask, detect_positive=0))
+        rows = op.Concat(op.Shape(attn_mask, start=0, end=1), op.Constant(value_ints=[-1]),
+                         op.Shape(attn_mask, start=-1), axis=0)
+        any_row = op.ReduceMax(op.Reshape(op.Cast(visible, to=6), rows), op.Constant(value_ints=[1]), keepdims=0)
+        first = op.Cast(op.ArgMax(any_row, axis=-1, keepdims=0, select_last_index=0), to=6)
+        size = op.Constant(value_ints=[int(batch)]) if isinstance(batch, int) else op.Reshape(batch, op.Constant(value_ints=[1]))
+        return op.Expand(first, size)
 
     # ----------------------------------------------------------------------------------------- helpers
     def _fold_valid_len(self, k, attn_mask, valid_len):

@@ -482,7 +482,7 @@ class PlanReport:
         for s in self.sites:
             outcome = (("plan", s.chosen.runtime_key(), s.exported_as) if (s.rewritten and s.chosen)
                        else ("left alone", s.reason_untouched))
-            key = (self.graph_of(s), s.site.shape_str(), s.site.dtype, s.site.mask_kind, outcome)
+            key = (self.graph_of(s), s.site.shape_str(), s.site.dtype, s.site.mask_kind, s.site.variant_str(), outcome)
             out.setdefault(key, []).append(s)
         return list(out.values())
 
@@ -532,7 +532,7 @@ class PlanReport:
                      site.node if all_sites else str(len(group)),
                      _esc(site.module_path or TOP_LEVEL) if all_sites else _esc(compact_paths([s.site.module_path for s in group])),
                      f"{site.shape_str()}\n[dim]{site.dtype}[/dim]",
-                     site.mask_kind, plan, est]
+                     site.mask_kind + (f"\n{site.variant_str()}" if site.variant_str() else ""), plan, est]
             if show_measured:
                 measured = done and not math.isnan(first.measured_us)
                 cells.append(f"{first.measured_us:.1f}\n[dim]{first.choice}[/dim]" if measured else "-")

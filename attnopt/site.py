@@ -47,12 +47,25 @@ class AttentionSite:
     #: proves it): P, or None when no shared prefix is proven. The cascade plan attends it once for all rows.
     shared_prefix: int | None = None
     unsupported: str | None = None
+    #: Keys a query row attends to when the site is a sliding window (the module's window, or one proved in the
+    #: mask), else None. The kernels then read only the keys from the window's first one (found on device).
+    window: int | None = None
+    #: c when the scores are logit-softcapped as ``c * tanh(s)`` (Gemma 2's ``tanh(s / cap) * cap``, the
+    #: ``1 / cap`` folded into ``scale``), else None.
+    softcap: float | None = None
+    #: Whether the scores get ALiBi (a per-head slope times the key position), proved in the graph; the op then
+    #: takes the slopes (Hq,) instead of reading a bias tensor.
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         if self.mask_kind not in MASK_KINDS:
             raise ValueError(f"unknown mask kind {self.mask_kind!r}; valid: {', '.join(MASK_KINDS)}")
         if self.gqa_source not in GQA_SOURCES:
             raise ValueError(f"unknown GQA source {self.gqa_source!r}; valid: {', '.join(GQA_SOURCES)}")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"window must be a positive int or None; got {self.window!r}")
+        if self.softcap is not None and not self.softcap:
+            raise ValueError("softcap must be a nonzero number or None; got 0")
 
     @property
     def group_size(self) -> int:
@@ -62,6 +75,22 @@ class AttentionSite:
     def effective_kv_len(self) -> int | None:
         """The KV length to plan for: the static length, else the trace-time hint."""
         return self.kv_len if self.kv_len is not None else self.kv_len_hint
+
+    @property
+    def keys_read(self) -> int | None:
+        """Keys a decode kernel reads per row: a window's ``window + q_len - 1`` (the band of the last query rows),
+        at most the planned length; else the planned length."""
+        n = self.effective_kv_len
+        if self.window is None:
+            return n
+        band = self.window + (self.q_len or 1) - 1
+        return band if n is None else min(n, band)
+
+    def variant_str(self) -> str:
+        """The attention variant for the plan table: ``window=4096``, ``softcap=50``, both, or ""."""
+        parts = ([f"window={self.window}"] if self.window is not None else []) + \
+            ([f"softcap={self.softcap:g}"] if self.softcap is not None else []) + (["alibi"] if self.alibi else [])
+        return " ".join(parts)
 
     @property
     def dtype_bytes(self) -> int:

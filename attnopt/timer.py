@@ -54,7 +54,8 @@ def uses_valid_len(plan: Plan, site: AttentionSite) -> bool:
 def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> dict[str, Any]:
     """One input set of ``site``'s shape: q (B, Hq, L, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv) in its dtype; for a
     valid-length or arbitrary mask a bool mask (B, 1, L, N) keeping the first ``STATIC_FILL * N`` keys and the
-    (B,) int32 ``valid_len`` that ``attnopt::valid_len_from_mask`` makes of it (computed here, once)."""
+    (B,) int32 ``valid_len`` that ``attnopt::valid_len_from_mask`` makes of it (computed here, once). A sliding
+    window's mask keeps only the last ``window`` of those keys, with its ``key_start`` (also computed once)."""
     import torch
 
     dtype = getattr(torch, site.dtype)
@@ -69,8 +70,14 @@ def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> d
         from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
 
         keep = max(1, int(n * STATIC_FILL))
-        s["mask"] = (torch.arange(n, device=device) < keep)[None, None, None, :].expand(b, 1, L, n).contiguous()
+        cols = torch.arange(n, device=device)
+        band = cols < keep
+        if site.window is not None:  # a sliding window's band: the last ``window`` keys before ``keep``
+            band &= cols >= keep - site.window
+        s["mask"] = band[None, None, None, :].expand(b, 1, L, n).contiguous()
         s["valid_len"] = torch.ops.attnopt.valid_len_from_mask(s["mask"], b)
+        if site.window is not None:
+            s["key_start"] = torch.ops.attnopt.key_start_from_mask(s["mask"], b)
     return s
 
 
@@ -92,9 +99,27 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
         raise ValueError("site_call: the input set has a mask but no precomputed valid_len (synthetic_inputs "
                          "makes one)")
 
+    variant = _variant(strategy, site, s)
+    if variant:
+        def call_variant():
+            return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal, **variant)
+        return call_variant
+
     def call():
         return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal)
     return call
+
+
+def _variant(strategy, site: AttentionSite, s: dict[str, Any]) -> dict[str, Any]:
+    """The variant keywords the lowered op gives ``strategy`` at ``site``: the set's window start, the cap, and for
+    ALiBi Bloom's slopes for the site's heads (the kernels' time does not depend on their values)."""
+    import torch
+
+    from attnopt.runtime.strategies.base import variant_kwargs
+
+    slopes = (torch.tensor([2.0 ** -(8 * (h + 1) / site.q_heads) for h in range(site.q_heads)], device=s["q"].device)
+              if site.alibi else None)
+    return variant_kwargs(strategy, s.get("key_start"), site.softcap or 0.0, slopes)
 
 
 def set_count(set_bytes: int, l2_bytes: int | None, free_bytes: int) -> int:

@@ -27,4 +27,4 @@ class PassContext:
     #: Rewrites per pattern name, counted by ``lower`` (tests assert on these).
     rewrite_counts: dict[str, int] = field(default_factory=dict)
     #: ``lower``'s shared ``valid_len_from_mask`` nodes, per (mask node, batch size).
-    valid_lens: dict[tuple[Any, int], Any] = field(default_factory=dict)
+    valid_lens: dict[tuple[Any, ...], Any] = field(default_factory=dict)

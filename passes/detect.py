@@ -22,14 +22,19 @@ cost model and wiring ``valid_len``), from ``patterns.mask_form``, which proves 
   (``create_masks_for_generate``), so the graph sees a placeholder, of which nothing can be proved: "arbitrary";
 * ``arbitrary``: any other boolean or additive 0 / -inf / very-negative mask (graph inputs, suffixes, ORs, ...).
 
-Sliding windows are left alone ("unsupported variants ... left untouched"): attnopt has no window-aware plan.
-A site is one when its module is in ``config.sliding_windows`` (``attnopt.optimize`` fills it from the model's
-attention modules), or when its mask provably is a window: an AND of ``key <= query`` and ``key > query - w``
-(HF's ``sliding_window_overlay``; ``w`` is read off the subtraction). Without a model object
-(``torch.compile(model, backend="attnopt")``) only the graph can tell: a window mask built in the graph (HF's
-DynamicCache, a direct StaticCache call) is recognised; a mask that is a graph input (``generate()`` over a
-StaticCache) or absent (HF's sdpa path drops the mask while the window exceeds the keys) is not, and the site
-is rewritten exactly through the mask path. A lower bound of another form is not taken for a window ("arbitrary").
+Sliding windows (``site.window``): a site with a mask is one when its module is in ``config.sliding_windows``
+(``attnopt.optimize`` fills it from the model's attention modules), or when its mask provably is a window: an AND
+of ``key <= query`` and ``key > query - w`` (HF's ``sliding_window_overlay``; ``w`` is read off the subtraction).
+Nothing about the window's exactness rests on that: the kernels start at ``key_start_from_mask`` (the first key
+any query row may see, computed from the mask on the device each step) and still apply the mask, so any mask,
+window or not, gives the original's result; the window only says that the start is worth finding (and what the
+cost model prices: the band's keys). Without a model object (``torch.compile(model, backend="attnopt")``) only
+the graph can tell: a mask that is a graph input (``generate()`` over a StaticCache) is not recognised as a
+window and is read whole. A site without a mask (HF's sdpa path drops it while the window exceeds the keys)
+attends to every key, as the original does.
+
+Logit softcapping (``site.softcap``) and ALiBi (``site.alibi``), from the eager pattern: only plan kinds that
+apply them are planned.
 """
 from __future__ import annotations
 
@@ -81,18 +86,18 @@ def _mask_kind(m: AttentionMatch, q_len: Any) -> str:
     return classify_mask(m.attn_mask, q_len, invert=m.mask_invert)
 
 
-def sliding_window_reason(m: AttentionMatch, path: str, config) -> str | None:
-    """Why a sliding-window site is left alone, or None: its module is in ``config.sliding_windows`` (filled by
-    ``attnopt.optimize`` from the model), or its mask provably is a window (``key > query - w`` AND-ed with
+def sliding_window_of(m: AttentionMatch, path: str, config) -> int | None:
+    """The window of a site with a mask, or None: its module's (``config.sliding_windows``, filled by
+    ``attnopt.optimize`` from the model), or one its mask provably is (``key > query - w`` AND-ed with
     ``key <= query``)."""
+    if m.attn_mask is None:
+        return None
     window = dict(config.sliding_windows).get(path) if path else None
     if window is None and isinstance(m.attn_mask, fx.Node):
         form = mask_form(m.attn_mask, m.mask_invert)
         if form is not None and form.upper and form.window is not None:
             window = form.window
-    if window is None:
-        return None
-    return f"sliding-window attention (window={window}): left untouched (attnopt has no window-aware plan)"
+    return window
 
 
 def build_site(m: AttentionMatch, config) -> AttentionSite:
@@ -148,10 +153,12 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
             reason = f"prefill: q_len={L} >= kv_len={n}"
         elif n is not None and n < config.min_kv_len:
             reason = f"kv_len={n} < min_kv_len={config.min_kv_len}"
-        elif (why := sliding_window_reason(m, fields["module_path"], config)) is not None:
-            reason = why
         elif m.attn_mask is not None and isinstance(m.attn_mask, fx.Node):
             reason = _check_mask(m, qs, ks)
+    if reason is None:
+        fields["window"] = sliding_window_of(m, fields["module_path"], config)
+        fields["softcap"] = m.softcap
+        fields["alibi"] = m.alibi_slopes is not None
     if m.shared_prefix is not None:
         prefix, prefix_hint = _static(meta_shape(m.shared_prefix[0])[2])
         fields["shared_prefix"] = prefix if prefix is not None else prefix_hint
@@ -195,4 +202,4 @@ def detect(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-__all__ = ["detect", "build_site", "sliding_window_reason"]
+__all__ = ["detect", "build_site", "sliding_window_of"]

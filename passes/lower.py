@@ -8,6 +8,9 @@ For each match whose ``SiteReport.chosen`` is set, whose site is supported and n
 
 with the un-expanded K/V, ``valid_len = attnopt.valid_len_from_mask(mask, B)`` for valid-length and arbitrary
 masks under a non-dense plan, and ``out = attnopt.check_close(out, original, ...)`` under ``config.verify``.
+Variants: a softcapped site passes ``softcap=c``; a sliding-window site with a mask under a plan that reads
+windows passes ``key_start = attnopt.key_start_from_mask(mask, B)`` (the first key any query row may see: exact
+for any mask, so the kernels read only the band's keys).
 The nodes that only fed the original attention (``repeat_kv`` copies, the eager chain) are then removed.
 """
 from __future__ import annotations
@@ -122,8 +125,9 @@ def _restride(graph: fx.Graph, new: fx.Node, like: Any) -> fx.Node:
 
 
 def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask: fx.Node, q: fx.Node,
-                      new_nodes: list) -> fx.Node:
-    """The ``valid_len_from_mask`` node of ``mask``: one per graph, mask node and static batch size.
+                      new_nodes: list, reduction: str = "valid_len_from_mask") -> fx.Node:
+    """The ``valid_len_from_mask`` node of ``mask`` (or another per-row reduction of it, ``reduction``, such as
+    ``key_start_from_mask``): one per graph, mask node and static batch size.
 
     Every layer of a decoder reads the same mask node, so one reduction per step serves all of them (it was one
     per layer: 30 launches and 30 host round trips of the op per SmolLM2 step). The shared node sits right after
@@ -131,23 +135,42 @@ def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask
     mask. A symbolic batch size, or a mask made for this site alone (the ``logical_not`` of a ``masked_fill``
     spelling), gets a node of its own before the site, as before.
     """
-    ops = _ops()
+    op = getattr(_ops(), reduction).default
     batch: Any = m.site.batch
     if batch is None or mask in new_nodes or m.mask_written:
         if batch is None:
             batch = graph.call_function(torch.ops.aten.sym_size.int, (q, 0))
             new_nodes.append(batch)
-        node = graph.call_function(ops.valid_len_from_mask.default, (mask, batch))
+        node = graph.call_function(op, (mask, batch))
         new_nodes.append(node)
         return node
-    key = (mask, int(batch))
+    key = (mask, int(batch), reduction)
     node = ctx.valid_lens.get(key)
     if node is None:
         anchor = mask if mask.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(anchor):
-            node = ctx.valid_lens[key] = graph.call_function(ops.valid_len_from_mask.default, (mask, batch))
+            node = ctx.valid_lens[key] = graph.call_function(op, (mask, batch))
         new_nodes.append(node)
     return node
+
+
+def _slopes_per_head(graph: fx.Graph, slopes: fx.Node, heads: int, new_nodes: list) -> fx.Node:
+    """The ALiBi slopes (broadcastable to (1, H, 1, 1), H = ``heads`` or 1) as the op takes them: (Hq,) fp32,
+    contiguous."""
+    aten = torch.ops.aten
+    flat = graph.call_function(aten.reshape.default, (slopes, [-1]))
+    f32 = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.float32})
+    full = graph.call_function(aten.expand.default, (f32, [heads]))
+    out = graph.call_function(aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
+    new_nodes += [flat, f32, full, out]
+    return out
+
+
+def _reads_windows(plan) -> bool:
+    """Whether ``plan``'s strategy reads only a window's keys given ``key_start`` (its "window" variant)."""
+    from attnopt.runtime.strategies import get_strategy
+
+    return "window" in get_strategy(plan.kind).variants
 
 
 def _nan_empty_rows(graph: fx.Graph, out: fx.Node, mask: fx.Node, new_nodes: list) -> fx.Node:
@@ -189,7 +212,10 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
     new_nodes: list[fx.Node] = []
     with graph.inserting_before(orig):
         mask = m.attn_mask
-        if mask is not None and m.mask_invert:
+        if mask is not None and m.mask_invert and m.mask_fill is not None:
+            mask = graph.call_function(torch.ops.aten.where.Scalar, (mask, m.mask_fill, 0.0))
+            new_nodes.append(mask)
+        elif mask is not None and m.mask_invert:
             mask = graph.call_function(torch.ops.aten.logical_not.default, (mask,))
             new_nodes.append(mask)
         q, k, v = m.q, m.k, m.v
@@ -216,13 +242,22 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
         if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
             valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
         if m.shared_prefix is not None and runs_cascade(plan):  # the prefix and suffixes apart; the cat goes dead
+            # (the cascade takes no variant: the planner refuses it softcapped and ALiBi sites, and a window's mask
+            # alone is exact)
             out = graph.call_function(ops.cascade_attention.default,
                                       (q, *m.shared_prefix, mask, valid_len, float(site.scale), bool(site.is_causal),
                                        plan.runtime_key(), site_key))
         else:
+            variant: dict[str, Any] = {}
+            if site.softcap is not None:
+                variant["softcap"] = float(site.softcap)
+            if m.alibi_slopes is not None:
+                variant["alibi_slopes"] = _slopes_per_head(graph, m.alibi_slopes, site.q_heads, new_nodes)
+            if site.window is not None and mask is not None and _reads_windows(plan):
+                variant["key_start"] = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_start_from_mask")
             out = graph.call_function(ops.decode_attention.default,
                                       (q, k, v, mask, valid_len, float(site.scale), bool(site.is_causal),
-                                       plan.runtime_key(), site_key))
+                                       plan.runtime_key(), site_key), variant)
         new_nodes.append(out)
         if m.empty_rows == "nan" and mask is not None:
             out = _nan_empty_rows(graph, out, mask, new_nodes)

@@ -32,6 +32,7 @@ def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
     """Every applicable strategy's candidates at ``site`` with their estimates, lowest first (ties keep the
     strategies' order), and the rejections with their reasons."""
     from attnopt.runtime.strategies import STRATEGIES
+    from attnopt.runtime.strategies.base import variant_reason
 
     check_strategies(config)
     allowed = set(config.strategies) if config.strategies is not None else None
@@ -46,7 +47,7 @@ def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
             if strategy.distributed:
                 rejected.append(Rejection(kind, "needs a process group (world size 1)"))
             continue
-        reason = strategy.check(site, hw, plan_ctx)
+        reason = variant_reason(strategy, site) or strategy.check(site, hw, plan_ctx)
         if reason is not None:
             rejected.append(Rejection(kind, reason))
             continue

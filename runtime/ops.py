@@ -5,7 +5,10 @@ dispatch than ``torch.library.custom_op``'s Python wrapper) and fake implementat
 ``torch.export`` trace through them.
 
 ``plan`` is a plan's ``runtime_key()`` JSON; it is parsed once and cached with the strategy's prepared state.
-``site`` names the site for call counting and error messages.
+``site`` names the site for call counting and error messages. ``softcap`` (c != 0: scores ``c * tanh(s)``) and
+``key_start`` ((B,) first key per row: a sliding window's, from ``key_start_from_mask``) and ``alibi_slopes``
+((Hq,): ALiBi, scores + slope[h] * key position) are the variants of
+``runtime/strategies/base.py``'s ``VARIANTS``.
 """
 from __future__ import annotations
 
@@ -21,11 +24,13 @@ from attnopt.plan import Plan, plan_from_json
 _lib = torch.library.Library("attnopt", "DEF")
 _lib.define(
     "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
-    "bool is_causal, str plan, str site) -> Tensor"
+    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None, Tensor? alibi_slopes=None) "
+    "-> Tensor"
 )
 _lib.define(
     "decode_attention_states(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? valid_len, float scale, "
-    "bool is_causal, str plan, str site) -> (Tensor, Tensor)"
+    "bool is_causal, str plan, str site, float softcap=0.0, Tensor? key_start=None, Tensor? alibi_slopes=None) "
+    "-> (Tensor, Tensor)"
 )
 _lib.define(
     "cascade_attention(Tensor q, Tensor k_prefix, Tensor v_prefix, Tensor k_suffix, Tensor v_suffix, Tensor? attn_mask, "
@@ -34,6 +39,7 @@ _lib.define(
 _lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)")
 _lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
 _lib.define("valid_len_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
+_lib.define("key_start_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
 _lib.define("shard_mask_columns(Tensor attn_mask, SymInt local_len) -> Tensor")
 
 #: Calls per site key, counted on the host by the op (not under CUDA-graph replay).
@@ -144,17 +150,29 @@ def outside_graph_pools(make, device: torch.device):
     return _PREPARE_THREAD[0].submit(work).result()
 
 
-def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None,
+                      alibi_slopes=None):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
     state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
+    if softcap or key_start is not None or alibi_slopes is not None:
+        from .strategies.base import variant_kwargs
+
+        return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
+                            **variant_kwargs(strategy, key_start, softcap, alibi_slopes))
     return strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
-def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0,
+                             key_start=None, alibi_slopes=None):
     CALL_COUNTS[site] += 1
     p, strategy = _resolve(plan)
     state = _prepared(plan, p, strategy, q, k, v, attn_mask, valid_len)
+    if softcap or key_start is not None or alibi_slopes is not None:
+        from .strategies.base import variant_kwargs
+
+        return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
+                                   **variant_kwargs(strategy, key_start, softcap, alibi_slopes))
     return strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
 
 
@@ -254,6 +272,18 @@ def _valid_len_from_mask(attn_mask, batch):
     return valid_len_from_mask(attn_mask, batch)
 
 
+def _key_start_from_mask(attn_mask, batch):
+    from .strategies.split_kv import use_triton
+
+    if use_triton(attn_mask) and attn_mask.dim() >= 1 and attn_mask.shape[-1] > 1:
+        from .kernels.valid_len import key_start_from_mask as kernel
+
+        return kernel(attn_mask, batch)  # one launch, as valid_len_from_mask
+    from .reference import key_start_from_mask
+
+    return key_start_from_mask(attn_mask, batch)
+
+
 def _shard_mask_columns(attn_mask, local_len):
     """A mask over the global key columns (..., N) -> this rank's columns (..., local_len), through the current
     group's sequence-sharded cache (``runtime.distributed``); unchanged when it already has local_len columns."""
@@ -269,12 +299,14 @@ def _shard_mask_columns(attn_mask, local_len):
 for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_states", _decode_attention_states),
                    ("cascade_attention", _cascade_attention),
                    ("merge_states", _merge_states), ("check_close", _check_close),
-                   ("valid_len_from_mask", _valid_len_from_mask), ("shard_mask_columns", _shard_mask_columns)):
+                   ("valid_len_from_mask", _valid_len_from_mask), ("key_start_from_mask", _key_start_from_mask),
+                   ("shard_mask_columns", _shard_mask_columns)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("attnopt::decode_attention")
-def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0, key_start=None,
+                           alibi_slopes=None):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 
@@ -285,7 +317,8 @@ def _cascade_attention_fake(q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask
 
 
 @torch.library.register_fake("attnopt::decode_attention_states")
-def _decode_attention_states_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site):
+def _decode_attention_states_fake(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0,
+                                  key_start=None, alibi_slopes=None):
     shape = (q.shape[0], q.shape[1], q.shape[2])
     return q.new_empty(shape + (v.shape[3],), dtype=torch.float32), q.new_empty(shape, dtype=torch.float32)
 
@@ -302,6 +335,11 @@ def _check_close_fake(new, ref, site, atol, rtol, calls):
 
 @torch.library.register_fake("attnopt::valid_len_from_mask")
 def _valid_len_from_mask_fake(attn_mask, batch):
+    return attn_mask.new_empty((batch,), dtype=torch.int32)
+
+
+@torch.library.register_fake("attnopt::key_start_from_mask")
+def _key_start_from_mask_fake(attn_mask, batch):
     return attn_mask.new_empty((batch,), dtype=torch.int32)
 
 

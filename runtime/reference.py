@@ -7,6 +7,12 @@ Conventions (shared with the Triton kernels):
 * ``attn_mask`` is boolean (True = attend) or additive, broadcastable to (B, Hq, L, N), as in SDPA.
 * ``valid_len`` (B,) int: keys at positions ``>= valid_len[b]`` do not exist for row ``b``.
 * ``is_causal`` is PyTorch's *top-left* alignment: query ``i`` sees key ``j`` iff ``j <= i``.
+* ``key_start`` (B,) int: keys at positions ``< key_start[b]`` do not exist for row ``b`` (a sliding window's
+  first key, from ``key_start_from_mask``); with ``valid_len`` a row reads keys ``[key_start, valid_len)``.
+* ``softcap`` c != 0: the scaled scores ``s`` become ``c * tanh(s)`` before any mask or bias is added (Gemma 2's
+  logit softcapping ``tanh(x / cap) * cap`` with the ``1 / cap`` folded into the scale).
+* ``alibi_slopes`` (Hq,) float: ALiBi, the scores of query head h get ``slope[h] * j`` for key position j (after
+  the cap, with the mask).
 * A softmax state is (o, lse): the normalised output and the natural-log sum of exp of the scaled scores.
   A partition with no visible key has lse = -inf and o = 0; merging it changes nothing and makes no NaN.
 * Fully masked rows follow PyTorch's SDPA: a row whose every key is hidden (False, or -inf) gives 0; a row whose
@@ -37,6 +43,8 @@ def _bias(
     is_causal: bool,
     device: torch.device,
     dtype: torch.dtype,
+    key_start: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | None:
     """Additive bias for keys [kv_start, kv_end): shape broadcastable to (B, Hq, L, n), or None."""
     bias = None
@@ -57,6 +65,15 @@ def _bias(
         invalid = cols[None, :] >= valid_len.to(device).view(-1, 1)  # (B, n)
         vl = torch.zeros(invalid.shape, device=device, dtype=dtype).masked_fill(invalid, float("-inf"))[:, None, None, :]
         bias = vl if bias is None else bias + vl
+    if key_start is not None:
+        cols = torch.arange(kv_start, kv_end, device=device)
+        before = cols[None, :] < key_start.to(device).view(-1, 1)  # (B, n)
+        ks = torch.zeros(before.shape, device=device, dtype=dtype).masked_fill(before, float("-inf"))[:, None, None, :]
+        bias = ks if bias is None else bias + ks
+    if alibi_slopes is not None:
+        cols = torch.arange(kv_start, kv_end, device=device, dtype=dtype)
+        ab = (alibi_slopes.to(device=device, dtype=dtype)[:, None] * cols[None, :])[None, :, None, :]  # (1, Hq, 1, n)
+        bias = ab if bias is None else bias + ab
     return bias
 
 
@@ -73,6 +90,9 @@ def attention_states(
     kv_end: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
     split_lse: bool = False,
+    key_start: Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Softmax state of Q over keys [kv_start, kv_end).
 
@@ -82,6 +102,9 @@ def attention_states(
     k : (B, Hkv, N, D); v : (B, Hkv, N, Dv); Hq must be a multiple of Hkv.
     attn_mask : bool or float, broadcastable to (B, Hq, L, N), indexed with absolute key positions.
     valid_len : (B,) integer tensor, or None.
+    key_start : (B,) integer tensor, or None: the first key of each row (earlier keys do not exist).
+    softcap : c != 0 caps the scaled scores to ``c * tanh(s)`` before the mask is added (0: no cap).
+    alibi_slopes : (Hq,) float tensor, or None: ALiBi slopes (scores + ``slope[h] * j``).
 
     Returns
     -------
@@ -107,7 +130,10 @@ def attention_states(
     kc = k[:, :, kv_start:kv_end].to(compute_dtype)
     vc = v[:, :, kv_start:kv_end].to(compute_dtype)
     scores = (qc @ kc.transpose(-1, -2)) * scale  # (B, Hkv, G*L, n)
-    bias = _bias(L, kv_start, kv_end, attn_mask, valid_len, is_causal, q.device, compute_dtype)
+    if softcap:
+        scores = torch.tanh(scores) * softcap
+    bias = _bias(L, kv_start, kv_end, attn_mask, valid_len, is_causal, q.device, compute_dtype, key_start,
+                 alibi_slopes)
     if bias is not None:
         n = kv_end - kv_start
         bias = bias.expand(B, Hq, L, n).reshape(B, Hkv, G * L, n)
@@ -173,6 +199,9 @@ def decode_attention_states(
     is_causal: bool = False,
     num_partitions: int = 1,
     compute_dtype: torch.dtype = torch.float32,
+    key_start: Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
     split_lse: bool = False,
 ) -> tuple[Tensor, ...]:
     """Split-KV by partition and merge, the structure the kernels use. Returns (o, lse) in ``compute_dtype``, or
@@ -183,10 +212,12 @@ def decode_attention_states(
     num_partitions = max(1, min(num_partitions, max(N, 1)))
     if num_partitions == 1:
         return attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                                compute_dtype=compute_dtype, split_lse=split_lse)
+                                compute_dtype=compute_dtype, key_start=key_start, softcap=softcap,
+                                alibi_slopes=alibi_slopes, split_lse=split_lse)
     chunk = -(-N // num_partitions)
     states = [attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale, is_causal=is_causal,
-                               kv_start=s, kv_end=s + chunk, compute_dtype=compute_dtype, split_lse=True)
+                               kv_start=s, kv_end=s + chunk, compute_dtype=compute_dtype, split_lse=True,
+                               key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
               for s in range(0, N, chunk)]
     return merge_states(*(torch.stack([s[j] for s in states]) for j in range(3)), split_lse=split_lse)
 
@@ -201,11 +232,15 @@ def decode_attention(
     scale: float | None = None,
     is_causal: bool = False,
     num_partitions: int = 1,
+    key_start: Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Exact decode attention in fp32 (fp64 for fp64 inputs), returned in ``q.dtype``: (B, Hq, L, Dv)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     o, _ = decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                   is_causal=is_causal, num_partitions=num_partitions, compute_dtype=compute)
+                                   is_causal=is_causal, num_partitions=num_partitions, compute_dtype=compute,
+                                   key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
     return o.to(q.dtype)
 
 
@@ -218,6 +253,9 @@ def sdpa_float64(
     valid_len: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    key_start: Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """The oracle: one dense softmax in float64 over explicitly repeated K/V heads. Returns float64 (B, Hq, L, Dv)."""
     B, Hq, L, D = q.shape
@@ -226,7 +264,9 @@ def sdpa_float64(
     v64 = v.double().repeat_interleave(G, dim=1)
     scale = default_scale(D) if scale is None else scale
     s = (q.double() @ k64.transpose(-1, -2)) * scale
-    bias = _bias(L, 0, k.shape[2], attn_mask, valid_len, is_causal, q.device, torch.float64)
+    if softcap:
+        s = torch.tanh(s) * softcap
+    bias = _bias(L, 0, k.shape[2], attn_mask, valid_len, is_causal, q.device, torch.float64, key_start, alibi_slopes)
     if bias is not None:
         s = s + bias
     mx = s.amax(-1, keepdim=True)
@@ -269,6 +309,31 @@ def valid_len_from_mask(attn_mask: Tensor, batch: int) -> Tensor:
         positions = torch.arange(1, n + 1, device=visible.device, dtype=torch.int32)
         last = (visible.to(torch.int32) * positions).amax(dim=-1)
     return last.expand(batch).to(torch.int32).contiguous()
+
+
+def key_start_from_mask(attn_mask: Tensor, batch: int) -> Tensor:
+    """Per batch row, the first key position any query row may attend to: (B,) int32, on device (0 where the mask
+    hides every key of the row, or is broadcast along the keys).
+
+    Parameters
+    ----------
+    attn_mask : bool (True = attend) or additive float, broadcastable to (B, Hq, L, N) as for
+        :func:`valid_len_from_mask`, with the same notion of visible (a float bias > -inf, finfo.min included).
+    batch : B.
+
+    Exact for any mask: every key before that position is hidden from every query row of the batch row, so a
+    kernel that starts reading there (a sliding window's band: the last W keys) computes the same result.
+    """
+    if attn_mask.dim() > 4:
+        raise ValueError(f"key_start_from_mask: a mask of rank {attn_mask.dim()} does not broadcast to (B, Hq, L, N)")
+    visible = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)
+    visible = visible.reshape((1,) * (4 - visible.dim()) + tuple(visible.shape))
+    if visible.shape[0] not in (1, batch):
+        raise ValueError(f"key_start_from_mask: the mask's batch dim {visible.shape[0]} is neither 1 nor {batch}")
+    visible = visible.any(dim=2).any(dim=1)  # (B or 1, N or 1)
+    # argmax returns the first maximal index: the first visible key, or 0 where none is
+    first = visible.to(torch.uint8).argmax(dim=-1).to(torch.int32)
+    return first.expand(batch).contiguous()
 
 
 # --------------------------------------------------------------------------------------------- shared-prefix cascade

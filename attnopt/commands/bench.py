@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-SUITES = ("kernels", "multigpu", "dispatch", "e2e", "planner", "headroom", "saap", "cascade")
+SUITES = ("kernels", "multigpu", "dispatch", "e2e", "planner", "headroom", "saap", "cascade", "variants")
 
 
 def register(sub) -> None:

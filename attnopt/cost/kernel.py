@@ -54,6 +54,13 @@ def _kv_len(site: AttentionSite) -> int:
     return int(n) if n is not None else DEFAULT_KV_LEN
 
 
+def _keys_read(site: AttentionSite) -> int:
+    """Keys the attnopt kernels read per row: a sliding window's band (``site.keys_read``: they start at the
+    window's first key, found on device), else the whole length. SDPA with the window as a mask reads them all."""
+    n = site.keys_read
+    return int(n) if n is not None else DEFAULT_KV_LEN
+
+
 def _dims(site: AttentionSite) -> tuple[int, int, int, int, int, int, int]:
     """(B, Hkv, G, L, D, Dv, element bytes)."""
     return (site.batch or 1, site.kv_heads, max(site.group_size, 1), site.q_len or 1, site.head_dim,
@@ -305,7 +312,7 @@ def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block
     if num_splits < 1 or block_n < 1:
         raise ValueError(f"num_splits and block_n must be >= 1, got {num_splits}, {block_n}")
     b, hkv, g, L, d, dv, e = _dims(site)
-    n = _kv_len(site)
+    n = _keys_read(site)
     n_tiles = max(1, math.ceil(n / block_n))
     tiles = math.ceil(n_tiles / num_splits)
     mb = m_blocks(site)
@@ -327,7 +334,7 @@ def stream_k_us(site: AttentionSite, hw: HardwareProfile, grid: int, block_n: in
     if grid < 1 or block_n < 1:
         raise ValueError(f"grid and block_n must be >= 1, got {grid}, {block_n}")
     b, hkv, g, L, d, dv, e = _dims(site)
-    n = _kv_len(site)
+    n = _keys_read(site)
     n_tiles = max(1, math.ceil(n / block_n))
     outputs = b * hkv * m_blocks(site)
     units = outputs * n_tiles

@@ -5,6 +5,16 @@ aten ``bmm`` chains.
 Proves: every op between the score product and the softmax is a scalar scale or one mask/bias the op applies
 exactly (see the package docstring for the rules), and every op between the softmax and the value product
 leaves the probabilities unchanged; anything else becomes the site's reason.
+
+Logit softcapping (Gemma 2: ``tanh(s * scaling / cap) * cap``): one ``tanh`` whose result is multiplied only by
+constants (their product is the cap ``c``) before any mask or bias is added, and whose argument is the scaled
+score product alone (no mask, bias or constant inside). The match then carries ``softcap = c`` and the scale of
+the argument (``scaling / cap``); the op computes ``c * tanh(qk * scale)``. A run-time cap, a second ``tanh`` or
+anything inside it is a reason.
+
+ALiBi: an additive bias that ``alibi.alibi_slopes_of`` proves to be a per-head slope times the key position (built
+in the graph from ``arange``, not written in place) becomes the match's ``alibi_slopes`` instead of a mask, so the
+op adds ``slope[h] * j`` itself and reads no bias tensor; at most one such term, outside any softcap.
 """
 from __future__ import annotations
 
@@ -23,6 +33,11 @@ from .scale import Factor, _scale_factor
 from .layout import Dims, _assign_roles, _is_layout_op, _simulate, follow_output, layout_path, resolve_operand
 from .gqa import unrepeat_kv
 from .masks import additive_is_zero_or_neginf, mask_value_is_masking, may_hide_whole_rows
+from .alibi import alibi_slopes_of
+
+#: A ``masked_fill`` value at or below this hides scores as an additive mask does: next to it fp32 absorbs any
+#: finite score (|s| < 1e22), so the hidden scores of a row tie, as the original's filled ones do.
+ABSORBING_FILL = -1e30
 
 
 # ============================================================================================ eager chains
@@ -300,6 +315,10 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     cur = _self(sm)
     mm = None
     spath: list = []
+    softcap: float | None = None
+    m_alibi: fx.Node | None = None  # the slopes of an ALiBi bias (see the module docstring)
+    fill_values: dict[Any, float] = {}  # masked_fill conditions with a finite (absorbing) fill value
+    masks_outside_cap = 0  # masks found before the tanh (walking back): added after the cap, as the op does
     for _ in range(16):
         if not isinstance(cur, fx.Node):
             break
@@ -329,6 +348,8 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             if cur.kwargs.get("alpha", 1) != 1:
                 reasons.append("add with alpha")
             if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+                if softcap is not None:  # inside tanh a constant is not softmax-invariant
+                    reasons.append("a constant added to the scores inside the softcap's tanh")
                 cur = a if isinstance(a, fx.Node) else b  # + constant: softmax-invariant
                 continue
             scores, other = (a, b) if _leads_to_matmul(a) else (b, a)
@@ -337,6 +358,9 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             odt = meta_dtype(other)
             if odt is not None and not odt.is_floating_point:
                 reasons.append(f"a {_dtype_name(odt)} tensor added to the scores (a 0/1 bias in eager, not a mask)")
+            elif (slopes := alibi_slopes_of(other)) is not None and m_alibi is None and softcap is None \
+                    and not (writes is not None and (writes.written(slopes) or writes.written(other))):
+                m_alibi = slopes  # a per-head slope times the key position: the op adds it itself
             elif meta_dtype(cur) in (torch.float16, torch.bfloat16) and not additive_is_zero_or_neginf(other, writes):
                 reasons.append(f"an additive mask or bias summed with the scores in {_dtype_name(meta_dtype(cur))}: "
                                "where it hides a whole row with large finite values (finfo.min), the original's "
@@ -348,13 +372,22 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
         if k == "masked_fill":
             x, cond = _self(cur), arg(cur, 1, "mask", None)
             value = arg(cur, 2, "value", None)
+            if _number(value) is not None and meta_dtype(cur) is not None and meta_dtype(cur).is_floating_point:
+                value = float(torch.tensor(_number(value), dtype=meta_dtype(cur)))  # as the scores hold it
             if _number(value) == -math.inf:
                 masks.append((cond, True))
                 if factors:
                     reasons.append("the scores are scaled after the mask is applied")
+            elif mask_value_is_masking(value) and _number(value) <= ABSORBING_FILL:
+                # fp32 absorbs any finite score next to such a value, so replacing the hidden scores by it (a row
+                # hidden whole: the mean of V) equals adding it, which the op does for an additive mask
+                masks.append((cond, True))
+                fill_values[cond] = float(_number(value))
+                if factors:
+                    reasons.append("the scores are scaled after the mask is applied")
             elif mask_value_is_masking(value):
                 reasons.append(f"masked_fill with the finite value {value!r}: a fully masked row gives the mean of V "
-                               "in the original, which the rewrite cannot reproduce")
+                               "in the original, and next to a value this small the rewrite's scores would not tie")
             else:
                 reasons.append(f"masked_fill with value {value!r} (not a masking value)")
             cur = x
@@ -378,7 +411,16 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             cur = a if isinstance(a, fx.Node) and _leads_to_matmul(a) else b
             continue
         if k == "tanh":
-            reasons.append("logit softcapping (tanh between the scores and the softmax)")
+            cap = math.prod(f[0] for f in factors) if all(f[0] is not None for f in factors) else None
+            if softcap is not None:
+                reasons.append("more than one tanh between the scores and the softmax")
+            elif cap is None:
+                reasons.append("logit softcapping with a run-time cap (the factor after tanh is not a constant)")
+            elif cap == 0 or not math.isfinite(cap):
+                reasons.append(f"logit softcapping with the cap {cap!r}")
+            else:
+                softcap, masks_outside_cap = float(cap), len(masks)
+                factors = []  # the cap; the factors inside tanh are the scores' scale
             cur = _self(cur)
             continue
         target = cur.target if cur.op == "call_function" else f".{cur.target}()"
@@ -450,6 +492,11 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     # scale: constants multiply into ``scale``; run-time scalar tensors are folded into q by lower.
     m.scale = math.prod(f[0] for f in factors if f[0] is not None)
     m.scale_nodes = [(f[1], f[2]) for f in factors if f[0] is None]
+    m.alibi_slopes = m_alibi
+    if softcap is not None:
+        if len(masks) > masks_outside_cap:
+            reasons.append("a mask or bias applied inside the softcap's tanh")
+        m.softcap = softcap
     # mask
     plain_softmax = not guarded and _name(sm) != "_safe_softmax"  # gives NaN for a row of -inf scores
     if len(masks) > 1:
@@ -459,7 +506,8 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
         if meta_dtype(node) is not None and meta_dtype(node) != torch.bool and invert:
             reasons.append("masked_fill with a non-boolean mask")
         m.attn_mask, m.mask_invert = node, invert
-        if plain_softmax and may_hide_whole_rows(node, writes):
+        m.mask_fill = fill_values.get(node)
+        if m.mask_fill is None and plain_softmax and may_hide_whole_rows(node, writes):
             m.empty_rows = "nan"
     for r in reasons:
         m.reason = m.reason or r

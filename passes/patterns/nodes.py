@@ -60,6 +60,15 @@ class AttentionMatch:
     #: Permutations that turn ``q``/``k``/``v`` into the logical (B, H, L|N, D) tensors, when not the identity
     #: (e.g. a K kept as (B, N, H, D) and permuted in the graph); lower inserts the (free) permute views.
     perms: dict[str, list[int]] = field(default_factory=dict)
+    #: c when the scores are capped as ``c * tanh(s)`` before the mask (Gemma 2's logit softcapping; the inner
+    #: ``1 / cap`` is part of ``scale``), else None.
+    softcap: float | None = None
+    #: ALiBi: the slopes node (broadcastable to (1, H, 1, 1)) of a bias ``slope[h] * key position`` the op adds
+    #: itself (lower passes it as ``alibi_slopes`` (Hq,)), else None.
+    alibi_slopes: fx.Node | None = None
+    #: With ``mask_invert``: the finite value ``masked_fill`` writes (finfo.min), applied as the additive mask
+    #: ``where(mask, value, 0)`` (a row hidden whole then gives the mean of V, as in the original); None for -inf.
+    mask_fill: float | None = None
     #: What the original gives for a query row with no visible key (every score -inf): "zero" (SDPA, PyTorch's
     #: safe softmax, or the ``where(row_fully_masked, 0, p)`` guard) or "nan" (a plain softmax over -inf only).
     #: The op gives zeros; lower sets such rows to NaN for "nan" when the mask can hide a whole row.

@@ -29,6 +29,8 @@ def _split_kv_kernel(
     k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D)); else K/V again
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
+    start_ptr,  # (B,) int32/int64 first keys (a sliding window's start), or a dummy when HAS_START is False
+    alibi_ptr,  # (Hq,) float ALiBi slopes (scores + slope[h] * key position), or a dummy when ALIBI is False
     o_ptr,  # output: (S, B, Hq, L, Dv) fp32 partials (S > 1) or the final (B, Hq, L, Dv) output (S == 1)
     lse_ptr,  # S > 1: (2, S, B, Hq, L) fp32 partial row maxima (plane 0) and log l (plane 1); else the final LSE
     out_ptr,  # FUSED: the final (B, Hq, L, Dv) output the last split to arrive merges into (else unused)
@@ -44,6 +46,7 @@ def _split_kv_kernel(
     stride_fb, stride_fh, stride_fl, stride_fd,  # FUSED: final output strides
     stride_gb, stride_gh, stride_gl,  # FUSED: final LSE strides
     sm_scale,  # softmax scale (natural units)
+    softcap,  # SOFTCAP: the cap (scores are softcap * tanh(qk * sm_scale))
     N,  # keys in the K/V tensors (the static cache length)
     L,  # query tokens per head (q_len)
     G,  # query heads per KV head
@@ -70,6 +73,9 @@ def _split_kv_kernel(
     LSE_PLANES: tl.constexpr,  # the states go out with the row max and log l apart (two planes of lse_ptr): the
     # partials to the workspace (S > 1), or with one split the final state when the caller asked for the planes
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch (programmatic dependent launch) right away
+    HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
+    SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
+    ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -91,7 +97,15 @@ def _split_kv_kernel(
     # This split's share of the keys that exist for row b: tiles [s * T // S, (s + 1) * T // S). Shares differ by
     # at most one tile. Equal ceil(T / S) shares left the last splits short or empty (33 splits of 256 tiles:
     # 32 splits of 8 tiles and an idle one), so the grid's real size was not the planned one.
-    lo, hi = _split_share(split, kv_len, NUM_SPLITS, BLOCK_N)
+    # A window's first key (rounded down to a tile, so that tiles stay aligned for TMA; the keys below it are
+    # masked in _attend_tile): the splits then share only [first, kv_len), the last W keys.
+    first = kv_len * 0
+    if HAS_START:
+        first = tl.minimum(tl.maximum(tl.load(start_ptr + b).to(tl.int32), 0), kv_len)
+    first_tile = first // BLOCK_N * BLOCK_N
+    lo, hi = _split_share(split, kv_len - first_tile, NUM_SPLITS, BLOCK_N)
+    lo += first_tile
+    hi += first_tile
 
     rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -104,7 +118,8 @@ def _split_kv_kernel(
                             row_ok,
                             offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                            sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA)
+                            sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
+                            first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)
     if LSE_PLANES:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
@@ -166,7 +181,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
-                    tma=False, pdl=None, merge=True):
+                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -179,6 +194,11 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         ``log_l_parts``); the merge then runs as a second launch (``fused_merge`` is ignored).
     workspace : the triple from ``split_kv_workspace``; needed when S > 1 (allocated here when None).
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
+    key_start : (B,) int tensor or None: keys before ``key_start[b]`` do not exist for row b (a sliding window);
+        the splits share only the keys [key_start, valid_len), read on device, so a captured graph follows it.
+    softcap : c != 0 caps the scaled scores to ``c * tanh(s)`` before the mask (Gemma 2); 0 = no cap.
+    alibi_slopes : (Hq,) contiguous float tensor or None: ALiBi, scores + ``slope[h] * j`` for key position j
+        (after the cap, before the mask).
     fused_merge : with S > 1, the last split to finish each tile merges the partials in the same launch
         (arrival counter per tile) instead of a second ``merge_states`` launch.
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
@@ -191,7 +211,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     if num_splits < 1:
         raise ValueError(f"split_kv_decode: num_splits must be >= 1; got {num_splits}")
     geo = decode_geometry(q, k, v)
-    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma)
+    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
+                                                       alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
     planes = lse is not None and lse.dim() == 4
     if planes and (lse.shape[0] != 2 or tuple(lse.shape[1:]) != tuple(q.shape[:3])):
@@ -223,11 +244,12 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     _SPLIT_KV_LAUNCH(
         grid, *pointers, o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, lpart, *fstr, *gstr,
-        softmax_scale(scale, geo.D), geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
+        softmax_scale(scale, geo.D), float(softcap), geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
         num_splits, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
         HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), WRITE_LSE=write_lse,
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
+        HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

@@ -31,6 +31,8 @@ def _stream_k_kernel(
     k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D)); else K/V again
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
+    start_ptr,  # (B,) int32/int64 first keys (a sliding window's start), or a dummy when HAS_START is False
+    alibi_ptr,  # (Hq,) float ALiBi slopes (scores + slope[h] * key position), or a dummy when ALIBI is False
     o_ptr,  # (B, Hq, L, Dv) output, any float dtype
     lse_ptr,  # (B, Hq, L) fp32 LSE output (written when WRITE_LSE); LSE_PLANES: its row max plane
     ws_o_ptr,  # (GRID * 2, BLOCK_M, Dv) fp32 partial outputs, two slots per program
@@ -47,6 +49,7 @@ def _stream_k_kernel(
     stride_wls, stride_wlm,  # workspace lse strides (slot, row)
     stride_wlpart,  # stride between the row-max and log-l planes of the workspace lse
     sm_scale,  # softmax scale (natural units)
+    softcap,  # SOFTCAP: the cap (scores are softcap * tanh(qk * sm_scale))
     B,  # batch rows
     N,  # keys in the K/V tensors (the static cache length)
     L,  # query tokens per head (q_len)
@@ -71,6 +74,9 @@ def _stream_k_kernel(
     MERGE_P: tl.constexpr,  # partials the merging program loads per step
     USE_TMA: tl.constexpr,  # K/V tiles through the copy engine (tensor descriptors)
     LSE_PLANES: tl.constexpr,  # write the final row max and log l apart (natural log), for a later merge
+    HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
+    SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
+    ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
 ):
     pid = tl.program_id(0)
     # ---- the iteration space, from the valid lengths on device
@@ -83,7 +89,13 @@ def _stream_k_kernel(
         lens = tl.zeros([BLOCK_B], dtype=tl.int32) + N
     if IS_CAUSAL:
         lens = tl.minimum(lens, L)  # no query row sees a key at or past L
-    nblk = tl.maximum(tl.cdiv(lens, BLOCK_N), 1)  # an empty row still owns one (fully masked) iteration
+    # A window's first key per row, rounded down to a tile (the keys below it are masked in _attend_tile): a row's
+    # iterations cover only [firsts, lens), the last W keys.
+    starts = lens * 0
+    if HAS_START:
+        starts = tl.minimum(tl.maximum(tl.load(start_ptr + offs_b, mask=b_ok, other=0).to(tl.int32), 0), lens)
+    firsts = starts // BLOCK_N * BLOCK_N
+    nblk = tl.maximum(tl.cdiv(lens - firsts, BLOCK_N), 1)  # an empty row still owns one (fully masked) iteration
     tiles_per_b = HKV * NUM_M
     cnt = tl.where(b_ok, nblk * tiles_per_b, 0)
     incl = tl.cumsum(cnt, axis=0)
@@ -108,6 +120,8 @@ def _stream_k_kernel(
         base = tl.sum(tl.where(sel, excl, 0), axis=0)
         nb = tl.sum(tl.where(sel, nblk, 0), axis=0)
         kv_len = tl.sum(tl.where(sel, lens, 0), axis=0)
+        start = tl.sum(tl.where(sel, starts, 0), axis=0)
+        first = start // BLOCK_N * BLOCK_N
         t_in_b = (it - base) // nb
         blk0 = (it - base) - t_in_b * nb
         blk1 = tl.minimum(nb, blk0 + (it_end - it))
@@ -120,12 +134,13 @@ def _stream_k_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _attend(q, acc, m_i, l_i, blk0 * BLOCK_N, blk1 * BLOCK_N, kv_len, k_ptr, v_ptr, k_desc,
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, first + blk0 * BLOCK_N, first + blk1 * BLOCK_N, kv_len, k_ptr,
+                                v_ptr, k_desc,
                                 v_desc, mask_ptr,
                                 b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
                                 stride_mn, sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
-                                USE_TMA)
+                                USE_TMA, start, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
         o, m_part, log_l = _finish_parts(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
             # the whole tile is ours: write it out
@@ -220,7 +235,8 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
-                    is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2, tma=False):
+                    is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2, tma=False, key_start=None,
+                    softcap=0.0, alibi_slopes=None):
     """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch.
 
     Parameters
@@ -231,6 +247,11 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         fp32 tensor instead receives the row max (plane 0) and log l (plane 1) apart (see ``split_kv_decode``).
     workspace : the triple from ``stream_k_workspace(grid, q, k, v)`` (allocated here when None).
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
+    key_start : (B,) int tensor or None: keys before ``key_start[b]`` do not exist for row b (a sliding window);
+        the iteration space covers only [key_start, valid_len) of each row, read on device.
+    softcap : c != 0 caps the scaled scores to ``c * tanh(s)`` before the mask (Gemma 2); 0 = no cap.
+    alibi_slopes : (Hq,) contiguous float tensor or None: ALiBi, scores + ``slope[h] * j`` for key position j
+        (after the cap, before the mask).
     grid : programs in the persistent grid (more programs than iterations just leaves some idle).
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
         is being captured into a CUDA graph (``tma_now``, as for split-KV); pointer loads otherwise.
@@ -241,7 +262,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     if workspace is None:
         workspace = stream_k_workspace(grid, q, k, v)
     ws_o, ws_lse, counters = workspace
-    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma)
+    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
+                                                       alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
     planes = lse is not None and lse.dim() == 4
     if planes and (lse.shape[0] != 2 or tuple(lse.shape[1:]) != tuple(q.shape[:3])):
@@ -257,11 +279,13 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         (grid,), *pointers, out, lse if lse is not None else out, ws_o, ws_lse, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lstr, lse.stride(0) if planes else 0, *ws_o.stride(), *ws_lse.stride()[1:],
         ws_lse.stride(0),
-        softmax_scale(scale, geo.D), geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv, grid,
+        softmax_scale(scale, geo.D), float(softcap), geo.B, geo.N, geo.L, geo.G, geo.Hkv, geo.num_m, geo.D, geo.Dv,
+        grid,
         BLOCK_B=max(2, next_pow2(geo.B)), BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d,
         BLOCK_DV=geo.block_dv, HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=planes,
+        HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
         **extra,
     )

@@ -4,6 +4,9 @@ The pure-PyTorch version (``reference.valid_len_from_mask``) is seven kernels on
 ``any`` reductions, a cast, a product with the positions, ``amax``, the expand's copy): about 25 µs of a SmolLM2
 decode step on an H100 (benchmarks/results/e2e-nvidia-h100-80gb-hbm3.json, 3eec1a5), for a length the attention
 kernels only use to skip tiles. One program per batch row reads its mask rows once and reduces them.
+
+With ``FIRST`` the same kernel finds the other end: the first key any query row may attend to
+(``key_start_from_mask``, a sliding window's start; 0 where no key is visible).
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ def _valid_len_kernel(
     IS_BOOL: tl.constexpr,  # bool mask (True = visible); else additive (visible where > -inf)
     BLOCK_R: tl.constexpr,  # mask rows per step
     BLOCK_N: tl.constexpr,  # key columns per step
+    FIRST: tl.constexpr = False,  # store the first visible key instead of one past the last
 ):
     b = tl.program_id(0).to(tl.int64)
     last = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.int32)
+    first = tl.full([BLOCK_R, BLOCK_N], 2147483647, dtype=tl.int32)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
     for r0 in range(0, ROWS, BLOCK_R):
@@ -42,15 +47,23 @@ def _valid_len_kernel(
                 seen = tl.load(ptrs, mask=ok, other=0) != 0
             else:
                 seen = tl.load(ptrs, mask=ok, other=float("-inf")).to(tl.float32) != float("-inf")
-            last = tl.maximum(last, tl.where(seen, n[None, :] + 1, 0))
-    tl.store(out_ptr + b, tl.max(tl.max(last, axis=1), axis=0))
+            if FIRST:
+                first = tl.minimum(first, tl.where(seen, n[None, :], 2147483647))
+            else:
+                last = tl.maximum(last, tl.where(seen, n[None, :] + 1, 0))
+    if FIRST:
+        lo = tl.min(tl.min(first, axis=1), axis=0)
+        tl.store(out_ptr + b, tl.where(lo == 2147483647, 0, lo))
+    else:
+        tl.store(out_ptr + b, tl.max(tl.max(last, axis=1), axis=0))
 
 
 _VALID_LEN_LAUNCH = KernelLauncher(_valid_len_kernel)
 
 
-def valid_len_from_mask(attn_mask: torch.Tensor, batch: int) -> torch.Tensor:
-    """The kernel's ``valid_len_from_mask``: (batch,) int32, equal to ``reference.valid_len_from_mask``.
+def valid_len_from_mask(attn_mask: torch.Tensor, batch: int, first: bool = False) -> torch.Tensor:
+    """The kernel's ``valid_len_from_mask``: (batch,) int32, equal to ``reference.valid_len_from_mask``; with
+    ``first``, ``reference.key_start_from_mask`` (see :func:`key_start_from_mask`).
 
     Parameters
     ----------
@@ -74,5 +87,11 @@ def valid_len_from_mask(attn_mask: torch.Tensor, batch: int) -> torch.Tensor:
     block_r = max(1, min(triton.next_power_of_2(rows), 8192 // block_n))
     stride_b = m4.stride(0) if bm == batch and batch > 1 else 0
     _VALID_LEN_LAUNCH((batch,), m4, out, stride_b, m4.stride(1), m4.stride(2), m4.stride(3), rows, L, n,
-                      IS_BOOL=is_bool, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+                      IS_BOOL=is_bool, BLOCK_R=block_r, BLOCK_N=block_n, FIRST=bool(first), num_warps=4)
     return out
+
+
+def key_start_from_mask(attn_mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """The kernel's ``key_start_from_mask``: (batch,) int32, the first key any query row of a batch row may see
+    (0 where none is), equal to ``reference.key_start_from_mask``; same arguments as :func:`valid_len_from_mask`."""
+    return valid_len_from_mask(attn_mask, batch, first=True)

@@ -41,6 +41,11 @@ class Strategy(Generic[P]):
     plan_type: type[P]
     #: Whether the plan needs a process group (tree, ring). Single-device sites skip these.
     distributed: bool = False
+    #: The attention variants ``run``/``run_states`` take as keywords (see ``VARIANTS``): "window" accepts
+    #: ``key_start`` (B,) (the first key of each row; any strategy without it is still exact, as the mask it
+    #: applies hides those keys), "softcap" accepts ``softcap`` and "alibi" ``alibi_slopes`` (Hq,) (a site with a
+    #: cap or ALiBi slopes is refused by the others).
+    variants: frozenset[str] = frozenset()
 
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         raise NotImplementedError
@@ -69,6 +74,40 @@ class Strategy(Generic[P]):
         (o, m, log l) instead, the row max and ``log l`` apart (``reference.attention_states``), so that a merge
         across ranks weighs a row that ``finfo.min`` hides by its key counts."""
         raise NotImplementedError(f"{type(self).__name__} does not return softmax states")
+
+
+#: Attention variants beyond plain softmax attention that a strategy may implement (``Strategy.variants``).
+VARIANTS = ("window", "softcap", "alibi")
+
+
+def variant_reason(strategy: Strategy, site: AttentionSite) -> str | None:
+    """Why ``strategy`` cannot run ``site``'s variant (a softcapped site needs the "softcap" variant), or None."""
+    if site.softcap is not None and "softcap" not in strategy.variants:
+        return (f"logit softcapping (cap={site.softcap:g}): this plan kind does not apply the cap; the split-KV and "
+                "stream-K kernels do")
+    if site.alibi and "alibi" not in strategy.variants:
+        return "ALiBi (per-head slope times key position): this plan kind does not add it; the split-KV and stream-K kernels do"
+    return None
+
+
+def variant_kwargs(strategy: Strategy, key_start: Tensor | None = None, softcap: float = 0.0,
+                   alibi_slopes: Tensor | None = None) -> dict[str, Any]:
+    """The variant keywords ``strategy.run`` takes for this call: ``key_start`` where it reads windows (else dropped:
+    the mask hides those keys), ``softcap`` where it caps (else ``ValueError``: the planner refuses such plans)."""
+    kw: dict[str, Any] = {}
+    if key_start is not None and "window" in strategy.variants:
+        kw["key_start"] = key_start
+    if softcap:
+        if "softcap" not in strategy.variants:
+            raise ValueError(f"{type(strategy).__name__} does not apply logit softcapping (softcap={softcap}); plan kinds "
+                             "that do: " + ", ".join(sorted(k for k, s in STRATEGIES.items() if "softcap" in s.variants)))
+        kw["softcap"] = softcap
+    if alibi_slopes is not None:
+        if "alibi" not in strategy.variants:
+            raise ValueError(f"{type(strategy).__name__} does not add ALiBi slopes; plan kinds that do: "
+                             + ", ".join(sorted(k for k, s in STRATEGIES.items() if "alibi" in s.variants)))
+        kw["alibi_slopes"] = alibi_slopes
+    return kw
 
 
 STRATEGIES: dict[str, Strategy] = {}

@@ -13,13 +13,15 @@ from attnopt.hardware import HardwareProfile
 from attnopt.plan import BucketedPlan, plan_from_json
 from attnopt.site import AttentionSite
 
-from .base import PlanContext, Strategy, get_strategy, register_strategy
+from .base import PlanContext, Strategy, get_strategy, register_strategy, variant_kwargs
 
 
 @register_strategy(BucketedPlan)
 class Bucketed(Strategy[BucketedPlan]):
     #: The planner does not rank this kind: ``attnopt.tuning`` builds it from the plans chosen per bucket.
     ranked = False
+    #: Its inner plans were ranked for the same site, so they take the site's variant: forwarded as given.
+    variants = frozenset({"window", "softcap", "alibi"})
 
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         return None
@@ -43,10 +45,12 @@ class Bucketed(Strategy[BucketedPlan]):
                 done[text] = (inner, strategy, strategy.prepare(inner, q, k, v))
         return [done[text] for text in plan.plans]
 
-    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, **variant):
         inner, strategy, inner_state = state[plan.index_of(k.shape[2])]
-        return strategy.run(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal)
+        return strategy.run(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal,
+                            **variant_kwargs(strategy, **variant))
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False):
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False, **variant):
         inner, strategy, inner_state = state[plan.index_of(k.shape[2])]
-        return strategy.run_states(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse)
+        return strategy.run_states(inner_state, inner, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse,
+                                   **variant_kwargs(strategy, **variant))

@@ -104,8 +104,9 @@ def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int
 
 
 def planned_len(site: AttentionSite) -> int:
-    """KV length to plan for: the static one, else the trace-time hint, else 4096."""
-    return site.effective_kv_len or 4096
+    """Keys the kernels read per row, to plan for: the static length, else the trace-time hint, else 4096; a
+    sliding window's band when shorter (``site.keys_read``)."""
+    return site.keys_read or 4096
 
 
 def rows_per_tile(site: AttentionSite) -> tuple[int, int]:
@@ -163,37 +164,47 @@ class KernelStrategy(Strategy[P]):
     which on tensors the kernels do not take (``use_triton``) run the reference's partition-and-merge over
     ``cpu_partitions(plan)`` partitions, else allocate the output and ``_launch`` the plan's kernel."""
 
+    #: Both kernels read only a window's keys (``key_start`` on device) and apply a softcap (constexpr paths).
+    variants = frozenset({"window", "softcap", "alibi"})
+
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         return kernel_check(site, ctx)
 
     def cpu_partitions(self, plan: P) -> int:
         raise NotImplementedError
 
-    def _launch(self, state, plan: P, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse) -> None:
+    def _launch(self, state, plan: P, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, *, key_start=None,
+                softcap=0.0, alibi_slopes=None) -> None:
         """Launch the kernel into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L) fp32, or its (2, B, Hq, L) planes of
         row max and log l, or None."""
         raise NotImplementedError
 
-    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
+    def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, *, key_start=None, softcap=0.0,
+            alibi_slopes=None):
         if not use_triton(q):
             from ..reference import decode_attention
 
             return decode_attention(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                    is_causal=is_causal, num_partitions=self.cpu_partitions(plan))
+                                    is_causal=is_causal, num_partitions=self.cpu_partitions(plan),
+                                    key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
         out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
-        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None)
+        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None, key_start=key_start,
+                     softcap=softcap, alibi_slopes=alibi_slopes)
         return out
 
-    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False):
+    def run_states(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, split_lse=False, *,
+                   key_start=None, softcap=0.0, alibi_slopes=None):
         if not use_triton(q):
             from ..reference import decode_attention_states
 
             return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
                                            is_causal=is_causal, num_partitions=self.cpu_partitions(plan),
-                                           split_lse=split_lse)
+                                           split_lse=split_lse, key_start=key_start, softcap=softcap,
+                                           alibi_slopes=alibi_slopes)
         out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
         lse = torch.empty(((2,) if split_lse else ()) + tuple(q.shape[:3]), device=q.device, dtype=torch.float32)
-        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse)
+        self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, key_start=key_start,
+                     softcap=softcap, alibi_slopes=alibi_slopes)
         return (out, lse[0], lse[1]) if split_lse else (out, lse)
 
 
@@ -243,11 +254,12 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
 
         return SplitKVState(workspace=split_kv_workspace(plan.num_splits, q, k, v))
 
-    def _launch(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse):
+    def _launch(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, *, key_start=None,
+                softcap=0.0, alibi_slopes=None):
         from ..kernels.split_kv import split_kv_decode
 
         workspace = state.workspace if state is not None else None
         split_kv_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, num_splits=plan.num_splits, block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
-                        tma=plan.tma)
+                        tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)

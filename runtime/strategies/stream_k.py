@@ -77,10 +77,12 @@ class StreamK(KernelStrategy[StreamKPlan]):
 
         return StreamKState(workspace=stream_k_workspace(plan.grid, q, k, v))
 
-    def _launch(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse):
+    def _launch(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, *, key_start=None,
+                softcap=0.0, alibi_slopes=None):
         from ..kernels.stream_k import stream_k_decode
 
         workspace = state.workspace if state is not None else None
         stream_k_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, grid=plan.grid, block_n=plan.block_n,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages, tma=plan.tma)
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, tma=plan.tma, key_start=key_start,
+                        softcap=softcap, alibi_slopes=alibi_slopes)

@@ -561,3 +561,18 @@ def test_equal_estimates_plan_four_warps_before_eight():
     tied = [p for p in rep.candidates if p.kind == "split_kv" and p.block_n == 128 and p.num_stages == 3
             and p.num_splits == rep.chosen.num_splits and p.est_us == rep.chosen.est_us]
     assert [p.num_warps for p in tied][:1] == [4], [p.describe() for p in tied]
+
+
+def test_window_sites_are_priced_at_the_band():
+    """A sliding window's kernels read only the band's keys (window + q_len - 1, from the first one on device): the
+    kernel estimates of a 4k window over 128k equal those of a 4k cache, SDPA with the window as a mask still reads
+    the whole cache, so the planner prefers the kernels by about the ratio of the lengths."""
+    hw = builtin_profile("h100-sxm")
+    win = site(kv_len=131072, mask_kind="arbitrary", window=4096)
+    assert win.keys_read == 4096 and site(kv_len=131072, window=4096, q_len=2).keys_read == 4097
+    band = site(kv_len=4096, mask_kind="arbitrary")
+    assert K.split_kv_us(win, hw, 16, 64) == K.split_kv_us(band, hw, 16, 64)
+    assert K.stream_k_us(win, hw, 132, 64) == K.stream_k_us(band, hw, 132, 64)
+    assert K.dense_us(win, hw) == K.dense_us(site(kv_len=131072, mask_kind="arbitrary"), hw)
+    assert K.dense_us(win, hw) > 10 * min(K.split_kv_us(win, hw, s, 64) for s in (4, 16, 32))
+    assert site(kv_len=2048, window=4096).keys_read == 2048  # a window longer than the cache reads the cache

@@ -315,3 +315,34 @@ def test_cli_export_onnx(tmp_path, capsys):
     assert len(sites) == 2 and {s["exported_as"] for s in sites} == {"onnx:Attention-24 (nonpad_kv_seqlen)"}
     assert main(["export-onnx", "no-such-model", str(path)]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def window_attention(q, k, v, pos):
+    """SDPA over a cache with a sliding window of 8 keys built from the query position (HF's overlay)."""
+    kv = torch.arange(k.shape[2])[None, None, None, :]
+    qp = pos.view(1, 1, -1, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv <= qp) & (kv > qp - 8))
+
+
+def test_window_site_exports_with_its_mask(tmp_path):
+    """A sliding-window site (its kernels start at ``key_start_from_mask``) exports as the standard Attention node
+    over its mask, which alone hides the keys before the window: the same result in onnxruntime at other positions."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 40, 64), torch.randn(1, 4, 40, 64)
+    path = tmp_path / "window.onnx"
+    report = export_onnx(window_attention, (q, k, v, torch.tensor([30])), path, force_plan="split_kv")
+    (site,) = report.sites
+    assert site.site.window == 8 and site.rewritten
+    for p in (30, 9, 39):
+        pos = torch.tensor([p])
+        close(run_ort(path, q, k, v, pos)[0], window_attention(q, k, v, pos))
+
+
+def test_softcap_sites_are_not_exported_yet(tmp_path):
+    def capped(q, k, v):
+        s = torch.tanh(q @ k.transpose(-1, -2) * 0.125 / 50.0) * 50.0
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 40, 64), torch.randn(1, 4, 40, 64)
+    with pytest.raises(ValueError, match="softcapping and ALiBi slopes are not exported"):
+        export_onnx(capped, (q, k, v), tmp_path / "capped.onnx", force_plan="split_kv")

@@ -88,28 +88,33 @@ def test_graph_order_and_module_path():
     assert r.count("sdpa") == 1 and [s.rewritten for s in r.reports] == [False, True]
 
 
-def test_sliding_windows_config_leaves_those_modules_alone():
-    """``config.sliding_windows`` (what ``attnopt.optimize`` reads off the model) names modules by path: their
-    sites are left alone with the window in the reason, the others are rewritten, and the config survives JSON."""
+def test_sliding_windows_config_marks_window_sites():
+    """``config.sliding_windows`` (what ``attnopt.optimize`` reads off the model) names modules by path: their sites
+    with a mask are rewritten as window sites (``site.window``, shown in the plan table), the op reads the keys from
+    ``key_start_from_mask`` on; the other module's site is a plain one; the config survives JSON."""
     class Attn(torch.nn.Module):
-        def forward(self, q, k, v):
-            return sdpa_gqa(q, k, v)
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = torch.nn.ModuleList([Attn(), Attn()])
 
-        def forward(self, q, k, v):
-            return self.layers[1](self.layers[0](q, k, v), k, v)
+        def forward(self, q, k, v, mask):
+            return self.layers[1](self.layers[0](q, k, v, mask), k, v, mask)
 
-    q, k, v = qkv(B=1, Hq=4, Hkv=2, L=1, N=12, D=64)
-    cfg = OptimizeConfig(force_plan="dense", sliding_windows={"layers.1": 6})
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, L=1, N=12, D=64)
+    mask = torch.zeros(1, 1, 1, 12, dtype=torch.bool)
+    mask[..., 6:] = True  # the last 6 keys: a window
+    cfg = OptimizeConfig(force_plan="split_kv", sliding_windows={"layers.1": 6})
     assert OptimizeConfig.from_json(cfg.to_json()) == cfg and cfg.sliding_windows == (("layers.1", 6),)
-    r = dynamo(Model(), q, k, v, config=cfg)
-    assert [s.rewritten for s in r.reports] == [True, False] and r.count("sdpa") == 1
-    assert r.sites[1].unsupported == "sliding-window attention (window=6): left untouched (attnopt has no window-aware plan)"
-    torch.testing.assert_close(r.out, Model()(q, k, v), **TOL)
+    r = dynamo(Model(), q, k, v, mask, config=cfg)
+    assert [s.rewritten for s in r.reports] == [True, True]
+    assert [s.site.window for s in r.reports] == [None, 6]
+    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1  # only the window site finds its start
+    assert "window=6" in r.ctx.report.format_table(width=200)
+    torch.testing.assert_close(r.out, Model()(q, k, v, mask), **TOL)
 
 
 def test_optimize_reads_sliding_windows_off_the_modules():
@@ -194,33 +199,108 @@ def test_min_kv_len():
 
 
 # ------------------------------------------------------------------------------------------- unsupported variants
-def test_softcapping_is_not_rewritten():
-    def f(q, k, v):
+@pytest.mark.parametrize("spelling", ["gemma2", "cap_first", "aten"])
+def test_softcapping_is_rewritten_with_its_cap(spelling):
+    """Gemma 2's ``tanh(scores * scaling / cap) * cap`` (+ mask after the cap): the cap is read off the chain, the
+    scale is the argument's (``scaling / cap``), the dense plan is refused with a reason (SDPA cannot cap) and the
+    split-KV plan gives the original's output, in dynamo and aten graphs."""
+    mask = torch.where(rand_bool_mask(1, 1, 33), 0.0, float("-inf"))
+
+    def f(q, k, v, mask):
+        s = q @ k.transpose(-1, -2)
+        if spelling == "cap_first":
+            s = torch.tanh((s / 50.0) * 0.125) * 50.0
+        else:
+            s = torch.tanh(s * 0.125 / 50.0) * 50.0
+        return torch.softmax(s + mask, -1) @ v
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    build = aot if spelling == "aten" else dynamo
+    r = build(f, q, k, v, mask, config=OptimizeConfig(force_plan="split_kv"))
+    (s,) = r.sites
+    assert s.softcap == 50.0 and math.isclose(s.scale, 0.125 / 50.0) and r.count() == 1, s
+    torch.testing.assert_close(r.out, f(q, k, v, mask), **TOL)
+    dense = build(f, q, k, v, mask)
+    assert dense.count() == 0 and "logit softcapping (cap=50)" in (dense.reports[0].reason_untouched or "")
+
+
+@pytest.mark.parametrize("case", ["mask_inside", "runtime_cap", "two_tanh", "constant_inside"])
+def test_softcap_near_misses_are_left_alone(case):
+    """Anything but the exact chain keeps its reason: a mask inside tanh, a cap that is a tensor, two tanh, a
+    constant added inside tanh (not softmax-invariant there)."""
+    mask = torch.where(rand_bool_mask(1, 1, 33), 0.0, float("-inf"))
+    cap = torch.tensor(50.0)
+
+    def f(q, k, v, mask, cap):
         s = q @ k.transpose(-1, -2) * 0.125
-        s = torch.tanh(s / 50.0) * 50.0
+        if case == "mask_inside":
+            s = torch.tanh(s / 50.0 + mask) * 50.0
+        elif case == "runtime_cap":
+            s = torch.tanh(s / cap) * cap + mask
+        elif case == "two_tanh":
+            s = torch.tanh(torch.tanh(s / 50.0) * 50.0) + mask
+        else:
+            s = torch.tanh(s / 50.0 + 1.0) * 50.0 + mask
         return torch.softmax(s, -1) @ v
 
     q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
-    r = dynamo(f, q, k, v)
-    _untouched(r, "softcapping")
-    torch.testing.assert_close(r.out, f(q, k, v))
+    r = dynamo(f, q, k, v, mask, cap, config=OptimizeConfig(force_plan="split_kv"))
+    why = {"mask_inside": "inside the softcap", "runtime_cap": "run-time cap", "two_tanh": "more than one tanh",
+           "constant_inside": "constant added to the scores inside"}[case]
+    _untouched(r, why)
+    torch.testing.assert_close(r.out, f(q, k, v, mask, cap))
 
 
-def test_alibi_bias_is_rewritten_exactly():
-    """The rule (``patterns`` docstring): an additive float bias is applied exactly per tile, in eager code as in
-    SDPA's ``attn_mask``, so an ALiBi bias is rewritten in both."""
-    def f(q, k, v, slopes):
+@pytest.mark.parametrize("spelling", ["mpt", "bloom_no_padding", "single_slope"])
+def test_alibi_bias_becomes_slopes(spelling):
+    """An eager ALiBi bias built in the graph (MPT's ``slopes * arange(1 - n, 1)``, Bloom's ``slopes[:, None, None] *
+    arange(n)``, one slope for all heads) plus a causal mask: the bias is proved a per-head slope times the key
+    position, the op adds it from the slopes (``site.alibi``; the mask stays a mask) and the output is the
+    original's. SDPA cannot take slopes, so the dense plan is refused with a reason."""
+    def f(q, k, v, slopes, mask):
         n = k.shape[-2]
-        pos = torch.arange(n, dtype=torch.float32)
-        bias = slopes[None, :, None, None] * (pos - (n - 1))[None, None, None, :]
+        if spelling == "mpt":
+            bias = slopes.view(1, -1, 1, 1) * torch.arange(1 - n, 1, dtype=torch.int32).view(1, 1, 1, n)
+        elif spelling == "bloom_no_padding":
+            bias = (slopes[:, None, None] * torch.arange(n))[None]
+        else:
+            bias = slopes[:1].view(1, 1, 1, 1) * torch.arange(n, dtype=torch.float32)[None, None, None, :]
         s = q @ k.transpose(-1, -2) * 0.125 + bias
-        return torch.softmax(s, -1) @ v
+        return torch.softmax(s + mask, -1) @ v
+
+    q, k, v = qkv(B=2, Hq=4, Hkv=4, L=2, N=33, D=64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    mask = torch.where(rand_bool_mask(2, 2, 33), 0.0, float("-inf"))
+    r = dynamo(f, q, k, v, slopes, mask, config=OptimizeConfig(force_plan="split_kv"))
+    (site,) = r.sites
+    assert r.count() == 1 and site.alibi and site.mask_kind == "arbitrary", site
+    (op,) = op_nodes(r.gm)
+    assert "alibi_slopes" in op.kwargs
+    torch.testing.assert_close(r.out, f(q, k, v, slopes, mask), **TOL)
+    dense = dynamo(f, q, k, v, slopes, mask)
+    assert dense.count() == 0 and "ALiBi" in (dense.reports[0].reason_untouched or "")
+
+
+@pytest.mark.parametrize("case", ["step2", "from_input", "half"])
+def test_biases_that_are_not_provably_alibi_stay_masks(case):
+    """A bias over positions with step 2, a bias read from an input, a bias rounded to fp16: not ALiBi; each is
+    applied exactly as a general additive mask (the dense plan rewrites them)."""
+    def f(q, k, v, slopes, given):
+        n = k.shape[-2]
+        if case == "step2":
+            bias = slopes.view(1, -1, 1, 1) * torch.arange(0, 2 * n, 2, dtype=torch.float32).view(1, 1, 1, n)
+        elif case == "from_input":
+            bias = given
+        else:
+            bias = (slopes.view(1, -1, 1, 1) * torch.arange(n, dtype=torch.float32)).half().float()
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.125 + bias, -1) @ v
 
     q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    r = dynamo(f, q, k, v, slopes)
-    assert r.count() == 1 and r.sites[0].mask_kind == "arbitrary", r.sites
-    torch.testing.assert_close(r.out, f(q, k, v, slopes), **TOL)
+    given = slopes.view(1, -1, 1, 1) * torch.arange(33.0)
+    r = dynamo(f, q, k, v, slopes, given)
+    assert r.count() == 1 and not r.sites[0].alibi and r.sites[0].mask_kind == "arbitrary", r.sites
+    torch.testing.assert_close(r.out, f(q, k, v, slopes, given), **TOL)
 
 
 def test_training_dropout_sdpa_is_not_rewritten():
@@ -317,9 +397,10 @@ def test_valid_length_mask_kind():
 
 
 @pytest.mark.parametrize("spelling", ["kv > q - w", "q - w < kv", "kv >= q + (1 - w)"])
-def test_sliding_window_mask_is_left_alone(spelling):
+def test_sliding_window_mask_is_a_window_site(spelling):
     """A mask with a window start ``key > query - w`` (Hugging Face's ``sliding_window_overlay``) is a sliding
-    window: never "valid_length", and left alone with the window in the reason (no module object needed)."""
+    window (no module object needed): never "valid_length", rewritten with ``site.window`` read off the mask, the
+    kernels starting at ``key_start_from_mask``; the output is the original's."""
     def f(q, k, v, cache_position):
         kv_idx = torch.arange(k.shape[2])[None, None, None, :]
         qp = cache_position[None, None, :, None]
@@ -330,9 +411,9 @@ def test_sliding_window_mask_is_left_alone(spelling):
 
     q, k, v = qkv(B=1, Hq=4, Hkv=2, L=2, N=33, D=64)
     pos = torch.tensor([20, 21])
-    r = dynamo(f, q, k, v, pos)
-    _untouched(r, "sliding-window attention (window=8): left untouched")
-    assert r.sites[0].mask_kind == "arbitrary"
+    r = dynamo(f, q, k, v, pos, config=OptimizeConfig(force_plan="split_kv"))
+    assert r.count("sdpa") == 1 and r.sites[0].window == 8 and r.sites[0].mask_kind == "arbitrary"
+    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
 
 
@@ -447,3 +528,29 @@ def test_grad_requiring_attention_is_not_rewritten():
     _untouched(r, "training: gradients flow")
     r.out.sum().backward()
     assert q.grad is not None
+
+
+@pytest.mark.parametrize("dtype, fill, rewritten", [
+    (torch.float32, torch.finfo(torch.float32).min, True),   # MPT's masked_fill(mask, finfo.min)
+    (torch.bfloat16, torch.finfo(torch.bfloat16).min, True),
+    (torch.float16, torch.finfo(torch.float16).min, False),  # -65504: the scores would not tie next to it
+    (torch.float32, -1e9, False),
+])
+def test_masked_fill_with_an_absorbing_value_is_an_additive_mask(dtype, fill, rewritten):
+    """``scores.masked_fill(~keep, finfo.min)`` (MPT) hides scores as the additive mask ``where(~keep, finfo.min, 0)``
+    does: fp32 absorbs the scores next to it, so a row hidden whole gives the mean of V in both. Rewritten, and equal
+    to the original on such a row; a fill the scores do not absorb (fp16's -65504, -1e9) is left alone."""
+    def f(q, k, v, keep):
+        s = (q @ k.transpose(-1, -2) * 0.125).masked_fill(~keep, fill)
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+    q, k, v = qkv(B=2, Hq=4, Hkv=4, L=1, N=33, D=64, dtype=dtype)
+    keep = rand_bool_mask(2, 1, 33)
+    keep[1] = False  # batch row 1: every key hidden
+    r = dynamo(f, q, k, v, keep, config=OptimizeConfig(force_plan="split_kv"))
+    assert r.count() == int(rewritten), r.sites
+    want = f(q, k, v, keep)
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(r.out, want, equal_nan=True, **tol)
+    if not rewritten:
+        assert "masked_fill with the finite value" in r.sites[0].unsupported

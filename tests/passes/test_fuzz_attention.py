@@ -5,7 +5,7 @@ with a reason.
 It draws the spelling (SDPA with ``enable_gqa`` or expanded K/V, eager ``matmul``, ``einsum``), the graph form
 (dynamo; aot_autograd, ``make_fx`` and ``torch.export`` at aten level), GQA (``repeat_kv``,
 ``repeat_interleave``), the mask (none; bool, additive 0/-inf, ``finfo.min``, a float bias; every broadcastable
-shape from 1-D to 4-D; applied by ``+``, ``masked_fill`` with -inf or a finite value, ``where``), fully masked
+shape from 1-D to 4-D; applied by ``+``, ``masked_fill`` with -inf or a finite value (finfo.min among them), ``where``), fully masked
 rows, in-place edits of the scores, clones and ``.contiguous()`` copies written afterwards, the fully-masked-row
 ``where`` guard and a head-pruning ``where``, a scalar after the softmax, fp32/fp64, odd shapes, and the plan
 (planner's pick, dense, split-KV, stream-K). Also: additive masks in fp16/bf16 on fp32/fp64 queries, 0/1 integer
@@ -57,7 +57,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["rank"] = draw(st.integers(1, 4))
     s["bcast"] = draw(st.lists(st.booleans(), min_size=4, max_size=4))  # per dim of (B, H, L, N): size 1?
     s["apply"] = draw(st.sampled_from(["add", "masked_fill", "where"]))  # eager: how a bool mask is applied
-    s["fill"] = draw(st.sampled_from([-math.inf, -math.inf, -1e9]))
+    s["fill"] = draw(st.sampled_from([-math.inf, -math.inf, -1e9, torch.finfo(torch.float32).min]))
     s["full_rows"] = draw(st.booleans())
     s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after"]))
     s["guard"] = draw(st.sampled_from(["none"] * 4 + ["safe", "safe", "head_prune"]))

@@ -148,8 +148,9 @@ def test_hf_llama_static_cache_padded_mask_is_valid_length(impl, level):
     assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == LAYERS
 
 
-def _run_other(cls_name: str, cfg_name: str, impl: str, cache: str, **extra):
-    """One compiled decode step of a tiny random ``cls_name`` model; returns (ctxs, max |logit diff|)."""
+def _run_other(cls_name: str, cfg_name: str, impl: str, cache: str, config: OptimizeConfig | None = None, **extra):
+    """One compiled decode step of a tiny random ``cls_name`` model under ``config`` (the dense plan by default);
+    returns (ctxs, max |logit diff|)."""
     from transformers.cache_utils import DynamicCache, StaticCache
 
     cfg = getattr(transformers, cfg_name)(vocab_size=128, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
@@ -161,7 +162,7 @@ def _run_other(cls_name: str, cfg_name: str, impl: str, cache: str, **extra):
     ctxs = []
 
     def passes(gm, ex):
-        ctx = make_context(OptimizeConfig(force_plan="dense"), ex)
+        ctx = make_context(config or OptimizeConfig(force_plan="dense"), ex)
         gm, _ = run_passes(gm, ex, ctx=ctx)
         ctxs.append(ctx)
         return gm.forward
@@ -177,23 +178,27 @@ def _run_other(cls_name: str, cfg_name: str, impl: str, cache: str, **extra):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_hf_mistral_sliding_window_is_left_alone(impl):
+def test_hf_mistral_sliding_window_is_a_window_site(impl):
     """A Mistral static-cache decode step builds its mask in the graph, with ``kv > q - sliding_window``: without
-    any model object, the graph alone shows the window; the sites are left alone with it, and stay exact."""
-    ctxs, err = _run_other("MistralForCausalLM", "MistralConfig", impl, "static", sliding_window=4)
+    any model object, the graph alone shows the window; the sites are rewritten as window sites (the kernels start
+    at ``key_start_from_mask``) and stay exact."""
+    ctxs, err = _run_other("MistralForCausalLM", "MistralConfig", impl, "static", sliding_window=4,
+                           config=OptimizeConfig(force_plan="split_kv"))
     sites = [m.site for c in ctxs for m in c.matches]
     assert len(sites) == LAYERS, sites
     for s in sites:
-        assert s.mask_kind != "valid_length" and "sliding-window attention (window=4)" in (s.unsupported or ""), s
-    assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == 0 and err < 1e-5
+        assert s.mask_kind != "valid_length" and s.window == 4 and s.unsupported is None, s
+    assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == LAYERS and err < 1e-5
 
 
-def test_hf_gemma2_softcapping_is_left_alone():
+def test_hf_gemma2_softcapping_is_rewritten():
+    """Gemma 2's eager chain ``tanh(scores * scaling / cap) * cap + mask``: the cap (50) is read off the chain, the
+    sites are rewritten with it (split-KV's softcap path) and the logits stay the original's."""
     ctxs, err = _run_other("Gemma2ForCausalLM", "Gemma2Config", "eager", "static", sliding_window=4,
-                           attn_logit_softcapping=50.0)
+                           attn_logit_softcapping=50.0, config=OptimizeConfig(force_plan="split_kv"))
     sites = [m.site for c in ctxs for m in c.matches]
-    assert len(sites) == LAYERS and all("softcapping" in (s.unsupported or "") for s in sites), sites
-    assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == 0 and err == 0.0
+    assert len(sites) == LAYERS and all(s.softcap == 50.0 and s.unsupported is None for s in sites), sites
+    assert sum(sum(c.rewrite_counts.values()) for c in ctxs) == LAYERS and err < 1e-5
 
 
 def test_hf_llama_torch_export_static_cache():

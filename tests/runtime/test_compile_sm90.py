@@ -94,7 +94,30 @@ def _launches(monkeypatch) -> list[dict]:
                         grid=8, block_n=64, num_warps=4, num_stages=3)
         for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
             _saap_launch(q, k, v, clusters, probes)
+        _variant_launches(q, k, v, mask)
     return list(recorded.values())
+
+
+def _variant_launches(q, k, v, mask):
+    """The variant paths (HAS_START: a window's key start read on device; SOFTCAP; ALIBI), alone and together, in
+    both kernels."""
+    from attnopt.runtime.kernels.valid_len import key_start_from_mask, valid_len_from_mask
+
+    B, Hq, L, D = q.shape
+    for m in (mask, torch.where(mask, 0.0, float("-inf"))):  # the mask reductions the window path runs per step
+        valid_len_from_mask(m, B)
+        key_start_from_mask(m, B)
+    start, valid = torch.tensor([70], dtype=torch.int32), torch.tensor([250], dtype=torch.int32)
+    slopes = torch.rand(Hq)
+    for key_start, softcap, alibi in ((start, 0.0, None), (None, 50.0, None), (start, 50.0, slopes),
+                                      (None, 0.0, slopes)):
+        out, lse = torch.empty(B, Hq, L, D, dtype=q.dtype), torch.empty(B, Hq, L)
+        split_kv_decode(q, k, v, out, lse, workspace=split_kv_workspace(4, q, k, v), attn_mask=mask, valid_len=valid,
+                        scale=0.125, num_splits=4, block_n=64, num_warps=4, num_stages=3,
+                        key_start=key_start, softcap=softcap, alibi_slopes=alibi)
+        stream_k_decode(q, k, v, out, lse, workspace=stream_k_workspace(8, q, k, v), attn_mask=mask, valid_len=valid,
+                        scale=0.125, grid=8, block_n=64, num_warps=4, num_stages=3, key_start=key_start,
+                        softcap=softcap, alibi_slopes=alibi)
 
 
 def _saap_launch(q, k, v, clusters, probes):
@@ -135,6 +158,11 @@ def test_kernels_compile_for_sm90(monkeypatch):
     jobs = _launches(monkeypatch)
     names = {j["name"] for j in jobs}
     assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel"} <= names, names
+    assert {"_valid_len_kernel"} <= names and any(j["consts"].get("FIRST") for j in jobs), names
+    variants = {(j["name"], j["consts"].get("HAS_START"), j["consts"].get("SOFTCAP"), j["consts"].get("ALIBI"))
+                for j in jobs}
+    assert {(n, *v) for n in ("_split_kv_kernel", "_stream_k_kernel")
+            for v in ((True, False, False), (False, True, False), (True, True, True), (False, False, True))} <= variants
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs, default=str), text=True,
                           capture_output=True, env=env, timeout=850)

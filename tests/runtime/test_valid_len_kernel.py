@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnopt.runtime.kernels import interpreting
+from attnopt.runtime.kernels.valid_len import key_start_from_mask as start_kernel
 from attnopt.runtime.kernels.valid_len import valid_len_from_mask as kernel
+from attnopt.runtime.reference import key_start_from_mask as start_reference
 from attnopt.runtime.reference import valid_len_from_mask as reference
 
 DEVICES = [pytest.param("cpu", id="interp"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
@@ -53,6 +55,7 @@ def test_kernel_matches_reference_for_broadcast_shapes(device, data):
     got = kernel(m, batch)
     assert got.dtype == torch.int32 and got.shape == (batch,)
     assert torch.equal(got.cpu(), reference(m, batch).cpu())
+    assert torch.equal(start_kernel(m, batch).cpu(), start_reference(m, batch).cpu())  # the key start (FIRST)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,7 +69,8 @@ def test_kernel_reads_strided_and_expanded_masks(device):
     sliced[1, 2, 1, 699] = True
     for m in (base, expanded, sliced, base[..., :600]):
         assert torch.equal(kernel(m, 2).cpu(), reference(m, 2).cpu())
-    assert kernel(base, 2).tolist() == [513, 41]
+        assert torch.equal(start_kernel(m, 2).cpu(), start_reference(m, 2).cpu())
+    assert kernel(base, 2).tolist() == [513, 41] and start_kernel(base, 2).tolist() == [0, 40]
 
 
 def test_kernel_refuses_what_it_cannot_read():
