@@ -104,7 +104,8 @@ def _variant_launches(q, k, v, mask):
     from attnopt.runtime.kernels.valid_len import key_start_from_mask, valid_len_from_mask
 
     B, Hq, L, D = q.shape
-    for m in (mask, torch.where(mask, 0.0, float("-inf"))):  # the mask reductions the window path runs per step
+    long = torch.ones(1, 1, 1, 20000, dtype=torch.bool)  # rows past ATOMIC_CHUNK_N: the chunked, atomic path
+    for m in (mask, torch.where(mask, 0.0, float("-inf")), long):  # the mask reductions the window path runs
         valid_len_from_mask(m, B)
         key_start_from_mask(m, B)
     start, valid = torch.tensor([70], dtype=torch.int32), torch.tensor([250], dtype=torch.int32)
@@ -159,6 +160,7 @@ def test_kernels_compile_for_sm90(monkeypatch):
     names = {j["name"] for j in jobs}
     assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel"} <= names, names
     assert {"_valid_len_kernel"} <= names and any(j["consts"].get("FIRST") for j in jobs), names
+    assert any(j["consts"].get("ATOMIC") and j["consts"].get("FIRST") for j in jobs), names
     variants = {(j["name"], j["consts"].get("HAS_START"), j["consts"].get("SOFTCAP"), j["consts"].get("ALIBI"))
                 for j in jobs}
     assert {(n, *v) for n in ("_split_kv_kernel", "_stream_k_kernel")

@@ -79,3 +79,27 @@ def test_kernel_refuses_what_it_cannot_read():
         kernel(torch.ones(3, 1, 1, 8, dtype=torch.bool), 2)
     with pytest.raises(ValueError, match="broadcast along the keys"):
         kernel(torch.ones(1, 1, 1, 1, dtype=torch.bool), 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_long_masks_fold_column_chunks_with_atomics(device, dtype):
+    """Rows longer than ATOMIC_CHUNK_N: programs over column chunks fold their last (and first) visible key with
+    atomics; rows visible only in one chunk, in the last partial chunk, everywhere, or nowhere."""
+    from attnopt.runtime.kernels.valid_len import ATOMIC_CHUNK_N, key_start_from_mask
+    from attnopt.runtime.reference import key_start_from_mask as key_start_reference
+
+    device = _dev(device)
+    n = 2 * ATOMIC_CHUNK_N + 777
+    visible = torch.zeros(4, 2, 1, n, dtype=torch.bool)
+    visible[0, 1, 0, ATOMIC_CHUNK_N + 5: ATOMIC_CHUNK_N + 9] = True  # inside the middle chunk, one head only
+    visible[1, 0, 0, n - 3] = True  # in the partial last chunk
+    visible[1, 1, 0, 2] = True
+    visible[2] = True  # everywhere
+    # batch row 3: nothing visible (valid length 0, key start 0)
+    m = visible if dtype == torch.bool else torch.where(visible, torch.finfo(dtype).min, float("-inf")).to(dtype)
+    m = m.to(device)
+    assert kernel(m, 4).tolist() == reference(m, 4).tolist() == [ATOMIC_CHUNK_N + 9, n - 2, n, 0]
+    assert key_start_from_mask(m, 4).tolist() == key_start_reference(m, 4).tolist() == [ATOMIC_CHUNK_N + 5, 2, 0, 0]
+    broadcast = m[:1]  # one mask row for every batch row
+    assert kernel(broadcast, 3).tolist() == [ATOMIC_CHUNK_N + 9] * 3
