@@ -247,13 +247,24 @@ class OnnxTranslator:
                                  "attention='auto' or 'function' to write it as an attnopt node with a function body")
             if node.target in (ops.check_close.default, ops.shard_mask_columns.default):
                 raise ValueError(f"{node.target} cannot be exported to ONNX (a run-time check / a sharded cache)")
-            if node.target in (ops.decode_attention.default, ops.decode_attention_states.default) and \
-                    (node.kwargs.get("softcap") or node.kwargs.get("alibi_slopes") is not None):
-                raise ValueError(f"{node.name}: logit softcapping and ALiBi slopes are not exported to ONNX yet; "
-                                 "optimize with skip_sites naming this site to export it as the original attention")
+            if node.target in (ops.decode_attention.default, ops.decode_attention_states.default):
+                self._check_variant(node, form if node.target == ops.decode_attention.default else "function")
             if getattr(node.target, "namespace", None) == "attnopt" and node.target not in self.table():
                 names = ", ".join(sorted(str(op) for op in self.table()))
                 raise ValueError(f"{node.target} has no ONNX translation; attnopt ops that export: {names}")
+
+    def _check_variant(self, node: torch.fx.Node, form: str) -> None:
+        """A softcapped or ALiBi site exports as its plan's form (ALiBi folded into the mask, the cap as the
+        ``Attention`` node's ``softcap``), except a negative cap, which ``Attention`` (``softcap > 0``) cannot take
+        and only the function body computes; SAAP has neither."""
+        softcap = float(node.kwargs.get("softcap") or 0.0)
+        variant = softcap or node.kwargs.get("alibi_slopes") is not None
+        if variant and form == "saap":
+            raise ValueError(f"{node.name}: a saap plan has no logit softcapping or ALiBi; exportable for this site: "
+                             "dense, split_kv, stream_k, tree, ring")
+        if softcap < 0 and self.attention == "standard":
+            raise ValueError(f"{node.name}: softcap={softcap:g} is negative, which the standard Attention node's "
+                             "softcap (> 0) cannot express; export with attention='auto' or 'function'")
 
     # ----------------------------------------------------------------------------------------- translations
     def table(self) -> dict[Any, Callable]:
@@ -284,6 +295,12 @@ class OnnxTranslator:
                          softcap=0.0, key_start=None, alibi_slopes=None):
         # key_start (a window's first key) only saves reads: the mask, exported as it is, hides those keys
         form, runs, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None)
+        softcap = float(softcap or 0.0)
+        if form == "standard" and softcap < 0:
+            form, note = "function", "; ".join(x for x in (note, "negative softcap") if x)
+        variants = ", ".join(([f"softcap={softcap:g}"] if softcap else []) +
+                             (["alibi in the mask"] if alibi_slopes is not None else []))
+        note = "; ".join(x for x in (note, variants) if x)
         if form == "saap":
             from .export_saap import saap_attention
 
@@ -291,9 +308,10 @@ class OnnxTranslator:
             return saap_attention(self, q, k, v, bias, lengths, float(scale), bool(is_causal), runs, site)
         if form == "function":
             self.exported[site] = _described("attnopt:decode_attention", "function body", note)
-            bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
+            bias, lengths = self._function_inputs(q, k, attn_mask, valid_len, alibi_slopes)
             return self._attnopt_op("decode_attention")(q, k, v, bias, lengths, scale=float(scale),
-                                                        is_causal=int(bool(is_causal)), plan=plan, site=site)
+                                                        is_causal=int(bool(is_causal)), softcap=softcap, plan=plan,
+                                                        site=site)
         op = self._op()
         nonpad = None
         if valid_len is None and attn_mask is not None and attn_mask.dtype == _ir_bool() and self.opset >= 24:
@@ -304,12 +322,19 @@ class OnnxTranslator:
             nonpad = op.Cast(valid_len, to=_ONNX_INT64)
         elif valid_len is not None:
             attn_mask = self._fold_valid_len(k, attn_mask, valid_len)
+        if alibi_slopes is not None:
+            attn_mask = self._add_alibi(q, k, attn_mask, alibi_slopes)
         if attn_mask is not None:
             attn_mask = self._mask_rows(q, attn_mask)
+        # attnopt caps the scaled scores s as c * tanh(s), its scale carrying the 1 / c; Attention computes
+        # c * tanh(s' / c) with s' = QK^T * its scale, so its scale is attnopt's times c (the model's own scale)
+        attrs = dict(scale=float(scale) * softcap if softcap else float(scale), is_causal=int(bool(is_causal)))
+        if softcap:
+            attrs["softcap"] = softcap
         if self.opset >= 24:
-            y, _, _, _ = op.Attention(q, k, v, attn_mask, None, None, nonpad, scale=float(scale), is_causal=int(bool(is_causal)))
+            y, _, _, _ = op.Attention(q, k, v, attn_mask, None, None, nonpad, **attrs)
         else:
-            y, _, _, _ = op.Attention(q, k, v, attn_mask, scale=float(scale), is_causal=int(bool(is_causal)))
+            y, _, _, _ = op.Attention(q, k, v, attn_mask, **attrs)
         self.exported[site] = _described(f"onnx:Attention-{self.opset}", "nonpad_kv_seqlen" if nonpad is not None else "",
                                          note)
         return y
@@ -318,9 +343,10 @@ class OnnxTranslator:
                                 site="", softcap=0.0, key_start=None, alibi_slopes=None):
         _, _, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None, states=True)
         self.exported[site] = _described("attnopt:decode_attention_states", "function body", note)
-        bias, lengths = self._function_inputs(q, k, attn_mask, valid_len)
+        bias, lengths = self._function_inputs(q, k, attn_mask, valid_len, alibi_slopes)
         return self._attnopt_op("decode_attention_states")(q, k, v, bias, lengths, scale=float(scale),
-                                                           is_causal=int(bool(is_causal)), plan=plan, site=site)
+                                                           is_causal=int(bool(is_causal)), softcap=float(softcap or 0.0),
+                                                           plan=plan, site=site)
 
     def merge_states(self, o_parts, lse_parts):
         return self._attnopt_op("merge_states")(o_parts, lse_parts)
@@ -374,6 +400,21 @@ class OnnxTranslator:
                            op.Shape(attn_mask, start=rank - 1), axis=0)
         return op.Expand(attn_mask, target)
 
+    def _add_alibi(self, q, k, attn_mask, alibi_slopes):
+        """``attn_mask`` plus ALiBi's ``slope[h] * j`` for key j (``runtime/reference.py``), as an additive mask of
+        q's type: (1, Hq, 1, N), broadcast with the mask (a boolean one becomes 0 / -inf first)."""
+        op = self._op()
+        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        cols = op.Cast(op.Range(zero, op.Squeeze(op.Shape(k, start=2, end=3)), one), to=_ONNX_FLOAT)
+        slopes = op.Unsqueeze(op.Cast(alibi_slopes, to=_ONNX_FLOAT), op.Constant(value_ints=[-1]))
+        alibi = op.CastLike(op.Unsqueeze(op.Mul(slopes, cols), op.Constant(value_ints=[0, 2])), q)
+        if attn_mask is None:
+            return alibi
+        if attn_mask.dtype == _ir_bool():
+            attn_mask = op.Where(attn_mask, op.CastLike(op.Constant(value_float=0.0), q),
+                                 op.CastLike(op.Constant(value_float=float("-inf")), q))
+        return op.Add(op.CastLike(attn_mask, q), alibi)
+
     def _keep(self, k, valid_len):
         op = self._op()
         zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
@@ -381,11 +422,13 @@ class OnnxTranslator:
         lengths = op.Unsqueeze(op.Cast(valid_len, to=_ONNX_INT64), op.Constant(value_ints=[-1]))
         return op.Unsqueeze(op.Less(cols, lengths), op.Constant(value_ints=[1, 2]))
 
-    def _function_inputs(self, q, k, attn_mask, valid_len):
+    def _function_inputs(self, q, k, attn_mask, valid_len, alibi_slopes=None):
         """(bias, valid_len) as the function's fixed signature takes them: an additive float mask (a scalar 0 when
-        there is none) and (B,) int64 lengths (N for every row when there are none)."""
+        there is none; ALiBi's bias added) and (B,) int64 lengths (N for every row when there are none)."""
         op = self._op()
-        if attn_mask is None:
+        if alibi_slopes is not None:
+            bias = self._add_alibi(q, k, attn_mask, alibi_slopes)
+        elif attn_mask is None:
             bias = op.Constant(value_float=0.0)
         elif attn_mask.dtype == _ir_bool():
             bias = op.Where(attn_mask, op.Constant(value_float=0.0), op.Constant(value_float=float("-inf")))

@@ -12,7 +12,8 @@ The node's inputs are fixed so that one function serves every call:
   node; no mask is a scalar 0);
 * ``valid_len`` (B,) int64 (no valid length is N for every row).
 
-Attributes: ``scale`` (float), ``is_causal`` (int), and ``plan`` / ``site`` (strings the body ignores: they tell a
+Attributes: ``scale`` (float), ``is_causal`` (int), ``softcap`` (float: c != 0 caps the scaled scores to
+``c * tanh(s)`` before the bias, as ``runtime/reference.py`` does; ALiBi comes folded into ``bias``), and ``plan`` / ``site`` (strings the body ignores: they tell a
 runtime with attnopt's kernels which plan attnopt chose for the site).
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ _ATTENTION = """
     raw = MatMul (q_packed, k_t)
     scale_value = Constant <value_float: float = @scale> ()
     scaled = Mul (raw, scale_value)
-    scores_full = Reshape (scaled, full_s_shape)
+    scores_full = Reshape (capped, full_s_shape)
     scores = Add (scores_full, bf)
     rows = Range (zero_i, l_scalar, one_i)
     valid_col = Unsqueeze (valid_len, last_axis)
@@ -88,17 +89,37 @@ _ATTENTION = """
     o_full = Reshape (o_packed, out_shape)
     o_norm = Div (o_full, safe_denom)
 """
-_ATTENTION_BODY = _SHAPES + _ATTENTION
+# ``softcap`` c != 0 caps the scaled scores to c * tanh(s) before the bias (``runtime/reference.py``); 0 keeps them.
+_CAP = """
+    cap_value = Constant <value_float: float = @softcap> ()
+    cap_zero = Constant <value = float {0.0}> ()
+    no_cap = Equal (cap_value, cap_zero)
+    tanh_scores = Tanh (scaled)
+    capped_scores = Mul (tanh_scores, cap_value)
+    capped = Where (no_cap, scaled, capped_scores)
+"""
+_NO_CAP = """
+    capped = Identity (scaled)
+"""
+_SCORES_END = "    scaled = Mul (raw, scale_value)\n"
 
 
-_DECODE_ATTENTION = (_HEADER + "decode_attention <scale: float = 1.0, is_causal: int = 0, plan: string = \"\", "
-                     "site: string = \"\"> (q, k, v, bias, valid_len) => (out) {" + _ATTENTION_BODY + """
+def _with(cap: str, body: str) -> str:
+    """``body`` (ending in ``_ATTENTION``) with ``cap`` right after the scaled scores."""
+    return body.replace(_SCORES_END, _SCORES_END + cap.lstrip("\n"), 1)
+
+
+_ATTENTION_BODY = _with(_CAP, _SHAPES + _ATTENTION)
+
+
+_DECODE_ATTENTION = (_HEADER + "decode_attention <scale: float = 1.0, is_causal: int = 0, softcap: float = 0.0, "
+                     "plan: string = \"\", site: string = \"\"> (q, k, v, bias, valid_len) => (out) {" + _ATTENTION_BODY + """
     out = CastLike (o_norm, q)
 }
 """)
 
 _DECODE_ATTENTION_STATES = (_HEADER + "decode_attention_states <scale: float = 1.0, is_causal: int = 0, "
-                            "plan: string = \"\", site: string = \"\"> (q, k, v, bias, valid_len) => (o, lse) {"
+                            "softcap: float = 0.0, plan: string = \"\", site: string = \"\"> (q, k, v, bias, valid_len) => (o, lse) {"
                             + _ATTENTION_BODY + """
     o = Identity (o_norm)
     neg_inf = Constant <value = float {-inf}> ()
@@ -232,10 +253,12 @@ _SAAP_OUT = """
 }
 """
 _SAAP_DECODE_ATTENTION = (_HEADER + f"saap_decode_attention <{_SAAP_ATTRS}> ({_SAAP_INPUTS}, centroids) => (out) {{"
-                          + _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_CENTROIDS + _SAAP_SELECT + _ATTENTION + _SAAP_OUT)
+                          + _with(_NO_CAP, _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_CENTROIDS + _SAAP_SELECT + _ATTENTION)
+                          + _SAAP_OUT)
 _SAAP_DECODE_ATTENTION_MLP = (_HEADER + f"saap_decode_attention_mlp <{_SAAP_ATTRS}, bn_eps: float = 1e-5> "
                               f"({_SAAP_INPUTS}, w1, b1, bn_mean, bn_var, bn_weight, bn_bias, w2, b2) => (out) {{"
-                              + _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_MLP + _SAAP_SELECT + _ATTENTION + _SAAP_OUT)
+                              + _with(_NO_CAP, _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_MLP + _SAAP_SELECT + _ATTENTION)
+                              + _SAAP_OUT)
 #: The inputs after (q, k, v, bias, valid_len) of the SAAP functions: the clusters of each key (an input of the
 #: graph), the RoPE's inverse frequencies and the index's tensors (initializers).
 SAAP_INDEX_INPUTS = {"saap_decode_attention": ("centroids",),
@@ -290,6 +313,7 @@ def op_schema(name: str):
         raise ValueError(f"no ONNX schema for attnopt op {name!r}")
     attrs = [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale"),
              OpSchema.Attribute("is_causal", OpSchema.AttrType.INT, "top-left causal mask"),
+             OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, "c != 0 caps the scaled scores to c * tanh(s)"),
              OpSchema.Attribute("plan", OpSchema.AttrType.STRING, "the plan's runtime key (JSON)"),
              OpSchema.Attribute("site", OpSchema.AttrType.STRING, "the site key")]
     inputs = [param("q", "T"), param("k", "T"), param("v", "T"), param("bias", "M"), param("valid_len", "I")]

@@ -336,13 +336,3 @@ def test_window_site_exports_with_its_mask(tmp_path):
     for p in (30, 9, 39):
         pos = torch.tensor([p])
         close(run_ort(path, q, k, v, pos)[0], window_attention(q, k, v, pos))
-
-
-def test_softcap_sites_are_not_exported_yet(tmp_path):
-    def capped(q, k, v):
-        s = torch.tanh(q @ k.transpose(-1, -2) * 0.125 / 50.0) * 50.0
-        return torch.softmax(s, -1) @ v
-
-    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 40, 64), torch.randn(1, 4, 40, 64)
-    with pytest.raises(ValueError, match="softcapping and ALiBi slopes are not exported"):
-        export_onnx(capped, (q, k, v), tmp_path / "capped.onnx", force_plan="split_kv")

@@ -1,0 +1,118 @@
+"""``export_onnx`` of the decode-op variants: logit softcapping (the standard ``Attention`` node's ``softcap``, or
+the function body's), ALiBi (its ``slope[h] * j`` bias folded into the node's mask) and sliding windows (the mask
+hides the keys before ``key_start``). Each runs in onnxruntime on the CPU against the optimized PyTorch graph and
+the original (fp32, 1e-5), on direct graphs and on tiny Hugging Face models (Gemma 2, MPT, Mistral).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import attnopt  # noqa: E402
+from attnopt.bench.variants import alibi_slopes, eager_chain  # noqa: E402
+from attnopt.export import export_onnx  # noqa: E402
+from attnopt.runtime import ops as _ops, reference  # noqa: E402,F401  (ops registers torch.ops.attnopt.*)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_export import close, nodes as ops_of  # noqa: E402  (checker-validated (domain, op) list; fp32 compare)
+from test_export_plans import run_ort  # noqa: E402
+
+CAP = 50.0
+SITE = "model.layers.0.attn"
+
+
+def qkv(seed=0, B=2, Hq=6, Hkv=2, L=1, N=40, D=64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, L, D, generator=g) * 3, torch.randn(B, Hkv, N, D, generator=g),
+            torch.randn(B, Hkv, N, D, generator=g))
+
+
+def masked_chain(cap, alibi):
+    """The eager chain (``repeat_interleave`` GQA) with an additive mask after the cap and ALiBi."""
+    def attend(q, k, v, mask):
+        group = q.shape[1] // k.shape[1]
+        scores = q @ k.repeat_interleave(group, dim=1).transpose(-1, -2) / q.shape[-1] ** 0.5
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
+        if alibi:
+            positions = torch.arange(k.shape[2], device=q.device, dtype=q.dtype)
+            scores = scores + alibi_slopes(q.shape[1], q.device)[:, None, None] * positions
+        weights = torch.softmax(scores + mask, dim=-1)
+        return weights @ v.repeat_interleave(group, dim=1)
+    return attend
+
+
+def band_mask(B, N, starts, ends):
+    cols = torch.arange(N)
+    keep = (cols >= torch.tensor(starts)[:, None]) & (cols < torch.tensor(ends)[:, None])
+    return torch.zeros(B, 1, 1, N).masked_fill(~keep[:, None, None, :], float("-inf"))
+
+
+VARIANTS = [(CAP, False), (None, True), (CAP, True)]
+
+
+@pytest.mark.parametrize("attention", ["auto", "function"])
+@pytest.mark.parametrize("cap,alibi", VARIANTS, ids=["softcap", "alibi", "softcap+alibi"])
+def test_variant_sites_export(tmp_path, cap, alibi, attention):
+    """A split-KV site with a softcap and/or ALiBi: one standard Attention node (``softcap`` attribute, ALiBi in
+    the mask) or the decode_attention body; onnxruntime matches the optimized graph, the original and the
+    float64 reference."""
+    q, k, v = qkv()
+    fn = eager_chain(cap, alibi)
+    path = tmp_path / "x.onnx"
+    report = export_onnx(fn, (q, k, v), path, force_plan="split_kv", attention=attention)
+    (site,) = [s for s in report.sites if s.rewritten]
+    model, ops = ops_of(path)
+    if attention == "auto":
+        assert ops.count(("", "Attention")) == 1 and not any(d == "attnopt" for d, _ in ops), ops
+        (node,) = [n for n in model.graph.node if n.op_type == "Attention"]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs.get("softcap", 0.0) == (cap or 0.0) and site.exported_as.startswith("onnx:Attention-24")
+    else:
+        assert ("attnopt", "decode_attention") in ops
+    assert ("softcap=50" in site.exported_as) == bool(cap) and ("alibi" in site.exported_as) == alibi
+    (got,) = run_ort(path, {"q": q, "k": k, "v": v})
+    optimized = attnopt.optimize(fn, inner_backend="eager", force_plan="split_kv")
+    close(got, optimized(q, k, v))
+    close(got, fn(q, k, v))
+    close(got, reference.decode_attention(q.double(), k.double(), v.double(), scale=64 ** -0.5 / (cap or 1.0),
+                                          softcap=cap or 0.0,
+                                          alibi_slopes=alibi_slopes(6, "cpu").double() if alibi else None).float())
+
+
+@pytest.mark.parametrize("attention", ["auto", "function"])
+@pytest.mark.parametrize("cap,alibi", VARIANTS, ids=["softcap", "alibi", "softcap+alibi"])
+def test_variant_sites_with_a_mask_export(tmp_path, cap, alibi, attention):
+    """The mask combines with the cap (which comes first) and with ALiBi (added to it), per batch row."""
+    q, k, v = qkv(seed=1, L=2)
+    mask = band_mask(2, 40, (3, 10), (37, 40))
+    fn = masked_chain(cap, alibi)
+    path = tmp_path / "x.onnx"
+    report = export_onnx(fn, (q, k, v, mask), path, force_plan="stream_k", attention=attention)
+    (site,) = [s for s in report.sites if s.rewritten]
+    assert ("softcap=50" in site.exported_as) == bool(cap) and ("alibi" in site.exported_as) == alibi
+    (got,) = run_ort(path, {"q": q, "k": k, "v": v, "mask": mask})
+    close(got, attnopt.optimize(fn, inner_backend="eager", force_plan="stream_k")(q, k, v, mask))
+    close(got, fn(q, k, v, mask))
+
+
+def test_negative_softcap_exports_as_the_function_body(tmp_path):
+    """``Attention``'s softcap must be positive: a negative cap goes to the body under "auto" and is refused under
+    "standard" before any export work."""
+    q, k, v = qkv(seed=2)
+    fn = eager_chain(-CAP, False)
+    path = tmp_path / "x.onnx"
+    report = export_onnx(fn, (q, k, v), path, force_plan="split_kv")
+    _, ops = ops_of(path)
+    assert ("attnopt", "decode_attention") in ops and "negative softcap" in report.sites[0].exported_as
+    (got,) = run_ort(path, {"q": q, "k": k, "v": v})
+    close(got, fn(q, k, v))
+    with pytest.raises(ValueError, match="negative.*attention='auto' or 'function'"):
+        export_onnx(fn, (q, k, v), tmp_path / "y.onnx", force_plan="split_kv", attention="standard")
