@@ -238,6 +238,7 @@ class OnnxTranslator:
                 if is_function and getattr(q, "dtype", None) == torch.float64:
                     raise ValueError("attnopt's ONNX function bodies compute in float32, less precise than this "
                                      "float64 attention; export it with attention='auto' (a standard Attention node)")
+                self._check_variant(node, "function" if states else form)
                 if form == "saap":
                     from .export_saap import check_saap
 
@@ -247,8 +248,6 @@ class OnnxTranslator:
                                  "attention='auto' or 'function' to write it as an attnopt node with a function body")
             if node.target in (ops.check_close.default, ops.shard_mask_columns.default):
                 raise ValueError(f"{node.target} cannot be exported to ONNX (a run-time check / a sharded cache)")
-            if node.target in (ops.decode_attention.default, ops.decode_attention_states.default):
-                self._check_variant(node, form if node.target == ops.decode_attention.default else "function")
             if getattr(node.target, "namespace", None) == "attnopt" and node.target not in self.table():
                 names = ", ".join(sorted(str(op) for op in self.table()))
                 raise ValueError(f"{node.target} has no ONNX translation; attnopt ops that export: {names}")

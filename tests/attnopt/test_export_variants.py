@@ -116,3 +116,79 @@ def test_negative_softcap_exports_as_the_function_body(tmp_path):
     close(got, fn(q, k, v))
     with pytest.raises(ValueError, match="negative.*attention='auto' or 'function'"):
         export_onnx(fn, (q, k, v), tmp_path / "y.onnx", force_plan="split_kv", attention="standard")
+
+
+# --------------------------------------------------------------------------------------------- tiny HF models
+class DynamicCacheDecodeStep(torch.nn.Module):
+    """One decode step over a full-length ``DynamicCache`` given as tensors (keys and values interleaved per layer):
+    every layer keeps all keys, so a windowed layer's mask hides the ones before its window. MPT breaks its graph
+    over a StaticCache (see tests/models/test_hf_coverage.py), and a windowed model's StaticCache keeps only the
+    window."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, *caches):
+        import transformers
+
+        cache = transformers.DynamicCache()
+        for layer, (keys, values) in enumerate(zip(caches[0::2], caches[1::2])):
+            cache.update(keys, values, layer)
+        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, variant", [("gemma2", "softcap=50"), ("mpt", "alibi"), ("mistral", "")])
+def test_tiny_hf_variant_models_export(tmp_path, arch, variant):
+    """Gemma 2 (softcap 50; windowed and full layers), MPT (ALiBi) and Mistral (every layer windowed, 8 keys of
+    the 21): a decode step after a 20-token prefill, eager attention, every site rewritten (split-KV) and exported
+    as one Attention-24 node with its variant; ORT matches the original step and the optimized one (fp32, 1e-5),
+    same next token."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_hf_coverage import VARIANTS, WINDOW
+
+    make, expect = VARIANTS[arch]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make("eager")).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        prefill = model(input_ids=ids[:, :20], past_key_values=transformers.DynamicCache(), use_cache=True)
+    inputs = (ids[:, 20:], *[t for layer in prefill.past_key_values.layers for t in (layer.keys, layer.values)])
+    step = DynamicCacheDecodeStep(model)
+    path = tmp_path / f"{arch}.onnx"
+    report = export_onnx(step, inputs, path, force_plan="split_kv")
+    assert len(report.sites) == 2 and all(s.rewritten for s in report.sites), report.format_table()
+    for s in report.sites:
+        window, softcap, alibi = expect[int(s.site.module_path.split(".")[-2])]
+        assert (s.site.window, s.site.softcap, s.site.alibi) == (window, softcap, alibi)
+        assert s.exported_as.startswith("onnx:Attention-24") and variant in s.exported_as, s.exported_as
+    assert any(s.site.window == WINDOW for s in report.sites) == (arch != "mpt")
+    _, ops = ops_of(path)
+    assert ops.count(("", "Attention")) == 2 and not any(d == "attnopt" for d, _ in ops), ops
+    names = [i.name for i in ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_inputs()]
+    (got,) = run_ort(path, dict(zip(names, inputs)))
+    with torch.no_grad():
+        want = step(*inputs)
+        optimized = attnopt.optimize(step, inner_backend="eager", force_plan="split_kv")(*inputs)
+    close(got, want)
+    close(got, optimized)
+    assert got[0, -1].argmax() == want[0, -1].argmax()
+
+
+def test_saap_site_with_a_variant_fails_before_the_export():
+    """SAAP's body has no cap and no ALiBi: a SAAP call with either is refused by the check that runs before
+    torch.onnx starts, naming the kinds that export the variant."""
+    from attnopt.export import OnnxTranslator
+    from attnopt.plan import SaapPlan
+
+    plan = SaapPlan(index="i", layer=1).runtime_key()
+    for kwargs in ({"softcap": CAP}, {"alibi_slopes": alibi_slopes(6, "cpu")}):
+        graph = torch.fx.Graph()
+        q, k, v = (graph.placeholder(n) for n in "qkv")
+        out = graph.call_function(torch.ops.attnopt.decode_attention.default,
+                                  (q, k, v, None, None, 0.125, False, plan, SITE), kwargs)
+        graph.output(out)
+        with pytest.raises(ValueError, match="saap plan has no logit softcapping or ALiBi.*split_kv, stream_k"):
+            OnnxTranslator(24).check_graph(torch.fx.GraphModule(torch.nn.Module(), graph))
