@@ -58,23 +58,23 @@ def band_mask(B, N, starts, ends):
 VARIANTS = [(CAP, False), (None, True), (CAP, True)]
 
 
-@pytest.mark.parametrize("attention", ["auto", "function"])
+@pytest.mark.parametrize("attention,opset", [("auto", 24), ("function", 24), ("auto", 23)])
 @pytest.mark.parametrize("cap,alibi", VARIANTS, ids=["softcap", "alibi", "softcap+alibi"])
-def test_variant_sites_export(tmp_path, cap, alibi, attention):
+def test_variant_sites_export(tmp_path, cap, alibi, attention, opset):
     """A split-KV site with a softcap and/or ALiBi: one standard Attention node (``softcap`` attribute, ALiBi in
     the mask) or the decode_attention body; onnxruntime matches the optimized graph, the original and the
     float64 reference."""
     q, k, v = qkv()
     fn = eager_chain(cap, alibi)
     path = tmp_path / "x.onnx"
-    report = export_onnx(fn, (q, k, v), path, force_plan="split_kv", attention=attention)
+    report = export_onnx(fn, (q, k, v), path, opset, force_plan="split_kv", attention=attention)
     (site,) = [s for s in report.sites if s.rewritten]
     model, ops = ops_of(path)
     if attention == "auto":
         assert ops.count(("", "Attention")) == 1 and not any(d == "attnopt" for d, _ in ops), ops
         (node,) = [n for n in model.graph.node if n.op_type == "Attention"]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs.get("softcap", 0.0) == (cap or 0.0) and site.exported_as.startswith("onnx:Attention-24")
+        assert attrs.get("softcap", 0.0) == (cap or 0.0) and site.exported_as.startswith(f"onnx:Attention-{opset}")
     else:
         assert ("attnopt", "decode_attention") in ops
     assert ("softcap=50" in site.exported_as) == bool(cap) and ("alibi" in site.exported_as) == alibi
@@ -192,3 +192,30 @@ def test_saap_site_with_a_variant_fails_before_the_export():
         graph.output(out)
         with pytest.raises(ValueError, match="saap plan has no logit softcapping or ALiBi.*split_kv, stream_k"):
             OnnxTranslator(24).check_graph(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_softmax_states_with_softcap_and_alibi_export_as_the_body(tmp_path):
+    """``decode_attention_states`` with a cap and ALiBi: the body's ``softcap`` attribute and ALiBi in its bias give
+    the reference's (o, lse), a fully masked row included (o = 0, lse = -inf)."""
+    from attnopt.plan import SplitKVPlan
+
+    plan = SplitKVPlan(num_splits=2).runtime_key()
+    slopes = alibi_slopes(6, "cpu")
+
+    def fn(q, k, v, mask):
+        return torch.ops.attnopt.decode_attention_states(q, k, v, mask, None, 0.125 / CAP, False, plan, SITE,
+                                                         softcap=CAP, alibi_slopes=slopes)
+
+    q, k, v = qkv(seed=4, L=2)
+    mask = torch.rand(2, 1, 2, 40, generator=torch.Generator().manual_seed(5)) > 0.3
+    mask[1, :, 1] = False
+    path = tmp_path / "states.onnx"
+    export_onnx(fn, (q, k, v, mask), path)
+    model, ops = ops_of(path)
+    assert ops.count(("attnopt", "decode_attention_states")) == 1
+    o, lse = run_ort(path, {"q": q, "k": k, "v": v, "mask": mask})
+    want_o, want_lse = reference.attention_states(q, k, v, attn_mask=mask, scale=0.125 / CAP, softcap=CAP,
+                                                  alibi_slopes=slopes)
+    close(o, want_o)
+    close(lse, want_lse)
+    assert torch.isinf(torch.from_numpy(lse[1, :, 1])).all()
