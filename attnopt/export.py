@@ -9,6 +9,10 @@ attention into ``attnopt::decode_attention`` calls, and ``torch.onnx.export`` tr
   ``valid_len_from_mask``; under a dense plan, derived from a boolean mask the same way) goes to
   ``nonpad_kv_seqlen``; at opset 23, and with ``is_causal`` (whose alignment ``nonpad_kv_seqlen`` would move to
   bottom-right), it is folded into the mask;
+* the split-KV / stream-K variants: a sliding window is its mask (``key_start`` only saves reads); a logit cap
+  is ``Attention``'s ``softcap`` (scale times the cap: it computes ``c * tanh(s / c)``, attnopt ``c * tanh(s)``);
+  ALiBi's ``slope[h] * j`` is added to the mask. A negative cap, and ALiBi over fp16 / bf16 Q (a mask of Q's type
+  would round it), become the function body, which takes the cap as an attribute and ALiBi in its fp32 bias;
 * ``tree`` and ``ring`` plans export as their single-device equivalent, the same standard node. Their result is
   exact attention over the whole (sequence-sharded) cache: local attention plus a merge of softmax states across
   ranks. ONNX has no process group and ONNX Runtime's only collectives (``com.microsoft`` AllGather/AllReduce) exist
@@ -234,11 +238,14 @@ class OnnxTranslator:
                 k = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
                 form, runs, _ = self.resolve(node.args[7], _static(k.shape[2]) if k is not None else None, states)
                 q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+                self._check_variant(node, "function" if states else form)
+                form, _ = self._variant_form(node.name, form, float(node.kwargs.get("softcap") or 0.0),
+                                             node.kwargs.get("alibi_slopes") is not None,
+                                             getattr(q, "dtype", None) in (torch.float16, torch.bfloat16))
                 is_function = form != "standard" or states
                 if is_function and getattr(q, "dtype", None) == torch.float64:
                     raise ValueError("attnopt's ONNX function bodies compute in float32, less precise than this "
                                      "float64 attention; export it with attention='auto' (a standard Attention node)")
-                self._check_variant(node, "function" if states else form)
                 if form == "saap":
                     from .export_saap import check_saap
 
@@ -256,14 +263,26 @@ class OnnxTranslator:
         """A softcapped or ALiBi site exports as its plan's form (ALiBi folded into the mask, the cap as the
         ``Attention`` node's ``softcap``), except a negative cap, which ``Attention`` (``softcap > 0``) cannot take
         and only the function body computes; SAAP has neither."""
-        softcap = float(node.kwargs.get("softcap") or 0.0)
-        variant = softcap or node.kwargs.get("alibi_slopes") is not None
-        if variant and form == "saap":
+        if form == "saap" and (node.kwargs.get("softcap") or node.kwargs.get("alibi_slopes") is not None):
             raise ValueError(f"{node.name}: a saap plan has no logit softcapping or ALiBi; exportable for this site: "
                              "dense, split_kv, stream_k, tree, ring")
-        if softcap < 0 and self.attention == "standard":
-            raise ValueError(f"{node.name}: softcap={softcap:g} is negative, which the standard Attention node's "
-                             "softcap (> 0) cannot express; export with attention='auto' or 'function'")
+
+    def _variant_form(self, name: str, form: str, softcap: float, alibi: bool, low_precision: bool) -> tuple[str, str]:
+        """(form, why) of a site with a variant: a standard one becomes the function body where ``Attention``
+        would not compute what attnopt does. A negative cap: Attention's ``softcap`` must be > 0. ALiBi with fp16 /
+        bf16 Q: Attention's mask has Q's type, and ``slope * j`` rounded to fp16 is off by up to 8 at j = 16k
+        (the kernels add it in fp32; the body casts its bias to fp32)."""
+        if form != "standard":
+            return form, ""
+        if softcap < 0:
+            why = f"softcap={softcap:g} is negative, which the standard Attention node's softcap (> 0) cannot express"
+        elif alibi and low_precision:
+            why = "ALiBi's bias in a half-precision mask is rounded (the kernels add it in fp32)"
+        else:
+            return form, ""
+        if self.attention == "standard":
+            raise ValueError(f"{name}: {why}; export with attention='auto' or 'function' (the function body)")
+        return "function", why.split(",")[0].split(" (")[0]
 
     # ----------------------------------------------------------------------------------------- translations
     def table(self) -> dict[Any, Callable]:
@@ -295,8 +314,9 @@ class OnnxTranslator:
         # key_start (a window's first key) only saves reads: the mask, exported as it is, hides those keys
         form, runs, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None)
         softcap = float(softcap or 0.0)
-        if form == "standard" and softcap < 0:
-            form, note = "function", "; ".join(x for x in (note, "negative softcap") if x)
+        form, why = self._variant_form(site, form, softcap, alibi_slopes is not None,
+                                       q.dtype in (_ir_dtype("FLOAT16"), _ir_dtype("BFLOAT16")))
+        note = "; ".join(x for x in (note, why) if x)
         variants = ", ".join(([f"softcap={softcap:g}"] if softcap else []) +
                              (["alibi in the mask"] if alibi_slopes is not None else []))
         note = "; ".join(x for x in (note, variants) if x)
@@ -322,7 +342,7 @@ class OnnxTranslator:
         elif valid_len is not None:
             attn_mask = self._fold_valid_len(k, attn_mask, valid_len)
         if alibi_slopes is not None:
-            attn_mask = self._add_alibi(q, k, attn_mask, alibi_slopes)
+            attn_mask = self._add_alibi(k, attn_mask, alibi_slopes, like=q)
         if attn_mask is not None:
             attn_mask = self._mask_rows(q, attn_mask)
         # attnopt caps the scaled scores s as c * tanh(s), its scale carrying the 1 / c; Attention computes
@@ -399,20 +419,21 @@ class OnnxTranslator:
                            op.Shape(attn_mask, start=rank - 1), axis=0)
         return op.Expand(attn_mask, target)
 
-    def _add_alibi(self, q, k, attn_mask, alibi_slopes):
-        """``attn_mask`` plus ALiBi's ``slope[h] * j`` for key j (``runtime/reference.py``), as an additive mask of
-        q's type: (1, Hq, 1, N), broadcast with the mask (a boolean one becomes 0 / -inf first)."""
+    def _add_alibi(self, k, attn_mask, alibi_slopes, like=None):
+        """``attn_mask`` plus ALiBi's ``slope[h] * j`` for key j (``runtime/reference.py``), as an additive mask:
+        (1, Hq, 1, N), broadcast with the mask (a boolean one becomes 0 / -inf first); fp32, or ``like``'s type
+        (the standard node's mask has Q's)."""
         op = self._op()
         zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
         cols = op.Cast(op.Range(zero, op.Squeeze(op.Shape(k, start=2, end=3)), one), to=_ONNX_FLOAT)
         slopes = op.Unsqueeze(op.Cast(alibi_slopes, to=_ONNX_FLOAT), op.Constant(value_ints=[-1]))
-        alibi = op.CastLike(op.Unsqueeze(op.Mul(slopes, cols), op.Constant(value_ints=[0, 2])), q)
-        if attn_mask is None:
-            return alibi
-        if attn_mask.dtype == _ir_bool():
-            attn_mask = op.Where(attn_mask, op.CastLike(op.Constant(value_float=0.0), q),
-                                 op.CastLike(op.Constant(value_float=float("-inf")), q))
-        return op.Add(op.CastLike(attn_mask, q), alibi)
+        bias = op.Unsqueeze(op.Mul(slopes, cols), op.Constant(value_ints=[0, 2]))
+        if attn_mask is not None and attn_mask.dtype == _ir_bool():
+            bias = op.Add(op.Where(attn_mask, op.Constant(value_float=0.0), op.Constant(value_float=float("-inf"))),
+                          bias)
+        elif attn_mask is not None:
+            bias = op.Add(op.Cast(attn_mask, to=_ONNX_FLOAT), bias)
+        return bias if like is None else op.CastLike(bias, like)
 
     def _keep(self, k, valid_len):
         op = self._op()
@@ -426,7 +447,7 @@ class OnnxTranslator:
         there is none; ALiBi's bias added) and (B,) int64 lengths (N for every row when there are none)."""
         op = self._op()
         if alibi_slopes is not None:
-            bias = self._add_alibi(q, k, attn_mask, alibi_slopes)
+            bias = self._add_alibi(k, attn_mask, alibi_slopes)
         elif attn_mask is None:
             bias = op.Constant(value_float=0.0)
         elif attn_mask.dtype == _ir_bool():
@@ -489,9 +510,13 @@ def _static(dim: Any) -> int | None:
 
 
 def _ir_bool():
+    return _ir_dtype("BOOL")
+
+
+def _ir_dtype(name: str):
     import onnx_ir as ir
 
-    return ir.DataType.BOOL
+    return getattr(ir.DataType, name)
 
 
 __all__ = ["export_onnx", "rewrite_for_export", "OnnxTranslator", "StaticCacheDecodeStep", "OPSETS", "ATTENTION_FORMS", "STANDARD_KINDS",

@@ -111,7 +111,7 @@ def test_negative_softcap_exports_as_the_function_body(tmp_path):
     path = tmp_path / "x.onnx"
     report = export_onnx(fn, (q, k, v), path, force_plan="split_kv")
     _, ops = ops_of(path)
-    assert ("attnopt", "decode_attention") in ops and "negative softcap" in report.sites[0].exported_as
+    assert ("attnopt", "decode_attention") in ops and "is negative" in report.sites[0].exported_as
     (got,) = run_ort(path, {"q": q, "k": k, "v": v})
     close(got, fn(q, k, v))
     with pytest.raises(ValueError, match="negative.*attention='auto' or 'function'"):
@@ -219,3 +219,20 @@ def test_softmax_states_with_softcap_and_alibi_export_as_the_body(tmp_path):
     close(o, want_o)
     close(lse, want_lse)
     assert torch.isinf(torch.from_numpy(lse[1, :, 1])).all()
+
+
+def test_half_precision_alibi_exports_as_the_body(tmp_path):
+    """In fp16 the standard node's mask would hold ALiBi's bias in fp16 (rounded by up to 8 at key 16k): the site
+    becomes the body, which adds it in fp32 as the kernels do; attention="standard" refuses it before the export."""
+    q, k, v = (t.half() for t in qkv(seed=6))
+    fn = eager_chain(None, True)
+    path = tmp_path / "x.onnx"
+    report = export_onnx(fn, (q, k, v), path, force_plan="split_kv")
+    _, ops = ops_of(path)
+    assert ("attnopt", "decode_attention") in ops and "half-precision" in report.sites[0].exported_as
+    (got,) = run_ort(path, {"q": q, "k": k, "v": v})
+    want = reference.decode_attention(q.float(), k.float(), v.float(), scale=64 ** -0.5,
+                                      alibi_slopes=alibi_slopes(6, "cpu"))
+    close(got.astype("float32"), want, atol=1e-3)
+    with pytest.raises(ValueError, match="half-precision.*attention='auto' or 'function'"):
+        export_onnx(fn, (q, k, v), tmp_path / "y.onnx", force_plan="split_kv", attention="standard")
