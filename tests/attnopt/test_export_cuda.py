@@ -2,7 +2,7 @@
 a SmolLM2-shaped decode step on CUDA, planned for the GPU (split-KV / stream-K, or SAAP with an index), exported,
 run in onnxruntime (its CUDA execution provider when the installed build has one, else the CPU one), and compared
 with PyTorch on CUDA: the original model for the exact plans, the rewritten graph (attnopt's Triton kernels) for
-SAAP. Skipped without CUDA. On a GPU machine: ``TESTS=tests/attnopt/test_export_cuda.py bash benchmarks/gpu.sh tests``.
+SAAP; Gemma 2 (softcap) and MPT (ALiBi) steps against the rewritten graph. Skipped without CUDA. On a GPU machine: ``TESTS=tests/attnopt/test_export_cuda.py bash benchmarks/gpu.sh tests``.
 """
 from __future__ import annotations
 
@@ -84,3 +84,25 @@ def test_smollm2_shaped_saap_step_on_cuda_matches_the_triton_kernel(tmp_path):
         want = gm(*[t.clone() for t in inputs])
     compare(got, want)
     registry.reset()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mpt"])
+def test_softcap_and_alibi_steps_export_on_cuda(tmp_path, arch):
+    """Gemma 2 (softcap 50, a windowed layer) and MPT (ALiBi) decode steps on CUDA, planned for the GPU: every site
+    one Attention-24 node with its variant; ORT matches the rewritten step (the Triton kernels with the cap / the
+    slopes) and the original."""
+    import attnopt
+    from attnopt.export import export_onnx
+    from test_export_variants import variant_decode_step
+
+    step, inputs, _ = variant_decode_step(arch, "cuda")
+    path = tmp_path / f"{arch}_cuda.onnx"
+    report = export_onnx(step, inputs, path)
+    assert all(s.rewritten and s.exported_as.startswith("onnx:Attention-24") for s in report.sites), \
+        report.format_table(width=200)
+    sess = session(path)
+    got = sess.run(None, {i.name: t.cpu().numpy() for i, t in zip(sess.get_inputs(), inputs)})
+    with torch.no_grad():
+        compare(got, [step(*inputs)])
+        compare(got, [attnopt.optimize(step)(*inputs)])
+

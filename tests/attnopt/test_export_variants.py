@@ -138,6 +138,23 @@ class DynamicCacheDecodeStep(torch.nn.Module):
         return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
 
 
+def variant_decode_step(arch: str, device: str = "cpu"):
+    """(step, inputs, expected variants per layer) of a tiny eager ``test_hf_coverage.VARIANTS`` model: a decode
+    step after a 20-token prefill over a full-length DynamicCache."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_hf_coverage import VARIANTS
+
+    make, expect = VARIANTS[arch]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make("eager")).eval().to(device)
+    ids = torch.randint(3, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        prefill = model(input_ids=ids[:, :20], past_key_values=transformers.DynamicCache(), use_cache=True)
+    inputs = (ids[:, 20:], *[t for layer in prefill.past_key_values.layers for t in (layer.keys, layer.values)])
+    return DynamicCacheDecodeStep(model), inputs, expect
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, variant", [("gemma2", "softcap=50"), ("mpt", "alibi"), ("mistral", "")])
 def test_tiny_hf_variant_models_export(tmp_path, arch, variant):
@@ -145,18 +162,9 @@ def test_tiny_hf_variant_models_export(tmp_path, arch, variant):
     the 21): a decode step after a 20-token prefill, eager attention, every site rewritten (split-KV) and exported
     as one Attention-24 node with its variant; ORT matches the original step and the optimized one (fp32, 1e-5),
     same next token."""
-    transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-    from test_hf_coverage import VARIANTS, WINDOW
+    step, inputs, expect = variant_decode_step(arch)
+    from test_hf_coverage import WINDOW  # on the path from variant_decode_step
 
-    make, expect = VARIANTS[arch]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(make("eager")).eval()
-    ids = torch.randint(3, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        prefill = model(input_ids=ids[:, :20], past_key_values=transformers.DynamicCache(), use_cache=True)
-    inputs = (ids[:, 20:], *[t for layer in prefill.past_key_values.layers for t in (layer.keys, layer.values)])
-    step = DynamicCacheDecodeStep(model)
     path = tmp_path / f"{arch}.onnx"
     report = export_onnx(step, inputs, path, force_plan="split_kv")
     assert len(report.sites) == 2 and all(s.rewritten for s in report.sites), report.format_table()
