@@ -2,7 +2,8 @@
 a SmolLM2-shaped decode step on CUDA, planned for the GPU (split-KV / stream-K, or SAAP with an index), exported,
 run in onnxruntime (its CUDA execution provider when the installed build has one, else the CPU one), and compared
 with PyTorch on CUDA: the original model for the exact plans, the rewritten graph (attnopt's Triton kernels) for
-SAAP; Gemma 2 (softcap) and MPT (ALiBi) steps against the rewritten graph. Skipped without CUDA. On a GPU machine: ``TESTS=tests/attnopt/test_export_cuda.py bash benchmarks/gpu.sh tests``.
+SAAP; Gemma 2 (softcap) and MPT (ALiBi) steps against the rewritten graph. Skipped without CUDA. On a GPU
+machine: ``TESTS=tests/attnopt/test_export_cuda.py bash benchmarks/gpu.sh tests``.
 """
 from __future__ import annotations
 
