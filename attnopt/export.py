@@ -364,8 +364,8 @@ class OnnxTranslator:
         self.exported[site] = _described("attnopt:decode_attention_states", "function body", note)
         bias, lengths = self._function_inputs(q, k, attn_mask, valid_len, alibi_slopes)
         return self._attnopt_op("decode_attention_states")(q, k, v, bias, lengths, scale=float(scale),
-                                                           is_causal=int(bool(is_causal)), softcap=float(softcap or 0.0),
-                                                           plan=plan, site=site)
+                                                           is_causal=int(bool(is_causal)),
+                                                           softcap=float(softcap or 0.0), plan=plan, site=site)
 
     def merge_states(self, o_parts, lse_parts):
         return self._attnopt_op("merge_states")(o_parts, lse_parts)

@@ -13,8 +13,9 @@ The node's inputs are fixed so that one function serves every call:
 * ``valid_len`` (B,) int64 (no valid length is N for every row).
 
 Attributes: ``scale`` (float), ``is_causal`` (int), ``softcap`` (float: c != 0 caps the scaled scores to
-``c * tanh(s)`` before the bias, as ``runtime/reference.py`` does; ALiBi comes folded into ``bias``), and ``plan`` / ``site`` (strings the body ignores: they tell a
-runtime with attnopt's kernels which plan attnopt chose for the site).
+``c * tanh(s)`` before the bias, as ``runtime/reference.py`` does; ALiBi comes folded into ``bias``), and
+``plan`` / ``site`` (strings the body ignores: they tell a runtime with attnopt's kernels which plan attnopt
+chose for the site).
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ _ATTENTION_BODY = _with(_CAP, _SHAPES + _ATTENTION)
 
 
 _DECODE_ATTENTION = (_HEADER + "decode_attention <scale: float = 1.0, is_causal: int = 0, softcap: float = 0.0, "
-                     "plan: string = \"\", site: string = \"\"> (q, k, v, bias, valid_len) => (out) {" + _ATTENTION_BODY + """
+                     "plan: string = \"\", site: string = \"\"> (q, k, v, bias, valid_len) => (out) {"
+                     + _ATTENTION_BODY + """
     out = CastLike (o_norm, q)
 }
 """)
