@@ -177,7 +177,9 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
                    kinds=sorted({s.chosen.kind for s in report.rewritten if s.chosen}),
                    attnopt_calls=sum(s.calls for s in report.sites),
                    calls_without_attnopt=report.calls_without_attnopt)
-        backend = getattr(opt, "_attnopt_backend", None)
+        from attnopt.api import _BACKEND_ATTR
+
+        backend = getattr(opt, _BACKEND_ATTR, None)
         if backend is not None:  # the first call's parts that attnopt owns (the rest: dynamo, the first run)
             row.update(attnopt_pass_s=round(backend.pass_seconds, 3),
                        inner_compile_s=round(backend.inner_compile_seconds, 3))
