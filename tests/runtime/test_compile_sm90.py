@@ -24,7 +24,7 @@ from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace
 
 triton = pytest.importorskip("triton")
 
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int32: "i32",
           torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages")
 
@@ -122,17 +122,25 @@ def _variant_launches(q, k, v, mask):
 
 
 def _saap_launch(q, k, v, clusters, probes):
-    """The SAAP kernel (and its merge) over a random CSR table (some clusters empty), 4 splits."""
+    """The SAAP launches over a random CSR table (some clusters empty), 4 splits: given scores, then the device
+    scoring by centroids (de-roped and rotated) and by a query MLP, with the selectivity counter."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel
+    from attnopt.runtime.kernels.saap_select import SaapScorer
 
-    B, Hkv, N = k.shape[0], k.shape[1], k.shape[2]
+    B, Hkv, N, D = k.shape
     perm = torch.randperm(N - 40, dtype=torch.int32).add_(1).expand(B, Hkv, -1).contiguous()
     offsets = torch.linspace(0, N - 40, clusters + 1).round().to(torch.int32).expand(B, Hkv, -1).contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype)
-    saap_decode_kernel(q, k, v, torch.rand(B, Hkv, clusters), offsets, perm,
-                       torch.full((B,), N - 39, dtype=torch.int32), out, torch.empty(q.shape[:3]), probes=probes,
-                       sink=1, scale=0.125, valid_len=torch.tensor([N - 10], dtype=torch.int32), num_splits=4,
-                       block_n=64)
+    hidden = 48
+    mlp = (torch.randn(Hkv, hidden, D), torch.randn(Hkv, hidden), torch.rand(4, Hkv, hidden) + 0.5,
+           torch.randn(Hkv, clusters, hidden), torch.randn(Hkv, clusters))
+    cents, inv_freq = torch.randn(Hkv, clusters, D), torch.rand(D // 2)
+    for scores, scorer in ((torch.rand(B, Hkv, clusters), None), (None, SaapScorer(cents, inv_freq, None)),
+                           (None, SaapScorer(cents, None, None)), (None, SaapScorer(cents, inv_freq, mlp))):
+        out = torch.empty(q.shape, dtype=q.dtype)
+        saap_decode_kernel(q, k, v, offsets, perm, torch.full((B,), N - 39, dtype=torch.int32), out,
+                           torch.empty(q.shape[:3]), probes=probes, sink=1, scale=0.125, scores=scores, scorer=scorer,
+                           valid_len=torch.tensor([N - 10], dtype=torch.int32),
+                           stats=torch.zeros(2, dtype=torch.float64), num_splits=4, block_n=64)
 
 
 _COMPILE = textwrap.dedent("""
@@ -158,7 +166,8 @@ def test_kernels_compile_for_sm90(monkeypatch):
         pytest.skip("the CUDA tests compile and run the kernels on this machine's GPU")
     jobs = _launches(monkeypatch)
     names = {j["name"] for j in jobs}
-    assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel"} <= names, names
+    assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel", "_saap_rows_kernel",
+            "_saap_select_kernel"} <= names, names
     assert {"_valid_len_kernel"} <= names and any(j["consts"].get("FIRST") for j in jobs), names
     assert any(j["consts"].get("ATOMIC") and j["consts"].get("FIRST") for j in jobs), names
     variants = {(j["name"], j["consts"].get("HAS_START"), j["consts"].get("SOFTCAP"), j["consts"].get("ALIBI"))
