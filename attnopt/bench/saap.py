@@ -15,6 +15,11 @@ Per case it times, in one process, CUDA-graph replays (``common.time_us``) of:
 
 Inputs rotate over several sets so that the sparse reads miss in L2. SAAP's output is checked against the SAAP
 reference over the same sparse set; the dense methods against dense fp32 attention.
+
+Each SAAP row also carries a per-launch breakdown (``launch_breakdown``: torch.profiler over eager calls, the
+kernels' own device time per call): ``scoring_us`` (de-roping and logits, one launch, two with the MLP),
+``selection_us`` (group softmax sums, top-l, work list), ``attention_us``, ``merge_us``, ``other_us`` (any other
+kernel), ``kernels_per_call``; ``us`` minus their sum is what the graph spends between kernels.
 """
 from __future__ import annotations
 
@@ -187,9 +192,16 @@ def run(args) -> dict[str, Any]:
                 want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"],
                                            sets[0]["k"], sets[0]["v"], probes, scale)
                 sel = float(sel)
-                timed(f"attnopt:{variant}", calls, want.float(),
-                      {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
-                       "selectivity": sel, "read_bytes": sel * kv_bytes, "plan": plans[0].describe()})
+                row = timed(f"attnopt:{variant}", calls, want.float(),
+                            {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
+                             "selectivity": sel, "read_bytes": sel * kv_bytes, "plan": plans[0].describe()})
+                if "us" in row:
+                    try:
+                        row.update(launch_breakdown(cycle(calls)))
+                    except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
+                        row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    print("    " + ", ".join(f"{k[:-3]} {row[k]:.1f}" for k in STAGES if k in row)
+                          + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels", flush=True)
         by = {r["method"]: r for r in rows if "us" in r}
         dense = [r for r in rows if "us" in r and "saap" not in r["method"]]
         fastest = min(dense, key=lambda r: r["us"]) if dense else None
@@ -208,6 +220,40 @@ def run(args) -> dict[str, Any]:
     return results
 
 
+#: Breakdown fields of a SAAP row -> the kernel names (substrings) whose device time they sum; first match wins.
+STAGES = {"scoring_us": ("_saap_rows_kernel",), "selection_us": ("_saap_select_kernel",),
+          "attention_us": ("_saap_kernel",), "merge_us": ("_merge_states_kernel",), "other_us": ("",)}
+
+
+def stage_of(kernel: str) -> str:
+    """The ``STAGES`` field a kernel's device time goes to."""
+    return next(stage for stage, names in STAGES.items() if any(n in kernel for n in names))
+
+
+def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
+    """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn`` under
+    torch.profiler, and the kernels per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {stage: 0.0 for stage in STAGES}
+    kernels = 0
+    for e in prof.events():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        out[stage_of(e.name)] += e.time_range.elapsed_us() / calls
+        kernels += 1
+    out["kernels_per_call"] = kernels / calls
+    return out
+
+
 def run_cli(args) -> int:
     import torch
 
@@ -223,7 +269,9 @@ def run_cli(args) -> int:
                                          ("speedup_vs_sdpa-cudnn", "x cuDNN", ".2f"),
                                          ("speedup_vs_dense-best", "x best dense", ".2f"),
                                          ("speedup_vs_fastest_dense", "x fastest dense", ".2f"),
-                                         ("rel_err", "rel err", ".1e")]))
+                                         ("rel_err", "rel err", ".1e"), ("scoring_us", "score", ".1f"),
+                                         ("selection_us", "select", ".1f"), ("attention_us", "attn", ".1f"),
+                                         ("merge_us", "merge", ".1f"), ("other_us", "other", ".1f")]))
     for line in speed_verdict(results["rows"]):
         print(line)
     print(f"wrote {out}")

@@ -190,6 +190,7 @@ def _saap_select_kernel(
     inv_heads,  # 1 / (B * Hkv): each program's share of the mean selectivity
     BLOCK_C: tl.constexpr,  # padded C (power of two)
     BLOCK_CH: tl.constexpr,  # padded NCHUNK
+    ROWS: tl.constexpr,  # FROM_LOGITS: query rows summed per step
     FROM_LOGITS: tl.constexpr,  # scores are the group sum of the rows' softmax of the logits
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
     HAS_STATS: tl.constexpr,  # accumulate the selectivity
@@ -204,14 +205,19 @@ def _saap_select_kernel(
     if FROM_LOGITS:
         offs_ch = tl.arange(0, BLOCK_CH)
         score = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for m in range(M):
-            row = bh.to(tl.int64) * M + m
-            cmax = tl.load(stat_ptr + (row * NCHUNK + offs_ch) * 2, mask=offs_ch < NCHUNK, other=float("-inf"))
-            csum = tl.load(stat_ptr + (row * NCHUNK + offs_ch) * 2 + 1, mask=offs_ch < NCHUNK, other=0.0)
-            mx = tl.max(cmax, axis=0)
-            lse = mx + tl.log(tl.sum(csum * tl.exp(cmax - mx), axis=0))
-            logit = tl.load(score_ptr + row * C + offs_c, mask=c_ok, other=float("-inf"))
-            score += tl.exp(logit - lse)
+        for m0 in range(0, M, ROWS):  # ROWS rows at a time: their loads are in flight together
+            offs_m = m0 + tl.arange(0, ROWS)
+            m_ok = offs_m < M
+            row = bh.to(tl.int64) * M + offs_m
+            stat = stat_ptr + (row[:, None] * NCHUNK + offs_ch[None, :]) * 2
+            s_ok = m_ok[:, None] & (offs_ch[None, :] < NCHUNK)
+            cmax = tl.load(stat, mask=s_ok, other=float("-inf"))
+            csum = tl.load(stat + 1, mask=s_ok, other=0.0)
+            mx = tl.where(m_ok, tl.max(cmax, axis=1), 0.0)
+            lse = mx + tl.log(tl.where(m_ok, tl.sum(csum * tl.exp(cmax - mx[:, None]), axis=1), 1.0))
+            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                            other=float("-inf"))
+            score += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
     else:
         score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,
                         mask=c_ok, other=0.0)
@@ -347,5 +353,6 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, ws.incl, ws.shift, ws.total,
                    stats if has_stats else ws.chunk_stats, *sstrides, *offsets.stride(), N, Hkv, M, C, nchunk,
                    probes, int(sink), 1.0 / (B * Hkv), BLOCK_C=ws.incl.shape[1], BLOCK_CH=max(2, next_pow2(nchunk)),
+                   ROWS=max(1, min(next_pow2(M), 8192 // ws.incl.shape[1])),
                    FROM_LOGITS=scores is None, HAS_VALID=has_valid, HAS_STATS=has_stats, num_warps=8)
     return ws
