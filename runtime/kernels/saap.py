@@ -19,8 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
+    gdc_launch_dependents = gdc_wait = None
+
 from .common import _finish, _load_q, _row_coords, _softmax_update, _split_share, _store_rows, block_d_for, block_m_for, cdiv, \
-    dot_flags, softmax_scale
+    dot_flags, pdl_supported, softmax_scale
 from .launch import KernelLauncher
 from .merge import merge_states
 from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_workspace
@@ -61,7 +66,11 @@ def _saap_kernel(
     HAS_VALID: tl.constexpr,  # whether valid_ptr holds per-row valid lengths
     UPCAST: tl.constexpr,  # compute dots in fp32 (interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent of the selection: wait before reading its list
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch become resident now
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
     mb = tile % NUM_M
@@ -71,11 +80,18 @@ def _saap_kernel(
     b64 = b.to(tl.int64)
     kvh64 = kvh.to(tl.int64)
 
+    rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
     kv_len = N
     if HAS_VALID:
         kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
     indexed_end = tl.minimum(tl.load(end_ptr + b).to(tl.int32), kv_len)
     sink = tl.minimum(SINK, indexed_end)
+    if WAIT_PRIOR:
+        gdc_wait()  # the selection's work list is complete and visible from here on
     total = tl.load(total_ptr + bh)
     incl_base = incl_ptr + bh.to(tl.int64) * BLOCK_C
     shift_base = shift_ptr + bh.to(tl.int64) * BLOCK_C
@@ -88,11 +104,6 @@ def _saap_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     first = tl.sum((tl.load(incl_base + offs_c) <= lo - sink).to(tl.int32), axis=0)
 
-    rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n = tl.arange(0, BLOCK_N)
-    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
     row_pos = kv_len - L + i  # each query token's own position: it sees no later key
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -159,7 +170,7 @@ def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, 
 
 def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
-                       block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None):
+                       block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -173,6 +184,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     valid_len : (B,) int tensor or None (keys from valid_len on do not exist).
     stats : (2,) fp64 selectivity accumulator or None.
     workspace : from ``saap_workspace`` (allocated here when None; its split count wins over ``num_splits``).
+    pdl : chain the launches by programmatic dependent launch (see ``saap_select``); None = wherever the GPU and
+        Triton support it.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -184,8 +197,9 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     sm_scale = softmax_scale(scale, D)
     if workspace is None:
         workspace = saap_workspace(num_splits, q, v, Hkv, C, scorer.hidden if scorer is not None else 0)
+    pdl = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
-                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats)
+                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl)
     upcast, precision = dot_flags(q.dtype)
     has_valid = valid_len is not None
     ws_o, ws_lse = workspace.o, workspace.lse
@@ -195,7 +209,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         *q.stride(), *k.stride(), *v.stride(), *perm.stride(), *ws_o.stride(), *ws_lse.stride(), sm_scale, N, L, G,
         Hkv, num_m, int(sink), workspace.num_splits, D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_D=block_d_for(D), BLOCK_DV=block_d_for(Dv), BLOCK_C=sel.incl.shape[1], HAS_VALID=has_valid,
-        UPCAST=upcast, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        UPCAST=upcast, PRECISION=precision, WAIT_PRIOR=pdl, LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
+        num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
-    merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False)
+    merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False, pdl=pdl)
     return out, lse

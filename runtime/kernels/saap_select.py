@@ -26,6 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
+    gdc_launch_dependents = gdc_wait = None
+
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
 
@@ -116,7 +121,13 @@ def _saap_rows_kernel(
     HIDDEN: tl.constexpr,  # epilogue: bias, BatchNorm, ReLU (else logits with chunk statistics)
     HAS_BIAS: tl.constexpr,  # logits get bias_ptr added
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the grid before it first
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let the next launch (a programmatic dependent) become resident now
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
+    if WAIT_PRIOR:
+        gdc_wait()
     bh = tl.program_id(0)  # b * HKV + kvh
     chunk = tl.program_id(1)
     b = bh // HKV
@@ -194,7 +205,13 @@ def _saap_select_kernel(
     FROM_LOGITS: tl.constexpr,  # scores are the group sum of the rows' softmax of the logits
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
     HAS_STATS: tl.constexpr,  # accumulate the selectivity
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the scoring grid first
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let the attention launch become resident now
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
+    if WAIT_PRIOR:
+        gdc_wait()
     bh = tl.program_id(0)
     b = bh // HKV
     kvh = bh % HKV
@@ -303,7 +320,8 @@ def select_workspace(batch: int, hkv: int, rows: int, clusters: int, hidden: int
 
 def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: int, scale: float, n_keys: int,
                 sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
-                valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> SelectWorkspace:
+                valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
+                pdl: bool = False) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -313,6 +331,9 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     n_keys : keys in the cache (N): the length when there is no valid length.
     scorer : the layer's weights (logits computed here), or ``scores`` : (B, Hkv, C) fp32 given scores.
     valid_len : (B,) int or None. stats : (2,) fp64 selectivity accumulator or None.
+    pdl : chain the launches by programmatic dependent launch (each next one becomes resident while the one before
+        runs, and waits for it before reading); the selection then lets the launch after it do the same. Only where
+        ``common.pdl_supported``.
     """
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
@@ -330,29 +351,32 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
             raise ValueError("saap_select needs a scorer or scores")
         derope = scorer.inv_freq is not None
         inv_freq = scorer.inv_freq if derope else scorer.centroids
-        common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, num_warps=4)
+        common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, LAUNCH_DEPENDENTS=pdl, num_warps=4)
+        dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
         if scorer.mlp is None:
             _ROWS_LAUNCH((B * Hkv, nchunk), q, inv_freq, valid, scorer.centroids, scorer.centroids,
                          scorer.centroids, ws.logits, ws.chunk_stats, *q.stride(), float(scale), 0.0, N, L, G, Hkv,
                          D, C, nchunk, BLOCK_O=BLOCK_LOGITS_Q, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True,
-                         DEROPE=derope, HIDDEN=False, HAS_BIAS=False, **common)
+                         DEROPE=derope, HIDDEN=False, HAS_BIAS=False, WAIT_PRIOR=False, **common)
         else:
             w1, b1, bn, w2, b2 = scorer.mlp
             H = w1.shape[1]
             _ROWS_LAUNCH((B * Hkv, cdiv(H, BLOCK_HIDDEN)), q, inv_freq, valid, w1, b1, bn, ws.hidden,
                          ws.chunk_stats, *q.stride(), 1.0, float(scorer.bn_eps), N, L, G, Hkv, D, H, 1,
                          BLOCK_O=BLOCK_HIDDEN, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope,
-                         HIDDEN=True, HAS_BIAS=False, **common)
+                         HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, **common)
             _ROWS_LAUNCH((B * Hkv, nchunk), ws.hidden, inv_freq, valid, w2, b2, bn, ws.logits, ws.chunk_stats,
                          0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, BLOCK_O=BLOCK_LOGITS_H,
-                         BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False, HAS_BIAS=True, **common)
+                         BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False, HAS_BIAS=True, **common, **dependent)
         score_src, sstrides = ws.logits, (0, 0, 0)
     else:
         score_src, sstrides = scores, scores.stride()
     has_stats = stats is not None
+    chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, ws.incl, ws.shift, ws.total,
                    stats if has_stats else ws.chunk_stats, *sstrides, *offsets.stride(), N, Hkv, M, C, nchunk,
                    probes, int(sink), 1.0 / (B * Hkv), BLOCK_C=ws.incl.shape[1], BLOCK_CH=max(2, next_pow2(nchunk)),
                    ROWS=max(1, min(next_pow2(M), 8192 // ws.incl.shape[1])),
-                   FROM_LOGITS=scores is None, HAS_VALID=has_valid, HAS_STATS=has_stats, num_warps=8)
+                   FROM_LOGITS=scores is None, HAS_VALID=has_valid, HAS_STATS=has_stats, WAIT_PRIOR=chained,
+                   LAUNCH_DEPENDENTS=pdl, num_warps=8, **({"launch_pdl": True} if chained else {}))
     return ws
