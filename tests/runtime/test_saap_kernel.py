@@ -207,3 +207,50 @@ def test_derope_is_accurate_at_half_a_million_positions():
     saap_select(q.to(DEVICE), offsets, torch.zeros(1, dtype=torch.int32, device=DEVICE), ws, probes=2, scale=0.125,
                 n_keys=n, scorer=kernel_scorer(index.to(DEVICE), 1))
     torch.testing.assert_close(ws.logits.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mlp", [False, True])
+def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
+    """bf16 on a GPU: scoring, selection, attention and merge captured once in a CUDA graph, replayed at three
+    valid lengths (read on the device); each replay equals the reference over the sparse set the PyTorch scores
+    pick, and the selectivity counter counts every replay."""
+    from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    B, Hq, Hkv, D, C, N, probes, sink, window = 1, 32, 8, 128, 512, 40000, 40, 1, 1000
+    torch.manual_seed(3)
+    index = (mlp_index(Hkv, Hq, D, C, 256) if mlp else random_index(Hkv, Hq, D, C)).to("cuda")
+    q = torch.randn(B, Hq, 1, D, device="cuda").bfloat16()
+    k = torch.randn(B, Hkv, N, D, device="cuda").bfloat16()
+    v = torch.randn(B, Hkv, N, D, device="cuda").bfloat16()
+    prompt = N - 3000
+    state = build_clusters(index, 1, k, prompt, sink, window)
+    scorer = kernel_scorer(index, 1)
+    ws = saap_workspace(24, q, v, Hkv, C, scorer.hidden)
+    valid = torch.tensor([prompt], dtype=torch.int32, device="cuda")
+    out = torch.empty(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    stats = torch.zeros(2, dtype=torch.float64, device="cuda")
+
+    def call():
+        saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
+                           scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    stats.zero_()
+    for n in (prompt, prompt + 1, N - 7):
+        valid.fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        scores = index.cluster_scores(1, q, torch.tensor([n - 1], device="cuda"), D ** -0.5).sum(dim=2)
+        keep = attended_keys(state, threshold_clusters(scores, probes), n, 1)
+        want, _ = saap_decode_states(q, k[:, :, :n], v[:, :, :n], keep, D ** -0.5)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    assert float(stats[1]) == 3.0 and 0.0 < float(stats[0]) / 3 < 0.5
