@@ -239,17 +239,19 @@ def _saap_select_kernel(
         score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,
                         mask=c_ok, other=0.0)
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
-    # order-preserving integer key of each float, then the largest threshold with at least PROBES keys at or above
+    # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
+    # flipped), then the largest threshold with at least PROBES keys at or above it, 4 bits per round. Padding is
+    # key 0, below every float but NaN: it never reaches the threshold, which is above -inf's key.
     bits = score.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # in [0, 2^32)
-    key = tl.where(c_ok, key, -1)
-    digits = tl.arange(0, 16).to(tl.int64)
-    thr = tl.zeros([1], dtype=tl.int64)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+    key = tl.where(c_ok, key, 0)
+    digits = tl.arange(0, 16).to(tl.uint32)
+    thr = tl.zeros([1], dtype=tl.uint32)
     for rnd in tl.static_range(8):
         cand = thr + (digits << (28 - 4 * rnd))  # (16,)
         count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
         thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << (28 - 4 * rnd))
-    chosen = key >= thr
+    chosen = c_ok & (key >= thr)
     f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
     c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
     c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)

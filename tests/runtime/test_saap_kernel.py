@@ -254,3 +254,33 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
         want, _ = saap_decode_states(q, k[:, :, :n], v[:, :, :n], keep, D ** -0.5)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     assert float(stats[1]) == 3.0 and 0.0 < float(stats[0]) / 3 < 0.5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(seed):
+    """The selection's compact list (the chosen non-empty clusters in order, their key prefix and perm shift) is
+    exactly ``threshold_clusters``' pick, with integer-valued (tie-heavy), negative and -inf scores."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, C = 2, 3, 37
+    scores = torch.randint(-3, 4, (B, Hkv, C), generator=g).float()
+    scores[0, 0, :5] = float("-inf")
+    sizes = torch.randint(0, 4, (B, Hkv, C), generator=g).int()
+    offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1).int()], dim=-1)
+    probes = [1, 5, 17, C][seed]
+    ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
+    saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE), torch.zeros(B, dtype=torch.int32,
+                device=DEVICE), ws, probes=probes, scale=1.0, n_keys=0, scores=scores.to(DEVICE))
+    picked = threshold_clusters(scores, probes) & (sizes > 0)
+    for b in range(B):
+        for h in range(Hkv):
+            row = b * Hkv + h
+            sz = sizes[b, h][picked[b, h]]
+            incl = sz.cumsum(0).int()
+            n = len(sz)
+            assert ws.incl[row, :n].cpu().tolist() == incl.tolist()
+            assert bool((ws.incl[row, n:].cpu() == 2 ** 31 - 1).all())
+            shift = offsets[b, h, :-1][picked[b, h]] - (incl - sz)
+            assert ws.shift[row, :n].cpu().tolist() == shift.tolist()
+            assert int(ws.total[row]) == int(sz.sum())
