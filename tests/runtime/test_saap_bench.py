@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from attnopt.bench.saap import STAGES, budget, speed_verdict, stage_of
+from attnopt.bench.saap import STAGES, budget, saap_geometries, speed_verdict, stage_of
 from attnopt.cli import build_parser
 
 
@@ -36,6 +36,14 @@ def test_breakdown_sorts_each_kernel_into_its_launch():
     assert stage_of("_merge_states_kernel") == "merge_us"
     assert stage_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "other_us"
     assert list(STAGES)[-1] == "other_us"
+
+
+def test_geometry_sweep_options():
+    assert saap_geometries("", "") == ([0], [0])
+    assert saap_geometries("16,0,64", "32,64") == ([16, 0, 64], [32, 64])
+    for splits, block_n in (("-1", ""), ("", "48"), ("x", "")):
+        with pytest.raises(ValueError, match="--saap-block-n 0"):
+            saap_geometries(splits, block_n)
 
 
 def test_bench_saap_is_registered():
