@@ -1,7 +1,7 @@
 """SAAP scoring and top-l selection on the device, in two or three small launches before the attention launch.
 
 1. ``_saap_rows_kernel`` (one launch with centroid scoring, two with the query MLP): per (batch row x KV head,
-   chunk of outputs), the group's G x L query rows times a chunk of a weight matrix, in fp32 (IEEE products). From
+   chunk of outputs), the group's G x L query rows times a chunk of a weight matrix, to fp32 accuracy. From
    the rotated queries it first removes RoPE itself (the positions come from the valid length on the device). Its
    epilogue is either the MLP's hidden layer (bias, eval BatchNorm, ReLU) or the cluster logits, stored with each
    chunk's row maximum and sum of exponentials so that the selection can normalise every row's softmax.
@@ -31,6 +31,7 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
     gdc_launch_dependents = gdc_wait = None
 
+from . import interpreting
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
 
@@ -121,6 +122,7 @@ def _saap_rows_kernel(
     HIDDEN: tl.constexpr,  # epilogue: bias, BatchNorm, ReLU (else logits with chunk statistics)
     HAS_BIAS: tl.constexpr,  # logits get bias_ptr added
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
+    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the grid before it first
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next launch (a programmatic dependent) become resident now
 ):
@@ -146,14 +148,14 @@ def _saap_rows_kernel(
         x = _query_rows(x_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_k, stride_qb, stride_qh, stride_ql,
                         stride_qd, L, G, D, DEROPE)
         w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     else:
         x_base = x_ptr + bh.to(tl.int64) * M * K + offs_r.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             x = tl.load(x_base + kk[None, :], mask=(offs_r[:, None] < M) & (kk[None, :] < K), other=0.0)
             w = tl.load(w_base + kk[None, :], mask=o_ok[:, None] & (kk[None, :] < K), other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     vec = kvh.to(tl.int64) * NOUT + offs_o
     out_ptrs = out_ptr + bh.to(tl.int64) * M * NOUT + offs_r.to(tl.int64)[:, None] * NOUT + offs_o[None, :]
     ok = (offs_r[:, None] < M) & o_ok[None, :]
@@ -353,7 +355,11 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
             raise ValueError("saap_select needs a scorer or scores")
         derope = scorer.inv_freq is not None
         inv_freq = scorer.inv_freq if derope else scorer.centroids
-        common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, LAUNCH_DEPENDENTS=pdl, num_warps=4)
+        # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and
+        # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
+        precision = "ieee" if interpreting() else "tf32x3"
+        common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, PRECISION=precision,
+                      LAUNCH_DEPENDENTS=pdl, num_warps=4)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
         if scorer.mlp is None:
             _ROWS_LAUNCH((B * Hkv, nchunk), q, inv_freq, valid, scorer.centroids, scorer.centroids,
@@ -369,7 +375,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                          HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, **common)
             _ROWS_LAUNCH((B * Hkv, nchunk), ws.hidden, inv_freq, valid, w2, b2, bn, ws.logits, ws.chunk_stats,
                          0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, BLOCK_O=BLOCK_LOGITS_H,
-                         BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False, HAS_BIAS=True, **common, **dependent)
+                         BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False, HAS_BIAS=True, **common,
+                         **dependent)
         score_src, sstrides = ws.logits, (0, 0, 0)
     else:
         score_src, sstrides = scores, scores.stride()

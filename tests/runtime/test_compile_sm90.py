@@ -24,8 +24,8 @@ from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace
 
 triton = pytest.importorskip("triton")
 
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int32: "i32",
-          torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -165,9 +165,11 @@ def test_kernels_compile_for_sm90(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the CUDA tests compile and run the kernels on this machine's GPU")
     jobs = _launches(monkeypatch)
-    # the SAAP launches chained by programmatic dependent launch, which the interpreter never takes
+    # the SAAP launches chained by programmatic dependent launch, which the interpreter never takes, and the
+    # scoring products the GPU takes (the interpreter takes plain fp32)
     jobs += [{**j, "consts": {**j["consts"], "WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True}}
              for j in jobs if j["name"].startswith("_saap") and "WAIT_PRIOR" in j["consts"]]
+    jobs += [{**j, "consts": {**j["consts"], "PRECISION": "tf32x3"}} for j in jobs if j["name"] == "_saap_rows_kernel"]
     names = {j["name"] for j in jobs}
     assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel", "_saap_rows_kernel",
             "_saap_select_kernel"} <= names, names

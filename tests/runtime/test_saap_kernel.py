@@ -137,7 +137,8 @@ def mlp_index(hkv, hq, d, clusters, hidden, rotated=False):
     index.rotated = rotated
     g = torch.Generator().manual_seed(5)
     index.layers[1].mlp = {"w1": torch.randn(hkv, hidden, d, generator=g) / d ** 0.5,
-                           "b1": torch.randn(hkv, hidden, generator=g), "bn_mean": torch.randn(hkv, hidden, generator=g),
+                           "b1": torch.randn(hkv, hidden, generator=g),
+                           "bn_mean": torch.randn(hkv, hidden, generator=g),
                            "bn_var": torch.rand(hkv, hidden, generator=g) + 0.5,
                            "bn_weight": torch.randn(hkv, hidden, generator=g),
                            "bn_bias": torch.randn(hkv, hidden, generator=g),
