@@ -63,6 +63,7 @@ def _saap_kernel(
     BLOCK_D: tl.constexpr,  # padded D
     BLOCK_DV: tl.constexpr,  # padded Dv
     BLOCK_C: tl.constexpr,  # the work list's length (power of two >= the clusters)
+    FIRST_CHUNK: tl.constexpr,  # list entries read per step when finding the program's first cluster
     HAS_VALID: tl.constexpr,  # whether valid_ptr holds per-row valid lengths
     UPCAST: tl.constexpr,  # compute dots in fp32 (interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision
@@ -101,8 +102,10 @@ def _saap_kernel(
     n_virtual = sink + total + n_win
     lo, hi = _split_share(split, n_virtual, NUM_SPLITS, BLOCK_N)
     # the list entry of the cluster holding cluster key (lo - sink): the count of prefixes at or below it
-    offs_c = tl.arange(0, BLOCK_C)
-    first = tl.sum((tl.load(incl_base + offs_c) <= lo - sink).to(tl.int32), axis=0)
+    offs_c = tl.arange(0, FIRST_CHUNK)
+    first = 0
+    for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
+        first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo - sink).to(tl.int32), axis=0)
 
     row_pos = kv_len - L + i  # each query token's own position: it sees no later key
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -208,7 +211,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         valid_len if has_valid else indexed_end, ws_o, ws_lse,
         *q.stride(), *k.stride(), *v.stride(), *perm.stride(), *ws_o.stride(), *ws_lse.stride(), sm_scale, N, L, G,
         Hkv, num_m, int(sink), workspace.num_splits, D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_D=block_d_for(D), BLOCK_DV=block_d_for(Dv), BLOCK_C=sel.incl.shape[1], HAS_VALID=has_valid,
+        BLOCK_D=block_d_for(D), BLOCK_DV=block_d_for(Dv), BLOCK_C=sel.incl.shape[1],
+        FIRST_CHUNK=min(1024, sel.incl.shape[1]), HAS_VALID=has_valid,
         UPCAST=upcast, PRECISION=precision, WAIT_PRIOR=pdl, LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )

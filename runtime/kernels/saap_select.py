@@ -7,10 +7,10 @@
    chunk's row maximum and sum of exponentials so that the selection can normalise every row's softmax.
 2. ``_saap_select_kernel``, one program per (batch row, KV head): the group-summed cluster distribution
    (``sum over rows of exp(logit - lse_row)``, the reference's ``softmax(...).sum``), the threshold of the
-   top ``probes`` scores by a radix select on the scores' bits (8 rounds of 4 bits, no sort), and the work list the
-   attention launch reads: the chosen non-empty clusters in cluster order, compacted, with their inclusive key
-   prefix (padding: INT32_MAX) and ``perm`` shift, plus the number of keys they hold. It also adds the call's
-   selectivity to a device-side accumulator.
+   top ``probes`` scores by a radix select on the scores' bits (8 rounds of 4 bits up to 2048 clusters; no sort),
+   and the work list the attention launch reads: the chosen non-empty clusters in cluster order, compacted, with
+   their inclusive key prefix (padding: INT32_MAX) and ``perm`` shift, plus the number of keys they hold. It also
+   adds the call's selectivity to a device-side accumulator.
 
 Ties at the l-th score select every tied cluster: the set is ``scores >= the probes-th largest score``
 (:func:`runtime.saap.decode.threshold_clusters` is the same rule in PyTorch), a superset of ``torch.topk``'s pick.
@@ -204,6 +204,7 @@ def _saap_select_kernel(
     BLOCK_C: tl.constexpr,  # padded C (power of two)
     BLOCK_CH: tl.constexpr,  # padded NCHUNK
     ROWS: tl.constexpr,  # FROM_LOGITS: query rows summed per step
+    RADIX_BITS: tl.constexpr,  # threshold bits found per round (1, 2 or 4: 2^bits x BLOCK_C compares at once)
     FROM_LOGITS: tl.constexpr,  # scores are the group sum of the rows' softmax of the logits
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
     HAS_STATS: tl.constexpr,  # accumulate the selectivity
@@ -242,17 +243,18 @@ def _saap_select_kernel(
                         mask=c_ok, other=0.0)
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
     # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
-    # flipped), then the largest threshold with at least PROBES keys at or above it, 4 bits per round. Padding is
+    # flipped), then the largest threshold with at least PROBES keys at or above it, RADIX_BITS per round. Padding is
     # key 0, below every float but NaN: it never reaches the threshold, which is above -inf's key.
     bits = score.to(tl.int32, bitcast=True)
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
     key = tl.where(c_ok, key, 0)
-    digits = tl.arange(0, 16).to(tl.uint32)
+    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)
     thr = tl.zeros([1], dtype=tl.uint32)
-    for rnd in tl.static_range(8):
-        cand = thr + (digits << (28 - 4 * rnd))  # (16,)
+    for rnd in tl.static_range(32 // RADIX_BITS):
+        shift: tl.constexpr = 32 - RADIX_BITS * (rnd + 1)
+        cand = thr + (digits << shift)  # (2^RADIX_BITS,)
         count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-        thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << (28 - 4 * rnd))
+        thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << shift)
     chosen = c_ok & (key >= thr)
     f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
     c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
@@ -286,6 +288,11 @@ _SELECT_LAUNCH = KernelLauncher(_saap_select_kernel)
 def block_c_for(clusters: int) -> int:
     """The padded cluster count of the selection tables (a power of two >= 16)."""
     return max(16, next_pow2(clusters))
+
+
+def radix_bits(block_c: int) -> int:
+    """Threshold bits the selection finds per round: 2^bits x BLOCK_C compares at once, about 32K at most."""
+    return 4 if block_c <= 2048 else 2 if block_c <= 8192 else 1
 
 
 def block_rows_for(rows: int) -> int:
@@ -386,6 +393,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                    stats if has_stats else ws.chunk_stats, *sstrides, *offsets.stride(), N, Hkv, M, C, nchunk,
                    probes, int(sink), 1.0 / (B * Hkv), BLOCK_C=ws.incl.shape[1], BLOCK_CH=max(2, next_pow2(nchunk)),
                    ROWS=max(1, min(next_pow2(M), 8192 // ws.incl.shape[1])),
+                   RADIX_BITS=radix_bits(ws.incl.shape[1]),
                    FROM_LOGITS=scores is None, HAS_VALID=has_valid, HAS_STATS=has_stats, WAIT_PRIOR=chained,
                    LAUNCH_DEPENDENTS=pdl, num_warps=8, **({"launch_pdl": True} if chained else {}))
     return ws

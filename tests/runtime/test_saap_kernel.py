@@ -285,3 +285,15 @@ def test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(seed):
             shift = offsets[b, h, :-1][picked[b, h]] - (incl - sz)
             assert ws.shift[row, :n].cpu().tolist() == shift.tolist()
             assert int(ws.total[row]) == int(sz.sum())
+
+
+def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monkeypatch):
+    """Past 2048 clusters the selection finds 2 threshold bits per round (1 past 8192): forced here on a small
+    table, with the attention's first-entry search read in chunks, the answer is the same."""
+    import attnopt.runtime.kernels.saap_select as sel
+
+    for bits in (1, 2):
+        monkeypatch.setattr(sel, "radix_bits", lambda block_c, bits=bits: bits)
+        test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(2)
+    run_case(1, 2, 1, 1200, 64, 1, 1100, 300, sink=1, window=20, prompt=1200, dtype=torch.float32, splits=3,
+             block_n=64)
