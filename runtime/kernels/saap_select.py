@@ -251,10 +251,9 @@ def _saap_select_kernel(
     digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)
     thr = tl.zeros([1], dtype=tl.uint32)
     for rnd in tl.static_range(32 // RADIX_BITS):
-        shift: tl.constexpr = 32 - RADIX_BITS * (rnd + 1)
-        cand = thr + (digits << shift)  # (2^RADIX_BITS,)
+        cand = thr + (digits << (32 - RADIX_BITS * (rnd + 1)))  # (2^RADIX_BITS,)
         count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-        thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << shift)
+        thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << (32 - RADIX_BITS * (rnd + 1)))
     chosen = c_ok & (key >= thr)
     f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
     c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)

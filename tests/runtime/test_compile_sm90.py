@@ -170,6 +170,8 @@ def test_kernels_compile_for_sm90(monkeypatch):
     jobs += [{**j, "consts": {**j["consts"], "WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True}}
              for j in jobs if j["name"].startswith("_saap") and "WAIT_PRIOR" in j["consts"]]
     jobs += [{**j, "consts": {**j["consts"], "PRECISION": "tf32x3"}} for j in jobs if j["name"] == "_saap_rows_kernel"]
+    jobs += [{**j, "consts": {**j["consts"], "RADIX_BITS": bits}} for j in jobs if j["name"] == "_saap_select_kernel"
+             for bits in (1, 2)]  # the selection over more than 2048 clusters
     names = {j["name"] for j in jobs}
     assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel", "_saap_rows_kernel",
             "_saap_select_kernel"} <= names, names
