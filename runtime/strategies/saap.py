@@ -91,14 +91,20 @@ class Saap(Strategy[SaapPlan]):
                        num_splits=split_count(site, hw, probes, sink, window, clusters), block_n=BLOCK_N)
 
     def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
-        """Roofline of the attended keys: sink + window + probes clusters of average size, read once."""
+        """Roofline of the attended keys (sink + window + probes clusters of average size, read once) and of the
+        scoring weights (fp32 centroids, or the query MLP's two layers), plus the launches."""
         from ..saap.registry import get_index
 
-        clusters = get_index(plan.index).num_clusters
+        index = get_index(plan.index)
+        clusters = index.num_clusters
         attended = attended_estimate(site, plan.probes, plan.sink, plan.window, clusters)
         dv = site.v_head_dim or site.head_dim
         nbytes = (site.batch or 1) * site.kv_heads * attended * (site.head_dim + dv) * site.dtype_bytes
-        return nbytes / (hw.hbm_read_gbps * 1e3) + (1 + EXTRA_LAUNCHES) * hw.launch_us
+        layer = index.layers.get(plan.layer) or next(iter(index.layers.values()))
+        weights = [layer.centroids] if layer.mlp is None else [layer.mlp["w1"], layer.mlp["w2"]]
+        nbytes += sum(w.numel() for w in weights) * 4
+        launches = 1 + EXTRA_LAUNCHES + (layer.mlp is not None)
+        return nbytes / (hw.hbm_read_gbps * 1e3) + launches * hw.launch_us
 
     def prepare(self, plan: SaapPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         from ..saap.registry import get_index, stats_buffer
