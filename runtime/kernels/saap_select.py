@@ -213,8 +213,6 @@ def _saap_select_kernel(
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
-    if WAIT_PRIOR:
-        gdc_wait()
     bh = tl.program_id(0)
     b = bh // HKV
     kvh = bh % HKV
@@ -222,6 +220,12 @@ def _saap_select_kernel(
     kvh64 = kvh.to(tl.int64)
     offs_c = tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
+    # the cluster sizes first: their loads overlap the scores' arithmetic
+    f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
+    c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    if WAIT_PRIOR:
+        gdc_wait()  # the offsets come from the prefill; the logits from the scoring launch, complete from here on
     if FROM_LOGITS:
         offs_ch = tl.arange(0, BLOCK_CH)
         score = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -255,9 +259,6 @@ def _saap_select_kernel(
         count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
         thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << (32 - RADIX_BITS * (rnd + 1)))
     chosen = c_ok & (key >= thr)
-    f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
-    c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
-    c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
     size = c_end - c_start
     picked = chosen & (size > 0)
     size = tl.where(picked, size, 0)
