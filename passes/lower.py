@@ -9,8 +9,8 @@ For each match whose ``SiteReport.chosen`` is set, whose site is supported and n
 with the un-expanded K/V, ``valid_len = attnopt.valid_len_from_mask(mask, B)`` for valid-length and arbitrary
 masks under a non-dense plan, and ``out = attnopt.check_close(out, original, ...)`` under ``config.verify``.
 Variants: a softcapped site passes ``softcap=c``; a sliding-window site with a mask under a plan that reads
-windows passes ``key_start = attnopt.key_start_from_mask(mask, B)`` (the first key any query row may see: exact
-for any mask, so the kernels read only the band's keys).
+windows takes its ``key_start`` and ``valid_len`` from one ``attnopt.key_range_from_mask(mask, B)`` (the first key
+any query row may see and one past the last: exact for any mask, so the kernels read only the band's keys).
 The nodes that only fed the original attention (``repeat_kv`` copies, the eager chain) are then removed.
 """
 from __future__ import annotations
@@ -154,6 +154,23 @@ def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask
     return node
 
 
+def _shared_key_range(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask: fx.Node, q: fx.Node,
+                      new_nodes: list) -> tuple[fx.Node, fx.Node]:
+    """(key start, valid length) of a window site: the two rows of one ``key_range_from_mask`` of ``mask`` (one scan
+    of the mask for both ends), shared as ``_shared_valid_len`` shares it, the row views right after it."""
+    rng = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_range_from_mask")
+    ends = []
+    for row in (0, 1):
+        key = (rng, row)
+        node = ctx.valid_lens.get(key)
+        if node is None:
+            with graph.inserting_after(rng):
+                node = ctx.valid_lens[key] = graph.call_function(torch.ops.aten.select.int, (rng, 0, row))
+            new_nodes.append(node)
+        ends.append(node)
+    return ends[0], ends[1]
+
+
 def _slopes_per_head(graph: fx.Graph, slopes: fx.Node, heads: int, new_nodes: list) -> fx.Node:
     """The ALiBi slopes (broadcastable to (1, H, 1, 1), H = ``heads`` or 1) as the op takes them: (Hq,) fp32,
     contiguous."""
@@ -236,11 +253,15 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
                 new_nodes.append(c)
             q = graph.call_function(torch.ops.aten.div.Tensor if is_div else torch.ops.aten.mul.Tensor, (q, c))
             new_nodes.append(q)
-        valid_len = None
+        valid_len = key_start = None
         # Distributed plans get no valid_len: it would be read in the mask's columns, which may be global or this
         # rank's, and the tree/ring runtime cannot tell which; the mask alone is exact either way.
         if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
-            valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
+            if site.window is not None and _reads_windows(plan) and not (m.shared_prefix is not None
+                                                                         and runs_cascade(plan)):
+                key_start, valid_len = _shared_key_range(graph, ctx, m, mask, q, new_nodes)
+            else:
+                valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
         if m.shared_prefix is not None and runs_cascade(plan):  # the prefix and suffixes apart; the cat goes dead
             # (the cascade takes no variant: the planner refuses it softcapped and ALiBi sites, and a window's mask
             # alone is exact)
@@ -253,8 +274,8 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
                 variant["softcap"] = float(site.softcap)
             if m.alibi_slopes is not None:
                 variant["alibi_slopes"] = _slopes_per_head(graph, m.alibi_slopes, site.q_heads, new_nodes)
-            if site.window is not None and mask is not None and _reads_windows(plan):
-                variant["key_start"] = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_start_from_mask")
+            if key_start is not None:
+                variant["key_start"] = key_start
             out = graph.call_function(ops.decode_attention.default,
                                       (q, k, v, mask, valid_len, float(site.scale), bool(site.is_causal),
                                        plan.runtime_key(), site_key), variant)

@@ -91,7 +91,7 @@ def test_graph_order_and_module_path():
 def test_sliding_windows_config_marks_window_sites():
     """``config.sliding_windows`` (what ``attnopt.optimize`` reads off the model) names modules by path: their sites
     with a mask are rewritten as window sites (``site.window``, shown in the plan table), the op reads the keys from
-    ``key_start_from_mask`` on; the other module's site is a plain one; the config survives JSON."""
+    the start ``key_range_from_mask`` finds on; the other module's site is a plain one; the config survives JSON."""
     class Attn(torch.nn.Module):
         def forward(self, q, k, v, mask):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -112,7 +112,9 @@ def test_sliding_windows_config_marks_window_sites():
     r = dynamo(Model(), q, k, v, mask, config=cfg)
     assert [s.rewritten for s in r.reports] == [True, True]
     assert [s.site.window for s in r.reports] == [None, 6]
-    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1  # only the window site finds its start
+    # only the window site finds its start, with its valid length, in one scan of the mask
+    assert len(op_nodes(r.gm, "attnopt.key_range_from_mask.default")) == 1
+    assert len(op_nodes(r.gm, "attnopt.valid_len_from_mask.default")) == 1  # the plain site's
     assert "window=6" in r.ctx.report.format_table(width=200)
     torch.testing.assert_close(r.out, Model()(q, k, v, mask), **TOL)
 
@@ -400,7 +402,7 @@ def test_valid_length_mask_kind():
 def test_sliding_window_mask_is_a_window_site(spelling):
     """A mask with a window start ``key > query - w`` (Hugging Face's ``sliding_window_overlay``) is a sliding
     window (no module object needed): never "valid_length", rewritten with ``site.window`` read off the mask, the
-    kernels starting at ``key_start_from_mask``; the output is the original's."""
+    kernels starting at the key start of ``key_range_from_mask``; the output is the original's."""
     def f(q, k, v, cache_position):
         kv_idx = torch.arange(k.shape[2])[None, None, None, :]
         qp = cache_position[None, None, :, None]
@@ -413,7 +415,10 @@ def test_sliding_window_mask_is_a_window_site(spelling):
     pos = torch.tensor([20, 21])
     r = dynamo(f, q, k, v, pos, config=OptimizeConfig(force_plan="split_kv"))
     assert r.count("sdpa") == 1 and r.sites[0].window == 8 and r.sites[0].mask_kind == "arbitrary"
-    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1
+    # the key start and the valid length from one scan of the mask (one launch; they were two scans)
+    assert len(op_nodes(r.gm, "attnopt.key_range_from_mask.default")) == 1
+    assert not op_nodes(r.gm, "attnopt.valid_len_from_mask.default")
+    assert not op_nodes(r.gm, "attnopt.key_start_from_mask.default")
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
 
 
