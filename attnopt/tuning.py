@@ -107,6 +107,10 @@ class ShapeKey:
     #: Keys shared by every row (``AttentionSite.shared_prefix``): a cascade site measures differently from a plain
     #: site of the same shape. Left out of the key when None.
     shared_prefix: int | None = None
+    #: The attention variant (``AttentionSite.variant_str``: ``window=4096``, ``softcap=50``, ``alibi``): a window
+    #: site reads its band, not the cache, so it measures unlike a plain site of the same shape (which SDPA may
+    #: win). Left out of the key when None.
+    variant: str | None = None
 
     @classmethod
     def of(cls, site: AttentionSite, kv_len: int, bucketed: bool, valid_len_sharing: int = 1,
@@ -116,7 +120,7 @@ class ShapeKey:
                    v_head_dim=site.v_head_dim or site.head_dim, q_len=int(site.q_len), kv_len=int(kv_len),
                    bucketed=bucketed, dtype=site.dtype, mask_kind=site.mask_kind, valid_length=masked,
                    is_causal=site.is_causal, valid_len_sharing=max(1, int(valid_len_sharing)) if masked else 0,
-                   graphed=bool(graphed), shared_prefix=site.shared_prefix)
+                   graphed=bool(graphed), shared_prefix=site.shared_prefix, variant=site.variant_str() or None)
 
 
 def tunable_reason(site: AttentionSite) -> str | None:
@@ -172,7 +176,8 @@ class TuningCache:
 
     @staticmethod
     def key(env: dict[str, str], shape: ShapeKey) -> str:
-        fields = {k: v for k, v in dataclasses.asdict(shape).items() if k != "shared_prefix" or v is not None}
+        fields = {k: v for k, v in dataclasses.asdict(shape).items()
+                  if k not in ("shared_prefix", "variant") or v is not None}
         return json.dumps({"env": env, "shape": fields}, sort_keys=True)
 
     def load(self) -> dict[str, Any]:

@@ -156,24 +156,6 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
-def _graph_timed_tuning(on: bool):
-    """The measured choice as it runs for a graph replayed as CUDA graphs (``mode="reduce-overhead"``): device time
-    alone. This bench times every method by CUDA-graph replay, so its tuner must rank them the same way (with the
-    default mode the tuner would add each call's host time, which a replay does not pay)."""
-    import contextlib
-
-    from attnopt.tuning import Tuner, TuningCache, use_tuner
-
-    if not on:
-        return contextlib.nullcontext()
-
-    class GraphTimed(Tuner):
-        def choose(self, site, ranked, **kw):
-            return super().choose(site, ranked, **{**kw, "graphed": True})
-
-    return use_tuner(GraphTimed(cache=TuningCache()))
-
-
 def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str,
                    inner: str | None = None) -> dict[str, Any]:
     """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune`` (inner backend ``inner``, default ``--inner-backend``):
@@ -181,7 +163,7 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
     import torch
 
     import attnopt
-    from .common import cycle, rel_err
+    from .common import cycle, graph_timed_tuning, rel_err
 
     row = dict(base, method=method, peer=False)
     os.environ["ATTNOPT_TUNE"] = tune
@@ -196,7 +178,7 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
                 torch._dynamo.maybe_mark_dynamic(s["v"], 2)
         clock.sync()
         t0 = time.perf_counter()
-        with _graph_timed_tuning(tune == "1" and clock.device == "cuda"):
+        with graph_timed_tuning(tune == "1" and clock.device == "cuda"):
             out = opt(*_args_of(sets[0], case[6]))
         clock.sync()
         row["compile_s"] = round(time.perf_counter() - t0, 3)

@@ -513,3 +513,39 @@ def test_one_plan_of_each_further_kernel_configuration_is_timed():
         best = next(p for p in kernels if tuning._family(p) == f)
         assert any(p.runtime_key() == best.runtime_key() for p in plans)
     assert len(tuning.to_time(ranked, tuning.DEFAULT_TOP_K, extra_families=0)) < len(plans)
+
+
+def test_a_variant_site_is_keyed_apart_from_the_plain_site_of_its_shape(cache):
+    """A 4k window over a 128k cache reads its band, not the cache: a measurement of the plain site of that shape
+    (where cuDNN may win) is not the window site's, and neither are a cap's or ALiBi's. A plain site's key is the one
+    it had before the variant joined the key (its records stay valid)."""
+    plain = AttentionSite.canonical(kv_len=131072, mask_kind="arbitrary")
+    window = dataclasses.replace(plain, window=4096)
+    keys = {TuningCache.key(ENV, ShapeKey.of(s, 131072, False)) for s in
+            (plain, window, dataclasses.replace(plain, softcap=50.0), dataclasses.replace(plain, alibi=True))}
+    assert len(keys) == 4
+    assert "variant" not in json.loads(TuningCache.key(ENV, ShapeKey.of(plain, 131072, False)))["shape"]
+    cudnn = next(p for p in _ranked(plain) if p.kind == "dense" and p.backend == "cudnn")
+    cache.put(ENV, ShapeKey.of(plain, 131072, False), {"winner": cudnn.to_dict(), "measured_us": 197.8})
+    timer = Scripted(lambda p, s, n: 20.0 if p.kind == "split_kv" else 197.8, valid_len=3.0)
+    choice = Tuner(timer, cache, env=ENV).choose(window, _ranked(window))
+    assert choice.choice == "measured" and choice.plan.kind == "split_kv", choice
+    mine = Tuner(timer, cache, env=ENV).choose(plain, _ranked(plain))
+    assert mine.choice == "cached" and mine.plan == cudnn  # its own record
+
+
+def test_a_window_site_is_timed_over_its_band_with_one_key_range():
+    """The timer's input sets for a window site: a band of exactly ``window`` keys ending at the static fill, and
+    the key start and valid length of ``key_range_from_mask`` (what the lowered graph runs, and what the tuner
+    charges as the site's mask computation); a plain masked site gets ``valid_len_from_mask``."""
+    site = AttentionSite.canonical(batch=2, q_heads=4, kv_heads=2, head_dim=64, kv_len=300, dtype="float32",
+                                   mask_kind="arbitrary", window=40)
+    s = T.synthetic_inputs(site, 0, device="cpu")
+    keep = int(300 * T.STATIC_FILL)
+    visible = s["mask"][:, 0, 0].nonzero()[:, 1].view(2, -1)
+    assert visible.tolist() == [list(range(keep - 40, keep))] * 2
+    assert s["key_start"].tolist() == [keep - 40] * 2 and s["valid_len"].tolist() == [keep] * 2
+    assert T.mask_reduction(site) == "key_range_from_mask"
+    assert T.mask_reduction(dataclasses.replace(site, window=None)) == "valid_len_from_mask"
+    plain = T.synthetic_inputs(dataclasses.replace(site, window=None), 0, device="cpu")
+    assert "key_start" not in plain and plain["valid_len"].tolist() == [keep] * 2
