@@ -21,8 +21,14 @@ reuses what another measured. Writers replace the file atomically (temporary fil
 file is reported in one warning line and treated as empty.
 
 A site whose KV length is symbolic (a growing cache) is tuned per length bucket (``BUCKETS``: powers of two from
-1k to 512k). The bucket's upper edge stands for it; the op picks the bucket's plan by ``k.shape[2]`` at run
-time (``BucketedPlan``), with no sync.
+1k to 512k), at the bucket's geometric middle (``bucket_length``), from the trace-time hint's bucket outwards
+within one shared budget; the op picks the bucket's plan by ``k.shape[2]`` at run time (``BucketedPlan``), with
+no sync. A static cache is timed full (``timer.STATIC_FILL``).
+
+What keeps the first call cheap: a shape is measured once per process (``_PROCESS_TUNERS``: one tuner shared by
+the graphs of a model) and once per machine (the file); the rounds stop when one candidate is more than ``PRUNE``
+ahead of all others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s``
+caps a shape and ``BUCKETED_BUDGET_FACTOR`` budgets cap all buckets of a symbolic length.
 
 This module imports nothing from ``runtime/`` at import time; the GPU timer does so when it runs.
 """
@@ -47,7 +53,9 @@ from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_
 
 #: 2: valid length outside the timed region and charged per sharing site, round-robin medians, L2-sized
 #: rotation (version 1 charged every kernel plan a whole valid-length computation and picked cuDNN for it).
-TUNING_VERSION = 3
+#: 4: static caches timed full (``timer.STATIC_FILL``), a bucket timed at its middle (``bucket_length``), the most
+#: parallel kernel plan always a candidate, rounds stopped once one candidate is clearly ahead.
+TUNING_VERSION = 4
 #: ``0`` turns tuning off (the cost model alone plans, and cached measurements are not used).
 TUNE_ENV = "ATTNOPT_TUNE"
 #: Whether the measured choice is on when ``ATTNOPT_TUNE`` is unset (see ``default_tuner``).
@@ -62,8 +70,14 @@ DEFAULT_TOP_K = 4
 #: (9/3 heads, D=64) S=5/256/8/2 first, 10.0 µs alone in a graph, and left the fastest family out of its top four:
 #: S=16/64/4/3 ran in 6.2 µs (probe at c761f67). Timing one plan per family lets measurement find it.
 DEFAULT_EXTRA_FAMILIES = 4
+#: Further families are timed only within this factor of the best kernel estimate (a family the model puts 3x
+#: behind costs a cold compile, about a second, and has not won a measurement on the H100).
+EXTRA_WITHIN = 2.0
 #: Upper edges of the KV-length buckets of a symbolic length; longer lengths take the last bucket.
 BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
+#: A symbolic length's buckets together may spend this many times the per-shape budget; the buckets nearest the
+#: trace-time hint go first, and once it is spent the rest time only the model's pick and the first SDPA backend.
+BUCKETED_BUDGET_FACTOR = 3.0
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
 #: After the first round, only candidates within this fraction of the best are timed again.
@@ -73,6 +87,18 @@ log = logging.getLogger(__name__)
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
 Timer = Callable[[Plan, AttentionSite], float]
+
+
+def bucket_length(bound: int, bounds: Sequence[int] = BUCKETS) -> int:
+    """The KV length a bucket is timed at: the geometric middle of (previous bound, ``bound``] (of (bound / 2, bound]
+    for the first), rounded to 64 keys. Every length of a bucket runs its plan, and the middle is within sqrt(2) of
+    each of them, where the upper edge is 2x from the lower: on the H100 the bucket (2048, 4096] timed at 4096 chose
+    split-KV for B=64 8/8 heads D=80, 2% slower than cuDNN at 2432 (planner part 0 of 2, lhs08, at 18ffcc3)."""
+    i = list(bounds).index(bound)
+    low = bounds[i - 1] if i > 0 else bound // 2
+    middle = math.sqrt(low * bound)
+    n = int(round(middle / 64)) * 64 if middle >= 64 else int(round(middle))
+    return min(bound, max(low + 1, n))
 
 
 def bucket_of(n: int, bounds: Sequence[int] = BUCKETS) -> int:
@@ -250,8 +276,10 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     """The candidates worth timing, in the order they are timed: the model's pick, every explicit SDPA backend
     (cuDNN first: the fastest on Hopper), then the next kernel plans by estimate, ``top_k`` kernel plans, then the
     best-estimated plan of up to ``extra_families`` kernel configurations (kind, block_n, num_warps, num_stages)
-    not among them: the model ranks grids of one configuration well and configurations against each other
-    poorly. ``auto`` SDPA is timed only when no backend is named explicitly (it is one of them)."""
+    not among them and estimated within ``EXTRA_WITHIN`` of the best (the model ranks grids of one configuration
+    well and configurations against each other poorly), then the most parallel kernel plan (``most_parallel``)
+    if it is not among them yet. ``auto`` SDPA is timed only when no backend is named explicitly (it is one of
+    them)."""
     if not ranked:
         return []
     explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
@@ -260,18 +288,34 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     ranked_kernels = [p for p in ranked if p.kind != "dense"]
     kernels = ranked_kernels[:top_k]
     families = {_family(p) for p in [ranked[0]] + kernels}
+    estimates = [p.est_us for p in kernels if math.isfinite(p.est_us)]
+    ceiling = EXTRA_WITHIN * min(estimates) if estimates else math.inf
     for p in ranked_kernels[top_k:]:
         if extra_families <= 0:
             break
-        if _family(p) not in families:
+        if _family(p) not in families and not p.est_us > ceiling:
             families.add(_family(p))
             kernels.append(p)
             extra_families -= 1
+    widest = most_parallel(ranked_kernels)
+    if widest is not None:
+        kernels.append(widest)
     out: list[Plan] = [ranked[0]]
     for p in dense + kernels:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
     return out
+
+
+def most_parallel(kernels: Sequence[Plan]) -> Plan | None:
+    """The split-KV plan with the smallest tiles and, among those, the most splits (the best estimate of equals):
+    on a short KV (a few tiles per (batch row, KV head)) one tile per split fills the GPU where the model's wave
+    sizing does not. At SmolLM2's 1k static site (9/3 heads, D=64) that is S=17/64/4/3; a forced H100 sweep found
+    S=16/64/4/3 at 6.2 µs against 10 µs for the model's S=5/256/8/2 (c761f67). ``None`` without a split-KV plan."""
+    splits = [p for p in kernels if p.kind == "split_kv"]
+    if not splits:
+        return None
+    return min(splits, key=lambda p: (p.block_n, -p.num_splits, p.est_us if math.isfinite(p.est_us) else math.inf))
 
 
 def _family(plan: Plan) -> tuple:
@@ -331,11 +375,13 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------- one shape
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
-               valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
+               valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
-        call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it)."""
+        call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it).
+        ``deadline``: a ``time.perf_counter()`` value that ends the budget sooner (a symbolic length's buckets share
+        one)."""
         if not ranked:
             raise ValueError("no candidate to choose from")
         eager = not graphed and hasattr(self.timer, "host_us")
@@ -368,7 +414,8 @@ class Tuner:
             extra.update(valid_len_us=valid_len_us, valid_len_sharing=shape.valid_len_sharing)
         share = valid_len_us / max(shape.valid_len_sharing, 1)
         charge = {p.runtime_key(): share if uses_valid_len(p, site) else 0.0 for p in plans}
-        samples, timings, measure_extra = self._measure(plans, site, start, eager, charge)
+        end = start + self.budget_s if deadline is None else min(start + self.budget_s, deadline)
+        samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         extra.update(measure_extra)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
@@ -390,14 +437,15 @@ class Tuner:
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
 
-    def _measure(self, plans: Sequence[Plan], site: AttentionSite, start: float, eager: bool = False,
+    def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
                  charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
         The model's pick and the first SDPA backend always get one round; everything else only within the
-        budget. A candidate that fails once is not timed again, nor one whose first round, with its ``charge``
-        (µs added to each of its samples), was over ``PRUNE`` slower than the best: round-to-round noise is a few
-        per cent, so it cannot win, and the later rounds go to the close ones. ``eager``: a sample is the longer
-        of the device time and the host time (both kept in the extras)."""
+        budget. A candidate that fails once is not timed again, nor one whose median so far, with its ``charge``
+        (µs added to each of its samples), is over ``PRUNE`` slower than the best's: round-to-round noise is a few
+        per cent, so it cannot win, and the later rounds go to the close ones. When no other candidate is that
+        close to the best the ranking is clear and no further round runs. ``eager``: a sample is the longer of the
+        device time and the host time (both kept in the extras)."""
         charge = charge or {}
         samples: dict[str, list[float]] = {}
         failed: dict[str, Any] = {}
@@ -406,16 +454,18 @@ class Tuner:
         rounds_done = 0
         close: set[str] | None = None
         for r in range(self.rounds):
-            if r > 0 and time.perf_counter() - start > self.budget_s:
+            if r > 0 and time.perf_counter() > end:
                 break
-            if r == 1 and samples:
-                first = {k: v[0] + charge.get(k, 0.0) for k, v in samples.items()}
-                close = {k for k, t in first.items() if t <= (1 + PRUNE) * min(first.values())}
+            if r > 0 and samples:
+                so_far = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+                close = {k for k, t in so_far.items() if t <= (1 + PRUNE) * min(so_far.values())}
+                if len(close) < 2:
+                    break
             for i, p in enumerate(plans):
                 key = p.runtime_key()
                 if key in failed or (close is not None and key not in close):
                     continue
-                if (r > 0 or i >= 2) and time.perf_counter() - start > self.budget_s:
+                if (r > 0 or i >= 2) and time.perf_counter() > end:
                     if key not in samples:
                         failed[key] = "skipped: tuning budget spent"
                     continue
@@ -440,19 +490,26 @@ class Tuner:
     # ------------------------------------------------------------------------------------- symbolic length
     def choose_bucketed(self, site: AttentionSite, rank: Callable[[AttentionSite], list[Plan]], *,
                         valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
-        """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's edge)`` gives that
-        bucket's ranked candidates, ``choose`` picks among them. Its estimate and measurement are those of the
-        bucket holding the trace-time hint. Returns the bucket's plan itself when every bucket chose the same."""
-        choices = []
-        for bound in self.buckets:
-            at = dataclasses.replace(site, kv_len=bound, kv_len_hint=None)
+        """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's length)`` (``bucket_length``)
+        gives that bucket's ranked candidates, ``choose`` picks among them. The buckets are tuned from the one
+        holding the trace-time hint outwards (nearer lengths run first), within ``BUCKETED_BUDGET_FACTOR`` budgets
+        together. Its estimate and measurement are those of the hint's bucket. Returns the bucket's plan itself
+        when every bucket chose the same."""
+        hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
+        h = self.buckets.index(hint)
+        deadline = time.perf_counter() + BUCKETED_BUDGET_FACTOR * self.budget_s
+        by_bound: dict[int, Choice] = {}
+        for i in sorted(range(len(self.buckets)), key=lambda i: (abs(i - h), i)):
+            bound = self.buckets[i]
+            n = bucket_length(bound, self.buckets)
+            at = dataclasses.replace(site, kv_len=n, kv_len_hint=None)
             ranked = rank(at)
             if not ranked:
-                raise ValueError(f"no candidate plan at KV length {bound} for {site.shape_str()}")
-            choices.append(self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
-                                       graphed=graphed))
-        hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
-        here = choices[self.buckets.index(hint)]
+                raise ValueError(f"no candidate plan at KV length {n} for {site.shape_str()}")
+            by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
+                                          graphed=graphed, deadline=deadline)
+        choices = [by_bound[b] for b in self.buckets]
+        here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}
         how = "measured" if any(c.choice == "measured" for c in choices) else (
             "cached" if any(c.choice == "cached" for c in choices) else "model")
@@ -520,4 +577,13 @@ def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
         return None
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return None
-    return Tuner(cache=TuningCache())
+    # One tuner per cache file and budget for the process: the graphs of one model (graph breaks, recompiles for a
+    # new batch size) share its measurements even where the cache file cannot be written.
+    cache = TuningCache()
+    key = (str(cache.path), os.environ.get(BUDGET_ENV, ""))
+    if key not in _PROCESS_TUNERS:
+        _PROCESS_TUNERS[key] = Tuner(cache=cache)
+    return _PROCESS_TUNERS[key]
+
+
+_PROCESS_TUNERS: dict[tuple[str, str], Tuner] = {}

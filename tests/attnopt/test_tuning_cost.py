@@ -1,0 +1,144 @@
+"""What the measured choice times, and how cheaply (attnopt.tuning, attnopt.timer), on the CPU with fake timers: a
+static cache timed full, the most parallel split-KV plan always a candidate, rounds that stop once the ranking is
+clear, a symbolic length's buckets timed at their middles from the hint outwards within one shared budget, and one
+tuner per process."""
+import dataclasses
+import os
+import sys
+
+import pytest
+
+from attnopt import timer as T
+from attnopt import tuning
+from attnopt.plan import SplitKVPlan
+from attnopt.site import AttentionSite
+from attnopt.tuning import Tuner
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_tuning_method import ENV, _ranked, cache  # noqa: E402,F401  (cache: the fixture, a fresh cache directory)
+
+#: SmolLM2's decode site over the e2e bench's 1k static cache (1024 + 64 slots, a valid-length mask).
+SMOL_1K = AttentionSite.canonical(q_heads=9, kv_heads=3, head_dim=64, kv_len=1088, mask_kind="valid_length")
+
+
+class Clocked:
+    """A fake timer: ``rule(plan, site) -> µs``; each call records (runtime key, KV length) and advances the fake
+    clock ``now[0]`` by ``cost_s``."""
+
+    def __init__(self, rule, now=None, cost_s=0.0):
+        self.rule, self.calls, self.now, self.cost_s = rule, [], now, cost_s
+
+    def __call__(self, plan, site):
+        self.calls.append((plan.runtime_key(), site.kv_len))
+        if self.now is not None:
+            self.now[0] += self.cost_s
+        return self.rule(plan, site)
+
+
+@pytest.mark.parametrize("mask_kind,window", [("valid_length", None), ("arbitrary", None), ("valid_length", 100)])
+def test_a_static_cache_is_timed_full(mask_kind, window):
+    """The valid length of a static cache is unknown at compile time; the tuner times it where a step is longest,
+    full: the mask keeps every key (a window's band ends at the last key) and valid_len is N."""
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=300, dtype="float32", batch=2,
+                                   mask_kind=mask_kind, window=window)
+    s = T.synthetic_inputs(site, 0, device="cpu")
+    assert T.STATIC_FILL == 1.0 and s["valid_len"].tolist() == [300, 300]
+    kept = s["mask"][0, 0, 0]
+    if window is None:
+        assert bool(kept.all())
+    else:
+        assert kept.nonzero().flatten().tolist() == list(range(200, 300))
+        assert s["key_start"].tolist() == [200, 200]
+    assert T.synthetic_inputs(AttentionSite.canonical(kv_len=64, dtype="float32"), 0, device="cpu")["mask"] is None
+
+
+def test_the_most_parallel_split_kv_plan_is_always_a_candidate():
+    """At a short KV the one-tile-per-split plan (SmolLM2's 1k site: 17 splits of one 64-key tile) is timed even when
+    the top estimates and the further families leave it out."""
+    ranked = _ranked(SMOL_1K)
+    widest = tuning.most_parallel([p for p in ranked if p.kind != "dense"])
+    assert isinstance(widest, SplitKVPlan) and (widest.num_splits, widest.block_n) == (17, 64)
+    assert widest.runtime_key() != ranked[0].runtime_key()
+    for top_k, extra in ((tuning.DEFAULT_TOP_K, tuning.DEFAULT_EXTRA_FAMILIES), (1, 0)):
+        keys = [p.runtime_key() for p in tuning.to_time(ranked, top_k, extra)]
+        assert widest.runtime_key() in keys and len(keys) == len(set(keys))
+    assert len(tuning.to_time(ranked, 1, 0)) == 3  # the model's pick, cuDNN, the most parallel plan
+    assert tuning.most_parallel([p for p in ranked if p.kind == "dense"]) is None
+
+
+def test_rounds_stop_once_one_candidate_is_clearly_ahead(cache):
+    """Every candidate is timed once; when no other is within PRUNE of the best, no second round runs."""
+    ranked = _ranked(SMOL_1K)
+    fast = ranked[0].runtime_key()
+    timer = Clocked(lambda p, s: 5.0 if p.runtime_key() == fast else 8.0)
+    choice = Tuner(timer, cache, env=ENV, rounds=3).choose(SMOL_1K, ranked)
+    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
+    assert [k for k, _ in timer.calls] == [p.runtime_key() for p in plans]  # one round
+    assert choice.plan.runtime_key() == fast and choice.measured_us == 5.0
+    assert cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))["rounds"] == 1
+
+
+def test_a_candidate_that_falls_behind_in_round_two_leaves_the_rounds(cache):
+    """The close set is recomputed from the medians after every round: B is within PRUNE of A after round 1 (11 vs
+    10), not after round 2 (median 12.5), so round 3 would time A alone and does not run."""
+    ranked = _ranked(SMOL_1K)
+    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
+    a, b = plans[0].runtime_key(), plans[1].runtime_key()
+    seen: dict[str, int] = {}
+
+    def rule(p, s):
+        k = p.runtime_key()
+        seen[k] = seen.get(k, 0) + 1
+        if k == a:
+            return 10.0
+        return (11.0, 14.0, 14.0)[seen[k] - 1] if k == b else 30.0
+    timer = Clocked(rule)
+    choice = Tuner(timer, cache, env=ENV, rounds=3).choose(SMOL_1K, ranked)
+    assert seen[a] == 2 and seen[b] == 2 and all(n == 1 for k, n in seen.items() if k not in (a, b))
+    assert choice.plan.runtime_key() == a
+
+
+def test_a_bucket_is_timed_at_its_geometric_middle():
+    assert [tuning.bucket_length(b) for b in tuning.BUCKETS[:4]] == [704, 1472, 2880, 5824]
+    for i, b in enumerate(tuning.BUCKETS):
+        low = tuning.BUCKETS[i - 1] if i else b // 2
+        n = tuning.bucket_length(b)
+        assert low < n <= b and n % 64 == 0 and tuning.bucket_of(n) == b
+    assert tuning.bucket_length(32, (32, 128)) == 23 and tuning.bucket_length(128, (32, 128)) == 64
+
+
+def test_buckets_are_tuned_from_the_hint_outwards_within_one_shared_budget(cache, monkeypatch):
+    """Each timing costs 1 s of a fake clock and the budget is 4 s a shape, 12 s for all buckets: the hint's bucket
+    (8k) and its neighbours get every candidate, the farthest only the model's pick and the first SDPA backend."""
+    now = [0.0]
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: now[0])
+    site = dataclasses.replace(AttentionSite.canonical(), kv_len=None, kv_len_hint=6000)
+    timer = Clocked(lambda p, s: 5.0 if p.kind == "dense" else 9.0, now, cost_s=1.0)
+    tuner = Tuner(timer, cache, env=ENV, budget_s=4.0)
+    choice = tuner.choose_bucketed(site, _ranked)
+    order = list(dict.fromkeys(n for _, n in timer.calls))
+    hint = tuning.BUCKETS.index(8192)
+    expect = sorted(range(len(tuning.BUCKETS)), key=lambda i: (abs(i - hint), i))
+    assert order == [tuning.bucket_length(tuning.BUCKETS[i]) for i in expect]
+    per_bucket = {n: sum(1 for _, m in timer.calls if m == n) for n in order}
+    assert per_bucket[order[0]] >= 5 and per_bucket[order[-1]] == 2  # skipped: budget spent, the pair still timed
+    assert now[0] <= tuning.BUCKETED_BUDGET_FACTOR * 4.0 + 2 * len(tuning.BUCKETS)
+    assert choice.choice == "measured" and choice.measured_us == 5.0  # dense was faster in every bucket
+    assert choice.plan.kind == "dense"
+
+
+def test_the_planner_shares_one_tuner_per_process(monkeypatch, tmp_path):
+    """The graphs of one model (graph breaks, recompiles) share a tuner, and so its measurements; another cache
+    directory or budget gets its own."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(tuning.TUNE_ENV, raising=False)
+    monkeypatch.setattr(tuning, "_PROCESS_TUNERS", {})
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path / "a"))
+    first = tuning.default_tuner("cuda", True)
+    assert isinstance(first, Tuner) and tuning.default_tuner("cuda", True) is first
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path / "b"))
+    assert tuning.default_tuner("cuda", True) is not first
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv(tuning.BUDGET_ENV, "1.5")
+    other = tuning.default_tuner("cuda", True)
+    assert other is not first and other.budget_s == 1.5
+    assert tuning.default_tuner("cpu", True) is None
