@@ -5,9 +5,10 @@ the grid, a few shapes off it), a function calling ``F.scaled_dot_product_attent
 the mask passed in for a static cache) goes through ``attnopt.optimize`` with the datasheet profile, exactly as a
 user calls it, with the measured choice on (``ATTNOPT_TUNE=1``, a fresh tuning cache; timing device time as for
 ``mode="reduce-overhead"``, since this bench times CUDA-graph replays). Its first call (compile, plan, tuning) is
-timed as ``compile_s``. Then, in the same run and over the same rotating input sets (spanning
-several L2 sizes; one call per set per replay), every method is timed by CUDA-graph replay and checked against an
-fp32 reference:
+timed as ``compile_s`` and the part of it spent tuning as ``tune_s``; what the tuner timed is kept (``tuning``: per
+timed length, every candidate's µs, from the tuning cache's new records). Then, in the same run and over the same
+rotating input sets (spanning several L2 sizes; one call per set per replay), every method is timed by CUDA-graph
+replay and checked against an fp32 reference:
 
 * ``attnopt:planner``: the compiled function (tuned choice);
 * ``attnopt:model`` (unless ``--no-compare-model``): the same with ``ATTNOPT_TUNE=0``, the cost model's pick alone
@@ -195,11 +196,17 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
                 torch._dynamo.maybe_mark_dynamic(s["k"], 2)
                 torch._dynamo.maybe_mark_dynamic(s["v"], 2)
         clock.sync()
+        from attnopt.tuning import TuningCache
+
+        before = TuningCache().load() if tune == "1" else {}
         t0 = time.perf_counter()
         with _graph_timed_tuning(tune == "1" and clock.device == "cuda"):
             out = opt(*_args_of(sets[0], case[6]))
         clock.sync()
         row["compile_s"] = round(time.perf_counter() - t0, 3)
+        if tune == "1":
+            row["tuning"] = tuning_records(before, TuningCache().load())
+            row["tune_s"] = round(sum(r.get("tune_s") or 0.0 for r in row["tuning"]), 3)
         row["rel_err"] = rel_err(out.float(), ref)
         report = attnopt.last_plans(opt)
         site = report.rewritten[0] if report.rewritten else (report.sites[0] if report.sites else None)
@@ -213,6 +220,40 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
     except Exception as exc:  # report and go on: one failing case must not lose the run
         row["error"] = _error(exc)
     return row
+
+
+def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measurements a case added to the tuning cache (``after`` less ``before``, two ``TuningCache.load()``), in
+    short: the timed KV length, whether it stands for a bucket, the winner and each candidate's µs (or why it has
+    none) by ``describe()``, the rounds and the seconds it took. Sorted by length."""
+    import json
+
+    from attnopt.plan import plan_from_dict, plan_from_json
+
+    def name(key: str) -> str:
+        try:
+            return plan_from_json(key).describe()
+        except (TypeError, ValueError):
+            return key
+
+    out = []
+    for key, record in after.items():
+        if key in before:
+            continue
+        shape = json.loads(key).get("shape", {})
+        timings = record.get("timings", {})
+        out.append({"kv_len": shape.get("kv_len"), "bucketed": shape.get("bucketed"),
+                    "winner": plan_from_dict(record["winner"]).describe() if "winner" in record else None,
+                    "measured_us": record.get("measured_us"), "rounds": record.get("rounds"),
+                    "tune_s": record.get("tune_s"),
+                    "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)}})
+    return sorted(out, key=lambda r: (r["kv_len"] or 0))
+
+
+def _fastest_first(item: tuple[str, Any]) -> tuple[bool, float]:
+    value = item[1]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (not number, float(value) if number else 0.0)
 
 
 def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]]:
@@ -261,7 +302,7 @@ def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any
     ours = {r["method"]: r for r in rows if not r["peer"]}
     planner = ours.get("attnopt:planner", {})
     s = {"case": case_name, "cache": case[6], "plan": planner.get("plan"), "choice": planner.get("choice"),
-         "compile_s": planner.get("compile_s"), "attnopt_us": planner.get("us"),
+         "compile_s": planner.get("compile_s"), "tune_s": planner.get("tune_s"), "attnopt_us": planner.get("us"),
          "frac_of_roofline": planner.get("frac_of_roofline"), "error": planner.get("error")}
     if not peers:
         return s
@@ -302,9 +343,10 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     if check is not None and check.get("speedup_vs_sdpa_full_cache"):
         out["static_check"] = {"case": STATIC_CHECK_CASE, "speedup": check["speedup_vs_sdpa_full_cache"],
                                "pass": check["speedup_vs_sdpa_full_cache"] >= STATIC_CHECK_MIN}
-    compile_s = [s["compile_s"] for s in summaries if s.get("compile_s") is not None]
-    if compile_s:
-        out.update(compile_s_median=statistics.median(compile_s), compile_s_max=max(compile_s))
+    for key in ("compile_s", "tune_s"):
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        if values:
+            out.update({f"{key}_median": statistics.median(values), f"{key}_max": max(values)})
     return out
 
 
@@ -380,7 +422,8 @@ def print_summary(results: dict[str, Any]) -> None:
         ("case", "case", ""), ("best_peer", "best peer", ""), ("best_peer_us", "peer µs", ".1f"),
         ("attnopt_us", "tuned µs", ".1f"), ("ratio_to_best_peer", "ratio", ".3f"), ("model_us", "model µs", ".1f"),
         ("model_ratio_to_best_peer", "model ratio", ".3f"), ("frac_of_roofline", "roof", ".2f"),
-        ("compile_s", "first s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"), ("choice", "choice", ""),
+        ("compile_s", "first s", ".1f"), ("tune_s", "tune s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"),
+        ("choice", "choice", ""),
         ("plan", "plan", ""), ("error", "error", "")]))
     print("\noverall:", results.get("overall"), "skipped:", len(results.get("skipped_cases", [])))
 

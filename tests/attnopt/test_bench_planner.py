@@ -84,6 +84,7 @@ def test_smoke_run_on_the_cpu_writes_every_field(tmp_path, monkeypatch):
     assert [s["case"] for s in data["summary"]] == ["smoke-fixed", "smoke-dynamic", "smoke-static"]
     for s in data["summary"]:
         assert s["error"] is None and s["ratio_to_best_peer"] > 0 and s["compile_s"] > 0, s
+        assert s["tune_s"] == 0  # no tuning on the CPU (forced split-KV)
         assert s["plan"] and s["best_peer"] in ("sdpa", "torch-compile", "hf-static-compiled")
     assert all(r["timing"] == "host" for r in data["rows"] if r.get("us"))
     ours = [r for r in data["rows"] if r["method"] == "attnopt:planner"]
@@ -122,3 +123,47 @@ def test_parts_cover_the_cases_once_and_merge_joins_them(tmp_path, capsys):
     out = tmp_path / "all.json"
     assert main(["bench", "planner", "--merge", *files, "--out", str(out)]) == 0
     assert json.loads(out.read_text())["overall"]["with_ratio"] == 2
+
+
+def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch):
+    """tuning_records: only the records the case added, each candidate by name with its µs, fastest first, errors
+    last; overall gives the median and largest tuning seconds."""
+    import dataclasses
+
+    from attnopt.bench.planner import tuning_records
+    from attnopt.config import OptimizeConfig
+    from attnopt.hardware import builtin_profile
+    from attnopt.passes.plan import rank_candidates
+    from attnopt.runtime.strategies import PlanContext
+    from attnopt.site import AttentionSite
+    from attnopt.tuning import Tuner, TuningCache
+
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path))
+    env = {"device": "d", "driver": "1", "torch": "t", "triton": "t", "attnopt": "a", "tuning": "4"}
+    ctx = PlanContext(device_type="cuda", triton_available=True)
+
+    def timer(plan, site):
+        if plan.kind == "dense" and plan.backend == "flash":
+            raise RuntimeError("No available kernel")
+        return 5.0 if plan.kind == "dense" else 7.0 + site.kv_len / 1e4
+
+    tuner = Tuner(timer, TuningCache(), env=env)
+    site = AttentionSite.canonical(kv_len=4096)
+    ranked = lambda s: rank_candidates(s, builtin_profile("h100-sxm"), ctx, OptimizeConfig())[0]  # noqa: E731
+    tuner.choose(site, ranked(site))
+    before = TuningCache().load()
+    later = dataclasses.replace(site, kv_len=None, kv_len_hint=3000)
+    tuner.choose_bucketed(later, ranked)
+    records = tuning_records(before, TuningCache().load())
+    assert len(records) == 10 and all(r["bucketed"] for r in records)  # the earlier exact-length record is not one
+    assert [r["kv_len"] for r in records] == sorted(r["kv_len"] for r in records)
+    first = records[0]
+    assert first["winner"].startswith("dense(") and first["measured_us"] == 5.0 and first["tune_s"] >= 0
+    names = list(first["timings"])
+    assert all(isinstance(n, str) and n.split("(")[0] in ("dense", "split_kv", "stream_k") for n in names)
+    values = list(first["timings"].values())
+    assert values[0] == 5.0 and str(values[-1]).startswith("error: RuntimeError")
+    numbers = [v for v in values if isinstance(v, float)]
+    assert numbers == sorted(numbers)
+    out = overall([{"case": "a", "tune_s": 1.0, "compile_s": 3.0}, {"case": "b", "tune_s": 3.0, "compile_s": 5.0}])
+    assert out["tune_s_median"] == 2.0 and out["tune_s_max"] == 3.0 and out["compile_s_max"] == 5.0
