@@ -273,13 +273,17 @@ class Choice:
 
 
 def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EXTRA_FAMILIES) -> list[Plan]:
-    """The candidates worth timing, in the order they are timed: the model's pick, every explicit SDPA backend
-    (cuDNN first: the fastest on Hopper), then the next kernel plans by estimate, ``top_k`` kernel plans, then the
-    best-estimated plan of up to ``extra_families`` kernel configurations (kind, block_n, num_warps, num_stages)
-    not among them and estimated within ``EXTRA_WITHIN`` of the best (the model ranks grids of one configuration
-    well and configurations against each other poorly), then the most parallel kernel plan (``most_parallel``)
-    if it is not among them yet. ``auto`` SDPA is timed only when no backend is named explicitly (it is one of
-    them)."""
+    """The candidates worth timing, in the order they are timed.
+
+    Which: the model's pick; every explicit SDPA backend (cuDNN first: the fastest on Hopper; ``auto`` only when no
+    backend is named explicitly, as it is one of them); the most parallel split-KV plan (``most_parallel``); the
+    ``top_k`` kernel plans by estimate; the best-estimated plan of up to ``extra_families`` further kernel
+    configurations (kind, block_n, num_warps, num_stages) estimated within ``EXTRA_WITHIN`` of the best (the model
+    ranks the grids of one configuration well and configurations against each other poorly).
+
+    Order: the model's pick, the SDPA backends, the most parallel plan, then one plan of each configuration before
+    a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
+    (about a second) where a second grid of it costs only its timing, so the configurations come first."""
     if not ranked:
         return []
     explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
@@ -298,10 +302,13 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
             kernels.append(p)
             extra_families -= 1
     widest = most_parallel(ranked_kernels)
-    if widest is not None:
-        kernels.append(widest)
+    seen_families = {_family(ranked[0])} | ({_family(widest)} if widest is not None else set())
+    firsts, seconds = [], []
+    for p in kernels:
+        (seconds if _family(p) in seen_families else firsts).append(p)
+        seen_families.add(_family(p))
     out: list[Plan] = [ranked[0]]
-    for p in dense + kernels:
+    for p in dense + ([widest] if widest is not None else []) + firsts + seconds:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
     return out

@@ -65,6 +65,39 @@ def test_the_most_parallel_split_kv_plan_is_always_a_candidate():
     assert tuning.most_parallel([p for p in ranked if p.kind == "dense"]) is None
 
 
+@pytest.mark.parametrize("site", [SMOL_1K, AttentionSite.canonical()], ids=["smollm2-1k-static", "canonical"])
+def test_configurations_come_before_second_grids(site):
+    """Timing order: the model's pick, SDPA, the most parallel plan, one plan per configuration, then further grids
+    of a configuration already timed (no new configuration after the first repeat)."""
+    ranked = _ranked(site)
+    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
+    dense = [p for p in plans if p.kind == "dense"]
+    assert plans[0].runtime_key() == ranked[0].runtime_key() and all(p.kind == "dense" for p in plans[1:1 + len(dense)])
+    widest = tuning.most_parallel([p for p in ranked if p.kind != "dense"])
+    assert plans[1 + len(dense)].runtime_key() == widest.runtime_key()
+    families = [tuning._family(p) for p in plans if p.kind != "dense"]
+    repeats = [i for i, f in enumerate(families) if f in families[:i]]
+    if repeats:
+        assert set(families[repeats[0]:]) <= set(families[:repeats[0]])
+    assert (site is SMOL_1K) == (not repeats)  # the canonical site has two grids of one configuration
+
+
+def test_the_budget_reaches_the_most_parallel_plan(cache, monkeypatch):
+    """Every timing costs a cold compile's second, the budget is 4 s: SmolLM2's 1k site still times S=17/64/4/3. By
+    estimate it is the fifth kernel plan, sixth after cuDNN, which a 4 s budget cut (t = 5 s)."""
+    ranked = _ranked(SMOL_1K)
+    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
+    now = [0.0]
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: now[0])
+    timer = Clocked(lambda p, s: 5.0, now, cost_s=1.0)
+    choice = Tuner(timer, cache, env=ENV, budget_s=4.0).choose(SMOL_1K, ranked)
+    timed = [k for k, _ in timer.calls]
+    assert plans[2].runtime_key() in timed and (plans[2].num_splits, plans[2].block_n) == (17, 64)
+    by_estimate = [p.runtime_key() for p in ranked if p.kind != "dense"]
+    assert by_estimate.index(plans[2].runtime_key()) == 4
+    assert len(set(timed)) == 5 and sum(str(v).startswith("skipped") for v in choice.timings.values()) == 2
+
+
 def test_rounds_stop_once_one_candidate_is_clearly_ahead(cache):
     """Every candidate is timed once; when no other is within PRUNE of the best, no second round runs."""
     ranked = _ranked(SMOL_1K)
