@@ -1,7 +1,8 @@
 """``attnopt bench planner``: the planner's pick on the user's route against SDPA's backends, in one run.
 
 For each case (``planner_grid``: the issue's named shapes, the grid's corners, a seeded Latin-hypercube sample of
-the grid, a few shapes off it), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
+the grid, a few shapes off it; with ``--cases`` only the cases named, which may include the e2e bench's nearly full
+static caches, ``e2e-*``), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
 the mask passed in for a static cache) goes through ``attnopt.optimize`` with the datasheet profile, exactly as a
 user calls it, with the measured choice on (``ATTNOPT_TUNE=1``, a fresh tuning cache; timing device time as for
 ``mode="reduce-overhead"``, since this bench times CUDA-graph replays). Its first call (compile, plan, tuning) is
@@ -38,7 +39,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from .planner_grid import STATIC_CHECK_CASE, STATIC_CHECK_MIN, all_cases, geomean, valid_len_of
+from .planner_grid import STATIC_CHECK_CASE, STATIC_CHECK_MIN, STATIC_KINDS, all_cases, geomean, valid_len_of
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Relative error above which a row does not count (bf16 outputs land near 3e-3).
@@ -62,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", type=int, default=40, help="Latin-hypercube grid shapes (default 40)")
     p.add_argument("--off-grid", type=int, default=4, help="seeded shapes off the grid (default 4)")
     p.add_argument("--seed", type=int, default=19, help="seed of the sample (default 19)")
-    p.add_argument("--cases", default=None, help="only these named cases (comma-separated), before the sample")
+    p.add_argument("--cases", default=None,
+                   help="only these cases (comma-separated; named, corner or e2e-* names), before the sample")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--inner-backend", default=None,
                    help="optimize()'s inner backend, and torch.compile's for the compiled peer (default: inductor; "
@@ -120,7 +122,7 @@ def _make_set(i, case, dtype, device):
 
 
 def _args_of(s, cache):
-    return (s["q"], s["k"], s["v"]) + ((s["mask"],) if cache == "static" else ())
+    return (s["q"], s["k"], s["v"]) + ((s["mask"],) if cache in STATIC_KINDS else ())
 
 
 class Clock:
@@ -275,7 +277,7 @@ def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]
         compiled = torch.compile(_attend, backend=args.inner_backend, dynamic=cache == "dynamic")
         makers.append(("torch-compile", lambda s: (lambda: compiled(*_args_of(s, cache))),
                        "torch.compile of the same function, without attnopt"))
-    if cache == "static" and Hq != Hkv:
+    if cache in STATIC_KINDS and Hq != Hkv:
         hf = torch.compile(_hf_static_attend, backend=args.inner_backend)
         makers.append(("hf-static-compiled", lambda s: (lambda: hf(*_args_of(s, cache))),
                        "Hugging Face's StaticCache SDPA path (repeat_kv, then SDPA with the mask), compiled"))
@@ -319,7 +321,7 @@ def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any
         s.update(model_plan=ours["attnopt:model"].get("plan"), model_us=ours["attnopt:model"].get("us"),
                  model_compile_s=ours["attnopt:model"].get("compile_s"))
     sdpa = [r for r in peers if r["method"].startswith("sdpa")]
-    if case[6] == "static" and sdpa and planner in ok:
+    if case[6] == "static" and sdpa and planner in ok:  # a nearly full cache (static-full) has nothing to skip
         s["speedup_vs_sdpa_full_cache"] = min(r["us"] for r in sdpa) / planner["us"]
     return s
 

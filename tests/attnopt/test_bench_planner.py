@@ -167,3 +167,20 @@ def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch
     assert numbers == sorted(numbers)
     out = overall([{"case": "a", "tune_s": 1.0, "compile_s": 3.0}, {"case": "b", "tune_s": 3.0, "compile_s": 5.0}])
     assert out["tune_s_median"] == 2.0 and out["tune_s_max"] == 3.0 and out["compile_s_max"] == 5.0
+
+
+def test_named_runs_pick_their_cases_and_the_e2e_caches_are_nearly_full():
+    """--cases picks named, corner or e2e cases alone (no corners added); an e2e static cache holds all but 64 keys,
+    passes its mask, and has no whole-cache speedup (nothing to skip)."""
+    cases = G.all_cases(0, 0, 19, ("e2e-smollm2-1k-static", "corner-B64-g8-d64-1k-q1-static"))
+    assert list(cases) == ["e2e-smollm2-1k-static", "corner-B64-g8-d64-1k-q1-static"]
+    assert set(G.NAMED) | set(G.CORNERS) == set(G.all_cases(0, 0, 19))  # the default run leaves e2e out
+    e2e = G.E2E["e2e-smollm2-1k-static"]
+    assert e2e[6] == "static-full" and G.valid_len_of(e2e) == 1024 and G.valid_len_of(G.E2E[
+        "e2e-llama3-8b-128k-static"]) == 131072
+    rows = [_row("attnopt:planner", 6.0, False), _row("sdpa-cudnn", 12.0, True)]
+    s = summarize("e2e-smollm2-1k-static", e2e, rows)
+    assert s["ratio_to_best_peer"] == pytest.approx(2.0) and "speedup_vs_sdpa_full_cache" not in s
+    from attnopt.bench.planner import _args_of
+
+    assert len(_args_of({"q": 1, "k": 2, "v": 3, "mask": 4}, "static-full")) == 4
