@@ -584,13 +584,16 @@ def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
         return None
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return None
-    # One tuner per cache file and budget for the process: the graphs of one model (graph breaks, recompiles for a
-    # new batch size) share its measurements even where the cache file cannot be written.
+    # One tuner per cache file, budget and device for the process: the graphs of one model (graph breaks, recompiles
+    # for a new batch size) share its measurements even where the cache file cannot be written.
+    import torch
+
     cache = TuningCache()
-    key = (str(cache.path), os.environ.get(BUDGET_ENV, ""))
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    key = (str(cache.path), os.environ.get(BUDGET_ENV, ""), device)
     if key not in _PROCESS_TUNERS:
         _PROCESS_TUNERS[key] = Tuner(cache=cache)
     return _PROCESS_TUNERS[key]
 
 
-_PROCESS_TUNERS: dict[tuple[str, str], Tuner] = {}
+_PROCESS_TUNERS: dict[tuple[str, str, int], Tuner] = {}

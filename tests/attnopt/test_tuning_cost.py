@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from attnopt import timer as T
 from attnopt import tuning
@@ -175,3 +176,20 @@ def test_the_planner_shares_one_tuner_per_process(monkeypatch, tmp_path):
     other = tuning.default_tuner("cuda", True)
     assert other is not first and other.budget_s == 1.5
     assert tuning.default_tuner("cpu", True) is None
+
+
+def test_each_device_gets_its_own_process_tuner(monkeypatch, tmp_path):
+    """Two GPUs of one process may differ (the environment key names the device): one tuner each."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(tuning.TUNE_ENV, raising=False)
+    monkeypatch.setattr(tuning, "_PROCESS_TUNERS", {})
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    first = tuning.default_tuner("cuda", True)
+    current[0] = 1
+    second = tuning.default_tuner("cuda", True)
+    assert second is not first and tuning.default_tuner("cuda", True) is second
+    current[0] = 0
+    assert tuning.default_tuner("cuda", True) is first
