@@ -404,6 +404,9 @@ class Tuner:
             except (KeyError, TypeError, ValueError):
                 winner = None
             if winner is not None and winner.runtime_key() in by_key:
+                # kept for this process too: the other sites of the shape then skip re-reading the file
+                self._measured[shape] = (winner.runtime_key(), float(record.get("measured_us", math.nan)),
+                                         dict(record.get("timings", {})))
                 return Choice(by_key[winner.runtime_key()], "cached", float(record.get("measured_us", math.nan)),
                               dict(record.get("timings", {})))
         if not self.enabled or self.capturing():

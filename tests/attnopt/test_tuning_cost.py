@@ -210,3 +210,17 @@ def test_smollm2_static_pick_is_no_slower_than_the_forced_sweeps_best(cache):
     T.gpu_timer.release()
     assert choice.measured_us <= 1.05 * forced_us, (choice.plan.describe(), choice.measured_us, forced_us,
                                                     choice.timings)
+
+
+def test_a_cached_shape_is_read_from_the_file_once_per_process(cache, monkeypatch):
+    """30 layers of a shape measured by another process: the file is read for the first site only."""
+    site = AttentionSite.canonical()
+    ranked = _ranked(site)
+    Tuner(Clocked(lambda p, s: 5.0), cache, env=ENV).choose(site, ranked)
+    reads = []
+    load = tuning.TuningCache.load
+    monkeypatch.setattr(tuning.TuningCache, "load", lambda self: reads.append(1) or load(self))
+    tuner = Tuner(Clocked(lambda p, s: pytest.fail("timed although cached")), tuning.TuningCache(), env=ENV)
+    choices = [tuner.choose(site, ranked) for _ in range(30)]
+    assert {c.choice for c in choices} == {"cached"} and len(reads) == 1
+    assert len({c.plan.runtime_key() for c in choices}) == 1 and choices[0].measured_us == 5.0
