@@ -22,8 +22,9 @@ file is reported in one warning line and treated as empty.
 
 A site whose KV length is symbolic (a growing cache) is tuned per length bucket (``BUCKETS``: powers of two from
 1k to 512k), at the bucket's geometric middle (``bucket_length``), from the trace-time hint's bucket outwards
-within one shared budget; the op picks the bucket's plan by ``k.shape[2]`` at run time (``BucketedPlan``), with
-no sync. A static cache is timed full (``timer.STATIC_FILL``).
+within one shared budget; where its two fastest are within ``TIE``, both are also timed at the bucket's ends and
+the one with the smaller worst ratio wins. The op picks the bucket's plan by ``k.shape[2]`` at run time
+(``BucketedPlan``), with no sync. A static cache is timed full (``timer.STATIC_FILL``).
 
 What keeps the first call cheap: a shape is measured once per process (``_PROCESS_TUNERS``: one tuner shared by
 the graphs of a model) and once per machine (the file); the rounds stop when one candidate is more than ``PRUNE``
@@ -75,6 +76,8 @@ BUCKETED_BUDGET_FACTOR = 3.0
 ROUNDS = 3
 #: After the first round, only candidates within this fraction of the best are timed again.
 PRUNE = 0.15
+#: A bucket's runner-up within this fraction of its fastest is timed with it at the bucket's ends (``span``).
+TIE = 0.03
 
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
@@ -91,6 +94,16 @@ def bucket_length(bound: int, bounds: Sequence[int] = BUCKETS) -> int:
     middle = math.sqrt(low * bound)
     n = int(round(middle / 64)) * 64 if middle >= 64 else int(round(middle))
     return min(bound, max(low + 1, n))
+
+
+def bucket_span(bound: int, bounds: Sequence[int] = BUCKETS) -> tuple[int, int]:
+    """The shortest and longest KV length a bucket's plan is tuned for: just above the previous bound (half the
+    first bound for the first bucket) and ``bound``. "Just above" is 64 keys above where the bound is a multiple of
+    64: Triton specializes a kernel on whether an integer argument is a multiple of 16, and an odd length would
+    compile every candidate again."""
+    i = list(bounds).index(bound)
+    low = bounds[i - 1] if i > 0 else bound // 2
+    return min(bound, low + (64 if low >= 64 and low % 64 == 0 else 1)), bound
 
 
 def bucket_of(n: int, bounds: Sequence[int] = BUCKETS) -> int:
@@ -230,13 +243,15 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------- one shape
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
-               valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None) -> Choice:
+               valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None,
+               span: tuple[int, int] | None = None) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
         call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it).
         ``deadline``: a ``time.perf_counter()`` value that ends the budget sooner (a symbolic length's buckets share
-        one)."""
+        one). ``span``: the shortest and longest length the plan will run at (a bucket's ends); when another
+        candidate is within ``TIE`` of the fastest, the two are timed there too (``_tie_break``)."""
         if not ranked:
             raise ValueError("no candidate to choose from")
         eager = not graphed and hasattr(self.timer, "host_us")
@@ -275,16 +290,18 @@ class Tuner:
         end = start + self.budget_s if deadline is None else min(start + self.budget_s, deadline)
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         extra.update(measure_extra)
-        release = getattr(self.timer, "release", None)
-        if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
-            release()
         for key, times in samples.items():
             timings[key] = _median(times) + charge[key]
         measured = {k: v for k, v in timings.items() if isinstance(v, float) and math.isfinite(v)}
+        best = min(measured, key=measured.get) if measured else None
+        if best is not None and span is not None and not eager and time.perf_counter() < end:
+            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge)
+        release = getattr(self.timer, "release", None)
+        if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
+            release()
         tune_s = time.perf_counter() - start
-        if not measured:
+        if best is None:
             return Choice(ranked[0], "model", timings=timings, tune_s=tune_s)
-        best = min(measured, key=measured.get)
         choice = Choice(by_key[best], "measured", measured[best], timings, tune_s)
         self._measured[shape] = (best, measured[best], timings)
         if self.cache is not None:
@@ -294,6 +311,37 @@ class Tuner:
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
+
+    def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
+                   span: tuple[int, int], charge: dict[str, float]) -> tuple[str, dict[str, dict[str, float]]]:
+        """Between the fastest and the runner-up when it is within ``TIE``: the one whose worst ratio to the faster
+        of the two, at the measured length and at each end of ``span``, is lower (ties: the faster where measured).
+        A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
+        H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). Returns the
+        winner and the µs at each end ``{length: {key: µs}}``."""
+        ranked = sorted(measured, key=measured.get)
+        if len(ranked) < 2 or measured[ranked[1]] > (1 + TIE) * measured[best]:
+            return best, {}
+        pair = ranked[:2]
+        worst = {k: measured[k] / measured[best] for k in pair}
+        at_ends: dict[str, dict[str, float]] = {}
+        for n in dict.fromkeys(span):
+            if n == site.kv_len:
+                continue
+            at = dataclasses.replace(site, kv_len=int(n))
+            times = {}
+            for k in pair:
+                try:
+                    times[k] = float(self.timer(by_key[k], at)) + charge.get(k, 0.0)
+                except Exception:  # noqa: BLE001 - an end that cannot be timed does not decide
+                    times = {}
+                    break
+            if times and all(math.isfinite(t) and t > 0 for t in times.values()):
+                fastest = min(times.values())
+                for k in pair:
+                    worst[k] = max(worst[k], times[k] / fastest)
+                at_ends[str(n)] = times
+        return min(pair, key=lambda k: (worst[k], measured[k])), at_ends
 
     def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
                  charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
@@ -365,7 +413,7 @@ class Tuner:
             if not ranked:
                 raise ValueError(f"no candidate plan at KV length {n} for {site.shape_str()}")
             by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
-                                          graphed=graphed, deadline=deadline)
+                                          graphed=graphed, deadline=deadline, span=bucket_span(bound, self.buckets))
         choices = [by_bound[b] for b in self.buckets]
         here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}

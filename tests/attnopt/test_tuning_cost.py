@@ -224,3 +224,50 @@ def test_a_cached_shape_is_read_from_the_file_once_per_process(cache, monkeypatc
     choices = [tuner.choose(site, ranked) for _ in range(30)]
     assert {c.choice for c in choices} == {"cached"} and len(reads) == 1
     assert len({c.plan.runtime_key() for c in choices}) == 1 and choices[0].measured_us == 5.0
+
+
+def _two_close(site, a_us, b_us):
+    """A rule where the model's pick (A) and cuDNN (B) take ``a_us(n)`` / ``b_us(n)`` µs at KV length n and every
+    other candidate 30 µs."""
+    a = _ranked(site)[0].runtime_key()
+
+    def rule(p, s):
+        if p.runtime_key() == a:
+            return a_us(s.kv_len)
+        return b_us(s.kv_len) if getattr(p, "backend", "") == "cudnn" else 30.0
+    return rule
+
+
+def test_a_near_tie_in_a_bucket_is_decided_at_its_ends(cache):
+    """At the bucket's middle A is 2 % faster than cuDNN, at its short end cuDNN is 10 % faster, at its long end 1 %
+    slower: cuDNN's worst ratio (1.02) beats A's (1.11). The ends are timed for the two alone, and recorded."""
+    site = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
+    span = tuning.bucket_span(4096)
+    assert span == (2112, 4096)
+    rule = _two_close(site, lambda n: 10.0, lambda n: {2880: 10.2, 2112: 9.0, 4096: 10.1}[n])
+    timer = Clocked(rule)
+    choice = Tuner(timer, cache, env=ENV).choose(site, _ranked(site), bucketed=True, span=span)
+    assert choice.plan.kind == "dense" and choice.plan.backend == "cudnn" and choice.measured_us == 10.2
+    ends = [(k, n) for k, n in timer.calls if n != 2880]
+    assert sorted(n for _, n in ends) == [2112, 2112, 4096, 4096] and len({k for k, _ in ends}) == 2
+    record = cache.get(ENV, tuning.ShapeKey.of(site, 2880, True))
+    assert record["winner"]["data"]["backend"] == "cudnn" and set(record["span_us"]) == {"2112", "4096"}
+    again = Tuner(Clocked(lambda p, s: pytest.fail("timed although cached")), tuning.TuningCache(), env=ENV)
+    assert again.choose(site, _ranked(site), bucketed=True, span=span).plan.backend == "cudnn"
+
+
+def test_no_tie_no_ends_and_the_faster_keeps_a_tie_that_holds(cache):
+    site = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
+    span = tuning.bucket_span(4096)
+    clear = Clocked(_two_close(site, lambda n: 10.0, lambda n: 10.5))  # 5 % apart: no tie
+    Tuner(clear, cache, env=ENV).choose(site, _ranked(site), bucketed=True, span=span)
+    assert {n for _, n in clear.calls} == {2880}
+    site2 = dataclasses.replace(site, batch=2)  # another shape: not cached
+    steady = Clocked(_two_close(site2, lambda n: 10.0, lambda n: 10.2))  # a tie, the same at both ends
+    choice = Tuner(steady, cache, env=ENV).choose(site2, _ranked(site2), bucketed=True, span=span)
+    assert {n for _, n in steady.calls} == {2880, 2112, 4096} and choice.plan.kind != "dense"
+
+
+def test_buckets_pass_their_span():
+    assert [tuning.bucket_span(b) for b in tuning.BUCKETS[:2]] == [(576, 1024), (1088, 2048)]
+    assert tuning.bucket_span(128, (32, 128)) == (33, 128) and tuning.bucket_span(32, (32, 128)) == (17, 32)
