@@ -24,7 +24,8 @@ A site whose KV length is symbolic (a growing cache) is tuned per length bucket 
 1k to 512k), at the bucket's geometric middle (``bucket_length``), from the trace-time hint's bucket outwards
 within one shared budget; where its two fastest are within ``TIE``, both are also timed at the bucket's ends and
 the one with the smaller worst ratio wins. The op picks the bucket's plan by ``k.shape[2]`` at run time
-(``BucketedPlan``), with no sync. A static cache is timed full (``timer.STATIC_FILL``).
+(``BucketedPlan``), with no sync. A static cache is timed full (``timer.STATIC_FILL``); a near tie there is also
+judged at ``STATIC_LOW_FILL``.
 
 What keeps the first call cheap: a shape is measured once per process (``_PROCESS_TUNERS``: one tuner shared by
 the graphs of a model) and once per machine (the file); the rounds stop when one candidate is more than ``PRUNE``
@@ -76,8 +77,13 @@ BUCKETED_BUDGET_FACTOR = 3.0
 ROUNDS = 3
 #: After the first round, only candidates within this fraction of the best are timed again.
 PRUNE = 0.15
-#: A bucket's runner-up within this fraction of its fastest is timed with it at the bucket's ends (``span``).
+#: A bucket's runner-up within this fraction of its fastest is timed with it at the bucket's ends (``span``); a
+#: static cache's, at ``STATIC_LOW_FILL``.
 TIE = 0.03
+#: The low fill a static cache's near tie is also judged at (the timer times it full): the planner bench's static
+#: cases and the issue's 4k of 32k. A kernel plan reads only the valid keys, so it is timed over that many keys; a
+#: dense plan reads the whole cache at any fill and keeps its full time.
+STATIC_LOW_FILL = 1 / 8
 
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
@@ -294,8 +300,11 @@ class Tuner:
             timings[key] = _median(times) + charge[key]
         measured = {k: v for k, v in timings.items() if isinstance(v, float) and math.isfinite(v)}
         best = min(measured, key=measured.get) if measured else None
+        static = span is None and not bucketed and _static_cache(site)
+        if static:
+            span = (max(64, int(round(site.kv_len * STATIC_LOW_FILL / 64)) * 64),)
         if best is not None and span is not None and not eager and time.perf_counter() < end:
-            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge)
+            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
             release()
@@ -313,12 +322,14 @@ class Tuner:
         return choice
 
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
-                   span: tuple[int, int], charge: dict[str, float]) -> tuple[str, dict[str, dict[str, float]]]:
+                   span: tuple[int, ...], charge: dict[str, float],
+                   static: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
         """Between the fastest and the runner-up when it is within ``TIE``: the one whose worst ratio to the faster
         of the two, at the measured length and at each end of ``span``, is lower (ties: the faster where measured).
         A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
-        H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). Returns the
-        winner and the µs at each end ``{length: {key: µs}}``."""
+        H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). ``static``: the
+        lengths stand for fills of a static cache (a kernel plan timed over that many keys, a dense plan keeping its
+        full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
         ranked = sorted(measured, key=measured.get)
         if len(ranked) < 2 or measured[ranked[1]] > (1 + TIE) * measured[best]:
             return best, {}
@@ -331,6 +342,9 @@ class Tuner:
             at = dataclasses.replace(site, kv_len=int(n))
             times = {}
             for k in pair:
+                if static and not uses_valid_len(by_key[k], site):
+                    times[k] = measured[k]
+                    continue
                 try:
                     times[k] = float(self.timer(by_key[k], at)) + charge.get(k, 0.0)
                 except Exception:  # noqa: BLE001 - an end that cannot be timed does not decide
@@ -425,6 +439,11 @@ class Tuner:
             return Choice(here.plan, how, here.measured_us, timings, tune_s)
         plan = BucketedPlan(bounds=self.buckets, plans=tuple(keys)).with_estimate(here.plan.est_us)
         return Choice(plan, how, here.measured_us, timings, tune_s)
+
+
+def _static_cache(site: AttentionSite) -> bool:
+    """A static cache read through its mask (the kernels read only its valid keys), not a sliding window's band."""
+    return site.mask_kind in ("valid_length", "arbitrary") and site.window is None and site.kv_len is not None
 
 
 def _median(xs: Sequence[float]) -> float:

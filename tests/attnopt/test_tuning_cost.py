@@ -271,3 +271,44 @@ def test_no_tie_no_ends_and_the_faster_keeps_a_tie_that_holds(cache):
 def test_buckets_pass_their_span():
     assert [tuning.bucket_span(b) for b in tuning.BUCKETS[:2]] == [(576, 1024), (1088, 2048)]
     assert tuning.bucket_span(128, (32, 128)) == (33, 128) and tuning.bucket_span(32, (32, 128)) == (17, 32)
+
+
+def test_a_static_near_tie_is_decided_at_a_low_fill(cache):
+    """SmolLM2's 8k static site: two kernel plans 2 % apart full; over an eighth of the keys the runner-up is 40 %
+    faster (its splits still fill the GPU), so it wins. Only the pair is timed again, over 1024 keys."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
+    a, b = [p.runtime_key() for p in plans if p.kind != "dense"][:2]
+
+    def rule(p, s):
+        full = s.kv_len == 8256
+        if p.runtime_key() == a:
+            return 10.0 if full else 5.0
+        if p.runtime_key() == b:
+            return 10.2 if full else 3.0
+        return 30.0
+    timer = Clocked(rule)
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30)
+    assert choice.plan.runtime_key() == b and choice.measured_us == 10.2
+    low = [(k, n) for k, n in timer.calls if n != 8256]
+    assert sorted(low) == sorted([(a, 1024), (b, 1024)]) and tuning.STATIC_LOW_FILL == 1 / 8
+
+
+def test_a_dense_plan_keeps_its_full_time_at_a_low_fill(cache):
+    """cuDNN reads the whole static cache at any fill: in a near tie with a kernel plan it is not timed again, and
+    the kernel plan, faster over fewer keys, wins."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    kernel = ranked[0].runtime_key()
+
+    def rule(p, s):
+        if getattr(p, "backend", "") == "cudnn":
+            return 10.0
+        return (10.2 if s.kv_len == 8256 else 4.0) if p.runtime_key() == kernel else 30.0
+    timer = Clocked(rule)
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30)
+    assert choice.plan.runtime_key() == kernel
+    assert [(k, n) for k, n in timer.calls if n != 8256] == [(kernel, 1024)]
+    window = dataclasses.replace(site, window=512)  # a window's band does not grow with the fill: no low-fill look
+    assert not tuning._static_cache(window) and tuning._static_cache(site)
