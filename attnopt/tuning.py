@@ -84,6 +84,8 @@ TIE = 0.03
 #: cases and the issue's 4k of 32k. A kernel plan reads only the valid keys, so it is timed over that many keys; a
 #: dense plan reads the whole cache at any fill and keeps its full time.
 STATIC_LOW_FILL = 1 / 8
+#: At most this many near-tied candidates are timed again.
+TIE_MAX = 3
 
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
@@ -324,16 +326,17 @@ class Tuner:
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
                    span: tuple[int, ...], charge: dict[str, float],
                    static: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
-        """Between the fastest and the runner-up when it is within ``TIE``: the one whose worst ratio to the faster
-        of the two, at the measured length and at each end of ``span``, is lower (ties: the faster where measured).
+        """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it: the one whose worst ratio
+        to the fastest of them, at the measured length and at each length of ``span``, is lowest (ties: the faster
+        where measured).
         A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
         H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). ``static``: the
         lengths stand for fills of a static cache (a kernel plan timed over that many keys, a dense plan keeping its
         full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
-        ranked = sorted(measured, key=measured.get)
-        if len(ranked) < 2 or measured[ranked[1]] > (1 + TIE) * measured[best]:
+        pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
+        pair = pair[:TIE_MAX]
+        if len(pair) < 2:
             return best, {}
-        pair = ranked[:2]
         worst = {k: measured[k] / measured[best] for k in pair}
         at_ends: dict[str, dict[str, float]] = {}
         for n in dict.fromkeys(span):

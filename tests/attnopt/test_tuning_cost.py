@@ -312,3 +312,16 @@ def test_a_dense_plan_keeps_its_full_time_at_a_low_fill(cache):
     assert [(k, n) for k, n in timer.calls if n != 8256] == [(kernel, 1024)]
     window = dataclasses.replace(site, window=512)  # a window's band does not grow with the fill: no low-fill look
     assert not tuning._static_cache(window) and tuning._static_cache(site)
+
+
+def test_at_most_tie_max_near_ties_are_timed_again(cache):
+    """Every candidate equal full: the first three in timing order are the contenders (ties keep that order); of
+    them the kernel plans are timed at the low fill (cuDNN keeps its full time), no others."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    timer = Clocked(lambda p, s: 10.0 if s.kv_len == 8256 else 2.0)
+    Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30)
+    first = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)[:tuning.TIE_MAX]
+    low = [k for k, n in timer.calls if n == 1024]
+    assert tuning.TIE_MAX == 3 and [p.kind for p in first] == ["split_kv", "dense", "split_kv"]
+    assert low == [first[0].runtime_key(), first[2].runtime_key()]
