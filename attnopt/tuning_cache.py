@@ -22,7 +22,8 @@ from .site import AttentionSite
 #: 2: valid length outside the timed region and charged per sharing site, round-robin medians, L2-sized
 #: rotation (version 1 charged every kernel plan a whole valid-length computation and picked cuDNN for it).
 #: 4: static caches timed full (``timer.STATIC_FILL``), a bucket timed at its middle (``bucket_length``), the most
-#: parallel kernel plan always a candidate, rounds stopped once one candidate is clearly ahead.
+#: parallel kernel plan always a candidate, rounds stopped once one candidate is clearly ahead, near ties judged
+#: over a bucket's ends or at a static cache's low fill.
 TUNING_VERSION = 4
 
 log = logging.getLogger("attnopt.tuning")
