@@ -227,7 +227,8 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
 def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
     """The measurements a case added to the tuning cache (``after`` less ``before``, two ``TuningCache.load()``), in
     short: the timed KV length, whether it stands for a bucket, the winner and each candidate's µs (or why it has
-    none) by ``describe()``, the rounds and the seconds it took. Sorted by length."""
+    none) by ``describe()``, the near-tied candidates' µs at other lengths (a bucket's ends, a static cache's low
+    fill), the rounds and the seconds it took. Sorted by length."""
     import json
 
     from attnopt.plan import plan_from_dict, plan_from_json
@@ -248,7 +249,9 @@ def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
                     "winner": plan_from_dict(record["winner"]).describe() if "winner" in record else None,
                     "measured_us": record.get("measured_us"), "rounds": record.get("rounds"),
                     "tune_s": record.get("tune_s"),
-                    "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)}})
+                    "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)},
+                    "near_tie_us": {n: {name(k): v for k, v in by.items()}
+                                    for n, by in (record.get("span_us") or {}).items()}})
     return sorted(out, key=lambda r: (r["kv_len"] or 0))
 
 

@@ -145,7 +145,9 @@ def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch
     def timer(plan, site):
         if plan.kind == "dense" and plan.backend == "flash":
             raise RuntimeError("No available kernel")
-        return 5.0 if plan.kind == "dense" else 7.0 + site.kv_len / 1e4
+        if plan.kind == "dense":
+            return 5.0
+        return 5.1 if site.kv_len < 1024 else 7.0 + site.kv_len / 1e4  # a near tie in the first bucket
 
     tuner = Tuner(timer, TuningCache(), env=env)
     site = AttentionSite.canonical(kv_len=4096)
@@ -165,6 +167,9 @@ def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch
     assert values[0] == 5.0 and str(values[-1]).startswith("error: RuntimeError")
     numbers = [v for v in values if isinstance(v, float)]
     assert numbers == sorted(numbers)
+    ties = [r for r in records if r["near_tie_us"]]  # the first bucket's near tie, timed at its ends
+    assert [r["kv_len"] for r in ties] == [704] and set(ties[0]["near_tie_us"]) == {"576", "1024"}
+    assert {name.split("(")[0] for by in ties[0]["near_tie_us"].values() for name in by} == {"dense", "split_kv"}
     out = overall([{"case": "a", "tune_s": 1.0, "compile_s": 3.0}, {"case": "b", "tune_s": 3.0, "compile_s": 5.0}])
     assert out["tune_s_median"] == 2.0 and out["tune_s_max"] == 3.0 and out["compile_s_max"] == 5.0
 
