@@ -304,7 +304,7 @@ class Tuner:
         best = min(measured, key=measured.get) if measured else None
         static = span is None and not bucketed and _static_cache(site)
         if static:
-            span = (max(64, int(round(site.kv_len * STATIC_LOW_FILL / 64)) * 64),)
+            span = (min(site.kv_len, max(64, int(round(site.kv_len * STATIC_LOW_FILL / 64)) * 64)),)
         if best is not None and span is not None and not eager and time.perf_counter() < end:
             best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
         release = getattr(self.timer, "release", None)

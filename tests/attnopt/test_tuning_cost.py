@@ -325,3 +325,10 @@ def test_at_most_tie_max_near_ties_are_timed_again(cache):
     low = [k for k, n in timer.calls if n == 1024]
     assert tuning.TIE_MAX == 3 and [p.kind for p in first] == ["split_kv", "dense", "split_kv"]
     assert low == [first[0].runtime_key(), first[2].runtime_key()]
+
+
+def test_a_short_static_cache_is_never_timed_past_its_length(cache):
+    site = dataclasses.replace(SMOL_1K, kv_len=48)
+    timer = Clocked(lambda p, s: 10.0)
+    Tuner(timer, cache, env=ENV).choose(site, _ranked(site))
+    assert {n for _, n in timer.calls} == {48}
