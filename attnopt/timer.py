@@ -9,7 +9,7 @@ the benchmark rank plans alike:
   ``mode="reduce-overhead"`` runs it), the median of several replays after an eager warm-up;
 * the calls cycle over input sets that together span ``L2_FACTOR`` L2 sizes (as many small sets as that takes),
   and one replay reads every set, so K/V come from HBM as they do in a model whose other layers evict them;
-* the inputs have the site's shape, dtype, mask kind and a valid length (``STATIC_FILL`` of a static cache);
+* the inputs have the site's shape, dtype, mask kind and a valid length (``STATIC_FILL`` of a static cache: full);
 * where the graph will not replay as CUDA graphs (``mode`` other than ``reduce-overhead``), a call also costs
   its host time (``host_us``: the op issued back to back, prepare done in the warm-up), so the tuner takes the
   longer of the two: at small shapes the host's launch cost, not the kernel, sets the pace;
@@ -29,8 +29,12 @@ from typing import Any, Callable
 from .plan import Plan
 from .site import AttentionSite
 
-#: The fill a static cache (valid-length mask) is timed at: half its capacity, the mean over its life.
-STATIC_FILL = 0.5
+#: The fill a static cache (valid-length mask) is timed at: full. Its valid length is a device tensor, unknown at
+#: compile time, and one plan serves every fill (choosing by it would sync). A step is longest near full, and a
+#: Hugging Face StaticCache sized to the prompt plus the new tokens runs there (the e2e caches: 94-99 % full).
+#: Tuning version 3 timed half-full caches and kept SmolLM2's 1k site on S=5/256/8/2 (10 µs in the e2e step), where
+#: a forced sweep found S=16/64/4/3 at 6.2 µs (H100, c761f67): how many keys each split gets changes the ranking.
+STATIC_FILL = 1.0
 #: The input sets of one timing span this many L2 sizes.
 L2_FACTOR = 4
 #: At most this many input sets (small shapes need many to span the L2; each is a few hundred kB there).
