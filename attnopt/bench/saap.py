@@ -17,14 +17,18 @@ Inputs rotate over several sets so that the sparse reads miss in L2. SAAP's outp
 reference over the same sparse set; the dense methods against dense fp32 attention.
 
 Each SAAP row also carries a per-launch breakdown (``launch_breakdown``: torch.profiler over eager calls, the
-kernels' own device time per call): ``scoring_us`` (de-roping and logits, one launch, two with the MLP),
-``selection_us`` (group softmax sums, top-l, work list), ``attention_us``, ``merge_us``, ``other_us`` (any other
-kernel), ``kernels_per_call``; ``us`` minus their sum is what the graph spends between kernels.
+kernels' own device time per call, launched unchained): ``scoring_us`` (de-roping and logits, one launch, two with
+the MLP), ``selection_us`` (group softmax sums, top-l, work list), ``attention_us``, ``merge_us``, ``other_us`` (any
+other kernel), ``kernels_per_call``; ``between_kernels_us``: ``us`` minus their sum, what the graph spends between
+kernels (negative where chained launches overlap); ``us_unchained``: the graph timing without programmatic dependent
+launch between the SAAP launches.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -217,11 +221,16 @@ def run(args) -> dict[str, Any]:
                     if "us" in row:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
+                            row["between_kernels_us"] = row["us"] - sum(row[k] for k in STAGES)
+                            with unchained():  # what the chaining of the launches buys, in the same graph timing
+                                row["us_unchained"] = time_us(cycle(calls), "graph")
                         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
                             row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
                         print(f"    splits {splits}, block_n {block_n}: " + ", ".join(
                             f"{k[:-3]} {row[k]:.1f}" for k in STAGES if k in row)
-                            + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels", flush=True)
+                            + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels; "
+                            f"{row.get('between_kernels_us', float('nan')):.1f} µs of the graph's time between them; "
+                            f"{row.get('us_unchained', float('nan')):.1f} µs unchained", flush=True)
         by = {r["method"]: r for r in rows if "us" in r}
         dense = [r for r in rows if "us" in r and "saap" not in r["method"]]
         fastest = min(dense, key=lambda r: r["us"]) if dense else None
@@ -250,19 +259,36 @@ def stage_of(kernel: str) -> str:
     return next(stage for stage, names in STAGES.items() if any(n in kernel for n in names))
 
 
+@contextlib.contextmanager
+def unchained():
+    """Launch without programmatic dependent launch for the duration (``ATTNOPT_PDL=0``)."""
+    saved = os.environ.get("ATTNOPT_PDL")
+    os.environ["ATTNOPT_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("ATTNOPT_PDL")
+        else:
+            os.environ["ATTNOPT_PDL"] = saved
+
+
 def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
     """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn`` under
-    torch.profiler, and the kernels per call."""
+    torch.profiler, and the kernels per call. The launches are not chained here (``ATTNOPT_PDL=0``), so each
+    kernel's time is its own work, not also its wait for the one before."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
+    # without programmatic dependent launch: a chained kernel starts early and its time would include its wait
+    with unchained():
+        for _ in range(3):
             fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
     out = {stage: 0.0 for stage in STAGES}
     kernels = 0
     for e in prof.events():
