@@ -2,13 +2,15 @@
 launch), the attention launch over the sink, the recent window and the chosen clusters, and the shared merge.
 
 The selection leaves a compact work list per (batch row, KV head): the chosen non-empty clusters in cluster order,
-their inclusive key prefix and their shift into the cluster-sorted ``perm``. The attended keys form one virtual
-sequence, the sink, then the chosen clusters' keys, then the window [indexed_end, kv_len), and split ``s`` of the
-attention launch takes an equal share of its BLOCK_N-key tiles: a large cluster is cut over several programs and
-small ones are packed into one tile, so the largest cluster does not set the time. A tile finds its keys' clusters
-among the BLOCK_N entries of the list from its first cluster on (any BLOCK_N consecutive keys span at most BLOCK_N
-non-empty clusters), by one vector load and a (BLOCK_N, BLOCK_N) comparison: no sort and no per-key search in the
-attention launch. The grid is fixed by the plan and every length is read on the device, so a captured CUDA graph
+their inclusive key prefix and their shift into the cluster-sorted ``perm``. The attention launch's first W splits
+share the always-attended keys (the sink, then the window [indexed_end, kv_len)), which need no selection: chained
+by programmatic dependent launch they run while the scoring and the selection do. The other splits wait for the
+selection and take equal shares of the chosen clusters' keys laid end to end in BLOCK_N-key tiles: a large cluster
+is cut over several programs and small ones are packed into one tile, so the largest cluster does not set the
+time. W is in proportion to the expected keys of each part. A tile finds its keys' clusters among the BLOCK_N
+entries of the list from its first cluster on (any BLOCK_N consecutive keys span at most BLOCK_N non-empty
+clusters), by one vector load and a (BLOCK_N, BLOCK_N) comparison: no sort and no per-key search in the attention
+launch. The grid is fixed by the plan and every length is read on the device, so a captured CUDA graph
 replays correctly.
 """
 from __future__ import annotations
@@ -29,6 +31,24 @@ from .common import _finish, _load_q, _row_coords, _softmax_update, _split_share
 from .launch import KernelLauncher
 from .merge import merge_states
 from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_workspace
+
+
+@triton.jit
+def _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d, offs_dv,
+                 stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Fold the keys at positions ``pos`` (BLOCK_N,) (read where ``key_ok``) into the query tile's state."""
+    pos64 = pos.to(tl.int64)
+    k = tl.load(k_base + pos64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
+                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(v_base + pos64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
+                mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    visible = key_ok[None, :] & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])
+    return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
 
 
 @triton.jit
@@ -56,6 +76,8 @@ def _saap_kernel(
     NUM_M,  # M blocks per KV head
     SINK,  # keys [0, SINK) are always attended
     NUM_SPLITS,  # programs per (batch row, KV head, M block)
+    WINDOW_SPLITS,  # splits [0, W) share the sink and the window, splits [W, S) the clusters (0 <= W < S; W = 0:
+    # split 0 takes the sink and the window as well)
     D: tl.constexpr,  # head dim of Q/K
     DV: tl.constexpr,  # head dim of V
     BLOCK_M: tl.constexpr,  # packed query rows per tile
@@ -91,54 +113,54 @@ def _saap_kernel(
         kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
     indexed_end = tl.minimum(tl.load(end_ptr + b).to(tl.int32), kv_len)
     sink = tl.minimum(SINK, indexed_end)
-    if WAIT_PRIOR:
-        gdc_wait()  # the selection's work list is complete and visible from here on
-    total = tl.load(total_ptr + bh)
-    incl_base = incl_ptr + bh.to(tl.int64) * BLOCK_C
-    shift_base = shift_ptr + bh.to(tl.int64) * BLOCK_C
-
-    # this split's share of the virtual sequence: sink | chosen clusters | window
-    n_win = kv_len - indexed_end
-    n_virtual = sink + total + n_win
-    lo, hi = _split_share(split, n_virtual, NUM_SPLITS, BLOCK_N)
-    # the list entry of the cluster holding cluster key (lo - sink): the count of prefixes at or below it
-    offs_c = tl.arange(0, FIRST_CHUNK)
-    first = 0
-    for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
-        first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo - sink).to(tl.int32), axis=0)
-
     row_pos = kv_len - L + i  # each query token's own position: it sees no later key
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = k_ptr + b64 * stride_kb + kvh64 * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh64 * stride_vh
-    p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
+
+    # phase 1, without the selection (so, chained, it runs while the scoring and the selection do): this split's
+    # share of the always-attended keys, the sink [0, sink) then the window [indexed_end, kv_len)
+    n_always = sink + kv_len - indexed_end
+    lo, hi = _split_share(split, n_always, tl.maximum(WINDOW_SPLITS, 1), BLOCK_N)
+    if split >= tl.maximum(WINDOW_SPLITS, 1):
+        hi = lo
     for start_t in range(lo, hi, BLOCK_N):
         t = start_t + offs_n
         t_ok = t < hi
-        u = t - sink
-        in_clusters = t_ok & (t >= sink) & (u < total)
-        # the BLOCK_N list entries from the tile's first cluster on hold every cluster of its keys
-        entry = first + offs_n
-        window = tl.load(incl_base + entry, mask=entry < BLOCK_C, other=2147483647)
-        owner = first + tl.sum((window[None, :] <= u[:, None]).to(tl.int32), axis=1)
-        shift = tl.load(shift_base + owner, mask=in_clusters, other=0)
-        from_perm = tl.load(p_base + (shift + u).to(tl.int64) * stride_pn, mask=in_clusters, other=0)
-        first += tl.sum((window <= start_t - sink + BLOCK_N).to(tl.int32), axis=0)
-        pos = tl.where(t < sink, t, tl.where(in_clusters, from_perm, indexed_end + u - total))
-        pos64 = pos.to(tl.int64)
-        key_ok = t_ok & (pos < kv_len)  # a cluster key past the valid length (a shrunk cache) is never read
-        k = tl.load(k_base + pos64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
-                    mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(v_base + pos64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
-                    mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-        visible = key_ok[None, :] & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
+        pos = tl.where(t < sink, t, indexed_end + t - sink)
+        acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, pos, t_ok, k_base, v_base, row_ok, row_pos, offs_d, offs_dv,
+                                     stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV, UPCAST, PRECISION)
+
+    # phase 2: this split's share of the chosen clusters' keys, after the selection
+    if split >= WINDOW_SPLITS:
+        if WAIT_PRIOR:
+            gdc_wait()  # the selection's work list is complete and visible from here on
+        total = tl.load(total_ptr + bh)
+        incl_base = incl_ptr + bh.to(tl.int64) * BLOCK_C
+        shift_base = shift_ptr + bh.to(tl.int64) * BLOCK_C
+        p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
+        lo, hi = _split_share(split - WINDOW_SPLITS, total, NUM_SPLITS - WINDOW_SPLITS, BLOCK_N)
+        # the list entry of the cluster holding key lo: the count of prefixes at or below it
+        offs_c = tl.arange(0, FIRST_CHUNK)
+        first = 0
+        for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
+            first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo).to(tl.int32), axis=0)
+        for start_u in range(lo, hi, BLOCK_N):
+            u = start_u + offs_n
+            u_ok = u < hi
+            # the BLOCK_N list entries from the tile's first cluster on hold every cluster of its keys
+            entry = first + offs_n
+            window = tl.load(incl_base + entry, mask=entry < BLOCK_C, other=2147483647)
+            owner = first + tl.sum((window[None, :] <= u[:, None]).to(tl.int32), axis=1)
+            shift = tl.load(shift_base + owner, mask=u_ok, other=0)
+            pos = tl.load(p_base + (shift + u).to(tl.int64) * stride_pn, mask=u_ok, other=0)
+            first += tl.sum((window <= start_u + BLOCK_N).to(tl.int32), axis=0)
+            key_ok = u_ok & (pos < kv_len)  # a cluster key past the valid length (a shrunk cache) is never read
+            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d,
+                                         offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV,
+                                         UPCAST, PRECISION)
     o, lse = _finish(acc, m_i, l_i)
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
@@ -146,6 +168,16 @@ def _saap_kernel(
 
 
 _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
+
+
+def window_split_count(num_splits: int, always_keys: float, cluster_keys: float) -> int:
+    """Splits of ``num_splits`` that take the sink and the window (``always_keys``) rather than the chosen clusters
+    (``cluster_keys`` expected), in proportion, with at least one for each part (none when there is one split: it
+    takes both). The window splits need not wait for the selection."""
+    if num_splits < 2 or always_keys <= 0:
+        return 0
+    share = round(num_splits * always_keys / max(always_keys + cluster_keys, 1e-9))
+    return max(1, min(num_splits - 1, share))
 
 
 class SaapWorkspace(NamedTuple):
@@ -173,7 +205,8 @@ def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, 
 
 def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
-                       block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None):
+                       block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None,
+                       window_splits=None):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -189,6 +222,9 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     workspace : from ``saap_workspace`` (allocated here when None; its split count wins over ``num_splits``).
     pdl : chain the launches by programmatic dependent launch (see ``saap_select``); None = wherever the GPU and
         Triton support it.
+    window_splits : splits that share the sink and the window (the rest share the clusters; see
+        ``window_split_count``); None: by the keys the sink and window hold at N keys against ``probes`` clusters of
+        average size.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -200,6 +236,12 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     sm_scale = softmax_scale(scale, D)
     if workspace is None:
         workspace = saap_workspace(num_splits, q, v, Hkv, C, scorer.hidden if scorer is not None else 0)
+    S = workspace.num_splits
+    if window_splits is None:
+        n_idx = perm.shape[-1]
+        window_splits = window_split_count(S, sink + max(0, N - sink - n_idx), probes * n_idx / max(1, C))
+    if not 0 <= window_splits < S:
+        raise ValueError(f"saap_decode_kernel: window_splits must be in [0, {S}) for {S} splits; got {window_splits}")
     pdl = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
                       scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl)
@@ -210,7 +252,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         (workspace.num_splits, B * Hkv * num_m), q, k, v, sel.incl, sel.shift, sel.total, perm, indexed_end,
         valid_len if has_valid else indexed_end, ws_o, ws_lse,
         *q.stride(), *k.stride(), *v.stride(), *perm.stride(), *ws_o.stride(), *ws_lse.stride(), sm_scale, N, L, G,
-        Hkv, num_m, int(sink), workspace.num_splits, D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        Hkv, num_m, int(sink), S, int(window_splits), D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_D=block_d_for(D), BLOCK_DV=block_d_for(Dv), BLOCK_C=sel.incl.shape[1],
         FIRST_CHUNK=min(1024, sel.incl.shape[1]), HAS_VALID=has_valid,
         UPCAST=upcast, PRECISION=precision, WAIT_PRIOR=pdl, LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,

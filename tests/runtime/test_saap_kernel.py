@@ -21,7 +21,7 @@ def random_index(hkv: int, hq: int, d: int, clusters: int) -> SaapIndex:
 
 
 def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits, block_n, valid=None, scores=None,
-             assign=None):
+             assign=None, window_splits=None):
     """Kernel against the reference over the same sparse set. ``assign`` (B, Hkv, n): given clusters of keys
     [sink, sink + n) (default: the nearest centroid of a random index, over the first ``prompt`` keys). With
     ``valid``, the cache holds garbage (NaN) from there on."""
@@ -51,7 +51,8 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     stats = torch.zeros(2, dtype=torch.float64, device=dev)
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
-                       valid_len=None if vl is None else vl.to(dev), stats=stats, num_splits=splits, block_n=block_n)
+                       valid_len=None if vl is None else vl.to(dev), stats=stats, num_splits=splits, block_n=block_n,
+                       window_splits=window_splits)
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=tol, rtol=tol)
@@ -80,6 +81,28 @@ def test_kernel_matches_reference_on_the_same_sparse_set(B, Hq, Hkv, N, D, L, C,
 def test_kernel_balances_a_large_cluster_over_many_splits():
     # one giant chosen cluster: 16 splits of 16-key tiles must share it and still give the exact answer
     run_case(1, 2, 1, 180, 64, 1, 4, 1, sink=1, window=8, prompt=180, dtype=torch.float32, splits=16, block_n=16)
+
+
+@pytest.mark.parametrize("splits,window_splits", [(1, 0), (4, 0), (4, 1), (4, 3), (2, 1)])
+def test_any_division_of_the_splits_between_window_and_clusters(splits, window_splits):
+    # W = 0: split 0 takes the sink and window besides its cluster share; W = S - 1: one split for the clusters
+    run_case(2, 4, 2, 170, 64, 2, 12, 4, sink=3, window=40, prompt=170, dtype=torch.float32, splits=splits,
+             block_n=16, window_splits=window_splits)
+
+
+def test_window_split_count_and_bad_counts():
+    from attnopt.runtime.kernels.saap import saap_decode_kernel, window_split_count
+
+    assert window_split_count(1, 100, 100) == 0 and window_split_count(8, 0, 100) == 0
+    assert window_split_count(8, 1, 1000) == 1 and window_split_count(8, 1000, 1) == 7
+    assert window_split_count(51, 1639, 4867) == 13
+    q = torch.randn(1, 2, 1, 64)
+    k = torch.randn(1, 1, 40, 64)
+    offsets = torch.zeros(1, 1, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"window_splits must be in \[0, 4\)"):
+        saap_decode_kernel(q, k, k, offsets, torch.zeros(1, 1, 0, dtype=torch.int32),
+                           torch.zeros(1, dtype=torch.int32), torch.empty(1, 2, 1, 64), scores=torch.rand(1, 1, 4),
+                           probes=1, sink=1, num_splits=4, window_splits=4)
 
 
 def test_kernel_reads_nothing_past_the_valid_length():
