@@ -136,7 +136,7 @@ class Saap(Strategy[SaapPlan]):
                                f"window={clusters_state.window} but the plan has sink={plan.sink}, "
                                f"window={plan.window}")
         if use_triton(q):
-            from ..kernels.saap import saap_decode_kernel
+            from ..kernels.saap import saap_decode_kernel, window_split_count
 
             if attn_mask is not None and valid_len is None:
                 # the planner plans SAAP only without a mask or with a valid-length one (then valid_len carries it)
@@ -145,7 +145,9 @@ class Saap(Strategy[SaapPlan]):
             saap_decode_kernel(q, k, v, clusters_state.offsets, clusters_state.perm, clusters_state.ends, out,
                                probes=plan.probes, sink=plan.sink, scale=scale, scorer=state.scorer,
                                valid_len=valid_len, stats=state.stats, block_n=plan.block_n,
-                               workspace=state.workspace)
+                               workspace=state.workspace, window_splits=window_split_count(
+                                   plan.num_splits, plan.sink + plan.window,
+                                   plan.probes * clusters_state.perm.shape[-1] / clusters_state.num_clusters))
             return out
         steps = torch.arange(L, device=q.device)
         if valid_len is None:
