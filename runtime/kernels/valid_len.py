@@ -164,7 +164,8 @@ def key_range_from_mask(attn_mask: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 #: Zeroed arrival counters per device (every launch leaves them zero), grown as batches grow. Buffers are never
-#: freed: a captured CUDA graph keeps the address it was captured with.
+#: freed: a captured CUDA graph keeps the address it was captured with. Scans on one stream (a decode step's) run
+#: one after another; two scans on concurrent streams of one device would share the counters (not supported).
 _COUNTERS: dict[str, torch.Tensor] = {}
 _KEPT: list[torch.Tensor] = []
 

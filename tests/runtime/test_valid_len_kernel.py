@@ -122,3 +122,31 @@ def test_long_masks_fold_column_chunks_with_atomics(device, dtype, fold, monkeyp
         assert not valid_len.arrival_counters(m.device, 4).any()  # every launch leaves them zero
     broadcast = m[:1]  # one mask row for every batch row
     assert kernel(broadcast, 3).tolist() == [ATOMIC_CHUNK_N + 9] * 3
+
+
+@pytest.mark.cuda
+def test_long_mask_scan_replays_in_a_cuda_graph():
+    """The one-launch scan of a long mask (the last program to arrive folds the chunks) captured in a CUDA graph:
+    each replay, after the mask's band moves in place, gives the reference's key range, and leaves the arrival
+    counters zero."""
+    from attnopt.runtime.kernels import valid_len
+
+    B, N, W = 3, 5 * 8192 + 123, 1000
+    mask = torch.zeros(B, 1, 1, N, dtype=torch.bool, device="cuda")
+
+    def place(ends):
+        mask.zero_()
+        for b, end in enumerate(ends):
+            mask[b, ..., max(0, end - W):end] = True
+
+    place([N, 9000, 0])
+    range_kernel(mask, B)  # counters made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = range_kernel(mask, B)
+    for ends in ([N, 9000, 0], [500, 8192 * 2 + 1, N - 7], [0, 0, 0], [N, N, N]):
+        place(ends)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), range_reference(mask, B).cpu()), ends
+        assert not valid_len.arrival_counters(mask.device, B).any()
