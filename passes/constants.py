@@ -19,7 +19,10 @@ _RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "uniform", "
 
 def constant_value(node: fx.Node, limit: int = 64) -> torch.Tensor | None:
     """The real tensor ``node`` evaluates to when it depends only on constants (at most ``limit`` nodes: calls of
-    functions and methods whose inputs are numbers, devices, dtypes and such calls), else None."""
+    functions and methods whose inputs are numbers, devices, dtypes and such calls) and none of them is written in
+    place anywhere in the graph (the value read at run time could then differ from the one evaluated), else None."""
+    from .mutation import MutationIndex, mutated_args
+
     needed: set[fx.Node] = set()
     todo = [node]
     while todo:
@@ -31,6 +34,9 @@ def constant_value(node: fx.Node, limit: int = 64) -> torch.Tensor | None:
             return None
         needed.add(n)
         todo.extend(n.all_input_nodes)
+    writes = MutationIndex(node.graph)
+    if any(writes.written(n) or mutated_args(n) for n in needed):
+        return None
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     env: dict[fx.Node, Any] = {}

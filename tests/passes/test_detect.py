@@ -330,6 +330,37 @@ def _bloom_attention(q, k, v, padding, mask, beta=1.0, bias_fill=None):
     return out.view(b, h, -1, d)
 
 
+def test_constant_slopes_written_in_place_are_not_folded():
+    """A slopes tensor built from constants but edited in place (``base.mul_(2)`` after ``arange``) is not evaluated
+    at compile time (the graph's value is the edited one): the result equals the original's either way."""
+    from attnopt.passes.constants import constant_value
+
+    def f(q, k, v):
+        n = k.shape[-2]
+        base = torch.arange(1, 5, dtype=torch.float32)  # 4 heads: constants alone
+        base.mul_(2.0)
+        slopes = 1.0 / torch.pow(2, base)
+        bias = slopes.view(1, -1, 1, 1) * torch.arange(n, dtype=torch.float32).view(1, 1, 1, n)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.125 + bias, -1) @ v
+
+    import operator
+
+    for edit in (False, True):  # 1 / 2 ** arange(1, 5), its arange edited in place (mul_) or not
+        g = torch.fx.Graph()
+        base = g.call_function(torch.arange, (1, 5), {"dtype": torch.float32})
+        if edit:
+            g.call_method("mul_", (base, 2.0))
+        slopes = g.call_function(operator.truediv, (1.0, g.call_function(torch.pow, (2, base))))
+        g.output(slopes)
+        value = constant_value(slopes)
+        # unedited: evaluated, equal to the eager value; edited: its arange's storage is written, so not folded
+        assert value is None if edit else torch.equal(value, 1.0 / torch.pow(2, torch.arange(1, 5.0)))
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    r = dynamo(f, q, k, v, config=OptimizeConfig(force_plan="split_kv"))
+    assert not any(n.op == "get_attr" and "alibi" in str(n.target) for n in r.gm.graph.nodes)
+    torch.testing.assert_close(r.out, f(q, k, v), **TOL)
+
+
 @pytest.mark.parametrize("case", ["padded", "no_mask", "hidden_row"])
 def test_bloom_baddbmm_bias_joins_the_mask(case):
     """Bloom's ``baddbmm(alibi, q, k^T, alpha)``: the score product with its scale, the bias (positions from the

@@ -101,14 +101,21 @@ def _launches(monkeypatch) -> list[dict]:
 def _variant_launches(q, k, v, mask):
     """The variant paths (HAS_START: a window's key start read on device; SOFTCAP; ALIBI), alone and together, in
     both kernels."""
+    from attnopt.runtime.kernels import valid_len
     from attnopt.runtime.kernels.valid_len import key_range_from_mask, key_start_from_mask, valid_len_from_mask
 
     B, Hq, L, D = q.shape
-    long = torch.ones(1, 1, 1, 20000, dtype=torch.bool)  # rows past ATOMIC_CHUNK_N: the chunked, atomic path
-    for m in (mask, torch.where(mask, 0.0, float("-inf")), long):  # the mask reductions the window path runs
-        valid_len_from_mask(m, B)
-        key_start_from_mask(m, B)
-        key_range_from_mask(m, B)
+    long = torch.ones(1, 1, 1, 20000, dtype=torch.bool)  # rows past ATOMIC_CHUNK_N: the chunked paths
+    counters = valid_len.arrival_counters
+    try:
+        for fold in ("arrive", "atomic"):  # the last program to arrive folds the chunks; without counters, atomics
+            valid_len.arrival_counters = counters if fold == "arrive" else (lambda device, batch: None)
+            for m in (mask, torch.where(mask, 0.0, float("-inf")), long):  # the mask reductions the window path runs
+                valid_len_from_mask(m, B)
+                key_start_from_mask(m, B)
+                key_range_from_mask(m, B)
+    finally:
+        valid_len.arrival_counters = counters
     start, valid = torch.tensor([70], dtype=torch.int32), torch.tensor([250], dtype=torch.int32)
     slopes = torch.rand(Hq)
     for key_start, softcap, alibi in ((start, 0.0, None), (None, 50.0, None), (start, 50.0, slopes),

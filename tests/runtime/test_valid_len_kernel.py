@@ -90,13 +90,19 @@ def test_kernel_refuses_what_it_cannot_read():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
-def test_long_masks_fold_column_chunks_with_atomics(device, dtype):
-    """Rows longer than ATOMIC_CHUNK_N: programs over column chunks fold their last (and first) visible key with
-    atomics; rows visible only in one chunk, in the last partial chunk, everywhere, or nowhere."""
+@pytest.mark.parametrize("fold", ["arrive", "atomic"])
+def test_long_masks_fold_column_chunks_with_atomics(device, dtype, fold, monkeypatch):
+    """Rows longer than ATOMIC_CHUNK_N: programs over column chunks, folded by the last program to arrive at each
+    batch row (one launch; the arrival counters are zero again after it) or, without counters (first use inside a
+    graph capture), with atomics into a filled output; rows visible only in one chunk, in the last partial chunk,
+    everywhere, or nowhere."""
+    from attnopt.runtime.kernels import valid_len
     from attnopt.runtime.kernels.valid_len import ATOMIC_CHUNK_N, key_start_from_mask
     from attnopt.runtime.reference import key_start_from_mask as key_start_reference
 
     device = _dev(device)
+    if fold == "atomic":
+        monkeypatch.setattr(valid_len, "arrival_counters", lambda device, batch: None)
     n = 2 * ATOMIC_CHUNK_N + 777
     visible = torch.zeros(4, 2, 1, n, dtype=torch.bool)
     visible[0, 1, 0, ATOMIC_CHUNK_N + 5: ATOMIC_CHUNK_N + 9] = True  # inside the middle chunk, one head only
@@ -112,5 +118,35 @@ def test_long_masks_fold_column_chunks_with_atomics(device, dtype):
     assert range_kernel(m, 4).tolist() == range_reference(m, 4).tolist() == [
         [ATOMIC_CHUNK_N + 5, 2, 0, 2**31 - 1], [ATOMIC_CHUNK_N + 9, n - 2, n, 0]]
     assert range_kernel(m[:1], 3).tolist() == [[ATOMIC_CHUNK_N + 5] * 3, [ATOMIC_CHUNK_N + 9] * 3]
+    if fold == "arrive":
+        assert not valid_len.arrival_counters(m.device, 4).any()  # every launch leaves them zero
     broadcast = m[:1]  # one mask row for every batch row
     assert kernel(broadcast, 3).tolist() == [ATOMIC_CHUNK_N + 9] * 3
+
+
+@pytest.mark.cuda
+def test_long_mask_scan_replays_in_a_cuda_graph():
+    """The one-launch scan of a long mask (the last program to arrive folds the chunks) captured in a CUDA graph:
+    each replay, after the mask's band moves in place, gives the reference's key range, and leaves the arrival
+    counters zero."""
+    from attnopt.runtime.kernels import valid_len
+
+    B, N, W = 3, 5 * 8192 + 123, 1000
+    mask = torch.zeros(B, 1, 1, N, dtype=torch.bool, device="cuda")
+
+    def place(ends):
+        mask.zero_()
+        for b, end in enumerate(ends):
+            mask[b, ..., max(0, end - W):end] = True
+
+    place([N, 9000, 0])
+    range_kernel(mask, B)  # counters made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = range_kernel(mask, B)
+    for ends in ([N, 9000, 0], [500, 8192 * 2 + 1, N - 7], [0, 0, 0], [N, N, N]):
+        place(ends)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), range_reference(mask, B).cpu()), ends
+        assert not valid_len.arrival_counters(mask.device, B).any()
