@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnopt.runtime.kernels import interpreting
+from attnopt.runtime.kernels.valid_len import key_range_from_mask as range_kernel
 from attnopt.runtime.kernels.valid_len import key_start_from_mask as start_kernel
 from attnopt.runtime.kernels.valid_len import valid_len_from_mask as kernel
+from attnopt.runtime.reference import key_range_from_mask as range_reference
 from attnopt.runtime.reference import key_start_from_mask as start_reference
 from attnopt.runtime.reference import valid_len_from_mask as reference
 
@@ -56,6 +58,9 @@ def test_kernel_matches_reference_for_broadcast_shapes(device, data):
     assert got.dtype == torch.int32 and got.shape == (batch,)
     assert torch.equal(got.cpu(), reference(m, batch).cpu())
     assert torch.equal(start_kernel(m, batch).cpu(), start_reference(m, batch).cpu())  # the key start (FIRST)
+    rng = range_kernel(m, batch)  # both ends in one scan (RANGE)
+    assert rng.dtype == torch.int32 and rng.shape == (2, batch)
+    assert torch.equal(rng.cpu(), range_reference(m, batch).cpu())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -70,7 +75,9 @@ def test_kernel_reads_strided_and_expanded_masks(device):
     for m in (base, expanded, sliced, base[..., :600]):
         assert torch.equal(kernel(m, 2).cpu(), reference(m, 2).cpu())
         assert torch.equal(start_kernel(m, 2).cpu(), start_reference(m, 2).cpu())
+        assert torch.equal(range_kernel(m, 2).cpu(), range_reference(m, 2).cpu())
     assert kernel(base, 2).tolist() == [513, 41] and start_kernel(base, 2).tolist() == [0, 40]
+    assert range_kernel(base, 2).tolist() == [[0, 40], [513, 41]]
 
 
 def test_kernel_refuses_what_it_cannot_read():
@@ -101,5 +108,9 @@ def test_long_masks_fold_column_chunks_with_atomics(device, dtype):
     m = m.to(device)
     assert kernel(m, 4).tolist() == reference(m, 4).tolist() == [ATOMIC_CHUNK_N + 9, n - 2, n, 0]
     assert key_start_from_mask(m, 4).tolist() == key_start_reference(m, 4).tolist() == [ATOMIC_CHUNK_N + 5, 2, 0, 0]
+    # both ends in one scan: the start of a row without a visible key is the empty range's 2**31 - 1
+    assert range_kernel(m, 4).tolist() == range_reference(m, 4).tolist() == [
+        [ATOMIC_CHUNK_N + 5, 2, 0, 2**31 - 1], [ATOMIC_CHUNK_N + 9, n - 2, n, 0]]
+    assert range_kernel(m[:1], 3).tolist() == [[ATOMIC_CHUNK_N + 5] * 3, [ATOMIC_CHUNK_N + 9] * 3]
     broadcast = m[:1]  # one mask row for every batch row
     assert kernel(broadcast, 3).tolist() == [ATOMIC_CHUNK_N + 9] * 3
