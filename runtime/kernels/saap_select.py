@@ -357,9 +357,17 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     valid = valid_len if has_valid else indexed_end
     ws = workspace
     nchunk = ws.chunk_stats.shape[3]
+    if scores is not None and tuple(scores.shape) != (B, Hkv, C):
+        raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
     if scores is None:
         if scorer is None:
             raise ValueError("saap_select needs a scorer or scores")
+        if ws.logits.shape != (B, Hkv, M, C) or (ws.hidden is None) != (scorer.mlp is None) or (
+                ws.hidden is not None and ws.hidden.shape[-1] != scorer.hidden) or nchunk != cdiv(
+                C, _logit_block(scorer.hidden)):
+            raise ValueError(f"saap_select: the workspace is for logits {tuple(ws.logits.shape)} and a hidden layer of "
+                             f"{0 if ws.hidden is None else ws.hidden.shape[-1]}, but this call has {(B, Hkv, M, C)} "
+                             f"and {scorer.hidden}: allocate it with select_workspace for this scorer")
         derope = scorer.inv_freq is not None
         inv_freq = scorer.inv_freq if derope else scorer.centroids
         # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and

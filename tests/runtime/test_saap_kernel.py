@@ -320,3 +320,19 @@ def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monk
         test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(2)
     run_case(1, 2, 1, 1200, 64, 1, 1100, 300, sink=1, window=20, prompt=1200, dtype=torch.float32, splits=3,
              block_n=64)
+
+
+def test_mismatched_workspace_or_scores_are_refused_before_any_launch():
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    q = torch.randn(1, 4, 1, 64)
+    offsets = torch.zeros(1, 2, 9, dtype=torch.int32)
+    end = torch.zeros(1, dtype=torch.int32)
+    scorer = kernel_scorer(mlp_index(2, 4, 64, 8, 16), 1)
+    with pytest.raises(ValueError, match="allocate it with select_workspace for this scorer"):
+        saap_select(q, offsets, end, select_workspace(1, 2, 2, 8, 0, "cpu"), probes=2, scale=1.0, n_keys=10,
+                    scorer=scorer)
+    with pytest.raises(ValueError, match=r"scores must have shape \(B, Hkv, C\) = \(1, 2, 8\)"):
+        saap_select(q, offsets, end, select_workspace(1, 2, 2, 8, 0, "cpu"), probes=2, scale=1.0, n_keys=10,
+                    scores=torch.rand(1, 2, 7))
