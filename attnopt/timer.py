@@ -13,8 +13,8 @@ the benchmark rank plans alike:
 * where the graph will not replay as CUDA graphs (``mode`` other than ``reduce-overhead``), a call also costs
   its host time (``host_us``: the op issued back to back, prepare done in the warm-up), so the tuner takes the
   longer of the two: at small shapes the host's launch cost, not the kernel, sets the pace;
-* the valid length a kernel plan reads is computed from the mask once per input set, outside the timed region:
-  the lowered graph computes it once per step for every site that reads that mask
+* the valid length a kernel plan reads is set once per input set (as the mask reduction computes it), outside the
+  timed region: the lowered graph computes it once per step for every site that reads that mask
   (``passes.lower._shared_valid_len``), so ``valid_len_us`` times it apart and the tuner charges each site its
   share. At a sliding window that computation is ``key_range_from_mask`` (the window's start too), and the input
   sets' mask is a band of ``window`` keys, so that a window plan is timed reading only its band, as it runs.
@@ -65,8 +65,8 @@ def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda", redu
     valid-length or arbitrary mask a bool mask (B, 1, L, N) keeping the first ``STATIC_FILL * N`` keys and the
     (B,) int32 ``valid_len`` that ``attnopt::valid_len_from_mask`` makes of it (computed here, once). A sliding
     window's mask keeps only the last ``window`` of those keys, with its ``key_start`` (also computed once).
-    ``reduce=False``: the same two written down, not computed (the warm-up's set, compiled while the mask reduction
-    itself compiles on another thread)."""
+    ``reduce=False``: the same two written down, not computed (equal, and no kernel launched: the timer's sets,
+    whose mask reduction would otherwise compile anew for each length timed)."""
     import torch
 
     dtype = getattr(torch, site.dtype)
@@ -222,7 +222,9 @@ class GpuTimer:
         free, _ = torch.cuda.mem_get_info()
         l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
         count = set_count(set_bytes, l2, free)
-        self._shape, self._sets = shape, [synthetic_inputs(site, i) for i in range(count)]
+        # the valid ranges written down, not computed: a static cache's low fill (``tuning.STATIC_LOW_FILL``) would
+        # otherwise cold-compile the mask reduction for its length (its tile is the length's power of two)
+        self._shape, self._sets = shape, [synthetic_inputs(site, i, reduce=False) for i in range(count)]
         return self._sets
 
     def _time(self, calls: list[Callable[[], Any]]) -> float:
@@ -256,10 +258,10 @@ class GpuTimer:
     def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False) -> dict[str, str]:
         """Compile every candidate of ``site``'s shape at once, before any is timed: each kernel plan's first call
         (prepare and run on one input set, in the variant a captured graph runs; ``eager``: the eager variant too)
-        on a thread of its own (``run_concurrently``), while another thread makes the timing's input sets (which
-        compiles the mask reduction) and this one makes the dense plans' first calls (PyTorch keeps their cuDNN
-        graphs per thread). Returns the error text of each first call that failed, by runtime key: such a candidate
-        is still timed, and fails there if the error is its own."""
+        on a thread of its own (``run_concurrently``), while other threads make the timing's input sets and compile
+        the mask reduction (``valid_len_us``) and this one makes the dense plans' first calls (PyTorch keeps their
+        cuDNN graphs per thread). Returns the error text of each first call that failed, by runtime key: such a
+        candidate is still timed, and fails there if the error is its own."""
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -286,9 +288,19 @@ class GpuTimer:
                 self._input_sets(site)
                 torch.cuda.synchronize()
 
+        def mask_reduction_call():  # what ``valid_len_us`` times
+            from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+            torch.cuda.set_device(device)
+            with unset_fake_temporarily(), torch.no_grad():
+                getattr(torch.ops.attnopt, mask_reduction(site))(warm_set["mask"], int(site.batch))
+                torch.cuda.synchronize()
+
         here = {p.runtime_key(): first_call(p) for p in plans if p.kind == "dense"}
-        pooled = {p.runtime_key(): first_call(p) for p in plans if p.kind != "dense"}
-        return run_concurrently({"input sets": input_sets, **pooled}, here, self.warm_workers)
+        pooled = {"input sets": input_sets, **{p.runtime_key(): first_call(p) for p in plans if p.kind != "dense"}}
+        if warm_set["mask"] is not None and any(uses_valid_len(p, site) for p in plans):
+            pooled["mask reduction"] = mask_reduction_call
+        return run_concurrently(pooled, here, self.warm_workers)
 
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
         """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the

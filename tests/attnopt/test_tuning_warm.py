@@ -113,14 +113,16 @@ def test_run_concurrently_runs_the_pooled_calls_at_once_and_the_others_here():
 def test_the_gpu_timers_warm_up_compiles_each_kernel_plan_on_a_thread_of_its_own(monkeypatch):
     """``GpuTimer.warm_up``: every kernel plan's first call on a pool thread, at once, in the captured graph's
     variant (``tma_now`` true there) and also in the eager one when ``eager``; the dense plans on the calling
-    thread; the timing's input sets made meanwhile on another thread; no mask reduction for the warm-up's set."""
+    thread; meanwhile the timing's input sets made on another thread and the mask reduction compiled on a third (the
+    warm-up's own set written down, not reduced)."""
     from attnopt.runtime.kernels.common import tma_now
 
     ranked = _ranked(SMOL_1K)
     plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
     kernels = [p for p in plans if p.kind != "dense"]
     me, calls, made = threading.get_ident(), [], []
-    barrier = threading.Barrier(len(kernels) + 1, timeout=30)  # every kernel plan's thread and the input sets' one
+    # every kernel plan's thread, the input sets' one and the mask reduction's
+    barrier = threading.Barrier(len(kernels) + 2, timeout=30)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -137,9 +139,14 @@ def test_the_gpu_timers_warm_up_compiles_each_kernel_plan_on_a_thread_of_its_own
         return call
     monkeypatch.setattr(T, "site_call", site_call)
     monkeypatch.setattr(T.GpuTimer, "_input_sets", lambda self, site: barrier.wait())
+    from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+    reduced = []
+    monkeypatch.setattr(torch.ops.attnopt, "valid_len_from_mask",
+                        lambda mask, b: reduced.append((mask.shape, b)) or barrier.wait())
     site = SMOL_1K.__class__(**{**SMOL_1K.__dict__, "dtype": "float32"})
     errors = T.GpuTimer().warm_up(plans, site, eager=True)
-    assert errors == {} and made == [False]
+    assert errors == {} and made == [False] and reduced == [((1, 1, 1, 1088), 1)]
     by_plan = {}
     for key, thread, tma in calls:
         by_plan.setdefault(key, []).append((thread, tma))
@@ -176,3 +183,21 @@ def test_tma_as_captured_holds_on_its_own_thread_only(monkeypatch):
             pass
         assert tma_now(cuda)
     assert other == [False] and not tma_now(cuda)
+
+
+def test_the_timers_input_sets_launch_no_mask_reduction(monkeypatch):
+    """The input sets' valid lengths are written down: timing a static cache's low fill (another length, another
+    tile of the reduction) compiles nothing but what it times."""
+    from test_tuning_method import _gpu_on_the_cpu
+
+    from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+    _gpu_on_the_cpu(monkeypatch)
+    for name in ("valid_len_from_mask", "key_range_from_mask"):
+        monkeypatch.setattr(torch.ops.attnopt, name, lambda *a: pytest.fail("a mask reduction was launched"))
+    for window in (None, 100):
+        site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=256, dtype="float32",
+                                       mask_kind="valid_length", window=window)
+        sets = T.GpuTimer()._input_sets(site)
+        assert len(sets) > 1 and all(s["valid_len"].tolist() == [256] for s in sets)
+        assert window is None or all(s["key_start"].tolist() == [156] for s in sets)
