@@ -270,6 +270,7 @@ class GpuTimer:
         device = torch.cuda.current_device()
         with unset_fake_temporarily():
             warm_set = synthetic_inputs(site, 0, reduce=False)
+        _start_triton_driver()
 
         def first_call(plan: Plan) -> Callable[[], None]:
             def call():
@@ -346,6 +347,16 @@ class GpuTimer:
         from .bench.common import cycle, host_us
 
         return host_us(cycle(calls), iters=max(HOST_CALLS, len(calls)), repeats=3, warmup=max(5, len(calls)))
+
+
+def _start_triton_driver() -> None:
+    """Set up Triton's driver on this thread, before threads launch kernels: it is made on first use, unguarded (two
+    threads could each build it, and its C helper, which a cold cache compiles)."""
+    try:
+        from triton.runtime import driver
+    except ImportError:  # no Triton: the kernel plans' first calls fail and say why
+        return
+    driver.active.get_current_device()
 
 
 #: The default timer of ``attnopt.tuning.Tuner``.

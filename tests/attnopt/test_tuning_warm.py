@@ -114,7 +114,7 @@ def test_the_gpu_timers_warm_up_compiles_each_kernel_plan_on_a_thread_of_its_own
     """``GpuTimer.warm_up``: every kernel plan's first call on a pool thread, at once, in the captured graph's
     variant (``tma_now`` true there) and also in the eager one when ``eager``; the dense plans on the calling
     thread; meanwhile the timing's input sets made on another thread and the mask reduction compiled on a third (the
-    warm-up's own set written down, not reduced)."""
+    warm-up's own set written down, not reduced); Triton's driver set up on the calling thread first."""
     from attnopt.runtime.kernels.common import tma_now
 
     ranked = _ranked(SMOL_1K)
@@ -139,6 +139,7 @@ def test_the_gpu_timers_warm_up_compiles_each_kernel_plan_on_a_thread_of_its_own
         return call
     monkeypatch.setattr(T, "site_call", site_call)
     monkeypatch.setattr(T.GpuTimer, "_input_sets", lambda self, site: barrier.wait())
+    monkeypatch.setattr(T, "_start_triton_driver", lambda: calls.append(("driver", threading.get_ident(), None)))
     from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
 
     reduced = []
@@ -147,8 +148,9 @@ def test_the_gpu_timers_warm_up_compiles_each_kernel_plan_on_a_thread_of_its_own
     site = SMOL_1K.__class__(**{**SMOL_1K.__dict__, "dtype": "float32"})
     errors = T.GpuTimer().warm_up(plans, site, eager=True)
     assert errors == {} and made == [False] and reduced == [((1, 1, 1, 1088), 1)]
+    assert calls[0] == ("driver", me, None)  # Triton's driver set up here, before any thread launches
     by_plan = {}
-    for key, thread, tma in calls:
+    for key, thread, tma in calls[1:]:
         by_plan.setdefault(key, []).append((thread, tma))
     assert set(by_plan) == {p.runtime_key() for p in plans}
     for p in plans:
