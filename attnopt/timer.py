@@ -259,8 +259,8 @@ class GpuTimer:
         """Compile every candidate of ``site``'s shape at once, before any is timed: each kernel plan's first call
         (prepare and run on one input set, in the variant a captured graph runs; ``eager``: the eager variant too)
         on a thread of its own (``run_concurrently``), while other threads make the timing's input sets and compile
-        the mask reduction (``valid_len_us``) and this one makes the dense plans' first calls (PyTorch keeps their
-        cuDNN graphs per thread). Returns the error text of each first call that failed, by runtime key: such a
+        the mask reduction (``valid_len_us``) and this one makes the dense and distributed plans' first calls
+        (``_warmed_here``). Returns the error text of each first call that failed, by runtime key: such a
         candidate is still timed, and fails there if the error is its own."""
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -297,8 +297,8 @@ class GpuTimer:
                 getattr(torch.ops.attnopt, mask_reduction(site))(warm_set["mask"], int(site.batch))
                 torch.cuda.synchronize()
 
-        here = {p.runtime_key(): first_call(p) for p in plans if p.kind == "dense"}
-        pooled = {"input sets": input_sets, **{p.runtime_key(): first_call(p) for p in plans if p.kind != "dense"}}
+        here = {p.runtime_key(): first_call(p) for p in plans if _warmed_here(p)}
+        pooled = {"input sets": input_sets, **{p.runtime_key(): first_call(p) for p in plans if not _warmed_here(p)}}
         if warm_set["mask"] is not None and any(uses_valid_len(p, site) for p in plans):
             pooled["mask reduction"] = mask_reduction_call
         return run_concurrently(pooled, here, self.warm_workers)
@@ -347,6 +347,15 @@ class GpuTimer:
         from .bench.common import cycle, host_us
 
         return host_us(cycle(calls), iters=max(HOST_CALLS, len(calls)), repeats=3, warmup=max(5, len(calls)))
+
+
+def _warmed_here(plan: Plan) -> bool:
+    """Whether ``GpuTimer.warm_up`` makes ``plan``'s first call on the calling thread: a dense plan (PyTorch keeps
+    cuDNN's graphs per thread) and a distributed one (its collectives must run in the same order on every rank, so
+    one after another, in the candidates' order)."""
+    from attnopt.runtime.strategies import get_strategy
+
+    return plan.kind == "dense" or bool(getattr(get_strategy(plan.kind), "distributed", False))
 
 
 def _start_triton_driver() -> None:

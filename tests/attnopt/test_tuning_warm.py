@@ -203,3 +203,26 @@ def test_the_timers_input_sets_launch_no_mask_reduction(monkeypatch):
         sets = T.GpuTimer()._input_sets(site)
         assert len(sets) > 1 and all(s["valid_len"].tolist() == [256] for s in sets)
         assert window is None or all(s["key_start"].tolist() == [156] for s in sets)
+
+
+def test_distributed_and_dense_plans_are_warmed_here_in_order(monkeypatch):
+    """A distributed plan's first call issues collectives, which every rank must issue in one order: the warm-up
+    makes those (and the dense plans') on the calling thread, one after another in the candidates' order."""
+    from attnopt.plan import DensePlan, RingPlan, SplitKVPlan, TreePlan
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    real = T.synthetic_inputs
+    monkeypatch.setattr(T, "synthetic_inputs", lambda site, i, device="cuda", reduce=True: real(site, i, "cpu", reduce))
+    monkeypatch.setattr(T, "_start_triton_driver", lambda: None)
+    monkeypatch.setattr(T.GpuTimer, "_input_sets", lambda self, site: None)
+    me, calls = threading.get_ident(), []
+    monkeypatch.setattr(T, "site_call", lambda plan, site, s, state=None:
+                        lambda: calls.append((plan.kind, threading.get_ident() == me)))
+    plans = [TreePlan(world=2), SplitKVPlan(num_splits=2, block_n=64), DensePlan(backend="cudnn"),
+             RingPlan(world=2), TreePlan(world=2, collective="all_reduce")]
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=256, dtype="float32")
+    assert T.GpuTimer().warm_up(plans, site) == {}
+    assert [k for k, here in calls if here] == ["tree", "dense", "ring", "tree"]
+    assert [k for k, here in calls if not here] == ["split_kv"]
