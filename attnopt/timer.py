@@ -23,6 +23,7 @@ Nothing here runs at import time; torch and the runtime are imported by the call
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -52,6 +53,9 @@ REPLAYS = 5
 #: Triton compile takes about a second per configuration on the H100 machine's host, mostly in MLIR/LLVM passes and
 #: ptxas, which do not hold the GIL (a separate process).
 WARM_WORKERS = 16
+#: Overrides ``WARM_WORKERS`` (read at each warm-up): ``1`` compiles the candidates one after another, still before
+#: timing; ``0`` skips the warm-up (each candidate compiles when it is first timed, as before it existed).
+WARM_WORKERS_ENV = "ATTNOPT_TUNE_WARM_WORKERS"
 
 
 def uses_valid_len(plan: Plan, site: AttentionSite) -> bool:
@@ -262,6 +266,9 @@ class GpuTimer:
         the mask reduction (``valid_len_us``) and this one makes the dense and distributed plans' first calls
         (``_warmed_here``). Returns the error text of each first call that failed, by runtime key: such a
         candidate is still timed, and fails there if the error is its own."""
+        workers = warm_workers(self.warm_workers)
+        if workers == 0:
+            return {}
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -301,7 +308,7 @@ class GpuTimer:
         pooled = {"input sets": input_sets, **{p.runtime_key(): first_call(p) for p in plans if not _warmed_here(p)}}
         if warm_set["mask"] is not None and any(uses_valid_len(p, site) for p in plans):
             pooled["mask reduction"] = mask_reduction_call
-        return run_concurrently(pooled, here, self.warm_workers)
+        return run_concurrently(pooled, here, workers)
 
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
         """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the
@@ -347,6 +354,17 @@ class GpuTimer:
         from .bench.common import cycle, host_us
 
         return host_us(cycle(calls), iters=max(HOST_CALLS, len(calls)), repeats=3, warmup=max(5, len(calls)))
+
+
+def warm_workers(default: int = WARM_WORKERS) -> int:
+    """The warm-up's threads: ``$ATTNOPT_TUNE_WARM_WORKERS`` where set, else ``default``; 0 = no warm-up."""
+    text = os.environ.get(WARM_WORKERS_ENV, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{WARM_WORKERS_ENV}={text!r}: expected a whole number of threads >= 0 (0: no warm-up, 1: "
+                         f"the candidates compiled one after another before timing)")
+    return int(text)
 
 
 def _warmed_here(plan: Plan) -> bool:

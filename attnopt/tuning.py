@@ -50,6 +50,7 @@ from .plan import BucketedPlan, Plan, plan_from_dict
 from .site import AttentionSite
 from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
 from .timer import error_text as _error_text
+from .timer import warm_workers
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
@@ -342,6 +343,7 @@ class Tuner:
         warm_up = getattr(self.timer, "warm_up", None)
         if warm_up is None:
             return {}
+        warm_workers()  # a bad ATTNOPT_TUNE_WARM_WORKERS is the user's error to see, not a warm-up failure to record
         started = time.perf_counter()
         try:
             errors = warm_up(list(plans if self.budget_s > 0 else plans[:2]), site, eager=eager)

@@ -226,3 +226,23 @@ def test_distributed_and_dense_plans_are_warmed_here_in_order(monkeypatch):
     assert T.GpuTimer().warm_up(plans, site) == {}
     assert [k for k, here in calls if here] == ["tree", "dense", "ring", "tree"]
     assert [k for k, here in calls if not here] == ["split_kv"]
+
+
+def test_the_warm_up_threads_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv(T.WARM_WORKERS_ENV, raising=False)
+    assert T.warm_workers() == T.WARM_WORKERS == 16 and T.warm_workers(3) == 3
+    monkeypatch.setenv(T.WARM_WORKERS_ENV, " 1 ")
+    assert T.warm_workers() == 1
+    for bad in ("-1", "two", "1.5"):
+        monkeypatch.setenv(T.WARM_WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match="ATTNOPT_TUNE_WARM_WORKERS.*expected a whole number"):
+            T.warm_workers()
+    monkeypatch.setenv(T.WARM_WORKERS_ENV, "0")  # no warm-up: nothing made, nothing called
+    monkeypatch.setattr(T, "synthetic_inputs", lambda *a, **k: pytest.fail("the warm-up ran"))
+    assert T.GpuTimer().warm_up([tuning.to_time(_ranked(SMOL_1K), 1)[0]], SMOL_1K) == {}
+
+
+def test_a_bad_warm_up_setting_stops_the_tuner_with_its_name(cache, clock, monkeypatch):
+    monkeypatch.setenv(T.WARM_WORKERS_ENV, "many")
+    with pytest.raises(ValueError, match="ATTNOPT_TUNE_WARM_WORKERS='many'"):
+        Tuner(Warmed(clock), cache, env=ENV).choose(SMOL_1K, _ranked(SMOL_1K))
