@@ -246,3 +246,29 @@ def test_a_bad_warm_up_setting_stops_the_tuner_with_its_name(cache, clock, monke
     monkeypatch.setenv(T.WARM_WORKERS_ENV, "many")
     with pytest.raises(ValueError, match="ATTNOPT_TUNE_WARM_WORKERS='many'"):
         Tuner(Warmed(clock), cache, env=ENV).choose(SMOL_1K, _ranked(SMOL_1K))
+
+
+# ---------------------------------------------------------------------------------------- on a GPU
+@pytest.mark.cuda
+def test_after_the_warm_up_timing_compiles_nothing(monkeypatch):
+    """On the GPU: SmolLM2's 1k static site (bf16), fresh in-process kernel caches; the warm-up's first calls (on
+    threads, at once) fail nowhere, and timing every candidate and the valid length afterwards goes through Triton's
+    launch path (``kernel[grid]``, where a compile happens) not once: the warm-up compiled what the timing runs."""
+    import dataclasses
+
+    from attnopt.runtime.kernels import merge, split_kv, valid_len
+
+    monkeypatch.delenv(T.WARM_WORKERS_ENV, raising=False)
+    site = dataclasses.replace(SMOL_1K, dtype="bfloat16")
+    plans = tuning.to_time(_ranked(site), tuning.DEFAULT_TOP_K)
+    launchers = (split_kv._SPLIT_KV_LAUNCH, merge._MERGE_LAUNCH, valid_len._VALID_LEN_LAUNCH)
+    timer = T.GpuTimer()
+    try:
+        assert timer.warm_up(plans, site) == {}
+        before = [launcher.jit for launcher in launchers]
+        times = {p.runtime_key(): timer(p, site) for p in plans}
+        timer.valid_len_us(site)
+        assert [launcher.jit for launcher in launchers] == before
+        assert all(t > 0 for t in times.values()), times
+    finally:
+        timer.release()
