@@ -9,9 +9,12 @@ selection and take equal shares of the chosen clusters' keys laid end to end in 
 is cut over several programs and small ones are packed into one tile, so the largest cluster does not set the
 time. W is in proportion to the expected keys of each part. A tile finds its keys' clusters among the BLOCK_N
 entries of the list from its first cluster on (any BLOCK_N consecutive keys span at most BLOCK_N non-empty
-clusters), by one vector load and a (BLOCK_N, BLOCK_N) comparison: no sort and no per-key search in the attention
-launch. The grid is fixed by the plan and every length is read on the device, so a captured CUDA graph
-replays correctly.
+clusters), by one vector load of their prefixes and shifts and (BLOCK_N, BLOCK_N) comparisons: no sort and no per-key
+search in the attention launch. The loop is software-pipelined: a tile's K/V reads are issued before the next
+tile's list and ``perm`` lookups, so those two dependent loads hide under the reads (a cluster-ordered copy of K/V
+would remove the ``perm`` load too, but costs the indexed cache once more: 64 GiB for llama3-8b at 512k, which an
+H100 cannot hold beside the cache itself). The grid is fixed by the plan and every length is read on the device, so
+a captured CUDA graph replays correctly.
 """
 from __future__ import annotations
 
@@ -34,21 +37,57 @@ from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_worksp
 
 
 @triton.jit
-def _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d, offs_dv,
-                 stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Fold the keys at positions ``pos`` (BLOCK_N,) (read where ``key_ok``) into the query tile's state."""
+def _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D, DV):
+    """The K (BLOCK_N, BLOCK_D) and V (BLOCK_N, BLOCK_DV) rows at positions ``pos`` (read where ``key_ok``)."""
     pos64 = pos.to(tl.int64)
     k = tl.load(k_base + pos64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
                 mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     v = tl.load(v_base + pos64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
                 mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Fold loaded keys ``k``/``v`` at positions ``pos`` (BLOCK_N,) (real where ``key_ok``) into the tile's state."""
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
     visible = key_ok[None, :] & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])
     return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
+
+
+@triton.jit
+def _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d, offs_dv,
+                 stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Fold the keys at positions ``pos`` (BLOCK_N,) (read where ``key_ok``) into the query tile's state."""
+    k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D, DV)
+    return _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST, PRECISION)
+
+
+@triton.jit
+def _cluster_tile(start_u, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """The key positions of the chosen clusters' keys [start_u, start_u + BLOCK_N) (virtual indices below ``hi``),
+    whose first key lies in list entry ``first``. Returns (positions, real-key mask, the next tile's first entry).
+
+    Two dependent loads: the BLOCK_N list entries from ``first`` on (their prefixes and shifts together: any BLOCK_N
+    consecutive keys span at most BLOCK_N non-empty clusters), then ``perm``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    u = start_u + offs_n
+    u_ok = u < hi
+    entry = first + offs_n
+    in_list = (entry < BLOCK_C) & (start_u < hi)
+    window = tl.load(incl_base + entry, mask=in_list, other=2147483647)
+    shifts = tl.load(shift_base + entry, mask=in_list, other=0)
+    rel = tl.sum((window[None, :] <= u[:, None]).to(tl.int32), axis=1)  # each key's entry, counted from first
+    shift = tl.sum(tl.where(rel[:, None] == offs_n[None, :], shifts[None, :], 0), axis=1)
+    pos = tl.load(p_base + (shift + u).to(tl.int64) * stride_pn, mask=u_ok, other=0)
+    nxt = first + tl.sum((window <= start_u + BLOCK_N).to(tl.int32), axis=0)
+    return pos, u_ok & (pos < kv_len), nxt  # a cluster key past the valid length (a shrunk cache) is never read
 
 
 @triton.jit
@@ -147,20 +186,19 @@ def _saap_kernel(
         first = 0
         for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
             first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo).to(tl.int32), axis=0)
+        # software-pipelined: each step issues its K/V loads, then the next tile's list and perm lookups, then
+        # the math, so the lookups' latency hides under the K/V reads instead of adding to them
+        pos, key_ok, first = _cluster_tile(lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn,
+                                           BLOCK_N, BLOCK_C)
         for start_u in range(lo, hi, BLOCK_N):
-            u = start_u + offs_n
-            u_ok = u < hi
-            # the BLOCK_N list entries from the tile's first cluster on hold every cluster of its keys
-            entry = first + offs_n
-            window = tl.load(incl_base + entry, mask=entry < BLOCK_C, other=2147483647)
-            owner = first + tl.sum((window[None, :] <= u[:, None]).to(tl.int32), axis=1)
-            shift = tl.load(shift_base + owner, mask=u_ok, other=0)
-            pos = tl.load(p_base + (shift + u).to(tl.int64) * stride_pn, mask=u_ok, other=0)
-            first += tl.sum((window <= start_u + BLOCK_N).to(tl.int32), axis=0)
-            key_ok = u_ok & (pos < kv_len)  # a cluster key past the valid length (a shrunk cache) is never read
-            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d,
-                                         offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV,
-                                         UPCAST, PRECISION)
+            k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                            D, DV)
+            pos_next, ok_next, first = _cluster_tile(start_u + BLOCK_N, hi, first, kv_len, incl_base, shift_base,
+                                                     p_base, stride_pn, BLOCK_N, BLOCK_C)
+            acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST,
+                                       PRECISION)
+            pos = pos_next
+            key_ok = ok_next
     o, lse = _finish(acc, m_i, l_i)
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
