@@ -49,13 +49,16 @@ def _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd,
 
 @triton.jit
 def _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Fold loaded keys ``k``/``v`` at positions ``pos`` (BLOCK_N,) (real where ``key_ok``) into the tile's state."""
+               PRECISION: tl.constexpr, CAUSAL: tl.constexpr = True):
+    """Fold loaded keys ``k``/``v`` at positions ``pos`` (BLOCK_N,) (real where ``key_ok``) into the tile's state;
+    without CAUSAL every query row sees every real key (``pos`` is not read)."""
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-    visible = key_ok[None, :] & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])
+    visible = key_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        visible = visible & (pos[None, :] <= row_pos[:, None])
     return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
 
 
@@ -70,12 +73,13 @@ def _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos,
 
 @triton.jit
 def _cluster_tile(start_u, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
+                  BLOCK_C: tl.constexpr, CLIP: tl.constexpr):
     """The key positions of the chosen clusters' keys [start_u, start_u + BLOCK_N) (virtual indices below ``hi``),
     whose first key lies in list entry ``first``. Returns (positions, real-key mask, the next tile's first entry).
 
     Two dependent loads: the BLOCK_N list entries from ``first`` on (their prefixes and shifts together: any BLOCK_N
-    consecutive keys span at most BLOCK_N non-empty clusters), then ``perm``."""
+    consecutive keys span at most BLOCK_N non-empty clusters), then ``perm``. Without CLIP every cluster key is
+    known to lie below ``kv_len``: the mask is then the index range alone."""
     offs_n = tl.arange(0, BLOCK_N)
     u = start_u + offs_n
     u_ok = u < hi
@@ -87,7 +91,34 @@ def _cluster_tile(start_u, hi, first, kv_len, incl_base, shift_base, p_base, str
     shift = tl.sum(tl.where(rel[:, None] == offs_n[None, :], shifts[None, :], 0), axis=1)
     pos = tl.load(p_base + (shift + u).to(tl.int64) * stride_pn, mask=u_ok, other=0)
     nxt = first + tl.sum((window <= start_u + BLOCK_N).to(tl.int32), axis=0)
-    return pos, u_ok & (pos < kv_len), nxt  # a cluster key past the valid length (a shrunk cache) is never read
+    if CLIP:  # a cluster key past the valid length (a shrunk cache) is never read
+        u_ok = u_ok & (pos < kv_len)
+    return pos, u_ok, nxt
+
+
+@triton.jit
+def _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, k_base, v_base,
+                     row_ok, row_pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV,
+                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     CLIP: tl.constexpr):
+    """Fold the chosen clusters' keys [lo, hi) (virtual indices; key lo in list entry ``first``) into the state.
+
+    Software-pipelined: each step issues its K/V loads, then the next tile's list and perm lookups, then the math,
+    so the lookups' latency hides under the K/V reads instead of adding to them. CLIP: some cluster key may lie at
+    or past a query row (a valid length at or below the indexed end); without it the masks read no position, so
+    the compiler does not load ``perm`` again in the math's layout."""
+    pos, key_ok, first = _cluster_tile(lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N,
+                                       BLOCK_C, CLIP)
+    for start_u in range(lo, hi, BLOCK_N):
+        k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D,
+                        DV)
+        pos_next, ok_next, first = _cluster_tile(start_u + BLOCK_N, hi, first, kv_len, incl_base, shift_base, p_base,
+                                                 stride_pn, BLOCK_N, BLOCK_C, CLIP)
+        acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST, PRECISION,
+                                   CLIP)
+        pos = pos_next
+        key_ok = ok_next
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -150,7 +181,8 @@ def _saap_kernel(
     kv_len = N
     if HAS_VALID:
         kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
-    indexed_end = tl.minimum(tl.load(end_ptr + b).to(tl.int32), kv_len)
+    stored_end = tl.load(end_ptr + b).to(tl.int32)
+    indexed_end = tl.minimum(stored_end, kv_len)
     sink = tl.minimum(SINK, indexed_end)
     row_pos = kv_len - L + i  # each query token's own position: it sees no later key
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -186,19 +218,18 @@ def _saap_kernel(
         first = 0
         for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
             first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo).to(tl.int32), axis=0)
-        # software-pipelined: each step issues its K/V loads, then the next tile's list and perm lookups, then
-        # the math, so the lookups' latency hides under the K/V reads instead of adding to them
-        pos, key_ok, first = _cluster_tile(lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn,
-                                           BLOCK_N, BLOCK_C)
-        for start_u in range(lo, hi, BLOCK_N):
-            k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                            D, DV)
-            pos_next, ok_next, first = _cluster_tile(start_u + BLOCK_N, hi, first, kv_len, incl_base, shift_base,
-                                                     p_base, stride_pn, BLOCK_N, BLOCK_C)
-            acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST,
-                                       PRECISION)
-            pos = pos_next
-            key_ok = ok_next
+        # the cluster keys lie below the stored indexed end: past the rows' first position (only under a valid
+        # length that cut into the index), the masks must check each key's position
+        if stored_end > kv_len - L + 1:
+            acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
+                                             stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
+                                             stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
+                                             UPCAST, PRECISION, True)
+        else:
+            acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
+                                             stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
+                                             stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
+                                             UPCAST, PRECISION, False)
     o, lse = _finish(acc, m_i, l_i)
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
