@@ -137,7 +137,8 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     spec.loader.exec_module(script)
 
     def row(method, C, window, probes, sel, agree, ppl):
-        return {"method": method, "clusters": C, "window": window, "probes": probes, "selectivity": sel,
+        return {"method": method, "clusters": C, "window": window, "probes": probes, "selectivity": sel - 0.01,
+                "selectivity_all_layers": sel,  # what the budgets count: every layer, the dense one included
                 "recall": 0.9, "next_token_agreement": agree, "perplexity": ppl}
 
     results = {"rows": [row("dense", None, None, None, 1.0, 1.0, 10.0),
@@ -158,3 +159,43 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     assert (ten["probes"], ten["passkey"], ten["done"]) == (4, "3/4", True)  # 0.96 at 9 %, +2 % ppl, 3/4 as dense
     assert math.isclose(ten["ppl_vs_dense"], 0.02)
     assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]
+
+
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[2] / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_partition_study_recalls_everything_at_full_budget_and_topk_bounds_the_window(tiny):
+    model = tiny[0]
+    gen = torch.Generator().manual_seed(2)
+    coll = collect(model, [torch.randint(0, 97, (256,), generator=gen) for _ in range(2)], queries_per_sequence=16,
+                   min_query_position=128)
+    study = _script("saap_quality_partition").study
+    full, _ = study(coll, 1.0, sink=2, queries=8, layers=[1], clusters=(8,), iterations=3)
+    for name, value in full[1].items():
+        if name.endswith("/fixed"):  # l from the mean cluster size: not every cluster, even at full budget
+            continue
+        assert math.isclose(value[0] if isinstance(value, tuple) else value, 1.0, rel_tol=1e-5), name
+    part, info = study(coll, 0.2, sink=2, queries=8, layers=[1, 2], clusters=(8,), iterations=3)
+    for row in part.values():  # the keys of most group mass beat the same count of recent keys
+        assert row["topk/sum"] >= row["window"] - 1e-6
+        assert 0.2 <= row["oracle/deroped/C8/sum/budget"][1] < 0.6  # whole clusters: the last one may overrun
+    assert set(info["mean"]) == set(part[1])
+
+
+def test_partition_study_budget_rule_takes_whole_clusters_by_mass_until_the_budget():
+    script = _script("saap_quality_partition")
+    assign = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])  # (Hkv=1, N=8); clusters of sizes 3, 2, 3
+    indexed = torch.ones(1, 8, dtype=torch.bool)
+    always = torch.zeros(1, 8, dtype=torch.bool)
+    mass = torch.tensor([[[0.2, 0.5, 0.3]]])  # cluster 1, then 2, then 0
+    keep = script.cluster_keep(mass, assign, indexed, always, torch.tensor([4.0]), "budget", 8 / 3)
+    assert keep[0, 0].tolist() == [False] * 3 + [True] * 5  # 2 keys < 4, so cluster 2 too (5 keys), not cluster 0
+    keep = script.cluster_keep(mass, assign, indexed, always, torch.tensor([2.0]), "budget", 8 / 3)
+    assert keep[0, 0].tolist() == [False] * 3 + [True] * 2 + [False] * 3
