@@ -12,7 +12,7 @@ from attnopt.runtime.saap import attended_keys, build_clusters, saap_decode  # n
 from attnopt.runtime.saap.decode import saap_decode_states, selectivity  # noqa: E402
 from attnopt.runtime.saap.collect import collect, custom_attention  # noqa: E402
 from attnopt.runtime.saap.evaluate import (Harness, Setting, corpus_text, evaluate_language,  # noqa: E402
-                                           setting_for)
+                                           setting_for, sparse_layer_target)
 from attnopt.runtime.saap.train import train_index  # noqa: E402
 
 
@@ -112,6 +112,16 @@ def test_setting_shrinks_the_window_with_the_context(tiny):
         setting_for(index, "lsh", 0.1, 8192, 64)
 
 
+def test_total_selectivity_counts_the_dense_layers():
+    # SmolLM2: 30 layers, layer 0 dense. 10 % of every key leaves (3 - 1) / 29 to each sparse layer
+    assert math.isclose(sparse_layer_target(0.10, 30, 29), 2 / 29)
+    assert math.isclose(sparse_layer_target(0.5, 4, 4), 0.5)
+    with pytest.raises(ValueError, match="1 dense layer.*of 30 alone read 0.0333"):
+        sparse_layer_target(0.02, 30, 29)
+    with pytest.raises(ValueError, match="0 < total"):
+        sparse_layer_target(0.0, 30, 29)
+
+
 def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     from attnopt.cli import main
     from attnopt.runtime.saap import load_index
@@ -125,6 +135,39 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     index = load_index(ipath, model.config)
     assert index.has_mlp and sorted(index.layers) == [1, 2] and index.train_info["hidden"] == 8
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
+
+
+class _CharTokenizer:
+    """Characters as token ids (mod the tiny model's vocabulary): enough for the harness's text and passkey."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        return types.SimpleNamespace(input_ids=torch.tensor([[ord(c) % 97 for c in text]]))
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_cli_eval_aims_at_total_selectivity_and_skips_what_the_dense_layer_exceeds(tmp_path, tiny, monkeypatch):
+    import json
+
+    import attnopt.commands.saap as saap_cli
+    from attnopt.cli import main
+
+    model, _, index = tiny
+    ipath, out = tmp_path / "i.safetensors", tmp_path / "q.json"
+    index.save(ipath)
+    monkeypatch.setattr(saap_cli, "_load_model", lambda name: (model, _CharTokenizer()))
+    rc = main(["saap", "eval", "--model", "tiny", "--index", str(ipath), "--context", "160", "--sequences", "1",
+               "--tail", "8", "--targets", "0.2,0.6", "--methods", "centroids,topk", "--passkey-lengths", "128",
+               "--passkey-trials", "1", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert len(res["skipped"]) == 1 and "0.2 is out of reach" in res["skipped"][0]  # layer 0 of 3 alone is 1/3
+    sparse = [r for r in res["rows"] if r["method"] != "dense"]
+    assert {r["method"] for r in sparse} == {"centroids", "topk"} and len(res["passkey"]) == 3
+    for r in sparse + [p for p in res["passkey"] if p["method"] != "dense"]:
+        assert r["target_all_layers"] == 0.6 and math.isclose(r["target"], 0.4)  # (0.6 * 3 - 1) / 2
+        assert math.isclose(r["selectivity_all_layers"], (2 * r["selectivity"] + 1) / 3)
 
 
 def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
