@@ -105,9 +105,13 @@ def cluster_mass(gmass, assign_row, indexed, C):
     return torch.zeros(Hkv, M, C).scatter_add_(-1, owner, gmass * indexed[None])
 
 
-def partitions(held: Tensor, others: list[Tensor], C: int, sink: int, iterations: int, rope) -> dict[str, Tensor]:
+PARTITIONS = ("deroped", "self", "rotated", "rotated-self", "spherical", "blocks")
+
+
+def partitions(held: Tensor, others: list[Tensor], C: int, sink: int, iterations: int, rope,
+               names: tuple[str, ...] = PARTITIONS) -> dict[str, Tensor]:
     """Each partition's cluster of every key: held (Hkv, N, D) de-roped keys of the evaluated sequence, others
-    the de-roped keys of the training sequences -> name -> (Hkv, N) int64."""
+    the de-roped keys of the training sequences -> name -> (Hkv, N) int64, for the partitions ``names``."""
     Hkv, N, _ = held.shape
     rot = apply_rope(held, torch.arange(N), rope)
     train = torch.cat([s[:, sink:] for s in others], dim=1)
@@ -118,19 +122,24 @@ def partitions(held: Tensor, others: list[Tensor], C: int, sink: int, iterations
         return torch.stack([kmeans(x[h], C, iterations, h) for h in range(Hkv)])
 
     block = max(1, (N - sink) // C)
-    return {
-        "deroped": assign_keys(fit(train), held[None])[0],  # the paper: k-means on de-roped training keys
-        "self": assign_keys(fit(held[:, sink:]), held[None])[0],  # the same, fitted at prefill on the prompt
-        "rotated": assign_keys(fit(train_rot), rot[None])[0],  # the keys as the cache holds them
-        "rotated-self": assign_keys(fit(rot[:, sink:]), rot[None])[0],
-        "spherical": assign_keys(unit(fit(unit(train, dim=-1)), dim=-1), unit(held, dim=-1)[None])[0],
-        "blocks": ((torch.arange(N) - sink).clamp(min=0) // block).clamp(max=C - 1).expand(Hkv, N),  # Quest-like
+    make = {
+        "deroped": lambda: assign_keys(fit(train), held[None])[0],  # the paper: k-means on de-roped training keys
+        "self": lambda: assign_keys(fit(held[:, sink:]), held[None])[0],  # the same, fitted at prefill on the prompt
+        "rotated": lambda: assign_keys(fit(train_rot), rot[None])[0],  # the keys as the cache holds them
+        "rotated-self": lambda: assign_keys(fit(rot[:, sink:]), rot[None])[0],
+        "spherical": lambda: assign_keys(unit(fit(unit(train, dim=-1)), dim=-1), unit(held, dim=-1)[None])[0],
+        "blocks": lambda: ((torch.arange(N) - sink).clamp(min=0) // block).clamp(max=C - 1).expand(Hkv, N),
     }
+    unknown = set(names) - set(make)
+    if unknown:
+        raise ValueError(f"unknown partition(s) {', '.join(sorted(unknown))}; valid: {', '.join(PARTITIONS)}")
+    return {name: make[name]() for name in names}
 
 
 def study(coll: Collection, target: float, sink: int = 4, window_fraction: float = 1 / 64, queries: int = 64,
           layers: list[int] | None = None, clusters: tuple[int, ...] = (128,), heldout: int = -1,
-          iterations: int = 10, log: bool = False) -> tuple[dict[int, dict], dict]:
+          iterations: int = 10, names: tuple[str, ...] = PARTITIONS,
+          log: bool = False) -> tuple[dict[int, dict], dict]:
     """Recall of attention mass per layer and scheme (see the module docstring); returns (per layer, mean).
 
     A cluster scheme's value is (recall, measured selectivity over the visible keys); the others' a recall."""
@@ -156,7 +165,7 @@ def study(coll: Collection, target: float, sink: int = 4, window_fraction: float
         for how, gm in gms.items():
             row[f"topk/{how}"] = recall_of(probs, select_keys(gm, indexed, always, budget))
         for C in clusters:
-            parts = partitions(kd, [s.keys[layer] for s in others], C, sink, iterations, rope)
+            parts = partitions(kd, [s.keys[layer] for s in others], C, sink, iterations, rope, names)
             mean_size = float(indexed.sum(-1).float().mean()) / C
             for name, assign in parts.items():
                 for how, rule in (("sum", "fixed"), ("sum", "budget"), ("max", "budget")):
@@ -188,12 +197,14 @@ def main() -> None:
     ap.add_argument("--clusters", default="128,512")
     ap.add_argument("--heldout", type=int, default=-1, help="which sequence is evaluated (default the last)")
     ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--partitions", default=",".join(PARTITIONS), help="comma-separated (default all)")
     ap.add_argument("--out")
     args = ap.parse_args()
     coll = Collection.load(args.collection)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     table, info = study(coll, args.target, args.sink, args.window_fraction, args.queries, layers,
-                        tuple(int(x) for x in args.clusters.split(",")), args.heldout, args.iterations, log=True)
+                        tuple(int(x) for x in args.clusters.split(",")), args.heldout, args.iterations,
+                        tuple(x for x in args.partitions.split(",") if x), log=True)
     print("mean over layers:")
     for k, v in info["mean"].items():
         print(f"  {k}: {v}")

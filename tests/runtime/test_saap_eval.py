@@ -230,6 +230,10 @@ def test_partition_study_recalls_everything_at_full_budget_and_topk_bounds_the_w
         assert row["topk/sum"] >= row["window"] - 1e-6
         assert 0.2 <= row["oracle/deroped/C8/sum/budget"][1] < 0.6  # whole clusters: the last one may overrun
     assert set(info["mean"]) == set(part[1])
+    only, _ = study(coll, 0.2, sink=2, queries=8, layers=[1], clusters=(8,), iterations=3, names=("blocks",))
+    assert {k.split("/")[1] for k in only[1] if k.startswith("oracle/")} == {"blocks"}
+    with pytest.raises(ValueError, match="unknown partition.*lsh.*valid: deroped"):
+        study(coll, 0.2, sink=2, queries=8, layers=[1], clusters=(8,), iterations=3, names=("lsh",))
 
 
 def test_partition_study_budget_rule_takes_whole_clusters_by_mass_until_the_budget():
