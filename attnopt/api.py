@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 import types
+import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -71,14 +72,14 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         compiled_forward = torch.compile(private_code(model.forward), backend=backend, dynamic=cfg.dynamic)
         if process_group is not None:
             compiled_forward = _never_eager_over_shards(compiled_forward, model)
-        forward = _counting_uncompiled_calls(compiled_forward, backend)
         if process_group is None and gen_cfg is not None:
             growing = None
             if mode == "reduce-overhead":
-                growing = _counting_uncompiled_calls(
-                    torch.compile(private_code(model.forward), backend=backend.with_mode(None), dynamic=cfg.dynamic),
-                    backend)
-            forward = _prefill_eagerly(forward, model.forward, cfg.max_decode_q_len, growing_cache=growing)
+                growing = torch.compile(private_code(model.forward), backend=backend.with_mode(None),
+                                        dynamic=cfg.dynamic)
+            forward = _hf_forward(compiled_forward, model.forward, cfg.max_decode_q_len, backend, growing_cache=growing)
+        else:
+            forward = _counting_uncompiled_calls(compiled_forward, backend)
         optimized.forward = forward
         object.__setattr__(optimized, _BACKEND_ATTR, backend)
         return optimized
@@ -111,10 +112,11 @@ def private_code(fn: Callable) -> Callable:
     return types.MethodType(copy_fn, owner) if owner is not None and hasattr(fn, "__func__") else copy_fn
 
 
-def _prefill_eagerly(compiled: Callable, original: Callable, max_decode_q_len: int,
-                     growing_cache: Callable | None = None) -> Callable:
-    """A Hugging Face model's forward that runs prefill calls (more than ``max_decode_q_len`` new tokens) through the
-    model's own forward and decode calls through ``compiled``, as HF's compiled ``generate()`` does.
+def _hf_forward(compiled: Callable, original: Callable, max_decode_q_len: int, backend: Backend,
+                growing_cache: Callable | None = None) -> Callable:
+    """A Hugging Face model's forward: prefill calls (more than ``max_decode_q_len`` new tokens) run the model's own
+    forward, as HF's compiled ``generate()`` does, and decode calls run ``compiled``; a decode call during which no
+    graph of ``backend`` ran is counted and reported (``_counting_uncompiled_calls``).
 
     attnopt rewrites decode attention only, so a compiled prefill brought nothing but compile time (a graph per
     prompt length until dynamo goes dynamic). It also broke CUDA graphs: a ``StaticCache`` allocates its tensors at
@@ -127,25 +129,48 @@ def _prefill_eagerly(compiled: Callable, original: Callable, max_decode_q_len: i
     trees the cache's tensors would be graph outputs that the next step's replay overwrites (inductor raises
     "accessing tensor output of CUDAGraphs that has been overwritten", H100, torch 2.11), and every length would be
     recorded anew. HF's own compiled ``generate()`` compiles static caches only.
+
+    This runs once per generated token, on the host, before the graph's replay is launched: it is one Python frame
+    (not a wrapper per concern), and the route of the last cache object is remembered through a weak reference
+    (``is_compileable`` walks every layer of the cache).
     """
+    name = getattr(compiled, "__qualname__", None) or type(compiled).__name__
+    last_cache: list[Any] = [None, False]  # [weak reference to the last cache seen, whether it grows]
 
     @functools.wraps(compiled)
     def forward(*args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
         if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
             new_tokens = ids.shape[-1]
-        elif isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
-            new_tokens = embeds.shape[-2]
         else:
-            new_tokens = 0
+            embeds = kwargs.get("inputs_embeds")
+            new_tokens = embeds.shape[-2] if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2 else 0
         if new_tokens > max_decode_q_len:
             return original(*args, **kwargs)
-        if growing_cache is not None and getattr(kwargs.get("past_key_values"), "is_compileable", True) is False:
-            return growing_cache(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        target = compiled
+        if growing_cache is not None:
+            cache = kwargs.get("past_key_values")
+            ref = last_cache[0]
+            if cache is None or ref is None or ref() is not cache:
+                grows = getattr(cache, "is_compileable", True) is False
+                last_cache[:] = [_weak(cache), grows]
+            if last_cache[1]:
+                target = growing_cache
+        before = backend.graph_calls
+        out = target(*args, **kwargs)
+        if backend.graph_calls == before:
+            backend.note_uncompiled_call(name)
+        return out
 
     return forward
+
+
+def _weak(obj: Any) -> Callable[[], Any] | None:
+    """A weak reference to ``obj``, or None for objects that take none (then the route is decided per call)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
 
 
 class FallbackWarning(UserWarning):

@@ -294,7 +294,8 @@ class OnnxTranslator:
                 ops.decode_attention_states.default: _plain(self.decode_attention_states),
                 ops.merge_states.default: _plain(self.merge_states),
                 ops.valid_len_from_mask.default: _plain(self.valid_len_from_mask),
-                ops.key_start_from_mask.default: _plain(self.key_start_from_mask)}
+                ops.key_start_from_mask.default: _plain(self.key_start_from_mask),
+                ops.key_range_from_mask.default: _plain(self.key_range_from_mask)}
 
     def _op(self):
         from onnxscript.onnx_opset import opset23, opset24
@@ -395,6 +396,16 @@ class OnnxTranslator:
         first = op.Cast(op.ArgMax(any_row, axis=-1, keepdims=0, select_last_index=0), to=6)
         size = op.Constant(value_ints=[int(batch)]) if isinstance(batch, int) else op.Reshape(batch, op.Constant(value_ints=[1]))
         return op.Expand(first, size)
+
+    def key_range_from_mask(self, attn_mask, batch):
+        """(2, batch) int32: the key start (2**31 - 1 where no key is visible: an empty range) over the valid length,
+        as ``reference.key_range_from_mask``."""
+        op = self._op()
+        end = self.valid_len_from_mask(attn_mask, batch)
+        zero, empty = (op.Cast(op.Constant(value_int=x), to=6) for x in (0, 2**31 - 1))  # int32, as the ends
+        start = op.Where(op.Greater(end, zero), self.key_start_from_mask(attn_mask, batch), empty)
+        axis = op.Constant(value_ints=[0])
+        return op.Concat(op.Unsqueeze(start, axis), op.Unsqueeze(end, axis), axis=0)
 
     # ----------------------------------------------------------------------------------------- helpers
     def _fold_valid_len(self, k, attn_mask, valid_len):

@@ -9,14 +9,15 @@ the benchmark rank plans alike:
   ``mode="reduce-overhead"`` runs it), the median of several replays after an eager warm-up;
 * the calls cycle over input sets that together span ``L2_FACTOR`` L2 sizes (as many small sets as that takes),
   and one replay reads every set, so K/V come from HBM as they do in a model whose other layers evict them;
-* the inputs have the site's shape, dtype, mask kind and a valid length (``STATIC_FILL`` of a static cache);
+* the inputs have the site's shape, dtype, mask kind and a valid length (``STATIC_FILL`` of a static cache: full);
 * where the graph will not replay as CUDA graphs (``mode`` other than ``reduce-overhead``), a call also costs
   its host time (``host_us``: the op issued back to back, prepare done in the warm-up), so the tuner takes the
   longer of the two: at small shapes the host's launch cost, not the kernel, sets the pace;
 * the valid length a kernel plan reads is computed from the mask once per input set, outside the timed region:
   the lowered graph computes it once per step for every site that reads that mask
   (``passes.lower._shared_valid_len``), so ``valid_len_us`` times it apart and the tuner charges each site its
-  share.
+  share. At a sliding window that computation is ``key_range_from_mask`` (the window's start too), and the input
+  sets' mask is a band of ``window`` keys, so that a window plan is timed reading only its band, as it runs.
 
 Nothing here runs at import time; torch and the runtime are imported by the calls.
 """
@@ -28,8 +29,12 @@ from typing import Any, Callable
 from .plan import Plan
 from .site import AttentionSite
 
-#: The fill a static cache (valid-length mask) is timed at: half its capacity, the mean over its life.
-STATIC_FILL = 0.5
+#: The fill a static cache (valid-length mask) is timed at: full. Its valid length is a device tensor, unknown at
+#: compile time, and one plan serves every fill (choosing by it would sync). A step is longest near full, and a
+#: Hugging Face StaticCache sized to the prompt plus the new tokens runs there (the e2e caches: 94-99 % full).
+#: Tuning version 3 timed half-full caches and kept SmolLM2's 1k site on S=5/256/8/2 (10 µs in the e2e step), where
+#: a forced sweep found S=16/64/4/3 at 6.2 µs (H100, c761f67): how many keys each split gets changes the ranking.
+STATIC_FILL = 1.0
 #: The input sets of one timing span this many L2 sizes.
 L2_FACTOR = 4
 #: At most this many input sets (small shapes need many to span the L2; each is a few hundred kB there).
@@ -75,10 +80,17 @@ def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> d
         if site.window is not None:  # a sliding window's band: the last ``window`` keys before ``keep``
             band &= cols >= keep - site.window
         s["mask"] = band[None, None, None, :].expand(b, 1, L, n).contiguous()
-        s["valid_len"] = torch.ops.attnopt.valid_len_from_mask(s["mask"], b)
-        if site.window is not None:
-            s["key_start"] = torch.ops.attnopt.key_start_from_mask(s["mask"], b)
+        if site.window is not None:  # as the lowered graph computes both ends of a window site's keys
+            s["key_start"], s["valid_len"] = torch.ops.attnopt.key_range_from_mask(s["mask"], b)
+        else:
+            s["valid_len"] = torch.ops.attnopt.valid_len_from_mask(s["mask"], b)
     return s
+
+
+def mask_reduction(site: AttentionSite) -> str:
+    """The op the lowered graph runs over a masked site's mask for a kernel plan: ``key_range_from_mask`` at a
+    sliding window (its start and valid length), else ``valid_len_from_mask``."""
+    return "key_range_from_mask" if site.window is not None else "valid_len_from_mask"
 
 
 def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = None) -> Callable[[], Any]:
@@ -201,15 +213,17 @@ class GpuTimer:
             return self._time([site_call(plan, site, s, state) for s in sets])
 
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
-        """µs of one ``attnopt::valid_len_from_mask`` over the site's mask, timed like a plan (``eager``: the longer
-        of that and its host time, as ``host_us``)."""
+        """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the
+        ``key_range_from_mask`` that gives its start too: ``mask_reduction``), timed like a plan (``eager``: the
+        longer of that and its host time, as ``host_us``)."""
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.no_grad():
             sets = self._input_sets(site)
             b = int(site.batch)
-            calls = [lambda m=s["mask"]: torch.ops.attnopt.valid_len_from_mask(m, b) for s in sets]
+            op = getattr(torch.ops.attnopt, mask_reduction(site))
+            calls = [lambda m=s["mask"]: op(m, b) for s in sets]
             device = self._time(calls)
             return max(device, self._host(calls)) if eager else device
 
@@ -232,9 +246,10 @@ class GpuTimer:
                 return self._host([site_call(plan, site, s, state) for s in sets])
             key, scale = plan.runtime_key(), site.scale if site.scale is not None else site.head_dim ** -0.5
             op = torch.ops.attnopt.decode_attention
-            return self._host([lambda s=s: op(s["q"], s["k"], s["v"], s["mask"],
-                                              s["valid_len"] if uses_valid_len(plan, site) else None, scale,
-                                              site.is_causal, key, TUNING_SITE) for s in sets])
+            # the variant keywords too: their paths through the op (the key start, the slopes) cost host time
+            return self._host([lambda s=s, kw=_variant(strategy, site, s): op(
+                s["q"], s["k"], s["v"], s["mask"], s["valid_len"] if uses_valid_len(plan, site) else None, scale,
+                site.is_causal, key, TUNING_SITE, **kw) for s in sets])
 
     @staticmethod
     def _host(calls: list[Callable[[], Any]]) -> float:

@@ -21,8 +21,16 @@ reuses what another measured. Writers replace the file atomically (temporary fil
 file is reported in one warning line and treated as empty.
 
 A site whose KV length is symbolic (a growing cache) is tuned per length bucket (``BUCKETS``: powers of two from
-1k to 512k). The bucket's upper edge stands for it; the op picks the bucket's plan by ``k.shape[2]`` at run
-time (``BucketedPlan``), with no sync.
+1k to 512k), at the bucket's geometric middle (``bucket_length``), from the trace-time hint's bucket outwards
+within one shared budget; where its two fastest are within ``TIE``, both are also timed at the bucket's ends and
+the one with the smaller worst ratio wins. The op picks the bucket's plan by ``k.shape[2]`` at run time
+(``BucketedPlan``), with no sync. A static cache is timed full (``timer.STATIC_FILL``); a near tie there is also
+judged at ``STATIC_LOW_FILL``.
+
+What keeps the first call cheap: a shape is measured once per process (``_PROCESS_TUNERS``: one tuner shared by
+the graphs of a model) and once per machine (the file); the rounds stop when one candidate is more than ``PRUNE``
+ahead of all others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s``
+caps a shape and ``BUCKETED_BUDGET_FACTOR`` budgets cap all buckets of a symbolic length.
 
 This module imports nothing from ``runtime/`` at import time; the GPU timer does so when it runs.
 """
@@ -31,23 +39,18 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import json
-import logging
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .plan import BucketedPlan, Plan, plan_from_dict
 from .site import AttentionSite
 from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
+from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
+                           environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
-#: 2: valid length outside the timed region and charged per sharing site, round-robin medians, L2-sized
-#: rotation (version 1 charged every kernel plan a whole valid-length computation and picked cuDNN for it).
-TUNING_VERSION = 3
 #: ``0`` turns tuning off (the cost model alone plans, and cached measurements are not used).
 TUNE_ENV = "ATTNOPT_TUNE"
 #: Whether the measured choice is on when ``ATTNOPT_TUNE`` is unset (see ``default_tuner``).
@@ -62,17 +65,53 @@ DEFAULT_TOP_K = 4
 #: (9/3 heads, D=64) S=5/256/8/2 first, 10.0 µs alone in a graph, and left the fastest family out of its top four:
 #: S=16/64/4/3 ran in 6.2 µs (probe at c761f67). Timing one plan per family lets measurement find it.
 DEFAULT_EXTRA_FAMILIES = 4
+#: Further families are timed only within this factor of the best kernel estimate (a family the model puts 3x
+#: behind costs a cold compile, about a second, and has not won a measurement on the H100).
+EXTRA_WITHIN = 2.0
 #: Upper edges of the KV-length buckets of a symbolic length; longer lengths take the last bucket.
 BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
+#: A symbolic length's buckets together may spend this many times the per-shape budget; the buckets nearest the
+#: trace-time hint go first, and once it is spent the rest time only the model's pick and the first SDPA backend.
+BUCKETED_BUDGET_FACTOR = 3.0
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
 #: After the first round, only candidates within this fraction of the best are timed again.
 PRUNE = 0.15
+#: A bucket's runner-up within this fraction of its fastest is timed with it at the bucket's ends (``span``); a
+#: static cache's, at ``STATIC_LOW_FILL``.
+TIE = 0.03
+#: The low fill a static cache's near tie is also judged at (the timer times it full): the planner bench's static
+#: cases and the issue's 4k of 32k. A kernel plan reads only the valid keys, so it is timed over that many keys; a
+#: dense plan reads the whole cache at any fill and keeps its full time.
+STATIC_LOW_FILL = 1 / 8
+#: At most this many near-tied candidates are timed again.
+TIE_MAX = 3
 
-log = logging.getLogger(__name__)
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
 Timer = Callable[[Plan, AttentionSite], float]
+
+
+def bucket_length(bound: int, bounds: Sequence[int] = BUCKETS) -> int:
+    """The KV length a bucket is timed at: the geometric middle of (previous bound, ``bound``] (of (bound / 2, bound]
+    for the first), rounded to 64 keys. Every length of a bucket runs its plan, and the middle is within sqrt(2) of
+    each of them, where the upper edge is 2x from the lower: on the H100 the bucket (2048, 4096] timed at 4096 chose
+    split-KV for B=64 8/8 heads D=80, 2% slower than cuDNN at 2432 (planner part 0 of 2, lhs08, at 18ffcc3)."""
+    i = list(bounds).index(bound)
+    low = bounds[i - 1] if i > 0 else bound // 2
+    middle = math.sqrt(low * bound)
+    n = int(round(middle / 64)) * 64 if middle >= 64 else int(round(middle))
+    return min(bound, max(low + 1, n))
+
+
+def bucket_span(bound: int, bounds: Sequence[int] = BUCKETS) -> tuple[int, int]:
+    """The shortest and longest KV length a bucket's plan is tuned for: just above the previous bound (half the
+    first bound for the first bucket) and ``bound``. "Just above" is 64 keys above where the bound is a multiple of
+    64: Triton specializes a kernel on whether an integer argument is a multiple of 16, and an odd length would
+    compile every candidate again."""
+    i = list(bounds).index(bound)
+    low = bounds[i - 1] if i > 0 else bound // 2
+    return min(bound, low + (64 if low >= 64 and low % 64 == 0 else 1)), bound
 
 
 def bucket_of(n: int, bounds: Sequence[int] = BUCKETS) -> int:
@@ -82,155 +121,11 @@ def bucket_of(n: int, bounds: Sequence[int] = BUCKETS) -> int:
     return bounds[min(bisect.bisect_left(bounds, n), len(bounds) - 1)]
 
 
-# --------------------------------------------------------------------------------------------- keys
-@dataclass(frozen=True)
-class ShapeKey:
-    """What a measurement depends on besides the environment. ``kv_len`` is the exact length, or the bucket's
-    upper edge when ``bucketed``."""
-
-    batch: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    q_len: int
-    kv_len: int
-    bucketed: bool
-    dtype: str
-    mask_kind: str
-    valid_length: bool
-    is_causal: bool
-    #: Sites sharing one valid-length computation (0 where the site has no valid-length or arbitrary mask).
-    valid_len_sharing: int = 0
-    #: Whether the graph replays as CUDA graphs (else a call's host time counts too).
-    graphed: bool = True
-    #: Keys shared by every row (``AttentionSite.shared_prefix``): a cascade site measures differently from a plain
-    #: site of the same shape. Left out of the key when None.
-    shared_prefix: int | None = None
-
-    @classmethod
-    def of(cls, site: AttentionSite, kv_len: int, bucketed: bool, valid_len_sharing: int = 1,
-           graphed: bool = True) -> "ShapeKey":
-        masked = site.mask_kind in ("valid_length", "arbitrary")
-        return cls(batch=int(site.batch), q_heads=site.q_heads, kv_heads=site.kv_heads, head_dim=site.head_dim,
-                   v_head_dim=site.v_head_dim or site.head_dim, q_len=int(site.q_len), kv_len=int(kv_len),
-                   bucketed=bucketed, dtype=site.dtype, mask_kind=site.mask_kind, valid_length=masked,
-                   is_causal=site.is_causal, valid_len_sharing=max(1, int(valid_len_sharing)) if masked else 0,
-                   graphed=bool(graphed), shared_prefix=site.shared_prefix)
-
-
 def tunable_reason(site: AttentionSite) -> str | None:
     """Why ``site`` cannot be timed (an unknown size), or ``None``."""
     if site.batch is None or site.q_len is None or not site.q_heads or not site.kv_heads or not site.head_dim:
         return f"a size is unknown at compile time ({site.shape_str()})"
     return None
-
-
-def _driver_version() -> str:
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            words = f.readline().split()
-        return next((w for w in words if w[:1].isdigit() and "." in w), "unknown")
-    except OSError:
-        return "unknown"
-
-
-def environment_key(device_index: int | None = None) -> dict[str, str]:
-    """Device name, driver, torch, triton and attnopt versions: a measurement holds only where all are equal."""
-    import torch
-
-    from . import __version__
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    device = "cpu"
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name(torch.cuda.current_device() if device_index is None else device_index)
-    return {"device": device, "driver": _driver_version(), "torch": torch.__version__, "triton": triton_version,
-            "attnopt": __version__, "tuning": str(TUNING_VERSION)}
-
-
-def cache_path() -> Path:
-    """``$ATTNOPT_CACHE_DIR/tuning/tuning.json``, else under ``platformdirs.user_cache_dir("attnopt")``."""
-    from .hardware import profile_cache_dir  # the one place that resolves attnopt's cache root
-
-    return profile_cache_dir().parent / "tuning" / "tuning.json"
-
-
-# --------------------------------------------------------------------------------------------- the cache
-class TuningCache:
-    """Measured choices, one JSON object ``{key: record}`` in one file; ``key`` = environment + shape."""
-
-    def __init__(self, path: str | os.PathLike | None = None):
-        self.path = Path(path) if path is not None else cache_path()
-        self._warned = False
-        self._warned_write = False
-
-    @staticmethod
-    def key(env: dict[str, str], shape: ShapeKey) -> str:
-        fields = {k: v for k, v in dataclasses.asdict(shape).items() if k != "shared_prefix" or v is not None}
-        return json.dumps({"env": env, "shape": fields}, sort_keys=True)
-
-    def load(self) -> dict[str, Any]:
-        """Every record; ``{}`` when the file is missing or corrupt (then one warning line names the file)."""
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            self._warn(exc)
-            return {}
-        try:
-            data = json.loads(text)
-            if not isinstance(data, dict) or not isinstance(data.get("records"), dict):
-                raise ValueError("not an attnopt tuning cache")
-            return data["records"]
-        except ValueError as exc:
-            self._warn(exc)
-            return {}
-
-    def _warn(self, exc: Exception) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning("attnopt: ignoring the unreadable tuning cache %s (%s: %s); tuning again",
-                        self.path, type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
-
-    def get(self, env: dict[str, str], shape: ShapeKey) -> dict[str, Any] | None:
-        return self.load().get(self.key(env, shape))
-
-    def save(self, env: dict[str, str], shape: ShapeKey, record: dict[str, Any]) -> bool:
-        """``put``, but a file that cannot be written (read-only home, full disk) costs one warning line, not the
-        compile: the measurement still holds for this process's choice. Returns whether it was written."""
-        try:
-            self.put(env, shape, record)
-            return True
-        except OSError as exc:
-            if not self._warned_write:
-                self._warned_write = True
-                log.warning("attnopt: cannot write the tuning cache %s (%s); measurements are not kept", self.path, exc)
-            return False
-
-    def put(self, env: dict[str, str], shape: ShapeKey, record: dict[str, Any]) -> None:
-        """Add one record: re-read the file, merge, write a temporary file beside it, ``os.replace`` it in (atomic,
-        so a concurrent reader sees the old or the new file, never a torn one; the last writer's merge wins)."""
-        records = self.load()
-        records[self.key(env, shape)] = record
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": TUNING_VERSION, "records": records}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
 
 
 # --------------------------------------------------------------------------------------------- the choice
@@ -247,11 +142,17 @@ class Choice:
 
 
 def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EXTRA_FAMILIES) -> list[Plan]:
-    """The candidates worth timing, in the order they are timed: the model's pick, every explicit SDPA backend
-    (cuDNN first: the fastest on Hopper), then the next kernel plans by estimate, ``top_k`` kernel plans, then the
-    best-estimated plan of up to ``extra_families`` kernel configurations (kind, block_n, num_warps, num_stages)
-    not among them: the model ranks grids of one configuration well and configurations against each other
-    poorly. ``auto`` SDPA is timed only when no backend is named explicitly (it is one of them)."""
+    """The candidates worth timing, in the order they are timed.
+
+    Which: the model's pick; every explicit SDPA backend (cuDNN first: the fastest on Hopper; ``auto`` only when no
+    backend is named explicitly, as it is one of them); the most parallel split-KV plan (``most_parallel``); the
+    ``top_k`` kernel plans by estimate; the best-estimated plan of up to ``extra_families`` further kernel
+    configurations (kind, block_n, num_warps, num_stages) estimated within ``EXTRA_WITHIN`` of the best (the model
+    ranks the grids of one configuration well and configurations against each other poorly).
+
+    Order: the model's pick, the SDPA backends, the most parallel plan, then one plan of each configuration before
+    a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
+    (about a second) where a second grid of it costs only its timing, so the configurations come first."""
     if not ranked:
         return []
     explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
@@ -260,18 +161,37 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     ranked_kernels = [p for p in ranked if p.kind != "dense"]
     kernels = ranked_kernels[:top_k]
     families = {_family(p) for p in [ranked[0]] + kernels}
+    estimates = [p.est_us for p in kernels if math.isfinite(p.est_us)]
+    ceiling = EXTRA_WITHIN * min(estimates) if estimates else math.inf
     for p in ranked_kernels[top_k:]:
         if extra_families <= 0:
             break
-        if _family(p) not in families:
+        if _family(p) not in families and not p.est_us > ceiling:
             families.add(_family(p))
             kernels.append(p)
             extra_families -= 1
+    widest = most_parallel(ranked_kernels)
+    seen_families = {_family(ranked[0])} | ({_family(widest)} if widest is not None else set())
+    firsts, seconds = [], []
+    for p in kernels:
+        (seconds if _family(p) in seen_families else firsts).append(p)
+        seen_families.add(_family(p))
     out: list[Plan] = [ranked[0]]
-    for p in dense + kernels:
+    for p in dense + ([widest] if widest is not None else []) + firsts + seconds:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
     return out
+
+
+def most_parallel(kernels: Sequence[Plan]) -> Plan | None:
+    """The split-KV plan with the smallest tiles and, among those, the most splits (the best estimate of equals):
+    on a short KV (a few tiles per (batch row, KV head)) one tile per split fills the GPU where the model's wave
+    sizing does not. At SmolLM2's 1k static site (9/3 heads, D=64) that is S=17/64/4/3; a forced H100 sweep found
+    S=16/64/4/3 at 6.2 µs against 10 µs for the model's S=5/256/8/2 (c761f67). ``None`` without a split-KV plan."""
+    splits = [p for p in kernels if p.kind == "split_kv"]
+    if not splits:
+        return None
+    return min(splits, key=lambda p: (p.block_n, -p.num_splits, p.est_us if math.isfinite(p.est_us) else math.inf))
 
 
 def _family(plan: Plan) -> tuple:
@@ -331,11 +251,15 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------- one shape
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
-               valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
+               valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None,
+               span: tuple[int, int] | None = None) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
-        call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it)."""
+        call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it).
+        ``deadline``: a ``time.perf_counter()`` value that ends the budget sooner (a symbolic length's buckets share
+        one). ``span``: the shortest and longest length the plan will run at (a bucket's ends); when another
+        candidate is within ``TIE`` of the fastest, the two are timed there too (``_tie_break``)."""
         if not ranked:
             raise ValueError("no candidate to choose from")
         eager = not graphed and hasattr(self.timer, "host_us")
@@ -351,6 +275,9 @@ class Tuner:
             except (KeyError, TypeError, ValueError):
                 winner = None
             if winner is not None and winner.runtime_key() in by_key:
+                # kept for this process too: the other sites of the shape then skip re-reading the file
+                self._measured[shape] = (winner.runtime_key(), float(record.get("measured_us", math.nan)),
+                                         dict(record.get("timings", {})))
                 return Choice(by_key[winner.runtime_key()], "cached", float(record.get("measured_us", math.nan)),
                               dict(record.get("timings", {})))
         if not self.enabled or self.capturing():
@@ -368,18 +295,24 @@ class Tuner:
             extra.update(valid_len_us=valid_len_us, valid_len_sharing=shape.valid_len_sharing)
         share = valid_len_us / max(shape.valid_len_sharing, 1)
         charge = {p.runtime_key(): share if uses_valid_len(p, site) else 0.0 for p in plans}
-        samples, timings, measure_extra = self._measure(plans, site, start, eager, charge)
+        end = start + self.budget_s if deadline is None else min(start + self.budget_s, deadline)
+        samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         extra.update(measure_extra)
-        release = getattr(self.timer, "release", None)
-        if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
-            release()
         for key, times in samples.items():
             timings[key] = _median(times) + charge[key]
         measured = {k: v for k, v in timings.items() if isinstance(v, float) and math.isfinite(v)}
+        best = min(measured, key=measured.get) if measured else None
+        static = span is None and not bucketed and _static_cache(site)
+        if static:
+            span = (min(site.kv_len, max(64, int(round(site.kv_len * STATIC_LOW_FILL / 64)) * 64)),)
+        if best is not None and span is not None and not eager and time.perf_counter() < end:
+            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
+        release = getattr(self.timer, "release", None)
+        if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
+            release()
         tune_s = time.perf_counter() - start
-        if not measured:
+        if best is None:
             return Choice(ranked[0], "model", timings=timings, tune_s=tune_s)
-        best = min(measured, key=measured.get)
         choice = Choice(by_key[best], "measured", measured[best], timings, tune_s)
         self._measured[shape] = (best, measured[best], timings)
         if self.cache is not None:
@@ -390,14 +323,52 @@ class Tuner:
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
 
-    def _measure(self, plans: Sequence[Plan], site: AttentionSite, start: float, eager: bool = False,
+    def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
+                   span: tuple[int, ...], charge: dict[str, float],
+                   static: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
+        """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it: the one whose worst ratio
+        to the fastest of them, at the measured length and at each length of ``span``, is lowest (ties: the faster
+        where measured).
+        A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
+        H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). ``static``: the
+        lengths stand for fills of a static cache (a kernel plan timed over that many keys, a dense plan keeping its
+        full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
+        pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
+        pair = pair[:TIE_MAX]
+        if len(pair) < 2:
+            return best, {}
+        worst = {k: measured[k] / measured[best] for k in pair}
+        at_ends: dict[str, dict[str, float]] = {}
+        for n in dict.fromkeys(span):
+            if n == site.kv_len:
+                continue
+            at = dataclasses.replace(site, kv_len=int(n))
+            times = {}
+            for k in pair:
+                if static and not uses_valid_len(by_key[k], site):
+                    times[k] = measured[k]
+                    continue
+                try:
+                    times[k] = float(self.timer(by_key[k], at)) + charge.get(k, 0.0)
+                except Exception:  # noqa: BLE001 - an end that cannot be timed does not decide
+                    times = {}
+                    break
+            if times and all(math.isfinite(t) and t > 0 for t in times.values()):
+                fastest = min(times.values())
+                for k in pair:
+                    worst[k] = max(worst[k], times[k] / fastest)
+                at_ends[str(n)] = times
+        return min(pair, key=lambda k: (worst[k], measured[k])), at_ends
+
+    def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
                  charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
         The model's pick and the first SDPA backend always get one round; everything else only within the
-        budget. A candidate that fails once is not timed again, nor one whose first round, with its ``charge``
-        (µs added to each of its samples), was over ``PRUNE`` slower than the best: round-to-round noise is a few
-        per cent, so it cannot win, and the later rounds go to the close ones. ``eager``: a sample is the longer
-        of the device time and the host time (both kept in the extras)."""
+        budget. A candidate that fails once is not timed again, nor one whose median so far, with its ``charge``
+        (µs added to each of its samples), is over ``PRUNE`` slower than the best's: round-to-round noise is a few
+        per cent, so it cannot win, and the later rounds go to the close ones. When no other candidate is that
+        close to the best the ranking is clear and no further round runs. ``eager``: a sample is the longer of the
+        device time and the host time (both kept in the extras)."""
         charge = charge or {}
         samples: dict[str, list[float]] = {}
         failed: dict[str, Any] = {}
@@ -406,16 +377,18 @@ class Tuner:
         rounds_done = 0
         close: set[str] | None = None
         for r in range(self.rounds):
-            if r > 0 and time.perf_counter() - start > self.budget_s:
+            if r > 0 and time.perf_counter() > end:
                 break
-            if r == 1 and samples:
-                first = {k: v[0] + charge.get(k, 0.0) for k, v in samples.items()}
-                close = {k for k, t in first.items() if t <= (1 + PRUNE) * min(first.values())}
+            if r > 0 and samples:
+                so_far = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+                close = {k for k, t in so_far.items() if t <= (1 + PRUNE) * min(so_far.values())}
+                if len(close) < 2:
+                    break
             for i, p in enumerate(plans):
                 key = p.runtime_key()
                 if key in failed or (close is not None and key not in close):
                     continue
-                if (r > 0 or i >= 2) and time.perf_counter() - start > self.budget_s:
+                if (r > 0 or i >= 2) and time.perf_counter() > end:
                     if key not in samples:
                         failed[key] = "skipped: tuning budget spent"
                     continue
@@ -440,19 +413,26 @@ class Tuner:
     # ------------------------------------------------------------------------------------- symbolic length
     def choose_bucketed(self, site: AttentionSite, rank: Callable[[AttentionSite], list[Plan]], *,
                         valid_len_sharing: int = 1, graphed: bool = True) -> Choice:
-        """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's edge)`` gives that
-        bucket's ranked candidates, ``choose`` picks among them. Its estimate and measurement are those of the
-        bucket holding the trace-time hint. Returns the bucket's plan itself when every bucket chose the same."""
-        choices = []
-        for bound in self.buckets:
-            at = dataclasses.replace(site, kv_len=bound, kv_len_hint=None)
+        """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's length)`` (``bucket_length``)
+        gives that bucket's ranked candidates, ``choose`` picks among them. The buckets are tuned from the one
+        holding the trace-time hint outwards (nearer lengths run first), within ``BUCKETED_BUDGET_FACTOR`` budgets
+        together. Its estimate and measurement are those of the hint's bucket. Returns the bucket's plan itself
+        when every bucket chose the same."""
+        hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
+        h = self.buckets.index(hint)
+        deadline = time.perf_counter() + BUCKETED_BUDGET_FACTOR * self.budget_s
+        by_bound: dict[int, Choice] = {}
+        for i in sorted(range(len(self.buckets)), key=lambda i: (abs(i - h), i)):
+            bound = self.buckets[i]
+            n = bucket_length(bound, self.buckets)
+            at = dataclasses.replace(site, kv_len=n, kv_len_hint=None)
             ranked = rank(at)
             if not ranked:
-                raise ValueError(f"no candidate plan at KV length {bound} for {site.shape_str()}")
-            choices.append(self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
-                                       graphed=graphed))
-        hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
-        here = choices[self.buckets.index(hint)]
+                raise ValueError(f"no candidate plan at KV length {n} for {site.shape_str()}")
+            by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
+                                          graphed=graphed, deadline=deadline, span=bucket_span(bound, self.buckets))
+        choices = [by_bound[b] for b in self.buckets]
+        here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}
         how = "measured" if any(c.choice == "measured" for c in choices) else (
             "cached" if any(c.choice == "cached" for c in choices) else "model")
@@ -462,6 +442,11 @@ class Tuner:
             return Choice(here.plan, how, here.measured_us, timings, tune_s)
         plan = BucketedPlan(bounds=self.buckets, plans=tuple(keys)).with_estimate(here.plan.est_us)
         return Choice(plan, how, here.measured_us, timings, tune_s)
+
+
+def _static_cache(site: AttentionSite) -> bool:
+    """A static cache read through its mask (the kernels read only its valid keys), not a sliding window's band."""
+    return site.mask_kind in ("valid_length", "arbitrary") and site.window is None and site.kv_len is not None
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -520,4 +505,16 @@ def default_tuner(device_type: str, triton_available: bool) -> Tuner | None:
         return None
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return None
-    return Tuner(cache=TuningCache())
+    # One tuner per cache file, budget and device for the process: the graphs of one model (graph breaks, recompiles
+    # for a new batch size) share its measurements even where the cache file cannot be written.
+    import torch
+
+    cache = TuningCache()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    key = (str(cache.path), os.environ.get(BUDGET_ENV, ""), device)
+    if key not in _PROCESS_TUNERS:
+        _PROCESS_TUNERS[key] = Tuner(cache=cache)
+    return _PROCESS_TUNERS[key]
+
+
+_PROCESS_TUNERS: dict[tuple[str, str, int], Tuner] = {}

@@ -79,6 +79,8 @@ def _dtype_name(dt: torch.dtype | None) -> str:
 
 
 def _mask_kind(m: AttentionMatch, q_len: Any) -> str:
+    if m.score_bias is not None:  # a bias (Bloom's baddbmm) joins the mask: no longer a prefix of keys, nor none
+        return "arbitrary"
     if m.attn_mask is None:
         return "causal" if m.is_causal else "none"
     if not isinstance(m.attn_mask, fx.Node):

@@ -9,8 +9,8 @@ For each match whose ``SiteReport.chosen`` is set, whose site is supported and n
 with the un-expanded K/V, ``valid_len = attnopt.valid_len_from_mask(mask, B)`` for valid-length and arbitrary
 masks under a non-dense plan, and ``out = attnopt.check_close(out, original, ...)`` under ``config.verify``.
 Variants: a softcapped site passes ``softcap=c``; a sliding-window site with a mask under a plan that reads
-windows passes ``key_start = attnopt.key_start_from_mask(mask, B)`` (the first key any query row may see: exact
-for any mask, so the kernels read only the band's keys).
+windows takes its ``key_start`` and ``valid_len`` from one ``attnopt.key_range_from_mask(mask, B)`` (the first key
+any query row may see and one past the last: exact for any mask, so the kernels read only the band's keys).
 The nodes that only fed the original attention (``repeat_kv`` copies, the eager chain) are then removed.
 """
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .constants import constant_value
 from .context import PassContext
-from .patterns import _SDPA_FUSED, AttentionMatch, is_aten_graph, is_metadata_assert, meta_val
+from .patterns import _SDPA_FUSED, AttentionMatch, is_aten_graph, is_metadata_assert, meta_shape, meta_val
 
 #: Default ``verify`` tolerances per dtype: (atol, rtol).
 VERIFY_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -154,16 +155,109 @@ def _shared_valid_len(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask
     return node
 
 
-def _slopes_per_head(graph: fx.Graph, slopes: fx.Node, heads: int, new_nodes: list) -> fx.Node:
-    """The ALiBi slopes (broadcastable to (1, H, 1, 1), H = ``heads`` or 1) as the op takes them: (Hq,) fp32,
-    contiguous."""
+def _biased_mask(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, mask: fx.Node | None,
+                 new_nodes: list) -> fx.Node:
+    """Bloom's baddbmm bias (``m.score_bias``, broadcast to the (B * H, L, N) scores, rows batch-major) viewed as
+    (B, H, L, N) and added to the additive ``mask`` (or alone): the one mask the op takes. With a static batch it is
+    made once, right after the later of the bias and the mask, for every site reading both (every Bloom layer reads
+    one alibi and one mask), so that their valid length is shared too."""
+    graph, site, bias = gm.graph, m.site, m.score_bias
+    s = meta_shape(bias)
+    full = (1,) * (3 - len(s)) + tuple(s)
+    shared = site.batch is not None and (mask is None or mask not in new_nodes)
+    key = ("score_bias", bias, mask)
+    if shared and key in ctx.valid_lens:
+        return ctx.valid_lens[key]
     aten = torch.ops.aten
-    flat = graph.call_function(aten.reshape.default, (slopes, [-1]))
-    f32 = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.float32})
-    full = graph.call_function(aten.expand.default, (f32, [heads]))
-    out = graph.call_function(aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
-    new_nodes += [flat, f32, full, out]
-    return out
+    if shared:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        anchor = max((x for x in (bias, mask) if x is not None), key=order.__getitem__)
+        if anchor.op == "placeholder":
+            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        point = graph.inserting_after(anchor)
+    else:
+        point = graph.inserting_before(m.output)
+    with point:
+        if isinstance(full[0], int) and full[0] == 1:
+            lead: list[Any] = [1, 1]
+        elif site.batch is not None:
+            lead = [site.batch, site.q_heads]
+        else:
+            lead = [graph.call_function(aten.sym_size.int, (m.q, 0)), site.q_heads]
+            new_nodes.append(lead[0])
+        view = graph.call_function(aten.reshape.default, (bias, lead + [1 if full[1] == 1 else site.q_len, -1]))
+    with graph.inserting_after(view):
+        node = view if mask is None else graph.call_function(aten.add.Tensor, (view, mask))
+    meta_key = _meta_key(gm)
+    for n in ((view,) if node is view else (view, node)):
+        _set_meta(n, meta_key, m.output)
+        if not shared:
+            new_nodes.append(n)
+    if shared:
+        ctx.valid_lens[key] = node
+    return node
+
+
+def _shared_key_range(graph: fx.Graph, ctx: PassContext, m: AttentionMatch, mask: fx.Node, q: fx.Node,
+                      new_nodes: list) -> tuple[fx.Node, fx.Node]:
+    """(key start, valid length) of a window site: the two rows of one ``key_range_from_mask`` of ``mask`` (one scan
+    of the mask for both ends), shared as ``_shared_valid_len`` shares it, the row views right after it."""
+    rng = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_range_from_mask")
+    ends = []
+    for row in (0, 1):
+        key = (rng, row)
+        node = ctx.valid_lens.get(key)
+        if node is None:
+            with graph.inserting_after(rng):
+                node = ctx.valid_lens[key] = graph.call_function(torch.ops.aten.select.int, (rng, 0, row))
+            new_nodes.append(node)
+        ends.append(node)
+    return ends[0], ends[1]
+
+
+def _slopes_per_head(gm: fx.GraphModule, ctx: PassContext, slopes: fx.Node, heads: int, new_nodes: list) -> fx.Node:
+    """The ALiBi slopes (broadcastable to (1, H, 1, 1), H = ``heads`` or 1) as the op takes them: (Hq,) fp32,
+    contiguous. One node per (slopes node, heads) for all the sites reading them (every layer of MPT reads one). Slopes
+    built from constants alone (MPT's and Bloom's are) are evaluated now and read as a buffer: no launch per step
+    (they were four per site: the slopes' own ``arange``/``pow`` and the cast and copy here)."""
+    key = ("alibi_slopes", slopes, heads)
+    node = ctx.valid_lens.get(key)
+    if node is not None:
+        return node
+    graph = gm.graph
+    value = constant_value(slopes)
+    if value is not None and value.is_floating_point() and value.numel() in (1, heads):
+        name = f"_attnopt_alibi_slopes_{len([k for k in ctx.valid_lens if k[0] == 'alibi_slopes'])}"
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # aot compilers run the passes under their fake mode
+            buffer = value.reshape(-1).to(torch.float32).expand(heads).contiguous()
+        gm.register_buffer(name, buffer)
+        with graph.inserting_before(_first_user_position(graph)):
+            node = graph.get_attr(name)
+        mode = getattr(meta_val(slopes), "fake_mode", None)
+        if mode is not None:  # the fake value later passes and the op's fake implementation read
+            node.meta[_meta_key(gm)] = mode.from_tensor(buffer)
+    else:
+        aten = torch.ops.aten
+        anchor = slopes if slopes.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            flat = graph.call_function(aten.reshape.default, (slopes, [-1]))
+        with graph.inserting_after(flat):
+            f32 = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.float32})
+        with graph.inserting_after(f32):
+            full = graph.call_function(aten.expand.default, (f32, [heads]))
+        with graph.inserting_after(full):
+            node = graph.call_function(aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
+        new_nodes += [flat, f32, full]
+    ctx.valid_lens[key] = node
+    new_nodes.append(node)
+    return node
+
+
+def _first_user_position(graph: fx.Graph) -> fx.Node:
+    """The first node after the placeholders: where a constant's ``get_attr`` goes, before every reader."""
+    return next(n for n in graph.nodes if n.op != "placeholder")
 
 
 def _reads_windows(plan) -> bool:
@@ -218,6 +312,8 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
         elif mask is not None and m.mask_invert:
             mask = graph.call_function(torch.ops.aten.logical_not.default, (mask,))
             new_nodes.append(mask)
+        if m.score_bias is not None:
+            mask = _biased_mask(gm, ctx, m, mask, new_nodes)
         q, k, v = m.q, m.k, m.v
         if m.perms:  # logical (B, H, L|N, D) views of tensors kept in another layout: free permutes
             def permuted(x, name):
@@ -236,11 +332,15 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
                 new_nodes.append(c)
             q = graph.call_function(torch.ops.aten.div.Tensor if is_div else torch.ops.aten.mul.Tensor, (q, c))
             new_nodes.append(q)
-        valid_len = None
+        valid_len = key_start = None
         # Distributed plans get no valid_len: it would be read in the mask's columns, which may be global or this
         # rank's, and the tree/ring runtime cannot tell which; the mask alone is exact either way.
         if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
-            valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
+            if site.window is not None and _reads_windows(plan) and not (m.shared_prefix is not None
+                                                                         and runs_cascade(plan)):
+                key_start, valid_len = _shared_key_range(graph, ctx, m, mask, q, new_nodes)
+            else:
+                valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
         if m.shared_prefix is not None and runs_cascade(plan):  # the prefix and suffixes apart; the cat goes dead
             # (the cascade takes no variant: the planner refuses it softcapped and ALiBi sites, and a window's mask
             # alone is exact)
@@ -252,9 +352,9 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
             if site.softcap is not None:
                 variant["softcap"] = float(site.softcap)
             if m.alibi_slopes is not None:
-                variant["alibi_slopes"] = _slopes_per_head(graph, m.alibi_slopes, site.q_heads, new_nodes)
-            if site.window is not None and mask is not None and _reads_windows(plan):
-                variant["key_start"] = _shared_valid_len(graph, ctx, m, mask, q, new_nodes, "key_start_from_mask")
+                variant["alibi_slopes"] = _slopes_per_head(gm, ctx, m.alibi_slopes, site.q_heads, new_nodes)
+            if key_start is not None:
+                variant["key_start"] = key_start
             out = graph.call_function(ops.decode_attention.default,
                                       (q, k, v, mask, valid_len, float(site.scale), bool(site.is_causal),
                                        plan.runtime_key(), site_key), variant)

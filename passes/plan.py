@@ -57,14 +57,16 @@ def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
     return candidates, rejected
 
 
-def plan_site(site, hw, plan_ctx, config, tuner=None, valid_len_sharing: int = 1) -> SiteReport:
+def plan_site(site, hw, plan_ctx, config, tuner=None, valid_len_sharing: int = 1, ranked=None) -> SiteReport:
     """Rank every applicable strategy at one site. ``config.force_plan`` wins when it is applicable; otherwise
     ``tuner`` (an ``attnopt.tuning.Tuner``, ``None`` = the cost model alone) picks among the best candidates.
-    ``valid_len_sharing``: the sites that share this site's valid-length computation (``valid_len_sharing``)."""
+    ``valid_len_sharing``: the sites that share this site's valid-length computation (``valid_len_sharing``).
+    ``ranked``: ``rank_candidates``'s answer for this site when the caller has it (from an identical site)."""
     report = SiteReport(site=site)
     if site.unsupported:
         return report
-    report.candidates, report.rejected = rank_candidates(site, hw, plan_ctx, config)
+    candidates, rejected = ranked or rank_candidates(site, hw, plan_ctx, config)
+    report.candidates, report.rejected = list(candidates), list(rejected)
     if config.force_plan is not None:
         forced = [c for c in report.candidates if c.kind == config.force_plan]
         if forced:
@@ -112,9 +114,25 @@ def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if getattr(ctx.config, "tune", None) is False:  # an OptimizeConfig ``tune`` option, where the config has one
         tuner = None
     sharing = valid_len_sharing(ctx.matches)
+    # Every layer of a decoder is one site shape: the ranking (every strategy's candidates, each estimated) is
+    # made once per shape, not once per layer (30 times for SmolLM2).
+    ranked: dict = {}
     for match, shared in zip(ctx.matches, sharing):
-        ctx.report.sites.append(plan_site(match.site, ctx.hardware, ctx.plan_context, ctx.config, tuner, shared))
+        site = match.site
+        key = ranking_key(site, ctx.plan_context)
+        if not site.unsupported and key not in ranked:
+            ranked[key] = rank_candidates(site, ctx.hardware, ctx.plan_context, ctx.config)
+        ctx.report.sites.append(plan_site(site, ctx.hardware, ctx.plan_context, ctx.config, tuner, shared,
+                                          ranked=ranked.get(key)))
     return gm
+
+
+def ranking_key(site, plan_ctx):
+    """What ``rank_candidates`` reads of a site: all of it but its node name, and but its module path unless SAAP is
+    on (its index covers some layers, named by the path)."""
+    from dataclasses import replace
+
+    return replace(site, node="", module_path=site.module_path if plan_ctx.extras.get("saap") else "")
 
 
 def valid_len_sharing(matches) -> list[int]:
@@ -140,4 +158,4 @@ def valid_len_sharing(matches) -> list[int]:
 
 _default = object()
 
-__all__ = ["plan", "plan_site", "rank_candidates", "valid_len_sharing"]
+__all__ = ["plan", "plan_site", "rank_candidates", "ranking_key", "valid_len_sharing"]

@@ -6,7 +6,7 @@ dispatch than ``torch.library.custom_op``'s Python wrapper) and fake implementat
 
 ``plan`` is a plan's ``runtime_key()`` JSON; it is parsed once and cached with the strategy's prepared state.
 ``site`` names the site for call counting and error messages. ``softcap`` (c != 0: scores ``c * tanh(s)``) and
-``key_start`` ((B,) first key per row: a sliding window's, from ``key_start_from_mask``) and ``alibi_slopes``
+``key_start`` ((B,) first key per row: a sliding window's, row 0 of ``key_range_from_mask``) and ``alibi_slopes``
 ((Hq,): ALiBi, scores + slope[h] * key position) are the variants of
 ``runtime/strategies/base.py``'s ``VARIANTS``.
 """
@@ -40,6 +40,7 @@ _lib.define("merge_states(Tensor o_parts, Tensor lse_parts) -> (Tensor, Tensor)"
 _lib.define("check_close(Tensor new, Tensor ref, str site, float atol, float rtol, int calls) -> Tensor")
 _lib.define("valid_len_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
 _lib.define("key_start_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
+_lib.define("key_range_from_mask(Tensor attn_mask, SymInt batch) -> Tensor")
 _lib.define("shard_mask_columns(Tensor attn_mask, SymInt local_len) -> Tensor")
 
 #: Calls per site key, counted on the host by the op (not under CUDA-graph replay).
@@ -260,28 +261,23 @@ def _check_close(new, ref, site, atol, rtol, calls):
     return new.clone()
 
 
-def _valid_len_from_mask(attn_mask, batch):
-    from .strategies.split_kv import use_triton
+def _mask_reduction(name: str):
+    """The op ``name`` (``valid_len_from_mask``, ``key_start_from_mask``, ``key_range_from_mask``): its one-launch
+    kernel (``kernels/valid_len.py``) where the kernels run, else the reference (several kernels on a GPU: about
+    25 µs of a SmolLM2 step for the valid length alone)."""
+    def reduce(attn_mask, batch):
+        from .strategies.split_kv import use_triton
 
-    if use_triton(attn_mask) and attn_mask.dim() >= 1 and attn_mask.shape[-1] > 1:
-        from .kernels.valid_len import valid_len_from_mask as kernel
+        if use_triton(attn_mask) and attn_mask.dim() >= 1 and attn_mask.shape[-1] > 1:
+            from .kernels import valid_len as kernels
 
-        return kernel(attn_mask, batch)  # one launch instead of the reference's seven kernels
-    from .reference import valid_len_from_mask
+            return getattr(kernels, name)(attn_mask, batch)
+        from . import reference
 
-    return valid_len_from_mask(attn_mask, batch)
+        return getattr(reference, name)(attn_mask, batch)
 
-
-def _key_start_from_mask(attn_mask, batch):
-    from .strategies.split_kv import use_triton
-
-    if use_triton(attn_mask) and attn_mask.dim() >= 1 and attn_mask.shape[-1] > 1:
-        from .kernels.valid_len import key_start_from_mask as kernel
-
-        return kernel(attn_mask, batch)  # one launch, as valid_len_from_mask
-    from .reference import key_start_from_mask
-
-    return key_start_from_mask(attn_mask, batch)
+    reduce.__name__ = f"_{name}"
+    return reduce
 
 
 def _shard_mask_columns(attn_mask, local_len):
@@ -299,7 +295,8 @@ def _shard_mask_columns(attn_mask, local_len):
 for _name, _fn in (("decode_attention", _decode_attention), ("decode_attention_states", _decode_attention_states),
                    ("cascade_attention", _cascade_attention),
                    ("merge_states", _merge_states), ("check_close", _check_close),
-                   ("valid_len_from_mask", _valid_len_from_mask), ("key_start_from_mask", _key_start_from_mask),
+                   *((name, _mask_reduction(name)) for name in ("valid_len_from_mask", "key_start_from_mask",
+                                                                "key_range_from_mask")),
                    ("shard_mask_columns", _shard_mask_columns)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
@@ -341,6 +338,11 @@ def _valid_len_from_mask_fake(attn_mask, batch):
 @torch.library.register_fake("attnopt::key_start_from_mask")
 def _key_start_from_mask_fake(attn_mask, batch):
     return attn_mask.new_empty((batch,), dtype=torch.int32)
+
+
+@torch.library.register_fake("attnopt::key_range_from_mask")
+def _key_range_from_mask_fake(attn_mask, batch):
+    return attn_mask.new_empty((2, batch), dtype=torch.int32)
 
 
 @torch.library.register_fake("attnopt::shard_mask_columns")

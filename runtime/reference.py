@@ -336,6 +336,16 @@ def key_start_from_mask(attn_mask: Tensor, batch: int) -> Tensor:
     return first.expand(batch).contiguous()
 
 
+def key_range_from_mask(attn_mask: Tensor, batch: int) -> Tensor:
+    """Both ends of the keys a batch row may see, (2, B) int32: row 0 as :func:`key_start_from_mask` but 2**31 - 1
+    where the mask hides every key of the row (an empty range, as one scan with atomic minima gives it; the kernels
+    clamp the start to the valid length), row 1 :func:`valid_len_from_mask`. Same arguments as those."""
+    end = valid_len_from_mask(attn_mask, batch)
+    start = key_start_from_mask(attn_mask, batch)
+    start = torch.where(end > 0, start, torch.full_like(start, 2**31 - 1))
+    return torch.stack([start, end])
+
+
 # --------------------------------------------------------------------------------------------- shared-prefix cascade
 def prefix_mask_parts(attn_mask: Tensor | None, prefix_len: int) -> tuple[Tensor | None, Tensor | None]:
     """A mask over the P + S keys of a cascade -> (its prefix columns, its suffix columns): views, no copy. A mask

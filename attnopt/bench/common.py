@@ -101,6 +101,26 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
     return statistics.median(times)
 
 
+def graph_timed_tuning(on: bool):
+    """A context in which the measured choice ranks plans as a graph replayed as CUDA graphs runs them
+    (``mode="reduce-overhead"``): device time alone. A bench that times every method by CUDA-graph replay must
+    rank them the same way: with the default mode (``inner_backend="eager"``) the tuner adds each call's host
+    time, which a replay does not pay (a window plan's three ops cost more host time than one SDPA call). ``on``
+    False: a null context."""
+    import contextlib
+
+    from attnopt.tuning import Tuner, TuningCache, use_tuner
+
+    if not on:
+        return contextlib.nullcontext()
+
+    class GraphTimed(Tuner):
+        def choose(self, site, ranked, **kw):
+            return super().choose(site, ranked, **{**kw, "graphed": True})
+
+    return use_tuner(GraphTimed(cache=TuningCache()))
+
+
 def host_us(fn: Callable[[], Any], iters: int = 300, *, repeats: int = 5, warmup: int = 5,
             sync: Callable[[], Any] | None = None, sync_in_timing: bool = False,
             after_warmup: Callable[[], Any] | None = None) -> float:

@@ -7,7 +7,9 @@ For each context and method, it
 3. decodes ``steps`` greedy tokens one forward at a time, each synced; the first ``warmup`` calls (compile,
    CUDA-graph recording) are timed apart as the first-call cost, the median of the rest is the step time;
 4. compares its greedy tokens with HF eager's from the same prefill;
-5. with ``--generate``, times ``generate()`` at two lengths and reports ms per token from their difference.
+5. with ``--generate``, times ``generate()`` at two lengths and reports ms per token from their difference, and
+   the host time of one decode forward call inside it (``generate_forward_host_ms``: guards, wrappers, the
+   CUDA-graph replay's launch; ``turns.DecodeCallTimer``), where HF's path and attnopt's differ on the host.
 
 Methods:
 
@@ -19,12 +21,12 @@ Methods:
 * ``attnopt-cg``: ``attnopt.optimize(model, inner_backend="cudagraphs")``.
 
 ``--isolate`` runs every (context, method) in a subprocess, so a crash becomes a row with its exit signal instead of
-ending the suite. ``--profile`` adds, per attnopt method, a torch.profiler breakdown of a few steps: graphs run per
-step, host time of the attnopt ops, GPU time of the attention kernels.
+ending the suite; ``--parallel N`` runs N of them at a time, which take turns so that no timed section runs beside
+another run's compile (``turns``). ``--profile`` adds, per attnopt method, a torch.profiler breakdown of a few
+steps: graphs run per step, host time of the attnopt ops, GPU time of the attention kernels.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from .common import format_table, results_header, write_results
+from .turns import LOCK_ENV, DecodeCallTimer, compile_turn, gpu_turn
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -49,6 +52,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, head_dim=16, vocab_size=256, rope_theta=10000.0),
 }
 METHODS = ("hf-eager", "hf-compiled", "attnopt", "attnopt-ro", "attnopt-cg")
+#: ``attnopt.optimize`` options of the attnopt methods.
+OPTIMIZE_OPTIONS: dict[str, dict[str, Any]] = {"attnopt": {}, "attnopt-ro": {"mode": "reduce-overhead"},
+                                               "attnopt-cg": {"inner_backend": "cudagraphs"}}
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
 
@@ -112,14 +118,8 @@ def make_step(method: str, model):
         fn, opt = model.forward, None
     elif method == "hf-compiled":
         fn, opt = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True), None
-    elif method == "attnopt":
-        opt = attnopt.optimize(model)
-        fn = opt.forward
-    elif method == "attnopt-ro":
-        opt = attnopt.optimize(model, mode="reduce-overhead")
-        fn = opt.forward
-    elif method == "attnopt-cg":
-        opt = attnopt.optimize(model, inner_backend="cudagraphs")
+    elif method in OPTIMIZE_OPTIONS:
+        opt = attnopt.optimize(model, **OPTIMIZE_OPTIONS[method])
         fn = opt.forward
     else:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -159,8 +159,9 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
         tokens.append(int(tok))  # syncs
         times.append(time.perf_counter() - t0)
 
-    for _ in range(args.warmup):
-        one_step()
+    with compile_turn():
+        for _ in range(args.warmup):
+            one_step()
     with gpu_turn():
         for _ in range(args.steps):
             one_step()
@@ -191,28 +192,6 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timed row
                 row["profile"] = {"error": repr(e)[:500], "ops": {}, "kernels_per_step": None, "gpu_us_per_step": None}
     return row
-
-
-#: With ``--parallel``, isolated runs compile at the same time but take turns for their timed sections, through
-#: an exclusive lock on this file.
-LOCK_ENV = "ATTNOPT_BENCH_GPU_LOCK"
-
-
-@contextlib.contextmanager
-def gpu_turn():
-    """Hold the GPU alone for a timed section (a no-op unless ``$ATTNOPT_BENCH_GPU_LOCK`` names a lock file)."""
-    path = os.environ.get(LOCK_ENV)
-    if not path:
-        yield
-        return
-    import fcntl
-
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _kernel_class(name: str) -> str:
@@ -315,38 +294,42 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     import attnopt
 
     kw: dict[str, Any] = {"do_sample": False, "cache_implementation": args.cache}
+    owner = model
     if method == "hf-compiled":
         from transformers import CompileConfig
 
         kw["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
-        gen = model.generate
+        if args.device == "cpu":  # HF skips compiling on the CPU otherwise
+            kw["compile_config"]._compile_all_devices = True
     elif method == "hf-eager":
         kw["disable_compile"] = True
-        gen = model.generate
     else:
-        opts = {"attnopt": {}, "attnopt-ro": {"mode": "reduce-overhead"},
-                "attnopt-cg": {"inner_backend": "cudagraphs"}}[method]
-        gen = attnopt.optimize(model, **opts).generate
+        owner = attnopt.optimize(model, **OPTIMIZE_OPTIONS[method])
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=args.device)
     short, long = 8, 8 + args.generate_tokens
     # the long call first: generate() keeps its static cache while a later call fits in it, so every timed call
     # runs over the same cache (same shapes and addresses: no recompilation, no new CUDA-graph recording)
-    t0 = time.perf_counter()
-    gen(ids, max_new_tokens=long, min_new_tokens=long, **kw)
-    first = time.perf_counter() - t0
-    gen(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape of the timed calls seen
+    with compile_turn():
+        t0 = time.perf_counter()
+        owner.generate(ids, max_new_tokens=long, min_new_tokens=long, **kw)
+        first = time.perf_counter() - t0
+        owner.generate(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape seen
+    timer = DecodeCallTimer(owner, hf_compiles=method == "hf-compiled")
     times: dict[int, list[float]] = {}
     with gpu_turn():
         for n in (short, long) * 4:  # interleaved repeats: per-token is the difference of the minima
             _sync(args.device)
             t0 = time.perf_counter()
-            gen(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            with timer.record():
+                owner.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
             _sync(args.device)
             times.setdefault(n, []).append(time.perf_counter() - t0)
+    timer.remove()
     per_token = (min(times[long]) - min(times[short])) / (long - short)
     return {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": 1e3 * per_token,
-            "generate_first_call_s": first}
+            "generate_first_call_s": first, "generate_forward_host_ms": timer.median_ms(),
+            "generate_forward_calls": len(timer.seconds)}
 
 
 def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
@@ -417,6 +400,7 @@ def run(args) -> int:
     print(format_table(rows, [("context", "ctx", ""), ("method", "method", ""), ("step_ms", "step ms", ".3f"),
                               ("vs_hf_compiled", "HF compiled / this", ".2f"), ("first_call_s", "first call s", ".1f"),
                               ("warmup_s", "warm-up s", ".1f"), ("generate_ms_per_token", "generate ms/tok", ".3f"),
+                              ("generate_forward_host_ms", "fwd host ms", ".3f"),
                               ("tokens_identical", "tokens ==", ""), ("rewritten", "rewritten", ""),
                               ("calls_without_attnopt", "eager calls", ""), ("error", "error", "")]))
     return 0
@@ -427,18 +411,27 @@ def _print_row(r: dict[str, Any]) -> None:
 
 
 def _run_parallel(args, contexts: list[int], methods: list[str]) -> list[dict[str, Any]]:
-    """Isolated runs, ``args.parallel`` at a time: they compile concurrently and time in turn (``gpu_turn``)."""
+    """Isolated runs, up to ``args.parallel`` at a time: they compile concurrently and time in turn (``turns``).
+
+    The methods of one context run as a group that starts together, so HF's compile and attnopt's run beside the same
+    load and their first-call times compare; a context's group starts when an earlier one ends."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
     os.environ.setdefault(LOCK_ENV, tempfile.NamedTemporaryFile(suffix=".lock", delete=False).name)
-    jobs = [(c, m) for c in contexts for m in methods]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda job: _isolated(args, *job), jobs))
+    per_group = min(len(methods), args.parallel)
+    groups = max(1, args.parallel // per_group)
+
+    def group(context: int) -> list[list[dict[str, Any]]]:
+        with ThreadPoolExecutor(per_group) as inner:
+            return list(inner.map(lambda method: _isolated(args, context, method), methods))
+
+    with ThreadPoolExecutor(groups) as pool:
+        results = [got for ran in pool.map(group, contexts) for got in ran]
     rows = []
     for got in results:
         for r in got:
-            r["concurrent_compiles"] = args.parallel
+            r["concurrent_compiles"] = per_group * min(groups, len(contexts))
             _print_row(r)
         rows += got
     return rows
@@ -480,7 +473,8 @@ def register(suites) -> None:
     p.add_argument("--isolate", action="store_true", help="one subprocess per (context, method): a crash is a row")
     p.add_argument("--timeout", type=float, default=900, help="seconds per isolated run")
     p.add_argument("--parallel", type=int, default=1,
-                   help="isolated runs at a time (they compile together and take turns on the GPU to time)")
+                   help="isolated runs at a time, a context's methods together (they compile together and take "
+                        "turns to time, with no compile beside a timed section)")
     p.add_argument("--device", default="cuda", help="cuda; cpu checks the script itself")
     p.add_argument("--rows-out", default=None, help=argparse_suppress())
     p.add_argument("--out", help="write the results JSON here")

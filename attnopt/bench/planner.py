@@ -1,13 +1,15 @@
 """``attnopt bench planner``: the planner's pick on the user's route against SDPA's backends, in one run.
 
 For each case (``planner_grid``: the issue's named shapes, the grid's corners, a seeded Latin-hypercube sample of
-the grid, a few shapes off it), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
+the grid, a few shapes off it; with ``--cases`` only the cases named, which may include the e2e bench's nearly full
+static caches, ``e2e-*``), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
 the mask passed in for a static cache) goes through ``attnopt.optimize`` with the datasheet profile, exactly as a
 user calls it, with the measured choice on (``ATTNOPT_TUNE=1``, a fresh tuning cache; timing device time as for
 ``mode="reduce-overhead"``, since this bench times CUDA-graph replays). Its first call (compile, plan, tuning) is
-timed as ``compile_s``. Then, in the same run and over the same rotating input sets (spanning
-several L2 sizes; one call per set per replay), every method is timed by CUDA-graph replay and checked against an
-fp32 reference:
+timed as ``compile_s`` and the part of it spent tuning as ``tune_s``; what the tuner timed is kept (``tuning``: per
+timed length, every candidate's µs, from the tuning cache's new records). Then, in the same run and over the same
+rotating input sets (spanning several L2 sizes; one call per set per replay), every method is timed by CUDA-graph
+replay and checked against an fp32 reference:
 
 * ``attnopt:planner``: the compiled function (tuned choice);
 * ``attnopt:model`` (unless ``--no-compare-model``): the same with ``ATTNOPT_TUNE=0``, the cost model's pick alone
@@ -37,7 +39,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from .planner_grid import STATIC_CHECK_CASE, STATIC_CHECK_MIN, all_cases, geomean, valid_len_of
+from .planner_grid import STATIC_CHECK_CASE, STATIC_CHECK_MIN, STATIC_KINDS, all_cases, geomean, valid_len_of
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Relative error above which a row does not count (bf16 outputs land near 3e-3).
@@ -61,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", type=int, default=40, help="Latin-hypercube grid shapes (default 40)")
     p.add_argument("--off-grid", type=int, default=4, help="seeded shapes off the grid (default 4)")
     p.add_argument("--seed", type=int, default=19, help="seed of the sample (default 19)")
-    p.add_argument("--cases", default=None, help="only these named cases (comma-separated), before the sample")
+    p.add_argument("--cases", default=None,
+                   help="only these cases (comma-separated; named, corner or e2e-* names), before the sample")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--inner-backend", default=None,
                    help="optimize()'s inner backend, and torch.compile's for the compiled peer (default: inductor; "
@@ -119,7 +122,7 @@ def _make_set(i, case, dtype, device):
 
 
 def _args_of(s, cache):
-    return (s["q"], s["k"], s["v"]) + ((s["mask"],) if cache == "static" else ())
+    return (s["q"], s["k"], s["v"]) + ((s["mask"],) if cache in STATIC_KINDS else ())
 
 
 class Clock:
@@ -156,24 +159,6 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
-def _graph_timed_tuning(on: bool):
-    """The measured choice as it runs for a graph replayed as CUDA graphs (``mode="reduce-overhead"``): device time
-    alone. This bench times every method by CUDA-graph replay, so its tuner must rank them the same way (with the
-    default mode the tuner would add each call's host time, which a replay does not pay)."""
-    import contextlib
-
-    from attnopt.tuning import Tuner, TuningCache, use_tuner
-
-    if not on:
-        return contextlib.nullcontext()
-
-    class GraphTimed(Tuner):
-        def choose(self, site, ranked, **kw):
-            return super().choose(site, ranked, **{**kw, "graphed": True})
-
-    return use_tuner(GraphTimed(cache=TuningCache()))
-
-
 def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str,
                    inner: str | None = None) -> dict[str, Any]:
     """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune`` (inner backend ``inner``, default ``--inner-backend``):
@@ -181,7 +166,7 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
     import torch
 
     import attnopt
-    from .common import cycle, rel_err
+    from .common import cycle, graph_timed_tuning, rel_err
 
     row = dict(base, method=method, peer=False)
     os.environ["ATTNOPT_TUNE"] = tune
@@ -195,11 +180,17 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
                 torch._dynamo.maybe_mark_dynamic(s["k"], 2)
                 torch._dynamo.maybe_mark_dynamic(s["v"], 2)
         clock.sync()
+        from attnopt.tuning import TuningCache
+
+        before = TuningCache().load() if tune == "1" else {}
         t0 = time.perf_counter()
-        with _graph_timed_tuning(tune == "1" and clock.device == "cuda"):
+        with graph_timed_tuning(tune == "1" and clock.device == "cuda"):
             out = opt(*_args_of(sets[0], case[6]))
         clock.sync()
         row["compile_s"] = round(time.perf_counter() - t0, 3)
+        if tune == "1":
+            row["tuning"] = tuning_records(before, TuningCache().load())
+            row["tune_s"] = round(sum(r.get("tune_s") or 0.0 for r in row["tuning"]), 3)
         row["rel_err"] = rel_err(out.float(), ref)
         report = attnopt.last_plans(opt)
         site = report.rewritten[0] if report.rewritten else (report.sites[0] if report.sites else None)
@@ -213,6 +204,43 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
     except Exception as exc:  # report and go on: one failing case must not lose the run
         row["error"] = _error(exc)
     return row
+
+
+def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measurements a case added to the tuning cache (``after`` less ``before``, two ``TuningCache.load()``), in
+    short: the timed KV length, whether it stands for a bucket, the winner and each candidate's µs (or why it has
+    none) by ``describe()``, the near-tied candidates' µs at other lengths (a bucket's ends, a static cache's low
+    fill), the rounds and the seconds it took. Sorted by length."""
+    import json
+
+    from attnopt.plan import plan_from_dict, plan_from_json
+
+    def name(key: str) -> str:
+        try:
+            return plan_from_json(key).describe()
+        except (TypeError, ValueError):
+            return key
+
+    out = []
+    for key, record in after.items():
+        if key in before:
+            continue
+        shape = json.loads(key).get("shape", {})
+        timings = record.get("timings", {})
+        out.append({"kv_len": shape.get("kv_len"), "bucketed": shape.get("bucketed"),
+                    "winner": plan_from_dict(record["winner"]).describe() if "winner" in record else None,
+                    "measured_us": record.get("measured_us"), "rounds": record.get("rounds"),
+                    "tune_s": record.get("tune_s"),
+                    "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)},
+                    "near_tie_us": {n: {name(k): v for k, v in by.items()}
+                                    for n, by in (record.get("span_us") or {}).items()}})
+    return sorted(out, key=lambda r: (r["kv_len"] or 0))
+
+
+def _fastest_first(item: tuple[str, Any]) -> tuple[bool, float]:
+    value = item[1]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (not number, float(value) if number else 0.0)
 
 
 def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]]:
@@ -234,7 +262,7 @@ def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]
         compiled = torch.compile(_attend, backend=args.inner_backend, dynamic=cache == "dynamic")
         makers.append(("torch-compile", lambda s: (lambda: compiled(*_args_of(s, cache))),
                        "torch.compile of the same function, without attnopt"))
-    if cache == "static" and Hq != Hkv:
+    if cache in STATIC_KINDS and Hq != Hkv:
         hf = torch.compile(_hf_static_attend, backend=args.inner_backend)
         makers.append(("hf-static-compiled", lambda s: (lambda: hf(*_args_of(s, cache))),
                        "Hugging Face's StaticCache SDPA path (repeat_kv, then SDPA with the mask), compiled"))
@@ -261,7 +289,7 @@ def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any
     ours = {r["method"]: r for r in rows if not r["peer"]}
     planner = ours.get("attnopt:planner", {})
     s = {"case": case_name, "cache": case[6], "plan": planner.get("plan"), "choice": planner.get("choice"),
-         "compile_s": planner.get("compile_s"), "attnopt_us": planner.get("us"),
+         "compile_s": planner.get("compile_s"), "tune_s": planner.get("tune_s"), "attnopt_us": planner.get("us"),
          "frac_of_roofline": planner.get("frac_of_roofline"), "error": planner.get("error")}
     if not peers:
         return s
@@ -278,7 +306,7 @@ def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any
         s.update(model_plan=ours["attnopt:model"].get("plan"), model_us=ours["attnopt:model"].get("us"),
                  model_compile_s=ours["attnopt:model"].get("compile_s"))
     sdpa = [r for r in peers if r["method"].startswith("sdpa")]
-    if case[6] == "static" and sdpa and planner in ok:
+    if case[6] == "static" and sdpa and planner in ok:  # a nearly full cache (static-full) has nothing to skip
         s["speedup_vs_sdpa_full_cache"] = min(r["us"] for r in sdpa) / planner["us"]
     return s
 
@@ -302,9 +330,10 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     if check is not None and check.get("speedup_vs_sdpa_full_cache"):
         out["static_check"] = {"case": STATIC_CHECK_CASE, "speedup": check["speedup_vs_sdpa_full_cache"],
                                "pass": check["speedup_vs_sdpa_full_cache"] >= STATIC_CHECK_MIN}
-    compile_s = [s["compile_s"] for s in summaries if s.get("compile_s") is not None]
-    if compile_s:
-        out.update(compile_s_median=statistics.median(compile_s), compile_s_max=max(compile_s))
+    for key in ("compile_s", "tune_s"):
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        if values:
+            out.update({f"{key}_median": statistics.median(values), f"{key}_max": max(values)})
     return out
 
 
@@ -380,7 +409,8 @@ def print_summary(results: dict[str, Any]) -> None:
         ("case", "case", ""), ("best_peer", "best peer", ""), ("best_peer_us", "peer µs", ".1f"),
         ("attnopt_us", "tuned µs", ".1f"), ("ratio_to_best_peer", "ratio", ".3f"), ("model_us", "model µs", ".1f"),
         ("model_ratio_to_best_peer", "model ratio", ".3f"), ("frac_of_roofline", "roof", ".2f"),
-        ("compile_s", "first s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"), ("choice", "choice", ""),
+        ("compile_s", "first s", ".1f"), ("tune_s", "tune s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"),
+        ("choice", "choice", ""),
         ("plan", "plan", ""), ("error", "error", "")]))
     print("\noverall:", results.get("overall"), "skipped:", len(results.get("skipped_cases", [])))
 

@@ -6,7 +6,9 @@ The grid (issue 19): B in 1-64; G = Hq/Hkv in {1, 2, 3, 4, 5, 7, 8}; D in {64, 8
 
 * ``fixed``: a static KV length, no mask (the issue's table);
 * ``dynamic``: the KV length is marked dynamic (a growing cache), so the site is planned per length bucket;
-* ``static``: a preallocated cache of N keys holding N / ``STATIC_FILL`` with a bool mask (B, 1, q_len, N).
+* ``static``: a preallocated cache of N keys holding N / ``STATIC_FILL`` with a bool mask (B, 1, q_len, N);
+* ``static-full``: the same holding all but its last ``FULL_SLACK`` keys, as the e2e bench's StaticCache of the
+  context plus 64 new tokens at its first decode step (the ``E2E`` cases, run when named with ``--cases``).
 
 A shape whose K/V would exceed ``MAX_SET_BYTES`` has its batch halved until it fits (the N stratum is kept).
 """
@@ -28,6 +30,13 @@ NAMED: dict[str, Case] = {
     "mha32-d96-32k": (1, 32, 32, 96, 32768, 1, "fixed"),
     "static-4k-of-32k": (1, 32, 8, 128, 32768, 1, "static"),
 }
+#: The e2e bench's attention sites (issue 16), nearly full static caches: SmolLM2's at 1k and 8k, llama3-8b's at
+#: 128k. Run only when named (``--cases``): the tuner times a static cache full, and these show it picks there.
+E2E: dict[str, Case] = {
+    "e2e-smollm2-1k-static": (1, 9, 3, 64, 1024 + 64, 1, "static-full"),
+    "e2e-smollm2-8k-static": (1, 9, 3, 64, 8192 + 64, 1, "static-full"),
+    "e2e-llama3-8b-128k-static": (1, 32, 8, 128, 131072 + 64, 1, "static-full"),
+}
 #: The case the issue's static-cache check reads: a 32k cache holding 4k, the mask passed in, >= 5x SDPA over it.
 STATIC_CHECK_CASE = "static-4k-of-32k"
 STATIC_CHECK_MIN = 5.0
@@ -48,6 +57,10 @@ Q_LENS = (1, 4)
 CACHES = ("dynamic", "static")
 #: A static cache holds 1 / STATIC_FILL of its capacity (the issue's 4k of 32k).
 STATIC_FILL = 8
+#: A ``static-full`` cache's free slots.
+FULL_SLACK = 64
+#: The cache kinds passing a mask.
+STATIC_KINDS = ("static", "static-full")
 #: K/V bytes of one input set (bf16) above which a sampled shape's batch is halved.
 MAX_SET_BYTES = 6 << 30
 
@@ -112,19 +125,26 @@ def off_grid(count: int, seed: int) -> dict[str, Case]:
 
 
 def all_cases(grid: int, off: int, seed: int, named: tuple[str, ...] | None = None) -> dict[str, Case]:
-    """The named shapes (all, or ``named``), the corners, ``off`` off-grid shapes, then ``grid`` Latin-hypercube
-    ones: in that order, so that a run its time budget cuts short loses sampled shapes, not a kind of shape."""
+    """The named shapes and the corners (or only the cases ``named``, from those and ``E2E``), ``off`` off-grid
+    shapes, then ``grid`` Latin-hypercube ones: in that order, so that a run its time budget cuts short loses
+    sampled shapes, not a kind of shape."""
+    known = {**NAMED, **CORNERS, **E2E}
     if named is not None:
-        unknown = [c for c in named if c not in NAMED]
+        unknown = [c for c in named if c not in known]
         if unknown:
-            raise ValueError(f"unknown case(s) {unknown}; known: {', '.join(NAMED)}")
-    picked = {c: NAMED[c] for c in (named if named is not None else NAMED)}
-    return {**picked, **CORNERS, **off_grid(off, seed), **latin_hypercube(grid, seed)}
+            raise ValueError(f"unknown case(s) {unknown}; known: {', '.join(known)}")
+    picked = {c: known[c] for c in named} if named is not None else {**NAMED, **CORNERS}
+    return {**picked, **off_grid(off, seed), **latin_hypercube(grid, seed)}
 
 
 def valid_len_of(case: Case) -> int | None:
-    """The valid length of a static case (its capacity / ``STATIC_FILL``), else ``None``."""
-    return max(1, case[4] // STATIC_FILL) if case[6] == "static" else None
+    """The valid length of a static case (its capacity / ``STATIC_FILL``; a ``static-full`` one's capacity less
+    ``FULL_SLACK``), else ``None``."""
+    if case[6] == "static":
+        return max(1, case[4] // STATIC_FILL)
+    if case[6] == "static-full":
+        return max(1, case[4] - FULL_SLACK)
+    return None
 
 
 def geomean(values) -> float:

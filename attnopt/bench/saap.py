@@ -15,11 +15,20 @@ Per case it times, in one process, CUDA-graph replays (``common.time_us``) of:
 
 Inputs rotate over several sets so that the sparse reads miss in L2. SAAP's output is checked against the SAAP
 reference over the same sparse set; the dense methods against dense fp32 attention.
+
+Each SAAP row also carries a per-launch breakdown (``launch_breakdown``: torch.profiler over eager calls, the
+kernels' own device time per call, launched unchained): ``scoring_us`` (de-roping and logits, one launch, two with
+the MLP), ``selection_us`` (group softmax sums, top-l, work list), ``attention_us``, ``merge_us``, ``other_us`` (any
+other kernel), ``kernels_per_call``; ``between_kernels_us``: ``us`` minus their sum, what the graph spends between
+kernels (negative where chained launches overlap); ``us_unchained``: the graph timing without programmatic dependent
+launch between the SAAP launches.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +51,10 @@ def register(suites) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     p.add_argument("--dense-candidates", type=int, default=3, help="split-KV / stream-K plans timed per kind")
     p.add_argument("--no-mlp", action="store_true", help="skip the MLP-scored variant")
+    p.add_argument("--saap-splits", default="", help="comma-separated attention split counts to time per SAAP row "
+                   "(0 or empty: the planner's choice)")
+    p.add_argument("--saap-block-n", default="", help="comma-separated keys per attention tile to time per SAAP row "
+                   "(0 or empty: the planner's)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -52,6 +65,20 @@ def budget(target: float, n: int, clusters: int) -> tuple[int, int]:
     window = min(2047, int(0.25 * target * n))
     probes = max(1, round((target * n - SINK - window) / (n / clusters)))
     return window, min(probes, clusters)
+
+
+def saap_geometries(splits: str, block_n: str) -> tuple[list[int], list[int]]:
+    """The ``--saap-splits`` and ``--saap-block-n`` lists (0 = the planner's choice; empty = [0]); ``ValueError``
+    naming the valid values otherwise."""
+    try:
+        split_list = [int(x) for x in (splits or "0").split(",") if x.strip()]
+        block_list = [int(x) for x in (block_n or "0").split(",") if x.strip()]
+    except ValueError:
+        split_list = block_list = [-1]
+    if any(x < 0 for x in split_list) or any(x not in (0, 16, 32, 64, 128) for x in block_list):
+        raise ValueError(f"--saap-splits takes comma-separated counts >= 0 (0: the planner's) and --saap-block-n "
+                         f"0 (the planner's), 16, 32, 64 or 128; got {splits!r} and {block_n!r}")
+    return split_list, block_list
 
 
 def _clustered_set(i, B, Hq, Hkv, D, N, centroids, rope, dtype, gen):
@@ -108,6 +135,7 @@ def run(args) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    split_list, block_list = saap_geometries(getattr(args, "saap_splits", ""), getattr(args, "saap_block_n", ""))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -177,19 +205,32 @@ def run(args) -> dict[str, Any]:
                     "saap": {"index": str(path), "probes": probes, "sink": SINK, "window": window}})
                 proto = next(iter(strat.candidates(site, hw, ctx)))
                 index = registry.get_index(path, "cuda")
-                calls, plans = [], []
                 for layer, s in zip(layers, sets):
                     registry.set_state(path, layer, build_clusters(index, layer, s["k"], N - 1, SINK, window))
-                    plan = SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
-                                    num_splits=proto.num_splits, block_n=proto.block_n)
-                    plans.append(plan)
-                    calls.append(plan_call(plan, s, scale))
                 want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"],
                                            sets[0]["k"], sets[0]["v"], probes, scale)
                 sel = float(sel)
-                timed(f"attnopt:{variant}", calls, want.float(),
-                      {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
-                       "selectivity": sel, "read_bytes": sel * kv_bytes, "plan": plans[0].describe()})
+                for splits, block_n in [(sp or proto.num_splits, bn or proto.block_n) for sp in split_list
+                                        for bn in block_list]:
+                    plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
+                                      num_splits=splits, block_n=block_n) for layer in layers]
+                    calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
+                    row = timed(f"attnopt:{variant}", calls, want.float(),
+                                {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
+                                 "selectivity": sel, "read_bytes": sel * kv_bytes, "plan": plans[0].describe()})
+                    if "us" in row:
+                        try:
+                            row.update(launch_breakdown(cycle(calls)))
+                            row["between_kernels_us"] = row["us"] - sum(row[k] for k in STAGES)
+                            with unchained():  # what the chaining of the launches buys, in the same graph timing
+                                row["us_unchained"] = time_us(cycle(calls), "graph")
+                        except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
+                            row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                        print(f"    splits {splits}, block_n {block_n}: " + ", ".join(
+                            f"{k[:-3]} {row[k]:.1f}" for k in STAGES if k in row)
+                            + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels; "
+                            f"{row.get('between_kernels_us', float('nan')):.1f} µs of the graph's time between them; "
+                            f"{row.get('us_unchained', float('nan')):.1f} µs unchained", flush=True)
         by = {r["method"]: r for r in rows if "us" in r}
         dense = [r for r in rows if "us" in r and "saap" not in r["method"]]
         fastest = min(dense, key=lambda r: r["us"]) if dense else None
@@ -208,11 +249,63 @@ def run(args) -> dict[str, Any]:
     return results
 
 
+#: Breakdown fields of a SAAP row -> the kernel names (substrings) whose device time they sum; first match wins.
+STAGES = {"scoring_us": ("_saap_rows_kernel",), "selection_us": ("_saap_select_kernel",),
+          "attention_us": ("_saap_kernel",), "merge_us": ("_merge_states_kernel",), "other_us": ("",)}
+
+
+def stage_of(kernel: str) -> str:
+    """The ``STAGES`` field a kernel's device time goes to."""
+    return next(stage for stage, names in STAGES.items() if any(n in kernel for n in names))
+
+
+@contextlib.contextmanager
+def unchained():
+    """Launch without programmatic dependent launch for the duration (``ATTNOPT_PDL=0``)."""
+    saved = os.environ.get("ATTNOPT_PDL")
+    os.environ["ATTNOPT_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("ATTNOPT_PDL")
+        else:
+            os.environ["ATTNOPT_PDL"] = saved
+
+
+def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
+    """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn`` under
+    torch.profiler, and the kernels per call. The launches are not chained here (``ATTNOPT_PDL=0``), so each
+    kernel's time is its own work, not also its wait for the one before."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    # without programmatic dependent launch: a chained kernel starts early and its time would include its wait
+    with unchained():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    out = {stage: 0.0 for stage in STAGES}
+    kernels = 0
+    for e in prof.events():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        out[stage_of(e.name)] += e.time_range.elapsed_us() / calls
+        kernels += 1
+    out["kernels_per_call"] = kernels / calls
+    return out
+
+
 def run_cli(args) -> int:
     import torch
 
     from .common import format_table, write_results
 
+    saap_geometries(args.saap_splits, args.saap_block_n)  # bad values fail before any GPU work
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)
@@ -223,7 +316,9 @@ def run_cli(args) -> int:
                                          ("speedup_vs_sdpa-cudnn", "x cuDNN", ".2f"),
                                          ("speedup_vs_dense-best", "x best dense", ".2f"),
                                          ("speedup_vs_fastest_dense", "x fastest dense", ".2f"),
-                                         ("rel_err", "rel err", ".1e")]))
+                                         ("rel_err", "rel err", ".1e"), ("scoring_us", "score", ".1f"),
+                                         ("selection_us", "select", ".1f"), ("attention_us", "attn", ".1f"),
+                                         ("merge_us", "merge", ".1f"), ("other_us", "other", ".1f")]))
     for line in speed_verdict(results["rows"]):
         print(line)
     print(f"wrote {out}")

@@ -4,7 +4,8 @@ In one run, on one GPU, with CUDA graphs and L2 rotation as the other suites:
 
 * ``window``: a sliding window of W keys over an N-key cache (the mask built from the query position, as Hugging
   Face's ``sliding_window_overlay``), SDPA with the window as a mask (the peer, which reads the whole cache)
-  against the same function through ``optimize`` (the kernels start at the window's first key, found on device).
+  against the same function through ``optimize`` (the kernels start at the window's first key, found on device),
+  with the eager inner backend and (on a GPU) the default, inductor. Each row lists the GPU activities of a call.
   Target: >= 10x at W = 4k, N = 128k. L2 rotation moves the window (its position) between disjoint parts of the
   cache, so no two consecutive calls read the same keys.
 * ``softcap`` and ``alibi``: Gemma 2's eager chain ``tanh(s * scale / cap) * cap``, and an eager chain with an
@@ -19,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .common import Rotation, device_info, format_table, rel_err, results_header, time_us, write_results
+from .common import (Rotation, device_info, format_table, graph_timed_tuning, rel_err, results_header, time_us,
+                     write_results)
 
 #: Softcap of the softcap case: Gemma 2's.
 CAP = 50.0
@@ -77,13 +79,23 @@ def _plan(optimized) -> str:
     return sites[0].chosen.describe() + (f" [{variant}]" if variant else "")
 
 
+def _choice(optimized) -> str:
+    """How the site's plan was chosen: measured, cached, model or forced (``SiteReport.choice``)."""
+    import attnopt
+
+    sites = attnopt.last_plans(optimized).sites
+    return sites[0].choice if sites else "none"
+
+
 def _row(case: str, method: str, us: float, err: float, plan: str, **shape) -> dict:
     return {"case": case, **shape, "method": method, "us": us, "rel_err": err, "plan": plan}
 
 
 def bench_window(B: int, Hq: int, Hkv: int, D: int, N: int, window: int, dtype, device: str,
-                 l2_bytes: int | None, **options: Any) -> list[dict]:
-    """The window rows; ``options`` go to ``optimize`` (the planner picks the plan unless they force one)."""
+                 l2_bytes: int | None, inductor: bool = False, **options: Any) -> list[dict]:
+    """The window rows; ``options`` go to ``optimize`` (the planner picks the plan unless they force one). With
+    ``inductor`` also ``optimize``'s default inner backend (``attnopt-inductor``): inductor fuses the function's
+    mask construction (five small launches eagerly) around the attnopt ops."""
     import attnopt
     from attnopt.runtime.reference import sdpa_float64
 
@@ -102,13 +114,55 @@ def bench_window(B: int, Hq: int, Hkv: int, D: int, N: int, window: int, dtype, 
     ref = sdpa_float64(q0, k, v, attn_mask=_band(N, int(pos0), window, device))
     shape = dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, window=window, dtype=str(dtype).removeprefix("torch."))
     with torch.inference_mode():
-        ours(q0, k, v, pos0)  # compile outside any capture
+        with graph_timed_tuning(_tuning_on(device)):  # timed below by CUDA-graph replay: so rank the plans
+            ours(q0, k, v, pos0)  # compile outside any capture
         rows = [_row("window", "sdpa-mask", _time(lambda: _call(peer, rot.next(), k, v), device),
                      rel_err(peer(q0, k, v, pos0), ref), "torch SDPA", **shape),
                 _row("window", "attnopt", _time(lambda: _call(ours, rot.next(), k, v), device),
                      rel_err(ours(q0, k, v, pos0), ref), _plan(ours), **shape)]
-    rows[1]["speedup_vs_sdpa"] = rows[0]["us"] / rows[1]["us"]
+    rows[1]["choice"] = _choice(ours)
+    fns = [peer, ours]
+    if inductor:
+        fused = attnopt.optimize(windowed_sdpa(window), **options)
+        with torch.inference_mode():
+            with graph_timed_tuning(_tuning_on(device)):
+                fused(q0, k, v, pos0)
+            rows.append(_row("window", "attnopt-inductor", _time(lambda: _call(fused, rot.next(), k, v), device),
+                             rel_err(fused(q0, k, v, pos0), ref), _plan(fused), **shape))
+        rows[2]["choice"] = _choice(fused)
+        fns.append(fused)
+    if device == "cuda":  # what one call launches: the window path's mask scans, fills and kernels, by name
+        with torch.inference_mode():
+            for row, fn in zip(rows, fns):
+                row["kernels"] = _kernels(lambda fn=fn: fn(q0, k, v, pos0))
+    for row in rows[1:]:
+        row["speedup_vs_sdpa"] = rows[0]["us"] / row["us"]
     return rows
+
+
+def _kernels(fn: Callable[[], Any]) -> list[str] | None:
+    """The GPU activities (kernels, copies, fills) of one call of ``fn``, in order, by name (torch.profiler); None
+    where the profiler cannot say."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name[:80] for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+                if e.device_type == DeviceType.CUDA]
+    except Exception:  # noqa: BLE001 - a diagnostic: its absence costs the row nothing else
+        return None
+
+
+def _tuning_on(device: str) -> bool:
+    """Whether the planner measures plans here (a GPU, ``ATTNOPT_TUNE`` not off)."""
+    from attnopt.tuning import default_tuner
+
+    return device == "cuda" and default_tuner("cuda", True) is not None
 
 
 def _call(fn: Callable, qpos: tuple, k: torch.Tensor, v: torch.Tensor):
@@ -165,7 +219,7 @@ def run(args) -> int:
         rows = (bench_window(1, 4, 2, 64, 256, 64, dtype, device, l2, force_plan="split_kv")
                 + bench_softcap(1, 4, 2, 64, 96, dtype, device, l2))
     else:
-        rows = (bench_window(1, 32, 8, 128, 128 * 1024, 4096, dtype, device, l2)
+        rows = (bench_window(1, 32, 8, 128, 128 * 1024, 4096, dtype, device, l2, inductor=True)
                 + bench_softcap(1, 32, 8, 128, 32 * 1024, dtype, device, l2))
     results = results_header("variants", smoke=smoke)
     results["rows"] = rows
@@ -175,7 +229,10 @@ def run(args) -> int:
                               ("us", "µs", ".1f"), ("rel_err", "rel err", ".1e"), ("plan", "plan", "")]))
     for r in rows:
         if "speedup_vs_sdpa" in r:
-            print(f"window: attnopt is {r['speedup_vs_sdpa']:.1f}x SDPA with the window as a mask (target >= 10x)")
+            print(f"window: {r['method']} is {r['speedup_vs_sdpa']:.1f}x SDPA with the window as a mask (target "
+                  f">= 10x); plan chosen: {r.get('choice')}")
+        if r.get("kernels") is not None:
+            print(f"window {r['method']}: {len(r['kernels'])} GPU activities per call: " + ", ".join(r["kernels"]))
         if "vs_plain" in r:
             print(f"{r['case']}: {100 * (r['vs_plain'] - 1):+.1f} % against the plain split-KV plan (target within 5 %)")
     return 0

@@ -118,6 +118,17 @@ def _ex_einsum(q, k, v, mask=None):
     return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
 
 
+def _ex_baddbmm(q, k, v, mask=None):
+    b, h, n, d = k.shape
+    bias = torch.zeros(b * h, 1, n, dtype=q.dtype, device=q.device)
+    s = bias.baddbmm(q.reshape(b * h, -1, d), k.reshape(b * h, n, d).transpose(1, 2), alpha=d ** -0.5)
+    s = s.view(b, h, -1, n)
+    if mask is not None:
+        s = s + mask
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(b * h, -1, n), v.reshape(b * h, n, d)).view(b, h, -1, d)
+
+
 def _ex_flash_cpu(q, k, v, mask=None):
     return aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, attn_mask=mask)[0]
 
@@ -133,6 +144,7 @@ PATTERNS: dict[str, PatternInfo] = {p.name: p for p in (
     PatternInfo("eager_matmul", _ex_eager, "matmul(q, k^T) * s (+ mask) -> softmax(-1) -> matmul(p, v), torch level"),
     PatternInfo("eager_bmm", _ex_eager, "the same chain at aten level: expand/view/bmm/view, _softmax"),
     PatternInfo("eager_einsum", _ex_einsum, "einsum('bhqd,bhkd->bhqk') -> softmax -> einsum('bhqk,bhkd->bhqd')"),
+    PatternInfo("eager_baddbmm", _ex_baddbmm, "Bloom: baddbmm(bias, q, k^T, alpha=s) (+ mask) -> softmax -> bmm(p, v)"),
 )}
 
 
@@ -157,7 +169,7 @@ def find_matches(gm: fx.GraphModule) -> list[AttentionMatch]:
             m = match_eager(node, writes)
         if m is not None:
             if m.reason is None and m.q is not None:
-                sources = [m.q, m.k, m.v, m.attn_mask] + [c for c, _ in m.scale_nodes]
+                sources = [m.q, m.k, m.v, m.attn_mask, m.score_bias] + [c for c, _ in m.scale_nodes]
                 m.reason = writes.reason(sources, m.output)
                 m.mask_written = writes.written_after(m.attn_mask)
                 m.shared_prefix = find_shared_prefix(m, writes)

@@ -12,6 +12,12 @@ score product alone (no mask, bias or constant inside). The match then carries `
 the argument (``scaling / cap``); the op computes ``c * tanh(qk * scale)``. A run-time cap, a second ``tanh`` or
 anything inside it is a reason.
 
+Bloom's ``baddbmm(bias, q, k^T, beta=1, alpha=a)`` is ``a * (q @ k^T) + bias``: the score product with the scale
+``a`` and a float bias of the scores' dtype (fp32: in half precision the original rounds the sum) broadcast to the
+(B * H, L, N) scores. The bias becomes ``score_bias``, which lower views as (B, H, L, N) and adds to the additive
+mask (one mask for the op: ``(s + bias) + mask`` and ``s + (bias + mask)`` agree where the mask is 0 and both
+give the mask's value where it is -inf or finfo.min); with a boolean mask or a softcap it is a reason.
+
 ALiBi: an additive bias that ``alibi.alibi_slopes_of`` proves to be a per-head slope times the key position (built
 in the graph from ``arange``, not written in place) becomes the match's ``alibi_slopes`` instead of a mask, so the
 op adds ``slope[h] * j`` itself and reads no bias tensor; at most one such term, outside any softcap.
@@ -32,7 +38,7 @@ from .nodes import (AttentionMatch, _bare_name, _binary, _dtype_name, _is_call, 
 from .scale import Factor, _scale_factor
 from .layout import Dims, _assign_roles, _is_layout_op, _simulate, follow_output, layout_path, resolve_operand
 from .gqa import unrepeat_kv
-from .masks import additive_is_zero_or_neginf, mask_value_is_masking, may_hide_whole_rows
+from .masks import additive_is_zero_or_neginf, additive_values, mask_value_is_masking, may_hide_whole_rows
 from .alibi import alibi_slopes_of
 
 #: A ``masked_fill`` value at or below this hides scores as an additive mask does: next to it fp32 absorbs any
@@ -48,7 +54,7 @@ def matmul_behind(node: Any) -> tuple[fx.Node, list] | None:
     if not isinstance(node, fx.Node):
         return None
     path = layout_path(node)
-    if kind(path[-1]) in ("matmul", "bmm", "einsum"):
+    if kind(path[-1]) in ("matmul", "bmm", "einsum", "baddbmm"):
         return path[-1], path[:-1]
     return None
 
@@ -126,7 +132,7 @@ def _operand_groups(mm: fx.Node, which: str) -> tuple[list | None, list | None, 
     k = kind(mm)
     if k == "einsum":
         return _einsum_groups(mm, which)
-    ops = list(_binary(mm))
+    ops = [arg(mm, 1, "batch1", None), arg(mm, 2, "batch2", None)] if k == "baddbmm" else list(_binary(mm))
     nd = _ndim(mm)
     if k == "bmm" or nd == 3:
         g0 = [[0, 1], [2], [3]]
@@ -328,13 +334,6 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             break
         chain.append(cur)
         k = kind(cur)
-        if k == "baddbmm":
-            # Bloom: baddbmm(alibi, q, k^T, beta, alpha) folds the bias into the score product; not matched as
-            # attention's operands, so reported rather than rewritten.
-            m = AttentionMatch(site=None, output=pv, q=None, k=None, v=None, pattern="eager_baddbmm", anchor=sm)
-            m.reason = "Bloom-style baddbmm scores (bias and scale folded into the score product): not matched"
-            m.nodes = list(reversed(chain)) + fchain
-            return m
         if _is_noop(cur) or k == "cast":
             cur = _self(cur)
             continue
@@ -429,7 +428,8 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
     if mm is None:
         return None
     # -------- operands
-    pattern = {"matmul": "eager_matmul", "einsum": "eager_einsum", "bmm": "eager_bmm"}[kind(mm)]
+    pattern = {"matmul": "eager_matmul", "einsum": "eager_einsum", "bmm": "eager_bmm",
+               "baddbmm": "eager_baddbmm"}[kind(mm)]
     scores = spath[0] if spath else mm
     m = AttentionMatch(site=None, output=pv, q=None, k=None, v=None, pattern=pattern, anchor=sm)
     m.nodes = [mm] + list(reversed(spath)) + list(reversed(chain)) + fchain
@@ -456,6 +456,17 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
         return fail("the score product's operands are not (B, H, L, D) / (B, H, N, D) tensors in a recognised layout")
     (xq, pq, fq), (xk, pk, fk) = rq, rk
     factors = fq + fk + factors
+    if kind(mm) == "baddbmm":
+        bias, alpha, why = _baddbmm_terms(mm, (B * H if isinstance(B, int) and isinstance(H, int) else None, L, N))
+        if why is not None:
+            reasons.append(why)
+        elif softcap is not None:
+            reasons.append("a bias inside the softcap's tanh (baddbmm's)")
+        elif any(invert or meta_dtype(node) == torch.bool for node, invert in masks):
+            reasons.append("a boolean mask with baddbmm's bias (only an additive mask is summed with it)")
+        else:
+            factors.append((alpha, alpha, False))
+            m.score_bias = bias
     lab = _sizes_of(xq, pq)
     sizes = {0: lab[0], 1: lab[1], 2: L, 3: N}
     dims: Dims | None = _mm_dims(mm)
@@ -509,6 +520,37 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
         m.mask_fill = fill_values.get(node)
         if m.mask_fill is None and plain_softmax and may_hide_whole_rows(node, writes):
             m.empty_rows = "nan"
+    if m.score_bias is not None and plain_softmax and not _provably_finite(m.score_bias, writes):
+        m.empty_rows = "nan"  # a bias of unknown values may hold -inf and hide a whole row
     for r in reasons:
         m.reason = m.reason or r
     return m
+
+
+def _baddbmm_terms(mm: fx.Node, scores: tuple) -> tuple[Any, float | None, str | None]:
+    """(bias, alpha, reason) of Bloom's ``baddbmm(bias, q, k^T, beta=1, alpha=a)`` = ``a * (q @ k^T) + bias``:
+    ``scores`` is the (B * H or None, L, N) shape of the product. The bias must broadcast to it, be a float of the
+    scores' dtype, and ``beta`` be 1 and ``alpha`` a compile-time number; reason says why not."""
+    bias = arg(mm, 0, "input", None)
+    beta, alpha = _number(mm.kwargs.get("beta", 1)), _number(mm.kwargs.get("alpha", 1))
+    if beta != 1:
+        return None, None, f"baddbmm with beta={mm.kwargs.get('beta')!r} (the bias scaled)"
+    if alpha is None:
+        return None, None, "baddbmm with a run-time alpha"
+    dt, s = meta_dtype(bias), meta_shape(bias)
+    if not isinstance(bias, fx.Node) or s is None or dt is None or not dt.is_floating_point or len(s) > 3:
+        return None, None, "baddbmm's bias is not a float tensor of rank <= 3"
+    if dt != meta_dtype(mm) or dt in (torch.float16, torch.bfloat16):
+        return None, None, (f"baddbmm sums its bias with the scores in {_dtype_name(meta_dtype(mm))}: the original's "
+                            "rounding there cannot be reproduced")
+    full = (1,) * (3 - len(s)) + tuple(s)
+    for have, want in zip(full, scores):
+        if not (isinstance(have, int) and have == 1) and (want is None or not _sym_eq(have, want)):
+            return None, None, f"baddbmm's bias of shape {tuple(s)} is not broadcast from (B * H, L, N) or 1s"
+    return bias, float(alpha), None
+
+
+def _provably_finite(bias: fx.Node, writes: MutationIndex | None) -> bool:
+    """Whether ``bias`` provably holds no -inf (its values are known and finite)."""
+    values = additive_values(bias, writes)
+    return values is not None and -math.inf not in values

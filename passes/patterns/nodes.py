@@ -66,6 +66,9 @@ class AttentionMatch:
     #: ALiBi: the slopes node (broadcastable to (1, H, 1, 1)) of a bias ``slope[h] * key position`` the op adds
     #: itself (lower passes it as ``alibi_slopes`` (Hq,)), else None.
     alibi_slopes: fx.Node | None = None
+    #: Bloom's ``baddbmm(bias, q, k^T)``: the bias (rank <= 3, broadcastable to the (B * H, L, N) scores, batch-major
+    #: rows) that ``lower`` views as (B, H, L, N) and adds to the mask (an additive float mask or none), else None.
+    score_bias: fx.Node | None = None
     #: With ``mask_invert``: the finite value ``masked_fill`` writes (finfo.min), applied as the additive mask
     #: ``where(mask, value, 0)`` (a row hidden whole then gives the mean of V, as in the original); None for -inf.
     mask_fill: float | None = None

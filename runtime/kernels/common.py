@@ -292,6 +292,10 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
     i64 = i.to(tl.int64)
+    # ALiBi's slope of each query row, loaded once for all tiles (it was loaded again in every tile of the KV loop)
+    slope = i.to(tl.float32) * 0.0
+    if ALIBI:
+        slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32)
     if USE_TMA:
         end = tl.minimum(hi, kv_len)
         full_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
@@ -300,7 +304,7 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
                 stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, True,
-                kv_first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+                kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI)
         tail = full_end < end
     else:
         full_end = lo
@@ -310,7 +314,7 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
                 q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
                 row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
                 stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
-                kv_first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+                kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI)
     if tail:
         # the tile that crosses kv_len, by masked pointer loads: straight-line code, so it adds no pipeline buffers
         # (a second pipelined loop doubled the shared memory); tiles wholly past kv_len hold no visible key
@@ -318,7 +322,7 @@ def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
             q, acc, m_i, l_i, full_end, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
             row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
             stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
-            kv_first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+            kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI)
     return acc, m_i, l_i
 
 
@@ -329,10 +333,11 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
                  sm_scale, D, DV,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                 kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, alibi_ptr,
+                 kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope,
                  ALIBI: tl.constexpr):
     """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
-    head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64)."""
+    head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64; ``slope``: ALiBi's slope
+    of each query row (BLOCK_M,) fp32)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     n64 = offs_n.to(tl.int64)
@@ -349,8 +354,7 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), sm_scale, softcap, SOFTCAP)
-    if ALIBI:  # a per-head slope times the key position
-        slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32)
+    if ALIBI:  # a per-head slope times the key position, rounded as the original's fp32 ``slopes * arange``
         s = s + slope[:, None] * offs_n.to(tl.float32)[None, :]
     if HAS_START:
         n_ok = n_ok & (offs_n >= kv_first)

@@ -96,10 +96,18 @@ def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sin
         assign = assign_keys(centroids, keys)
     else:
         assign = torch.zeros((B, H, 0), dtype=torch.int64, device=k.device)
+    return clusters_from_assignment(assign, C, sink, window)
+
+
+def clusters_from_assignment(assign: Tensor, clusters: int, sink: int, window: int = 0) -> ClusterState:
+    """The CSR ``ClusterState`` of ``assign`` (B, Hkv, n) int64, the cluster in [0, clusters) of key ``sink + j``;
+    keys from ``sink + n`` on are the window."""
+    B, H, n = assign.shape
+    end = sink + n
     sorted_assign, order = torch.sort(assign, dim=-1, stable=True)
     perm = (order + sink).to(torch.int32)
-    bounds = torch.arange(C + 1, device=k.device, dtype=sorted_assign.dtype).expand(B, H, C + 1).contiguous()
-    offsets = torch.searchsorted(sorted_assign.contiguous(), bounds).to(torch.int32)
-    ends = torch.full((B,), end, dtype=torch.int32, device=k.device)
+    bounds = torch.arange(clusters + 1, device=assign.device, dtype=sorted_assign.dtype).expand(B, H, clusters + 1)
+    offsets = torch.searchsorted(sorted_assign.contiguous(), bounds.contiguous()).to(torch.int32)
+    ends = torch.full((B,), end, dtype=torch.int32, device=assign.device)
     return ClusterState(offsets=offsets, perm=perm, assign=assign, sink=sink, indexed_end=end, ends=ends,
                         window=window)

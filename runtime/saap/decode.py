@@ -32,18 +32,31 @@ def select_clusters(index: SaapIndex, layer: int, q: Tensor, positions: Tensor, 
     return scores.topk(min(probes, scores.shape[-1]), dim=-1).indices
 
 
+def threshold_clusters(scores: Tensor, probes: int) -> Tensor:
+    """The Triton selection's rule: every cluster whose score is at least the ``probes``-th largest (ties at the
+    threshold all join, a superset of ``topk``). scores (..., C) -> boolean (..., C)."""
+    probes = max(1, min(int(probes), scores.shape[-1]))
+    return scores >= scores.topk(probes, dim=-1).values[..., -1:]
+
+
 def attended_keys(state: ClusterState, clusters: Tensor, n_keys: int, q_len: int = 1) -> Tensor:
     """Boolean (B, Hkv, L, N): which keys each query token attends to.
 
-    ``clusters`` is (B, Hkv, l) (shared by the L tokens) or (B, Hkv, L, l). Token i of the call sits at
+    ``clusters`` is (B, Hkv, l) (shared by the L tokens) or (B, Hkv, L, l) cluster indices, or a boolean
+    (B, Hkv, C) mask of the chosen clusters (as ``threshold_clusters`` gives). Token i of the call sits at
     position ``n_keys - q_len + i`` and sees no key after itself.
     """
-    if clusters.dim() == 3:
-        clusters = clusters[:, :, None, :].expand(-1, -1, q_len, -1)
-    B, H, L, _ = clusters.shape
     device = clusters.device
-    chosen = torch.zeros((B, H, L, state.num_clusters), dtype=torch.bool, device=device)
-    chosen.scatter_(-1, clusters, True)
+    if clusters.dtype == torch.bool:
+        B, H, _ = clusters.shape
+        L = q_len
+        chosen = clusters[:, :, None, :].expand(-1, -1, L, -1)
+    else:
+        if clusters.dim() == 3:
+            clusters = clusters[:, :, None, :].expand(-1, -1, q_len, -1)
+        B, H, L, _ = clusters.shape
+        chosen = torch.zeros((B, H, L, state.num_clusters), dtype=torch.bool, device=device)
+        chosen.scatter_(-1, clusters, True)
     owner = state.cluster_of_positions(n_keys)  # (B, H, N), -1 = always attended
     picked = chosen.gather(-1, owner.clamp(min=0)[:, :, None, :].expand(-1, -1, L, -1))
     keep = torch.where(owner[:, :, None, :] < 0, True, picked)
@@ -87,3 +100,20 @@ def saap_decode(index: SaapIndex, layer: int, state: ClusterState, q: Tensor, k:
     keep = attended_keys(state, clusters, N, L)
     o, lse = saap_decode_states(q, k, v, keep, scale, valid_len)
     return o.to(q.dtype), lse, selectivity(keep, valid_len)
+
+
+def kernel_scorer(index: SaapIndex, layer: int):
+    """The Triton scoring weights (``runtime.kernels.saap_select.SaapScorer``) of one layer, on the index's device:
+    the centroids, the RoPE inverse frequencies (None for an index over rotated keys) and the MLP with its
+    BatchNorm statistics stacked (mean, var, weight, bias)."""
+    from ..kernels.saap_select import SaapScorer
+
+    li = index.layers[layer]
+    device = li.centroids.device
+    inv_freq = None if index.rotated else index.rope.inv_freq(device).contiguous()
+    mlp = None
+    if li.mlp is not None:
+        p = {name: t.to(device, torch.float32).contiguous() for name, t in li.mlp.items()}
+        bn = torch.stack([p["bn_mean"], p["bn_var"], p["bn_weight"], p["bn_bias"]]).contiguous()
+        mlp = (p["w1"], p["b1"], bn, p["w2"], p["b2"])
+    return SaapScorer(li.centroids.float().contiguous(), inv_freq, mlp, float(index.bn_eps))

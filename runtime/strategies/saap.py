@@ -4,9 +4,10 @@ The planner offers it only when the user passes an index (``attnopt.optimize(mod
 which fills ``PlanContext.extras["saap"]``), and only at the layers the index covers (layer 0 stays dense). It is
 *not* exact attention: the user opted in to an approximation. The plan carries the index path and its layer; at
 run time the op finds the loaded index and the live sequence's clusters in ``runtime.saap.registry``, where a
-``saap_cache`` built them at prefill. Each call scores the query (the index's MLP, or its centroids), and on
-CUDA (or the interpreter) the Triton kernel picks the top clusters and attends in one launch plus the merge;
-on the CPU the pure-PyTorch reference does the same. Each call adds its selectivity to a device-side counter
+``saap_cache`` built them at prefill. On CUDA (or the interpreter) a call is four launches (five with the query
+MLP): the scoring (de-roping, centroid or MLP logits), the selection (group softmax sums, top-l threshold, the work
+list, the selectivity counter), the attention over sink + window + chosen clusters, and the merge. On the CPU the
+pure-PyTorch reference does the same with ``torch.topk``. Each call adds its selectivity to a device-side counter
 that the plan table reads.
 """
 from __future__ import annotations
@@ -28,8 +29,13 @@ from .split_kv import MAX_Q_LEN, kernel_check, use_triton
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
 #: Attended keys per kernel tile.
 BLOCK_N = 64
-#: Kernel launches per call besides the attention: scoring (2-3 small ops), top-l statistics, the merge.
-EXTRA_LAUNCHES = 4
+#: Kernel launches per call besides the attention: scoring, selection, the merge (one more with the query MLP).
+EXTRA_LAUNCHES = 3
+#: Attention programs per SM that the split count aims at: the tiles' gathered loads are latency-bound, so
+#: several resident programs per SM keep more of them in flight.
+PROGRAMS_PER_SM = 4
+#: Tiles per attention program the split count aims at (fewer: more partial states to merge).
+TILES_PER_SPLIT = 2
 
 
 def site_layer(site: AttentionSite) -> int | None:
@@ -44,8 +50,9 @@ class SaapState:
     the reference path) and the plan's selectivity accumulator."""
 
     index: Any
-    workspace: tuple[Tensor, Tensor, Tensor] | None
+    workspace: Any  # runtime.kernels.saap.SaapWorkspace, or None on the reference path
     stats: Tensor
+    scorer: Any = None  # runtime.kernels.saap_select.SaapScorer of the plan's layer (kernel path)
 
 
 @register_strategy(SaapPlan)
@@ -75,34 +82,43 @@ class Saap(Strategy[SaapPlan]):
         return kernel_check(site, ctx)  # head dims, dtypes, layout and Triton: those of the dense decode kernels
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[SaapPlan]:
-        opts = ctx.extras["saap"]
-        heads = (site.batch or 1) * site.kv_heads
-        # about two programs per SM: the virtual sequence is split evenly, so more splits only shorten each
-        splits = max(1, min(64, round(2 * hw.sm_count / heads)))
-        yield SaapPlan(index=opts["index"], probes=int(opts["probes"]), sink=int(opts["sink"]),
-                       window=int(opts["window"]), layer=site_layer(site), num_splits=splits, block_n=BLOCK_N)
-
-    def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
-        """Roofline of the attended keys: sink + window + probes clusters of average size, read once."""
         from ..saap.registry import get_index
 
-        n = site.effective_kv_len or 4096
-        clusters = get_index(plan.index).num_clusters
-        attended = min(n, plan.sink + plan.window + plan.probes * max(0, n - plan.sink - plan.window) / clusters)
+        opts = ctx.extras["saap"]
+        probes, sink, window = int(opts["probes"]), int(opts["sink"]), int(opts["window"])
+        clusters = get_index(opts["index"]).num_clusters
+        yield SaapPlan(index=opts["index"], probes=probes, sink=sink, window=window, layer=site_layer(site),
+                       num_splits=split_count(site, hw, probes, sink, window, clusters), block_n=BLOCK_N)
+
+    def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
+        """Roofline of the attended keys (sink + window + probes clusters of average size, read once) and of the
+        scoring weights (fp32 centroids, or the query MLP's two layers), plus the launches."""
+        from ..saap.registry import get_index
+
+        index = get_index(plan.index)
+        clusters = index.num_clusters
+        attended = attended_estimate(site, plan.probes, plan.sink, plan.window, clusters)
         dv = site.v_head_dim or site.head_dim
         nbytes = (site.batch or 1) * site.kv_heads * attended * (site.head_dim + dv) * site.dtype_bytes
-        return nbytes / (hw.hbm_read_gbps * 1e3) + (1 + EXTRA_LAUNCHES) * hw.launch_us
+        layer = index.layers.get(plan.layer) or next(iter(index.layers.values()))
+        weights = [layer.centroids] if layer.mlp is None else [layer.mlp["w1"], layer.mlp["w2"]]
+        nbytes += sum(w.numel() for w in weights) * 4
+        launches = 1 + EXTRA_LAUNCHES + (layer.mlp is not None)
+        return nbytes / (hw.hbm_read_gbps * 1e3) + launches * hw.launch_us
 
     def prepare(self, plan: SaapPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         from ..saap.registry import get_index, stats_buffer
 
-        workspace = None
+        workspace = scorer = None
+        index = get_index(plan.index, q.device)
         if use_triton(q):
             from ..kernels.saap import saap_workspace
+            from ..saap.decode import kernel_scorer
 
-            workspace = saap_workspace(plan.num_splits, q, v, k.shape[1], get_index(plan.index).num_clusters)
-        return SaapState(index=get_index(plan.index, q.device), workspace=workspace,
-                         stats=stats_buffer(plan.runtime_key(), q.device))
+            scorer = kernel_scorer(index, plan.layer)
+            workspace = saap_workspace(plan.num_splits, q, v, k.shape[1], index.num_clusters, scorer.hidden)
+        return SaapState(index=index, workspace=workspace, stats=stats_buffer(plan.runtime_key(), q.device),
+                         scorer=scorer)
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
         from ..saap.decode import attended_keys, saap_decode_states
@@ -119,6 +135,20 @@ class Saap(Strategy[SaapPlan]):
             raise RuntimeError(f"SAAP layer {plan.layer}: the clusters were built with sink={clusters_state.sink}, "
                                f"window={clusters_state.window} but the plan has sink={plan.sink}, "
                                f"window={plan.window}")
+        if use_triton(q):
+            from ..kernels.saap import saap_decode_kernel, window_split_count
+
+            if attn_mask is not None and valid_len is None:
+                # the planner plans SAAP only without a mask or with a valid-length one (then valid_len carries it)
+                raise ValueError("the SAAP kernel takes no arbitrary attention mask, only a valid length")
+            out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
+            saap_decode_kernel(q, k, v, clusters_state.offsets, clusters_state.perm, clusters_state.ends, out,
+                               probes=plan.probes, sink=plan.sink, scale=scale, scorer=state.scorer,
+                               valid_len=valid_len, stats=state.stats, block_n=plan.block_n,
+                               workspace=state.workspace, window_splits=window_split_count(
+                                   plan.num_splits, plan.sink + plan.window,
+                                   plan.probes * clusters_state.perm.shape[-1] / clusters_state.num_clusters))
+            return out
         steps = torch.arange(L, device=q.device)
         if valid_len is None:
             positions = steps + (N - L)
@@ -133,18 +163,21 @@ class Saap(Strategy[SaapPlan]):
                     + (kv_len[:, None] - clusters_state.ends[:, None]).clamp(min=0))
         state.stats.add_(torch.stack([(attended / kv_len[:, None]).mean().double(),
                                       torch.ones((), dtype=torch.float64, device=q.device)]))
-        if use_triton(q):
-            from ..kernels.saap import saap_decode_kernel
-
-            if attn_mask is not None and valid_len is None:
-                # the planner plans SAAP only without a mask or with a valid-length one (then valid_len carries it)
-                raise ValueError("the SAAP kernel takes no arbitrary attention mask, only a valid length")
-
-            out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
-            saap_decode_kernel(q, k, v, scores, clusters_state.offsets, clusters_state.perm, clusters_state.ends,
-                               out, probes=plan.probes, sink=plan.sink, scale=scale, valid_len=valid_len,
-                               num_splits=plan.num_splits, block_n=plan.block_n, workspace=state.workspace)
-            return out
         keep = attended_keys(clusters_state, top, N, L)
         o, _ = saap_decode_states(q, k, v, keep, scale, valid_len, attn_mask)
         return o.to(q.dtype)
+
+
+def attended_estimate(site: AttentionSite, probes: int, sink: int, window: int, clusters: int) -> float:
+    """Keys a call attends per (batch row, KV head): sink + window + probes clusters of average size."""
+    n = site.effective_kv_len or 4096
+    return min(n, sink + window + probes * max(0, n - sink - window) / clusters)
+
+
+def split_count(site: AttentionSite, hw: HardwareProfile, probes: int, sink: int, window: int, clusters: int) -> int:
+    """Attention programs per (batch row, KV head): about TILES_PER_SPLIT tiles of the expected attended keys each,
+    and at most PROGRAMS_PER_SM programs per SM over all heads (then each takes more tiles)."""
+    heads = (site.batch or 1) * site.kv_heads
+    tiles = attended_estimate(site, probes, sink, window, clusters) / BLOCK_N
+    cap = max(1, PROGRAMS_PER_SM * hw.sm_count // heads)
+    return max(1, min(cap, round(tiles / TILES_PER_SPLIT)))

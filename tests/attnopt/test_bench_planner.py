@@ -84,6 +84,7 @@ def test_smoke_run_on_the_cpu_writes_every_field(tmp_path, monkeypatch):
     assert [s["case"] for s in data["summary"]] == ["smoke-fixed", "smoke-dynamic", "smoke-static"]
     for s in data["summary"]:
         assert s["error"] is None and s["ratio_to_best_peer"] > 0 and s["compile_s"] > 0, s
+        assert s["tune_s"] == 0  # no tuning on the CPU (forced split-KV)
         assert s["plan"] and s["best_peer"] in ("sdpa", "torch-compile", "hf-static-compiled")
     assert all(r["timing"] == "host" for r in data["rows"] if r.get("us"))
     ours = [r for r in data["rows"] if r["method"] == "attnopt:planner"]
@@ -122,3 +123,69 @@ def test_parts_cover_the_cases_once_and_merge_joins_them(tmp_path, capsys):
     out = tmp_path / "all.json"
     assert main(["bench", "planner", "--merge", *files, "--out", str(out)]) == 0
     assert json.loads(out.read_text())["overall"]["with_ratio"] == 2
+
+
+def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch):
+    """tuning_records: only the records the case added, each candidate by name with its µs, fastest first, errors
+    last; overall gives the median and largest tuning seconds."""
+    import dataclasses
+
+    from attnopt.bench.planner import tuning_records
+    from attnopt.config import OptimizeConfig
+    from attnopt.hardware import builtin_profile
+    from attnopt.passes.plan import rank_candidates
+    from attnopt.runtime.strategies import PlanContext
+    from attnopt.site import AttentionSite
+    from attnopt.tuning import Tuner, TuningCache
+
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path))
+    env = {"device": "d", "driver": "1", "torch": "t", "triton": "t", "attnopt": "a", "tuning": "4"}
+    ctx = PlanContext(device_type="cuda", triton_available=True)
+
+    def timer(plan, site):
+        if plan.kind == "dense" and plan.backend == "flash":
+            raise RuntimeError("No available kernel")
+        if plan.kind == "dense":
+            return 5.0
+        return 5.1 if site.kv_len < 1024 else 7.0 + site.kv_len / 1e4  # a near tie in the first bucket
+
+    tuner = Tuner(timer, TuningCache(), env=env)
+    site = AttentionSite.canonical(kv_len=4096)
+    ranked = lambda s: rank_candidates(s, builtin_profile("h100-sxm"), ctx, OptimizeConfig())[0]  # noqa: E731
+    tuner.choose(site, ranked(site))
+    before = TuningCache().load()
+    later = dataclasses.replace(site, kv_len=None, kv_len_hint=3000)
+    tuner.choose_bucketed(later, ranked)
+    records = tuning_records(before, TuningCache().load())
+    assert len(records) == 10 and all(r["bucketed"] for r in records)  # the earlier exact-length record is not one
+    assert [r["kv_len"] for r in records] == sorted(r["kv_len"] for r in records)
+    first = records[0]
+    assert first["winner"].startswith("dense(") and first["measured_us"] == 5.0 and first["tune_s"] >= 0
+    names = list(first["timings"])
+    assert all(isinstance(n, str) and n.split("(")[0] in ("dense", "split_kv", "stream_k") for n in names)
+    values = list(first["timings"].values())
+    assert values[0] == 5.0 and str(values[-1]).startswith("error: RuntimeError")
+    numbers = [v for v in values if isinstance(v, float)]
+    assert numbers == sorted(numbers)
+    ties = [r for r in records if r["near_tie_us"]]  # the first bucket's near tie, timed at its ends
+    assert [r["kv_len"] for r in ties] == [704] and set(ties[0]["near_tie_us"]) == {"576", "1024"}
+    assert {name.split("(")[0] for by in ties[0]["near_tie_us"].values() for name in by} == {"dense", "split_kv"}
+    out = overall([{"case": "a", "tune_s": 1.0, "compile_s": 3.0}, {"case": "b", "tune_s": 3.0, "compile_s": 5.0}])
+    assert out["tune_s_median"] == 2.0 and out["tune_s_max"] == 3.0 and out["compile_s_max"] == 5.0
+
+
+def test_named_runs_pick_their_cases_and_the_e2e_caches_are_nearly_full():
+    """--cases picks named, corner or e2e cases alone (no corners added); an e2e static cache holds all but 64 keys,
+    passes its mask, and has no whole-cache speedup (nothing to skip)."""
+    cases = G.all_cases(0, 0, 19, ("e2e-smollm2-1k-static", "corner-B64-g8-d64-1k-q1-static"))
+    assert list(cases) == ["e2e-smollm2-1k-static", "corner-B64-g8-d64-1k-q1-static"]
+    assert set(G.NAMED) | set(G.CORNERS) == set(G.all_cases(0, 0, 19))  # the default run leaves e2e out
+    e2e = G.E2E["e2e-smollm2-1k-static"]
+    assert e2e[6] == "static-full" and G.valid_len_of(e2e) == 1024 and G.valid_len_of(G.E2E[
+        "e2e-llama3-8b-128k-static"]) == 131072
+    rows = [_row("attnopt:planner", 6.0, False), _row("sdpa-cudnn", 12.0, True)]
+    s = summarize("e2e-smollm2-1k-static", e2e, rows)
+    assert s["ratio_to_best_peer"] == pytest.approx(2.0) and "speedup_vs_sdpa_full_cache" not in s
+    from attnopt.bench.planner import _args_of
+
+    assert len(_args_of({"q": 1, "k": 2, "v": 3, "mask": 4}, "static-full")) == 4

@@ -336,3 +336,19 @@ def test_window_site_exports_with_its_mask(tmp_path):
     for p in (30, 9, 39):
         pos = torch.tensor([p])
         close(run_ort(path, q, k, v, pos)[0], window_attention(q, k, v, pos))
+
+
+def test_key_range_exports_as_the_reference(tmp_path):
+    """``attnopt::key_range_from_mask`` (a window site's key start and valid length from one scan) exports as ONNX
+    ops that give the reference's (2, B) int32 in onnxruntime: a band, one key, and a row without a visible key (the
+    empty range's start 2**31 - 1)."""
+    m = torch.zeros(3, 1, 2, 50, dtype=torch.bool)
+    m[0, :, 0, 10:20] = True
+    m[1, :, 1, 45] = True
+    path = tmp_path / "range.onnx"
+    export_onnx(lambda mask: torch.ops.attnopt.key_range_from_mask(mask, 3), (m,), path)
+    for mask in (m, torch.where(m, 0.0, float("-inf"))[:, :, :1].contiguous()):
+        if mask.dtype != torch.bool:  # an additive mask: export it as such
+            export_onnx(lambda x: torch.ops.attnopt.key_range_from_mask(x, 3), (mask,), path)
+        (got,) = run_ort(path, mask)
+        np.testing.assert_array_equal(got, reference.key_range_from_mask(mask, 3).numpy())

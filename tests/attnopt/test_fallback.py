@@ -144,3 +144,40 @@ def test_reduce_overhead_runs_growing_caches_without_cuda_graphs(monkeypatch, ca
     assert backend.pass_seconds > 0 and backend.inner_compile_seconds > 0
     report = attnopt.last_plans(opt)
     assert len(report.rewritten) >= model.config.num_hidden_layers and report.calls_without_attnopt == 0
+
+
+def test_hf_forward_routes_each_call_by_its_cache_and_counts_uncompiled_decode_calls():
+    """The one wrapper around an optimized HF model's forward: prefill to the model's own forward, decode over a
+    growing cache to the graphs without CUDA graphs, other decode calls to the CUDA-graph ones. The route is
+    remembered per cache object, so a new cache (a new ``generate()`` call) is routed afresh."""
+    from attnopt.api import _hf_forward
+    from attnopt.backend import Backend
+
+    class Cache:
+        def __init__(self, compileable):
+            self.is_compileable = compileable
+
+    backend, calls = Backend(), []
+
+    def graph(name, runs_graph=True):
+        def fn(*args, **kwargs):
+            calls.append(name)
+            backend.graph_calls += runs_graph
+            return name
+        return fn
+
+    fwd = _hf_forward(graph("graphed"), graph("original", runs_graph=False), 4, backend, growing_cache=graph("grows"))
+    static, dynamic = Cache(True), Cache(False)
+    one, prompt = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 9, dtype=torch.long)
+    assert fwd(input_ids=prompt, past_key_values=dynamic) == "original"  # a prefill: not counted as a fallback
+    assert [fwd(input_ids=one, past_key_values=c) for c in (dynamic, dynamic, static, static, dynamic)] == \
+        ["grows", "grows", "graphed", "graphed", "grows"]
+    assert fwd(one, past_key_values=Cache(True)) == "graphed"  # input_ids given positionally
+    assert fwd(inputs_embeds=torch.zeros(1, 9, 8), past_key_values=static) == "original"
+    assert fwd(inputs_embeds=torch.zeros(1, 1, 8), past_key_values=None) == "graphed"
+    assert backend.uncompiled_calls == 0
+    eager = _hf_forward(graph("eager", runs_graph=False), graph("original"), 4, backend)
+    with pytest.warns(FallbackWarning, match="ran without attnopt"):
+        eager(input_ids=one, past_key_values=dynamic)
+    eager(input_ids=one, past_key_values=static)
+    assert backend.uncompiled_calls == 2

@@ -213,10 +213,12 @@ def test_symbolic_length_gets_a_plan_per_bucket(cache):
     assert plan_from_json(plan.plan_for(3000)).kind == "dense"
     assert plan_from_json(plan.plan_for(100_000)).kind in ("split_kv", "stream_k")
     assert report.measured_us == 1.0  # the bucket of the trace-time hint
-    assert {n for _, n in timer.calls} == set(tuning.BUCKETS)
+    middles = {tuning.bucket_length(b) for b in tuning.BUCKETS}
+    ends = {n for b in tuning.BUCKETS for n in tuning.bucket_span(b)}  # where two candidates tie (cuDNN, flash)
+    assert middles <= {n for _, n in timer.calls} <= middles | ends  # each bucket at its middle
     assert plan_from_json(plan.runtime_key()) == dataclasses.replace(plan, est_us=math.nan)
     assert plan.describe().startswith("bucketed(N 1..") and "dense(" in plan.describe()
-    assert "; N 8193..: " in plan.describe()
+    assert "; N 16385..: " in plan.describe()  # (8192, 16384] is timed at 11584 keys, where dense is faster
 
 
 def test_bucketed_plan_runs_each_buckets_plan_through_the_op():

@@ -16,7 +16,7 @@ For each case:
 The prompt is longer than ``max_decode_q_len`` (16) so that prefill is unambiguous with both cache kinds; a
 separate test covers a short prompt over a static cache, where the prefill itself is a multi-token
 decode-shaped site. The variant models (sliding windows: Mistral, Gemma 2/3, Starcoder2, Qwen2 with windows;
-logit softcapping: Gemma 2) are rewritten too, and exact.
+logit softcapping: Gemma 2; ALiBi: MPT, and Bloom's baddbmm) are rewritten too, and exact.
 """
 from __future__ import annotations
 
@@ -294,6 +294,11 @@ def _mpt(attn):  # ALiBi (slopes times arange, sliced to the keys) and masked_fi
                                   bos_token_id=1, eos_token_id=2)
 
 
+def _bloom(attn):  # ALiBi folded into baddbmm(alibi, q, k^T, alpha=1/sqrt(d)), built from the 2-D mask's cumsum
+    return transformers.BloomConfig(vocab_size=VOCAB, hidden_size=128, n_layer=2, n_head=2, attn_implementation=attn,
+                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 #: (config, what each decode site of a layer must carry: {layer index: (window, softcap, alibi)}).
 VARIANTS = {
     "mistral": (_mistral_window, {0: (WINDOW, None, False), 1: (WINDOW, None, False)}),
@@ -302,12 +307,15 @@ VARIANTS = {
     "starcoder2": (_starcoder2, {0: (WINDOW, None, False), 1: (WINDOW, None, False)}),
     "qwen2": (_qwen2_window, {0: (None, None, False), 1: (WINDOW, None, False)}),
     "mpt": (_mpt, {0: (None, None, True), 1: (None, None, True)}),
+    # Bloom's positions are the mask's cumsum, not an arange (not provably slope * j): its bias joins the mask
+    "bloom": (_bloom, {0: (None, None, False), 1: (None, None, False)}),
 }
-#: Gemma 2 has an eager attention only where softcapping is on (HF's sdpa drops the cap); MPT is eager only, and
-#: over a StaticCache its forward breaks the graph on a ``Tensor.item()`` before attention (transformers 5.23), so
-#: dynamo compiles no attention there to rewrite (the model runs as it is).
+#: Gemma 2 has an eager attention only where softcapping is on (HF's sdpa drops the cap); MPT and Bloom are eager
+#: only. MPT over a StaticCache breaks the graph on a ``Tensor.item()`` between its score product and its softmax
+#: (``max(0, position_bias.size(1) - query_length)`` with the cache's tensor length, transformers 5.23), so no graph
+#: holds a whole attention to rewrite (the model runs as it is); MPT is covered over the DynamicCache.
 VARIANT_CASES = [pytest.param(a, t, c, id=f"{a}-{t}-{c}") for a in VARIANTS for t in ATTNS for c in CACHES
-                 if not (a in ("gemma2", "mpt") and t == "sdpa") and (a, c) != ("mpt", "static")]
+                 if not (a in ("gemma2", "mpt", "bloom") and t == "sdpa") and (a, c) != ("mpt", "static")]
 
 
 def _layer(path: str) -> int:
@@ -336,6 +344,9 @@ def test_variant_models_rewritten_and_exact(arch, attn, cache):
         # A DynamicCache's sdpa path may drop a window mask that hides nothing yet: then no window is needed.
         assert s.site.window in ((window,) if cache == "static" or attn == "eager" else (window, None)), s.site
     assert any(s.site.window == WINDOW for s in decode) == any(e[0] for e in expect.values()), report.format_table()
+    if arch == "bloom":  # the baddbmm chain, its bias added to the mask (so the mask is "arbitrary")
+        assert all(s.site.pattern == "eager_baddbmm" and s.site.mask_kind == "arbitrary" for s in decode), \
+            report.format_table()
 
 
 def test_window_site_starts_at_the_band():

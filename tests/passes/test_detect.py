@@ -91,7 +91,7 @@ def test_graph_order_and_module_path():
 def test_sliding_windows_config_marks_window_sites():
     """``config.sliding_windows`` (what ``attnopt.optimize`` reads off the model) names modules by path: their sites
     with a mask are rewritten as window sites (``site.window``, shown in the plan table), the op reads the keys from
-    ``key_start_from_mask`` on; the other module's site is a plain one; the config survives JSON."""
+    the start ``key_range_from_mask`` finds on; the other module's site is a plain one; the config survives JSON."""
     class Attn(torch.nn.Module):
         def forward(self, q, k, v, mask):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -112,7 +112,9 @@ def test_sliding_windows_config_marks_window_sites():
     r = dynamo(Model(), q, k, v, mask, config=cfg)
     assert [s.rewritten for s in r.reports] == [True, True]
     assert [s.site.window for s in r.reports] == [None, 6]
-    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1  # only the window site finds its start
+    # only the window site finds its start, with its valid length, in one scan of the mask
+    assert len(op_nodes(r.gm, "attnopt.key_range_from_mask.default")) == 1
+    assert len(op_nodes(r.gm, "attnopt.valid_len_from_mask.default")) == 1  # the plain site's
     assert "window=6" in r.ctx.report.format_table(width=200)
     torch.testing.assert_close(r.out, Model()(q, k, v, mask), **TOL)
 
@@ -281,6 +283,134 @@ def test_alibi_bias_becomes_slopes(spelling):
     assert dense.count() == 0 and "ALiBi" in (dense.reports[0].reason_untouched or "")
 
 
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_alibi_slopes_built_from_constants_are_folded_and_shared(inner):
+    """Two layers reading one ALiBi bias whose slopes the forward builds from constants (MPT's ``1 / 2 ** base``):
+    the slopes are evaluated once at compile time into one buffer both ops read, so no ``arange``/``pow`` nor a
+    cast or copy of them is left to run per step; the output is the original's."""
+    def slopes_of(heads):
+        base = torch.arange(1, heads + 1, dtype=torch.int64).float() * (8 / heads)
+        return 1.0 / torch.pow(2, base)
+
+    def f(q, k, v):
+        n = k.shape[-2]
+        bias = slopes_of(q.shape[1]).view(1, -1, 1, 1) * torch.arange(1 - n, 1, dtype=torch.int32).view(1, 1, 1, n)
+        x = torch.softmax(q @ k.transpose(-1, -2) * 0.125 + bias, -1) @ v
+        return torch.softmax(x @ k.transpose(-1, -2) * 0.125 + bias, -1) @ v
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    r = (aot if inner == "aot_eager" else dynamo)(f, q, k, v, config=OptimizeConfig(force_plan="split_kv"))
+    assert r.count() == 2 and all(s.alibi for s in r.sites)
+    ops = op_nodes(r.gm)
+    slopes = {op.kwargs["alibi_slopes"] for op in ops}
+    assert len(slopes) == 1 and next(iter(slopes)).op == "get_attr"  # one folded buffer for both sites
+    buffer = getattr(r.gm, next(iter(slopes)).target)
+    torch.testing.assert_close(buffer, slopes_of(4), rtol=0, atol=0)
+    names = {str(getattr(n.target, "__name__", n.target)) for n in r.gm.graph.nodes}
+    assert not any("pow" in x or "arange" in x for x in names), names
+    torch.testing.assert_close(r.out, f(q, k, v), **TOL)
+
+
+def _bloom_attention(q, k, v, padding, mask, beta=1.0, bias_fill=None):
+    """Bloom's eager attention (transformers 5.x): the ALiBi bias from the 2-D mask's cumsum, folded into
+    ``baddbmm(alibi, q, k^T, beta, alpha)``, viewed (B, H, L, N), the additive mask, fp32 softmax, ``bmm`` with V."""
+    b, h, n, d = k.shape
+    slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, dtype=torch.float32) / h)
+    positions = ((padding.cumsum(-1) - 1) * padding)[:, None, :]
+    alibi = (slopes[..., None] * positions).reshape(b * h, 1, n).to(q.dtype)
+    if bias_fill is not None:
+        alibi = alibi.masked_fill(padding.repeat_interleave(h, 0)[:, None, :] == 0, bias_fill)
+    s = alibi.baddbmm(batch1=q.reshape(b * h, -1, d), batch2=k.reshape(b * h, -1, d).transpose(-1, -2), beta=beta,
+                      alpha=d ** -0.5)
+    s = s.view(b, h, -1, n)
+    if mask is not None:
+        s = s + mask
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.bmm(p.view(b * h, -1, n), v.reshape(b * h, -1, d))
+    return out.view(b, h, -1, d)
+
+
+def test_constant_slopes_written_in_place_are_not_folded():
+    """A slopes tensor built from constants but edited in place (``base.mul_(2)`` after ``arange``) is not evaluated
+    at compile time (the graph's value is the edited one): the result equals the original's either way."""
+    from attnopt.passes.constants import constant_value
+
+    def f(q, k, v):
+        n = k.shape[-2]
+        base = torch.arange(1, 5, dtype=torch.float32)  # 4 heads: constants alone
+        base.mul_(2.0)
+        slopes = 1.0 / torch.pow(2, base)
+        bias = slopes.view(1, -1, 1, 1) * torch.arange(n, dtype=torch.float32).view(1, 1, 1, n)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.125 + bias, -1) @ v
+
+    import operator
+
+    for edit in (False, True):  # 1 / 2 ** arange(1, 5), its arange edited in place (mul_) or not
+        g = torch.fx.Graph()
+        base = g.call_function(torch.arange, (1, 5), {"dtype": torch.float32})
+        if edit:
+            g.call_method("mul_", (base, 2.0))
+        slopes = g.call_function(operator.truediv, (1.0, g.call_function(torch.pow, (2, base))))
+        g.output(slopes)
+        value = constant_value(slopes)
+        # unedited: evaluated, equal to the eager value; edited: its arange's storage is written, so not folded
+        assert value is None if edit else torch.equal(value, 1.0 / torch.pow(2, torch.arange(1, 5.0)))
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, L=1, N=33, D=64)
+    r = dynamo(f, q, k, v, config=OptimizeConfig(force_plan="split_kv"))
+    assert not any(n.op == "get_attr" and "alibi" in str(n.target) for n in r.gm.graph.nodes)
+    torch.testing.assert_close(r.out, f(q, k, v), **TOL)
+
+
+@pytest.mark.parametrize("case", ["padded", "no_mask", "hidden_row"])
+def test_bloom_baddbmm_bias_joins_the_mask(case):
+    """Bloom's ``baddbmm(alibi, q, k^T, alpha)``: the score product with its scale, the bias (positions from the
+    padding mask's cumsum: not provably slope * j) viewed as (B, H, L, N) and added to the additive mask, one
+    arbitrary mask for the op; left padding, no mask, and a bias that hides a whole row with -inf (the original's
+    NaN row, which the op's NaN guard gives). Output equal to the original's."""
+    q, k, v = qkv(B=2, Hq=4, Hkv=4, L=1, N=33, D=64)
+    padding = torch.ones(2, 33, dtype=torch.long)
+    padding[1, :5] = 0  # left padding of row 1
+    hidden = torch.where(padding.bool(), 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    mask = None if case == "no_mask" else hidden
+    fill = float("-inf") if case == "hidden_row" else None
+    if case == "hidden_row":
+        padding[0] = 0  # every key of row 0 gets -inf from the bias
+    r = dynamo(_bloom_attention, q, k, v, padding, mask, 1.0, fill, config=OptimizeConfig(force_plan="split_kv"))
+    (site,) = r.sites
+    assert r.count("eager_baddbmm") == 1 and site.mask_kind == "arbitrary" and not site.alibi, site
+    want = _bloom_attention(q, k, v, padding, mask, 1.0, fill)
+    if case == "hidden_row":
+        assert want[0].isnan().all() and r.out[0].isnan().all()
+        want, got = want[1:], r.out[1:]
+    else:
+        got = r.out
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("case", ["beta", "half", "bool_mask"])
+def test_bloom_baddbmm_left_alone_where_not_provable(case):
+    """A scaled bias (beta != 1), the bias summed with the scores in fp16 (the original's rounding), a boolean mask
+    with the bias: each is a reason, and the output stays the original's."""
+    dtype = torch.float16 if case == "half" else torch.float32
+    q, k, v = (t.to(dtype) for t in qkv(B=1, Hq=2, Hkv=2, L=1, N=17, D=64))
+    padding = torch.ones(1, 17, dtype=torch.long)
+
+    def f(q, k, v, padding):
+        if case == "bool_mask":
+            b, h, n, d = k.shape
+            alibi = torch.zeros(b * h, 1, n, dtype=q.dtype)
+            s = alibi.baddbmm(q.reshape(b * h, -1, d), k.reshape(b * h, -1, d).transpose(-1, -2), alpha=0.125)
+            s = s.view(b, h, -1, n).masked_fill(padding[:, None, None, :] == 0, float("-inf"))
+            p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.bmm(p.view(b * h, -1, n), v.reshape(b * h, -1, d)).view(b, h, -1, d)
+        return _bloom_attention(q, k, v, padding, None, 0.5 if case == "beta" else 1.0)
+
+    r = dynamo(f, q, k, v, padding, config=OptimizeConfig(force_plan="split_kv"))
+    why = {"beta": "beta=0.5", "half": "float16", "bool_mask": "boolean mask with baddbmm"}[case]
+    assert r.count() == 0 and why in (r.sites[0].unsupported or ""), r.sites[0]
+    torch.testing.assert_close(r.out, f(q, k, v, padding))
+
+
 @pytest.mark.parametrize("case", ["step2", "from_input", "half"])
 def test_biases_that_are_not_provably_alibi_stay_masks(case):
     """A bias over positions with step 2, a bias read from an input, a bias rounded to fp16: not ALiBi; each is
@@ -400,7 +530,7 @@ def test_valid_length_mask_kind():
 def test_sliding_window_mask_is_a_window_site(spelling):
     """A mask with a window start ``key > query - w`` (Hugging Face's ``sliding_window_overlay``) is a sliding
     window (no module object needed): never "valid_length", rewritten with ``site.window`` read off the mask, the
-    kernels starting at ``key_start_from_mask``; the output is the original's."""
+    kernels starting at the key start of ``key_range_from_mask``; the output is the original's."""
     def f(q, k, v, cache_position):
         kv_idx = torch.arange(k.shape[2])[None, None, None, :]
         qp = cache_position[None, None, :, None]
@@ -413,7 +543,10 @@ def test_sliding_window_mask_is_a_window_site(spelling):
     pos = torch.tensor([20, 21])
     r = dynamo(f, q, k, v, pos, config=OptimizeConfig(force_plan="split_kv"))
     assert r.count("sdpa") == 1 and r.sites[0].window == 8 and r.sites[0].mask_kind == "arbitrary"
-    assert len(op_nodes(r.gm, "attnopt.key_start_from_mask.default")) == 1
+    # the key start and the valid length from one scan of the mask (one launch; they were two scans)
+    assert len(op_nodes(r.gm, "attnopt.key_range_from_mask.default")) == 1
+    assert not op_nodes(r.gm, "attnopt.valid_len_from_mask.default")
+    assert not op_nodes(r.gm, "attnopt.key_start_from_mask.default")
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
 
 

@@ -24,8 +24,8 @@ from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace
 
 triton = pytest.importorskip("triton")
 
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -101,13 +101,21 @@ def _launches(monkeypatch) -> list[dict]:
 def _variant_launches(q, k, v, mask):
     """The variant paths (HAS_START: a window's key start read on device; SOFTCAP; ALIBI), alone and together, in
     both kernels."""
-    from attnopt.runtime.kernels.valid_len import key_start_from_mask, valid_len_from_mask
+    from attnopt.runtime.kernels import valid_len
+    from attnopt.runtime.kernels.valid_len import key_range_from_mask, key_start_from_mask, valid_len_from_mask
 
     B, Hq, L, D = q.shape
-    long = torch.ones(1, 1, 1, 20000, dtype=torch.bool)  # rows past ATOMIC_CHUNK_N: the chunked, atomic path
-    for m in (mask, torch.where(mask, 0.0, float("-inf")), long):  # the mask reductions the window path runs
-        valid_len_from_mask(m, B)
-        key_start_from_mask(m, B)
+    long = torch.ones(1, 1, 1, 20000, dtype=torch.bool)  # rows past ATOMIC_CHUNK_N: the chunked paths
+    counters = valid_len.arrival_counters
+    try:
+        for fold in ("arrive", "atomic"):  # the last program to arrive folds the chunks; without counters, atomics
+            valid_len.arrival_counters = counters if fold == "arrive" else (lambda device, batch: None)
+            for m in (mask, torch.where(mask, 0.0, float("-inf")), long):  # the mask reductions the window path runs
+                valid_len_from_mask(m, B)
+                key_start_from_mask(m, B)
+                key_range_from_mask(m, B)
+    finally:
+        valid_len.arrival_counters = counters
     start, valid = torch.tensor([70], dtype=torch.int32), torch.tensor([250], dtype=torch.int32)
     slopes = torch.rand(Hq)
     for key_start, softcap, alibi in ((start, 0.0, None), (None, 50.0, None), (start, 50.0, slopes),
@@ -122,17 +130,25 @@ def _variant_launches(q, k, v, mask):
 
 
 def _saap_launch(q, k, v, clusters, probes):
-    """The SAAP kernel (and its merge) over a random CSR table (some clusters empty), 4 splits."""
+    """The SAAP launches over a random CSR table (some clusters empty), 4 splits: given scores, then the device
+    scoring by centroids (de-roped and rotated) and by a query MLP, with the selectivity counter."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel
+    from attnopt.runtime.kernels.saap_select import SaapScorer
 
-    B, Hkv, N = k.shape[0], k.shape[1], k.shape[2]
+    B, Hkv, N, D = k.shape
     perm = torch.randperm(N - 40, dtype=torch.int32).add_(1).expand(B, Hkv, -1).contiguous()
     offsets = torch.linspace(0, N - 40, clusters + 1).round().to(torch.int32).expand(B, Hkv, -1).contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype)
-    saap_decode_kernel(q, k, v, torch.rand(B, Hkv, clusters), offsets, perm,
-                       torch.full((B,), N - 39, dtype=torch.int32), out, torch.empty(q.shape[:3]), probes=probes,
-                       sink=1, scale=0.125, valid_len=torch.tensor([N - 10], dtype=torch.int32), num_splits=4,
-                       block_n=64)
+    hidden = 48
+    mlp = (torch.randn(Hkv, hidden, D), torch.randn(Hkv, hidden), torch.rand(4, Hkv, hidden) + 0.5,
+           torch.randn(Hkv, clusters, hidden), torch.randn(Hkv, clusters))
+    cents, inv_freq = torch.randn(Hkv, clusters, D), torch.rand(D // 2)
+    for scores, scorer in ((torch.rand(B, Hkv, clusters), None), (None, SaapScorer(cents, inv_freq, None)),
+                           (None, SaapScorer(cents, None, None)), (None, SaapScorer(cents, inv_freq, mlp))):
+        out = torch.empty(q.shape, dtype=q.dtype)
+        saap_decode_kernel(q, k, v, offsets, perm, torch.full((B,), N - 39, dtype=torch.int32), out,
+                           torch.empty(q.shape[:3]), probes=probes, sink=1, scale=0.125, scores=scores, scorer=scorer,
+                           valid_len=torch.tensor([N - 10], dtype=torch.int32),
+                           stats=torch.zeros(2, dtype=torch.float64), num_splits=4, block_n=64)
 
 
 _COMPILE = textwrap.dedent("""
@@ -157,8 +173,16 @@ def test_kernels_compile_for_sm90(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the CUDA tests compile and run the kernels on this machine's GPU")
     jobs = _launches(monkeypatch)
+    # the SAAP launches chained by programmatic dependent launch, which the interpreter never takes, and the
+    # scoring products the GPU takes (the interpreter takes plain fp32)
+    jobs += [{**j, "consts": {**j["consts"], "WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True}}
+             for j in jobs if j["name"].startswith("_saap") and "WAIT_PRIOR" in j["consts"]]
+    jobs += [{**j, "consts": {**j["consts"], "PRECISION": "tf32x3"}} for j in jobs if j["name"] == "_saap_rows_kernel"]
+    jobs += [{**j, "consts": {**j["consts"], "RADIX_BITS": bits}} for j in jobs if j["name"] == "_saap_select_kernel"
+             for bits in (1, 2)]  # the selection over more than 2048 clusters
     names = {j["name"] for j in jobs}
-    assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel"} <= names, names
+    assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel", "_saap_rows_kernel",
+            "_saap_select_kernel"} <= names, names
     assert {"_valid_len_kernel"} <= names and any(j["consts"].get("FIRST") for j in jobs), names
     assert any(j["consts"].get("ATOMIC") and j["consts"].get("FIRST") for j in jobs), names
     variants = {(j["name"], j["consts"].get("HAS_START"), j["consts"].get("SOFTCAP"), j["consts"].get("ALIBI"))

@@ -211,13 +211,12 @@ def test_fuzz_window_softcap_alibi(B, Hkv, G, L, N, D, window, softcap, splits, 
 @pytest.mark.cuda
 def test_cuda_graph_replays_as_the_window_slides():
     """The window path under a captured CUDA graph: the key start and valid length are found from the mask on the
-    device (one launch each) and the plans read them there, so one capture serves every position of the window
+    device (one scan for both, as the lowered graph does) and the plans read them there, so one capture serves every position of the window
     (the mask is rewritten in place between replays); each replay equals the reference."""
     import torch.cuda
 
     from attnopt.plan import SplitKVPlan, StreamKPlan
-    from attnopt.runtime.kernels.valid_len import key_start_from_mask as start_kernel
-    from attnopt.runtime.kernels.valid_len import valid_len_from_mask as len_kernel
+    from attnopt.runtime.kernels.valid_len import key_range_from_mask as range_kernel
     from attnopt.runtime.strategies import get_strategy
 
     dev = torch.device("cuda")
@@ -230,7 +229,7 @@ def test_cuda_graph_replays_as_the_window_slides():
         state = strat.prepare(plan, q, k, v)
 
         def step():
-            start, valid = start_kernel(mask, B), len_kernel(mask, B)
+            start, valid = range_kernel(mask, B)
             return strat.run(state, plan, q, k, v, mask, valid, D ** -0.5, False, key_start=start, softcap=30.0,
                              alibi_slopes=slopes)
 

@@ -1,10 +1,12 @@
 """``attnopt bench saap``: its budget arithmetic and command line on the CPU; a tiny case on a GPU."""
 import argparse
 import json
+import os
 
 import pytest
+import torch
 
-from attnopt.bench.saap import budget, speed_verdict
+from attnopt.bench.saap import STAGES, budget, saap_geometries, speed_verdict, stage_of, unchained
 from attnopt.cli import build_parser
 
 
@@ -29,6 +31,36 @@ def test_speed_verdict_compares_with_the_fastest_dense_method():
     assert "7.00x attnopt:split_kv" in lines[1] and lines[1].endswith("need 8x: FAIL")
 
 
+def test_breakdown_sorts_each_kernel_into_its_launch():
+    assert stage_of("_saap_rows_kernel") == "scoring_us"
+    assert stage_of("_saap_select_kernel") == "selection_us"
+    assert stage_of("_saap_kernel") == "attention_us"
+    assert stage_of("_merge_states_kernel") == "merge_us"
+    assert stage_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "other_us"
+    assert list(STAGES)[-1] == "other_us"
+
+
+def test_unchained_turns_pdl_off_and_restores_the_setting(monkeypatch):
+    from attnopt.runtime.kernels.common import pdl_supported
+
+    monkeypatch.delenv("ATTNOPT_PDL", raising=False)
+    with unchained():
+        assert os.environ["ATTNOPT_PDL"] == "0" and not pdl_supported(torch.device("cpu"))
+    assert "ATTNOPT_PDL" not in os.environ
+    monkeypatch.setenv("ATTNOPT_PDL", "1")
+    with unchained():
+        assert os.environ["ATTNOPT_PDL"] == "0"
+    assert os.environ["ATTNOPT_PDL"] == "1"
+
+
+def test_geometry_sweep_options():
+    assert saap_geometries("", "") == ([0], [0])
+    assert saap_geometries("16,0,64", "32,64") == ([16, 0, 64], [32, 64])
+    for splits, block_n in (("-1", ""), ("", "48"), ("x", "")):
+        with pytest.raises(ValueError, match="--saap-block-n 0"):
+            saap_geometries(splits, block_n)
+
+
 def test_bench_saap_is_registered():
     args = build_parser().parse_args(["bench", "saap", "--cases", "llama3-8b-128k", "--targets", "0.05"])
     assert args.cases == "llama3-8b-128k" and args.func.__module__ == "attnopt.bench.saap"
@@ -42,4 +74,8 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
                                  commit=None))
     saap = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
     assert len(saap) == 2 and all("us" in r and r["rel_err"] < 2e-2 for r in saap), json.dumps(saap)
+    # the breakdown: scoring (2 launches with the MLP), selection, attention, merge, and no other kernel
+    assert all(r["attention_us"] > 0 and r["selection_us"] > 0 and r["merge_us"] > 0 and r["scoring_us"] > 0
+               and r["other_us"] == 0 and r["us_unchained"] > 0 for r in saap), json.dumps(saap)
+    assert sorted(r["kernels_per_call"] for r in saap) == [4, 5], json.dumps(saap)
     assert all(0.01 < r["selectivity"] < 0.3 for r in saap)

@@ -6,6 +6,8 @@ pytest.importorskip("triton")
 
 from attnopt.runtime.kernels import triton_usable  # noqa: E402
 from attnopt.runtime.saap import attended_keys, build_clusters, saap_decode_states  # noqa: E402
+from attnopt.runtime.saap.build import clusters_from_assignment  # noqa: E402
+from attnopt.runtime.saap.decode import threshold_clusters  # noqa: E402
 from attnopt.runtime.saap.index import LayerIndex, ModelIdentity, SaapIndex  # noqa: E402
 from attnopt.runtime.saap.rope import RopeSpec  # noqa: E402
 
@@ -18,7 +20,11 @@ def random_index(hkv: int, hq: int, d: int, clusters: int) -> SaapIndex:
     return SaapIndex(ident, RopeSpec(10000.0, d), {1: LayerIndex(torch.randn(hkv, clusters, d))})
 
 
-def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits, block_n, valid=None):
+def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits, block_n, valid=None, scores=None,
+             assign=None, window_splits=None):
+    """Kernel against the reference over the same sparse set. ``assign`` (B, Hkv, n): given clusters of keys
+    [sink, sink + n) (default: the nearest centroid of a random index, over the first ``prompt`` keys). With
+    ``valid``, the cache holds garbage (NaN) from there on."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel
 
     torch.manual_seed(N + C + probes)
@@ -27,22 +33,32 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     k = torch.randn(B, Hkv, N, D, dtype=dtype)
     v = torch.randn(B, Hkv, N, D, dtype=dtype)
     n_keys = N if valid is None else valid
-    state = build_clusters(index, 1, k[:, :, :n_keys], prompt, sink, window)
-    scores = torch.rand(B, Hkv, C)  # distinct almost surely: the top-l is unambiguous
-    clusters = scores.topk(probes, dim=-1).indices
-    keep = attended_keys(state, clusters, n_keys, L)
-    want_o, want_lse = saap_decode_states(q[..., :], k[:, :, :n_keys], v[:, :, :n_keys], keep, 0.125)
+    if assign is None:
+        state = build_clusters(index, 1, k[:, :, :n_keys], prompt, sink, window)
+    else:
+        state = clusters_from_assignment(assign, C, sink, window)
+    k[:, :, n_keys:] = float("nan")
+    v[:, :, n_keys:] = float("nan")
+    if scores is None:
+        scores = torch.rand(B, Hkv, C)  # distinct almost surely: the top-l is unambiguous
+    chosen = threshold_clusters(scores, probes)
+    keep = attended_keys(state, chosen, n_keys, L)  # (B, Hkv, L, valid length)
+    vl = None if valid is None else torch.full((B,), valid, dtype=torch.int32)
+    want_o, want_lse = saap_decode_states(q, k[:, :, :n_keys], v[:, :, :n_keys], keep, 0.125)
     dev = DEVICE
     out = torch.empty(B, Hq, L, D, dtype=dtype, device=dev)
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device=dev)
-    end = torch.full((B,), state.indexed_end, dtype=torch.int32, device=dev)
-    vl = None if valid is None else torch.full((B,), valid, dtype=torch.int32, device=dev)
-    saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), scores.to(dev), state.offsets.to(dev), state.perm.to(dev),
-                       end, out, lse, probes=probes, sink=sink, scale=0.125, valid_len=vl, num_splits=splits,
-                       block_n=block_n)
+    stats = torch.zeros(2, dtype=torch.float64, device=dev)
+    saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
+                       state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
+                       valid_len=None if vl is None else vl.to(dev), stats=stats, num_splits=splits, block_n=block_n,
+                       window_splits=window_splits)
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=tol, rtol=tol)
+    sizes = state.offsets[..., 1:] - state.offsets[..., :-1]
+    attended = ((sizes * chosen).sum(-1) + sink + max(n_keys - state.indexed_end, 0)) / n_keys
+    torch.testing.assert_close(stats.cpu(), torch.tensor([float(attended.mean()), 1.0], dtype=torch.float64))
     return keep
 
 
@@ -67,9 +83,63 @@ def test_kernel_balances_a_large_cluster_over_many_splits():
     run_case(1, 2, 1, 180, 64, 1, 4, 1, sink=1, window=8, prompt=180, dtype=torch.float32, splits=16, block_n=16)
 
 
+@pytest.mark.parametrize("splits,window_splits", [(1, 0), (4, 0), (4, 1), (4, 3), (2, 1)])
+def test_any_division_of_the_splits_between_window_and_clusters(splits, window_splits):
+    # W = 0: split 0 takes the sink and window besides its cluster share; W = S - 1: one split for the clusters
+    run_case(2, 4, 2, 170, 64, 2, 12, 4, sink=3, window=40, prompt=170, dtype=torch.float32, splits=splits,
+             block_n=16, window_splits=window_splits)
+
+
+def test_window_split_count_and_bad_counts():
+    from attnopt.runtime.kernels.saap import saap_decode_kernel, window_split_count
+
+    assert window_split_count(1, 100, 100) == 0 and window_split_count(8, 0, 100) == 0
+    assert window_split_count(8, 1, 1000) == 1 and window_split_count(8, 1000, 1) == 7
+    assert window_split_count(51, 1639, 4867) == 13
+    q = torch.randn(1, 2, 1, 64)
+    k = torch.randn(1, 1, 40, 64)
+    offsets = torch.zeros(1, 1, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"window_splits must be in \[0, 4\)"):
+        saap_decode_kernel(q, k, k, offsets, torch.zeros(1, 1, 0, dtype=torch.int32),
+                           torch.zeros(1, dtype=torch.int32), torch.empty(1, 2, 1, 64), scores=torch.rand(1, 1, 4),
+                           probes=1, sink=1, num_splits=4, window_splits=4)
+
+
 def test_kernel_reads_nothing_past_the_valid_length():
     run_case(1, 3, 1, 160, 64, 1, 8, 2, sink=1, window=10, prompt=120, dtype=torch.float32, splits=3, block_n=16,
              valid=140)
+
+
+def test_valid_length_below_the_indexed_end_hides_cluster_keys_past_it():
+    # the cache shrank under its index: clusters hold keys at and past the valid length (NaN there), never read
+    assign = torch.arange(150).remainder(6).view(1, 1, 150).expand(2, 2, -1).contiguous()
+    run_case(2, 4, 2, 180, 64, 1, 6, 2, sink=2, window=0, prompt=0, dtype=torch.float32, splits=4, block_n=16,
+             valid=90, assign=assign)
+
+
+def test_ties_select_every_tied_cluster_and_empty_and_single_key_clusters():
+    # clusters 0-3 empty, 4-7 one key each, 8 huge; scores tie in threes, so the threshold takes whole tie groups
+    C = 12
+    sizes = [0, 0, 0, 0, 1, 1, 1, 1, 90, 5, 7, 3]
+    assign = torch.cat([torch.full((n,), c) for c, n in enumerate(sizes)])
+    assign = assign[torch.randperm(len(assign), generator=torch.Generator().manual_seed(1))]
+    assign = assign.view(1, 1, -1).expand(1, 2, -1).contiguous()
+    scores = torch.tensor([3.0, 3.0, 3.0, 1.0, 2.0, 2.0, 2.0, 0.5, 1.0, 1.0, 0.0, -1.0]).expand(1, 2, C)
+    scores = scores.contiguous()
+    scores[0, 1] = scores[0, 1].flip(0)
+    keep = run_case(1, 6, 2, 130, 64, 1, C, 4, sink=1, window=5, prompt=0, dtype=torch.float32, splits=5,
+                    block_n=16, scores=scores, assign=assign)
+    chosen = threshold_clusters(scores, 4)
+    # 4 probes: the three at 3.0, then all three tied at 2.0 (six clusters, two of them single keys)
+    assert chosen[0, 0].tolist() == [True, True, True, False, True, True, True] + [False] * 5
+    assert chosen[0, 1].tolist() == [False] * 5 + [True] * 3 + [False] + [True] * 3  # the flip: the huge one out
+    assert bool(keep.any(-1).all())
+
+
+def test_fp16_many_query_tokens_and_heads_with_negative_scores():
+    scores = -torch.rand(2, 2, 20) * 5  # negative scores order as floats do
+    run_case(2, 6, 2, 300, 64, 4, 20, 7, sink=3, window=30, prompt=300, dtype=torch.float16, splits=6, block_n=32,
+             scores=scores)
 
 
 def test_kernel_with_more_splits_than_tiles_gives_empty_partials_not_nan():
@@ -83,3 +153,170 @@ def test_kernel_bf16_compiled_on_the_gpu(N, C, probes):
     keep = run_case(1, 32, 8, N, 128, 1, C, probes, sink=1, window=512, prompt=N - 1, dtype=torch.bfloat16,
                     splits=16, block_n=64)
     assert float(keep.float().mean()) < 0.9
+
+
+def mlp_index(hkv, hq, d, clusters, hidden, rotated=False):
+    index = random_index(hkv, hq, d, clusters)
+    index.rotated = rotated
+    g = torch.Generator().manual_seed(5)
+    index.layers[1].mlp = {"w1": torch.randn(hkv, hidden, d, generator=g) / d ** 0.5,
+                           "b1": torch.randn(hkv, hidden, generator=g),
+                           "bn_mean": torch.randn(hkv, hidden, generator=g),
+                           "bn_var": torch.rand(hkv, hidden, generator=g) + 0.5,
+                           "bn_weight": torch.randn(hkv, hidden, generator=g),
+                           "bn_bias": torch.randn(hkv, hidden, generator=g),
+                           "w2": torch.randn(hkv, clusters, hidden, generator=g) / hidden ** 0.5,
+                           "b2": torch.randn(hkv, clusters, generator=g)}
+    return index
+
+
+@pytest.mark.parametrize("mlp,rotated,L,valid", [(False, False, 1, None), (False, True, 2, 700), (True, False, 1, 640),
+                                                 (True, False, 3, None)])
+def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, valid):
+    """The whole launch (de-roping, centroid or MLP logits, group softmax sums, top-l, attention) against the
+    reference fed the PyTorch scores: the same clusters are picked, the same output comes out."""
+    from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    B, Hq, Hkv, D, C, N, probes, sink, window = 2, 6, 2, 64, 40, 720, 6, 2, 40
+    torch.manual_seed(11)
+    index = mlp_index(Hkv, Hq, D, C, 48, rotated) if mlp else random_index(Hkv, Hq, D, C)
+    index.rotated = rotated
+    q = torch.randn(B, Hq, L, D) * 3
+    k = torch.randn(B, Hkv, N, D)
+    v = torch.randn(B, Hkv, N, D)
+    n_keys = N if valid is None else valid
+    state = build_clusters(index, 1, k[:, :, :n_keys], n_keys, sink, window)
+    pos = torch.arange(n_keys - L, n_keys)
+    scores = index.cluster_scores(1, q, pos, 0.125).sum(dim=2)  # (B, Hkv, C)
+    top = scores.sort(dim=-1, descending=True).values
+    assert bool(((top[..., probes - 1] - top[..., probes]) > 1e-4 * top[..., 0]).all())  # no near-tie to flip
+    chosen = threshold_clusters(scores, probes)
+    want_o, want_lse = saap_decode_states(q, k[:, :, :n_keys], v[:, :, :n_keys],
+                                          attended_keys(state, chosen, n_keys, L), 0.125)
+    dev = DEVICE
+    scorer = kernel_scorer(index.to(dev), 1)
+    vl = None if valid is None else torch.full((B,), valid, dtype=torch.int64, device=dev)
+    out = torch.empty(B, Hq, L, D, device=dev)
+    lse = torch.empty(B, Hq, L, device=dev)
+    ws = saap_workspace(3, q.to(dev), v.to(dev), Hkv, C, scorer.hidden)
+    saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
+                       state.ends.to(dev), out, lse, probes=probes, sink=sink, scale=0.125, scorer=scorer,
+                       valid_len=vl, workspace=ws, block_n=32)
+    sel = ws.select
+    logits = sel.logits.cpu()  # (B, Hkv, G * L, C)
+    stats = sel.chunk_stats.cpu()
+    lse_rows = stats[..., 0].amax(-1) + torch.log((stats[..., 1] * torch.exp(stats[..., 0] - stats[..., 0].amax(
+        -1, keepdim=True))).sum(-1))
+    torch.testing.assert_close(lse_rows, torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
+    got = torch.exp(logits - lse_rows[..., None]).sum(2)
+    torch.testing.assert_close(got, scores, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.cpu(), want_o, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_derope_is_accurate_at_half_a_million_positions():
+    """The in-kernel de-roping's cosines at positions near 512k (a float64 range reduction) match PyTorch's."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+    from attnopt.runtime.saap.rope import remove_rope
+
+    index = random_index(1, 2, 64, 16)
+    q = torch.randn(1, 2, 1, 64)
+    n = 524287
+    unroped = remove_rope(q, torch.tensor([n - 1]), index.rope).reshape(1, 1, 2, 64)
+    want = torch.einsum("bhmd,hcd->bhmc", unroped, index.layers[1].centroids) * 0.125
+    ws = select_workspace(1, 1, 2, 16, 0, DEVICE)
+    offsets = torch.zeros(1, 1, 17, dtype=torch.int32, device=DEVICE)
+    saap_select(q.to(DEVICE), offsets, torch.zeros(1, dtype=torch.int32, device=DEVICE), ws, probes=2, scale=0.125,
+                n_keys=n, scorer=kernel_scorer(index.to(DEVICE), 1))
+    torch.testing.assert_close(ws.logits.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mlp", [False, True])
+def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
+    """bf16 on a GPU: scoring, selection, attention and merge captured once in a CUDA graph, replayed at three
+    valid lengths (read on the device); each replay equals the reference over the sparse set the PyTorch scores
+    pick, and the selectivity counter counts every replay."""
+    from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    B, Hq, Hkv, D, C, N, probes, sink, window = 1, 32, 8, 128, 512, 40000, 40, 1, 1000
+    torch.manual_seed(3)
+    index = (mlp_index(Hkv, Hq, D, C, 256) if mlp else random_index(Hkv, Hq, D, C)).to("cuda")
+    q = torch.randn(B, Hq, 1, D, device="cuda").bfloat16()
+    k = torch.randn(B, Hkv, N, D, device="cuda").bfloat16()
+    v = torch.randn(B, Hkv, N, D, device="cuda").bfloat16()
+    prompt = N - 3000
+    state = build_clusters(index, 1, k, prompt, sink, window)
+    scorer = kernel_scorer(index, 1)
+    ws = saap_workspace(24, q, v, Hkv, C, scorer.hidden)
+    valid = torch.tensor([prompt], dtype=torch.int32, device="cuda")
+    out = torch.empty(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    stats = torch.zeros(2, dtype=torch.float64, device="cuda")
+
+    def call():
+        saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
+                           scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    stats.zero_()
+    for n in (prompt, prompt + 1, N - 7):
+        valid.fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        scores = index.cluster_scores(1, q, torch.tensor([n - 1], device="cuda"), D ** -0.5).sum(dim=2)
+        keep = attended_keys(state, threshold_clusters(scores, probes), n, 1)
+        want, _ = saap_decode_states(q, k[:, :, :n], v[:, :, :n], keep, D ** -0.5)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    assert float(stats[1]) == 3.0 and 0.0 < float(stats[0]) / 3 < 0.5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(seed):
+    """The selection's compact list (the chosen non-empty clusters in order, their key prefix and perm shift) is
+    exactly ``threshold_clusters``' pick, with integer-valued (tie-heavy), negative and -inf scores."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, C = 2, 3, 37
+    scores = torch.randint(-3, 4, (B, Hkv, C), generator=g).float()
+    scores[0, 0, :5] = float("-inf")
+    sizes = torch.randint(0, 4, (B, Hkv, C), generator=g).int()
+    offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1).int()], dim=-1)
+    probes = [1, 5, 17, C][seed]
+    ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
+    saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE), torch.zeros(B, dtype=torch.int32,
+                device=DEVICE), ws, probes=probes, scale=1.0, n_keys=0, scores=scores.to(DEVICE))
+    picked = threshold_clusters(scores, probes) & (sizes > 0)
+    for b in range(B):
+        for h in range(Hkv):
+            row = b * Hkv + h
+            sz = sizes[b, h][picked[b, h]]
+            incl = sz.cumsum(0).int()
+            n = len(sz)
+            assert ws.incl[row, :n].cpu().tolist() == incl.tolist()
+            assert bool((ws.incl[row, n:].cpu() == 2 ** 31 - 1).all())
+            shift = offsets[b, h, :-1][picked[b, h]] - (incl - sz)
+            assert ws.shift[row, :n].cpu().tolist() == shift.tolist()
+            assert int(ws.total[row]) == int(sz.sum())
+
+
+def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monkeypatch):
+    """Past 2048 clusters the selection finds 2 threshold bits per round (1 past 8192): forced here on a small
+    table, with the attention's first-entry search read in chunks, the answer is the same."""
+    import attnopt.runtime.kernels.saap_select as sel
+
+    for bits in (1, 2):
+        monkeypatch.setattr(sel, "radix_bits", lambda block_c, bits=bits: bits)
+        test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(2)
+    run_case(1, 2, 1, 1200, 64, 1, 1100, 300, sink=1, window=20, prompt=1200, dtype=torch.float32, splits=3,
+             block_n=64)

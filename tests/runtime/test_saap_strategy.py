@@ -102,6 +102,61 @@ def test_kernel_path_in_the_interpreter_matches_the_reference_path(index_path, m
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path, monkeypatch):
+    """The run of a prepared plan: scoring, selection, attention and merge launches, the output's allocation, and
+    nothing else (before, scoring and statistics were some 40 small torch launches); the selectivity counter still
+    counts the call."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attnopt.runtime.kernels import triton_usable
+    from attnopt.runtime.kernels.launch import KernelLauncher
+
+    if not triton_usable("cpu"):
+        pytest.skip("the Triton interpreter is not on")
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
+    plan = SaapPlan(index=index_path, probes=3, sink=1, window=8, layer=1, num_splits=3, block_n=16)
+    registry.set_state(index_path, 1, build_clusters(registry.get_index(index_path), 1, k, 85, 1, 8))
+    state = SAAP.prepare(plan, q, k, v)
+    launches, ops = [], []
+    original = KernelLauncher.__call__
+
+    def counting(self, grid, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        with _Paused(recorder):
+            return original(self, grid, *args, **kwargs)
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(KernelLauncher, "__call__", counting)
+    recorder = Recorder()
+    with recorder:
+        SAAP.run(state, plan, q, k, v, None, None, 0.125, False)
+    assert launches == ["_saap_rows_kernel", "_saap_select_kernel", "_saap_kernel", "_merge_states_kernel"], launches
+    assert [op for op in ops if ".view." not in op] == ["aten.empty.memory_format"], ops  # views launch nothing
+    assert registry.measured_selectivity(plan.runtime_key())[1] == 1
+
+
+class _Paused:
+    """Leave a dispatch mode for the duration (the interpreter's own tensor work inside a launch is not the op's)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import _pop_mode_temporarily
+
+        self._ctx = _pop_mode_temporarily()
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
 def test_run_without_clusters_says_how_to_build_them(index_path):
     plan = SaapPlan(index=index_path, probes=2, sink=1, window=8, layer=2)
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)

@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnopt.runtime.kernels import interpreting
+from attnopt.runtime.kernels.valid_len import key_range_from_mask as range_kernel
 from attnopt.runtime.kernels.valid_len import key_start_from_mask as start_kernel
 from attnopt.runtime.kernels.valid_len import valid_len_from_mask as kernel
+from attnopt.runtime.reference import key_range_from_mask as range_reference
 from attnopt.runtime.reference import key_start_from_mask as start_reference
 from attnopt.runtime.reference import valid_len_from_mask as reference
 
@@ -56,6 +58,9 @@ def test_kernel_matches_reference_for_broadcast_shapes(device, data):
     assert got.dtype == torch.int32 and got.shape == (batch,)
     assert torch.equal(got.cpu(), reference(m, batch).cpu())
     assert torch.equal(start_kernel(m, batch).cpu(), start_reference(m, batch).cpu())  # the key start (FIRST)
+    rng = range_kernel(m, batch)  # both ends in one scan (RANGE)
+    assert rng.dtype == torch.int32 and rng.shape == (2, batch)
+    assert torch.equal(rng.cpu(), range_reference(m, batch).cpu())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -70,7 +75,9 @@ def test_kernel_reads_strided_and_expanded_masks(device):
     for m in (base, expanded, sliced, base[..., :600]):
         assert torch.equal(kernel(m, 2).cpu(), reference(m, 2).cpu())
         assert torch.equal(start_kernel(m, 2).cpu(), start_reference(m, 2).cpu())
+        assert torch.equal(range_kernel(m, 2).cpu(), range_reference(m, 2).cpu())
     assert kernel(base, 2).tolist() == [513, 41] and start_kernel(base, 2).tolist() == [0, 40]
+    assert range_kernel(base, 2).tolist() == [[0, 40], [513, 41]]
 
 
 def test_kernel_refuses_what_it_cannot_read():
@@ -83,13 +90,19 @@ def test_kernel_refuses_what_it_cannot_read():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
-def test_long_masks_fold_column_chunks_with_atomics(device, dtype):
-    """Rows longer than ATOMIC_CHUNK_N: programs over column chunks fold their last (and first) visible key with
-    atomics; rows visible only in one chunk, in the last partial chunk, everywhere, or nowhere."""
+@pytest.mark.parametrize("fold", ["arrive", "atomic"])
+def test_long_masks_fold_column_chunks_with_atomics(device, dtype, fold, monkeypatch):
+    """Rows longer than ATOMIC_CHUNK_N: programs over column chunks, folded by the last program to arrive at each
+    batch row (one launch; the arrival counters are zero again after it) or, without counters (first use inside a
+    graph capture), with atomics into a filled output; rows visible only in one chunk, in the last partial chunk,
+    everywhere, or nowhere."""
+    from attnopt.runtime.kernels import valid_len
     from attnopt.runtime.kernels.valid_len import ATOMIC_CHUNK_N, key_start_from_mask
     from attnopt.runtime.reference import key_start_from_mask as key_start_reference
 
     device = _dev(device)
+    if fold == "atomic":
+        monkeypatch.setattr(valid_len, "arrival_counters", lambda device, batch: None)
     n = 2 * ATOMIC_CHUNK_N + 777
     visible = torch.zeros(4, 2, 1, n, dtype=torch.bool)
     visible[0, 1, 0, ATOMIC_CHUNK_N + 5: ATOMIC_CHUNK_N + 9] = True  # inside the middle chunk, one head only
@@ -101,5 +114,39 @@ def test_long_masks_fold_column_chunks_with_atomics(device, dtype):
     m = m.to(device)
     assert kernel(m, 4).tolist() == reference(m, 4).tolist() == [ATOMIC_CHUNK_N + 9, n - 2, n, 0]
     assert key_start_from_mask(m, 4).tolist() == key_start_reference(m, 4).tolist() == [ATOMIC_CHUNK_N + 5, 2, 0, 0]
+    # both ends in one scan: the start of a row without a visible key is the empty range's 2**31 - 1
+    assert range_kernel(m, 4).tolist() == range_reference(m, 4).tolist() == [
+        [ATOMIC_CHUNK_N + 5, 2, 0, 2**31 - 1], [ATOMIC_CHUNK_N + 9, n - 2, n, 0]]
+    assert range_kernel(m[:1], 3).tolist() == [[ATOMIC_CHUNK_N + 5] * 3, [ATOMIC_CHUNK_N + 9] * 3]
+    if fold == "arrive":
+        assert not valid_len.arrival_counters(m.device, 4).any()  # every launch leaves them zero
     broadcast = m[:1]  # one mask row for every batch row
     assert kernel(broadcast, 3).tolist() == [ATOMIC_CHUNK_N + 9] * 3
+
+
+@pytest.mark.cuda
+def test_long_mask_scan_replays_in_a_cuda_graph():
+    """The one-launch scan of a long mask (the last program to arrive folds the chunks) captured in a CUDA graph:
+    each replay, after the mask's band moves in place, gives the reference's key range, and leaves the arrival
+    counters zero."""
+    from attnopt.runtime.kernels import valid_len
+
+    B, N, W = 3, 5 * 8192 + 123, 1000
+    mask = torch.zeros(B, 1, 1, N, dtype=torch.bool, device="cuda")
+
+    def place(ends):
+        mask.zero_()
+        for b, end in enumerate(ends):
+            mask[b, ..., max(0, end - W):end] = True
+
+    place([N, 9000, 0])
+    range_kernel(mask, B)  # counters made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = range_kernel(mask, B)
+    for ends in ([N, 9000, 0], [500, 8192 * 2 + 1, N - 7], [0, 0, 0], [N, N, N]):
+        place(ends)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), range_reference(mask, B).cpu()), ends
+        assert not valid_len.arrival_counters(mask.device, B).any()

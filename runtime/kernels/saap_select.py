@@ -1,0 +1,399 @@
+"""SAAP scoring and top-l selection on the device, in two or three small launches before the attention launch.
+
+1. ``_saap_rows_kernel`` (one launch with centroid scoring, two with the query MLP): per (batch row x KV head,
+   chunk of outputs), the group's G x L query rows times a chunk of a weight matrix, to fp32 accuracy. From
+   the rotated queries it first removes RoPE itself (the positions come from the valid length on the device). Its
+   epilogue is either the MLP's hidden layer (bias, eval BatchNorm, ReLU) or the cluster logits, stored with each
+   chunk's row maximum and sum of exponentials so that the selection can normalise every row's softmax.
+2. ``_saap_select_kernel``, one program per (batch row, KV head): the group-summed cluster distribution
+   (``sum over rows of exp(logit - lse_row)``, the reference's ``softmax(...).sum``), the threshold of the
+   top ``probes`` scores by a radix select on the scores' bits (8 rounds of 4 bits up to 2048 clusters; no sort),
+   and the work list the attention launch reads: the chosen non-empty clusters in cluster order, compacted, with
+   their inclusive key prefix (padding: INT32_MAX) and ``perm`` shift, plus the number of keys they hold. It also
+   adds the call's selectivity to a device-side accumulator.
+
+Ties at the l-th score select every tied cluster: the set is ``scores >= the probes-th largest score``
+(:func:`runtime.saap.decode.threshold_clusters` is the same rule in PyTorch), a superset of ``torch.topk``'s pick.
+The scores match the PyTorch ``SaapIndex.cluster_scores`` to fp32 rounding (the de-roping's cosines go through a
+float64 range reduction, so they stay accurate at positions of 500k); the sparse set is then exactly the one the
+rule picks from the scores the kernel wrote.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
+    gdc_launch_dependents = gdc_wait = None
+
+from . import interpreting
+from .common import cdiv, next_pow2
+from .launch import KernelLauncher
+
+#: Outputs per scoring program: the hidden layer's units, the clusters' logits (from D- or H-long rows).
+BLOCK_HIDDEN = 64
+BLOCK_LOGITS_Q = 64
+BLOCK_LOGITS_H = 32
+#: Inner-dim chunk of the hidden-to-logits product.
+BLOCK_K_HIDDEN = 128
+
+
+class SaapScorer(NamedTuple):
+    """One layer's scoring weights on the device (fp32, contiguous).
+
+    centroids : (Hkv, C, D). inv_freq : (D / 2,) RoPE inverse frequencies, or None for an index over rotated keys.
+    mlp : None (centroid scoring, logits ``scale * q . c``) or (w1 (Hkv, H, D), b1 (Hkv, H), bn (4, Hkv, H): the
+    stacked BatchNorm mean, var, weight and bias, w2 (Hkv, C, H), b2 (Hkv, C)). bn_eps : the BatchNorm epsilon.
+    """
+
+    centroids: torch.Tensor
+    inv_freq: torch.Tensor | None
+    mlp: tuple[torch.Tensor, ...] | None
+    bn_eps: float = 1e-5
+
+    @property
+    def clusters(self) -> int:
+        return self.centroids.shape[1]
+
+    @property
+    def hidden(self) -> int:
+        return 0 if self.mlp is None else self.mlp[0].shape[1]
+
+
+@triton.jit
+def _query_rows(q_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_d, stride_qb, stride_qh, stride_ql, stride_qd,
+                L, G, D, DEROPE: tl.constexpr):
+    """The group's G x L query rows (BLOCK_R, BLOCK_D) fp32, packed r = g * L + i, with RoPE removed at each token's
+    position ``kv_len - L + i`` when DEROPE (``x cos + sign * x[partner] sin``, partner d +- D/2)."""
+    g = offs_r // L
+    i = offs_r % L
+    row_ok = offs_r < G * L
+    d_ok = offs_d < D
+    base = (q_ptr + b.to(tl.int64) * stride_qb + (kvh * G + g).to(tl.int64)[:, None] * stride_qh
+            + i.to(tl.int64)[:, None] * stride_ql)
+    ok = row_ok[:, None] & d_ok[None, :]
+    x = tl.load(base + offs_d.to(tl.int64)[None, :] * stride_qd, mask=ok, other=0.0).to(tl.float32)
+    if DEROPE:
+        half = D // 2
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        xp = tl.load(base + partner.to(tl.int64)[None, :] * stride_qd, mask=ok, other=0.0).to(tl.float32)
+        inv_freq = tl.load(inv_freq_ptr + tl.where(offs_d < half, offs_d, offs_d - half), mask=d_ok, other=0.0)
+        pos = (kv_len - L + i).to(tl.float32)
+        angle = pos[:, None] * inv_freq[None, :]  # rounded as the reference rounds it, in fp32
+        # range reduction in fp64: the fp32 cosine of an angle of 5e5 radians is accurate only after it
+        turns = (angle.to(tl.float64) * 0.15915494309189535).to(tl.int64).to(tl.float64)
+        reduced = (angle.to(tl.float64) - turns * 6.283185307179586).to(tl.float32)
+        sign = tl.where(offs_d < half, 1.0, -1.0)
+        x = x * tl.cos(reduced) + sign[None, :] * xp * tl.sin(reduced)
+    return x
+
+
+@triton.jit
+def _saap_rows_kernel(
+    x_ptr,  # SRC_Q: Q (B, Hq, L, D) rotated queries, any strides; else hidden rows (B, Hkv, M, K) fp32 contiguous
+    inv_freq_ptr,  # (D / 2,) fp32 RoPE inverse frequencies (read when DEROPE)
+    valid_ptr,  # (B,) int valid lengths (read when HAS_VALID): the queries sit at the last L positions
+    w_ptr,  # (Hkv, NOUT, K) fp32 contiguous weights: centroids, w1 or w2
+    bias_ptr,  # (Hkv, NOUT) fp32: b1 (HIDDEN) or b2 (HAS_BIAS)
+    bn_ptr,  # HIDDEN: (4, Hkv, NOUT) fp32 BatchNorm mean, var, weight, bias
+    out_ptr,  # (B, Hkv, M, NOUT) fp32 contiguous: hidden units or logits
+    stat_ptr,  # logits: (B, Hkv, M, NCHUNK, 2) fp32 contiguous chunk row max and sum of exp(logit - max)
+    stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides (SRC_Q)
+    scale,  # logits multiplier (the attention scale for centroid scoring, 1 for the MLP)
+    eps,  # BatchNorm epsilon (HIDDEN)
+    N,  # keys in the cache (the length without a valid length)
+    L,  # query tokens
+    G,  # query heads per KV head
+    HKV,  # KV heads
+    K,  # inner dim: D (SRC_Q) or H
+    NOUT,  # outputs per row: H (HIDDEN) or C
+    NCHUNK,  # output chunks per row (the grid's second axis)
+    D: tl.constexpr,  # head dim (SRC_Q)
+    BLOCK_R: tl.constexpr,  # padded rows (>= G * L, >= 16)
+    BLOCK_O: tl.constexpr,  # outputs per program
+    BLOCK_K: tl.constexpr,  # inner-dim chunk (SRC_Q: >= D, one chunk)
+    SRC_Q: tl.constexpr,  # rows are the queries (else the hidden rows)
+    DEROPE: tl.constexpr,  # remove RoPE from the queries first
+    HIDDEN: tl.constexpr,  # epilogue: bias, BatchNorm, ReLU (else logits with chunk statistics)
+    HAS_BIAS: tl.constexpr,  # logits get bias_ptr added
+    HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
+    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the grid before it first
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let the next launch (a programmatic dependent) become resident now
+):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
+    if WAIT_PRIOR:
+        gdc_wait()
+    bh = tl.program_id(0)  # b * HKV + kvh
+    chunk = tl.program_id(1)
+    b = bh // HKV
+    kvh = bh % HKV
+    M = G * L
+    kv_len = N
+    if HAS_VALID:
+        kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_o = chunk * BLOCK_O + tl.arange(0, BLOCK_O)
+    offs_k = tl.arange(0, BLOCK_K)
+    o_ok = offs_o < NOUT
+    w_base = w_ptr + kvh.to(tl.int64) * NOUT * K + offs_o.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_R, BLOCK_O], dtype=tl.float32)
+    if SRC_Q:
+        x = _query_rows(x_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_k, stride_qb, stride_qh, stride_ql,
+                        stride_qd, L, G, D, DEROPE)
+        w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    else:
+        x_base = x_ptr + bh.to(tl.int64) * M * K + offs_r.to(tl.int64)[:, None] * K
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            x = tl.load(x_base + kk[None, :], mask=(offs_r[:, None] < M) & (kk[None, :] < K), other=0.0)
+            w = tl.load(w_base + kk[None, :], mask=o_ok[:, None] & (kk[None, :] < K), other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    vec = kvh.to(tl.int64) * NOUT + offs_o
+    out_ptrs = out_ptr + bh.to(tl.int64) * M * NOUT + offs_r.to(tl.int64)[:, None] * NOUT + offs_o[None, :]
+    ok = (offs_r[:, None] < M) & o_ok[None, :]
+    if HIDDEN:  # the reference's order: (h + b1 - mean) * rsqrt(var + eps), then * weight + bias, then ReLU
+        plane = HKV * NOUT
+        h = acc + tl.load(bias_ptr + vec, mask=o_ok, other=0.0)[None, :]
+        h = (h - tl.load(bn_ptr + vec, mask=o_ok, other=0.0)[None, :]) * tl.rsqrt(
+            tl.load(bn_ptr + plane + vec, mask=o_ok, other=1.0) + eps)[None, :]
+        h = h * tl.load(bn_ptr + 2 * plane + vec, mask=o_ok, other=0.0)[None, :] + tl.load(
+            bn_ptr + 3 * plane + vec, mask=o_ok, other=0.0)[None, :]
+        tl.store(out_ptrs, tl.maximum(h, 0.0), mask=ok)
+    else:
+        logits = acc * scale
+        if HAS_BIAS:
+            logits = logits + tl.load(bias_ptr + vec, mask=o_ok, other=0.0)[None, :]
+        tl.store(out_ptrs, logits, mask=ok)
+        masked = tl.where(o_ok[None, :], logits, float("-inf"))
+        row_max = tl.max(masked, axis=1)
+        row_sum = tl.sum(tl.exp(masked - row_max[:, None]), axis=1)
+        stat = stat_ptr + ((bh.to(tl.int64) * M + offs_r) * NCHUNK + chunk) * 2
+        tl.store(stat, row_max, mask=offs_r < M)
+        tl.store(stat + 1, row_sum, mask=offs_r < M)
+
+
+@triton.jit
+def _saap_select_kernel(
+    score_ptr,  # FROM_LOGITS: logits (B, Hkv, M, C) fp32 contiguous; else scores (B, Hkv, C) fp32, any strides
+    stat_ptr,  # FROM_LOGITS: (B, Hkv, M, NCHUNK, 2) fp32 chunk statistics of the logits
+    offsets_ptr,  # (B, Hkv, C + 1) int32 CSR offsets into perm
+    end_ptr,  # (B,) int32 indexed_end (stats)
+    valid_ptr,  # (B,) int valid lengths (HAS_VALID)
+    incl_ptr,  # out (B * Hkv, BLOCK_C) int32: inclusive key prefix of the chosen non-empty clusters, INT32_MAX after
+    shift_ptr,  # out (B * Hkv, BLOCK_C) int32: perm index minus virtual index of each of those clusters
+    total_ptr,  # out (B * Hkv,) int32: keys in the chosen clusters
+    stats_ptr,  # (2,) fp64 accumulators [sum of mean selectivity, calls] (HAS_STATS)
+    stride_sb, stride_sh, stride_sc,  # scores strides (not FROM_LOGITS)
+    stride_fb, stride_fh, stride_fc,  # offsets strides
+    N,  # keys in the cache
+    HKV,  # KV heads
+    M,  # query rows per KV head (G * L)
+    C,  # clusters
+    NCHUNK,  # logit chunks per row (FROM_LOGITS)
+    PROBES,  # clusters to pick (1 <= PROBES <= C)
+    SINK,  # always-attended leading keys (stats)
+    inv_heads,  # 1 / (B * Hkv): each program's share of the mean selectivity
+    BLOCK_C: tl.constexpr,  # padded C (power of two)
+    BLOCK_CH: tl.constexpr,  # padded NCHUNK
+    ROWS: tl.constexpr,  # FROM_LOGITS: query rows summed per step
+    RADIX_BITS: tl.constexpr,  # threshold bits found per round (1, 2 or 4: 2^bits x BLOCK_C compares at once)
+    FROM_LOGITS: tl.constexpr,  # scores are the group sum of the rows' softmax of the logits
+    HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
+    HAS_STATS: tl.constexpr,  # accumulate the selectivity
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the scoring grid first
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let the attention launch become resident now
+):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
+    bh = tl.program_id(0)
+    b = bh // HKV
+    kvh = bh % HKV
+    b64 = b.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    # the cluster sizes first: their loads overlap the scores' arithmetic
+    f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
+    c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    if WAIT_PRIOR:
+        gdc_wait()  # the offsets come from the prefill; the logits from the scoring launch, complete from here on
+    if FROM_LOGITS:
+        offs_ch = tl.arange(0, BLOCK_CH)
+        score = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for m0 in range(0, M, ROWS):  # ROWS rows at a time: their loads are in flight together
+            offs_m = m0 + tl.arange(0, ROWS)
+            m_ok = offs_m < M
+            row = bh.to(tl.int64) * M + offs_m
+            stat = stat_ptr + (row[:, None] * NCHUNK + offs_ch[None, :]) * 2
+            s_ok = m_ok[:, None] & (offs_ch[None, :] < NCHUNK)
+            cmax = tl.load(stat, mask=s_ok, other=float("-inf"))
+            csum = tl.load(stat + 1, mask=s_ok, other=0.0)
+            mx = tl.where(m_ok, tl.max(cmax, axis=1), 0.0)
+            lse = mx + tl.log(tl.where(m_ok, tl.sum(csum * tl.exp(cmax - mx[:, None]), axis=1), 1.0))
+            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                            other=float("-inf"))
+            score += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
+    else:
+        score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,
+                        mask=c_ok, other=0.0)
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
+    # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
+    # flipped), then the largest threshold with at least PROBES keys at or above it, RADIX_BITS per round. Padding is
+    # key 0, below every float but NaN: it never reaches the threshold, which is above -inf's key.
+    bits = score.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+    key = tl.where(c_ok, key, 0)
+    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)
+    thr = tl.zeros([1], dtype=tl.uint32)
+    for rnd in tl.static_range(32 // RADIX_BITS):
+        cand = thr + (digits << (32 - RADIX_BITS * (rnd + 1)))  # (2^RADIX_BITS,)
+        count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+        thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << (32 - RADIX_BITS * (rnd + 1)))
+    chosen = c_ok & (key >= thr)
+    size = c_end - c_start
+    picked = chosen & (size > 0)
+    size = tl.where(picked, size, 0)
+    incl = tl.cumsum(size, 0)
+    slot = tl.cumsum(picked.to(tl.int32), 0) - 1
+    n_picked = tl.sum(picked.to(tl.int32), axis=0)
+    total = tl.sum(size, axis=0)
+    out = bh.to(tl.int64) * BLOCK_C
+    tl.store(incl_ptr + out + slot, incl, mask=picked)
+    tl.store(shift_ptr + out + slot, c_start - (incl - size), mask=picked)
+    tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
+    tl.store(total_ptr + bh, total)
+    if HAS_STATS:
+        kv_len = N
+        if HAS_VALID:
+            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
+        attended = SINK + total + tl.maximum(kv_len - tl.load(end_ptr + b), 0)
+        share = attended.to(tl.float64) / tl.maximum(kv_len, 1).to(tl.float64) * inv_heads
+        tl.atomic_add(stats_ptr, share)
+        tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
+
+
+_ROWS_LAUNCH = KernelLauncher(_saap_rows_kernel)
+_SELECT_LAUNCH = KernelLauncher(_saap_select_kernel)
+
+
+def block_c_for(clusters: int) -> int:
+    """The padded cluster count of the selection tables (a power of two >= 16)."""
+    return max(16, next_pow2(clusters))
+
+
+def radix_bits(block_c: int) -> int:
+    """Threshold bits the selection finds per round: 2^bits x BLOCK_C compares at once, about 32K at most."""
+    return 4 if block_c <= 2048 else 2 if block_c <= 8192 else 1
+
+
+def block_rows_for(rows: int) -> int:
+    """Padded query rows of the scoring product (a power of two >= 16, for ``tl.dot``)."""
+    return max(16, next_pow2(rows))
+
+
+class SelectWorkspace(NamedTuple):
+    """Scoring and selection buffers of one (B, Hkv, G * L rows, C clusters, H hidden) shape."""
+
+    logits: torch.Tensor  # (B, Hkv, M, C) fp32
+    chunk_stats: torch.Tensor  # (B, Hkv, M, NCHUNK, 2) fp32
+    hidden: torch.Tensor | None  # (B, Hkv, M, H) fp32, or None for centroid scoring
+    incl: torch.Tensor  # (B * Hkv, BLOCK_C) int32
+    shift: torch.Tensor  # (B * Hkv, BLOCK_C) int32
+    total: torch.Tensor  # (B * Hkv,) int32
+
+
+def _logit_block(hidden: int) -> int:
+    return BLOCK_LOGITS_H if hidden else BLOCK_LOGITS_Q
+
+
+def select_workspace(batch: int, hkv: int, rows: int, clusters: int, hidden: int,
+                     device: torch.device | str) -> SelectWorkspace:
+    """Allocate a :class:`SelectWorkspace` (``hidden`` = 0 for centroid scoring)."""
+    nchunk = cdiv(clusters, _logit_block(hidden))
+    f32 = dict(device=device, dtype=torch.float32)
+    i32 = dict(device=device, dtype=torch.int32)
+    return SelectWorkspace(torch.empty((batch, hkv, rows, clusters), **f32),
+                           torch.empty((batch, hkv, rows, nchunk, 2), **f32),
+                           torch.empty((batch, hkv, rows, hidden), **f32) if hidden else None,
+                           torch.empty((batch * hkv, block_c_for(clusters)), **i32),
+                           torch.empty((batch * hkv, block_c_for(clusters)), **i32),
+                           torch.empty((batch * hkv,), **i32))
+
+
+def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: int, scale: float, n_keys: int,
+                sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
+                valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
+                pdl: bool = False) -> SelectWorkspace:
+    """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
+
+    Parameters
+    ----------
+    q : (B, Hq, L, D) rotated queries, any float dtype and strides. offsets : (B, Hkv, C + 1) int32 CSR offsets.
+    indexed_end : (B,) int32 first key of the recent window. scale : the centroid logits' multiplier.
+    n_keys : keys in the cache (N): the length when there is no valid length.
+    scorer : the layer's weights (logits computed here), or ``scores`` : (B, Hkv, C) fp32 given scores.
+    valid_len : (B,) int or None. stats : (2,) fp64 selectivity accumulator or None.
+    pdl : chain the launches by programmatic dependent launch (each next one becomes resident while the one before
+        runs, and waits for it before reading); the selection then lets the launch after it do the same. Only where
+        ``common.pdl_supported``.
+    """
+    B, Hq, L, D = q.shape
+    Hkv = offsets.shape[1]
+    C = offsets.shape[-1] - 1
+    G = Hq // Hkv
+    M = G * L
+    N = int(n_keys)
+    probes = max(1, min(int(probes), C))
+    has_valid = valid_len is not None
+    valid = valid_len if has_valid else indexed_end
+    ws = workspace
+    nchunk = ws.chunk_stats.shape[3]
+    if scores is None:
+        if scorer is None:
+            raise ValueError("saap_select needs a scorer or scores")
+        derope = scorer.inv_freq is not None
+        inv_freq = scorer.inv_freq if derope else scorer.centroids
+        # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and
+        # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
+        precision = "ieee" if interpreting() else "tf32x3"
+        common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, PRECISION=precision,
+                      LAUNCH_DEPENDENTS=pdl, num_warps=4)
+        dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
+        if scorer.mlp is None:
+            _ROWS_LAUNCH((B * Hkv, nchunk), q, inv_freq, valid, scorer.centroids, scorer.centroids,
+                         scorer.centroids, ws.logits, ws.chunk_stats, *q.stride(), float(scale), 0.0, N, L, G, Hkv,
+                         D, C, nchunk, BLOCK_O=BLOCK_LOGITS_Q, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True,
+                         DEROPE=derope, HIDDEN=False, HAS_BIAS=False, WAIT_PRIOR=False, **common)
+        else:
+            w1, b1, bn, w2, b2 = scorer.mlp
+            H = w1.shape[1]
+            _ROWS_LAUNCH((B * Hkv, cdiv(H, BLOCK_HIDDEN)), q, inv_freq, valid, w1, b1, bn, ws.hidden,
+                         ws.chunk_stats, *q.stride(), 1.0, float(scorer.bn_eps), N, L, G, Hkv, D, H, 1,
+                         BLOCK_O=BLOCK_HIDDEN, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope,
+                         HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, **common)
+            _ROWS_LAUNCH((B * Hkv, nchunk), ws.hidden, inv_freq, valid, w2, b2, bn, ws.logits, ws.chunk_stats,
+                         0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, BLOCK_O=BLOCK_LOGITS_H,
+                         BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False, HAS_BIAS=True, **common,
+                         **dependent)
+        score_src, sstrides = ws.logits, (0, 0, 0)
+    else:
+        score_src, sstrides = scores, scores.stride()
+    has_stats = stats is not None
+    chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
+    _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, ws.incl, ws.shift, ws.total,
+                   stats if has_stats else ws.chunk_stats, *sstrides, *offsets.stride(), N, Hkv, M, C, nchunk,
+                   probes, int(sink), 1.0 / (B * Hkv), BLOCK_C=ws.incl.shape[1], BLOCK_CH=max(2, next_pow2(nchunk)),
+                   ROWS=max(1, min(next_pow2(M), 8192 // ws.incl.shape[1])),
+                   RADIX_BITS=radix_bits(ws.incl.shape[1]),
+                   FROM_LOGITS=scores is None, HAS_VALID=has_valid, HAS_STATS=has_stats, WAIT_PRIOR=chained,
+                   LAUNCH_DEPENDENTS=pdl, num_warps=8, **({"launch_pdl": True} if chained else {}))
+    return ws

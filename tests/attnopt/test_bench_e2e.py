@@ -1,0 +1,88 @@
+"""``attnopt bench e2e`` on the CPU: runs taking turns (no timed section beside a compile), a context's methods
+starting together, and the host time of generate()'s decode calls on HF's path and attnopt's."""
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+import attnopt
+from attnopt.bench import e2e, turns
+
+
+def _holds(turn, started: threading.Event, release: threading.Event) -> threading.Thread:
+    def run():
+        with turn():
+            started.set()
+            release.wait(10)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_compiles_share_their_turn_and_a_timed_section_waits_for_them(tmp_path, monkeypatch):
+    monkeypatch.setenv(turns.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    first, second, timed = threading.Event(), threading.Event(), threading.Event()
+    release = threading.Event()
+    workers = [_holds(turns.compile_turn, first, release)]
+    assert first.wait(5)
+    workers.append(_holds(turns.compile_turn, second, release))
+    assert second.wait(5)  # two compiles at once
+    workers.append(_holds(turns.gpu_turn, timed, threading.Event()))
+    assert not timed.wait(0.3)  # the timed section waits while a compile runs
+    release.set()
+    assert timed.wait(5)
+    blocked = threading.Event()
+    workers.append(_holds(turns.compile_turn, blocked, threading.Event()))
+    assert not blocked.wait(0.3)  # and a compile waits while the timed section runs
+
+
+def test_parallel_runs_start_a_contexts_methods_together(monkeypatch):
+    running, seen, lock = set(), [], threading.Lock()
+
+    def isolated(args, context, method):
+        with lock:
+            running.add((context, method))
+            seen.append(frozenset(running))
+        time.sleep(0.05)
+        with lock:
+            running.discard((context, method))
+        return [{"method": method, "context": context}]
+
+    monkeypatch.setattr(e2e, "_isolated", isolated)
+    args = types.SimpleNamespace(parallel=2)
+    rows = e2e._run_parallel(args, [1, 2, 3], ["hf-compiled", "attnopt-ro"])
+    assert [(r["context"], r["method"]) for r in rows] == [(c, m) for c in (1, 2, 3)
+                                                           for m in ("hf-compiled", "attnopt-ro")]
+    assert all(len({c for c, _ in now}) == 1 and len(now) <= 2 for now in seen)  # one context at a time
+    assert any(len(now) == 2 for now in seen)  # its two methods side by side
+    assert {r["concurrent_compiles"] for r in rows} == {2}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("method", ["hf-eager", "attnopt-ro"])
+def test_generate_row_reports_the_host_time_of_each_decode_call(monkeypatch, method):
+    """One timed sample per decode forward of the eight timed generate() calls (the prefill is not one), and the
+    model is left as it was."""
+    monkeypatch.setitem(e2e.OPTIMIZE_OPTIONS, "attnopt-ro", {"mode": "reduce-overhead", "inner_backend": "eager"})
+    model, _ = e2e.build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=256)
+    args = types.SimpleNamespace(device="cpu", cache="static", generate_tokens=4)
+    row = e2e.generate_row(args, model, method, 24)
+    assert row["generate_forward_calls"] == 4 * ((8 - 1) + (12 - 1))
+    assert 0 < row["generate_forward_host_ms"] < 1e3 * row["generate_first_call_s"]
+    assert "__call__" not in vars(model)
+
+
+def test_decode_call_timer_needs_hfs_compiled_call_where_hf_compiles():
+    model, _ = e2e.build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=64)
+    with pytest.raises(RuntimeError, match="_compiled_call"):
+        turns.DecodeCallTimer(model, hf_compiles=True)
+    opt = attnopt.optimize(model, inner_backend="eager")
+    timer = turns.DecodeCallTimer(opt, hf_compiles=False)
+    assert "__call__" in vars(opt)
+    timer.remove()
+    assert "__call__" not in vars(opt) and timer.median_ms() is None
