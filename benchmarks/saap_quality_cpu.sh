@@ -24,6 +24,8 @@ python benchmarks/saap_quality_partition.py "$OUT/coll8k.safetensors" --queries 
 # The paper's partition: k-means over the de-roped keys, C = 128 (64 keys a cluster at 8k).
 python -m attnopt.cli saap train "$OUT/coll8k.safetensors" --out "$OUT/idx128d.safetensors" --clusters 128 \
     --hidden 128 --steps 150 --batch 128 --max-queries 512 --threads 1
+# (the committed results/saap-quality-smollm2-cpu.json is the lighter run in its "command" field: --sequences 1
+#  --passkey-trials 1 and no 0.08 target; this full one did not finish in the session's CPU time)
 python -m attnopt.cli saap eval --index "$OUT/idx128d.safetensors" --context 8192 --sequences 3 --tail 128 \
     --targets 0.02,0.05,0.08,0.1,0.2 --methods mlp,centroids,oracle,topk,window \
     --passkey-lengths 2048,4096,8192 --passkey-trials 2 --threads 2 \
