@@ -317,6 +317,8 @@ class GpuTimer:
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+        from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*: the input sets no longer do)
+
         with unset_fake_temporarily(), torch.no_grad():
             sets = self._input_sets(site)
             b = int(site.batch)
