@@ -46,6 +46,7 @@ import torch.fx as fx
 from attnopt.site import AttentionSite
 
 from .context import PassContext
+from .patterns.band import band_window
 from .patterns import (AttentionMatch, classify_mask, find_matches, logical_shape, mask_form, meta_dtype, meta_shape,
                        meta_val, module_path)
 
@@ -88,10 +89,10 @@ def _mask_kind(m: AttentionMatch, q_len: Any) -> str:
     return classify_mask(m.attn_mask, q_len, invert=m.mask_invert)
 
 
-def sliding_window_of(m: AttentionMatch, path: str, config) -> int | None:
+def sliding_window_of(m: AttentionMatch, path: str, config, batch: Any = None) -> int | None:
     """The window of a site with a mask, or None: its module's (``config.sliding_windows``, filled by
     ``attnopt.optimize`` from the model), or one its mask provably is (``key > query - w`` AND-ed with
-    ``key <= query``)."""
+    ``key <= query``, or any other spelling of that band that ``patterns.band`` proves)."""
     if m.attn_mask is None:
         return None
     window = dict(config.sliding_windows).get(path) if path else None
@@ -99,6 +100,8 @@ def sliding_window_of(m: AttentionMatch, path: str, config) -> int | None:
         form = mask_form(m.attn_mask, m.mask_invert)
         if form is not None and form.upper and form.window is not None:
             window = form.window
+        elif not m.mask_invert:  # spellings _window_of does not read (kv >= qp + (1 - w), qp - kv < w)
+            window = band_window(m.attn_mask, batch)
     return window
 
 
@@ -158,7 +161,7 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
         elif m.attn_mask is not None and isinstance(m.attn_mask, fx.Node):
             reason = _check_mask(m, qs, ks)
     if reason is None:
-        fields["window"] = sliding_window_of(m, fields["module_path"], config)
+        fields["window"] = sliding_window_of(m, fields["module_path"], config, qs[0])
         fields["softcap"] = m.softcap
         fields["alibi"] = m.alibi_slopes is not None
     if m.shared_prefix is not None:
