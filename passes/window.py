@@ -106,8 +106,12 @@ def _emit(graph: fx.Graph, band: Band, batch: Any, new: list) -> tuple[fx.Node, 
     n = meta_shape(band.nodes[0])[-1]
     if not isinstance(n, int):
         arange = next(x for x in band.nodes if _bare_name(x) == "arange")
-        n = graph.call_function(torch.ops.aten.sym_size.int, (arange, 0))
-        new.append(n)
+        end = arange.kwargs.get("end", arange.args[0] if len(arange.args) == 1 else arange.args[1])
+        if isinstance(end, fx.Node):  # the symbolic size the arange was made from: the arange itself can die
+            n = end
+        else:
+            n = graph.call_function(torch.ops.aten.sym_size.int, (arange, 0))
+            new.append(n)
     start = _per_batch_row(graph, band.lower, n, batch, "amin", band.per_row, new)
     end = _per_batch_row(graph, band.upper, n, batch, "amax", band.per_row, new)
     return start, end

@@ -160,3 +160,25 @@ def test_band_across_graph_levels(build):
     assert list(r.ctx.window_ranges.values()) == ["band"] and not op_nodes(r.gm, SCAN), r.gm.code
     assert _decode(r).args[3] is None
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
+
+
+def test_band_under_dynamic_shapes():
+    """A symbolic key count (the cache length marked dynamic): the band's end is clamped at the ``arange``'s
+    symbolic length, no scan, no mask, and the one graph serves two cache lengths exactly."""
+    from passgraphs import _runner
+
+    torch._dynamo.reset()
+    f = _windowed("le_gt", 8, True)
+    ctxs, gms = [], []
+    run = _runner(SPLIT, ctxs, gms)
+    compiled = torch.compile(f, backend=lambda gm, inputs: run(gm, inputs).forward, fullgraph=True)
+    for n, pos in ((40, [[39], [12]]), (57, [[60], [3]])):
+        q, k, v = qkv(B=2, Hq=4, Hkv=2, L=1, N=n, D=64)
+        torch._dynamo.mark_dynamic(k, 2)
+        torch._dynamo.mark_dynamic(v, 2)
+        pos = torch.tensor(pos)
+        torch.testing.assert_close(compiled(q, k, v, pos), f(q, k, v, pos), **TOL)
+    assert len(gms) == 1 and list(ctxs[0].window_ranges.values()) == ["band"], [c.window_ranges for c in ctxs]
+    (decode,) = op_nodes(gms[0], DECODE)
+    assert decode.args[3] is None and not op_nodes(gms[0], SCAN), gms[0].code
+    assert not [n for n in gms[0].graph.nodes if "arange" in str(n.target)], gms[0].code  # the size, not the arange
