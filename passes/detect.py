@@ -25,10 +25,11 @@ cost model and wiring ``valid_len``), from ``patterns.mask_form``, which proves 
 Sliding windows (``site.window``): a site with a mask is one when its module is in ``config.sliding_windows``
 (``attnopt.optimize`` fills it from the model's attention modules), or when its mask provably is a window: an AND
 of ``key <= query`` and ``key > query - w`` (HF's ``sliding_window_overlay``; ``w`` is read off the subtraction).
-Nothing about the window's exactness rests on that: the kernels start at ``key_start_from_mask`` (the first key
-any query row may see, computed from the mask on the device each step) and still apply the mask, so any mask,
-window or not, gives the original's result; the window only says that the start is worth finding (and what the
-cost model prices: the band's keys). Without a model object (``torch.compile(model, backend="attnopt")``) only
+Other spellings of the band (``kv >= qp + (1 - w)``, ``qp - kv < w``) are read by ``patterns.band``. Nothing about
+the window's exactness rests on the window number: ``lower`` either proves the band from the mask's graph
+(``passes/window.py``) or scans the mask for the first key any query row may see (``key_range_from_mask``, on the
+device each step) and still applies it, so any mask, window or not, gives the original's result; the window only
+says that the start is worth finding (and what the cost model prices: the band's keys). Without a model object (``torch.compile(model, backend="attnopt")``) only
 the graph can tell: a mask that is a graph input (``generate()`` over a StaticCache) is not recognised as a
 window and is read whole. A site without a mask (HF's sdpa path drops it while the window exceeds the keys)
 attends to every key, as the original does.

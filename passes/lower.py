@@ -9,8 +9,10 @@ For each match whose ``SiteReport.chosen`` is set, whose site is supported and n
 with the un-expanded K/V, ``valid_len = attnopt.valid_len_from_mask(mask, B)`` for valid-length and arbitrary
 masks under a non-dense plan, and ``out = attnopt.check_close(out, original, ...)`` under ``config.verify``.
 Variants: a softcapped site passes ``softcap=c``; a sliding-window site with a mask under a plan that reads
-windows takes its ``key_start`` and ``valid_len`` from one ``attnopt.key_range_from_mask(mask, B)`` (the first key
-any query row may see and one past the last: exact for any mask, so the kernels read only the band's keys).
+windows takes its ``key_start`` and ``valid_len`` from its band when the mask's graph proves one (``window.py``: two
+tiny ops on the query positions; a pure band then passes no mask at all, a band AND padding passes the padding),
+else from one ``attnopt.key_range_from_mask(mask, B)`` (the first key any query row may see and one past the last:
+exact for any mask, so the kernels read only the band's keys); ``ctx.window_ranges`` says which and why.
 The nodes that only fed the original attention (``repeat_kv`` copies, the eager chain) are then removed.
 """
 from __future__ import annotations
