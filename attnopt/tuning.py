@@ -84,6 +84,11 @@ TIE = 0.03
 #: cases and the issue's 4k of 32k. A kernel plan reads only the valid keys, so it is timed over that many keys; a
 #: dense plan reads the whole cache at any fill and keeps its full time.
 STATIC_LOW_FILL = 1 / 8
+#: A static cache's dense (whole-cache) winner is also judged at ``STATIC_LOW_FILL`` against the fastest plan that
+#: reads only the valid keys when that plan is within this fraction of it full: the fill is unknown when the graph
+#: compiles, and at a low fill the dense plan keeps its full time while the other shrinks (H100, f9e648f: timed full
+#: only, cuDNN won 4k of a 32k cache at 1.0x SDPA over the whole cache, where the split-KV plan runs about 8x).
+STATIC_DENSE_TIE = 0.25
 #: At most this many near-tied candidates are timed again.
 TIE_MAX = 3
 
@@ -305,7 +310,9 @@ class Tuner:
         static = span is None and not bucketed and _static_cache(site)
         if static:
             span = (min(site.kv_len, max(64, int(round(site.kv_len * STATIC_LOW_FILL / 64)) * 64)),)
-        if best is not None and span is not None and not eager and time.perf_counter() < end:
+        # a static cache's dense winner is judged at a low fill even past the budget: one timing of a compiled plan
+        dense_static = static and best is not None and not uses_valid_len(by_key[best], site)
+        if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static):
             best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
@@ -335,6 +342,10 @@ class Tuner:
         full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
         pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
         pair = pair[:TIE_MAX]
+        if static and not uses_valid_len(by_key[best], site):
+            reader = next((k for k in sorted(measured, key=measured.get) if uses_valid_len(by_key[k], site)), None)
+            if reader is not None and reader not in pair and measured[reader] <= (1 + STATIC_DENSE_TIE) * measured[best]:
+                pair.append(reader)
         if len(pair) < 2:
             return best, {}
         worst = {k: measured[k] / measured[best] for k in pair}

@@ -314,6 +314,30 @@ def test_a_dense_plan_keeps_its_full_time_at_a_low_fill(cache):
     assert not tuning._static_cache(window) and tuning._static_cache(site)
 
 
+@pytest.mark.parametrize("dense_full, kernel_wins", [(10.0, True), (7.0, False)])
+def test_a_dense_static_winner_is_judged_at_a_low_fill(cache, dense_full, kernel_wins):
+    """cuDNN 15 % ahead of the best kernel plan over a full static cache is not a near tie, yet at an eighth of the
+    keys it keeps its full time while the kernel plan shrinks: within ``STATIC_DENSE_TIE`` the kernel plan is timed
+    at the low fill and wins on the worst ratio (the H100's 4k-of-32k check fell to 1.0x without this). Far
+    ahead (over the margin), cuDNN stays, and nothing is timed again."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    kernel = ranked[0].runtime_key()
+
+    def rule(p, s):
+        if getattr(p, "backend", "") == "cudnn":
+            return dense_full
+        return (11.5 if s.kv_len == 8256 else 2.0) if p.runtime_key() == kernel else 30.0
+    timer = Clocked(rule)
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30)
+    low = [(k, n) for k, n in timer.calls if n != 8256]
+    if kernel_wins:
+        assert choice.plan.runtime_key() == kernel and low == [(kernel, 1024)]
+    else:
+        assert choice.plan.kind == "dense" and low == []
+    assert tuning.STATIC_DENSE_TIE == 0.25
+
+
 def test_at_most_tie_max_near_ties_are_timed_again(cache):
     """Every candidate equal full: the first three in timing order are the contenders (ties keep that order); of
     them the kernel plans are timed at the low fill (cuDNN keeps its full time), no others."""

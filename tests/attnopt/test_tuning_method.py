@@ -88,8 +88,10 @@ def test_candidates_far_behind_after_the_first_round_are_not_timed_again(cache):
     choice = Tuner(timer, cache, env=ENV, rounds=3).choose(site, ranked)
     counts = {k: timer.calls.count(k) for k in set(timer.calls)}
     slow = [k for k in counts if '"dense"' not in k and k != best_kernel]
-    assert slow and all(counts[k] == 1 for k in slow) and counts[best_kernel] == 3
-    assert all(n == 3 for k, n in counts.items() if k not in slow)
+    # the best kernel plan: three rounds, then once at the low fill (a dense winner of a static cache is judged
+    # there against it: STATIC_DENSE_TIE); the scripted times do not shrink with the fill, so cuDNN stays
+    assert slow and all(counts[k] == 1 for k in slow) and counts[best_kernel] == 4
+    assert all(n == 3 for k, n in counts.items() if k not in slow and k != best_kernel)
     assert choice.plan.backend == "cudnn" and choice.measured_us == 10.0
     assert tuning.PRUNE == 0.15
 
