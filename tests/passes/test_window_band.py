@@ -182,3 +182,26 @@ def test_band_under_dynamic_shapes():
     (decode,) = op_nodes(gms[0], DECODE)
     assert decode.args[3] is None and not op_nodes(gms[0], SCAN), gms[0].code
     assert not [n for n in gms[0].graph.nodes if "arange" in str(n.target)], gms[0].code  # the size, not the arange
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_band_on_the_gpu(inner):
+    """On a GPU, through ``attnopt.optimize`` (the Triton split-KV kernels, bf16): batch rows at their own positions
+    (one near the start, one past the window, one at the last key), a pure band, equal to SDPA with the mask in
+    float64, and again after the positions move (the range is computed on the device each call)."""
+    import attnopt
+
+    f = _windowed("le_gt", 1024, True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(3, 8, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(3, 8, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    opts = {"inner_backend": "eager"} if inner == "eager" else {}
+    ours = attnopt.optimize(f, force_plan="split_kv", **opts)
+    for pos in ([[5], [3000], [8191]], [[6], [3001], [4000]]):
+        pos = torch.tensor(pos, device="cuda")
+        want = f(q.double(), k.double(), v.double(), pos)
+        torch.testing.assert_close(ours(q, k, v, pos).double(), want, atol=2e-2, rtol=2e-2)
+    sites = [s for s in attnopt.last_plans(ours).sites if s.rewritten]
+    assert len(sites) == 1 and sites[0].site.window == 1024, attnopt.last_plans(ours).format_table()
