@@ -13,8 +13,8 @@ the benchmark rank plans alike:
 * where the graph will not replay as CUDA graphs (``mode`` other than ``reduce-overhead``), a call also costs
   its host time (``host_us``: the op issued back to back, prepare done in the warm-up), so the tuner takes the
   longer of the two: at small shapes the host's launch cost, not the kernel, sets the pace;
-* the valid length a kernel plan reads is computed from the mask once per input set, outside the timed region:
-  the lowered graph computes it once per step for every site that reads that mask
+* the valid length a kernel plan reads is set once per input set (as the mask reduction computes it), outside the
+  timed region: the lowered graph computes it once per step for every site that reads that mask
   (``passes.lower._shared_valid_len``), so ``valid_len_us`` times it apart and the tuner charges each site its
   share. At a sliding window that computation is ``key_range_from_mask`` (the window's start too), and the input
   sets' mask is a band of ``window`` keys, so that a window plan is timed reading only its band, as it runs.
@@ -23,6 +23,7 @@ Nothing here runs at import time; torch and the runtime are imported by the call
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -48,6 +49,13 @@ TUNING_SITE = "attnopt-tuning"
 #: CUDA-graph timing: about this many ms of calls per graph, the median over this many replays.
 TARGET_MS = 2.0
 REPLAYS = 5
+#: Threads that make a shape's candidates' first calls at once before any is timed (``GpuTimer.warm_up``). A cold
+#: Triton compile takes about a second per configuration on the H100 machine's host, mostly in MLIR/LLVM passes and
+#: ptxas, which do not hold the GIL (a separate process).
+WARM_WORKERS = 16
+#: Overrides ``WARM_WORKERS`` (read at each warm-up): ``1`` compiles the candidates one after another, still before
+#: timing; ``0`` skips the warm-up (each candidate compiles when it is first timed, as before it existed).
+WARM_WORKERS_ENV = "ATTNOPT_TUNE_WARM_WORKERS"
 
 
 def uses_valid_len(plan: Plan, site: AttentionSite) -> bool:
@@ -56,11 +64,13 @@ def uses_valid_len(plan: Plan, site: AttentionSite) -> bool:
     return site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring")
 
 
-def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> dict[str, Any]:
+def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda", reduce: bool = True) -> dict[str, Any]:
     """One input set of ``site``'s shape: q (B, Hq, L, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv) in its dtype; for a
     valid-length or arbitrary mask a bool mask (B, 1, L, N) keeping the first ``STATIC_FILL * N`` keys and the
     (B,) int32 ``valid_len`` that ``attnopt::valid_len_from_mask`` makes of it (computed here, once). A sliding
-    window's mask keeps only the last ``window`` of those keys, with its ``key_start`` (also computed once)."""
+    window's mask keeps only the last ``window`` of those keys, with its ``key_start`` (also computed once).
+    ``reduce=False``: the same two written down, not computed (equal, and no kernel launched: the timer's sets,
+    whose mask reduction would otherwise compile anew for each length timed)."""
     import torch
 
     dtype = getattr(torch, site.dtype)
@@ -72,14 +82,19 @@ def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda") -> d
                           generator=g),
          "mask": None, "valid_len": None}
     if site.mask_kind in ("valid_length", "arbitrary"):
-        from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
-
         keep = max(1, int(n * STATIC_FILL))
         cols = torch.arange(n, device=device)
         band = cols < keep
         if site.window is not None:  # a sliding window's band: the last ``window`` keys before ``keep``
             band &= cols >= keep - site.window
         s["mask"] = band[None, None, None, :].expand(b, 1, L, n).contiguous()
+        if not reduce:  # the mask's valid range written down, as the reduction computes it (no kernel launched)
+            s["valid_len"] = torch.full((b,), keep, device=device, dtype=torch.int32)
+            if site.window is not None:
+                s["key_start"] = torch.full((b,), max(0, keep - site.window), device=device, dtype=torch.int32)
+            return s
+        from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
         if site.window is not None:  # as the lowered graph computes both ends of a window site's keys
             s["key_start"], s["valid_len"] = torch.ops.attnopt.key_range_from_mask(s["mask"], b)
         else:
@@ -134,6 +149,33 @@ def _variant(strategy, site: AttentionSite, s: dict[str, Any]) -> dict[str, Any]
     return variant_kwargs(strategy, s.get("key_start"), site.softcap or 0.0, slopes)
 
 
+def error_text(exc: BaseException) -> str:
+    """One line naming an exception: ``error: Type: first line of its message`` (at most 160 characters of it)."""
+    text = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return f"error: {type(exc).__name__}: {text}"
+
+
+def run_concurrently(pooled: dict[str, Callable[[], Any]], here: dict[str, Callable[[], Any]] | None = None,
+                     workers: int = WARM_WORKERS) -> dict[str, str]:
+    """Run the ``pooled`` calls on up to ``workers`` threads while the ``here`` calls run, one after another, on
+    the calling thread (for state that is kept per thread, as PyTorch keeps cuDNN's graphs); wait for all. Returns
+    the error text (``error_text``) of each call that raised, by key; the others' results are dropped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    errors: dict[str, str] = {}
+    with ThreadPoolExecutor(max(1, min(workers, len(pooled))), thread_name_prefix="attnopt-warm") as pool:
+        futures = {key: pool.submit(call) for key, call in pooled.items()}
+        for key, call in (here or {}).items():
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - reported by key, like the pooled calls' errors
+                errors[key] = error_text(exc)
+    for key, future in futures.items():
+        if future.exception() is not None:
+            errors[key] = error_text(future.exception())
+    return errors
+
+
 def set_count(set_bytes: int, l2_bytes: int | None, free_bytes: int) -> int:
     """Input sets for one timing: enough to span ``L2_FACTOR`` L2 sizes, at most ``MAX_SETS`` and at most what
     half the free memory holds. ``MemoryError`` when not even one set fits there."""
@@ -151,8 +193,9 @@ class GpuTimer:
     The input sets of the last shape are kept for the next candidate of the same shape (the tuner times several in
     turn, in rounds) and dropped by ``release()`` or a new shape."""
 
-    def __init__(self, *, target_ms: float = TARGET_MS, replays: int = REPLAYS, warm_ms: float = WARM_MS):
-        self.target_ms, self.replays, self.warm_ms = target_ms, replays, warm_ms
+    def __init__(self, *, target_ms: float = TARGET_MS, replays: int = REPLAYS, warm_ms: float = WARM_MS,
+                 warm_workers: int = WARM_WORKERS):
+        self.target_ms, self.replays, self.warm_ms, self.warm_workers = target_ms, replays, warm_ms, warm_workers
         self._shape: Any = None
         self._sets: list[dict[str, Any]] = []
         self._warm = False
@@ -183,7 +226,9 @@ class GpuTimer:
         free, _ = torch.cuda.mem_get_info()
         l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
         count = set_count(set_bytes, l2, free)
-        self._shape, self._sets = shape, [synthetic_inputs(site, i) for i in range(count)]
+        # the valid ranges written down, not computed: a static cache's low fill (``tuning.STATIC_LOW_FILL``) would
+        # otherwise cold-compile the mask reduction for its length (its tile is the length's power of two)
+        self._shape, self._sets = shape, [synthetic_inputs(site, i, reduce=False) for i in range(count)]
         return self._sets
 
     def _time(self, calls: list[Callable[[], Any]]) -> float:
@@ -204,13 +249,66 @@ class GpuTimer:
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+        from attnopt.runtime.kernels.common import tma_as_captured
         from attnopt.runtime.strategies import get_strategy
 
-        with unset_fake_temporarily(), torch.no_grad():
+        # the warm-up calls too take the variant the captured graph replays (one compile per candidate, not two)
+        with unset_fake_temporarily(), torch.no_grad(), tma_as_captured():
             sets = self._input_sets(site)
             state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
             torch.cuda.synchronize()
             return self._time([site_call(plan, site, s, state) for s in sets])
+
+    def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False) -> dict[str, str]:
+        """Compile every candidate of ``site``'s shape at once, before any is timed: each kernel plan's first call
+        (prepare and run on one input set, in the variant a captured graph runs; ``eager``: the eager variant too)
+        on a thread of its own (``run_concurrently``), while other threads make the timing's input sets and compile
+        the mask reduction (``valid_len_us``) and this one makes the dense and distributed plans' first calls
+        (``_warmed_here``). Returns the error text of each first call that failed, by runtime key: such a
+        candidate is still timed, and fails there if the error is its own."""
+        workers = warm_workers(self.warm_workers)
+        if workers == 0:
+            return {}
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from attnopt.runtime.kernels.common import tma_as_captured
+
+        device = torch.cuda.current_device()
+        with unset_fake_temporarily():
+            warm_set = synthetic_inputs(site, 0, reduce=False)
+        _start_triton_driver()
+
+        def first_call(plan: Plan) -> Callable[[], None]:
+            def call():
+                torch.cuda.set_device(device)
+                with unset_fake_temporarily(), torch.no_grad():
+                    with tma_as_captured():
+                        site_call(plan, site, warm_set)()
+                    if eager:
+                        site_call(plan, site, warm_set)()
+                    torch.cuda.synchronize()
+            return call
+
+        def input_sets():
+            torch.cuda.set_device(device)
+            with unset_fake_temporarily(), torch.no_grad():
+                self._input_sets(site)
+                torch.cuda.synchronize()
+
+        def mask_reduction_call():  # what ``valid_len_us`` times
+            from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
+
+            torch.cuda.set_device(device)
+            with unset_fake_temporarily(), torch.no_grad():
+                getattr(torch.ops.attnopt, mask_reduction(site))(warm_set["mask"], int(site.batch))
+                torch.cuda.synchronize()
+
+        here = {p.runtime_key(): first_call(p) for p in plans if _warmed_here(p)}
+        pooled = {"input sets": input_sets, **{p.runtime_key(): first_call(p) for p in plans if not _warmed_here(p)}}
+        if warm_set["mask"] is not None and any(uses_valid_len(p, site) for p in plans):
+            pooled["mask reduction"] = mask_reduction_call
+        return run_concurrently(pooled, here, workers)
 
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
         """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the
@@ -256,6 +354,36 @@ class GpuTimer:
         from .bench.common import cycle, host_us
 
         return host_us(cycle(calls), iters=max(HOST_CALLS, len(calls)), repeats=3, warmup=max(5, len(calls)))
+
+
+def warm_workers(default: int = WARM_WORKERS) -> int:
+    """The warm-up's threads: ``$ATTNOPT_TUNE_WARM_WORKERS`` where set, else ``default``; 0 = no warm-up."""
+    text = os.environ.get(WARM_WORKERS_ENV, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{WARM_WORKERS_ENV}={text!r}: expected a whole number of threads >= 0 (0: no warm-up, 1: "
+                         f"the candidates compiled one after another before timing)")
+    return int(text)
+
+
+def _warmed_here(plan: Plan) -> bool:
+    """Whether ``GpuTimer.warm_up`` makes ``plan``'s first call on the calling thread: a dense plan (PyTorch keeps
+    cuDNN's graphs per thread) and a distributed one (its collectives must run in the same order on every rank, so
+    one after another, in the candidates' order)."""
+    from attnopt.runtime.strategies import get_strategy
+
+    return plan.kind == "dense" or bool(getattr(get_strategy(plan.kind), "distributed", False))
+
+
+def _start_triton_driver() -> None:
+    """Set up Triton's driver on this thread, before threads launch kernels: it is made on first use, unguarded (two
+    threads could each build it, and its C helper, which a cold cache compiles)."""
+    try:
+        from triton.runtime import driver
+    except ImportError:  # no Triton: the kernel plans' first calls fail and say why
+        return
+    driver.active.get_current_device()
 
 
 #: The default timer of ``attnopt.tuning.Tuner``.

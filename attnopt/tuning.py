@@ -28,7 +28,8 @@ the one with the smaller worst ratio wins. The op picks the bucket's plan by ``k
 judged at ``STATIC_LOW_FILL``.
 
 What keeps the first call cheap: a shape is measured once per process (``_PROCESS_TUNERS``: one tuner shared by
-the graphs of a model) and once per machine (the file); the rounds stop when one candidate is more than ``PRUNE``
+the graphs of a model) and once per machine (the file); every candidate is compiled at once before any is timed
+(``timer.warm_up``: a first call per candidate, each on a thread of its own, within the budget); the rounds stop when one candidate is more than ``PRUNE``
 ahead of all others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s``
 caps a shape and ``BUCKETED_BUDGET_FACTOR`` budgets cap all buckets of a symbolic length.
 
@@ -48,6 +49,8 @@ from typing import Any, Callable, Sequence
 from .plan import BucketedPlan, Plan, plan_from_dict
 from .site import AttentionSite
 from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
+from .timer import error_text as _error_text
+from .timer import warm_workers
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
@@ -57,7 +60,7 @@ TUNE_ENV = "ATTNOPT_TUNE"
 TUNE_BY_DEFAULT = True
 #: Seconds one site shape may spend being timed (new candidates stop starting after it).
 BUDGET_ENV = "ATTNOPT_TUNE_BUDGET_S"
-DEFAULT_BUDGET_S = 4.0  # room for the further families' first compiles (about a second each, cold)
+DEFAULT_BUDGET_S = 4.0  # a cap: the candidates' cold compiles (about a second each) run at once in the warm-up
 #: Kernel (non-SDPA) candidates timed per shape, best estimates first.
 DEFAULT_TOP_K = 4
 #: Kernel configurations beyond the top ``DEFAULT_TOP_K``: the best-estimated plan of each further (kind, block_n,
@@ -289,7 +292,7 @@ class Tuner:
             return Choice(ranked[0], "model")
         start = time.perf_counter()
         plans = to_time(ranked, self.top_k)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = self._warm_up(plans, site, eager)
         valid_len_us = 0.0
         if any(uses_valid_len(p, site) for p in plans) and hasattr(self.timer, "valid_len_us"):
             try:
@@ -329,6 +332,27 @@ class Tuner:
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
+
+    def _warm_up(self, plans: Sequence[Plan], site: AttentionSite, eager: bool) -> dict[str, Any]:
+        """Let the timer compile the candidates at once before any is timed (``timer.warm_up(plans, site, eager=)``,
+        where it has one; ``GpuTimer`` makes their first calls on a thread each): a cold Triton compile costs about
+        a second per configuration, which one after another spent the budget before the fastest family was timed
+        (the H100 at f9e648f: SmolLM2's 1k static site kept S=5/256/8/2, 7.78 µs, where S=16/64/4/3 ran in 7.25).
+        The warm-up counts against the budget. With no budget only the two candidates always timed are warmed.
+        Returns the extras to record: its seconds and its errors (the candidates are timed all the same)."""
+        warm_up = getattr(self.timer, "warm_up", None)
+        if warm_up is None:
+            return {}
+        warm_workers()  # a bad ATTNOPT_TUNE_WARM_WORKERS is the user's error to see, not a warm-up failure to record
+        started = time.perf_counter()
+        try:
+            errors = warm_up(list(plans if self.budget_s > 0 else plans[:2]), site, eager=eager)
+        except Exception as exc:  # noqa: BLE001 - then each candidate compiles when it is first timed, as before
+            errors = {"warm_up": _error_text(exc)}
+        extra: dict[str, Any] = {"warm_up_s": round(time.perf_counter() - started, 3)}
+        if errors:
+            extra["warm_up_errors"] = dict(errors)
+        return extra
 
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
                    span: tuple[int, ...], charge: dict[str, float],
@@ -464,11 +488,6 @@ def _median(xs: Sequence[float]) -> float:
     import statistics
 
     return float(statistics.median(xs))
-
-
-def _error_text(exc: Exception) -> str:
-    text = str(exc).splitlines()[0][:160] if str(exc) else ""
-    return f"error: {type(exc).__name__}: {text}"
 
 
 def _stream_capturing() -> bool:

@@ -48,10 +48,11 @@ def forced_logits(model, prompt_ids, tokens, cache_kind, max_len):
     """Logits of every step when the given tokens are fed one at a time after the prompt: (T, vocab) fp32."""
     cache = make_cache(model, cache_kind, max_len)
     out = model(input_ids=prompt_ids, past_key_values=cache, use_cache=True)
-    logits = [out.logits[:, -1].float()]
+    # clone: under CUDA graphs (mode="reduce-overhead") the next replay overwrites a step's output in place
+    logits = [out.logits[:, -1].float().clone()]
     for t in tokens[:-1]:
         out = model(input_ids=t.view(1, 1), past_key_values=cache, use_cache=True)
-        logits.append(out.logits[:, -1].float())
+        logits.append(out.logits[:, -1].float().clone())
     return torch.cat(logits)
 
 

@@ -183,7 +183,8 @@ def run(args) -> int:
             bar.update(task, description=f"{site.shape_str()}: {plan.kind}")
             return gpu_timer(plan, site)
         timer.release = gpu_timer.release  # the tuner frees the timer's input sets after each shape
-        for extra in ("valid_len_us", "host_us"):  # a masked site's valid length; host time without graphs
+        # a masked site's valid length; host time without graphs; the candidates' compiles at once
+        for extra in ("valid_len_us", "host_us", "warm_up"):
             if hasattr(gpu_timer, extra):
                 setattr(timer, extra, getattr(gpu_timer, extra))
 

@@ -18,9 +18,11 @@ Conventions (the same as ``runtime/reference.py``):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -136,9 +138,25 @@ def tma_now(device: torch.device) -> bool:
     49 µs with one split; ``benchmarks/results/experiments/launch-overhead-nvidia-h100-38e55ce.json``), and 201
     against 92 µs on an earlier machine instance, while the kernels differ by 1-10 % on the GPU; a captured graph
     pays the descriptors once."""
-    if device.type != "cuda" or os.environ.get("ATTNOPT_TMA_EAGER", "0") == "1":
+    if device.type != "cuda" or os.environ.get("ATTNOPT_TMA_EAGER", "0") == "1" or getattr(_AS_CAPTURED, "on", False):
         return True
     return torch.cuda.is_current_stream_capturing()
+
+
+_AS_CAPTURED = threading.local()
+
+
+@contextlib.contextmanager
+def tma_as_captured():
+    """Within this block, on this thread, ``tma_now`` is true as under a capture. The tuner compiles and times the
+    kernel variant that a captured graph replays: a TMA plan's eager warm-up would otherwise compile the pointer
+    variant too, a second cold compile (about a second) of every candidate that the graph never runs."""
+    before = getattr(_AS_CAPTURED, "on", False)
+    _AS_CAPTURED.on = True
+    try:
+        yield
+    finally:
+        _AS_CAPTURED.on = before
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):

@@ -9,9 +9,12 @@ selection and take equal shares of the chosen clusters' keys laid end to end in 
 is cut over several programs and small ones are packed into one tile, so the largest cluster does not set the
 time. W is in proportion to the expected keys of each part. A tile finds its keys' clusters among the BLOCK_N
 entries of the list from its first cluster on (any BLOCK_N consecutive keys span at most BLOCK_N non-empty
-clusters), by one vector load and a (BLOCK_N, BLOCK_N) comparison: no sort and no per-key search in the attention
-launch. The grid is fixed by the plan and every length is read on the device, so a captured CUDA graph
-replays correctly.
+clusters), by one vector load of their prefixes and shifts and (BLOCK_N, BLOCK_N) comparisons: no sort and no per-key
+search in the attention launch. The loop is software-pipelined: a tile's K/V reads are issued before the next
+tile's list and ``perm`` lookups, so those two dependent loads hide under the reads (a cluster-ordered copy of K/V
+would remove the ``perm`` load too, but costs the indexed cache once more: 64 GiB for llama3-8b at 512k, which an
+H100 cannot hold beside the cache itself). The grid is fixed by the plan and every length is read on the device, so
+a captured CUDA graph replays correctly.
 """
 from __future__ import annotations
 
@@ -34,21 +37,88 @@ from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_worksp
 
 
 @triton.jit
-def _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d, offs_dv,
-                 stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Fold the keys at positions ``pos`` (BLOCK_N,) (read where ``key_ok``) into the query tile's state."""
+def _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D, DV):
+    """The K (BLOCK_N, BLOCK_D) and V (BLOCK_N, BLOCK_DV) rows at positions ``pos`` (read where ``key_ok``)."""
     pos64 = pos.to(tl.int64)
     k = tl.load(k_base + pos64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
                 mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     v = tl.load(v_base + pos64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
                 mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST: tl.constexpr,
+               PRECISION: tl.constexpr, CAUSAL: tl.constexpr = True):
+    """Fold loaded keys ``k``/``v`` at positions ``pos`` (BLOCK_N,) (real where ``key_ok``) into the tile's state;
+    without CAUSAL every query row sees every real key (``pos`` is not read)."""
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-    visible = key_ok[None, :] & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])
+    visible = key_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        visible = visible & (pos[None, :] <= row_pos[:, None])
     return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
+
+
+@triton.jit
+def _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d, offs_dv,
+                 stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Fold the keys at positions ``pos`` (BLOCK_N,) (read where ``key_ok``) into the query tile's state."""
+    k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D, DV)
+    return _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST, PRECISION)
+
+
+@triton.jit
+def _cluster_tile(start_u, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N: tl.constexpr,
+                  BLOCK_C: tl.constexpr, CLIP: tl.constexpr):
+    """The key positions of the chosen clusters' keys [start_u, start_u + BLOCK_N) (virtual indices below ``hi``),
+    whose first key lies in list entry ``first``. Returns (positions, real-key mask, the next tile's first entry).
+
+    Two dependent loads: the BLOCK_N list entries from ``first`` on (their prefixes and shifts together: any BLOCK_N
+    consecutive keys span at most BLOCK_N non-empty clusters), then ``perm``. Without CLIP every cluster key is
+    known to lie below ``kv_len``: the mask is then the index range alone."""
+    offs_n = tl.arange(0, BLOCK_N)
+    u = start_u + offs_n
+    u_ok = u < hi
+    entry = first + offs_n
+    in_list = (entry < BLOCK_C) & (start_u < hi)
+    window = tl.load(incl_base + entry, mask=in_list, other=2147483647)
+    shifts = tl.load(shift_base + entry, mask=in_list, other=0)
+    rel = tl.sum((window[None, :] <= u[:, None]).to(tl.int32), axis=1)  # each key's entry, counted from first
+    shift = tl.sum(tl.where(rel[:, None] == offs_n[None, :], shifts[None, :], 0), axis=1)
+    pos = tl.load(p_base + (shift + u).to(tl.int64) * stride_pn, mask=u_ok, other=0)
+    nxt = first + tl.sum((window <= start_u + BLOCK_N).to(tl.int32), axis=0)
+    if CLIP:  # a cluster key past the valid length (a shrunk cache) is never read
+        u_ok = u_ok & (pos < kv_len)
+    return pos, u_ok, nxt
+
+
+@triton.jit
+def _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, k_base, v_base,
+                     row_ok, row_pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV,
+                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     CLIP: tl.constexpr):
+    """Fold the chosen clusters' keys [lo, hi) (virtual indices; key lo in list entry ``first``) into the state.
+
+    Software-pipelined: each step issues its K/V loads, then the next tile's list and perm lookups, then the math,
+    so the lookups' latency hides under the K/V reads instead of adding to them. CLIP: some cluster key may lie at
+    or past a query row (a valid length at or below the indexed end); without it the masks read no position, so
+    the compiler does not load ``perm`` again in the math's layout."""
+    pos, key_ok, first = _cluster_tile(lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N,
+                                       BLOCK_C, CLIP)
+    for start_u in range(lo, hi, BLOCK_N):
+        k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D,
+                        DV)
+        pos_next, ok_next, first = _cluster_tile(start_u + BLOCK_N, hi, first, kv_len, incl_base, shift_base, p_base,
+                                                 stride_pn, BLOCK_N, BLOCK_C, CLIP)
+        acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST, PRECISION,
+                                   CLIP)
+        pos = pos_next
+        key_ok = ok_next
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -111,7 +181,8 @@ def _saap_kernel(
     kv_len = N
     if HAS_VALID:
         kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
-    indexed_end = tl.minimum(tl.load(end_ptr + b).to(tl.int32), kv_len)
+    stored_end = tl.load(end_ptr + b).to(tl.int32)
+    indexed_end = tl.minimum(stored_end, kv_len)
     sink = tl.minimum(SINK, indexed_end)
     row_pos = kv_len - L + i  # each query token's own position: it sees no later key
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -147,20 +218,18 @@ def _saap_kernel(
         first = 0
         for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
             first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo).to(tl.int32), axis=0)
-        for start_u in range(lo, hi, BLOCK_N):
-            u = start_u + offs_n
-            u_ok = u < hi
-            # the BLOCK_N list entries from the tile's first cluster on hold every cluster of its keys
-            entry = first + offs_n
-            window = tl.load(incl_base + entry, mask=entry < BLOCK_C, other=2147483647)
-            owner = first + tl.sum((window[None, :] <= u[:, None]).to(tl.int32), axis=1)
-            shift = tl.load(shift_base + owner, mask=u_ok, other=0)
-            pos = tl.load(p_base + (shift + u).to(tl.int64) * stride_pn, mask=u_ok, other=0)
-            first += tl.sum((window <= start_u + BLOCK_N).to(tl.int32), axis=0)
-            key_ok = u_ok & (pos < kv_len)  # a cluster key past the valid length (a shrunk cache) is never read
-            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, pos, key_ok, k_base, v_base, row_ok, row_pos, offs_d,
-                                         offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV,
-                                         UPCAST, PRECISION)
+        # the cluster keys lie below the stored indexed end: past the rows' first position (only under a valid
+        # length that cut into the index), the masks must check each key's position
+        if stored_end > kv_len - L + 1:
+            acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
+                                             stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
+                                             stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
+                                             UPCAST, PRECISION, True)
+        else:
+            acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
+                                             stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
+                                             stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
+                                             UPCAST, PRECISION, False)
     o, lse = _finish(acc, m_i, l_i)
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,

@@ -7,7 +7,8 @@
    chunk's row maximum and sum of exponentials so that the selection can normalise every row's softmax.
 2. ``_saap_select_kernel``, one program per (batch row, KV head): the group-summed cluster distribution
    (``sum over rows of exp(logit - lse_row)``, the reference's ``softmax(...).sum``), the threshold of the
-   top ``probes`` scores by a radix select on the scores' bits (8 rounds of 4 bits up to 2048 clusters; no sort),
+   top ``probes`` scores by a radix select on the scores' bits (8 rounds of 4 bits up to 2048 clusters, each one
+   ``tl.histogram`` of the next digit: no sort and no compare per candidate digit),
    and the work list the attention launch reads: the chosen non-empty clusters in cluster order, compacted, with
    their inclusive key prefix (padding: INT32_MAX) and ``perm`` shift, plus the number of keys they hold. It also
    adds the call's selectivity to a device-side accumulator.
@@ -247,17 +248,28 @@ def _saap_select_kernel(
                         mask=c_ok, other=0.0)
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
     # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
-    # flipped), then the largest threshold with at least PROBES keys at or above it, RADIX_BITS per round. Padding is
-    # key 0, below every float but NaN: it never reaches the threshold, which is above -inf's key.
+    # flipped), then the largest threshold with at least PROBES keys at or above it, RADIX_BITS per round: one
+    # histogram of the keys' next digit (keys whose higher bits already differ from the threshold's go to two
+    # extra bins) gives the count at or above every candidate digit at once. Padding is key 0, below every float
+    # but NaN: it never reaches the threshold, which is above -inf's key.
     bits = score.to(tl.int32, bitcast=True)
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
     key = tl.where(c_ok, key, 0)
-    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)
-    thr = tl.zeros([1], dtype=tl.uint32)
+    NB: tl.constexpr = 1 << RADIX_BITS
+    bins = tl.arange(0, 2 * NB)
+    thr = tl.zeros([1], dtype=tl.uint32).sum(axis=0)
     for rnd in tl.static_range(32 // RADIX_BITS):
-        cand = thr + (digits << (32 - RADIX_BITS * (rnd + 1)))  # (2^RADIX_BITS,)
-        count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-        thr = thr + (tl.max(tl.where(count >= PROBES, digits, 0), axis=0) << (32 - RADIX_BITS * (rnd + 1)))
+        shift = 32 - RADIX_BITS * (rnd + 1)
+        digit = ((key >> shift) & (NB - 1)).to(tl.int32)
+        if rnd > 0:  # keys whose higher bits are above the threshold's so far count in bin NB, below in NB + 1
+            higher = key >> (shift + RADIX_BITS)
+            prefix = thr >> (shift + RADIX_BITS)
+            digit = tl.where(higher == prefix, digit, tl.where(higher > prefix, NB, NB + 1))
+        hist = tl.histogram(digit, 2 * NB)
+        above = tl.sum(tl.where(bins == NB, hist, 0), axis=0)
+        same = tl.where(bins < NB, hist, 0)
+        at_least = above + tl.sum(same, axis=0) - tl.cumsum(same, 0) + same  # keys >= thr + (bin << shift)
+        thr = thr + (tl.max(tl.where((bins < NB) & (at_least >= PROBES), bins, 0), axis=0).to(tl.uint32) << shift)
     chosen = c_ok & (key >= thr)
     size = c_end - c_start
     picked = chosen & (size > 0)
@@ -291,8 +303,17 @@ def block_c_for(clusters: int) -> int:
 
 
 def radix_bits(block_c: int) -> int:
-    """Threshold bits the selection finds per round: 2^bits x BLOCK_C compares at once, about 32K at most."""
+    """Threshold bits the selection finds per round (a histogram of 2^(bits + 1) bins each): narrower past 2048
+    clusters, where the wider rounds' registers spill."""
     return 4 if block_c <= 2048 else 2 if block_c <= 8192 else 1
+
+
+def select_warps(block_c: int) -> int:
+    """Warps of the selection's one program per head. Its work (the softmax sums, 32 / RADIX_BITS histogram rounds
+    with their reductions, two scans) runs on one SM per head and is latency-bound: compiled for sm_90 at 2048
+    clusters, 16 warps run 2.0k instructions each (60 registers) against 3.1k at 8, and hide the reductions' latency
+    behind 4 warps per scheduler rather than 2."""
+    return max(4, min(16, block_c // 128))
 
 
 def block_rows_for(rows: int) -> int:
@@ -403,5 +424,6 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                    ROWS=max(1, min(next_pow2(M), 8192 // ws.incl.shape[1])),
                    RADIX_BITS=radix_bits(ws.incl.shape[1]),
                    FROM_LOGITS=scores is None, HAS_VALID=has_valid, HAS_STATS=has_stats, WAIT_PRIOR=chained,
-                   LAUNCH_DEPENDENTS=pdl, num_warps=8, **({"launch_pdl": True} if chained else {}))
+                   LAUNCH_DEPENDENTS=pdl, num_warps=select_warps(ws.incl.shape[1]),
+                   **({"launch_pdl": True} if chained else {}))
     return ws

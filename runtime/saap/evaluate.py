@@ -86,6 +86,19 @@ def setting_for(index: SaapIndex, method: str, target: float, context: int, tail
     return Setting(method, target, sink, window, min(probes, index.num_clusters))
 
 
+def sparse_layer_target(total: float, num_layers: int, sparse_layers: int) -> float:
+    """The selectivity the sparse layers may use so that every layer together (the dense ones read all their
+    keys) attends ``total`` of the keys; ``ValueError`` when the dense layers alone exceed it."""
+    if not 0 < total <= 1 or not 0 < sparse_layers <= num_layers:
+        raise ValueError(f"need 0 < total ({total}) <= 1 and 0 < sparse layers ({sparse_layers}) <= layers "
+                         f"({num_layers})")
+    dense = num_layers - sparse_layers
+    if total * num_layers <= dense:
+        raise ValueError(f"a total selectivity of {total:g} is out of reach: the {dense} dense layer(s) of "
+                         f"{num_layers} alone read {dense / num_layers:.3g} of the keys")
+    return (total * num_layers - dense) / sparse_layers
+
+
 class Harness:
     """The attention function of every layer during evaluation (``attnopt_saap_eval``).
 
@@ -300,4 +313,4 @@ def evaluate_passkey(model: Any, tokenizer: Any, harness: Harness, lengths: list
 
 
 __all__ = ["Harness", "Setting", "corpus_text", "custom_attention", "evaluate_language", "evaluate_passkey",
-           "passkey_prompt", "setting_for", "token_windows"]
+           "passkey_prompt", "setting_for", "sparse_layer_target", "token_windows"]

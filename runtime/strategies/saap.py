@@ -27,8 +27,10 @@ from .base import PlanContext, Strategy, register_strategy
 from .split_kv import MAX_Q_LEN, kernel_check, use_triton
 
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
-#: Attended keys per kernel tile.
-BLOCK_N = 64
+#: Attended keys per kernel tile. 32, not 64: compiled for sm_90 (bf16, D=128, 4 warps, 2 stages) the attention
+#: kernel holds 114 registers per thread at 32 keys a tile but 255 at 64, and its gathered reads are latency-bound, so
+#: the 4 programs per SM that PROGRAMS_PER_SM aims at are resident at once only at 32 (at 64 only 2 are: two waves).
+BLOCK_N = 32
 #: Kernel launches per call besides the attention: scoring, selection, the merge (one more with the query MLP).
 EXTRA_LAUNCHES = 3
 #: Attention programs per SM that the split count aims at: the tiles' gathered loads are latency-bound, so

@@ -467,9 +467,9 @@ def _cpu_gpu_timer(monkeypatch, free_bytes):
     made = []
     real = T.synthetic_inputs
 
-    def on_cpu(site, index, device="cuda"):
+    def on_cpu(site, index, device="cuda", reduce=True):
         made.append(index)
-        return real(site, index, device="cpu")
+        return real(site, index, device="cpu", reduce=reduce)
     monkeypatch.setattr(T, "synthetic_inputs", on_cpu)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free_bytes, 2 * free_bytes))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _FakeProps())

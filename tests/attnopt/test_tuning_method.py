@@ -171,7 +171,8 @@ class _Props:
 def _gpu_on_the_cpu(monkeypatch):
     """The GPU timer's CUDA queries answered for a big GPU with a 1 MB L2, its input sets made on the CPU."""
     real_inputs = T.synthetic_inputs
-    monkeypatch.setattr(T, "synthetic_inputs", lambda site, i, device="cuda": real_inputs(site, i, device="cpu"))
+    monkeypatch.setattr(T, "synthetic_inputs", lambda site, i, device="cuda", reduce=True:
+                        real_inputs(site, i, device="cpu", reduce=reduce))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 34, 1 << 35))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _Props())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

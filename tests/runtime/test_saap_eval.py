@@ -12,7 +12,7 @@ from attnopt.runtime.saap import attended_keys, build_clusters, saap_decode  # n
 from attnopt.runtime.saap.decode import saap_decode_states, selectivity  # noqa: E402
 from attnopt.runtime.saap.collect import collect, custom_attention  # noqa: E402
 from attnopt.runtime.saap.evaluate import (Harness, Setting, corpus_text, evaluate_language,  # noqa: E402
-                                           setting_for)
+                                           setting_for, sparse_layer_target)
 from attnopt.runtime.saap.train import train_index  # noqa: E402
 
 
@@ -112,6 +112,16 @@ def test_setting_shrinks_the_window_with_the_context(tiny):
         setting_for(index, "lsh", 0.1, 8192, 64)
 
 
+def test_total_selectivity_counts_the_dense_layers():
+    # SmolLM2: 30 layers, layer 0 dense. 10 % of every key leaves (3 - 1) / 29 to each sparse layer
+    assert math.isclose(sparse_layer_target(0.10, 30, 29), 2 / 29)
+    assert math.isclose(sparse_layer_target(0.5, 4, 4), 0.5)
+    with pytest.raises(ValueError, match="1 dense layer.*of 30 alone read 0.0333"):
+        sparse_layer_target(0.02, 30, 29)
+    with pytest.raises(ValueError, match="0 < total"):
+        sparse_layer_target(0.0, 30, 29)
+
+
 def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     from attnopt.cli import main
     from attnopt.runtime.saap import load_index
@@ -127,6 +137,39 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
 
 
+class _CharTokenizer:
+    """Characters as token ids (mod the tiny model's vocabulary): enough for the harness's text and passkey."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        return types.SimpleNamespace(input_ids=torch.tensor([[ord(c) % 97 for c in text]]))
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_cli_eval_aims_at_total_selectivity_and_skips_what_the_dense_layer_exceeds(tmp_path, tiny, monkeypatch):
+    import json
+
+    import attnopt.commands.saap as saap_cli
+    from attnopt.cli import main
+
+    model, _, index = tiny
+    ipath, out = tmp_path / "i.safetensors", tmp_path / "q.json"
+    index.save(ipath)
+    monkeypatch.setattr(saap_cli, "_load_model", lambda name: (model, _CharTokenizer()))
+    rc = main(["saap", "eval", "--model", "tiny", "--index", str(ipath), "--context", "160", "--sequences", "1",
+               "--tail", "8", "--targets", "0.2,0.6", "--methods", "centroids,topk", "--passkey-lengths", "128",
+               "--passkey-trials", "1", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert len(res["skipped"]) == 1 and "0.2 is out of reach" in res["skipped"][0]  # layer 0 of 3 alone is 1/3
+    sparse = [r for r in res["rows"] if r["method"] != "dense"]
+    assert {r["method"] for r in sparse} == {"centroids", "topk"} and len(res["passkey"]) == 3
+    for r in sparse + [p for p in res["passkey"] if p["method"] != "dense"]:
+        assert r["target_all_layers"] == 0.6 and math.isclose(r["target"], 0.4)  # (0.6 * 3 - 1) / 2
+        assert math.isclose(r["selectivity_all_layers"], (2 * r["selectivity"] + 1) / 3)
+
+
 def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     import importlib.util
     from pathlib import Path
@@ -137,7 +180,8 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     spec.loader.exec_module(script)
 
     def row(method, C, window, probes, sel, agree, ppl):
-        return {"method": method, "clusters": C, "window": window, "probes": probes, "selectivity": sel,
+        return {"method": method, "clusters": C, "window": window, "probes": probes, "selectivity": sel - 0.01,
+                "selectivity_all_layers": sel,  # what the budgets count: every layer, the dense one included
                 "recall": 0.9, "next_token_agreement": agree, "perplexity": ppl}
 
     results = {"rows": [row("dense", None, None, None, 1.0, 1.0, 10.0),
@@ -158,3 +202,47 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     assert (ten["probes"], ten["passkey"], ten["done"]) == (4, "3/4", True)  # 0.96 at 9 %, +2 % ppl, 3/4 as dense
     assert math.isclose(ten["ppl_vs_dense"], 0.02)
     assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]
+
+
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[2] / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_partition_study_recalls_everything_at_full_budget_and_topk_bounds_the_window(tiny):
+    model = tiny[0]
+    gen = torch.Generator().manual_seed(2)
+    coll = collect(model, [torch.randint(0, 97, (256,), generator=gen) for _ in range(2)], queries_per_sequence=16,
+                   min_query_position=128)
+    study = _script("saap_quality_partition").study
+    full, _ = study(coll, 1.0, sink=2, queries=8, layers=[1], clusters=(8,), iterations=3)
+    for name, value in full[1].items():
+        if name.endswith("/fixed"):  # l from the mean cluster size: not every cluster, even at full budget
+            continue
+        assert math.isclose(value[0] if isinstance(value, tuple) else value, 1.0, rel_tol=1e-5), name
+    part, info = study(coll, 0.2, sink=2, queries=8, layers=[1, 2], clusters=(8,), iterations=3)
+    for row in part.values():  # the keys of most group mass beat the same count of recent keys
+        assert row["topk/sum"] >= row["window"] - 1e-6
+        assert 0.2 <= row["oracle/deroped/C8/sum/budget"][1] < 0.6  # whole clusters: the last one may overrun
+    assert set(info["mean"]) == set(part[1])
+    only, _ = study(coll, 0.2, sink=2, queries=8, layers=[1], clusters=(8,), iterations=3, names=("blocks",))
+    assert {k.split("/")[1] for k in only[1] if k.startswith("oracle/")} == {"blocks"}
+    with pytest.raises(ValueError, match="unknown partition.*lsh.*valid: deroped"):
+        study(coll, 0.2, sink=2, queries=8, layers=[1], clusters=(8,), iterations=3, names=("lsh",))
+
+
+def test_partition_study_budget_rule_takes_whole_clusters_by_mass_until_the_budget():
+    script = _script("saap_quality_partition")
+    assign = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])  # (Hkv=1, N=8); clusters of sizes 3, 2, 3
+    indexed = torch.ones(1, 8, dtype=torch.bool)
+    always = torch.zeros(1, 8, dtype=torch.bool)
+    mass = torch.tensor([[[0.2, 0.5, 0.3]]])  # cluster 1, then 2, then 0
+    keep = script.cluster_keep(mass, assign, indexed, always, torch.tensor([4.0]), "budget", 8 / 3)
+    assert keep[0, 0].tolist() == [False] * 3 + [True] * 5  # 2 keys < 4, so cluster 2 too (5 keys), not cluster 0
+    keep = script.cluster_keep(mass, assign, indexed, always, torch.tensor([2.0]), "budget", 8 / 3)
+    assert keep[0, 0].tolist() == [False] * 3 + [True] * 2 + [False] * 3
