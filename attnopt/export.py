@@ -9,7 +9,8 @@ attention into ``attnopt::decode_attention`` calls, and ``torch.onnx.export`` tr
   ``valid_len_from_mask``; under a dense plan, derived from a boolean mask the same way) goes to
   ``nonpad_kv_seqlen``; at opset 23, and with ``is_causal`` (whose alignment ``nonpad_kv_seqlen`` would move to
   bottom-right), it is folded into the mask;
-* the split-KV / stream-K variants: a sliding window is its mask (``key_start`` only saves reads); a logit cap
+* the split-KV / stream-K variants: a sliding window is its mask AND keys from ``key_start`` on (a band site may
+  carry no mask at all: ``passes/window.py``); a logit cap
   is ``Attention``'s ``softcap`` (scale times the cap: it computes ``c * tanh(s / c)``, attnopt ``c * tanh(s)``);
   ALiBi's ``slope[h] * j`` is added to the mask. A negative cap, and ALiBi over fp16 / bf16 Q (a mask of Q's type
   would round it), become the function body, which takes the cap as an attribute and ALiBi in its fp32 bias;
@@ -312,7 +313,7 @@ class OnnxTranslator:
 
     def decode_attention(self, q, k, v, attn_mask=None, valid_len=None, scale=1.0, is_causal=False, plan="", site="",
                          softcap=0.0, key_start=None, alibi_slopes=None):
-        # key_start (a window's first key) only saves reads: the mask, exported as it is, hides those keys
+        attn_mask = self._fold_key_start(k, attn_mask, key_start)
         form, runs, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None)
         softcap = float(softcap or 0.0)
         form, why = self._variant_form(site, form, softcap, alibi_slopes is not None,
@@ -363,6 +364,7 @@ class OnnxTranslator:
                                 site="", softcap=0.0, key_start=None, alibi_slopes=None):
         _, _, note = self.resolve(plan, _static(k.shape[2]) if k.shape is not None else None, states=True)
         self.exported[site] = _described("attnopt:decode_attention_states", "function body", note)
+        attn_mask = self._fold_key_start(k, attn_mask, key_start)
         bias, lengths = self._function_inputs(q, k, attn_mask, valid_len, alibi_slopes)
         return self._attnopt_op("decode_attention_states")(q, k, v, bias, lengths, scale=float(scale),
                                                            is_causal=int(bool(is_causal)),
@@ -408,15 +410,26 @@ class OnnxTranslator:
         return op.Concat(op.Unsqueeze(start, axis), op.Unsqueeze(end, axis), axis=0)
 
     # ----------------------------------------------------------------------------------------- helpers
+    def _fold_key_start(self, k, attn_mask, key_start):
+        """``attn_mask`` narrowed to the keys at or after ``key_start`` (B,), a window's first key: a band site's mask
+        (``passes/window.py``) may no longer hide them, or be gone."""
+        if key_start is None:
+            return attn_mask
+        op = self._op()
+        return self._narrow(attn_mask, op.Not(self._keep(k, key_start)))
+
     def _fold_valid_len(self, k, attn_mask, valid_len):
         """``attn_mask`` narrowed to the keys below ``valid_len`` (B,): bool (B, 1, 1, N) when there is no mask."""
+        return self._narrow(attn_mask, self._keep(k, valid_len))
+
+    def _narrow(self, attn_mask, keep):
+        """``attn_mask`` (or nothing) AND ``keep`` (bool), typed: the later steps read the dtype to pick the form."""
         op = self._op()
-        keep = self._keep(k, valid_len)
-        if attn_mask is None:
-            return keep
-        if attn_mask.dtype == _ir_bool():
-            return op.And(attn_mask, keep)
-        return op.Where(keep, attn_mask, op.CastLike(op.Constant(value_float=float("-inf")), attn_mask))
+        if attn_mask is not None and attn_mask.dtype != _ir_bool():
+            return op.Where(keep, attn_mask, op.CastLike(op.Constant(value_float=float("-inf")), attn_mask))
+        out = keep if attn_mask is None else op.And(attn_mask, keep)
+        out.dtype = _ir_bool()
+        return out
 
     def _mask_rows(self, q, attn_mask):
         """``attn_mask`` with one row per query token: onnxruntime's Attention does not broadcast the mask's

@@ -28,3 +28,6 @@ class PassContext:
     rewrite_counts: dict[str, int] = field(default_factory=dict)
     #: ``lower``'s shared ``valid_len_from_mask`` nodes, per (mask node, batch size).
     valid_lens: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    #: ``lower``'s key range of each window site, by site key: "band" (read off the mask's graph: no scan) or
+    #: "scan: <why the band was not proven>" (``key_range_from_mask``).
+    window_ranges: dict[str, str] = field(default_factory=dict)

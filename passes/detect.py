@@ -25,10 +25,11 @@ cost model and wiring ``valid_len``), from ``patterns.mask_form``, which proves 
 Sliding windows (``site.window``): a site with a mask is one when its module is in ``config.sliding_windows``
 (``attnopt.optimize`` fills it from the model's attention modules), or when its mask provably is a window: an AND
 of ``key <= query`` and ``key > query - w`` (HF's ``sliding_window_overlay``; ``w`` is read off the subtraction).
-Nothing about the window's exactness rests on that: the kernels start at ``key_start_from_mask`` (the first key
-any query row may see, computed from the mask on the device each step) and still apply the mask, so any mask,
-window or not, gives the original's result; the window only says that the start is worth finding (and what the
-cost model prices: the band's keys). Without a model object (``torch.compile(model, backend="attnopt")``) only
+Other spellings of the band (``kv >= qp + (1 - w)``, ``qp - kv < w``) are read by ``patterns.band``. Nothing about
+the window's exactness rests on the window number: ``lower`` either proves the band from the mask's graph
+(``passes/window.py``) or scans the mask for the first key any query row may see (``key_range_from_mask``, on the
+device each step) and still applies it, so any mask, window or not, gives the original's result; the window only
+says that the start is worth finding (and what the cost model prices: the band's keys). Without a model object (``torch.compile(model, backend="attnopt")``) only
 the graph can tell: a mask that is a graph input (``generate()`` over a StaticCache) is not recognised as a
 window and is read whole. A site without a mask (HF's sdpa path drops it while the window exceeds the keys)
 attends to every key, as the original does.
@@ -46,6 +47,7 @@ import torch.fx as fx
 from attnopt.site import AttentionSite
 
 from .context import PassContext
+from .patterns.band import band_window
 from .patterns import (AttentionMatch, classify_mask, find_matches, logical_shape, mask_form, meta_dtype, meta_shape,
                        meta_val, module_path)
 
@@ -88,10 +90,10 @@ def _mask_kind(m: AttentionMatch, q_len: Any) -> str:
     return classify_mask(m.attn_mask, q_len, invert=m.mask_invert)
 
 
-def sliding_window_of(m: AttentionMatch, path: str, config) -> int | None:
+def sliding_window_of(m: AttentionMatch, path: str, config, batch: Any = None) -> int | None:
     """The window of a site with a mask, or None: its module's (``config.sliding_windows``, filled by
     ``attnopt.optimize`` from the model), or one its mask provably is (``key > query - w`` AND-ed with
-    ``key <= query``)."""
+    ``key <= query``, or any other spelling of that band that ``patterns.band`` proves)."""
     if m.attn_mask is None:
         return None
     window = dict(config.sliding_windows).get(path) if path else None
@@ -99,6 +101,8 @@ def sliding_window_of(m: AttentionMatch, path: str, config) -> int | None:
         form = mask_form(m.attn_mask, m.mask_invert)
         if form is not None and form.upper and form.window is not None:
             window = form.window
+        elif not m.mask_invert:  # spellings _window_of does not read (kv >= qp + (1 - w), qp - kv < w)
+            window = band_window(m.attn_mask, batch)
     return window
 
 
@@ -158,7 +162,7 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
         elif m.attn_mask is not None and isinstance(m.attn_mask, fx.Node):
             reason = _check_mask(m, qs, ks)
     if reason is None:
-        fields["window"] = sliding_window_of(m, fields["module_path"], config)
+        fields["window"] = sliding_window_of(m, fields["module_path"], config, qs[0])
         fields["softcap"] = m.softcap
         fields["alibi"] = m.alibi_slopes is not None
     if m.shared_prefix is not None:

@@ -9,8 +9,10 @@ For each match whose ``SiteReport.chosen`` is set, whose site is supported and n
 with the un-expanded K/V, ``valid_len = attnopt.valid_len_from_mask(mask, B)`` for valid-length and arbitrary
 masks under a non-dense plan, and ``out = attnopt.check_close(out, original, ...)`` under ``config.verify``.
 Variants: a softcapped site passes ``softcap=c``; a sliding-window site with a mask under a plan that reads
-windows takes its ``key_start`` and ``valid_len`` from one ``attnopt.key_range_from_mask(mask, B)`` (the first key
-any query row may see and one past the last: exact for any mask, so the kernels read only the band's keys).
+windows takes its ``key_start`` and ``valid_len`` from its band when the mask's graph proves one (``window.py``: two
+tiny ops on the query positions; a pure band then passes no mask at all, a band AND padding passes the padding),
+else from one ``attnopt.key_range_from_mask(mask, B)`` (the first key any query row may see and one past the last:
+exact for any mask, so the kernels read only the band's keys); ``ctx.window_ranges`` says which and why.
 The nodes that only fed the original attention (``repeat_kv`` copies, the eager chain) are then removed.
 """
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch.fx as fx
 
 from .constants import constant_value
 from .context import PassContext
+from .mutation import _PURE_OPERATORS
+from .window import band_key_range
 from .patterns import _SDPA_FUSED, AttentionMatch, is_aten_graph, is_metadata_assert, meta_shape, meta_val
 
 #: Default ``verify`` tolerances per dtype: (atol, rtol).
@@ -79,7 +83,8 @@ def _is_impure(node: fx.Node) -> bool:
         return True
     t = node.target
     name = getattr(t, "__name__", str(t))
-    if node.op == "call_function" and name.endswith("_") and not name.endswith("__"):
+    if node.op == "call_function" and name.endswith("_") and not name.endswith("__") \
+            and node.target not in _PURE_OPERATORS:
         return True
     try:
         # Random ops (the fused SDPA variants carry the nondeterministic_seeded tag) are safe to drop unused.
@@ -267,6 +272,16 @@ def _reads_windows(plan) -> bool:
     return "window" in get_strategy(plan.kind).variants
 
 
+def _always_reads_windows(plan) -> bool:
+    """Whether ``plan`` honours ``key_start`` on every call: every bucket of a bucketed plan reads windows (a bucket
+    that does not drops ``key_start`` and relies on the mask, which a band site may no longer pass)."""
+    from attnopt.plan import plan_from_json
+
+    if plan.kind == "bucketed":
+        return all(_always_reads_windows(plan_from_json(p)) for p in plan.plans)
+    return _reads_windows(plan)
+
+
 def _nan_empty_rows(graph: fx.Graph, out: fx.Node, mask: fx.Node, new_nodes: list) -> fx.Node:
     """NaN in the rows that ``mask`` (bool, True = attend; or additive) leaves without a visible key, as a plain
     softmax over a row of -inf gives (``AttentionMatch.empty_rows == "nan"``); the op gives 0 there."""
@@ -338,7 +353,14 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
         if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
             if site.window is not None and _reads_windows(plan) and not (m.shared_prefix is not None
                                                                          and runs_cascade(plan)):
-                key_start, valid_len = _shared_key_range(graph, ctx, m, mask, q, new_nodes)
+                drop_ok = m.empty_rows == "zero" and _always_reads_windows(plan)
+                band = band_key_range(graph, ctx, m, mask, q, new_nodes, drop_ok)
+                if isinstance(band, str):
+                    ctx.window_ranges[site_key] = "scan: " + band
+                    key_start, valid_len = _shared_key_range(graph, ctx, m, mask, q, new_nodes)
+                else:
+                    ctx.window_ranges[site_key] = "band"
+                    key_start, valid_len, mask = band
             else:
                 valid_len = _shared_valid_len(graph, ctx, m, mask, q, new_nodes)
         if m.shared_prefix is not None and runs_cascade(plan):  # the prefix and suffixes apart; the cat goes dead

@@ -48,6 +48,8 @@ _PURE_VIEWS = frozenset({
     "view", "_unsafe_view", "transpose", "permute", "expand", "expand_as", "unsqueeze", "squeeze", "t", "alias",
     "slice", "select", "narrow", "as_strided", "view_as", "detach", "swapaxes", "swapdims", "movedim", "unflatten",
 })
+#: ``operator`` functions whose trailing underscore only avoids a keyword: pure, not in place.
+_PURE_OPERATORS = (operator.and_, operator.or_, operator.not_, operator.is_)
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
                       operator.imod, operator.imatmul)
@@ -80,6 +82,8 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
                     out.append(node.args[i])
     else:
         name = _name(node)
+        if t in _PURE_OPERATORS:
+            return []
         if t is operator.setitem or t in _INPLACE_OPERATORS or _is_inplace_name(name) \
                 or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__iand__", "__ior__"):
             out.append(node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self")))

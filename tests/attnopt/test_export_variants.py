@@ -244,3 +244,19 @@ def test_half_precision_alibi_exports_as_the_body(tmp_path):
     close(got.astype("float32"), want, atol=1e-3)
     with pytest.raises(ValueError, match="half-precision.*attention='auto' or 'function'"):
         export_onnx(fn, (q, k, v), tmp_path / "y.onnx", force_plan="split_kv", attention="standard")
+
+
+@pytest.mark.parametrize("attention,opset", [("auto", 24), ("function", 24), ("auto", 23)])
+def test_pure_band_exports_its_key_start(tmp_path, attention, opset):
+    """A window whose mask is a proven band (``passes/window.py``) reaches the op with no mask, only ``key_start``
+    and ``valid_len``: the export folds the start back in, so onnxruntime still hides the keys before the window."""
+    from attnopt.bench.variants import windowed_sdpa
+
+    q, k, v = qkv(B=2, N=40)
+    pos = torch.tensor([30])
+    fn = windowed_sdpa(8)
+    path = tmp_path / "x.onnx"
+    report = export_onnx(fn, (q, k, v, pos), path, opset, force_plan="split_kv", attention=attention)
+    assert [s.site.window for s in report.sites if s.rewritten] == [8]
+    (got,) = run_ort(path, {"q": q, "k": k, "v": v, "pos": pos})
+    close(got, fn(q, k, v, pos))

@@ -530,7 +530,7 @@ def test_valid_length_mask_kind():
 def test_sliding_window_mask_is_a_window_site(spelling):
     """A mask with a window start ``key > query - w`` (Hugging Face's ``sliding_window_overlay``) is a sliding
     window (no module object needed): never "valid_length", rewritten with ``site.window`` read off the mask, the
-    kernels starting at the key start of ``key_range_from_mask``; the output is the original's."""
+    kernels reading the band's keys; the output is the original's."""
     def f(q, k, v, cache_position):
         kv_idx = torch.arange(k.shape[2])[None, None, None, :]
         qp = cache_position[None, None, :, None]
@@ -543,8 +543,9 @@ def test_sliding_window_mask_is_a_window_site(spelling):
     pos = torch.tensor([20, 21])
     r = dynamo(f, q, k, v, pos, config=OptimizeConfig(force_plan="split_kv"))
     assert r.count("sdpa") == 1 and r.sites[0].window == 8 and r.sites[0].mask_kind == "arbitrary"
-    # the key start and the valid length from one scan of the mask (one launch; they were two scans)
-    assert len(op_nodes(r.gm, "attnopt.key_range_from_mask.default")) == 1
+    # the key range read off the band's positions (passes/window.py): no scan of the mask at all
+    assert list(r.ctx.window_ranges.values()) == ["band"]
+    assert not op_nodes(r.gm, "attnopt.key_range_from_mask.default")
     assert not op_nodes(r.gm, "attnopt.valid_len_from_mask.default")
     assert not op_nodes(r.gm, "attnopt.key_start_from_mask.default")
     torch.testing.assert_close(r.out, f(q, k, v, pos), **TOL)
