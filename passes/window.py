@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .context import PassContext
 from .mutation import MutationIndex
-from .patterns import AttentionMatch, meta_dtype, meta_shape, meta_val
+from .patterns import AttentionMatch, meta_dtype, meta_shape
 from .patterns.band import Band, Bound, band_of
 from .patterns.nodes import _bare_name
 
@@ -112,56 +112,9 @@ def _emit(graph: fx.Graph, band: Band, batch: Any, new: list) -> tuple[fx.Node, 
         else:
             n = graph.call_function(torch.ops.aten.sym_size.int, (arange, 0))
             new.append(n)
-    if band.per_row and isinstance(n, int) and isinstance(batch, int) and band.lower.value is band.upper.value:
-        s = (1,) * (4 - len(meta_shape(band.lower.value))) + tuple(meta_shape(band.lower.value))
-        if s[0] in (1, batch):
-            return _both_rows(graph, band, n, batch, new)
     start = _per_batch_row(graph, band.lower, n, batch, "amin", band.per_row, new)
     end = _per_batch_row(graph, band.upper, n, batch, "amax", band.per_row, new)
     return start, end
-
-
-def _both_rows(graph: fx.Graph, band: Band, n: int, batch: int, new: list) -> tuple[fx.Node, fx.Node]:
-    """Both ends from one position per batch row in two launches, not four (what an eager graph pays): the
-    positions as a (1, B) row clamped against (2, 1) constant bounds, then shifted, giving a contiguous (2, B) whose
-    rows are the start and the end."""
-    aten = torch.ops.aten
-    x = band.lower.value
-    lo, up = band.lower.shift, band.upper.shift
-    if meta_dtype(x) != torch.int64:
-        x = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.int64})
-        new.append(x)
-    x = graph.call_function(aten.reshape.default, (x, [1, -1]))
-    new.append(x)
-    if (meta_shape(band.lower.value) or (1,))[0] != batch or len(meta_shape(band.lower.value)) < 4:
-        x = graph.call_function(aten.expand.default, (x, [1, batch]))
-        new.append(x)
-    mins, maxs, shifts = (_constant(graph, [[a], [b]], band.lower.value) for a, b in ((-lo, -up), (n - lo, n - up), (lo, up)))
-    x = graph.call_function(aten.clamp.Tensor, (x, mins, maxs))
-    both = graph.call_function(aten.add.Tensor, (x, shifts))
-    start = graph.call_function(aten.select.int, (both, 0, 0))
-    end = graph.call_function(aten.select.int, (both, 0, 1))
-    new += [x, both, start, end]
-    return start, end
-
-
-def _constant(graph: fx.Graph, value: list, like: fx.Node) -> fx.Node:
-    """A small int64 constant on ``like``'s device, registered on the graph's module and read by a ``get_attr`` placed
-    before every reader (no launch per step)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    gm = graph.owning_module
-    name = f"_attnopt_band_{sum(1 for k, _ in gm.named_buffers() if k.startswith('_attnopt_band_'))}"
-    with unset_fake_temporarily():  # aot compilers run the passes under their fake mode
-        buffer = torch.tensor(value, dtype=torch.int64, device=meta_val(like).device)
-    gm.register_buffer(name, buffer)
-    with graph.inserting_before(next(x for x in graph.nodes if x.op != "placeholder")):
-        node = graph.get_attr(name)
-    mode = getattr(meta_val(like), "fake_mode", None)
-    if mode is not None:  # the fake value later passes and the ops' fake implementations read
-        key = "example_value" if any("example_value" in x.meta for x in graph.nodes) else "val"
-        node.meta[key] = mode.from_tensor(buffer)
-    return node
 
 
 __all__ = ["band_key_range"]

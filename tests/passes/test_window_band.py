@@ -43,7 +43,7 @@ SPELLINGS = ["le_gt", "swapped", "lt_ge", "differences", "functions", "hf"]
 def _windowed(spelling: str, w: int, per_batch: bool):
     def f(q, k, v, pos):
         n = k.shape[2]
-        kv = (torch.arange(n) + 0)[None, None, None, :] if spelling == "hf" else torch.arange(n)[None, None, None, :]
+        kv = (torch.arange(n, device=k.device) + 0)[None, None, None, :] if spelling == "hf" else torch.arange(n, device=k.device)[None, None, None, :]
         qp = pos.view(pos.shape[0], 1, -1, 1) if per_batch else pos.view(1, 1, -1, 1)
         m = _band(spelling, kv, qp, w)
         if spelling == "hf":
