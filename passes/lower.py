@@ -238,6 +238,11 @@ def _slopes_per_head(gm: fx.GraphModule, ctx: PassContext, slopes: fx.Node, head
         with unset_fake_temporarily():  # aot compilers run the passes under their fake mode
             buffer = value.reshape(-1).to(torch.float32).expand(heads).contiguous()
         gm.register_buffer(name, buffer)
+        sources = getattr(gm, "_param_name_to_source", None)
+        if sources is not None:  # a dynamo graph: aot autograd wants a source for every parameter and buffer
+            from torch._dynamo.source import ConstantSource
+
+            sources[name] = ConstantSource(f"attnopt:{name}")
         with graph.inserting_before(_first_user_position(graph)):
             node = graph.get_attr(name)
         mode = getattr(meta_val(slopes), "fake_mode", None)
