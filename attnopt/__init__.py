@@ -8,8 +8,8 @@ from .api import last_plans, optimize
 from .backend import Backend
 from .config import OptimizeConfig
 from .export import export_onnx
-from .plan import (DensePlan, Plan, PlanReport, RingPlan, SaapPlan, SiteReport, SplitKVPlan, StreamKPlan, TreePlan,
-                   plan_from_json)
+from .plan import DensePlan, Plan, RingPlan, SaapPlan, SplitKVPlan, StreamKPlan, TreePlan, plan_from_json
+from .report import PlanReport, SiteReport
 from .site import AttentionSite
 
 __version__ = "0.1.0"

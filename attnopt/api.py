@@ -11,7 +11,7 @@ import torch
 
 from .backend import _ALL_REPORTS, Backend, with_call_counts
 from .config import OptimizeConfig
-from .plan import PlanReport
+from .report import PlanReport
 
 M = TypeVar("M")
 

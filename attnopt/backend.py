@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .config import OptimizeConfig, check_call
-from .plan import PlanReport
+from .report import PlanReport
 
 log = logging.getLogger("attnopt")
 

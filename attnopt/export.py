@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .config import OptimizeConfig
-from .plan import PlanReport
+from .report import PlanReport
 
 #: Opsets with the standard ``Attention`` node.
 OPSETS = (23, 24)

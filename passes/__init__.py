@@ -6,7 +6,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from attnopt.config import OptimizeConfig
-from attnopt.plan import PlanReport
+from attnopt.report import PlanReport
 
 from .context import PassContext
 from .detect import detect

@@ -7,7 +7,7 @@ from typing import Any
 
 from attnopt.config import OptimizeConfig
 from attnopt.hardware import HardwareProfile
-from attnopt.plan import PlanReport
+from attnopt.report import PlanReport
 
 _graph_ids = itertools.count()
 

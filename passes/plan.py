@@ -7,7 +7,7 @@ import math
 
 import torch.fx as fx
 
-from attnopt.plan import Rejection, SiteReport
+from attnopt.report import Rejection, SiteReport
 
 from .context import PassContext
 

@@ -39,7 +39,7 @@ def load_log(path: str, all_sites: bool = False):
 
     Anything else (a directory, a binary file, a line that is not a JSON object or has fields of the wrong type)
     raises ``ValueError`` naming the file and the line."""
-    from attnopt.plan import PlanReport
+    from attnopt.report import PlanReport
 
     p = Path(path)
     if p.is_dir():

@@ -8,7 +8,8 @@ import pytest
 
 from attnopt.cli import EXIT_BROKEN_PIPE
 from attnopt.cli import main as cli_main
-from attnopt.plan import DensePlan, PlanReport, SiteReport
+from attnopt.plan import DensePlan
+from attnopt.report import PlanReport, SiteReport
 from attnopt.site import AttentionSite
 
 

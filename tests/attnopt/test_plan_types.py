@@ -7,8 +7,8 @@ import torch
 
 from attnopt import AttentionSite, PlanReport, SiteReport
 from attnopt.hardware import builtin_profile
-from attnopt.plan import (PLAN_KINDS, DensePlan, Rejection, SplitKVPlan, StreamKPlan, compact_paths, plan_from_dict,
-                         plan_from_json)
+from attnopt.plan import PLAN_KINDS, DensePlan, SplitKVPlan, StreamKPlan, plan_from_dict, plan_from_json
+from attnopt.report import Rejection, compact_paths
 from attnopt.runtime import reference
 from attnopt.runtime.strategies import STRATEGIES, PlanContext
 

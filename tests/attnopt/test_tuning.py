@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import attnopt
 from attnopt import tuning
 from attnopt.hardware import builtin_profile
-from attnopt.plan import BucketedPlan, DensePlan, PlanReport, SiteReport, SplitKVPlan, plan_from_json
+from attnopt.plan import BucketedPlan, DensePlan, SplitKVPlan, plan_from_json
+from attnopt.report import PlanReport, SiteReport
 from attnopt.runtime import ops
 from attnopt.runtime.reference import decode_attention
 from attnopt.runtime.strategies import PlanContext

@@ -232,7 +232,8 @@ for _name, _content, _match in [
 # CLI
 @works("attnopt plans --json log | head, through python -m attnopt")
 def _broken_pipe(tmp):
-    from attnopt.plan import DensePlan, PlanReport, SiteReport
+    from attnopt.plan import DensePlan
+    from attnopt.report import PlanReport, SiteReport
     from attnopt.site import AttentionSite
 
     sites = [SiteReport(site=AttentionSite.canonical(node=f"n{i}"), chosen=DensePlan(), rewritten=True)

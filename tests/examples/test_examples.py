@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from attnopt.hf import ModelNotAvailableError, smollm2_gguf_path  # noqa: E402
-from attnopt.plan import PlanReport  # noqa: E402
+from attnopt.report import PlanReport  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "generate_smollm2.py"

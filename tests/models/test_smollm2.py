@@ -27,7 +27,7 @@ pytest.importorskip("gguf")
 
 import attnopt  # noqa: E402
 from attnopt.hf import ModelNotAvailableError, chat_prompt, load_smollm2  # noqa: E402
-from attnopt.plan import PlanReport  # noqa: E402
+from attnopt.report import PlanReport  # noqa: E402
 from attnopt.runtime.ops import CALL_COUNTS  # noqa: E402
 
 NEW_TOKENS = 32

@@ -515,7 +515,7 @@ def test_backend_refuses_decode_sites_left_over_shards():
     """With a process group, a decode site that could not be rewritten must raise (over a shard it would be
     wrong); prefill sites left alone are fine."""
     from attnopt.backend import check_no_decode_left_over_shards
-    from attnopt.plan import PlanReport, Rejection, SiteReport
+    from attnopt.report import PlanReport, Rejection, SiteReport
     from attnopt.runtime.distributed import DistributedDecodeError
     from attnopt.site import AttentionSite
 
