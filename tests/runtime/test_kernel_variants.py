@@ -53,6 +53,13 @@ def _run(kernel: str, q, k, v, *, splits_or_grid: int, **kw):
     return out
 
 
+def _assert_every_split(kernel: str, q, k, v, ref, tol: float, splits: tuple[int, ...] = (1, 3), **kw):
+    """``kernel`` at each split count (or stream-K grid) of ``splits`` is within ``tol`` (max abs) of ``ref``."""
+    for n in splits:
+        err = (_run(kernel, q, k, v, splits_or_grid=n, **kw).double() - ref).abs().max().item()
+        assert err < tol, f"{kernel} ({n}): max abs error {err:.3e}"
+
+
 def _inputs(B, Hkv, G, L, N, D, dtype, device):
     q = torch.randn(B, Hkv * G, L, D, dtype=dtype, device=device)
     k = torch.randn(B, Hkv, N, D, dtype=dtype, device=device)
@@ -76,10 +83,7 @@ def test_window_reads_from_the_key_start(device, kernel):
     for b, s in enumerate(start.tolist()):  # poison every key below the start's tile
         k[b, :, :s // BN * BN] = float("nan")
         v[b, :, :s // BN * BN] = float("nan")
-    for n in (1, 3):
-        out = _run(kernel, q, k, v, splits_or_grid=n, attn_mask=mask, valid_len=valid, key_start=start)
-        err = (out.double() - ref).abs().max().item()
-        assert err < 2e-5, f"{kernel} ({n}): max abs error {err:.3e}"
+    _assert_every_split(kernel, q, k, v, ref, 2e-5, attn_mask=mask, valid_len=valid, key_start=start)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -95,10 +99,7 @@ def test_key_start_without_mask_hides_earlier_keys(device, kernel):
     assert ref[2].abs().max() == 0  # no key: SDPA's 0
     torch.testing.assert_close(ref.float(), decode_attention(q, k, v, valid_len=valid, key_start=start,
                                                              num_partitions=3).float(), atol=1e-6, rtol=1e-6)
-    for n in (1, 4):
-        out = _run(kernel, q, k, v, splits_or_grid=n, valid_len=valid, key_start=start)
-        err = (out.double() - ref).abs().max().item()
-        assert err < 2e-5, f"{kernel} ({n}): max abs error {err:.3e}"
+    _assert_every_split(kernel, q, k, v, ref, 2e-5, splits=(1, 4), valid_len=valid, key_start=start)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -159,10 +160,7 @@ def test_softcap_matches_reference(device, kernel):
     s = (q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2)) * scale
     direct = torch.softmax(torch.tanh(s) * cap + mask.double(), -1) @ v.double().repeat_interleave(G, 1)
     torch.testing.assert_close(ref, direct)  # the oracle's cap is Gemma 2's
-    for n in (1, 3):
-        out = _run(kernel, q, k, v, splits_or_grid=n, attn_mask=mask, scale=scale, softcap=cap)
-        err = (out.double() - ref).abs().max().item()
-        assert err < 5e-5, f"{kernel} ({n}): max abs error {err:.3e}"
+    _assert_every_split(kernel, q, k, v, ref, 5e-5, attn_mask=mask, scale=scale, softcap=cap)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -178,10 +176,7 @@ def test_alibi_matches_reference(device, kernel):
     bias = slopes[None, :, None, None] * torch.arange(N, device=dev, dtype=torch.float32)
     ref = sdpa_float64(q, k, v, attn_mask=mask + bias)
     torch.testing.assert_close(ref, sdpa_float64(q, k, v, attn_mask=mask, alibi_slopes=slopes))
-    for n in (1, 3):
-        out = _run(kernel, q, k, v, splits_or_grid=n, attn_mask=mask, alibi_slopes=slopes)
-        err = (out.double() - ref).abs().max().item()
-        assert err < 5e-5, f"{kernel} ({n}): max abs error {err:.3e}"
+    _assert_every_split(kernel, q, k, v, ref, 5e-5, attn_mask=mask, alibi_slopes=slopes)
     with pytest.raises(ValueError, match="alibi_slopes must be"):
         _run(kernel, q, k, v, splits_or_grid=1, alibi_slopes=slopes[:2])
 
