@@ -201,6 +201,9 @@ class SaapPlan(Plan):
     #: Kernel programs per (batch row, KV head) and attended keys per tile.
     num_splits: int = 8
     block_n: int = 64
+    #: Two launches instead of four (five with the query MLP: one fewer each): the scoring launch also selects and
+    #: the attention launch also merges, each by its last program to arrive (an arrival counter).
+    fused: bool = True
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

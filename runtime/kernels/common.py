@@ -462,6 +462,46 @@ def _merge_step(mm, den, acc, pl, po, pll):
 
 
 @triton.jit
+def _arrive_and_merge(counter_ptr, tile, arrivals, o_ptr, lse_ptr, out_ptr, lse_out_ptr, mb, b, kvh, offs_dv,
+                      stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls, stride_lb, stride_lh,
+                      stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl, stride_fd, stride_gb, stride_gh,
+                      stride_gl, NUM_PARTS, L, G, DV, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                      MERGE_P: tl.constexpr, WRITE_LSE_OUT: tl.constexpr):
+    """The in-launch merge of a split decode: count this program's arrival at output ``tile`` (its partial is stored);
+    the ``arrivals``-th program to arrive merges the tile's NUM_PARTS partials, (S, B, Hq, L, Dv) outputs at ``o_ptr``
+    and (row max, log l) planes at ``lse_ptr`` / ``lse_ptr + stride_lpart`` (int32 offsets: the workspace is small),
+    over the tile's real rows, into the final (B, Hq, L, Dv) ``out_ptr`` and (B, Hq, L) ``lse_out_ptr``, then resets
+    the counter (zero before and after every launch)."""
+    tl.debug_barrier()  # every thread's partial is stored before the release below
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == arrivals - 1:
+        tl.debug_barrier()
+        r, gc, ic, ok_c = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
+        hc = kvh * G + gc
+        o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
+        l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
+        offs_p = tl.arange(0, MERGE_P)
+        mm = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        den = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, offs_dv.shape[0]], dtype=tl.float32)
+        for s0 in range(0, NUM_PARTS, MERGE_P):
+            sp = s0 + offs_p
+            sp_ok = sp < NUM_PARTS
+            pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=sp_ok[:, None] & ok_c[None, :],
+                         other=float("-inf"), cache_modifier=".cg")
+            pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :],
+                          mask=sp_ok[:, None] & ok_c[None, :], other=float("-inf"), cache_modifier=".cg")
+            po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None] + offs_dv[None, None, :] * stride_od,
+                         mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV), other=0.0,
+                         cache_modifier=".cg")
+            mm, den, acc = _merge_step(mm, den, acc, pl, po, pll)
+        o2, lse2 = _finish(acc, mm, den)
+        _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh, stride_fl,
+                    stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
+        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
 def _finish(acc, m_i, l_i):
     """Normalise a state: (o (BLOCK_M, BLOCK_DV) fp32, lse (BLOCK_M,) natural log); empty rows -> (0, -inf)."""
     empty = l_i == 0.0

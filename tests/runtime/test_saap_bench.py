@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import STAGES, budget, saap_geometries, speed_verdict, stage_of, unchained
+from attnopt.bench.saap import STAGES, budget, fused_choices, saap_geometries, speed_verdict, stage_of, unchained
 from attnopt.cli import build_parser
 
 
@@ -59,6 +59,15 @@ def test_geometry_sweep_options():
     for splits, block_n in (("-1", ""), ("", "48"), ("x", "")):
         with pytest.raises(ValueError, match="--saap-block-n 0"):
             saap_geometries(splits, block_n)
+
+
+def test_fused_choice_option():
+    assert fused_choices("1,0") == [True, False] and fused_choices("0") == [False] and fused_choices("1,1") == [True]
+    for bad in ("2", "yes", ","):
+        with pytest.raises(ValueError, match="--saap-fused takes"):
+            fused_choices(bad)
+    args = build_parser().parse_args(["bench", "saap"])
+    assert fused_choices(args.saap_fused) == [True, False]
 
 
 def test_bench_saap_is_registered():
