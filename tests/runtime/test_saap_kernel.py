@@ -154,10 +154,11 @@ def test_kernel_with_more_splits_than_tiles_gives_empty_partials_not_nan(fused):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("N,C,probes", [(4096, 64, 5), (70000, 1024, 200)])
-def test_kernel_bf16_compiled_on_the_gpu(N, C, probes):
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernel_bf16_compiled_on_the_gpu(N, C, probes, fused):
     """Compiled on a GPU (bf16 is wrong in the interpreter): long sequences, many clusters and probes."""
     keep = run_case(1, 32, 8, N, 128, 1, C, probes, sink=1, window=512, prompt=N - 1, dtype=torch.bfloat16,
-                    splits=16, block_n=64)
+                    splits=16, block_n=64, fused=fused)
     assert float(keep.float().mean()) < 0.9
 
 
@@ -243,7 +244,8 @@ def test_derope_is_accurate_at_half_a_million_positions():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mlp", [False, True])
-def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
+@pytest.mark.parametrize("fused", [False, True])
+def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused):
     """bf16 on a GPU: scoring, selection, attention and merge captured once in a CUDA graph, replayed at three
     valid lengths (read on the device); each replay equals the reference over the sparse set the PyTorch scores
     pick, and the selectivity counter counts every replay."""
@@ -266,7 +268,8 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
 
     def call():
         saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
-                           scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64)
+                           scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64,
+                           fused=fused)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -286,6 +289,7 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
         want, _ = saap_decode_states(q, k[:, :, :n], v[:, :, :n], keep, D ** -0.5)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     assert float(stats[1]) == 3.0 and 0.0 < float(stats[0]) / 3 < 0.5
+    assert int(ws.counters.abs().sum()) == 0 and int(ws.select.counters.abs().sum()) == 0  # every replay resets them
 
 
 @pytest.mark.parametrize("seed", range(4))
