@@ -357,9 +357,11 @@ def select_warps(block_c: int) -> int:
 
 def fused_select_warps(block_c: int) -> int:
     """Warps of the fused scoring-and-selection launch: its last program per head selects, so as many as the
-    selection's own launch takes (``select_warps``; compiled for sm_90 at 2048 clusters, 8 warps spill 32 bytes
-    a thread, 16 none)."""
-    return select_warps(block_c)
+    selection's own launch takes (``select_warps``), but at most 8. Every chunk program of the scoring has them:
+    compiled for sm_90 at 2048 clusters, 16 warps take 128 registers a thread, the whole register file of an SM, so
+    the 256 programs of llama3-8b's 8 heads would run in two waves on an H100; 8 warps (128 registers) fit two
+    programs an SM, one wave."""
+    return min(8, select_warps(block_c))
 
 
 def block_rows_for(rows: int) -> int:
