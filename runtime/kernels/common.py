@@ -462,6 +462,20 @@ def _merge_step(mm, den, acc, pl, po, pll):
 
 
 @triton.jit
+def _load_partials(o_ptr, lse_ptr, sp, NUM_PARTS, o_row, l_row, ok_c, offs_dv, stride_os, stride_od, stride_ls,
+                   stride_lpart, DV):
+    """Partials ``sp`` (MERGE_P,) of a merge, read past L1 (other programs of this launch wrote them): row maxima and
+    log l (MERGE_P, BLOCK_R), -inf where absent, and outputs (MERGE_P, BLOCK_R, BLOCK_DV)."""
+    ok = (sp < NUM_PARTS)[:, None] & ok_c[None, :]
+    pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+    pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :], mask=ok, other=float("-inf"),
+                  cache_modifier=".cg")
+    po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None] + offs_dv[None, None, :] * stride_od,
+                 mask=ok[:, :, None] & (offs_dv[None, None, :] < DV), other=0.0, cache_modifier=".cg")
+    return pl, pll, po
+
+
+@triton.jit
 def _arrive_and_merge(counter_ptr, tile, arrivals, o_ptr, lse_ptr, out_ptr, lse_out_ptr, mb, b, kvh, offs_dv,
                       stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls, stride_lb, stride_lh,
                       stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl, stride_fd, stride_gb, stride_gh,
@@ -481,20 +495,28 @@ def _arrive_and_merge(counter_ptr, tile, arrivals, o_ptr, lse_ptr, out_ptr, lse_
         o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
         l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
         offs_p = tl.arange(0, MERGE_P)
+        # The common maximum first (the row-max plane only: MERGE_P partials a load, all loads independent), so that
+        # each step's weights need nothing from the step before; the steps then run software-pipelined, the next
+        # step's partials loaded before this step's sums, and the tail costs about one L2 round trip, not one a step.
         mm = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        den = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_R, offs_dv.shape[0]], dtype=tl.float32)
         for s0 in range(0, NUM_PARTS, MERGE_P):
             sp = s0 + offs_p
-            sp_ok = sp < NUM_PARTS
-            pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=sp_ok[:, None] & ok_c[None, :],
-                         other=float("-inf"), cache_modifier=".cg")
-            pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :],
-                          mask=sp_ok[:, None] & ok_c[None, :], other=float("-inf"), cache_modifier=".cg")
-            po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None] + offs_dv[None, None, :] * stride_od,
-                         mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV), other=0.0,
-                         cache_modifier=".cg")
-            mm, den, acc = _merge_step(mm, den, acc, pl, po, pll)
+            pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :],
+                         mask=(sp < NUM_PARTS)[:, None] & ok_c[None, :], other=float("-inf"), cache_modifier=".cg")
+            mm = tl.maximum(mm, tl.max(pl, axis=0))
+        m_use = tl.where(mm == float("-inf"), 0.0, mm)  # rows empty in every partial: weights 0, no NaN
+        den = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, offs_dv.shape[0]], dtype=tl.float32)
+        pl, pll, po = _load_partials(o_ptr, lse_ptr, offs_p, NUM_PARTS, o_row, l_row, ok_c, offs_dv, stride_os,
+                                     stride_od, stride_ls, stride_lpart, DV)
+        for s0 in range(0, NUM_PARTS, MERGE_P):
+            pl_next, pll_next, po_next = _load_partials(o_ptr, lse_ptr, s0 + MERGE_P + offs_p, NUM_PARTS, o_row, l_row,
+                                                        ok_c, offs_dv, stride_os, stride_od, stride_ls, stride_lpart,
+                                                        DV)
+            w = tl.exp2(((pl - m_use[None, :]) + pll) * 1.4426950408889634)  # 0 for empty partials and padding
+            den += tl.sum(w, axis=0)
+            acc += tl.sum(w[:, :, None] * po, axis=0)
+            pl, pll, po = pl_next, pll_next, po_next
         o2, lse2 = _finish(acc, mm, den)
         _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh, stride_fl,
                     stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)

@@ -296,7 +296,7 @@ def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, 
 def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
                        block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None,
-                       window_splits=None, fused=False):
+                       window_splits=None, fused_select=False, fused_merge=False):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -315,9 +315,9 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     window_splits : splits that share the sink and the window (the rest share the clusters; see
         ``window_split_count``); None: by the keys the sink and window hold at N keys against ``probes`` clusters of
         average size.
-    fused : two launches instead of four (five with the MLP: one fewer each): the scoring launch also selects (its
-        last chunk program per head), and the attention launch also merges (its last split per tile), each by an
-        arrival counter that every launch leaves at zero.
+    fused_select : the scoring launch also selects (its last chunk program per head; one launch fewer).
+    fused_merge : the attention launch also merges (its last split per tile; one launch fewer). Each counts its
+        programs' arrivals in a counter that every launch leaves at zero; both: two launches (three with the MLP).
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -334,11 +334,11 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         raise ValueError(f"saap_decode_kernel: window_splits must be in [0, {S}) for {S} splits; got {window_splits}")
     pdl = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
-                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl, fused=fused)
+                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl, fused=fused_select)
     upcast, precision = dot_flags(q.dtype)
     has_valid = valid_len is not None
     ws_o, ws_lse = workspace.o, workspace.lse
-    fused = bool(fused) and S > 1
+    fused = bool(fused_merge) and S > 1
     final_lse = lse if lse is not None else out
     _SAAP_LAUNCH(
         (S, B * Hkv * geo.num_m), q, k, v, sel.incl, sel.shift, sel.total, perm, indexed_end,

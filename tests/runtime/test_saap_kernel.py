@@ -53,7 +53,7 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
                        valid_len=None if vl is None else vl.to(dev), stats=stats, workspace=ws, block_n=block_n,
-                       window_splits=window_splits, fused=fused)
+                       window_splits=window_splits, fused_select=fused, fused_merge=fused)
     assert int(ws.counters.abs().sum()) == 0, "the fused merge left an arrival counter non-zero"
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
@@ -210,7 +210,7 @@ def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, va
     ws = saap_workspace(3, q.to(dev), v.to(dev), Hkv, C, scorer.hidden)
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        state.ends.to(dev), out, lse, probes=probes, sink=sink, scale=0.125, scorer=scorer,
-                       valid_len=vl, workspace=ws, block_n=32, fused=fused)
+                       valid_len=vl, workspace=ws, block_n=32, fused_select=fused, fused_merge=fused)
     sel = ws.select
     assert int(sel.counters.abs().sum()) == 0 and int(ws.counters.abs().sum()) == 0  # ready for the next launch
     logits = sel.logits.cpu()  # (B, Hkv, G * L, C)
@@ -269,7 +269,7 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused):
     def call():
         saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
                            scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64,
-                           fused=fused)
+                           fused_select=fused, fused_merge=fused)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -84,7 +84,8 @@ def _record(monkeypatch, block_n: int, fused: bool = False) -> list[dict]:
     saap_decode_kernel(q, k, v, offsets, perm, torch.full((B,), N - 39, dtype=torch.int32), torch.empty_like(q),
                        probes=100, sink=1, scale=D ** -0.5, scorer=SaapScorer(torch.randn(Hkv, C, D),
                                                                                torch.rand(D // 2), None),
-                       stats=torch.zeros(2, dtype=torch.float64), num_splits=8, block_n=block_n, fused=fused)
+                       stats=torch.zeros(2, dtype=torch.float64), num_splits=8, block_n=block_n, fused_select=fused,
+                       fused_merge=fused)
     # fused, the selection runs in the scoring launch (its last program per head)
     names = ("_saap_kernel", "_saap_rows_kernel") if fused else ("_saap_kernel", "_saap_select_kernel",
                                                                   "_saap_rows_kernel")

@@ -117,7 +117,8 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
         pytest.skip("the Triton interpreter is not on")
     monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
-    plan = SaapPlan(index=index_path, probes=3, sink=1, window=8, layer=1, num_splits=3, block_n=16, fused=fused)
+    plan = SaapPlan(index=index_path, probes=3, sink=1, window=8, layer=1, num_splits=3, block_n=16,
+                    fused_select=fused, fused_merge=fused)
     registry.set_state(index_path, 1, build_clusters(registry.get_index(index_path), 1, k, 85, 1, 8))
     state = SAAP.prepare(plan, q, k, v)
     launches, ops = [], []
