@@ -1,5 +1,7 @@
 """SAAP sparse decode: scoring and top-l selection (``saap_select``: one or two scoring launches and one selection
-launch), the attention launch over the sink, the recent window and the chosen clusters, and the shared merge.
+launch), the attention launch over the sink, the recent window and the chosen clusters, and the shared merge. Fused
+(``fused_select``, ``fused_merge``), the same work takes two launches: the scoring launch's last program per head
+selects, and the attention launch's last split per tile merges (``common._arrive_and_merge``).
 
 The selection leaves a compact work list per (batch row, KV head): the chosen non-empty clusters in cluster order,
 their inclusive key prefix and their shift into the cluster-sorted ``perm``. The attention launch's first W splits

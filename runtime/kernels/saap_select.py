@@ -1,4 +1,5 @@
-"""SAAP scoring and top-l selection on the device, in two or three small launches before the attention launch.
+"""SAAP scoring and top-l selection on the device, in two or three small launches before the attention launch (one or
+two fused: then the last of a head's logit programs to finish, counted by an arrival counter, runs the selection).
 
 1. ``_saap_rows_kernel`` (one launch with centroid scoring, two with the query MLP): per (batch row x KV head,
    chunk of outputs), the group's G x L query rows times a chunk of a weight matrix, to fp32 accuracy. From
@@ -7,8 +8,9 @@
    chunk's row maximum and sum of exponentials so that the selection can normalise every row's softmax.
 2. ``_saap_select_kernel``, one program per (batch row, KV head): the group-summed cluster distribution
    (``sum over rows of exp(logit - lse_row)``, the reference's ``softmax(...).sum``), the threshold of the
-   top ``probes`` scores by a radix select on the scores' bits (8 rounds of 4 bits up to 2048 clusters, each one
-   ``tl.histogram`` of the next digit: no sort and no compare per candidate digit),
+   top ``probes`` scores by a radix select on the scores' bits (up to 8 rounds of 4 bits up to 2048 clusters, each
+   one ``tl.histogram`` of the next digit: no sort and no compare per candidate digit; it stops once the keys at or
+   above the threshold so far are exactly ``probes``),
    and the work list the attention launch reads: the chosen non-empty clusters in cluster order, compacted, with
    their inclusive key prefix (padding: INT32_MAX) and ``perm`` shift, plus the number of keys they hold. It also
    adds the call's selectivity to a device-side accumulator.

@@ -4,12 +4,12 @@ The planner offers it only when the user passes an index (``attnopt.optimize(mod
 which fills ``PlanContext.extras["saap"]``), and only at the layers the index covers (layer 0 stays dense). It is
 *not* exact attention: the user opted in to an approximation. The plan carries the index path and its layer; at
 run time the op finds the loaded index and the live sequence's clusters in ``runtime.saap.registry``, where a
-``saap_cache`` built them at prefill. On CUDA (or the interpreter) a call is four launches (five with the query
-MLP): the scoring (de-roping, centroid or MLP logits), the selection (group softmax sums, top-l threshold, the work
-list, the selectivity counter), the attention over sink + window + chosen clusters, and the merge; by default
-(``fused_select``, ``fused_merge``) two launches (three with the MLP): the scoring launch's last program per head
-selects, the attention launch's last split per tile merges. On the CPU the
-pure-PyTorch reference does the same with ``torch.topk``. Each call adds its selectivity to a device-side counter
+``saap_cache`` built them at prefill. On CUDA (or the interpreter) a call runs the scoring (de-roping, centroid or
+MLP logits), the selection (group softmax sums, top-l threshold, the work list, the selectivity counter), the
+attention over sink + window + chosen clusters, and the merge: two launches by default (three with the MLP; the
+scoring launch's last program per head selects, the attention launch's last split per tile merges), four (five)
+without the plan's ``fused_select`` and ``fused_merge``. On the CPU the pure-PyTorch reference does the same with
+``torch.topk``. Each call adds its selectivity to a device-side counter
 that the plan table reads.
 """
 from __future__ import annotations
