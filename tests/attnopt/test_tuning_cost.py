@@ -141,23 +141,54 @@ def test_a_bucket_is_timed_at_its_geometric_middle():
 
 
 def test_buckets_are_tuned_from_the_hint_outwards_within_one_shared_budget(cache, monkeypatch):
-    """Each timing costs 1 s of a fake clock and the budget is 4 s a shape, 12 s for all buckets: the hint's bucket
-    (8k) and its neighbours get every candidate, the farthest only the model's pick and the first SDPA backend."""
+    """Each timing costs 1 s of a fake clock, the budget is 4 s of timing a shape (five timings start within it), 12 s
+    of compiling for all buckets: the hint's bucket (8k) and its neighbours warm every candidate; the buckets that
+    start later compile nothing new: they time
+    the model's pick, the SDPA backends and the candidates whose kernels (``compile_key``) an earlier bucket
+    compiled, and leave the others out (not even "skipped")."""
     now = [0.0]
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: now[0])
     site = dataclasses.replace(AttentionSite.canonical(), kv_len=None, kv_len_hint=6000)
     timer = Clocked(lambda p, s: 5.0 if p.kind == "dense" else 9.0, now, cost_s=1.0)
     tuner = Tuner(timer, cache, env=ENV, budget_s=4.0)
-    choice = tuner.choose_bucketed(site, _ranked)
+    started: dict[int, float] = {}
+
+    def rank(at):
+        started.setdefault(at.kv_len, now[0])
+        return _ranked(at)
+    choice = tuner.choose_bucketed(site, rank)
     order = list(dict.fromkeys(n for _, n in timer.calls))
     hint = tuning.BUCKETS.index(8192)
     expect = sorted(range(len(tuning.BUCKETS)), key=lambda i: (abs(i - hint), i))
     assert order == [tuning.bucket_length(tuning.BUCKETS[i]) for i in expect]
-    per_bucket = {n: sum(1 for _, m in timer.calls if m == n) for n in order}
-    assert per_bucket[order[0]] >= 5 and per_bucket[order[-1]] == 2  # skipped: budget spent, the pair still timed
-    assert now[0] <= tuning.BUCKETED_BUDGET_FACTOR * 4.0 + 2 * len(tuning.BUCKETS)
+    compiled: set[str] = set()
+    left_out = 0
+    for n in order:
+        plans = tuning.to_time(_ranked(dataclasses.replace(site, kv_len=n, kv_len_hint=None)), tuning.DEFAULT_TOP_K)
+        timed = {k for k, m in timer.calls if m == n}
+        if started[n] <= tuning.BUCKETED_BUDGET_FACTOR * 4.0:  # all warmed; the 4 s budget times the first five
+            warmed = plans
+            assert timed == {p.runtime_key() for p in plans[:5]}
+        else:
+            warmed = [p for i, p in enumerate(plans) if i < 2 or p.kind == "dense" or tuning.compile_key(p) in compiled]
+            assert timed == {p.runtime_key() for p in warmed[:5]}
+            left_out += len(plans) - len(warmed)
+        compiled |= {tuning.compile_key(p) for p in warmed}
+    assert left_out > 0 and started[order[-1]] > tuning.BUCKETED_BUDGET_FACTOR * 4.0
     assert choice.choice == "measured" and choice.measured_us == 5.0  # dense was faster in every bucket
     assert choice.plan.kind == "dense"
+
+
+def test_compile_keys_ignore_the_grid_but_not_what_triton_specializes():
+    """Split counts apart from 1 and multiples of 16 share kernels; block size, warps, stages, TMA do not."""
+    def key(**kw):
+        return tuning.compile_key(SplitKVPlan(**{"num_splits": 5, "block_n": 64, **kw}))
+    assert key(num_splits=5) == key(num_splits=7) != key(num_splits=1)
+    assert key(num_splits=16) == key(num_splits=32) != key(num_splits=5)
+    assert len({key(), key(block_n=128), key(num_warps=8), key(num_stages=3), key(tma=True)}) == 5
+    from attnopt.plan import StreamKPlan
+
+    assert tuning.compile_key(StreamKPlan(grid=132)) == tuning.compile_key(StreamKPlan(grid=264))
 
 
 def test_the_planner_shares_one_tuner_per_process(monkeypatch, tmp_path):
@@ -265,13 +296,39 @@ def test_a_near_tie_in_a_bucket_is_decided_at_its_ends(cache):
 def test_no_tie_no_ends_and_the_faster_keeps_a_tie_that_holds(cache):
     site = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
     span = tuning.bucket_span(4096)
-    clear = Clocked(_two_close(site, lambda n: 10.0, lambda n: 10.5))  # 5 % apart: no tie
+    clear = Clocked(_two_close(site, lambda n: 10.0, lambda n: 11.0))  # 10 % apart: no tie, cuDNN beyond PEER_SPAN
     Tuner(clear, cache, env=ENV).choose(site, _ranked(site), bucketed=True, span=span)
-    assert {n for _, n in clear.calls} == {2880}
+    assert {n for _, n in clear.calls} == {2880} and tuning.PEER_SPAN < 0.1
     site2 = dataclasses.replace(site, batch=2)  # another shape: not cached
     steady = Clocked(_two_close(site2, lambda n: 10.0, lambda n: 10.2))  # a tie, the same at both ends
     choice = Tuner(steady, cache, env=ENV).choose(site2, _ranked(site2), bucketed=True, span=span)
     assert {n for _, n in steady.calls} == {2880, 2112, 4096} and choice.plan.kind != "dense"
+
+
+def test_a_kernel_winner_is_judged_against_a_close_dense_plan_at_the_bucket_ends(cache):
+    """5 % apart at the middle is no near tie of two kernel plans, but cuDNN (within PEER_SPAN) is timed with the
+    kernel winner at the bucket's ends: 10 % faster at the short end, it wins the worst ratio (1.05 vs 1.11)."""
+    site = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
+    span = tuning.bucket_span(4096)
+    timer = Clocked(_two_close(site, lambda n: 10.0, lambda n: {2880: 10.5, 2112: 9.0, 4096: 10.5}[n]))
+    choice = Tuner(timer, cache, env=ENV).choose(site, _ranked(site), bucketed=True, span=span)
+    assert choice.plan.kind == "dense" and choice.plan.backend == "cudnn"
+    assert sorted(n for _, n in timer.calls if n != 2880) == [2112, 2112, 4096, 4096]
+
+
+def test_a_kernel_plan_must_beat_the_peer_by_the_margin(cache):
+    """A fixed shape: a kernel plan 0.5 % ahead of cuDNN is within the timing noise, so cuDNN (the peer's own kernel)
+    is kept; 3 % ahead, the kernel plan wins. In a bucket the same margin weighs the worst ratios."""
+    site = AttentionSite.canonical(kv_len=4000)
+    narrow = Tuner(Clocked(_two_close(site, lambda n: 10.0, lambda n: 10.05)), cache, env=ENV)
+    assert narrow.choose(site, _ranked(site)).plan.backend == "cudnn"
+    site2 = dataclasses.replace(site, batch=2)
+    clear = Tuner(Clocked(_two_close(site2, lambda n: 10.0, lambda n: 10.3)), cache, env=ENV)
+    assert clear.choose(site2, _ranked(site2)).plan.kind != "dense"
+    site3 = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
+    same = Clocked(_two_close(site3, lambda n: 10.0, lambda n: 10.05))  # 0.5 % at every length
+    choice = Tuner(same, cache, env=ENV).choose(site3, _ranked(site3), bucketed=True, span=tuning.bucket_span(4096))
+    assert choice.plan.backend == "cudnn" and tuning.PEER_MARGIN == 0.01
 
 
 def test_buckets_pass_their_span():
