@@ -2,7 +2,7 @@
 
 For each case (``planner_grid``: the issue's named shapes, the grid's corners, a seeded Latin-hypercube sample of
 the grid, a few shapes off it; with ``--cases`` only the cases named, which may include the e2e bench's nearly full
-static caches, ``e2e-*``), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
+static caches, ``e2e-*``, and sampled or held-out shapes by a name that spells them, ``planner_grid.case_of``), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
 the mask passed in for a static cache) goes through ``attnopt.optimize`` with the datasheet profile, exactly as a
 user calls it, with the measured choice on (``ATTNOPT_TUNE=1``, a fresh tuning cache; timing device time as for
 ``mode="reduce-overhead"``, since this bench times CUDA-graph replays). Its first call (compile, plan, tuning) is
@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--off-grid", type=int, default=4, help="seeded shapes off the grid (default 4)")
     p.add_argument("--seed", type=int, default=19, help="seed of the sample (default 19)")
     p.add_argument("--cases", default=None,
-                   help="only these cases (comma-separated; named, corner or e2e-* names), before the sample")
+                   help="only these cases (comma-separated; named, corner or e2e-* names, or a shape spelled as the "
+                        "sampled cases are: PREFIX-B<b>-<Hq>/<Hkv>-d<D>-N<N>-q<L>-<cache>), before the sample")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--inner-backend", default=None,
                    help="optimize()'s inner backend, and torch.compile's for the compiled peer (default: inductor; "

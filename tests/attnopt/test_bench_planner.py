@@ -189,3 +189,14 @@ def test_named_runs_pick_their_cases_and_the_e2e_caches_are_nearly_full():
     from attnopt.bench.planner import _args_of
 
     assert len(_args_of({"q": 1, "k": 2, "v": 3, "mask": 4}, "static-full")) == 4
+
+
+def test_every_sampled_name_spells_its_shape_and_held_out_shapes_can_be_named():
+    """--cases takes a sampled case by its name (a GPU rerun of the misses) and any shape spelled the same way."""
+    sampled = {**G.off_grid(4, 19), **G.latin_hypercube(40, 19)}
+    assert all(G.case_of(name) == case for name, case in sampled.items())
+    assert G.all_cases(0, 0, 19, ("x-B3-12/4-d96-N5000-q1-dynamic",)) == {
+        "x-B3-12/4-d96-N5000-q1-dynamic": (3, 12, 4, 96, 5000, 1, "dynamic")}
+    for bad in ("x-B3-12/5-d96-N5000-q1-dynamic", "x-B3-12/4-d96-N5000-q1-growing", "lhs01"):
+        with pytest.raises(ValueError, match="unknown case"):
+            G.all_cases(0, 0, 19, (bad,))
