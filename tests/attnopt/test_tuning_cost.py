@@ -419,3 +419,25 @@ def test_a_short_static_cache_is_never_timed_past_its_length(cache):
     timer = Clocked(lambda p, s: 10.0)
     Tuner(timer, cache, env=ENV).choose(site, _ranked(site))
     assert {n for _, n in timer.calls} == {48}
+
+
+def test_a_dense_static_winner_is_judged_against_several_readers_at_a_low_fill(cache):
+    """4k of a 32k cache: cuDNN is fastest full, two kernel plans within STATIC_DENSE_TIE of it; the one slower full
+    but faster over an eighth of the keys (more splits) wins the worst ratio. A reader beyond the margin is not
+    timed again."""
+    site = dataclasses.replace(SMOL_1K, q_heads=32, kv_heads=8, head_dim=128, kv_len=32768)
+    ranked = _ranked(site)
+    kernels = [p.runtime_key() for p in tuning.to_time(ranked, tuning.DEFAULT_TOP_K) if p.kind != "dense"]
+    few, many, far = kernels[:3]
+    full = {few: 59.0, many: 62.0, far: 80.0}
+    low = {few: 17.0, many: 9.0, far: 5.0}
+
+    def rule(p, s):
+        if getattr(p, "backend", "") == "cudnn":
+            return 58.0
+        k = p.runtime_key()
+        return (full if s.kv_len == 32768 else low).get(k, 200.0)
+    timer = Clocked(rule)
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=32)
+    assert choice.plan.runtime_key() == many and choice.measured_us == 62.0
+    assert sorted(k for k, n in timer.calls if n != 32768) == sorted([few, many])
