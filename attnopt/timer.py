@@ -110,7 +110,7 @@ def mask_reduction(site: AttentionSite) -> str:
 
 def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = None) -> Callable[[], Any]:
     """A call of ``plan`` on input set ``s`` as the lowered op runs it: ``strategy.run`` only, with the set's mask
-    and, for a plan that reads one, its precomputed valid length. ``state``: the strategy's prepared state
+    and, for a plan that reads one, its precomputed valid length, its output in the op's layout (``fake_layout``). ``state``: the strategy's prepared state
     (prepared here, before the call is made, when ``None``)."""
     from attnopt.runtime.strategies import get_strategy
 
@@ -126,14 +126,17 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
         raise ValueError("site_call: the input set has a mask but no precomputed valid_len (synthetic_inputs "
                          "makes one)")
 
+    # the layout the op hands back (its fake's): a dense plan at q_len > 1 pays a copy of SDPA's transposed output
+    from attnopt.runtime.ops import fake_layout
+
     variant = _variant(strategy, site, s)
     if variant:
         def call_variant():
-            return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal, **variant)
+            return fake_layout(strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal, **variant))
         return call_variant
 
     def call():
-        return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal)
+        return fake_layout(strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal))
     return call
 
 

@@ -441,3 +441,20 @@ def test_a_dense_static_winner_is_judged_against_several_readers_at_a_low_fill(c
     choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=32)
     assert choice.plan.runtime_key() == many and choice.measured_us == 62.0
     assert sorted(k for k, n in timer.calls if n != 32768) == sorted([few, many])
+
+
+def test_the_timed_call_returns_the_layout_the_op_returns(monkeypatch):
+    """SDPA flash/cuDNN hand back a transposed view at q_len > 1 and the op copies it into the contiguous layout its
+    fake declares: the timer's call pays that copy too, so a dense plan is not timed cheaper than it runs."""
+    from attnopt.plan import DensePlan
+    from attnopt.runtime.strategies import dense
+
+    real = dense._sdpa
+    monkeypatch.setattr(dense, "_sdpa", lambda *a, **kw: real(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=40, q_len=4, dtype="float32")
+    s = T.synthetic_inputs(site, 0, device="cpu")
+    out = T.site_call(DensePlan(), site, s)()
+    assert out.is_contiguous() and out.shape == (1, 4, 4, 64)
+    raw = dense._sdpa(DensePlan(), False, s["q"], s["k"], s["v"], None, site.head_dim ** -0.5, False)
+    assert not raw.is_contiguous()
+    torch.testing.assert_close(out, raw)
