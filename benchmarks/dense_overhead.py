@@ -15,8 +15,9 @@ order of measurement:
 
 Each way is timed ``--rounds`` times, the ways in a rotated order each round (CUDA-graph replay, the bench's
 ``time_us``); the medians and every round's µs are printed, with the kernel names one call of each way launches
-(``torch.profiler``, eager). At q_len > 1 (the last default case) the op copies SDPA's transposed output into the
-contiguous layout its fake declares (463bb66): one more kernel than the peer, which this prices.
+(``torch.profiler``, eager). At q_len > 1 (the last default case) the op makes its output contiguous, the layout its
+fake declares (463bb66): free where SDPA's output follows q's layout (flash and cuDNN allocate it so, by torch's
+meta functions) and q is contiguous, as here; one copy more than the peer otherwise, which this would show.
 
     python benchmarks/dense_overhead.py [--cases lhs01-B1-4/1-d96-N37376-q1-static,...] [--rounds 7]
                                         [--out $OUT/dense-overhead.json]
