@@ -33,7 +33,8 @@ What keeps the first call cheap: a shape is measured once per process (``_PROCES
 the graphs of a model) and once per machine (the file); every candidate is compiled at once before any is timed
 (``timer.warm_up``: a first call per candidate, each on a thread of its own; the budget counts the timing after it,
 so every compiled candidate is timed); the rounds stop when one candidate is more than ``PRUNE`` ahead of all
-others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s`` caps a shape's timing and ``BUCKETED_BUDGET_FACTOR`` budgets cap the compiling of all buckets of a symbolic length.
+others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s`` caps a shape's
+timing and ``BUCKETED_BUDGET_FACTOR`` budgets cap the compiling of all buckets of a symbolic length.
 
 This module imports nothing from ``runtime/`` at import time; the GPU timer does so when it runs.
 """
@@ -288,7 +289,7 @@ class Tuner:
         if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static
                                                                      or near_peer):
             best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
-        elif best is not None:
+        elif best is not None and not static:  # (a static cache's reader beats the peer at a low fill)
             best = _prefer_peer(best, measured, by_key)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs

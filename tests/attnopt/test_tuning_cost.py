@@ -458,3 +458,19 @@ def test_the_timed_call_returns_the_layout_the_op_returns(monkeypatch):
     raw = dense._sdpa(DensePlan(), False, s["q"], s["k"], s["v"], None, site.head_dim ** -0.5, False)
     assert not raw.is_contiguous()
     torch.testing.assert_close(out, raw)
+
+
+def test_a_static_reader_is_not_traded_for_the_peer_within_the_margin(cache):
+    """Without CUDA graphs no low fill is timed; a kernel plan 0.5 % ahead of cuDNN full still wins a static cache,
+    where it reads only the valid keys (the margin that keeps the peer elsewhere does not apply)."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    kernel = ranked[0].runtime_key()
+
+    class Eager(Clocked):
+        def host_us(self, plan, site):
+            return 0.0
+    timer = Eager(lambda p, s: 10.0 if p.runtime_key() == kernel else (10.05 if getattr(p, "backend", "") == "cudnn"
+                                                                       else 30.0))
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30, graphed=False)
+    assert choice.plan.runtime_key() == kernel
