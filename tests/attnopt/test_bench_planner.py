@@ -168,6 +168,7 @@ def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch
     assert [r["kv_len"] for r in records] == sorted(r["kv_len"] for r in records)
     first = records[0]
     assert first["winner"].startswith("dense(") and first["measured_us"] == 5.0 and first["tune_s"] >= 0
+    assert first["warm_up_s"] is None and first["late"] is False  # a timer without a warm-up; no deadline passed
     names = list(first["timings"])
     assert all(isinstance(n, str) and n.split("(")[0] in ("dense", "split_kv", "stream_k") for n in names)
     values = list(first["timings"].values())
