@@ -4,7 +4,8 @@
                                                                 with ATTNOPT_BENCH_GPU_LOCK set so timings take turns)
 MODE:
   hf         torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)  (HF's documented path)
-  ro         attnopt.optimize(model, mode="reduce-overhead")
+  ro         attnopt.optimize(model, mode="reduce-overhead")  (attnopt's whole-step graphs since 2026-11-24)
+  trees      attnopt.optimize(model, mode="reduce-overhead", step_graphs=False)  (inductor's CUDA-graph trees)
   hf-freeze  hf with torch._inductor.config.freezing = True
   ro-freeze  ro with freezing
   graph      attnopt.optimize(model) (inductor, no CUDA graphs) captured by hand in one torch.cuda.CUDAGraph per step
@@ -72,7 +73,7 @@ with torch.no_grad():
         if mode.startswith("hf"):
             fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         else:
-            fn = attnopt.optimize(model, mode="reduce-overhead").forward
+            fn = attnopt.optimize(model, mode="reduce-overhead", step_graphs=mode != "trees").forward
         state = {"tok": tok, "pos": pos}
 
         def call():
