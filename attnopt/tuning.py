@@ -106,6 +106,9 @@ PEER_MARGIN = 0.01
 #: this fraction of it at the middle: a fixed grid runs from half to twice its tiles per split inside a 2x bucket, so
 #: the order of two plans this close can swap there (lhs08: split-KV ahead at 4096 keys, cuDNN 2 % ahead at 2432).
 PEER_SPAN = 0.08
+#: A symbolic length's cuDNN plan is charged the extra µs of a call at a new length (``Tuner._fresh_length_charge``)
+#: when it exceeds this: host noise between two eager calls stays well below it, a cuDNN graph build far above.
+FRESH_LENGTH_SLACK_US = 100.0
 
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
@@ -204,6 +207,8 @@ class Tuner:
         #: This tuner's own measurements by shape: the sites of one model share a shape, and a cache that cannot
         #: be written must not make each of them measure again.
         self._measured: dict[ShapeKey, tuple[str, float, dict[str, Any]]] = {}
+        #: ``timer.fresh_length_us`` of a cuDNN plan per site apart from its length: [fresh µs, repeat µs] or an error.
+        self._fresh: dict[tuple, Any] = {}
 
     def environment(self) -> dict[str, str]:
         if self.env is None:
@@ -272,6 +277,8 @@ class Tuner:
             extra.update(valid_len_us=valid_len_us, valid_len_sharing=shape.valid_len_sharing)
         share = valid_len_us / max(shape.valid_len_sharing, 1)
         charge = {p.runtime_key(): share if uses_valid_len(p, site) else 0.0 for p in plans}
+        if bucketed:  # every step of a growing cache runs a new length
+            extra.update(self._fresh_length_charge(plans, site, charge))
         end = time.perf_counter() + self.budget_s  # after the warm-up and the valid length: timing alone
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         extra.update(measure_extra)
@@ -327,6 +334,33 @@ class Tuner:
         if errors:
             extra["warm_up_errors"] = dict(errors)
         return extra
+
+    def _fresh_length_charge(self, plans: Sequence[Plan], site: AttentionSite,
+                             charge: dict[str, float]) -> dict[str, Any]:
+        """A symbolic length runs at a new length every step: add to each cuDNN plan's ``charge`` (µs added to its
+        timings) what a call at a new length costs over a call at a known one (``timer.fresh_length_us``), where that
+        exceeds ``FRESH_LENGTH_SLACK_US``. PyTorch builds a cuDNN SDPA graph per shape unless
+        ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``, which a replayed timing at one length never shows. Returns the extras
+        to record (``fresh_length_us``: key -> [fresh µs, repeat µs] or the probe's error)."""
+        probe = getattr(self.timer, "fresh_length_us", None)
+        if probe is None:
+            return {}
+        seen: dict[str, Any] = {}
+        for plan in plans:
+            key = plan.runtime_key()
+            if plan.kind != "dense" or getattr(plan, "backend", "") != "cudnn":
+                continue
+            # probed once per site apart from its length (the buckets of one site share the answer)
+            which = (key, site.batch, site.q_heads, site.kv_heads, site.head_dim, site.q_len, site.dtype, site.mask_kind)
+            if which not in self._fresh:
+                try:
+                    self._fresh[which] = [float(x) for x in probe(plan, site)]
+                except Exception as exc:  # noqa: BLE001 - a probe that fails does not decide; say so
+                    self._fresh[which] = _error_text(exc)
+            seen[key] = self._fresh[which]
+            if isinstance(seen[key], list) and seen[key][0] - seen[key][1] > FRESH_LENGTH_SLACK_US:
+                charge[key] = charge.get(key, 0.0) + seen[key][0] - seen[key][1]
+        return {"fresh_length_us": seen} if seen else {}
 
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
                    span: tuple[int, ...], charge: dict[str, float],

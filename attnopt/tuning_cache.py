@@ -27,7 +27,9 @@ from .site import AttentionSite
 #: 5: the budget counts the timing after the warm-up (every compiled candidate is timed), late buckets time what is
 #: compiled, a kernel plan must beat the fastest dense plan by ``tuning.PEER_MARGIN``, and a dense plan within
 #: ``tuning.PEER_SPAN`` of a bucket's kernel winner is judged at the bucket's ends.
-TUNING_VERSION = 5
+#: 6: the timed call returns the op's layout (``ops.fake_layout``), a static cache's dense winner is judged against
+#: several valid-key plans at the low fill, and a symbolic length's cuDNN plan is charged what a new length costs.
+TUNING_VERSION = 6
 
 log = logging.getLogger("attnopt.tuning")
 

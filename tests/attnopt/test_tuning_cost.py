@@ -474,3 +474,62 @@ def test_a_static_reader_is_not_traded_for_the_peer_within_the_margin(cache):
                                                                        else 30.0))
     choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30, graphed=False)
     assert choice.plan.runtime_key() == kernel
+
+
+@pytest.mark.parametrize("fresh_us, cudnn_wins", [(60.0, True), (5000.0, False)])
+def test_a_growing_cache_charges_cudnn_what_a_new_length_costs(cache, fresh_us, cudnn_wins):
+    """A symbolic length runs a new length every step. cuDNN is fastest replayed at one length; where its call at a
+    new length costs far more than at a known one (a graph build per shape), that difference is charged to it in
+    every bucket and a kernel plan wins; where it does not (host noise under FRESH_LENGTH_SLACK_US), cuDNN keeps its
+    lead. The probe runs once per site, not per bucket, and never for a fixed length."""
+    class Probed(Clocked):
+        probes = 0
+
+        def fresh_length_us(self, plan, site):
+            assert plan.kind == "dense" and plan.backend == "cudnn"
+            self.probes += 1
+            return fresh_us, 40.0
+
+    site = dataclasses.replace(AttentionSite.canonical(), kv_len=None, kv_len_hint=6000)
+    timer = Probed(lambda p, s: 50.0 if getattr(p, "backend", "") == "cudnn" else (55.0 if p.kind != "dense" else 90.0))
+    choice = Tuner(timer, cache, env=ENV).choose_bucketed(site, _ranked)
+    assert timer.probes == 1
+    assert (choice.plan.kind == "dense" and choice.plan.backend == "cudnn") == cudnn_wins
+    record = cache.get(ENV, tuning.ShapeKey.of(dataclasses.replace(site, kv_len=5824), 5824, True))
+    assert list(record["fresh_length_us"].values()) == [[fresh_us, 40.0]]
+    fixed = AttentionSite.canonical(kv_len=4000)
+    Tuner(timer, cache, env=ENV).choose(fixed, _ranked(fixed))
+    assert timer.probes == 1
+
+
+def test_the_gpu_timers_fresh_length_probe_calls_new_then_known_lengths(monkeypatch):
+    """fresh_length_us: three lengths just below the site's, each called twice (first new, then known), over views of
+    the first input set (a growing cache's view, no copy); a strategy that builds per length shows the build."""
+    import time as _time
+
+    import attnopt.runtime.strategies as strategies
+    from test_tuning_method import _gpu_on_the_cpu
+
+    calls, built = [], set()
+
+    class PerLength:
+        def prepare(self, plan, q, k, v):
+            return None
+
+        def run(self, state, plan, q, k, v, mask, valid_len, scale, is_causal):
+            n = k.shape[2]
+            calls.append((n, k.data_ptr()))
+            if n not in built:
+                built.add(n)
+                _time.sleep(0.003)
+            return q
+    monkeypatch.setattr(strategies, "get_strategy", lambda kind: PerLength())
+    _gpu_on_the_cpu(monkeypatch)
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=256, dtype="float32")
+    timer = T.GpuTimer(warm_ms=0.0)
+    from attnopt.plan import DensePlan
+
+    fresh, repeat = timer.fresh_length_us(DensePlan(backend="cudnn"), site)
+    assert [n for n, _ in calls] == [255, 254, 253, 255, 254, 253]
+    assert {p for _, p in calls} == {timer._sets[0]["k"].data_ptr()}
+    assert fresh - repeat > 2000 and T.FRESH_LENGTHS == 3
