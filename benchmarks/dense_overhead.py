@@ -15,7 +15,9 @@ order of measurement:
 
 Each way is timed ``--rounds`` times, the ways in a rotated order each round (CUDA-graph replay, the bench's
 ``time_us``); the medians and every round's µs are printed, with the kernel names one call of each way launches
-(``torch.profiler``, eager). At q_len > 1 (the last default case) the op makes its output contiguous, the layout its
+(``torch.profiler``, eager). Then ``fresh_length_us`` per SDPA backend: µs of an eager call at a KV length not
+called before against one at a known length (``GpuTimer.fresh_length_us``): what every step of a growing cache pays
+on top if the backend builds something per shape (cuDNN's graph, unless ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``). At q_len > 1 (the last default case) the op makes its output contiguous, the layout its
 fake declares (463bb66): free where SDPA's output follows q's layout (flash and cuDNN allocate it so, by torch's
 meta functions) and q is contiguous, as here; one copy more than the peer otherwise, which this would show.
 
@@ -122,6 +124,21 @@ def run_case(name, case, rounds) -> dict:
         for w in names[r % len(names):] + names[:r % len(names)]:
             out["rounds_us"][w].append(time_us(cycle(calls[w]), "graph", min_calls=len(sets)))
     out["median_us"] = {w: statistics.median(v) for w, v in out["rounds_us"].items()}
+    # a growing cache calls at a new length every step: [µs at a new length, µs at a known one], eager, per backend
+    from attnopt import timer as T
+    from attnopt.plan import DensePlan
+    from attnopt.site import AttentionSite
+
+    site = AttentionSite.canonical(batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, kv_len=N, q_len=L,
+                                   dtype="bfloat16", mask_kind="valid_length" if case[6].startswith("static") else "none")
+    probe = T.GpuTimer()
+    out["fresh_length_us"] = {}
+    for backend in ("cudnn", "flash"):
+        try:
+            out["fresh_length_us"][backend] = list(probe.fresh_length_us(DensePlan(backend=backend), site))
+        except Exception as exc:  # noqa: BLE001 - flash takes no mask: say so
+            out["fresh_length_us"][backend] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    probe.release()
     peer = out["median_us"]["peer"]
     out["ratio_to_peer"] = {w: peer / v for w, v in out["median_us"].items()}  # >= 1: as fast as the peer or faster
     return out
@@ -148,7 +165,8 @@ def main(argv=None) -> int:
     for name in (c.strip() for c in args.cases.split(",") if c.strip()):
         r = run_case(name, case_of(name), args.rounds)
         results.append(r)
-        print(json.dumps({k: r[k] for k in ("case", "sets", "optimize_plan", "median_us", "ratio_to_peer")}),
+        print(json.dumps({k: r[k] for k in ("case", "sets", "optimize_plan", "median_us", "ratio_to_peer",
+                                            "fresh_length_us")}),
               flush=True)
         for w, ks in r["kernels"].items():
             print(f"  {w:<10} {len(ks)} kernels: {ks}", flush=True)
