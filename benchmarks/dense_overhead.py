@@ -17,9 +17,11 @@ Each way is timed ``--rounds`` times, the ways in a rotated order each round (CU
 ``time_us``); the medians and every round's µs are printed, with the kernel names one call of each way launches
 (``torch.profiler``, eager). Then ``fresh_length_us`` per SDPA backend: µs of an eager call at a KV length not
 called before against one at a known length (``GpuTimer.fresh_length_us``): what every step of a growing cache pays
-on top if the backend builds something per shape (cuDNN's graph, unless ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``). At q_len > 1 (the last default case) the op makes its output contiguous, the layout its
-fake declares (463bb66): free where SDPA's output follows q's layout (flash and cuDNN allocate it so, by torch's
-meta functions) and q is contiguous, as here; one copy more than the peer otherwise, which this would show.
+on top if the backend builds something per shape (cuDNN's graph, unless ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``).
+
+At q_len > 1 (the last default case) the op makes its output contiguous, the layout its fake declares (463bb66):
+free where SDPA's output follows q's layout (flash and cuDNN allocate it so, by torch's meta functions) and q is
+contiguous, as here; one copy more than the peer otherwise, which this would show.
 
     python benchmarks/dense_overhead.py [--cases lhs01-B1-4/1-d96-N37376-q1-static,...] [--rounds 7]
                                         [--out $OUT/dense-overhead.json]
