@@ -112,8 +112,8 @@ def mask_reduction(site: AttentionSite) -> str:
 
 def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = None) -> Callable[[], Any]:
     """A call of ``plan`` on input set ``s`` as the lowered op runs it: ``strategy.run`` only, with the set's mask
-    and, for a plan that reads one, its precomputed valid length, its output in the op's layout (``fake_layout``). ``state``: the strategy's prepared state
-    (prepared here, before the call is made, when ``None``)."""
+    and, for a plan that reads one, its precomputed valid length, its output in the op's layout (``fake_layout``).
+    ``state``: the strategy's prepared state (prepared here, before the call is made, when ``None``)."""
     from attnopt.runtime.strategies import get_strategy
 
     strategy = get_strategy(plan.kind)

@@ -55,7 +55,7 @@ from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_
 from .timer import error_text as _error_text
 from .timer import warm_workers
 from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, _family,  # noqa: F401
-                                compile_key, most_parallel, to_time)  # (re-exported: the tuner's users import them here)
+                                compile_key, most_parallel, to_time)  # (re-exported for the tuner's users)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
@@ -207,7 +207,7 @@ class Tuner:
         #: This tuner's own measurements by shape: the sites of one model share a shape, and a cache that cannot
         #: be written must not make each of them measure again.
         self._measured: dict[ShapeKey, tuple[str, float, dict[str, Any]]] = {}
-        #: ``timer.fresh_length_us`` of a cuDNN plan per site apart from its length: [fresh µs, repeat µs] or an error.
+        #: ``timer.fresh_length_us`` of a cuDNN plan per site apart from its length: [new µs, known µs] or an error.
         self._fresh: dict[tuple, Any] = {}
 
     def environment(self) -> dict[str, str]:
@@ -351,7 +351,8 @@ class Tuner:
             if plan.kind != "dense" or getattr(plan, "backend", "") != "cudnn":
                 continue
             # probed once per site apart from its length (the buckets of one site share the answer)
-            which = (key, site.batch, site.q_heads, site.kv_heads, site.head_dim, site.q_len, site.dtype, site.mask_kind)
+            which = (key, site.batch, site.q_heads, site.kv_heads, site.head_dim, site.q_len, site.dtype,
+                     site.mask_kind)
             if which not in self._fresh:
                 try:
                     self._fresh[which] = [float(x) for x in probe(plan, site)]

@@ -131,8 +131,9 @@ def run_case(name, case, rounds) -> dict:
     from attnopt.plan import DensePlan
     from attnopt.site import AttentionSite
 
+    masked = case[6].startswith("static")
     site = AttentionSite.canonical(batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, kv_len=N, q_len=L,
-                                   dtype="bfloat16", mask_kind="valid_length" if case[6].startswith("static") else "none")
+                                   dtype="bfloat16", mask_kind="valid_length" if masked else "none")
     probe = T.GpuTimer()
     out["fresh_length_us"] = {}
     for backend in ("cudnn", "flash"):

@@ -139,7 +139,8 @@ def case_of(name: str) -> Case:
     m = _SHAPE_NAME.match(name)
     if m is None or int(m.group(3)) == 0 or int(m.group(2)) % int(m.group(3)):
         raise ValueError(f"unknown case {name!r}; known: {', '.join(known)}; or a shape spelled "
-                         "PREFIX-B<b>-<Hq>/<Hkv>-d<D>-N<N>-q<L>-<fixed|dynamic|static|static-full> (Hq a multiple of Hkv)")
+                         "PREFIX-B<b>-<Hq>/<Hkv>-d<D>-N<N>-q<L>-<fixed|dynamic|static|static-full> "
+                         "(Hq a multiple of Hkv)")
     b, hq, hkv, d, n, q = (int(m.group(i)) for i in range(1, 7))
     return (b, hq, hkv, d, n, q, m.group(7))
 

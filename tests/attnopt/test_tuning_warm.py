@@ -1,6 +1,6 @@
 """The measured choice compiles every candidate at once before timing any (attnopt.tuning, attnopt.timer), on the CPU
-with fake timers and clocks: the warm-up sees every candidate first, runs before the budget's clock starts, runs its calls on
-threads at once, and takes the kernel variant that a captured graph replays."""
+with fake timers and clocks: the warm-up sees every candidate first, runs before the budget's clock starts, runs its
+calls on threads at once, and takes the kernel variant that a captured graph replays."""
 import os
 import sys
 import threading
