@@ -2,7 +2,8 @@
 
 * Loaded indexes, by (resolved path, device): an index is read and validated once per process.
 * The cluster state of the live sequence, per (index path, layer), built at prefill by ``SaapCache`` (or by
-  ``set_state``). A new prefill copies its CSR tables into the buffers already registered when they fit, so
+  ``set_state``), with the centroids refined over its keys when the index asks for it. A new prefill copies its
+  CSR tables (and refined centroids) into the buffers already registered when they fit, so
   the tensors a captured CUDA graph reads stay at the same addresses; a longer prompt than any before
   allocates new buffers (capture again after that).
 * Run-time statistics per plan: the selectivity each call attended, accumulated on the device (no sync in the op)
@@ -54,11 +55,14 @@ def set_state(path: str | Path, layer: int, state: ClusterState) -> ClusterState
     key = (_key(path), layer)
     old = _STATES.get(key)
     if (old is not None and old.offsets.shape == state.offsets.shape and old.offsets.device == state.offsets.device
-            and old.perm.shape[:2] == state.perm.shape[:2] and old.perm.shape[-1] >= state.perm.shape[-1]):
+            and old.perm.shape[:2] == state.perm.shape[:2] and old.perm.shape[-1] >= state.perm.shape[-1]
+            and (old.centroids is None) == (state.centroids is None)):
         n = state.perm.shape[-1]
         old.offsets.copy_(state.offsets)
         old.perm[..., :n].copy_(state.perm)
         old.ends.copy_(state.ends)
+        if state.centroids is not None:  # refined at prefill: the scorer reads this buffer
+            old.centroids.copy_(state.centroids)
         old.assign, old.sink, old.indexed_end, old.window = state.assign, state.sink, state.indexed_end, state.window
         return old
     _STATES[key] = state

@@ -130,10 +130,14 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     cpath, ipath = tmp_path / "c.safetensors", tmp_path / "i.safetensors"
     coll.save(cpath)
     rc = main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16", "--hidden", "8", "--steps", "3",
-               "--window", "16"])
+               "--window", "16", "--mlp", "--deroped", "--refine", "0"])  # the paper's configuration
     assert rc == 0
     index = load_index(ipath, model.config)
     assert index.has_mlp and sorted(index.layers) == [1, 2] and index.train_info["hidden"] == 8
+    assert not index.rotated and index.refine == 0
+    assert main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16"]) == 0
+    index = load_index(ipath, model.config)  # the defaults: rotated keys, refined at prefill, centroid scoring
+    assert not index.has_mlp and index.rotated and index.refine == 2
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
 
 
@@ -202,6 +206,15 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     assert (ten["probes"], ten["passkey"], ten["done"]) == (4, "3/4", True)  # 0.96 at 9 %, +2 % ppl, 3/4 as dense
     assert math.isclose(ten["ppl_vs_dense"], 0.02)
     assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]
+
+
+def test_gpu_quality_script_index_configurations():
+    script = _script("saap_quality_gpu")
+    assert script.parse_spec("1024") == (1024, False, True, 0)  # the paper's: de-roped, MLP
+    assert script.parse_spec("2048rn:2") == (2048, True, False, 2)
+    assert script.parse_spec("512n") == (512, False, False, 0)
+    with pytest.raises(ValueError, match="<clusters>"):
+        script.parse_spec("2048x")
 
 
 def _script(name):
