@@ -102,6 +102,14 @@ class SaapIndex:
     def num_clusters(self) -> int:
         return next(iter(self.layers.values())).centroids.shape[1]
 
+    def decode_defaults(self) -> dict[str, int]:
+        """The ``probes``, ``sink`` and ``window`` decode uses when the user gives none (``saap_probes`` ... of
+        ``attnopt.optimize`` left at None): what training recommended (``train_info["decode"]``), else the paper's
+        l = 32, sink 1, window 2047 (an index of before the recommendation)."""
+        rec = self.train_info.get("decode") or {}
+        return {"probes": int(rec.get("probes", 32)), "sink": int(rec.get("sink", 1)),
+                "window": int(rec.get("window", 2047))}
+
     @property
     def has_mlp(self) -> bool:
         return all(li.mlp is not None for li in self.layers.values())

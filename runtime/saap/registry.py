@@ -104,20 +104,24 @@ def _cache_cls(static: bool):
     return StaticCache if static else DynamicCache
 
 
-def saap_cache(index: str | Path, *, sink: int, window: int, config: Any = None, static: bool = False,
-               **cache_kwargs: Any):
+def saap_cache(index: str | Path, *, sink: int | None = None, window: int | None = None, config: Any = None,
+               static: bool = False, **cache_kwargs: Any):
     """A Hugging Face ``DynamicCache`` (``StaticCache`` with ``static=True``; pass ``max_cache_len``) that builds
     the SAAP clusters of every covered layer at prefill.
 
     Pass it as ``past_key_values`` to ``generate`` (or a forward) of a model optimized with
     ``saap=index``: every cache update of more than one token (the prompt) assigns all the layer's keys to
     clusters and registers them for the ``saap`` op; single-token decode updates add nothing (the new tokens are
-    in the recent window). ``sink`` and ``window`` must be the plan's (``saap_sink``, ``saap_window``); the op
-    checks it. ``config`` (the model's config) checks the index against the model.
+    in the recent window). ``sink`` and ``window`` must be the plan's (``saap_sink``, ``saap_window``; None, as
+    there, takes the index's recommendation); the op checks it. ``config`` (the model's config) checks the index
+    against the model.
     """
     base = _cache_cls(static)
     path = str(index)
     idx = get_index(path, "cpu", config)
+    defaults = idx.decode_defaults()
+    sink = defaults["sink"] if sink is None else sink
+    window = defaults["window"] if window is None else window
 
     class SaapCache(base):  # type: ignore[misc, valid-type]
         saap_index = path

@@ -98,6 +98,9 @@ def test_cluster_count_scales_with_the_context():
     assert cluster_count(8192) == 2048 and cluster_count(2048) == 512 and cluster_count(40) == 16
     assert cluster_count(131072) == 2048  # the selection kernel's limit
     assert cluster_count(8192, keys_per_cluster=64) == 128
+    from attnopt.runtime.saap.train import decode_defaults
+
+    assert decode_defaults(2048, 8192) == {"probes": 113, "sink": 4, "window": 64}
 
 
 def _inertia(cents, keys):

@@ -76,6 +76,24 @@ def test_config_fields_validate_early(tmp_path, index_path):
         OptimizeConfig(saap=index_path, saap_window="64")
 
 
+def test_unset_probes_sink_and_window_come_from_the_index(tmp_path, index_path):
+    from attnopt.passes import saap_options
+
+    # an index of before the recommendation: the paper's l = 32, sink 1, window 2047
+    assert saap_options(OptimizeConfig(saap=index_path)) == {"index": index_path, "probes": 32, "sink": 1,
+                                                            "window": 2047}
+    path = str(tmp_path / "recommends.safetensors")
+    index = synthetic_index(6, 2, 64, clusters=2048, layers=(1,), num_layers=2)
+    index.train_info["decode"] = {"probes": 113, "sink": 4, "window": 64}  # what train_index stores at 8k
+    index.save(path)
+    assert saap_options(OptimizeConfig(saap=path)) == {"index": path, "probes": 113, "sink": 4, "window": 64}
+    assert saap_options(OptimizeConfig(saap=path, saap_probes=7, saap_sink=0)) == {
+        "index": path, "probes": 7, "sink": 0, "window": 64}
+    cache = registry.saap_cache(path)
+    assert (cache.saap_sink, cache.saap_window) == (4, 64)
+    assert (registry.saap_cache(path, sink=2, window=9).saap_window) == 9
+
+
 def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1):
     plan = SaapPlan(index=index_path, probes=probes, sink=1, window=8, layer=layer, num_splits=3, block_n=16)
     index = registry.get_index(index_path)
