@@ -16,6 +16,7 @@ from .report import PlanReport
 M = TypeVar("M")
 
 _BACKEND_ATTR = "_attnopt_backend"
+_STEP_GRAPHS_ATTR = "_attnopt_step_graphs"
 
 
 def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_group: Any = None,
@@ -41,10 +42,12 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         model is switched to a shard-aware wrapper of its attention implementation ("sdpa" or "eager"), which
         cuts the global mask to the local keys; on an unsharded cache it computes exactly what it did before.
     mode : str, optional
-        Passed to the inner backend. ``"reduce-overhead"`` turns on inductor's CUDA-graph trees: with a static
-        cache, each decode step replays as CUDA graphs with attnopt's kernels inside, the fast path on a GPU. A
-        Hugging Face model's decode calls over a ``DynamicCache`` run the same graphs without CUDA graphs (its
-        tensors grow every step, so graphs could not be replayed).
+        Passed to the inner backend. ``"reduce-overhead"`` is the fast path on a GPU: a Hugging Face model's decode
+        steps over a static cache are each recorded as one CUDA graph with attnopt's kernels inside and replayed
+        (``attnopt.step_graphs``; ``step_graphs=False`` uses inductor's CUDA-graph trees instead); for other
+        modules and functions it turns on inductor's CUDA-graph trees. A Hugging Face model's decode calls over a
+        ``DynamicCache`` run the same graphs without CUDA graphs (its tensors grow every step, so graphs could not
+        be replayed).
     """
     if isinstance(config, OptimizeConfig):
         cfg = config.replace(**options) if options else config
@@ -69,15 +72,25 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
             from attnopt.runtime.distributed import register_hf_shard_aware
 
             model.set_attn_implementation(register_hf_shard_aware(model))
-        compiled_forward = torch.compile(private_code(model.forward), backend=backend, dynamic=cfg.dynamic)
+        hf_decode = process_group is None and gen_cfg is not None
+        step_graphs = hf_decode and mode == "reduce-overhead" and cfg.step_graphs
+        inner = backend.with_mode(None, graphed=True) if step_graphs else backend
+        compiled_forward = torch.compile(private_code(model.forward), backend=inner, dynamic=cfg.dynamic)
         if process_group is not None:
             compiled_forward = _never_eager_over_shards(compiled_forward, model)
-        if process_group is None and gen_cfg is not None:
-            growing = None
-            if mode == "reduce-overhead":
+        if hf_decode:
+            growing, steps = None, None
+            if step_graphs:
+                from .step_graphs import StepGraphs
+
+                growing = compiled_forward
+                steps = StepGraphs(compiled_forward, model, backend.note_graph_replay)
+                object.__setattr__(optimized, _STEP_GRAPHS_ATTR, steps)
+            elif mode == "reduce-overhead":
                 growing = torch.compile(private_code(model.forward), backend=backend.with_mode(None),
                                         dynamic=cfg.dynamic)
-            forward = _hf_forward(compiled_forward, model.forward, cfg.max_decode_q_len, backend, growing_cache=growing)
+            forward = _hf_forward(compiled_forward, model.forward, cfg.max_decode_q_len, backend, growing_cache=growing,
+                                  step_graphs=steps)
         else:
             forward = _counting_uncompiled_calls(compiled_forward, backend)
         optimized.forward = forward
@@ -113,7 +126,7 @@ def private_code(fn: Callable) -> Callable:
 
 
 def _hf_forward(compiled: Callable, original: Callable, max_decode_q_len: int, backend: Backend,
-                growing_cache: Callable | None = None) -> Callable:
+                growing_cache: Callable | None = None, step_graphs: Any = None) -> Callable:
     """A Hugging Face model's forward: prefill calls (more than ``max_decode_q_len`` new tokens) run the model's own
     forward, as HF's compiled ``generate()`` does, and decode calls run ``compiled``; a decode call during which no
     graph of ``backend`` ran is counted and reported (``_counting_uncompiled_calls``).
@@ -128,7 +141,8 @@ def _hf_forward(compiled: Callable, original: Callable, max_decode_q_len: int, b
     ``DynamicCache``) go to ``growing_cache`` when given: the same backend without CUDA graphs. Under CUDA-graph
     trees the cache's tensors would be graph outputs that the next step's replay overwrites (inductor raises
     "accessing tensor output of CUDAGraphs that has been overwritten", H100, torch 2.11), and every length would be
-    recorded anew. HF's own compiled ``generate()`` compiles static caches only.
+    recorded anew. HF's own compiled ``generate()`` compiles static caches only. With ``step_graphs``
+    (``attnopt.step_graphs``), decode calls over any other cache go through it: each step replays as one CUDA graph.
 
     This runs once per generated token, on the host, before the graph's replay is launched: it is one Python frame
     (not a wrapper per concern), and the route of the last cache object is remembered through a weak reference
@@ -157,7 +171,10 @@ def _hf_forward(compiled: Callable, original: Callable, max_decode_q_len: int, b
             if last_cache[1]:
                 target = growing_cache
         before = backend.graph_calls
-        out = target(*args, **kwargs)
+        if step_graphs is not None and target is compiled:
+            out = step_graphs(args, kwargs)
+        else:
+            out = target(*args, **kwargs)
         if backend.graph_calls == before:
             backend.note_uncompiled_call(name)
         return out

@@ -79,17 +79,20 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         return self.compile(gm, example_inputs, self.mode)
 
-    def with_mode(self, mode: str | None) -> Callable:
-        """A backend that compiles like this one, into its reports and call counts, with another inner ``mode``."""
+    def with_mode(self, mode: str | None, graphed: bool | None = None) -> Callable:
+        """A backend that compiles like this one, into its reports and call counts, with another inner ``mode``.
+        ``graphed``: whether the compiled graphs will replay inside CUDA graphs (default: as ``mode`` makes them;
+        True for ``attnopt.step_graphs``, which records them itself)."""
         check_call(self.config, self.process_group, mode)
 
         def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-            return self.compile(gm, example_inputs, mode)
+            return self.compile(gm, example_inputs, mode, graphed)
 
         backend.__name__ = "attnopt"
         return backend
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None) -> Callable:
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None,
+                graphed: bool | None = None) -> Callable:
         """Run the passes over ``gm``, record its report, and compile it with the inner backend in ``mode``."""
         from attnopt.passes import make_context, run_passes
 
@@ -101,7 +104,8 @@ class Backend:
             topology = self.config.topology
         t0 = time.perf_counter()
         ctx = make_context(self.config, example_inputs, world_size=world_size, topology=topology,
-                           graphed=replays_as_cuda_graphs(self.config.inner_backend, mode))
+                           graphed=replays_as_cuda_graphs(self.config.inner_backend, mode) if graphed is None
+                           else graphed)
         gm, report = run_passes(gm, example_inputs, ctx=ctx)
         self.pass_seconds += time.perf_counter() - t0
         self.reports.append(report)
@@ -127,6 +131,10 @@ class Backend:
         if getattr(compiled, "_boxed_call", False):
             run._boxed_call = True  # type: ignore[attr-defined]
         return run
+
+    def note_graph_replay(self) -> None:
+        """A whole-step CUDA graph of this backend's compiled code replayed (``attnopt.step_graphs``)."""
+        self.graph_calls += 1
 
     def note_uncompiled_call(self, what: str) -> None:
         """Count a call of an optimized object that ran no graph of this backend; warn at the first."""

@@ -55,10 +55,16 @@ class OptimizeConfig:
     sliding_windows: tuple[tuple[str, int], ...] = ()
     #: SAAP index file (``attnopt saap train``): opts in to sparse decode at the layers it covers (``None`` = off).
     saap: str | None = None
-    #: SAAP: clusters attended per KV head (the paper's l = 32), the sink keys and the recent window.
-    saap_probes: int = 32
-    saap_sink: int = 1
-    saap_window: int = 2047
+    #: SAAP: clusters attended per KV head, the sink keys and the recent window. None: the index's recommended
+    #: operating point (``SaapIndex.decode_defaults``: about 10 % total selectivity at the context it was trained
+    #: at, for an index of ``attnopt saap train``; the paper's l = 32, sink 1, window 2047 for an older index).
+    saap_probes: int | None = None
+    saap_sink: int | None = None
+    saap_window: int | None = None
+    #: With ``mode="reduce-overhead"``, a Hugging Face model's decode steps over a static cache are each recorded as
+    #: one CUDA graph by attnopt (``attnopt.step_graphs``: about 1 ms less host time per token than inductor's
+    #: CUDA-graph trees on an H100); False keeps inductor's trees.
+    step_graphs: bool = True
 
     def __post_init__(self) -> None:
         missing = [f.name for f in fields(self) if f.name not in FIELD_CHECKS]
@@ -148,9 +154,10 @@ FIELD_CHECKS: dict[str, checks.Check] = {
     "skip_sites": checks.names(),
     "sliding_windows": checks.sliding_windows,
     "saap": checks.optional(_check_saap_index),
-    "saap_probes": checks.integer(1),
-    "saap_sink": checks.integer(0),
-    "saap_window": checks.integer(0),
+    "saap_probes": checks.optional(checks.integer(1)),
+    "saap_sink": checks.optional(checks.integer(0)),
+    "saap_window": checks.optional(checks.integer(0)),
+    "step_graphs": checks.boolean,
 }
 
 #: ``mode`` of ``attnopt.optimize`` and ``torch.compile(..., backend="attnopt", mode=...)``.

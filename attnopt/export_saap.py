@@ -168,10 +168,15 @@ def export_saap_clusters(index: str, path: str, *, batch: int, max_cache_len: in
 
 
 def _refuse_rotated(index: Any, path: Any, where: str) -> None:
-    """The exported graphs de-rope queries and keys: an index over rotated keys would export wrong, so refuse."""
+    """The exported graphs de-rope queries and keys and score with the index's own centroids: an index over rotated
+    keys, or one whose centroids move at prefill (``refine``), would export wrong, so refuse."""
     if index.rotated:
-        raise ValueError(f"{where}: the SAAP index {path} clusters rotated keys (trained with --rotated); the ONNX "
-                         f"export supports de-roped indexes only (train without --rotated to export)")
+        raise ValueError(f"{where}: the SAAP index {path} clusters rotated keys (the default of 'attnopt saap "
+                         f"train'); the ONNX export supports de-roped indexes only (train with --deroped --refine 0)")
+    if getattr(index, "refine", 0):
+        raise ValueError(f"{where}: the SAAP index {path} refines its centroids over each prompt at prefill "
+                         f"(refine={index.refine}); the ONNX export scores with the trained centroids only (train "
+                         f"with --deroped --refine 0)")
 
 
 def _assignment_module(index: Any, layers: list[int], sink: int, window: int):

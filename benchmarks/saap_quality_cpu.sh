@@ -23,7 +23,7 @@ python benchmarks/saap_quality_partition.py "$OUT/coll8k.safetensors" --queries 
 # hidden 128 and 150 steps fit the CPU budget; the paper's query model is hidden 1024 (the CLI default).
 # The paper's partition: k-means over the de-roped keys, C = 128 (64 keys a cluster at 8k).
 python -m attnopt.cli saap train "$OUT/coll8k.safetensors" --out "$OUT/idx128d.safetensors" --clusters 128 \
-    --hidden 128 --steps 150 --batch 128 --max-queries 512 --threads 1
+    --deroped --mlp --refine 0 --hidden 128 --steps 150 --batch 128 --max-queries 512 --threads 1
 # (the committed results/saap-quality-smollm2-cpu.json is the lighter run in its "command" field: --sequences 1
 #  --passkey-trials 1 and no 0.08 target; this full one did not finish in the session's CPU time)
 python -m attnopt.cli saap eval --index "$OUT/idx128d.safetensors" --context 8192 --sequences 3 --tail 128 \
@@ -32,7 +32,15 @@ python -m attnopt.cli saap eval --index "$OUT/idx128d.safetensors" --context 819
     --out benchmarks/results/saap-quality-smollm2-cpu.json
 # the same over clusters of the rotated keys (--rotated), to compare
 python -m attnopt.cli saap train "$OUT/coll8k.safetensors" --out "$OUT/idx128r.safetensors" --clusters 128 --rotated \
-    --hidden 128 --steps 150 --batch 128 --max-queries 512 --threads 1
+    --mlp --refine 0 --hidden 128 --steps 150 --batch 128 --max-queries 512 --threads 1
 python -m attnopt.cli saap eval --index "$OUT/idx128r.safetensors" --context 8192 --sequences 3 --tail 128 \
     --targets 0.05,0.08,0.1,0.2 --methods mlp,centroids,oracle --passkey-lengths "" --threads 2 \
     --out "$OUT/saap-quality-rotated.json"
+# attnopt's configuration (the CLI's defaults since the scoring study, benchmarks/saap_quality_scoring.py): rotated
+# keys, C = 2048 at 8k, centroids refined over each prompt with 2 Lloyd iterations, centroid scoring, no MLP
+python benchmarks/saap_quality_scoring.py "$OUT/coll8k.safetensors" --clusters 512,1024,2048 --windows 64,128,256 \
+    --refine 2 --out "$OUT/scoring-refine2.json"
+python -m attnopt.cli saap train "$OUT/coll8k.safetensors" --out "$OUT/idx2048.safetensors" --threads 1
+python -m attnopt.cli saap eval --index "$OUT/idx2048.safetensors" --context 8192 --sequences 1 --tail 128 \
+    --targets 0.05,0.1,0.2 --methods centroids,oracle,topk --passkey-lengths "" --threads 2 \
+    --out "$OUT/saap-quality-attnopt.json"

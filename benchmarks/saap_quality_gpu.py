@@ -2,9 +2,13 @@
 
 1. Collect de-roped keys and queries over every disjoint 8k window of the training text (``pydoc_data.topics``,
    even entries).
-2. Train, per entry of ``--clusters`` (a count, "r" for clusters over the rotated keys): k-means per KV head
-   (torch on the GPU: faiss is not installed there) and the paper's query MLP (2 layers, hidden 1024, BatchNorm, ReLU; KL to the long-range attention mass
-   per cluster).
+2. Train, per index configuration of ``--clusters`` (``parse_spec``: cluster count, over rotated or de-roped keys,
+   with or without the query MLP, centroids refined at prefill or not): k-means per KV head (torch on the GPU:
+   faiss is not installed there) and, unless "n", the paper's query MLP (2 layers, hidden 1024, BatchNorm, ReLU;
+   KL to the long-range attention mass per cluster). The default compares attnopt's configuration (2048 clusters
+   of the rotated keys, refined over each prompt with 2 Lloyd iterations, centroid scoring) with the paper's
+   (1024 clusters of the de-roped keys and the MLP; its ``centroids`` rows are the training-free baseline) and
+   two ablations (no refinement; 1024 clusters).
 3. Evaluate on the held-out text (odd entries; overlapping 8k windows at ``--eval-stride``), each window's prompt
    prefilled densely, the index built over it, the last ``--tail`` tokens decoded with sparse attention:
    recall of attention mass, next-token agreement and perplexity against dense, and the measured selectivity
@@ -29,6 +33,7 @@ A ``--budget-s`` guard (default 500 s) skips what would not fit, and says so in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,10 +43,12 @@ from pathlib import Path
 import torch
 
 #: Window as a fraction of the context, and the probe sweep, per method (the oracle and the MLP share them).
-WINDOW_FRACTIONS = (1 / 64, 1 / 32, 1 / 16)
-PROBE_FRACTIONS = (0.005, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15)  # of C: probes = max(1, round(f * C))
+WINDOW_FRACTIONS = (1 / 128, 1 / 64, 1 / 32)  # 64, 128, 256 keys at 8k
+PROBE_FRACTIONS = (0.01, 0.02, 0.035, 0.05, 0.055, 0.065, 0.08, 0.1, 0.15)  # of C; 0.055: decode_defaults
 STREAMING_TARGETS = (0.02, 0.05, 0.10, 0.20)
 PASSKEY_TARGETS = (0.05, 0.10)
+#: What the decode kernel runs (the rest are bounds and baselines): the query MLP, or centroid scoring.
+DEPLOYABLE = ("mlp", "centroids")
 SINK = 4
 
 
@@ -70,6 +77,19 @@ def eval_windows(tok, length: int, stride: int, count: int) -> list[torch.Tensor
 
 #: Methods whose selection does not depend on the clusters: evaluated once, with the first cluster count.
 PARTITION_FREE = ("window", "topk")
+
+
+def parse_spec(spec: str) -> tuple[int, bool, bool, int]:
+    """An index configuration ``<C>[r][n][:R]`` -> (clusters, rotated, mlp, refine): ``r`` clusters the rotated keys
+    (``SaapIndex.rotated``), ``n`` trains no query MLP (centroid scoring only), ``:R`` refines the centroids over
+    each prompt's keys with R Lloyd iterations at prefill (``SaapIndex.refine``). "1024" is the paper's
+    (de-roped, MLP); "2048rn:2" attnopt's default."""
+    import re
+
+    m = re.fullmatch(r"(\d+)(r?)(n?)(?::(\d+))?", spec)
+    if m is None:
+        raise ValueError(f"bad index configuration {spec!r}: <clusters>[r][n][:refine], e.g. 1024 or 2048rn:2")
+    return int(m[1]), bool(m[2]), not m[3], int(m[4] or 0)
 
 
 def sweep_settings(C: int, context: int, tail: int, methods: list[str]):
@@ -105,7 +125,8 @@ def nearest(rows: list[dict], method: str, target: float) -> dict | None:
 
 def summarize(results: dict, methods: list[str], Cs: list[str]) -> list[dict]:
     """Per method and cluster count: the best agreement at measured selectivity <= 5 % and <= 10 %, with the
-    passkey results of that operating point and the done-when verdict (SAAP's "mlp" rows at <= 10 % only)."""
+    passkey results of that operating point and the done-when verdict (the deployable methods' rows, ``DEPLOYABLE``,
+    at <= 10 % only)."""
     summary = []
     dense = [r for r in results["rows"] if r["method"] == "dense"]
     dense_ppl = dense[0]["perplexity"] if dense else math.nan
@@ -128,7 +149,7 @@ def summarize(results: dict, methods: list[str], Cs: list[str]) -> list[dict]:
                        "recall": r["recall"], "agree": r["next_token_agreement"],
                        "ppl_vs_dense": r["perplexity"] / dense_ppl - 1,
                        "passkey": " ".join(f"{p['found']}/{p['trials']}" for p in pk) or "-"}
-                row["done"] = bool(m == "mlp" and target == 0.10 and r["selectivity_all_layers"] <= 0.10
+                row["done"] = bool(m in DEPLOYABLE and target == 0.10 and r["selectivity_all_layers"] <= 0.10
                                    and row["agree"] >= 0.95 and row["ppl_vs_dense"] <= 0.03 and pk
                                    and all(p["found"] / p["trials"] >= dense_rate.get(p["length"], 0) for p in pk))
                 summary.append(row)
@@ -143,15 +164,16 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--train-sequences", type=int, default=8, help="at most this many 8k training windows")
     ap.add_argument("--queries", type=int, default=4096, help="query positions recorded per training window")
-    ap.add_argument("--clusters", default="1024,1024r,256",
-                    help="cluster counts per KV head to train and compare; a trailing r: clusters over the rotated "
-                         "keys (SaapIndex.rotated) instead of the de-roped ones")
+    ap.add_argument("--clusters", default="2048rn:2,1024,2048rn,1024rn:2",
+                    help="index configurations to train and compare, <C>[r][n][:R] (parse_spec): C clusters per KV "
+                         "head, r over the rotated keys, n no query MLP, R Lloyd iterations at prefill; the first "
+                         "also evaluates the partition-free methods (window, topk)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=1000, help="MLP optimiser steps per layer")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--train-window", type=int, default=64, help="recent keys left out of the MLP's targets")
-    ap.add_argument("--eval-sequences", type=int, default=10)
+    ap.add_argument("--eval-sequences", type=int, default=16)
     ap.add_argument("--eval-stride", type=int, default=4096)
     ap.add_argument("--tail", type=int, default=64)
     ap.add_argument("--methods", default="oracle,mlp,centroids,window,topk",
@@ -171,7 +193,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out_path = Path(args.out) / "saap-quality-smollm2-gpu.json"
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    Cs = [c.strip() for c in args.clusters.split(",") if c.strip()]  # "1024", or "1024r": rotated clusters
+    Cs = [c.strip() for c in args.clusters.split(",") if c.strip()]  # "1024", "2048rn:2": parse_spec
+    specs = {C: parse_spec(C) for C in Cs}  # bad specs fail here, before the model loads
     results = results_header("saap-quality", commit=args.commit, model="smollm2", context=args.context,
                              tail=args.tail, sink=SINK, args=vars(args) | {"gguf": str(args.gguf)}, skipped=[],
                              indexes={}, passkey=[])
@@ -202,21 +225,29 @@ def main() -> int:
 
     dense_row = None
     per_C_eval_s = None
+    indexes: dict[tuple[int, bool, bool], object] = {}  # trained once per (C, rotated, mlp)
     results["passkey_points"] = {}  # C -> the operating points passkey ran (each row carries its "target")
     for C in Cs:
         if per_C_eval_s is not None and elapsed() + per_C_eval_s > args.budget_s:
             results["skipped"].append(f"C={C}: would end past the budget ({per_C_eval_s:.0f} s per cluster count)")
             continue
         start = time.perf_counter()
-        index = train_index(coll, clusters=int(C.rstrip("r")), hidden=args.hidden, steps=args.steps,
-                            batch=args.batch, lr=args.lr, sink=SINK, window=args.train_window, device=args.device,
-                            rotated=C.endswith("r")).to(args.device)
+        clusters, rotated, mlp, refine = specs[C]
+        trained = next((idx for (c, r, m), idx in indexes.items()  # an MLP index also serves centroid scoring
+                        if (c, r) == (clusters, rotated) and (m or not mlp)), None)
+        if trained is None:
+            trained = indexes[(clusters, rotated, mlp)] = train_index(
+                coll, clusters=clusters, hidden=args.hidden, steps=args.steps, batch=args.batch, lr=args.lr,
+                sink=SINK, window=args.train_window, device=args.device, rotated=rotated, mlp=mlp).to(args.device)
+        index = dataclasses.replace(trained if mlp else trained.without_mlp(), refine=refine)
         train_s = time.perf_counter() - start
-        results["indexes"][C] = {"train_s": round(train_s, 1), "rotated": index.rotated, **index.train_info}
+        results["indexes"][C] = {"train_s": round(train_s, 1), "rotated": index.rotated, "refine": index.refine,
+                                 **index.train_info}
         print(f"[{elapsed():.0f}s] trained C={C} in {train_s:.0f} s", flush=True)
         harness = Harness(model, index)
         settings = sweep_settings(index.num_clusters, args.context, args.tail,
-                                  [m for m in methods if m not in PARTITION_FREE or dense_row is None])
+                                  [m for m in methods if (m not in PARTITION_FREE or dense_row is None)
+                                   and (m != "mlp" or index.has_mlp)])
         with custom_attention(model, "attnopt_saap_eval", harness):
             rows, timing = evaluate_language(model, harness, windows, args.tail, settings)
         n_layers, n_sparse = index.identity.num_layers, len(index.layers)

@@ -136,6 +136,16 @@ def partitions(held: Tensor, others: list[Tensor], C: int, sink: int, iterations
     return {name: make[name]() for name in names}
 
 
+def heldout_split(coll: Collection, heldout: int, queries: int):
+    """(held-out sequence, the others, indices of its last ``queries`` recorded queries, their positions (M,),
+    keys up to the last of them N)."""
+    held = coll.sequences[heldout]
+    others = [s for i, s in enumerate(coll.sequences) if i != heldout % len(coll.sequences)]
+    m_keep = torch.arange(held.query_positions.numel())[-queries:]
+    pos = held.query_positions[m_keep]
+    return held, others, m_keep, pos, int(pos.max()) + 1
+
+
 def study(coll: Collection, target: float, sink: int = 4, window_fraction: float = 1 / 64, queries: int = 64,
           layers: list[int] | None = None, clusters: tuple[int, ...] = (128,), heldout: int = -1,
           iterations: int = 10, names: tuple[str, ...] = PARTITIONS,
@@ -146,11 +156,7 @@ def study(coll: Collection, target: float, sink: int = 4, window_fraction: float
     rope, ident = coll.rope, coll.identity
     Hkv = ident.num_kv_heads
     scale = 1 / math.sqrt(ident.head_dim)
-    held = coll.sequences[heldout]
-    others = [s for i, s in enumerate(coll.sequences) if i != heldout % len(coll.sequences)]
-    m_keep = torch.arange(held.query_positions.numel())[-queries:]
-    pos = held.query_positions[m_keep]
-    N = int(pos.max()) + 1
+    held, others, m_keep, pos, N = heldout_split(coll, heldout, queries)
     budget = (target * (pos + 1).float()).round()
     window = max(16, round(N * window_fraction))
     always, indexed = base_keep(N, pos, sink, window)

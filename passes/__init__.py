@@ -33,13 +33,22 @@ def make_context(config: OptimizeConfig, example_inputs: Sequence[Any] = (), wor
     hw = resolve_profile(config.hardware) if (config.hardware or device_type == "cuda") else resolve_profile("cpu")
     from attnopt.runtime.kernels import triton_usable
 
-    extras: dict[str, Any] = {"saap": {"index": config.saap, "probes": config.saap_probes, "sink": config.saap_sink,
-                                       "window": config.saap_window}} if config.saap else {}
+    extras: dict[str, Any] = {"saap": saap_options(config)} if config.saap else {}
     if graphed is not None:
         extras["graphed"] = bool(graphed)
     plan_ctx = PlanContext(world_size=world_size, topology=topology, device_type=device_type,
                            triton_available=triton_usable(device_type), extras=extras)
     return PassContext(config=config, hardware=hw, plan_context=plan_ctx, example_inputs=list(example_inputs))
+
+
+def saap_options(config: OptimizeConfig) -> dict[str, Any]:
+    """The SAAP plan's options: the config's, with those left at None taken from the index's recommended
+    operating point (``SaapIndex.decode_defaults``)."""
+    from attnopt.runtime.saap.registry import get_index
+
+    given = {"probes": config.saap_probes, "sink": config.saap_sink, "window": config.saap_window}
+    defaults = get_index(config.saap).decode_defaults() if None in given.values() else {}
+    return {"index": config.saap, **{k: defaults[k] if v is None else v for k, v in given.items()}}
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any] = (), config: OptimizeConfig | None = None,

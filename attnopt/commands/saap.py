@@ -1,7 +1,10 @@
 """``attnopt saap collect|train|eval``: build a SAAP index for a model and measure its quality against dense.
 
 * ``collect`` runs the model over the training text and records de-roped keys and sampled queries;
-* ``train`` fits the k-means and the query MLP (or, with ``--no-mlp``, the k-means only) into an index file;
+* ``train`` fits the k-means (and, with ``--mlp``, the paper's query MLP) into an index file. The defaults are the
+  configuration measured best on SmolLM2 at 8k (``benchmarks/saap_quality_scoring.py``): clusters of the rotated
+  keys (as the cache holds them), about 4 keys a cluster (at most 2048), refined over each prompt's keys with 2
+  Lloyd iterations at prefill, and centroid scoring. ``--deroped --mlp --refine 0 --clusters 1024`` is the paper's;
 * ``eval`` measures recall, next-token agreement, perplexity and passkey retrieval on the held-out text, for
   SAAP and for the training-free baseline (the same clusters scored by centroids), at several selectivities.
 
@@ -40,7 +43,8 @@ def register(sub) -> None:
     t = cmds.add_parser("train", help="train k-means and the query MLP into an index file")
     t.add_argument("collection", help="a file written by 'attnopt saap collect'")
     t.add_argument("--out", required=True, help="index file to write (.safetensors)")
-    t.add_argument("--clusters", type=int, default=None, help="clusters per KV head (default: context / 64)")
+    t.add_argument("--clusters", type=int, default=None,
+                   help="clusters per KV head (default: context / 4, a power of two, at most 2048)")
     t.add_argument("--hidden", type=int, default=1024, help="query MLP hidden width (default 1024)")
     t.add_argument("--steps", type=int, default=300, help="MLP optimiser steps per layer (default 300)")
     t.add_argument("--batch", type=int, default=256)
@@ -48,10 +52,20 @@ def register(sub) -> None:
     t.add_argument("--sink", type=int, default=1, help="keys always attended at the start (default 1)")
     t.add_argument("--window", type=int, default=64, help="recent keys excluded from the targets (default 64)")
     t.add_argument("--max-queries", type=int, default=None, help="recorded queries used per sequence (default all)")
-    t.add_argument("--no-mlp", action="store_true", help="k-means only (the centroid-scored baseline)")
-    t.add_argument("--rotated", action="store_true",
-                   help="cluster the keys as the cache holds them (with RoPE), not de-roped: better within the "
-                        "trained positions, the paper's de-roping extrapolates past them")
+    mlp = t.add_mutually_exclusive_group()
+    mlp.add_argument("--mlp", dest="mlp", action="store_true", default=False,
+                     help="also train the paper's query MLP (default: centroid scoring, which measured as well or "
+                          "better over rotated, refined clusters)")
+    mlp.add_argument("--no-mlp", dest="mlp", action="store_false", help="k-means only (the default)")
+    rot = t.add_mutually_exclusive_group()
+    rot.add_argument("--rotated", dest="rotated", action="store_true", default=True,
+                     help="cluster the keys as the cache holds them, with RoPE (the default): more attention mass "
+                          "within the trained positions")
+    rot.add_argument("--deroped", dest="rotated", action="store_false",
+                     help="cluster the de-roped keys (the paper's; what extrapolates past the trained positions, "
+                          "and what the ONNX export takes)")
+    t.add_argument("--refine", type=int, default=None,
+                   help="Lloyd iterations over each prompt's keys at prefill (default 2; 0: the trained centroids)")
     t.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
     t.set_defaults(func=run_train)
@@ -129,11 +143,15 @@ def run_train(args) -> int:
     coll = Collection.load(args.collection)
     start = time.perf_counter()
     with _progress() as bar:
+        from attnopt.runtime.saap.train import DEFAULT_REFINE
+
+        refine = DEFAULT_REFINE if args.refine is None else args.refine
         index = train_index(coll, clusters=args.clusters, hidden=args.hidden, steps=args.steps, batch=args.batch,
-                            lr=args.lr, sink=args.sink, window=args.window, mlp=not args.no_mlp, device=args.device,
-                            max_queries=args.max_queries, rotated=args.rotated, progress=bar)
+                            lr=args.lr, sink=args.sink, window=args.window, mlp=args.mlp, device=args.device,
+                            max_queries=args.max_queries, rotated=args.rotated, refine=refine, progress=bar)
     index.save(args.out)
     print(f"wrote {args.out}: {len(index.layers)} layers, C={index.num_clusters}, "
+          f"{'rotated' if index.rotated else 'de-roped'} keys, refine={index.refine}, "
           f"MLP={'yes' if index.has_mlp else 'no'} ({time.perf_counter() - start:.0f} s)")
     return 0
 

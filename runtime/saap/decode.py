@@ -21,12 +21,13 @@ def query_positions(n_keys: int, q_len: int, device: torch.device) -> Tensor:
 
 
 def select_clusters(index: SaapIndex, layer: int, q: Tensor, positions: Tensor, probes: int, scale: float,
-                    per_token: bool = False) -> Tensor:
-    """Top-``probes`` clusters of each group: q (B, Hq, L, D) rotated at ``positions`` (L,).
+                    per_token: bool = False, centroids: Tensor | None = None) -> Tensor:
+    """Top-``probes`` clusters of each group: q (B, Hq, L, D) rotated at ``positions`` (L,); ``centroids``
+    (Hkv, C, D): the ones refined at prefill (``ClusterState.centroids``), else the index's.
 
     Returns (B, Hkv, probes) int64 (scores summed over the L tokens), or (B, Hkv, L, probes) with ``per_token``.
     """
-    scores = index.cluster_scores(layer, q, positions, scale)  # (B, Hkv, L, C)
+    scores = index.cluster_scores(layer, q, positions, scale, centroids)  # (B, Hkv, L, C)
     if not per_token:
         scores = scores.sum(dim=2)
     return scores.topk(min(probes, scores.shape[-1]), dim=-1).indices
@@ -96,7 +97,8 @@ def saap_decode(index: SaapIndex, layer: int, state: ClusterState, q: Tensor, k:
                 scale: float, valid_len: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Reference SAAP decode of one layer. Returns (o (B, Hq, L, Dv) in q's dtype, lse fp32, selectivity)."""
     N, L = k.shape[2], q.shape[2]
-    clusters = select_clusters(index, layer, q, query_positions(N, L, q.device), probes, scale)
+    clusters = select_clusters(index, layer, q, query_positions(N, L, q.device), probes, scale,
+                               centroids=state.centroids)
     keep = attended_keys(state, clusters, N, L)
     o, lse = saap_decode_states(q, k, v, keep, scale, valid_len)
     return o.to(q.dtype), lse, selectivity(keep, valid_len)

@@ -140,7 +140,8 @@ class Harness:
             if s.method == "oracle":
                 clusters = oracle_clusters(self.states[layer], probs, s.probes)
             else:  # (.., 0) for "window"
-                clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True)
+                clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True,
+                                           centroids=self.states[layer].centroids)
             keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
         mask = keep.repeat_interleave(G, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)

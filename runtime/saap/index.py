@@ -94,10 +94,21 @@ class SaapIndex:
     #: Better where decode stays within the positions trained on (measured at 4k: oracle recall +2 points);
     #: the paper's de-roping is what extrapolates past them.
     rotated: bool = False
+    #: Lloyd iterations over each prompt's own keys at prefill, from these centroids (``build.refine_centroids``);
+    #: decode then scores with the refined set. 0: the trained centroids as they are (an index of before the option).
+    refine: int = 0
 
     @property
     def num_clusters(self) -> int:
         return next(iter(self.layers.values())).centroids.shape[1]
+
+    def decode_defaults(self) -> dict[str, int]:
+        """The ``probes``, ``sink`` and ``window`` decode uses when the user gives none (``saap_probes`` ... of
+        ``attnopt.optimize`` left at None): what training recommended (``train_info["decode"]``), else the paper's
+        l = 32, sink 1, window 2047 (an index of before the recommendation)."""
+        rec = self.train_info.get("decode") or {}
+        return {"probes": int(rec.get("probes", 32)), "sink": int(rec.get("sink", 1)),
+                "window": int(rec.get("window", 2047))}
 
     @property
     def has_mlp(self) -> bool:
@@ -105,12 +116,12 @@ class SaapIndex:
 
     def to(self, device: torch.device | str) -> "SaapIndex":
         return SaapIndex(self.identity, self.rope, {l: li.to(device) for l, li in self.layers.items()}, self.bn_eps,
-                         dict(self.train_info), self.rotated)
+                         dict(self.train_info), self.rotated, self.refine)
 
     def without_mlp(self) -> "SaapIndex":
         """The training-free baseline: the same clusters, scored by centroids."""
         return SaapIndex(self.identity, self.rope, {l: LayerIndex(li.centroids) for l, li in self.layers.items()},
-                         self.bn_eps, dict(self.train_info), self.rotated)
+                         self.bn_eps, dict(self.train_info), self.rotated, self.refine)
 
     def check_model(self, config: Any, path: str | Path = "<index>") -> None:
         """``SaapIndexError`` naming ``path`` and the mismatch when ``config`` is not the model this index is for."""
@@ -132,21 +143,23 @@ class SaapIndex:
         differ("config_hash")
 
     # ------------------------------------------------------------------------------------------ scoring
-    def cluster_scores(self, layer: int, q: Tensor, positions: Tensor, scale: float) -> Tensor:
+    def cluster_scores(self, layer: int, q: Tensor, positions: Tensor, scale: float,
+                       centroids: Tensor | None = None) -> Tensor:
         """Group-summed cluster scores of queries ``q`` (B, Hq, L, D) (rotated) at ``positions`` (L,) or (B, L).
 
         Each query head gets a distribution over the C clusters (the MLP's softmax, or without an MLP the
-        softmax of ``scale * q . centroid``); the G heads of a group and the L query tokens are summed, as the
-        paper picks a group's clusters jointly. Returns (B, Hkv, L, C) fp32 (the L tokens are kept apart; sum
-        them for a joint pick).
+        softmax of ``scale * q . centroid``, with ``centroids`` (Hkv, C, D) when given: the ones refined at
+        prefill, ``ClusterState.centroids``); the G heads of a group are summed, as the paper picks a group's
+        clusters jointly. Returns (B, Hkv, L, C) fp32 (the L tokens are kept apart; sum them for a joint pick).
         """
         li = self.layers[layer]
         B, Hq, L, D = q.shape
-        Hkv, C, _ = li.centroids.shape
+        cents = li.centroids if centroids is None else centroids
+        Hkv, C, _ = cents.shape
         pos = positions if positions.dim() == 1 else positions[:, None, :]
         qd = (q.float() if self.rotated else remove_rope(q, pos, self.rope)).reshape(B, Hkv, Hq // Hkv * L, D)
         if li.mlp is None:
-            logits = torch.einsum("bhmd,hcd->bhmc", qd, li.centroids.to(qd.device)) * scale
+            logits = torch.einsum("bhmd,hcd->bhmc", qd, cents.to(qd.device, torch.float32)) * scale
         else:
             logits = mlp_logits(li.mlp, qd, self.bn_eps)
         return torch.softmax(logits, dim=-1).reshape(B, Hkv, Hq // Hkv, L, C).sum(dim=2)
@@ -155,7 +168,8 @@ class SaapIndex:
     def metadata(self) -> dict[str, Any]:
         return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "model": self.identity.to_dict(),
                 "rope": self.rope.to_dict(), "layers": sorted(self.layers), "num_clusters": self.num_clusters,
-                "mlp": self.has_mlp, "bn_eps": self.bn_eps, "train": self.train_info, "rotated": self.rotated}
+                "mlp": self.has_mlp, "bn_eps": self.bn_eps, "train": self.train_info, "rotated": self.rotated,
+                "refine": self.refine}
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
@@ -228,7 +242,8 @@ def load_index(path: str | Path, config: Any = None) -> SaapIndex:
     if not layers:
         raise SaapIndexError(f"SAAP index {path} covers no layer")
     index = SaapIndex(identity, rope, layers, float(meta.get("bn_eps", 1e-5)), dict(meta.get("train") or {}),
-                      bool(meta.get("rotated", False)))  # absent: an index of before the option, de-roped
+                      bool(meta.get("rotated", False)),  # absent: an index of before the option, de-roped
+                      int(meta.get("refine", 0)))
     if config is not None:
         index.check_model(config, path)
     return index

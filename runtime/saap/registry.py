@@ -2,7 +2,8 @@
 
 * Loaded indexes, by (resolved path, device): an index is read and validated once per process.
 * The cluster state of the live sequence, per (index path, layer), built at prefill by ``SaapCache`` (or by
-  ``set_state``). A new prefill copies its CSR tables into the buffers already registered when they fit, so
+  ``set_state``), with the centroids refined over its keys when the index asks for it. A new prefill copies its
+  CSR tables (and refined centroids) into the buffers already registered when they fit, so
   the tensors a captured CUDA graph reads stay at the same addresses; a longer prompt than any before
   allocates new buffers (capture again after that).
 * Run-time statistics per plan: the selectivity each call attended, accumulated on the device (no sync in the op)
@@ -54,11 +55,14 @@ def set_state(path: str | Path, layer: int, state: ClusterState) -> ClusterState
     key = (_key(path), layer)
     old = _STATES.get(key)
     if (old is not None and old.offsets.shape == state.offsets.shape and old.offsets.device == state.offsets.device
-            and old.perm.shape[:2] == state.perm.shape[:2] and old.perm.shape[-1] >= state.perm.shape[-1]):
+            and old.perm.shape[:2] == state.perm.shape[:2] and old.perm.shape[-1] >= state.perm.shape[-1]
+            and (old.centroids is None) == (state.centroids is None)):
         n = state.perm.shape[-1]
         old.offsets.copy_(state.offsets)
         old.perm[..., :n].copy_(state.perm)
         old.ends.copy_(state.ends)
+        if state.centroids is not None:  # refined at prefill: the scorer reads this buffer
+            old.centroids.copy_(state.centroids)
         old.assign, old.sink, old.indexed_end, old.window = state.assign, state.sink, state.indexed_end, state.window
         return old
     _STATES[key] = state
@@ -100,20 +104,24 @@ def _cache_cls(static: bool):
     return StaticCache if static else DynamicCache
 
 
-def saap_cache(index: str | Path, *, sink: int, window: int, config: Any = None, static: bool = False,
-               **cache_kwargs: Any):
+def saap_cache(index: str | Path, *, sink: int | None = None, window: int | None = None, config: Any = None,
+               static: bool = False, **cache_kwargs: Any):
     """A Hugging Face ``DynamicCache`` (``StaticCache`` with ``static=True``; pass ``max_cache_len``) that builds
     the SAAP clusters of every covered layer at prefill.
 
     Pass it as ``past_key_values`` to ``generate`` (or a forward) of a model optimized with
     ``saap=index``: every cache update of more than one token (the prompt) assigns all the layer's keys to
     clusters and registers them for the ``saap`` op; single-token decode updates add nothing (the new tokens are
-    in the recent window). ``sink`` and ``window`` must be the plan's (``saap_sink``, ``saap_window``); the op
-    checks it. ``config`` (the model's config) checks the index against the model.
+    in the recent window). ``sink`` and ``window`` must be the plan's (``saap_sink``, ``saap_window``; None, as
+    there, takes the index's recommendation); the op checks it. ``config`` (the model's config) checks the index
+    against the model.
     """
     base = _cache_cls(static)
     path = str(index)
     idx = get_index(path, "cpu", config)
+    defaults = idx.decode_defaults()
+    sink = defaults["sink"] if sink is None else sink
+    window = defaults["window"] if window is None else window
 
     class SaapCache(base):  # type: ignore[misc, valid-type]
         saap_index = path

@@ -1,6 +1,7 @@
 """``train``: k-means over de-roped keys (faiss) and the query MLP, per layer and KV head.
 
-Keys: k-means with C clusters per KV head (C scales with the context, ``cluster_count``). Queries: an MLP of 2
+Keys: k-means with C clusters per KV head (C scales with the context, ``cluster_count``), optionally refined over
+each prompt's own keys at prefill (``refine``, see ``build.refine_centroids``). Queries: an MLP of 2
 layers (Linear -> BatchNorm -> ReLU -> Linear, hidden 1024 by default) per KV head, trained with the KL divergence
 from the real attention mass per cluster. Only long-range attention counts: the mass of the keys in
 [sink, position - window), which is what the window does not already cover; every query head of a group is a
@@ -22,13 +23,34 @@ from .collect import Collection
 from .index import LayerIndex, SaapIndex
 from .rope import apply_rope
 
-#: Keys per cluster the default C aims at (the paper's C = 1024 for 100k-500k keys gives 100-500).
-KEYS_PER_CLUSTER = 64
+#: Keys per cluster the default C aims at. The paper's C = 1024 for 100k-500k keys gives 100-500; at 8k on
+#: SmolLM2 finer clusters keep more attention mass at the same selectivity (4 keys a cluster: +1 to +2 points of
+#: recall over 64, ``benchmarks/saap_quality_scoring.py``), up to what the selection kernel takes.
+KEYS_PER_CLUSTER = 4
+#: The most clusters the device selection handles (its radix select over at most 2048 scores).
+MAX_CLUSTERS = 2048
+#: Lloyd iterations over each prompt's keys at prefill that ``train_index`` stores by default (``SaapIndex.refine``):
+#: at 8k, 1 iteration gains most of 3's recall, 2 is the default trade against the prefill time.
+DEFAULT_REFINE = 2
+
+
+#: The decode operating point an index recommends (``SaapIndex.decode_defaults``): a sink of 4, a window of
+#: 1/128 of the context and probes of 5.5 % of the clusters, which the CPU screening put near 10 % total
+#: selectivity on SmolLM2 at 8k (layer 0 dense included).
+DECODE_SINK = 4
+DECODE_WINDOW_FRACTION = 1 / 128
+DECODE_PROBE_FRACTION = 0.055
+
+
+def decode_defaults(clusters: int, context: int) -> dict[str, int]:
+    """The recommended ``probes``, ``sink`` and ``window`` of an index of ``clusters`` trained at ``context``."""
+    return {"probes": max(1, round(DECODE_PROBE_FRACTION * clusters)), "sink": DECODE_SINK,
+            "window": max(16, round(context * DECODE_WINDOW_FRACTION))}
 
 
 def cluster_count(context: int, keys_per_cluster: int = KEYS_PER_CLUSTER) -> int:
-    """C for a context length: a power of two near ``context / keys_per_cluster``, at least 16."""
-    return max(16, 1 << max(0, round(math.log2(max(1, context / keys_per_cluster)))))
+    """C for a context length: a power of two near ``context / keys_per_cluster``, in [16, MAX_CLUSTERS]."""
+    return min(MAX_CLUSTERS, max(16, 1 << max(0, round(math.log2(max(1, context / keys_per_cluster))))))
 
 
 def kmeans(keys: Tensor, clusters: int, iterations: int = 10, seed: int = 0, backend: str = "auto") -> Tensor:
@@ -154,14 +176,20 @@ def _progress(progress: Any) -> Iterator[Any]:
 def train_index(collection: Collection, clusters: int | None = None, hidden: int = 1024, steps: int = 300,
                 batch: int = 256, lr: float = 1e-3, sink: int = 1, window: int = 64, kmeans_iterations: int = 10,
                 layers: list[int] | None = None, mlp: bool = True, device: str = "cpu", seed: int = 0,
-                max_queries: int | None = None, rotated: bool = False, progress: Any = None) -> SaapIndex:
+                max_queries: int | None = None, rotated: bool = False, refine: int = 0,
+                progress: Any = None) -> SaapIndex:
     """Train a SAAP index from a ``Collection``.
 
     ``clusters`` defaults to ``cluster_count`` of the shortest sequence. ``layers`` defaults to every layer but 0.
-    With ``mlp=False`` only the k-means is trained (the training-free, centroid-scored baseline).
+    With ``mlp=False`` only the k-means is trained (centroid scoring, no query model).
     ``max_queries`` keeps at most that many of each sequence's recorded queries (fewer attention targets to compute).
     ``rotated`` clusters the keys as the cache holds them and feeds the MLP rotated queries (``SaapIndex.rotated``).
+    ``refine``: Lloyd iterations over each prompt's keys at prefill, stored in the index (``SaapIndex.refine``).
+    (The CLI's defaults are attnopt's measured configuration: rotated, no MLP, ``DEFAULT_REFINE``; this function's
+    are the paper's.)
     """
+    if refine < 0:
+        raise ValueError(f"refine ({refine}) must be >= 0")
     ident, rope = collection.identity, collection.rope
     if not collection.sequences:
         raise ValueError("the collection holds no sequence")
@@ -187,8 +215,9 @@ def train_index(collection: Collection, clusters: int | None = None, hidden: int
             out[l] = LayerIndex(cents, model_mlp)
             bar.advance(task)
     info = {"context": context, "clusters": C, "hidden": hidden if mlp else 0, "steps": steps if mlp else 0,
-            "sink": sink, "window": window, "sequences": len(collection.sequences), "max_queries": max_queries}
-    return SaapIndex(ident, rope, out, train_info=info, rotated=rotated)
+            "sink": sink, "window": window, "sequences": len(collection.sequences), "max_queries": max_queries,
+            "decode": decode_defaults(C, context)}
+    return SaapIndex(ident, rope, out, train_info=info, rotated=rotated, refine=refine)
 
 
 def _keys(rec, layer: int, rope, rotated: bool, device: str) -> Tensor:

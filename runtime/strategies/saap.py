@@ -147,8 +147,11 @@ class Saap(Strategy[SaapPlan]):
                 # the planner plans SAAP only without a mask or with a valid-length one (then valid_len carries it)
                 raise ValueError("the SAAP kernel takes no arbitrary attention mask, only a valid length")
             out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
+            scorer = state.scorer
+            if clusters_state.centroids is not None:  # refined over this prompt's keys at prefill (same shape)
+                scorer = scorer._replace(centroids=clusters_state.centroids)
             saap_decode_kernel(q, k, v, clusters_state.offsets, clusters_state.perm, clusters_state.ends, out,
-                               probes=plan.probes, sink=plan.sink, scale=scale, scorer=state.scorer,
+                               probes=plan.probes, sink=plan.sink, scale=scale, scorer=scorer,
                                valid_len=valid_len, stats=state.stats, block_n=plan.block_n,
                                workspace=state.workspace, fused_select=plan.fused_select,
                                fused_merge=plan.fused_merge, window_splits=window_split_count(
@@ -162,7 +165,8 @@ class Saap(Strategy[SaapPlan]):
         else:
             kv_len = valid_len.to(q.device).clamp(max=N)
             positions = kv_len[:, None] - L + steps[None, :]
-        scores = state.index.cluster_scores(plan.layer, q, positions, scale).sum(dim=2)  # (B, Hkv, C)
+        scores = state.index.cluster_scores(plan.layer, q, positions, scale,
+                                            clusters_state.centroids).sum(dim=2)  # (B, Hkv, C)
         top = scores.topk(min(plan.probes, scores.shape[-1]), dim=-1).indices
         sizes = clusters_state.offsets[..., 1:] - clusters_state.offsets[..., :-1]
         attended = (sizes.gather(-1, top).sum(-1) + clusters_state.sink

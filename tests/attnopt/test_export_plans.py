@@ -243,19 +243,21 @@ def test_saap_layer_outside_the_index_fails_early(tmp_path, fresh_registry):
     assert not (tmp_path / "x.onnx").exists()
 
 
-def test_saap_rotated_index_is_refused_before_the_export(tmp_path, fresh_registry):
+@pytest.mark.parametrize("change, message", [({"rotated": True}, "clusters rotated keys .* de-roped indexes only"),
+                                               ({"refine": 2}, r"refines its centroids .*\(refine=2\)")])
+def test_saap_rotated_or_refined_index_is_refused_before_the_export(tmp_path, fresh_registry, change, message):
     from dataclasses import replace
 
     from attnopt.export_saap import export_saap_clusters
     from attnopt.runtime.saap import load_index
 
-    path = tmp_path / "rotated.safetensors"
-    replace(load_index(saap_index(tmp_path, mlp=False)), rotated=True).save(path)
+    path = tmp_path / "changed.safetensors"
+    replace(load_index(saap_index(tmp_path, mlp=False)), **change).save(path)
     plan = SaapPlan(index=str(path), layer=1)
-    with pytest.raises(ValueError, match="clusters rotated keys .* de-roped indexes only"):
+    with pytest.raises(ValueError, match=message):
         export_onnx(attention_fn(plan.runtime_key()), decode_case(), tmp_path / "x.onnx")
     assert not (tmp_path / "x.onnx").exists()
-    with pytest.raises(ValueError, match="export_saap_clusters: .* de-roped indexes only"):
+    with pytest.raises(ValueError, match="export_saap_clusters: .*" + message):
         export_saap_clusters(str(path), str(tmp_path / "c.onnx"), batch=1, max_cache_len=64, sink=1, window=4)
 
 

@@ -21,7 +21,9 @@ from attnopt.bench.e2e import build_model, make_cache, prefill  # noqa: E402
 
 PROMPT_TOKENS = 700
 STEPS = 12
-OPTIONS = {"reduce-overhead": {"mode": "reduce-overhead"}, "cudagraphs": {"inner_backend": "cudagraphs"}}
+OPTIONS = {"reduce-overhead": {"mode": "reduce-overhead"},  # attnopt's whole-step graphs (attnopt.step_graphs)
+           "graph-trees": {"mode": "reduce-overhead", "step_graphs": False},  # inductor's CUDA-graph trees
+           "cudagraphs": {"inner_backend": "cudagraphs"}}
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +35,14 @@ def model():
     return m
 
 
-def _ids(model):
+def _ids(model, tokens=PROMPT_TOKENS):
     g = torch.Generator(device="cuda").manual_seed(3)
-    return torch.randint(0, model.config.vocab_size, (1, PROMPT_TOKENS), device="cuda", generator=g)
+    return torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda", generator=g)
 
 
 @torch.no_grad()
 def _steps(forward, model, ids, graphs: bool) -> list[int]:
-    cache = make_cache(model, "static", PROMPT_TOKENS + STEPS + 8)
+    cache = make_cache(model, "static", ids.shape[1] + STEPS + 8)
     tok = prefill(model, cache, ids, chunk=512)
     tokens = [int(tok)]
     for _ in range(STEPS):
@@ -61,6 +63,25 @@ def test_forward_steps_in_cuda_graphs_match_the_original(model, route):
     report = attnopt.last_plans(opt)
     assert len(report.rewritten) == 30, report.headline()
     assert report.calls_without_attnopt == 0
+    if route == "reduce-overhead":  # two warm compiled steps, then each step is one replay
+        assert opt._attnopt_step_graphs.replays == STEPS - 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prompt", [1, 7])
+def test_short_prompts_over_a_static_cache_in_step_graphs(model, prompt):
+    """A 7-token prompt over a static cache crashed inductor's CUDA-graph trees (a segfault in its static launcher
+    while recording; HF's own compiled forward crashes the same way, torch 2.11) and, with graph partitioning off,
+    attnopt's op returned strides its fake did not declare. The prompt (<= max_decode_q_len tokens) runs the
+    compiled forward; the decode steps replay attnopt's whole-step graphs."""
+    ids = _ids(model, prompt)
+    expected = _steps(model.forward, model, ids, graphs=False)
+    opt = attnopt.optimize(model, mode="reduce-overhead")
+    assert _steps(opt.forward, model, ids, graphs=False) == expected
+    kw = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, cache_implementation="static")
+    assert torch.equal(opt.generate(ids, **kw), model.generate(ids, disable_compile=True, **kw))
+    assert opt._attnopt_step_graphs.replays > 0
+    assert attnopt.last_plans(opt).calls_without_attnopt == 0
 
 
 @pytest.mark.cuda
@@ -74,3 +95,4 @@ def test_generate_reduce_overhead_matches_the_original(model, cache):
         assert torch.equal(opt.generate(ids, **kw), expected)
     report = attnopt.last_plans(opt)
     assert report.rewritten and report.calls_without_attnopt == 0, report.headline()
+    assert (opt._attnopt_step_graphs.replays > 0) == (cache == "static")

@@ -110,3 +110,28 @@ def test_zero_splits_or_grid_is_a_clear_error():
             torch.ops.attnopt.decode_attention(q, k, v, None, None, 0.125, False, plan.runtime_key(), "t:zero")
     with pytest.raises(ValueError, match="num_partitions"):
         reference.decode_attention(q, k, v, num_partitions=0)
+
+
+@pytest.mark.parametrize("q_len", [1, 7])
+def test_outputs_have_the_strides_the_fake_declares(monkeypatch, q_len):
+    """SDPA's flash and cuDNN kernels return a transposed view of (B, L, H, D) memory; the op must still hand back
+    the layout its fake declares, or inductor (which trusts the fake) fails on a multi-token prompt (H100: a
+    7-token prompt over a static cache, 'expected stride 448, got 64')."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attnopt.runtime.strategies import dense
+
+    real = dense._sdpa
+
+    def flash_layout(*args, **kwargs):
+        return real(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(dense, "_sdpa", flash_layout)
+    ops.reset_runtime_state()
+    q, k, v = _qkv(L=q_len)
+    out = torch.ops.attnopt.decode_attention(q, k, v, None, None, 0.1, False, DENSE, "t:layout")
+    with FakeTensorMode() as mode:
+        fake = torch.ops.attnopt.decode_attention(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v),
+                                                  None, None, 0.1, False, DENSE, "t:layout")
+    assert out.stride() == fake.stride()
+    torch.testing.assert_close(out.double(), reference.sdpa_float64(q, k, v, scale=0.1), atol=1e-5, rtol=1e-5)

@@ -130,10 +130,14 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     cpath, ipath = tmp_path / "c.safetensors", tmp_path / "i.safetensors"
     coll.save(cpath)
     rc = main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16", "--hidden", "8", "--steps", "3",
-               "--window", "16"])
+               "--window", "16", "--mlp", "--deroped", "--refine", "0"])  # the paper's configuration
     assert rc == 0
     index = load_index(ipath, model.config)
     assert index.has_mlp and sorted(index.layers) == [1, 2] and index.train_info["hidden"] == 8
+    assert not index.rotated and index.refine == 0
+    assert main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16"]) == 0
+    index = load_index(ipath, model.config)  # the defaults: rotated keys, refined at prefill, centroid scoring
+    assert not index.has_mlp and index.rotated and index.refine == 2
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
 
 
@@ -204,6 +208,15 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]
 
 
+def test_gpu_quality_script_index_configurations():
+    script = _script("saap_quality_gpu")
+    assert script.parse_spec("1024") == (1024, False, True, 0)  # the paper's: de-roped, MLP
+    assert script.parse_spec("2048rn:2") == (2048, True, False, 2)
+    assert script.parse_spec("512n") == (512, False, False, 0)
+    with pytest.raises(ValueError, match="<clusters>"):
+        script.parse_spec("2048x")
+
+
 def _script(name):
     import importlib.util
     from pathlib import Path
@@ -246,3 +259,25 @@ def test_partition_study_budget_rule_takes_whole_clusters_by_mass_until_the_budg
     assert keep[0, 0].tolist() == [False] * 3 + [True] * 5  # 2 keys < 4, so cluster 2 too (5 keys), not cluster 0
     keep = script.cluster_keep(mass, assign, indexed, always, torch.tensor([2.0]), "budget", 8 / 3)
     assert keep[0, 0].tolist() == [False] * 3 + [True] * 2 + [False] * 3
+
+
+def test_scoring_study_curves_reach_full_recall_and_refinement_keeps_them_sound(tiny):
+    model = tiny[0]
+    gen = torch.Generator().manual_seed(3)
+    coll = collect(model, [torch.randint(0, 97, (256,), generator=gen) for _ in range(2)], queries_per_sequence=16,
+                   min_query_position=128)
+    script = _script("saap_quality_scoring")
+    for refine in (0, 2):
+        curves = script.layer_curves(coll, 1, [8], [16], [0.25, 0.5, 1.0], queries=8, sink=2, rotated=True,
+                                     iterations=3, refine=refine)
+        for key, curve in curves.items():
+            sels, recalls = [c[1] for c in curve], [c[2] for c in curve]
+            assert sels == sorted(sels) and recalls == sorted(recalls), key  # more probes: more keys, more mass
+            if key[0] != "topk":  # every cluster probed: every visible key, all the mass
+                assert math.isclose(recalls[-1], 1.0, rel_tol=1e-5), key
+        oracle, centroids = curves[("oracle", 8, 16)], curves[("centroids", 8, 16)]
+        assert oracle[0][2] >= centroids[0][2] - 1e-6 or oracle[0][1] > centroids[0][1]  # true mass ranks first
+    both = {1: curves, 2: script.layer_curves(coll, 2, [8], [16], [0.25, 0.5, 1.0], queries=8, sink=2,
+                                              rotated=True, iterations=3)}
+    recall, sel, picks = script.allocate(both, lambda k: k[0] == "centroids", 0.6)
+    assert sel <= 0.6 + 1e-9 and set(picks) == {1, 2} and 0 < recall <= 1

@@ -95,7 +95,65 @@ def test_long_range_targets_are_the_attention_mass_per_cluster():
 
 
 def test_cluster_count_scales_with_the_context():
-    assert cluster_count(8192) == 128 and cluster_count(131072) == 2048 and cluster_count(100) == 16
+    assert cluster_count(8192) == 2048 and cluster_count(2048) == 512 and cluster_count(40) == 16
+    assert cluster_count(131072) == 2048  # the selection kernel's limit
+    assert cluster_count(8192, keys_per_cluster=64) == 128
+    from attnopt.runtime.saap.train import decode_defaults
+
+    assert decode_defaults(2048, 8192) == {"probes": 113, "sink": 4, "window": 64}
+
+
+def _inertia(cents, keys):
+    """Sum of squared distances of keys (B, H, n, D) to their nearest centroid (H, C, D)."""
+    return float(torch.cdist(keys.transpose(0, 1).reshape(keys.shape[1], -1, keys.shape[-1]), cents).amin(-1)
+                 .pow(2).sum())
+
+
+def test_refinement_moves_the_centroids_onto_the_prompt_and_decode_scores_with_them(tmp_path, trained):
+    import dataclasses
+
+    index = trained[1].without_mlp()  # centroid scoring: what refinement changes
+    torch.manual_seed(3)
+    B, N = 2, 260
+    k = torch.randn(B, 2, N, 16) * 2 + 1  # keys unlike the training ones: refinement has work to do
+    plain = build_clusters(index, 1, k, prompt_len=N - 3, sink=1, window=20)
+    assert plain.centroids is None
+    refined_index = dataclasses.replace(index, refine=3)
+    st = build_clusters(refined_index, 1, k, prompt_len=N - 3, sink=1, window=20)
+    assert st.centroids.shape == index.layers[1].centroids.shape and st.centroids.dtype == torch.float32
+    indexed = remove_rope(k[:, :, 1:N - 23], torch.arange(1, N - 23), index.rope)
+    # Lloyd iterations pooled over the batch rows never increase the inertia; the assignment is to the refined set
+    assert _inertia(st.centroids, indexed) < _inertia(index.layers[1].centroids, indexed)
+    torch.testing.assert_close(st.assign, torch.cdist(indexed, st.centroids[None].expand(B, -1, -1, -1)).argmin(-1))
+    assert int(st.offsets[..., -1].min()) == N - 24
+    q, v = torch.randn(B, 6, 1, 16), torch.randn(B, 2, N, 16)
+    o, _, _ = saap_decode(refined_index, 1, st, q, k, v, 3, 0.25)
+    clusters = select_clusters(index, 1, q, torch.tensor([N - 1]), 3, 0.25, centroids=st.centroids)
+    want, _ = attention_states(q, k, v, attn_mask=_brute_keep(st, clusters, N).repeat_interleave(3, 1)[:, :, None],
+                               scale=0.25)
+    torch.testing.assert_close(o, want)
+    assert not torch.equal(clusters, select_clusters(index, 1, q, torch.tensor([N - 1]), 3, 0.25))
+    empty = build_clusters(refined_index, 1, k, prompt_len=10, sink=1, window=20)  # nothing indexed: a copy
+    torch.testing.assert_close(empty.centroids, index.layers[1].centroids)
+    with pytest.raises(ValueError, match="refine"):
+        build_clusters(index, 1, k, prompt_len=N, sink=1, window=20, refine=-1)
+    refined_index.without_mlp().save(tmp_path / "r.safetensors")
+    assert load_index(tmp_path / "r.safetensors").refine == 3 and load_index_meta_refine(index, tmp_path) == 0
+
+
+def load_index_meta_refine(index, tmp_path):
+    """The refine of an index saved as before the option (no 'refine' in its metadata): 0."""
+    from safetensors.torch import load_file, save_file
+
+    index.save(tmp_path / "old.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "old.safetensors"), framework="pt") as f:
+        meta = json.loads(f.metadata()["saap"])
+    del meta["refine"]
+    save_file(load_file(str(tmp_path / "old.safetensors")), str(tmp_path / "old.safetensors"),
+              metadata={"saap": json.dumps(meta)})
+    return load_index(tmp_path / "old.safetensors").refine
 
 
 def test_index_round_trip_and_scores(tmp_path, trained):

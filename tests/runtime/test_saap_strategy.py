@@ -29,6 +29,17 @@ def index_path(tmp_path):
     registry.reset()
 
 
+@pytest.fixture
+def refined_path(tmp_path):
+    """An index whose centroids are refined over each prompt at prefill (``SaapIndex.refine``)."""
+    registry.reset()
+    path = tmp_path / "refined.safetensors"
+    index = synthetic_index(6, 2, 64, clusters=8, layers=(1, 2), num_layers=3)
+    dataclasses.replace(index, refine=2).save(path)
+    yield str(path)
+    registry.reset()
+
+
 def _ctx(path, probes=3, sink=1, window=8, device="cpu"):
     return PlanContext(device_type=device, extras={"saap": {"index": path, "probes": probes, "sink": sink,
                                                             "window": window}})
@@ -65,6 +76,24 @@ def test_config_fields_validate_early(tmp_path, index_path):
         OptimizeConfig(saap=index_path, saap_window="64")
 
 
+def test_unset_probes_sink_and_window_come_from_the_index(tmp_path, index_path):
+    from attnopt.passes import saap_options
+
+    # an index of before the recommendation: the paper's l = 32, sink 1, window 2047
+    assert saap_options(OptimizeConfig(saap=index_path)) == {"index": index_path, "probes": 32, "sink": 1,
+                                                            "window": 2047}
+    path = str(tmp_path / "recommends.safetensors")
+    index = synthetic_index(6, 2, 64, clusters=2048, layers=(1,), num_layers=2)
+    index.train_info["decode"] = {"probes": 113, "sink": 4, "window": 64}  # what train_index stores at 8k
+    index.save(path)
+    assert saap_options(OptimizeConfig(saap=path)) == {"index": path, "probes": 113, "sink": 4, "window": 64}
+    assert saap_options(OptimizeConfig(saap=path, saap_probes=7, saap_sink=0)) == {
+        "index": path, "probes": 7, "sink": 0, "window": 64}
+    cache = registry.saap_cache(path)
+    assert (cache.saap_sink, cache.saap_window) == (4, 64)
+    assert (registry.saap_cache(path, sink=2, window=9).saap_window) == 9
+
+
 def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1):
     plan = SaapPlan(index=index_path, probes=probes, sink=1, window=8, layer=layer, num_splits=3, block_n=16)
     index = registry.get_index(index_path)
@@ -88,7 +117,23 @@ def test_run_is_the_saap_reference_and_dense_with_every_cluster(index_path, prob
     assert "selectivity" in plan.runtime_note()
 
 
-def test_kernel_path_in_the_interpreter_matches_the_reference_path(index_path, monkeypatch):
+def test_refined_centroids_are_what_the_op_scores_with_and_a_new_prefill_reuses_their_buffer(refined_path):
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 120, 64), torch.randn(1, 2, 120, 64)
+    _, out = _run(refined_path, 2, q, k, v, prompt=115)
+    index, st = registry.get_index(refined_path), registry.get_state(refined_path, 1)
+    assert st.centroids is not None and not torch.equal(st.centroids, index.layers[1].centroids)
+    want, _, _ = saap_decode(index, 1, st, q, k, v, 2, 0.125)
+    torch.testing.assert_close(out, want)
+    buffer = st.centroids
+    _run(refined_path, 2, q, k * 2, v, prompt=115)  # the next prompt: same shapes, the same buffer, new values
+    again = registry.get_state(refined_path, 1)
+    assert again.centroids is buffer and not torch.equal(buffer, want)
+
+
+@pytest.mark.parametrize("which", ["index_path", "refined_path"])
+def test_kernel_path_in_the_interpreter_matches_the_reference_path(which, request, monkeypatch):
+    index_path = request.getfixturevalue(which)
     pytest.importorskip("triton")
     from attnopt.runtime.kernels import triton_usable
 

@@ -1,0 +1,265 @@
+"""Whole decode steps as single CUDA graphs: the host side of ``optimize(model, mode="reduce-overhead")``.
+
+Inductor's CUDA-graph trees replay a decode step's kernels, but each call still runs about 1 ms of Python on the
+host (the model's output wrappers, dynamo's frame, the trees' input checks; H100, SmolLM2's 30 layers,
+``benchmarks/host_floor.py``), so a small model's step was host-bound: 2.2 ms against 1.4 ms for the same kernels
+replayed as one graph. ``StepGraphs`` records one call of the compiled forward into one ``torch.cuda.CUDAGraph``
+per call signature and replays it: copy the call's tensors into the graph's input buffers, replay, clone the
+outputs.
+
+A replay skips dynamo's guards, so what the graph baked in is checked at every call instead (the signature):
+
+* every tensor argument's shape, dtype, strides and device (its values are copied in);
+* the cache object and the addresses of its tensors (they are used in place: the graph writes the new keys and
+  values into them, as the compiled forward does); a cache whose layers keep Python-side counters (HF's
+  ``StaticSlidingWindowLayer``) is never recorded, since a replay would not advance them;
+* the other arguments' values (ints, bools, strings, None);
+* the addresses of the model's parameters and buffers, its training flag, grad mode, autocast, and the model
+  configuration flags that change the output's structure.
+
+A call that differs in any of these runs the compiled forward as before and, once its own signature has been seen
+``WARM_CALLS`` times, is recorded too. A call whose forward mutated one of its input tensors, or changed a cache's
+Python state, is never recorded (a copy of the input would take the mutation instead). Recording a signature
+happens after it has run compiled (its kernels compiled, its states prepared), costs no extra forward (the
+recording runs nothing; the first replay is that call's forward), and a failure to record (a sync inside the
+forward) falls back to the compiled forward for that signature, with one warning.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("attnopt")
+
+#: Compiled calls of one signature before it is recorded: the first compiles, the second runs warm.
+WARM_CALLS = 2
+#: Configuration flags of a Hugging Face model that change what a forward returns.
+_CONFIG_FLAGS = ("output_attentions", "output_hidden_states", "use_cache", "return_dict", "_attn_implementation")
+_PLAIN = (int, float, bool, str, type(None))
+
+
+class _Uncapturable(Exception):
+    """This call cannot be keyed or replayed (an argument of an unknown kind, grad mode on, a CPU tensor)."""
+
+
+class _Recorded:
+    """One signature's graph: its input buffers, its outputs, and what must not have moved since."""
+
+    def __init__(self, graph, inputs, output, pinned, pinned_ptrs, call_counts):
+        self.graph = graph
+        self.inputs = inputs            # the buffers the call's tensors are copied into, in signature order
+        self.output = output            # the forward's output during recording (tensors: the graph's buffers)
+        self.pinned = pinned            # tensors used in place (cache, parameters, buffers), and their addresses
+        self.pinned_ptrs = pinned_ptrs
+        self.call_counts = call_counts  # attnopt op calls per site in one forward (replays add them)
+
+
+class StepGraphs:
+    """Record and replay whole forward calls of ``compiled`` (the attnopt-compiled forward of ``model``).
+
+    ``__call__(args, kwargs)`` returns the forward's output, from a replay when the signature is recorded.
+    ``on_replay()`` runs at each replay (the backend counts it as a call of its graphs).
+    """
+
+    def __init__(self, compiled: Callable, model: torch.nn.Module, on_replay: Callable[[], None],
+                 graphs: "CudaGraphs | None" = None):
+        self.compiled = compiled
+        self.model = model
+        self.on_replay = on_replay
+        self.graphs = graphs or CudaGraphs()
+        self.recorded: dict[tuple, _Recorded | None] = {}
+        self.seen: Counter[tuple] = Counter()
+        self.replays = 0
+        self._warned = False
+
+    # -- the signature -------------------------------------------------------------------------------------
+    def _state_key(self) -> tuple:
+        config = getattr(self.model, "config", None)
+        flags = tuple(getattr(config, name, None) for name in _CONFIG_FLAGS) if config is not None else ()
+        cuda_autocast = torch.is_autocast_enabled("cuda")
+        return (self.model.training, torch.is_inference_mode_enabled(), cuda_autocast,
+                torch.get_autocast_dtype("cuda") if cuda_autocast else None, flags)
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+        """(signature, the tensors to copy in, the caches used in place) of one call."""
+        if torch.is_grad_enabled():
+            raise _Uncapturable("grad mode is on")
+        tensors: list[torch.Tensor] = []
+        caches: list[Any] = []
+        parts: list[Any] = [self._state_key()]
+
+        def visit(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if value.device.type != self.graphs.device_type or value.requires_grad:
+                    raise _Uncapturable(f"a tensor argument on {value.device.type} or requiring grad")
+                tensors.append(value)
+                return ("T", tuple(value.shape), value.dtype, value.stride(), value.device.index)
+            if isinstance(value, _PLAIN):
+                return value
+            if isinstance(value, (tuple, list)):
+                return (type(value).__name__, tuple(visit(v) for v in value))
+            if isinstance(value, dict):
+                return ("dict", tuple((k, visit(v)) for k, v in sorted(value.items())))
+            if getattr(value, "is_compileable", False) and hasattr(value, "layers"):
+                caches.append(value)
+                return ("cache", id(value))
+            raise _Uncapturable(f"an argument of type {type(value).__name__}")
+
+        parts.append(tuple(visit(a) for a in args))
+        parts.append(tuple((k, visit(v)) for k, v in sorted(kwargs.items())))
+        return tuple(parts), tensors, caches
+
+    # -- calls ---------------------------------------------------------------------------------------------
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        try:
+            key, tensors, caches = self._key(args, kwargs)
+        except _Uncapturable:
+            return self.compiled(*args, **kwargs)
+        entry = self.recorded.get(key, False)
+        if entry is None:  # this signature could not be recorded
+            return self.compiled(*args, **kwargs)
+        if entry is not False:
+            if _addresses(entry.pinned) == entry.pinned_ptrs:
+                return self._replay(entry, tensors)
+            del self.recorded[key]  # a cache re-allocated or a parameter replaced: record again
+            self.seen[key] = 0
+        self.seen[key] += 1
+        if self.seen[key] <= WARM_CALLS:
+            return self._compiled_call(key, args, kwargs, tensors, caches)
+        return self._record(key, args, kwargs, tensors, caches)
+
+    def _compiled_call(self, key, args, kwargs, tensors, caches) -> Any:
+        """A compiled call that also learns whether this signature may be recorded."""
+        versions = [t._version for t in tensors]
+        before = [_python_state(c) for c in caches]
+        out = self.compiled(*args, **kwargs)
+        if any(t._version != v for t, v in zip(tensors, versions)):
+            self._refuse(key, "the forward mutates one of its input tensors")
+        elif any(_python_state(c) != b for c, b in zip(caches, before)):
+            self._refuse(key, f"the cache ({type(caches[0]).__name__}) keeps Python-side state that a replay "
+                              "would not advance")
+        return out
+
+    def _refuse(self, key: tuple, reason: str) -> None:
+        self.recorded[key] = None
+        log.info("attnopt: decode step not recorded as one CUDA graph: %s", reason)
+
+    def _replay(self, entry: _Recorded, tensors: list[torch.Tensor]) -> Any:
+        if tensors:
+            torch._foreach_copy_(entry.inputs, tensors)
+        self.graphs.replay(entry.graph)
+        self.replays += 1
+        self.on_replay()
+        _add_counts(entry.call_counts)
+        return _cloned(entry.output)
+
+    def _record(self, key, args, kwargs, tensors, caches) -> Any:
+        from attnopt.runtime.ops import CALL_COUNTS
+
+        inputs = [t.clone() for t in tensors]
+        swap = dict(zip(map(id, tensors), inputs))
+        rec_args = _substitute(args, swap)
+        rec_kwargs = _substitute(kwargs, swap)
+        pinned = [t for c in caches for t in _cache_tensors(c)]
+        pinned += list(self.model.parameters()) + list(self.model.buffers())
+        counts_before = Counter(CALL_COUNTS)
+        try:
+            graph, output = self.graphs.record(lambda: self.compiled(*rec_args, **rec_kwargs))
+        except Exception as e:  # noqa: BLE001 - any failure to record means: run compiled, as before
+            self._refuse(key, f"recording failed: {type(e).__name__}: {str(e)[:300]}")
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"attnopt: a decode step could not be recorded as one CUDA graph and runs without "
+                              f"one ({type(e).__name__}: {str(e)[:200]})", RuntimeWarning, stacklevel=3)
+            return self.compiled(*args, **kwargs)
+        delta = Counter(CALL_COUNTS)
+        delta.subtract(counts_before)
+        entry = _Recorded(graph, inputs, output, pinned, _addresses(pinned), +delta)
+        self.recorded[key] = entry
+        log.info("attnopt: recorded a decode step as one CUDA graph (%d input tensors)", len(inputs))
+        # the recording ran no kernel: this call's forward is the first replay (counts added once, here)
+        if tensors:
+            torch._foreach_copy_(entry.inputs, tensors)
+        self.graphs.replay(graph)
+        self.replays += 1
+        self.on_replay()
+        return _cloned(output)
+
+
+class CudaGraphs:
+    """How ``StepGraphs`` records and replays: CUDA graphs in one memory pool shared by all of its signatures (they
+    never run at once, and every output a graph keeps stays allocated). Tests on the CPU pass a stand-in."""
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._pool = None
+
+    def record(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        """(graph, fn's output): ``fn`` recorded, not run; the output's tensors live in the graph's memory."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = fn()
+        return graph, output
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+def _addresses(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in tensors)
+
+
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """The tensors a cache object holds (its layers' keys, values and counters), used in place by the graph."""
+    found = [v for v in vars(cache).values() if isinstance(v, torch.Tensor)]
+    for layer in getattr(cache, "layers", ()):
+        found += [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _python_state(cache: Any) -> tuple:
+    """The cache's and its layers' plain Python attributes (ints, bools, ...): what a replay cannot change."""
+    objs = [cache, *getattr(cache, "layers", ())]
+    return tuple(tuple(sorted((k, v) for k, v in vars(o).items() if isinstance(v, _PLAIN))) for o in objs)
+
+
+def _substitute(value: Any, swap: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return swap.get(id(value), value)
+    if isinstance(value, tuple):
+        return tuple(_substitute(v, swap) for v in value)
+    if isinstance(value, list):
+        return [_substitute(v, swap) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, swap) for k, v in value.items()}
+    return value
+
+
+def _cloned(output: Any) -> Any:
+    """``output`` with every tensor cloned out of the graph's memory (the next replay overwrites it)."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, (tuple, list)) and not hasattr(output, "keys"):
+        return type(output)(_cloned(v) for v in output)
+    if hasattr(output, "keys") and hasattr(output, "__getitem__"):  # HF ModelOutput (an OrderedDict) or a dict
+        fields = {k: _cloned(output[k]) for k in output.keys()}
+        try:
+            return type(output)(**fields)
+        except TypeError:
+            return fields
+    return output
+
+
+def _add_counts(counts: Counter) -> None:
+    if counts:
+        from attnopt.runtime.ops import CALL_COUNTS
+
+        CALL_COUNTS.update(counts)

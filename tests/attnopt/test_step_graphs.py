@@ -1,0 +1,171 @@
+"""attnopt.step_graphs: whole decode steps recorded once and replayed, on the CPU through a stand-in for CUDA graphs.
+
+The stand-in records by running the function once (a real recording runs nothing, and the call's first replay is
+its forward: the stand-in skips that first replay instead) and replays by running it again on the same input
+buffers and copying the result into the recorded output's tensors, so a replay sees exactly what a graph would:
+the input buffers' current values, the cache's tensors in place, the recorded output buffers.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnopt.bench.e2e import build_model, make_cache, prefill  # noqa: E402
+from attnopt.step_graphs import StepGraphs  # noqa: E402
+
+
+class FakeGraphs:
+    device_type = "cpu"
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.recordings = 0
+
+    def record(self, fn):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.recordings += 1
+        out = fn()
+        return {"fn": fn, "out": out, "first": True}, out
+
+    def replay(self, graph):
+        if graph["first"]:  # the recording already ran this call's forward
+            graph["first"] = False
+            return
+        _copy_into(graph["out"], graph["fn"]())
+
+
+def _copy_into(dst, src):
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif hasattr(dst, "keys"):
+        for k in dst.keys():
+            _copy_into(dst[k], src[k])
+    elif isinstance(dst, (tuple, list)):
+        for a, b in zip(dst, src):
+            _copy_into(a, b)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=256)
+    return m
+
+
+def _decode(model, forward, steps=8, prompt=20, cache_kind="static", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g)
+    cache = make_cache(model, cache_kind, prompt + steps + 4)
+    with torch.no_grad():
+        tok = prefill(model, cache, ids, chunk=64)
+        tokens, logits = [int(tok)], []
+        for i in range(steps):
+            pos = torch.tensor([prompt + i])
+            out = forward(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True)
+            logits.append(out.logits)
+            tok = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(tok))
+    return tokens, logits
+
+
+def test_replayed_steps_give_the_forwards_tokens_and_logits(model):
+    want_tokens, want_logits = _decode(model, model.forward)
+    replays = []
+    steps = StepGraphs(model.forward, model, lambda: replays.append(1), graphs=FakeGraphs())
+    got_tokens, got_logits = _decode(model, lambda **kw: steps((), kw))
+    assert got_tokens == want_tokens
+    for a, b in zip(got_logits, want_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert steps.graphs.recordings == 1 and steps.replays == 8 - 2  # two warm compiled calls, then replays
+    assert len(replays) == steps.replays
+    # outputs are clones: a later replay does not change what an earlier call returned
+    assert got_logits[-1].data_ptr() != got_logits[-2].data_ptr()
+
+
+def test_a_new_cache_or_a_replaced_parameter_is_recorded_again(model):
+    steps = StepGraphs(model.forward, model, lambda: None, graphs=FakeGraphs())
+    call = lambda **kw: steps((), kw)  # noqa: E731
+    _decode(model, call, steps=5)
+    _decode(model, call, steps=5, seed=1)  # another cache object: another signature
+    assert steps.graphs.recordings == 2
+    weight = model.lm_head.weight
+    try:
+        model.lm_head.weight = torch.nn.Parameter(weight.detach().clone())
+        want, _ = _decode(model, model.forward, steps=6, seed=2)
+        got, _ = _decode(model, call, steps=6, seed=2)
+        assert got == want
+    finally:
+        model.lm_head.weight = weight
+
+
+def test_grad_mode_cpu_tensors_and_unknown_arguments_run_the_forward(model):
+    calls = []
+
+    def forward(**kw):
+        calls.append(1)
+        return model.forward(**kw)
+
+    steps = StepGraphs(forward, model, lambda: None, graphs=FakeGraphs())
+    ids = torch.randint(0, model.config.vocab_size, (1, 1))
+    with torch.enable_grad():
+        for _ in range(4):
+            steps((), {"input_ids": ids})
+    assert steps.graphs.recordings == 0 and len(calls) == 4
+    for _ in range(4):
+        with torch.no_grad():
+            steps((), {"input_ids": ids, "extra": object()})
+    assert steps.graphs.recordings == 0 and len(calls) == 8
+
+
+def test_a_forward_that_mutates_an_input_or_python_state_is_never_recorded(model):
+    def mutating(**kw):
+        kw["cache_position"].add_(0)  # bumps the version: a copy of it would take the write instead
+        return model.forward(**kw)
+
+    steps = StepGraphs(mutating, model, lambda: None, graphs=FakeGraphs())
+    want, _ = _decode(model, model.forward, steps=6)
+    got, _ = _decode(model, lambda **kw: steps((), kw), steps=6)
+    assert got == want and steps.graphs.recordings == 0
+
+    class Counting:  # a cache-like object whose Python counter a replay would not advance
+        is_compileable = True
+        layers = ()
+
+        def __init__(self):
+            self.seen = 0
+
+    def counting_forward(**kw):
+        kw["past_key_values"].seen += 1
+        return kw["input_ids"] * 2
+
+    cache = Counting()
+    steps = StepGraphs(counting_forward, model, lambda: None, graphs=FakeGraphs())
+    with torch.no_grad():
+        for _ in range(5):
+            steps((), {"input_ids": torch.ones(1, 1), "past_key_values": cache})
+    assert cache.seen == 5 and steps.graphs.recordings == 0
+
+
+def test_a_failed_recording_warns_once_and_runs_the_forward(model):
+    steps = StepGraphs(model.forward, model, lambda: None, graphs=FakeGraphs(fail=True))
+    want, _ = _decode(model, model.forward, steps=6)
+    with pytest.warns(RuntimeWarning, match="could not be recorded"):
+        got, _ = _decode(model, lambda **kw: steps((), kw), steps=6)
+    assert got == want and steps.replays == 0
+
+
+def test_optimize_reduce_overhead_uses_step_graphs_on_static_caches_only(model):
+    """Through the public API on the CPU: the route exists and the tokens are the model's; recording needs CUDA, so
+    every call here runs the compiled forward (CPU tensors are not recorded)."""
+    import attnopt
+
+    opt = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead")
+    ids = torch.randint(0, model.config.vocab_size, (1, 24))
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, cache_implementation="static")
+    assert torch.equal(opt.generate(ids, **kw), model.generate(ids, **kw))
+    assert opt._attnopt_step_graphs.replays == 0
+    assert attnopt.last_plans(opt).calls_without_attnopt == 0
+    off = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead", step_graphs=False)
+    assert not hasattr(off, "_attnopt_step_graphs")
