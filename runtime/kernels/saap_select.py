@@ -199,6 +199,11 @@ def _saap_rows_kernel(
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr,
                  stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK, PROBES, SINK,
                  inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
@@ -276,10 +281,11 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     size = c_end - c_start
     picked = chosen & (size > 0)
     size = tl.where(picked, size, 0)
-    incl = tl.cumsum(size, 0)
-    slot = tl.cumsum(picked.to(tl.int32), 0) - 1
-    n_picked = tl.sum(picked.to(tl.int32), axis=0)
-    total = tl.sum(size, axis=0)
+    # the key prefix and the list slot in one scan, the key and cluster counts in one reduction (each cross-warp
+    # step is a barrier on the head's one SM)
+    incl, count = tl.associative_scan((size, picked.to(tl.int32)), 0, _add_pair)
+    slot = count - 1
+    total, n_picked = tl.reduce((size, picked.to(tl.int32)), 0, _add_pair)
     out = bh.to(tl.int64) * BLOCK_C
     tl.store(incl_ptr + out + slot, incl, mask=picked)
     tl.store(shift_ptr + out + slot, c_start - (incl - size), mask=picked)

@@ -322,6 +322,33 @@ def test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(seed):
             assert int(ws.total[row]) == int(sz.sum())
 
 
+def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats():
+    """The selection stops its radix rounds once the keys at or above the threshold so far are exactly the probes:
+    over random floats (distinct, or sharing all but their last bits, so that some heads need every round) the
+    chosen clusters are still exactly ``threshold_clusters``'."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+
+    g = torch.Generator().manual_seed(4)
+    B, Hkv, C = 1, 4, 300
+    scores = torch.rand(B, Hkv, C, generator=g)
+    near = torch.tensor(0.7).view(torch.int32) + torch.randint(0, 4, (C,), generator=g, dtype=torch.int32)
+    scores[0, 1] = near.view(torch.float32)  # ties and one-ulp neighbours: the last rounds decide
+    scores[0, 2] = -scores[0, 2] * 1e-30  # tiny negatives
+    sizes = torch.ones(B, Hkv, C, dtype=torch.int32)
+    offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1).int()], dim=-1)
+    for probes in (1, 7, 150, 299, 300):
+        ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
+        saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE),
+                    torch.zeros(B, dtype=torch.int32, device=DEVICE), ws, probes=probes, scale=1.0, n_keys=0,
+                    scores=scores.to(DEVICE))
+        want = threshold_clusters(scores, probes)
+        for h in range(Hkv):
+            n = int(want[0, h].sum())
+            assert int(ws.total[h]) == n, (probes, h)
+            assert ws.incl[h, :n].cpu().tolist() == list(range(1, n + 1))
+            assert (ws.shift[h, :n].cpu() + torch.arange(n)).tolist() == torch.nonzero(want[0, h]).flatten().tolist()
+
+
 def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monkeypatch):
     """Past 2048 clusters the selection finds 2 threshold bits per round (1 past 8192): forced here on a small
     table, with the attention's first-entry search read in chunks, the answer is the same."""
