@@ -202,9 +202,16 @@ class SaapPlan(Plan):
     num_splits: int = 8
     block_n: int = 64
     #: The scoring launch also selects (its last program per head to arrive, by an arrival counter): one launch fewer.
-    fused_select: bool = True
-    #: The attention launch also merges (its last split per tile to arrive): one launch fewer.
-    fused_merge: bool = True
+    #: Off by default: on the H100 (128k, 5 %, at dbfa5c3) scoring with the selection took 22.8 µs against 9.9 + 10.2
+    #: apart, the whole call 3.4 µs more.
+    fused_select: bool = False
+    #: The attention launch also merges (its last split per tile to arrive): one launch fewer. Off by default until
+    #: measured with the register cap that keeps the attention's programs per SM (at dbfa5c3 the merge's registers
+    #: made the launch 2.5x slower).
+    fused_merge: bool = False
+    #: Chain the launches by programmatic dependent launch. Off by default: on the H100 it cost 3-12 µs a call at
+    #: 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
+    pdl: bool = False
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

@@ -20,19 +20,20 @@ Each SAAP row also carries a per-launch breakdown (``launch_breakdown``: torch.p
 kernels' own device time per call, launched unchained): ``scoring_us`` (de-roping and logits, one launch, two with
 the MLP), ``selection_us`` (group softmax sums, top-l, work list), ``attention_us``, ``merge_us``, ``other_us`` (any
 other kernel), ``kernels_per_call``; ``between_kernels_us``: ``us`` minus their sum, what the graph spends between
-kernels (negative where chained launches overlap); ``us_unchained``: the graph timing without programmatic dependent
-launch between the SAAP launches.
+kernels; ``us_pdl``: the graph timing with the launches chained by programmatic dependent launch (the plan's ``pdl``;
+``us`` is the plan's default, unchained).
 
-``--saap-fuse`` (default ``both,none``) times the fused two-launch path (the plan's default: the scoring launch also
+``--saap-fuse`` (default ``none,merge``) times the four-launch path (the plan's default; method
+``attnopt:saap-unfused``) beside fused ones in the same run: ``both`` (two launches: the scoring launch also
 selects, the attention launch also merges; its ``scoring_us`` then holds the selection and its ``attention_us`` the
-merge) beside the four-launch one (method ``attnopt:saap-unfused``), in the same run; ``select`` and ``merge`` fuse
-one of the two (methods ``...-fuse-select``, ``...-fuse-merge``).
+merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...-fuse-select``, ``...-fuse-merge``).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import math
+from dataclasses import replace
 import os
 import tempfile
 import time
@@ -60,9 +61,9 @@ def register(suites) -> None:
                    "(0 or empty: the planner's choice)")
     p.add_argument("--saap-block-n", default="", help="comma-separated keys per attention tile to time per SAAP row "
                    "(0 or empty: the planner's)")
-    p.add_argument("--saap-fuse", default="both,none", help="comma-separated, of: both (the fused two-launch path: "
-                   "scoring with the selection, attention with the merge; the plan's default), none (four launches, "
-                   "method suffix -unfused), select, merge (one of the two fused)")
+    p.add_argument("--saap-fuse", default="none,merge", help="comma-separated, of: none (four launches, the plan's "
+                   "default; method suffix -unfused), both (two launches: scoring with the selection, attention with "
+                   "the merge), select, merge (one of the two fused: suffix -fuse-select, -fuse-merge)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -247,15 +248,16 @@ def run(args) -> dict[str, Any]:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
                             row["between_kernels_us"] = row["us"] - sum(row[k] for k in STAGES)
-                            with unchained():  # what the chaining of the launches buys, in the same graph timing
-                                row["us_unchained"] = time_us(cycle(calls), "graph")
+                            # what chaining the launches (programmatic dependent launch) does, in the same timing
+                            row["us_pdl"] = time_us(cycle([plan_call(replace(plan, pdl=True), s, scale)
+                                                           for plan, s in zip(plans, sets)]), "graph")
                         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
                             row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
                         print(f"    fuse {fuse}, splits {splits}, block_n {block_n}: " + ", ".join(
                             f"{k[:-3]} {row[k]:.1f}" for k in STAGES if k in row)
                             + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels; "
                             f"{row.get('between_kernels_us', float('nan')):.1f} µs of the graph's time between them; "
-                            f"{row.get('us_unchained', float('nan')):.1f} µs unchained", flush=True)
+                            f"{row.get('us_pdl', float('nan')):.1f} µs chained by PDL", flush=True)
         by = {r["method"]: r for r in rows if "us" in r}
         dense = [r for r in rows if "us" in r and "saap" not in r["method"]]
         fastest = min(dense, key=lambda r: r["us"]) if dense else None

@@ -31,8 +31,9 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
     gdc_launch_dependents = gdc_wait = None
 
+from . import interpreting
 from .common import _arrive_and_merge, _finish_parts, _load_q, _row_coords, _softmax_update, _split_share, _store_lse, \
-    _store_rows, arrival_counters, cdiv, decode_geometry, dot_flags, pdl_supported, softmax_scale
+    _store_rows, arrival_counters, backend_has_option, decode_geometry, dot_flags, pdl_supported, softmax_scale
 from .launch import KernelLauncher
 from .merge import merge_states
 from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_workspace
@@ -342,6 +343,11 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     ws_o, ws_lse = workspace.o, workspace.lse
     fused = bool(fused_merge) and S > 1
     final_lse = lse if lse is not None else out
+    extra = {"launch_pdl": True} if pdl else {}
+    if fused and block_n <= 32 and num_warps == 4 and not interpreting() and backend_has_option("maxnreg"):
+        # The merge's registers must not cost programs per SM: without a cap, the H100's Triton 3.6 gave the fused
+        # launch fewer resident programs and 2.5x the time. 128 lets four 4-warp programs share an SM, as unfused.
+        extra["maxnreg"] = 128
     _SAAP_LAUNCH(
         (S, B * Hkv * geo.num_m), q, k, v, sel.incl, sel.shift, sel.total, perm, indexed_end,
         valid_len if has_valid else indexed_end, ws_o, ws_lse, out, final_lse, workspace.counters,
@@ -352,7 +358,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         FIRST_CHUNK=min(1024, sel.incl.shape[1]), HAS_VALID=has_valid,
         UPCAST=upcast, PRECISION=precision, WAIT_PRIOR=pdl, LAUNCH_DEPENDENTS=pdl and not fused, FUSED=fused,
         WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r, MERGE_P=max(1, geo.merge_p // 2), num_warps=num_warps,
-        num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        num_stages=num_stages, **extra,
     )
     if not fused:
         merge_states(ws_o, ws_lse[0], out=out, lse_out=lse if lse is not None else False, pdl=pdl,

@@ -6,9 +6,9 @@ which fills ``PlanContext.extras["saap"]``), and only at the layers the index co
 run time the op finds the loaded index and the live sequence's clusters in ``runtime.saap.registry``, where a
 ``saap_cache`` built them at prefill. On CUDA (or the interpreter) a call runs the scoring (de-roping, centroid or
 MLP logits), the selection (group softmax sums, top-l threshold, the work list, the selectivity counter), the
-attention over sink + window + chosen clusters, and the merge: two launches by default (three with the MLP; the
-scoring launch's last program per head selects, the attention launch's last split per tile merges), four (five)
-without the plan's ``fused_select`` and ``fused_merge``. On the CPU the pure-PyTorch reference does the same with
+attention over sink + window + chosen clusters, and the merge: four launches (five with the MLP), one fewer each with
+the plan's ``fused_select`` (the scoring launch's last program per head selects) and ``fused_merge`` (the attention
+launch's last split per tile merges). On the CPU the pure-PyTorch reference does the same with
 ``torch.topk``. Each call adds its selectivity to a device-side counter
 that the plan table reads.
 """
@@ -39,6 +39,11 @@ EXTRA_LAUNCHES = 3
 #: Attention programs per SM that the split count aims at: the tiles' gathered loads are latency-bound, so
 #: several resident programs per SM keep more of them in flight.
 PROGRAMS_PER_SM = 4
+#: Attention programs' room that one selection program (16 warps at 64 registers: half an SM's registers) takes
+#: while the attention launch starts: chained by programmatic dependent launch, or while the fused scoring launch's
+#: last programs still select. The split count leaves that room for each head's selection program, so that no
+#: attention program waits for a second wave (at 66 splits of 8 heads, one wave exactly, it cost the H100 3-12 µs).
+SELECT_PROGRAM_ROOM = 2
 #: Tiles per attention program the split count aims at (fewer: more partial states to merge).
 TILES_PER_SPLIT = 2
 
@@ -154,7 +159,7 @@ class Saap(Strategy[SaapPlan]):
                                probes=plan.probes, sink=plan.sink, scale=scale, scorer=scorer,
                                valid_len=valid_len, stats=state.stats, block_n=plan.block_n,
                                workspace=state.workspace, fused_select=plan.fused_select,
-                               fused_merge=plan.fused_merge, window_splits=window_split_count(
+                               fused_merge=plan.fused_merge, pdl=plan.pdl, window_splits=window_split_count(
                                    plan.num_splits, plan.sink + plan.window,
                                    plan.probes * clusters_state.perm.shape[-1] / clusters_state.num_clusters))
             return out
@@ -189,5 +194,5 @@ def split_count(site: AttentionSite, hw: HardwareProfile, probes: int, sink: int
     and at most PROGRAMS_PER_SM programs per SM over all heads (then each takes more tiles)."""
     heads = (site.batch or 1) * site.kv_heads
     tiles = attended_estimate(site, probes, sink, window, clusters) / BLOCK_N
-    cap = max(1, PROGRAMS_PER_SM * hw.sm_count // heads)
+    cap = max(1, (PROGRAMS_PER_SM * hw.sm_count - SELECT_PROGRAM_ROOM * heads) // heads)
     return max(1, min(cap, round(tiles / TILES_PER_SPLIT)))

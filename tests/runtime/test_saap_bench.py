@@ -67,7 +67,7 @@ def test_fuse_choice_option():
         with pytest.raises(ValueError, match="--saap-fuse takes a comma-separated list of both, none, select, merge"):
             fuse_choices(bad)
     args = build_parser().parse_args(["bench", "saap"])
-    assert fuse_choices(args.saap_fuse) == ["both", "none"]
+    assert fuse_choices(args.saap_fuse) == ["none", "merge"]
 
 
 def test_bench_saap_is_registered():
@@ -87,7 +87,7 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
     fused = [r for r in saap if not r["method"].endswith("-unfused")]
     # four launches: scoring (2 with the MLP), selection, attention, merge, and no other kernel
     assert all(r["attention_us"] > 0 and r["selection_us"] > 0 and r["merge_us"] > 0 and r["scoring_us"] > 0
-               and r["other_us"] == 0 and r["us_unchained"] > 0 and r["fuse"] == "none" for r in unfused), json.dumps(saap)
+               and r["other_us"] == 0 and r["us_pdl"] > 0 and r["fuse"] == "none" for r in unfused), json.dumps(saap)
     assert sorted(r["kernels_per_call"] for r in unfused) == [4, 5], json.dumps(saap)
     # fused: the scoring launch selects, the attention launch merges
     assert all(r["attention_us"] > 0 and r["selection_us"] == 0 and r["merge_us"] == 0 and r["scoring_us"] > 0

@@ -269,3 +269,18 @@ def test_optimize_with_saap_on_a_tiny_llama(tmp_path, static):
         torch.testing.assert_close(sparse_logits, want, atol=1e-4, rtol=1e-4)
         assert not torch.allclose(sparse_logits, dense_logits, atol=1e-3)
     registry.reset()
+
+
+def test_split_count_leaves_each_heads_selection_program_room_in_the_one_wave():
+    """llama3-8b at 128k and 5 % on an H100: PROGRAMS_PER_SM programs an SM, less the room of one selection program a
+    head (resident beside the attention while it starts), so every attention program is resident in one wave."""
+    from attnopt.hardware import builtin_profile
+    from attnopt.runtime.strategies.saap import PROGRAMS_PER_SM, SELECT_PROGRAM_ROOM, split_count
+    from attnopt.site import AttentionSite
+
+    h100 = builtin_profile("h100-sxm")
+    site = AttentionSite(node="n", module_path="model.layers.1.self_attn", pattern="sdpa", batch=1, q_heads=32,
+                         kv_heads=8, head_dim=128, q_len=1, kv_len=131072, dtype="bfloat16", gqa_source="enable_gqa")
+    splits = split_count(site, h100, 77, 1, 1638, 2048)
+    assert splits == 64
+    assert 8 * (splits + SELECT_PROGRAM_ROOM) <= PROGRAMS_PER_SM * h100.sm_count
