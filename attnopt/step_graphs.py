@@ -55,6 +55,7 @@ class _Recorded:
         self.output = output            # the forward's output during recording (tensors: the graph's buffers)
         self.pinned = pinned            # tensors used in place (cache, parameters, buffers), and their addresses
         self.pinned_ptrs = pinned_ptrs
+        self.pinned_indices = list(range(len(pinned)))
         self.call_counts = call_counts  # attnopt op calls per site in one forward (replays add them)
 
 
@@ -123,7 +124,7 @@ class StepGraphs:
         if entry is None:  # this signature could not be recorded
             return self.compiled(*args, **kwargs)
         if entry is not False:
-            if _addresses(entry.pinned) == entry.pinned_ptrs:
+            if _same_addresses(entry):
                 return self._replay(entry, tensors)
             del self.recorded[key]  # a cache re-allocated or a parameter replaced: record again
             self.seen[key] = 0
@@ -213,8 +214,19 @@ class CudaGraphs:
         graph.replay()
 
 
-def _addresses(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(t.data_ptr() for t in tensors)
+def _addresses(tensors: list[torch.Tensor]) -> list[int]:
+    return [t.data_ptr() for t in tensors]
+
+
+#: PyTorch's C++ comparison of many tensors' addresses (CUDA builds; what inductor's CUDA-graph trees use): about
+#: 100x faster than the Python loop, which costs about 0.1 ms per call over SmolLM2's 365 parameters and cache tensors.
+_ADDRESSES_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _same_addresses(entry: "_Recorded") -> bool:
+    if _ADDRESSES_EQUAL is not None:
+        return _ADDRESSES_EQUAL(entry.pinned, entry.pinned_ptrs, entry.pinned_indices)
+    return _addresses(entry.pinned) == entry.pinned_ptrs
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
