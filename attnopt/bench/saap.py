@@ -242,8 +242,8 @@ def run(args) -> dict[str, Any]:
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
-                                 "selectivity": sel, "read_bytes": sel * kv_bytes, "fuse": fuse,
-                                 "plan": plans[0].describe()})
+                                 "selectivity": sel, "read_bytes": sel * kv_bytes, "fuse": fuse, "splits": splits,
+                                 "block_n": block_n, "plan": plans[0].describe()})
                     if "us" in row:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
@@ -340,7 +340,8 @@ def run_cli(args) -> int:
     out = args.out or f"benchmarks/results/saap-{results['device'].replace(' ', '-').lower()}.json"
     write_results(out, results)
     print(format_table(results["rows"], [("case", "case", ""), ("method", "method", ""), ("target", "target", ".2f"),
-                                         ("selectivity", "sel", ".3f"), ("us", "µs", ".1f"),
+                                         ("selectivity", "sel", ".3f"), ("splits", "S", ""), ("us", "µs", ".1f"),
+                                         ("us_pdl", "µs PDL", ".1f"),
                                          ("speedup_vs_sdpa-cudnn", "x cuDNN", ".2f"),
                                          ("speedup_vs_dense-best", "x best dense", ".2f"),
                                          ("speedup_vs_fastest_dense", "x fastest dense", ".2f"),
