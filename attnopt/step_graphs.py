@@ -14,8 +14,9 @@ A replay skips dynamo's guards, so what the graph baked in is checked at every c
   values into them, as the compiled forward does); a cache whose layers keep Python-side counters (HF's
   ``StaticSlidingWindowLayer``) is never recorded, since a replay would not advance them;
 * the other arguments' values (ints, bools, strings, None);
-* the addresses of the model's parameters and buffers, its training flag, grad mode, autocast, and the model
-  configuration flags that change the output's structure.
+* the addresses of the model's parameters and buffers, its training flag, grad mode, autocast, the model
+  configuration flags that change the output's structure, and the number of forward hooks on its modules (and
+  global ones): a hook added after a recording runs, through the compiled forward.
 
 A call that differs in any of these runs the compiled forward as before and, once its own signature has been seen
 ``WARM_CALLS`` times, is recorded too. A call whose forward mutated one of its input tensors, or changed a cache's
@@ -76,6 +77,12 @@ class StepGraphs:
         self.seen: Counter[tuple] = Counter()
         self.replays = 0
         self._warned = False
+        # forward hooks run in Python around modules: a hook added or removed after a recording (a steering vector,
+        # an activation probe) must not be skipped by a replay, so their count is part of every signature
+        from torch.nn.modules import module as nn_module
+
+        self._hook_dicts = [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks]
+        self._hook_dicts += [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     # -- the signature -------------------------------------------------------------------------------------
     def _state_key(self) -> tuple:
@@ -83,7 +90,7 @@ class StepGraphs:
         flags = tuple(getattr(config, name, None) for name in _CONFIG_FLAGS) if config is not None else ()
         cuda_autocast = torch.is_autocast_enabled("cuda")
         return (self.model.training, torch.is_inference_mode_enabled(), cuda_autocast,
-                torch.get_autocast_dtype("cuda") if cuda_autocast else None, flags)
+                torch.get_autocast_dtype("cuda") if cuda_autocast else None, flags, sum(map(len, self._hook_dicts)))
 
     def _key(self, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor], list[Any]]:
         """(signature, the tensors to copy in, the caches used in place) of one call."""

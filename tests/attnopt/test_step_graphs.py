@@ -169,3 +169,38 @@ def test_optimize_reduce_overhead_uses_step_graphs_on_static_caches_only(model):
     assert attnopt.last_plans(opt).calls_without_attnopt == 0
     off = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead", step_graphs=False)
     assert not hasattr(off, "_attnopt_step_graphs")
+
+
+def test_a_forward_hook_added_after_recording_is_not_skipped(model):
+    """A hook that edits a layer's output (a steering vector) added after the step was recorded: a replay would
+    silently skip it; the signature counts hooks, so the call runs the forward, with the hook."""
+    steps = StepGraphs(model.forward, model, lambda: None, graphs=FakeGraphs())
+    layer = model.model.layers[0].mlp
+
+    def steer(module, args, output):
+        return output + 1.0
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=g)
+    cache = make_cache(model, "static", 40)
+    with torch.no_grad():
+        tok = prefill(model, cache, ids, chunk=64)
+        kw = lambda i: dict(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([12 + i]),  # noqa: E731
+                            use_cache=True)
+        for i in range(4):  # two warm calls, a recording, a replay
+            steps((), kw(i))
+        assert steps.replays == 2
+        reference_cache = make_cache(model, "static", 40)
+        prefill(model, reference_cache, ids, chunk=64)
+        for i in range(4):  # the reference: the same four steps through the plain forward ...
+            model.forward(input_ids=tok, past_key_values=reference_cache, cache_position=torch.tensor([12 + i]),
+                          use_cache=True)
+        handle = layer.register_forward_hook(steer)
+        try:
+            want = model.forward(input_ids=tok, past_key_values=reference_cache, cache_position=torch.tensor([16]),
+                                 use_cache=True).logits  # ... then the hooked fifth
+            got = steps((), kw(4)).logits
+        finally:
+            handle.remove()
+    assert steps.replays == 2  # not replayed
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
