@@ -71,6 +71,7 @@ class _Recorded:
                       if t is not None]
         self.pinned = self.current_tensors(caches)
         self.pinned_ptrs = _addresses(self.pinned)
+        self.pinned_storages = {t.untyped_storage().data_ptr() for t in self.pinned}
         self.pinned_indices = list(range(len(self.pinned)))
 
     def current_tensors(self, caches: list[Any]) -> list[torch.Tensor]:
@@ -174,6 +175,10 @@ class StepGraphs:
         entry = self.recorded.get(full)
         if entry is not None:
             if entry.unchanged(caches):
+                if any(t.untyped_storage().data_ptr() in entry.pinned_storages for t in tensors):
+                    # an argument that is a view of the cache or a parameter: a copy of it would not see the
+                    # forward's writes to the cache, as the original does
+                    return self.compiled(*args, **kwargs)
                 return self._replay(entry, tensors, caches)
             del self.recorded[full]  # a cache re-allocated or a parameter replaced: one compiled call, then again
             self.seen[full] = 0
