@@ -198,8 +198,8 @@ def _kernel_class(name: str) -> str:
     """The part of a decode step a GPU kernel belongs to, by its name."""
     if any(t in name for t in ("_split_kv", "_stream_k", "_merge_states", "_saap")):
         return "attnopt attention kernels"
-    if any(t in name for t in ("_valid_len", "_key_range", "_key_start")):
-        return "attnopt mask scans (valid length, window start)"
+    if not name.startswith("triton_") and any(t in name for t in ("_valid_len", "_key_range", "_key_start")):
+        return "attnopt mask scans (valid length, window start)"  # (inductor's kernels name the ops they fuse)
     if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
         return "SDPA kernels"
     if name.startswith("triton_"):

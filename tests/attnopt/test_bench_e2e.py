@@ -98,5 +98,6 @@ def test_profile_kernel_classes():
     assert _kernel_class("_valid_len_kernel").startswith("attnopt mask scans")
     assert _kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "SDPA kernels"
     assert _kernel_class("triton_poi_fused_add_0") == "inductor kernels"
+    assert _kernel_class("triton_poi_fused_lt_valid_len_0") == "inductor kernels"
     assert _kernel_class("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "GEMMs"
     assert _kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel").startswith("other")
