@@ -100,7 +100,7 @@ def test_cluster_count_scales_with_the_context():
     assert cluster_count(8192, keys_per_cluster=64) == 128
     from attnopt.runtime.saap.train import decode_defaults
 
-    assert decode_defaults(2048, 8192) == {"probes": 113, "sink": 4, "window": 64}
+    assert decode_defaults(2048, 8192) == {"probes": 143, "sink": 4, "window": 64}
 
 
 def _inertia(cents, keys):
