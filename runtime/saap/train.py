@@ -1,7 +1,7 @@
 """``train``: k-means over de-roped keys (faiss) and the query MLP, per layer and KV head.
 
 Keys: k-means with C clusters per KV head (C scales with the context, ``cluster_count``), optionally refined over
-each prompt's own keys at prefill (``refine``, see ``build.refine_centroids``). Queries: an MLP of 2
+each prompt's own keys at prefill (``refine``, see ``build.fit_to_prompt``). Queries: an MLP of 2
 layers (Linear -> BatchNorm -> ReLU -> Linear, hidden 1024 by default) per KV head, trained with the KL divergence
 from the real attention mass per cluster. Only long-range attention counts: the mass of the keys in
 [sink, position - window), which is what the window does not already cover; every query head of a group is a
@@ -29,9 +29,9 @@ from .rope import apply_rope
 KEYS_PER_CLUSTER = 4
 #: The most clusters the device selection handles (its radix select over at most 2048 scores).
 MAX_CLUSTERS = 2048
-#: Lloyd iterations over each prompt's keys at prefill that ``attnopt saap train`` stores by default
-#: (``SaapIndex.refine``): at 8k on the hardest layers 1 iteration gains +1.8 points of recall, 3 +2.1, 6 +2.1;
-#: each costs one more assignment pass over the prompt's keys at prefill, so 1.
+#: Lloyd passes over each prompt's keys at prefill that ``attnopt saap train`` stores by default
+#: (``SaapIndex.refine``, ``build.fit_to_prompt``): on the hardest layers at 8k, one pass (the cost of the plain
+#: assignment, scoring with the clusters' means) gains +1.6 points of recall; more passes add 0.3 at most.
 DEFAULT_REFINE = 1
 
 
