@@ -201,6 +201,10 @@ class SaapPlan(Plan):
     #: Kernel programs per (batch row, KV head) and attended keys per tile.
     num_splits: int = 8
     block_n: int = 64
+    #: The scoring launch also selects (its last program per head to arrive, by an arrival counter): one launch fewer.
+    fused_select: bool = True
+    #: The attention launch also merges (its last split per tile to arrive): one launch fewer.
+    fused_merge: bool = True
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

@@ -53,6 +53,8 @@ REPLAYS = 5
 #: Triton compile takes about a second per configuration on the H100 machine's host, mostly in MLIR/LLVM passes and
 #: ptxas, which do not hold the GIL (a separate process).
 WARM_WORKERS = 16
+#: Fresh KV lengths (and as many repeated ones) ``GpuTimer.fresh_length_us`` calls a plan at.
+FRESH_LENGTHS = 3
 #: Overrides ``WARM_WORKERS`` (read at each warm-up): ``1`` compiles the candidates one after another, still before
 #: timing; ``0`` skips the warm-up (each candidate compiles when it is first timed, as before it existed).
 WARM_WORKERS_ENV = "ATTNOPT_TUNE_WARM_WORKERS"
@@ -110,8 +112,8 @@ def mask_reduction(site: AttentionSite) -> str:
 
 def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = None) -> Callable[[], Any]:
     """A call of ``plan`` on input set ``s`` as the lowered op runs it: ``strategy.run`` only, with the set's mask
-    and, for a plan that reads one, its precomputed valid length. ``state``: the strategy's prepared state
-    (prepared here, before the call is made, when ``None``)."""
+    and, for a plan that reads one, its precomputed valid length, its output in the op's layout (``fake_layout``).
+    ``state``: the strategy's prepared state (prepared here, before the call is made, when ``None``)."""
     from attnopt.runtime.strategies import get_strategy
 
     strategy = get_strategy(plan.kind)
@@ -126,14 +128,17 @@ def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = N
         raise ValueError("site_call: the input set has a mask but no precomputed valid_len (synthetic_inputs "
                          "makes one)")
 
+    # the layout the op hands back (its fake's): a dense plan at q_len > 1 pays a copy of SDPA's transposed output
+    from attnopt.runtime.ops import fake_layout
+
     variant = _variant(strategy, site, s)
     if variant:
         def call_variant():
-            return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal, **variant)
+            return fake_layout(strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal, **variant))
         return call_variant
 
     def call():
-        return strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal)
+        return fake_layout(strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal))
     return call
 
 
@@ -350,6 +355,37 @@ class GpuTimer:
             return self._host([lambda s=s, kw=_variant(strategy, site, s): op(
                 s["q"], s["k"], s["v"], s["mask"], s["valid_len"] if uses_valid_len(plan, site) else None, scale,
                 site.is_causal, key, TUNING_SITE, **kw) for s in sets])
+
+    def fresh_length_us(self, plan: Plan, site: AttentionSite, lengths: int = FRESH_LENGTHS) -> tuple[float, float]:
+        """(µs of a call at a KV length not called before, µs of a call at a length called before): wall time of one
+        eager, synchronized call each, the median of ``lengths`` of each kind, over views of the first input set
+        shortened by a few keys (as a growing cache's view grows by one key a step). A symbolic length runs a new
+        length every step: a backend that builds something per shape (cuDNN's SDPA graph is keyed by the lengths
+        unless ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``) pays the difference on every step."""
+        import statistics
+
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from attnopt.runtime.strategies import get_strategy
+
+        with unset_fake_temporarily(), torch.no_grad():
+            s0 = self._input_sets(site)[0]
+            state = get_strategy(plan.kind).prepare(plan, s0["q"], s0["k"], s0["v"])
+
+            def call_at(n: int) -> float:
+                s = dict(s0, k=s0["k"][:, :, :n], v=s0["v"][:, :, :n],
+                         mask=None if s0["mask"] is None else s0["mask"][..., :n])
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                site_call(plan, site, s, state)()
+                torch.cuda.synchronize()
+                return (time.perf_counter() - t0) * 1e6
+
+            n = int(site.kv_len)
+            fresh = [call_at(max(1, n - 1 - i)) for i in range(lengths)]
+            repeat = [call_at(max(1, n - 1 - i)) for i in range(lengths)]
+            return statistics.median(fresh), statistics.median(repeat)
 
     @staticmethod
     def _host(calls: list[Callable[[], Any]]) -> float:

@@ -22,16 +22,19 @@ file is reported in one warning line and treated as empty.
 
 A site whose KV length is symbolic (a growing cache) is tuned per length bucket (``BUCKETS``: powers of two from
 1k to 512k), at the bucket's geometric middle (``bucket_length``), from the trace-time hint's bucket outwards
-within one shared budget; where its two fastest are within ``TIE``, both are also timed at the bucket's ends and
-the one with the smaller worst ratio wins. The op picks the bucket's plan by ``k.shape[2]`` at run time
+within one shared compile budget; where its two fastest are within ``TIE`` (or the fastest dense plan within
+``PEER_SPAN`` of a kernel winner), both are also timed at the bucket's ends and the one with the smaller worst ratio
+wins. A kernel plan is chosen over the fastest dense plan, the peer's own kernel, only when it is ahead by more than
+``PEER_MARGIN`` (timing noise) wherever it was judged. The op picks the bucket's plan by ``k.shape[2]`` at run time
 (``BucketedPlan``), with no sync. A static cache is timed full (``timer.STATIC_FILL``); a near tie there is also
 judged at ``STATIC_LOW_FILL``.
 
 What keeps the first call cheap: a shape is measured once per process (``_PROCESS_TUNERS``: one tuner shared by
 the graphs of a model) and once per machine (the file); every candidate is compiled at once before any is timed
-(``timer.warm_up``: a first call per candidate, each on a thread of its own, within the budget); the rounds stop when one candidate is more than ``PRUNE``
-ahead of all others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s``
-caps a shape and ``BUCKETED_BUDGET_FACTOR`` budgets cap all buckets of a symbolic length.
+(``timer.warm_up``: a first call per candidate, each on a thread of its own; the budget counts the timing after it,
+so every compiled candidate is timed); the rounds stop when one candidate is more than ``PRUNE`` ahead of all
+others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s`` caps a shape's
+timing and ``BUCKETED_BUDGET_FACTOR`` budgets cap the compiling of all buckets of a symbolic length.
 
 This module imports nothing from ``runtime/`` at import time; the GPU timer does so when it runs.
 """
@@ -51,6 +54,8 @@ from .site import AttentionSite
 from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
 from .timer import error_text as _error_text
 from .timer import warm_workers
+from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, _family,  # noqa: F401
+                                compile_key, most_parallel, to_time)  # (re-exported for the tuner's users)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
@@ -58,24 +63,17 @@ from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_versio
 TUNE_ENV = "ATTNOPT_TUNE"
 #: Whether the measured choice is on when ``ATTNOPT_TUNE`` is unset (see ``default_tuner``).
 TUNE_BY_DEFAULT = True
-#: Seconds one site shape may spend being timed (new candidates stop starting after it).
+#: Seconds one site shape may spend being timed after its warm-up (new candidates stop starting after it).
 BUDGET_ENV = "ATTNOPT_TUNE_BUDGET_S"
-DEFAULT_BUDGET_S = 4.0  # a cap: the candidates' cold compiles (about a second each) run at once in the warm-up
-#: Kernel (non-SDPA) candidates timed per shape, best estimates first.
-DEFAULT_TOP_K = 4
-#: Kernel configurations beyond the top ``DEFAULT_TOP_K``: the best-estimated plan of each further (kind, block_n,
-#: num_warps, num_stages) family, up to this many. On the H100 the datasheet model ranked SmolLM2's 1k static site
-#: (9/3 heads, D=64) S=5/256/8/2 first, 10.0 µs alone in a graph, and left the fastest family out of its top four:
-#: S=16/64/4/3 ran in 6.2 µs (probe at c761f67). Timing one plan per family lets measurement find it.
-DEFAULT_EXTRA_FAMILIES = 4
-#: Further families are timed only within this factor of the best kernel estimate (a family the model puts 3x
-#: behind costs a cold compile, about a second, and has not won a measurement on the H100).
-EXTRA_WITHIN = 2.0
+DEFAULT_BUDGET_S = 4.0  # a cap: a timing takes 0.05-0.3 s; the cold compiles (about a second each) run before it
 #: Upper edges of the KV-length buckets of a symbolic length; longer lengths take the last bucket.
 BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
-#: A symbolic length's buckets together may spend this many times the per-shape budget; the buckets nearest the
-#: trace-time hint go first, and once it is spent the rest time only the model's pick and the first SDPA backend.
-BUCKETED_BUDGET_FACTOR = 3.0
+#: A symbolic length's buckets together may compile new kernels for this many times the per-shape budget; the
+#: buckets nearest the trace-time hint go first, and once it is spent the rest compile nothing new: they time the
+#: candidates whose kernels earlier buckets compiled (``compile_key``), the SDPA backends and the model's pick. The
+#: hint's bucket compiles 4-8 of the 9-14 configurations all buckets time (H100 planner parts, dynamic cases), so two
+#: budgets reach the bucket beside it while later buckets still find most of their candidates compiled.
+BUCKETED_BUDGET_FACTOR = 2.0
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
 #: After the first round, only candidates within this fraction of the best are timed again.
@@ -94,6 +92,23 @@ STATIC_LOW_FILL = 1 / 8
 STATIC_DENSE_TIE = 0.25
 #: At most this many near-tied candidates are timed again.
 TIE_MAX = 3
+#: A static cache's dense winner is judged at ``STATIC_LOW_FILL`` against this many plans that read only the valid
+#: keys (those within ``STATIC_DENSE_TIE`` of it full, fastest first): the fastest of them full need not be the fastest
+#: over an eighth of the keys, where more splits fill the GPU (4k of a 32k cache: the model's S=16/128 ran 16.9 µs,
+#: 3.4x SDPA over the whole cache, on the H100 at f9e648f; the issue asks 5x).
+STATIC_READERS = 6
+#: A kernel plan must beat the fastest dense (SDPA) plan by more than this fraction, at every length it is judged at,
+#: to be chosen over it. The dense plan is the peer's own kernel, so choosing it holds 1.0x the peer by construction;
+#: a kernel plan that wins by less than the timing noise (about 1 % round to round) may lose by as much on the next
+#: measurement (H100, planner part 0 of 2 at 18ffcc3: 0.978x-0.987x where a kernel plan or cuDNN won narrowly).
+PEER_MARGIN = 0.01
+#: A bucket's kernel winner is also timed against the fastest dense plan at the bucket's ends when that plan is within
+#: this fraction of it at the middle: a fixed grid runs from half to twice its tiles per split inside a 2x bucket, so
+#: the order of two plans this close can swap there (lhs08: split-KV ahead at 4096 keys, cuDNN 2 % ahead at 2432).
+PEER_SPAN = 0.08
+#: A symbolic length's cuDNN plan is charged the extra µs of a call at a new length (``Tuner._fresh_length_charge``)
+#: when it exceeds this: host noise between two eager calls stays well below it, a cuDNN graph build far above.
+FRESH_LENGTH_SLACK_US = 100.0
 
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
@@ -149,65 +164,6 @@ class Choice:
     tune_s: float = 0.0
 
 
-def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EXTRA_FAMILIES) -> list[Plan]:
-    """The candidates worth timing, in the order they are timed.
-
-    Which: the model's pick; every explicit SDPA backend (cuDNN first: the fastest on Hopper; ``auto`` only when no
-    backend is named explicitly, as it is one of them); the most parallel split-KV plan (``most_parallel``); the
-    ``top_k`` kernel plans by estimate; the best-estimated plan of up to ``extra_families`` further kernel
-    configurations (kind, block_n, num_warps, num_stages) estimated within ``EXTRA_WITHIN`` of the best (the model
-    ranks the grids of one configuration well and configurations against each other poorly).
-
-    Order: the model's pick, the SDPA backends, the most parallel plan, then one plan of each configuration before
-    a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
-    (about a second) where a second grid of it costs only its timing, so the configurations come first."""
-    if not ranked:
-        return []
-    explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
-    order = {"cudnn": 0, "flash": 1, "efficient": 2, "math": 3}
-    dense = sorted(explicit, key=lambda p: order.get(p.backend, 9)) or [p for p in ranked if p.kind == "dense"][:1]
-    ranked_kernels = [p for p in ranked if p.kind != "dense"]
-    kernels = ranked_kernels[:top_k]
-    families = {_family(p) for p in [ranked[0]] + kernels}
-    estimates = [p.est_us for p in kernels if math.isfinite(p.est_us)]
-    ceiling = EXTRA_WITHIN * min(estimates) if estimates else math.inf
-    for p in ranked_kernels[top_k:]:
-        if extra_families <= 0:
-            break
-        if _family(p) not in families and not p.est_us > ceiling:
-            families.add(_family(p))
-            kernels.append(p)
-            extra_families -= 1
-    widest = most_parallel(ranked_kernels)
-    seen_families = {_family(ranked[0])} | ({_family(widest)} if widest is not None else set())
-    firsts, seconds = [], []
-    for p in kernels:
-        (seconds if _family(p) in seen_families else firsts).append(p)
-        seen_families.add(_family(p))
-    out: list[Plan] = [ranked[0]]
-    for p in dense + ([widest] if widest is not None else []) + firsts + seconds:
-        if all(p.runtime_key() != q.runtime_key() for q in out):
-            out.append(p)
-    return out
-
-
-def most_parallel(kernels: Sequence[Plan]) -> Plan | None:
-    """The split-KV plan with the smallest tiles and, among those, the most splits (the best estimate of equals):
-    on a short KV (a few tiles per (batch row, KV head)) one tile per split fills the GPU where the model's wave
-    sizing does not. At SmolLM2's 1k static site (9/3 heads, D=64) that is S=17/64/4/3; a forced H100 sweep found
-    S=16/64/4/3 at 6.2 µs against 10 µs for the model's S=5/256/8/2 (c761f67). ``None`` without a split-KV plan."""
-    splits = [p for p in kernels if p.kind == "split_kv"]
-    if not splits:
-        return None
-    return min(splits, key=lambda p: (p.block_n, -p.num_splits, p.est_us if math.isfinite(p.est_us) else math.inf))
-
-
-def _family(plan: Plan) -> tuple:
-    """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages)."""
-    return (plan.kind, getattr(plan, "block_n", None), getattr(plan, "num_warps", None),
-            getattr(plan, "num_stages", None))
-
-
 class Tuner:
     """Chooses plans by measurement where it may, else from the cache, else by the cost model.
 
@@ -251,6 +207,8 @@ class Tuner:
         #: This tuner's own measurements by shape: the sites of one model share a shape, and a cache that cannot
         #: be written must not make each of them measure again.
         self._measured: dict[ShapeKey, tuple[str, float, dict[str, Any]]] = {}
+        #: ``timer.fresh_length_us`` of a cuDNN plan per site apart from its length: [new µs, known µs] or an error.
+        self._fresh: dict[tuple, Any] = {}
 
     def environment(self) -> dict[str, str]:
         if self.env is None:
@@ -260,14 +218,22 @@ class Tuner:
     # ------------------------------------------------------------------------------------- one shape
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
                valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None,
-               span: tuple[int, int] | None = None) -> Choice:
+               span: tuple[int, int] | None = None, compiled: set | None = None) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
         call costs the longer of its device time and its host time (``timer.host_us``, where the timer has it).
-        ``deadline``: a ``time.perf_counter()`` value that ends the budget sooner (a symbolic length's buckets share
-        one). ``span``: the shortest and longest length the plan will run at (a bucket's ends); when another
-        candidate is within ``TIE`` of the fastest, the two are timed there too (``_tie_break``)."""
+        ``deadline``: a ``time.perf_counter()`` value after which no new kernel configuration is compiled (a symbolic
+        length's buckets share one): past it only the candidates whose kernels ``compiled`` holds (``compile_key``),
+        the dense plans and the two always timed are timed. ``compiled``: the compile keys warmed so far, updated
+        here. ``span``: the shortest and longest length the plan will run at (a bucket's ends); when another
+        candidate is within ``TIE`` of the fastest, or the fastest dense plan within ``PEER_SPAN`` of a kernel
+        winner, they are timed there too (``_tie_break``). A kernel plan must beat the fastest dense plan by
+        ``PEER_MARGIN`` to be chosen over it.
+
+        The budget counts from the end of the warm-up: the warm-up compiles every candidate at once, and a budget that
+        it had spent left compiled candidates untimed (H100: SmolLM2's 1k static site kept S=5/256/8/2 at 7.35 µs with
+        S=17/64/4/3 compiled but skipped, tune_s 4.47 of a 4 s budget)."""
         if not ranked:
             raise ValueError("no candidate to choose from")
         eager = not graphed and hasattr(self.timer, "host_us")
@@ -292,7 +258,15 @@ class Tuner:
             return Choice(ranked[0], "model")
         start = time.perf_counter()
         plans = to_time(ranked, self.top_k)
+        late = deadline is not None and start > deadline
+        if late:  # compile nothing new: time what earlier buckets compiled, the SDPA backends and the two always timed
+            seen = compiled or set()
+            plans = [p for i, p in enumerate(plans) if i < 2 or p.kind == "dense" or compile_key(p) in seen]
         extra: dict[str, Any] = self._warm_up(plans, site, eager)
+        if late:
+            extra["late"] = True
+        if compiled is not None:
+            compiled.update(compile_key(p) for p in (plans if self.budget_s > 0 else plans[:2]))
         valid_len_us = 0.0
         if any(uses_valid_len(p, site) for p in plans) and hasattr(self.timer, "valid_len_us"):
             try:
@@ -303,7 +277,9 @@ class Tuner:
             extra.update(valid_len_us=valid_len_us, valid_len_sharing=shape.valid_len_sharing)
         share = valid_len_us / max(shape.valid_len_sharing, 1)
         charge = {p.runtime_key(): share if uses_valid_len(p, site) else 0.0 for p in plans}
-        end = start + self.budget_s if deadline is None else min(start + self.budget_s, deadline)
+        if bucketed:  # every step of a growing cache runs a new length
+            extra.update(self._fresh_length_charge(plans, site, charge))
+        end = time.perf_counter() + self.budget_s  # after the warm-up and the valid length: timing alone
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         extra.update(measure_extra)
         for key, times in samples.items():
@@ -313,10 +289,15 @@ class Tuner:
         static = span is None and not bucketed and _static_cache(site)
         if static:
             span = (min(site.kv_len, max(64, int(round(site.kv_len * STATIC_LOW_FILL / 64)) * 64)),)
-        # a static cache's dense winner is judged at a low fill even past the budget: one timing of a compiled plan
+        # a static cache's dense winner is judged at a low fill, and a kernel winner against a close dense plan over
+        # the span, even past the budget: a few timings of compiled plans
         dense_static = static and best is not None and not uses_valid_len(by_key[best], site)
-        if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static):
+        near_peer = best is not None and span is not None and _near_peer(best, measured, by_key) is not None
+        if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static
+                                                                     or near_peer):
             best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
+        elif best is not None and not static:  # (a static cache's reader beats the peer at a low fill)
+            best = _prefer_peer(best, measured, by_key)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
             release()
@@ -354,24 +335,56 @@ class Tuner:
             extra["warm_up_errors"] = dict(errors)
         return extra
 
+    def _fresh_length_charge(self, plans: Sequence[Plan], site: AttentionSite,
+                             charge: dict[str, float]) -> dict[str, Any]:
+        """A symbolic length runs at a new length every step: add to each cuDNN plan's ``charge`` (µs added to its
+        timings) what a call at a new length costs over a call at a known one (``timer.fresh_length_us``), where that
+        exceeds ``FRESH_LENGTH_SLACK_US``. PyTorch builds a cuDNN SDPA graph per shape unless
+        ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``, which a replayed timing at one length never shows. Returns the extras
+        to record (``fresh_length_us``: key -> [fresh µs, repeat µs] or the probe's error)."""
+        probe = getattr(self.timer, "fresh_length_us", None)
+        if probe is None:
+            return {}
+        seen: dict[str, Any] = {}
+        for plan in plans:
+            key = plan.runtime_key()
+            if plan.kind != "dense" or getattr(plan, "backend", "") != "cudnn":
+                continue
+            # probed once per site apart from its length (the buckets of one site share the answer)
+            which = (key, site.batch, site.q_heads, site.kv_heads, site.head_dim, site.q_len, site.dtype,
+                     site.mask_kind)
+            if which not in self._fresh:
+                try:
+                    self._fresh[which] = [float(x) for x in probe(plan, site)]
+                except Exception as exc:  # noqa: BLE001 - a probe that fails does not decide; say so
+                    self._fresh[which] = _error_text(exc)
+            seen[key] = self._fresh[which]
+            if isinstance(seen[key], list) and seen[key][0] - seen[key][1] > FRESH_LENGTH_SLACK_US:
+                charge[key] = charge.get(key, 0.0) + seen[key][0] - seen[key][1]
+        return {"fresh_length_us": seen} if seen else {}
+
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
                    span: tuple[int, ...], charge: dict[str, float],
                    static: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
-        """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it: the one whose worst ratio
-        to the fastest of them, at the measured length and at each length of ``span``, is lowest (ties: the faster
-        where measured).
+        """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it, and the fastest dense plan
+        when it is within ``PEER_SPAN`` of a kernel winner (``_near_peer``): the one whose worst ratio to the fastest
+        of them, at the measured length and at each length of ``span``, is lowest, a kernel plan's counted
+        ``PEER_MARGIN`` higher (ties: the faster where measured).
         A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
         H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). ``static``: the
         lengths stand for fills of a static cache (a kernel plan timed over that many keys, a dense plan keeping its
         full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
         pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
         pair = pair[:TIE_MAX]
+        peer = _near_peer(best, measured, by_key)
+        if peer is not None and peer not in pair:
+            pair.append(peer)
         if static and not uses_valid_len(by_key[best], site):
-            reader = next((k for k in sorted(measured, key=measured.get) if uses_valid_len(by_key[k], site)), None)
-            if reader is not None and reader not in pair and measured[reader] <= (1 + STATIC_DENSE_TIE) * measured[best]:
-                pair.append(reader)
+            readers = [k for k in sorted(measured, key=measured.get) if uses_valid_len(by_key[k], site)
+                       and measured[k] <= (1 + STATIC_DENSE_TIE) * measured[best]]
+            pair += [k for k in readers if k not in pair][:STATIC_READERS]
         if len(pair) < 2:
-            return best, {}
+            return _prefer_peer(best, measured, by_key), {}
         worst = {k: measured[k] / measured[best] for k in pair}
         at_ends: dict[str, dict[str, float]] = {}
         for n in dict.fromkeys(span):
@@ -393,7 +406,9 @@ class Tuner:
                 for k in pair:
                     worst[k] = max(worst[k], times[k] / fastest)
                 at_ends[str(n)] = times
-        return min(pair, key=lambda k: (worst[k], measured[k])), at_ends
+        # a kernel plan must beat the dense plans by PEER_MARGIN in the worst case to be chosen over them
+        weight = {k: 1.0 if by_key[k].kind == "dense" else 1.0 + PEER_MARGIN for k in pair}
+        return min(pair, key=lambda k: (worst[k] * weight[k], measured[k])), at_ends
 
     def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
                  charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
@@ -451,11 +466,12 @@ class Tuner:
         """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's length)`` (``bucket_length``)
         gives that bucket's ranked candidates, ``choose`` picks among them. The buckets are tuned from the one
         holding the trace-time hint outwards (nearer lengths run first), within ``BUCKETED_BUDGET_FACTOR`` budgets
-        together. Its estimate and measurement are those of the hint's bucket. Returns the bucket's plan itself
-        when every bucket chose the same."""
+        together (past that, a bucket times only what is compiled already). Its estimate and measurement are those of
+        the hint's bucket. Returns the bucket's plan itself when every bucket chose the same."""
         hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
         h = self.buckets.index(hint)
         deadline = time.perf_counter() + BUCKETED_BUDGET_FACTOR * self.budget_s
+        compiled: set[str] = set()
         by_bound: dict[int, Choice] = {}
         for i in sorted(range(len(self.buckets)), key=lambda i: (abs(i - h), i)):
             bound = self.buckets[i]
@@ -465,7 +481,8 @@ class Tuner:
             if not ranked:
                 raise ValueError(f"no candidate plan at KV length {n} for {site.shape_str()}")
             by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
-                                          graphed=graphed, deadline=deadline, span=bucket_span(bound, self.buckets))
+                                          graphed=graphed, deadline=deadline, span=bucket_span(bound, self.buckets),
+                                          compiled=compiled)
         choices = [by_bound[b] for b in self.buckets]
         here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}
@@ -482,6 +499,27 @@ class Tuner:
 def _static_cache(site: AttentionSite) -> bool:
     """A static cache read through its mask (the kernels read only its valid keys), not a sliding window's band."""
     return site.mask_kind in ("valid_length", "arbitrary") and site.window is None and site.kv_len is not None
+
+
+def _fastest_dense(measured: dict[str, float], by_key: dict[str, Plan]) -> str | None:
+    dense = [k for k in measured if by_key[k].kind == "dense"]
+    return min(dense, key=measured.get) if dense else None
+
+
+def _near_peer(best: str, measured: dict[str, float], by_key: dict[str, Plan]) -> str | None:
+    """The fastest dense plan when ``best`` is a kernel plan and that dense plan is within ``PEER_SPAN`` of it."""
+    peer = _fastest_dense(measured, by_key)
+    if peer is None or by_key[best].kind == "dense" or measured[peer] > (1 + PEER_SPAN) * measured[best]:
+        return None
+    return peer
+
+
+def _prefer_peer(best: str, measured: dict[str, float], by_key: dict[str, Plan]) -> str:
+    """``best``, or the fastest dense plan where ``best`` is a kernel plan ahead of it by ``PEER_MARGIN`` or less."""
+    peer = _fastest_dense(measured, by_key)
+    if peer is not None and by_key[best].kind != "dense" and measured[peer] <= (1 + PEER_MARGIN) * measured[best]:
+        return peer
+    return best
 
 
 def _median(xs: Sequence[float]) -> float:

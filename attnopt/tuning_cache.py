@@ -24,7 +24,12 @@ from .site import AttentionSite
 #: 4: static caches timed full (``timer.STATIC_FILL``), a bucket timed at its middle (``bucket_length``), the most
 #: parallel kernel plan always a candidate, rounds stopped once one candidate is clearly ahead, near ties judged
 #: over a bucket's ends or at a static cache's low fill.
-TUNING_VERSION = 4
+#: 5: the budget counts the timing after the warm-up (every compiled candidate is timed), late buckets time what is
+#: compiled, a kernel plan must beat the fastest dense plan by ``tuning.PEER_MARGIN``, and a dense plan within
+#: ``tuning.PEER_SPAN`` of a bucket's kernel winner is judged at the bucket's ends.
+#: 6: the timed call returns the op's layout (``ops.fake_layout``), a static cache's dense winner is judged against
+#: several valid-key plans at the low fill, and a symbolic length's cuDNN plan is charged what a new length costs.
+TUNING_VERSION = 6
 
 log = logging.getLogger("attnopt.tuning")
 

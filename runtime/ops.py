@@ -151,8 +151,9 @@ def outside_graph_pools(make, device: torch.device):
     return _PREPARE_THREAD[0].submit(work).result()
 
 
-def _fake_layout(out: Tensor) -> Tensor:
-    """``out`` with the contiguous layout the fake implementations declare. SDPA's flash and cuDNN kernels return
+def fake_layout(out: Tensor) -> Tensor:
+    """``out`` with the contiguous layout the fake implementations declare (``timer.site_call`` applies it too, so
+    that the tuner times the copy it costs where a plan returns another layout). SDPA's flash and cuDNN kernels return
     (B, H, L, D) as a transposed view of (B, L, H, D) memory; for L > 1 that differs from the declared strides, and
     inductor, which trusts the fake, asserted ("expected stride 448, got 64") on a 7-token prompt. Free at L == 1,
     where both layouts are contiguous."""
@@ -167,9 +168,9 @@ def _decode_attention(q, k, v, attn_mask, valid_len, scale, is_causal, plan, sit
     if softcap or key_start is not None or alibi_slopes is not None:
         from .strategies.base import variant_kwargs
 
-        return _fake_layout(strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
-                                         **variant_kwargs(strategy, key_start, softcap, alibi_slopes)))
-    return _fake_layout(strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal))
+        return fake_layout(strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal,
+                                        **variant_kwargs(strategy, key_start, softcap, alibi_slopes)))
+    return fake_layout(strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal))
 
 
 def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, plan, site, softcap=0.0,
@@ -184,7 +185,7 @@ def _decode_attention_states(q, k, v, attn_mask, valid_len, scale, is_causal, pl
                                      **variant_kwargs(strategy, key_start, softcap, alibi_slopes))
     else:
         o, lse = strategy.run_states(state, p, q, k, v, attn_mask, valid_len, scale, is_causal)
-    return _fake_layout(o), _fake_layout(lse)
+    return fake_layout(o), fake_layout(lse)
 
 
 def check_cascade_inputs(q: Tensor, k_prefix: Tensor, v_prefix: Tensor, k_suffix: Tensor, v_suffix: Tensor,
@@ -225,7 +226,7 @@ def _cascade_attention(q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask, val
         k = torch.cat([k_prefix.expand(rows), k_suffix], dim=2)
         v = torch.cat([v_prefix.expand(rows), v_suffix], dim=2)
         state = _prepared(p.runtime_key(), p, strategy, q, k, v, attn_mask, valid_len)
-        return _fake_layout(strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal))
+        return fake_layout(strategy.run(state, p, q, k, v, attn_mask, valid_len, scale, is_causal))
     key = ("cascade", plan, q.device, q.dtype, *q.shape, k_prefix.shape[1], k_prefix.shape[2] == 0,
            k_suffix.shape[2] == 0, v_prefix.shape[3])
     state = _STATES.get(key)
@@ -236,8 +237,8 @@ def _cascade_attention(q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask, val
             if state is None:
                 state = _STATES[key] = outside_graph_pools(lambda: strategy.prepare(p, q, k_suffix, v_suffix),
                                                            q.device)
-    return _fake_layout(strategy.run_cascade(state, p, q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask,
-                                             valid_len, scale))
+    return fake_layout(strategy.run_cascade(state, p, q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask,
+                                            valid_len, scale))
 
 
 def _merge_states(o_parts, lse_parts):

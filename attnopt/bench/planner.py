@@ -2,7 +2,7 @@
 
 For each case (``planner_grid``: the issue's named shapes, the grid's corners, a seeded Latin-hypercube sample of
 the grid, a few shapes off it; with ``--cases`` only the cases named, which may include the e2e bench's nearly full
-static caches, ``e2e-*``), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
+static caches, ``e2e-*``, and sampled or held-out shapes by a name that spells them, ``planner_grid.case_of``), a function calling ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA,
 the mask passed in for a static cache) goes through ``attnopt.optimize`` with the datasheet profile, exactly as a
 user calls it, with the measured choice on (``ATTNOPT_TUNE=1``, a fresh tuning cache; timing device time as for
 ``mode="reduce-overhead"``, since this bench times CUDA-graph replays). Its first call (compile, plan, tuning) is
@@ -18,6 +18,9 @@ replay and checked against an fp32 reference:
   lacks ``enable_gqa``), for a static GQA cache Hugging Face's StaticCache SDPA path compiled (``repeat_kv`` each
   call, then SDPA with the mask), and with ``--compiled-peer`` ``torch.compile`` of the same function without
   attnopt.
+
+The pick and the peers within 5 % of the best are then timed ``--retime`` more times each in alternating order, and
+each keeps its median (``us_samples``), so that the order of measurement does not decide a tie of one kernel.
 
 Per case: the ratio best peer / ours (>= 1: we are faster), the fraction of the HBM read roofline (the valid K/V
 bytes over the read bandwidth measured in the same run), the first-call seconds, and for static caches the
@@ -64,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--off-grid", type=int, default=4, help="seeded shapes off the grid (default 4)")
     p.add_argument("--seed", type=int, default=19, help="seed of the sample (default 19)")
     p.add_argument("--cases", default=None,
-                   help="only these cases (comma-separated; named, corner or e2e-* names), before the sample")
+                   help="only these cases (comma-separated; named, corner or e2e-* names, or a shape spelled as the "
+                        "sampled cases are: PREFIX-B<b>-<Hq>/<Hkv>-d<D>-N<N>-q<L>-<cache>), before the sample")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--inner-backend", default=None,
                    help="optimize()'s inner backend, and torch.compile's for the compiled peer (default: inductor; "
@@ -80,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no run: join the results files of --part runs into --out (rows, summaries, overall)")
     p.add_argument("--time-budget", type=float, default=420.0,
                    help="seconds; no new case starts after this (default 420; 0: no limit)")
+    p.add_argument("--retime", type=int, default=2,
+                   help="time the planner's pick and the closest peers this many more times each, alternating, and "
+                        "keep each one's median (default 2; 0: one measurement each)")
     p.add_argument("--keep-cache", action="store_true",
                    help="use the user's tuning cache instead of a fresh one (compile_s then excludes tuning)")
     p.add_argument("--smoke", action="store_true", help="three tiny cases on the CPU: the code path only")
@@ -160,9 +167,9 @@ def _error(exc: Exception) -> str:
 
 
 def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str,
-                   inner: str | None = None) -> dict[str, Any]:
+                   inner: str | None = None, keep: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
     """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune`` (inner backend ``inner``, default ``--inner-backend``):
-    first-call seconds, plan, error, time."""
+    first-call seconds, plan, error, time. ``keep``: gets the timed call by method (for ``_retime``)."""
     import torch
 
     import attnopt
@@ -199,8 +206,11 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
                        choice=site.choice, est_us=site.chosen.est_us if site.chosen else None,
                        tuned_us=None if math.isnan(site.measured_us) else site.measured_us,
                        why_untouched=site.reason_untouched)
-        row["us"] = clock.time(cycle([lambda s=s: opt(*_args_of(s, case[6])) for s in sets]), len(sets))
+        fn = cycle([lambda s=s: opt(*_args_of(s, case[6])) for s in sets])
+        row["us"] = clock.time(fn, len(sets))
         row["timing"] = clock.last
+        if keep is not None:
+            keep[method] = fn
     except Exception as exc:  # report and go on: one failing case must not lose the run
         row["error"] = _error(exc)
     return row
@@ -210,7 +220,9 @@ def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
     """The measurements a case added to the tuning cache (``after`` less ``before``, two ``TuningCache.load()``), in
     short: the timed KV length, whether it stands for a bucket, the winner and each candidate's µs (or why it has
     none) by ``describe()``, the near-tied candidates' µs at other lengths (a bucket's ends, a static cache's low
-    fill), the rounds and the seconds it took. Sorted by length."""
+    fill), the rounds, the seconds it took and of those the warm-up's (the compiles), whether it was a bucket past
+    the compile deadline (``late``: only what was compiled timed), and a growing cache's cuDNN call at a new length
+    against a known one (``fresh_length_us``: [new µs, known µs]). Sorted by length."""
     import json
 
     from attnopt.plan import plan_from_dict, plan_from_json
@@ -230,7 +242,9 @@ def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
         out.append({"kv_len": shape.get("kv_len"), "bucketed": shape.get("bucketed"),
                     "winner": plan_from_dict(record["winner"]).describe() if "winner" in record else None,
                     "measured_us": record.get("measured_us"), "rounds": record.get("rounds"),
-                    "tune_s": record.get("tune_s"),
+                    "tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
+                    "late": bool(record.get("late")),
+                    "fresh_length_us": {name(k): v for k, v in (record.get("fresh_length_us") or {}).items()},
                     "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)},
                     "near_tie_us": {n: {name(k): v for k, v in by.items()}
                                     for n, by in (record.get("span_us") or {}).items()}})
@@ -243,8 +257,10 @@ def _fastest_first(item: tuple[str, Any]) -> tuple[bool, float]:
     return (not number, float(value) if number else 0.0)
 
 
-def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]]:
-    """SDPA with each backend forced (GPU), or SDPA's own path (CPU); torch.compile of the same function."""
+def _peer_rows(base, case, sets, ref, scale, clock, args,
+               keep: dict[str, Callable[[], Any]] | None = None) -> list[dict[str, Any]]:
+    """SDPA with each backend forced (GPU), or SDPA's own path (CPU); torch.compile of the same function. ``keep``:
+    gets each peer's timed call by method (for ``_retime``)."""
     import torch
 
     from .common import cycle, rel_err
@@ -274,12 +290,42 @@ def _peer_rows(base, case, sets, ref, scale, clock, args) -> list[dict[str, Any]
             if getattr(calls[0], "note", None):
                 row["note"] = calls[0].note
             row["rel_err"] = rel_err(calls[0]().float(), ref)
-            row["us"] = clock.time(cycle(calls), len(calls))
+            fn = cycle(calls)
+            row["us"] = clock.time(fn, len(calls))
             row["timing"] = clock.last
+            if keep is not None:
+                keep[name] = fn
         except Exception as exc:
             row["error"] = _error(exc)
         rows.append(row)
     return rows
+
+
+#: Peers within this fraction of the best are re-timed with the planner's pick (``_retime``).
+RETIME_WITHIN = 0.05
+
+
+def _retime(rows: list[dict[str, Any]], keep: dict[str, Callable[[], Any]], clock: Clock, times: int,
+            calls: int) -> None:
+    """Time the planner's pick and the peers within ``RETIME_WITHIN`` of the best ``times`` more times each, in
+    alternating order (ABBA), and set each one's ``us`` to the median of all its measurements (``us_samples``).
+    One measurement each, the pick first, right after its compile, left a 1-2 % spread between two calls of the same
+    cuDNN kernel on the H100 (planner parts at 18ffcc3 / f9e648f). Only SDPA peers and the HF static path are
+    re-timed: a ``torch.compile`` peer of the same function would make dynamo recompile between the two."""
+    ok = [r for r in rows if r.get("us") and r.get("rel_err", 1.0) < REL_ERR_OK and r["method"] in keep]
+    peers = [r for r in ok if r["peer"] and (r["method"].startswith("sdpa") or r["method"].startswith("hf-"))]
+    if not peers or not any(r["method"] == "attnopt:planner" for r in ok) or times <= 0:
+        return
+    best = min(r["us"] for r in peers)
+    chosen = [r for r in ok if r["method"] == "attnopt:planner"] + [r for r in peers
+                                                                     if r["us"] <= (1 + RETIME_WITHIN) * best]
+    samples = {r["method"]: [r["us"]] for r in chosen}
+    for i in range(times):
+        for r in (chosen if i % 2 else chosen[::-1]):
+            samples[r["method"]].append(clock.time(keep[r["method"]], calls))
+    for r in chosen:
+        r["us_samples"] = samples[r["method"]]
+        r["us"] = statistics.median(samples[r["method"]])
 
 
 def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -435,11 +481,17 @@ def _run_case(name, case, dtype, dtype_name, clock, args, hw_name, read_bw, resu
                            num_partitions=max(1, B * Hkv * N * 2 * D * dtype.itemsize >> 30))
     base = {"case": name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "N": N, "q_len": L, "cache": cache,
             "valid_len": valid, "dtype": dtype_name, "floor_us": floor_us, "rotation_sets": rot.count}
-    rows = [_optimized_row(base, "attnopt:planner", sets, case, ref, clock, args, hw_name, "1")]
+    keep: dict[str, Callable[[], Any]] = {}
+    planner = _optimized_row(base, "attnopt:planner", sets, case, ref, clock, args, hw_name, "1", keep=keep)
+    peers = _peer_rows(base, case, sets, ref, scale, clock, args, keep=keep)
+    # before the model's row, whose dynamo reset would make the planner's function compile again
+    _retime([planner] + peers, keep, clock, args.retime, len(sets))
+    keep.clear()
+    rows = [planner]
     if args.compare_model:
         # the eager inner backend: the same op and kernels replay in the graph, one inductor compile fewer per case
         rows.append(_optimized_row(base, "attnopt:model", sets, case, ref, clock, args, hw_name, "0", inner="eager"))
-    rows += _peer_rows(base, case, sets, ref, scale, clock, args)
+    rows += peers
     for r in rows:
         if r.get("us") and floor_us:
             r["frac_of_roofline"] = floor_us / r["us"]

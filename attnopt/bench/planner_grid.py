@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 Case = tuple[int, int, int, int, int, int, str]
 
@@ -124,16 +125,40 @@ def off_grid(count: int, seed: int) -> dict[str, Case]:
     return out
 
 
-def all_cases(grid: int, off: int, seed: int, named: tuple[str, ...] | None = None) -> dict[str, Case]:
-    """The named shapes and the corners (or only the cases ``named``, from those and ``E2E``), ``off`` off-grid
-    shapes, then ``grid`` Latin-hypercube ones: in that order, so that a run its time budget cuts short loses
-    sampled shapes, not a kind of shape."""
+#: A sampled case's name (``latin_hypercube``, ``off_grid``), which spells its shape; any prefix may stand first, so
+#: that a held-out shape can be named: ``x-B3-12/4-d96-N5000-q1-dynamic``.
+_SHAPE_NAME = re.compile(r"^[A-Za-z0-9_.]+-B(\d+)-(\d+)/(\d+)-d(\d+)-N(\d+)-q(\d+)-(fixed|dynamic|static|static-full)$")
+
+
+def case_of(name: str) -> Case:
+    """The case named ``name``: a named, corner or e2e case, or a name that spells its shape as the sampled ones do
+    (``PREFIX-B<b>-<Hq>/<Hkv>-d<D>-N<N>-q<L>-<cache>``). ``ValueError`` naming both otherwise."""
     known = {**NAMED, **CORNERS, **E2E}
+    if name in known:
+        return known[name]
+    m = _SHAPE_NAME.match(name)
+    if m is None or int(m.group(3)) == 0 or int(m.group(2)) % int(m.group(3)):
+        raise ValueError(f"unknown case {name!r}; known: {', '.join(known)}; or a shape spelled "
+                         "PREFIX-B<b>-<Hq>/<Hkv>-d<D>-N<N>-q<L>-<fixed|dynamic|static|static-full> "
+                         "(Hq a multiple of Hkv)")
+    b, hq, hkv, d, n, q = (int(m.group(i)) for i in range(1, 7))
+    return (b, hq, hkv, d, n, q, m.group(7))
+
+
+def all_cases(grid: int, off: int, seed: int, named: tuple[str, ...] | None = None) -> dict[str, Case]:
+    """The named shapes and the corners (or only the cases ``named``: named, corner, e2e or shape-spelling names,
+    ``case_of``), ``off`` off-grid shapes, then ``grid`` Latin-hypercube ones: in that order, so that a run its
+    time budget cuts short loses sampled shapes, not a kind of shape."""
     if named is not None:
-        unknown = [c for c in named if c not in known]
-        if unknown:
-            raise ValueError(f"unknown case(s) {unknown}; known: {', '.join(known)}")
-    picked = {c: known[c] for c in named} if named is not None else {**NAMED, **CORNERS}
+        bad = []
+        for c in named:
+            try:
+                case_of(c)
+            except ValueError as exc:
+                bad.append((c, exc))
+        if bad:
+            raise ValueError(f"unknown case(s) {[c for c, _ in bad]}: {bad[0][1]}")
+    picked = {c: case_of(c) for c in named} if named is not None else {**NAMED, **CORNERS}
     return {**picked, **off_grid(off, seed), **latin_hypercube(grid, seed)}
 
 

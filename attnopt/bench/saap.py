@@ -22,6 +22,11 @@ the MLP), ``selection_us`` (group softmax sums, top-l, work list), ``attention_u
 other kernel), ``kernels_per_call``; ``between_kernels_us``: ``us`` minus their sum, what the graph spends between
 kernels (negative where chained launches overlap); ``us_unchained``: the graph timing without programmatic dependent
 launch between the SAAP launches.
+
+``--saap-fuse`` (default ``both,none``) times the fused two-launch path (the plan's default: the scoring launch also
+selects, the attention launch also merges; its ``scoring_us`` then holds the selection and its ``attention_us`` the
+merge) beside the four-launch one (method ``attnopt:saap-unfused``), in the same run; ``select`` and ``merge`` fuse
+one of the two (methods ``...-fuse-select``, ``...-fuse-merge``).
 """
 from __future__ import annotations
 
@@ -55,6 +60,9 @@ def register(suites) -> None:
                    "(0 or empty: the planner's choice)")
     p.add_argument("--saap-block-n", default="", help="comma-separated keys per attention tile to time per SAAP row "
                    "(0 or empty: the planner's)")
+    p.add_argument("--saap-fuse", default="both,none", help="comma-separated, of: both (the fused two-launch path: "
+                   "scoring with the selection, attention with the merge; the plan's default), none (four launches, "
+                   "method suffix -unfused), select, merge (one of the two fused)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -65,6 +73,19 @@ def budget(target: float, n: int, clusters: int) -> tuple[int, int]:
     window = min(2047, int(0.25 * target * n))
     probes = max(1, round((target * n - SINK - window) / (n / clusters)))
     return window, min(probes, clusters)
+
+
+#: ``--saap-fuse`` choices -> (the plan's fused_select, fused_merge) and the method's suffix.
+FUSE_CHOICES = {"both": ((True, True), ""), "none": ((False, False), "-unfused"),
+                "select": ((True, False), "-fuse-select"), "merge": ((False, True), "-fuse-merge")}
+
+
+def fuse_choices(text: str) -> list[str]:
+    """The ``--saap-fuse`` list (keys of ``FUSE_CHOICES``, each once); ``ValueError`` naming them otherwise."""
+    items = [x.strip() for x in (text or "both").split(",") if x.strip()]
+    if not items or any(x not in FUSE_CHOICES for x in items):
+        raise ValueError(f"--saap-fuse takes a comma-separated list of {', '.join(FUSE_CHOICES)}; got {text!r}")
+    return list(dict.fromkeys(items))
 
 
 def saap_geometries(splits: str, block_n: str) -> tuple[list[int], list[int]]:
@@ -136,6 +157,7 @@ def run(args) -> dict[str, Any]:
         raise ValueError(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     targets = [float(t) for t in args.targets.split(",") if t.strip()]
     split_list, block_list = saap_geometries(getattr(args, "saap_splits", ""), getattr(args, "saap_block_n", ""))
+    fuse_list = fuse_choices(getattr(args, "saap_fuse", "both"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -210,14 +232,17 @@ def run(args) -> dict[str, Any]:
                 want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"],
                                            sets[0]["k"], sets[0]["v"], probes, scale)
                 sel = float(sel)
-                for splits, block_n in [(sp or proto.num_splits, bn or proto.block_n) for sp in split_list
-                                        for bn in block_list]:
+                for fuse, splits, block_n in [(f, sp or proto.num_splits, bn or proto.block_n) for f in fuse_list
+                                              for sp in split_list for bn in block_list]:
+                    (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
-                                      num_splits=splits, block_n=block_n) for layer in layers]
+                                      num_splits=splits, block_n=block_n, fused_select=fused_select,
+                                      fused_merge=fused_merge) for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
-                    row = timed(f"attnopt:{variant}", calls, want.float(),
+                    row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
-                                 "selectivity": sel, "read_bytes": sel * kv_bytes, "plan": plans[0].describe()})
+                                 "selectivity": sel, "read_bytes": sel * kv_bytes, "fuse": fuse,
+                                 "plan": plans[0].describe()})
                     if "us" in row:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
@@ -226,7 +251,7 @@ def run(args) -> dict[str, Any]:
                                 row["us_unchained"] = time_us(cycle(calls), "graph")
                         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
                             row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
-                        print(f"    splits {splits}, block_n {block_n}: " + ", ".join(
+                        print(f"    fuse {fuse}, splits {splits}, block_n {block_n}: " + ", ".join(
                             f"{k[:-3]} {row[k]:.1f}" for k in STAGES if k in row)
                             + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels; "
                             f"{row.get('between_kernels_us', float('nan')):.1f} µs of the graph's time between them; "
@@ -306,6 +331,7 @@ def run_cli(args) -> int:
     from .common import format_table, write_results
 
     saap_geometries(args.saap_splits, args.saap_block_n)  # bad values fail before any GPU work
+    fuse_choices(args.saap_fuse)
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)

@@ -183,8 +183,9 @@ def run(args) -> int:
             bar.update(task, description=f"{site.shape_str()}: {plan.kind}")
             return gpu_timer(plan, site)
         timer.release = gpu_timer.release  # the tuner frees the timer's input sets after each shape
-        # a masked site's valid length; host time without graphs; the candidates' compiles at once
-        for extra in ("valid_len_us", "host_us", "warm_up"):
+        # a masked site's valid length; host time without graphs; the candidates' compiles at once; a growing
+        # cache's cuDNN call at a new length
+        for extra in ("valid_len_us", "host_us", "warm_up", "fresh_length_us"):
             if hasattr(gpu_timer, extra):
                 setattr(timer, extra, getattr(gpu_timer, extra))
 

@@ -29,8 +29,8 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
     gdc_launch_dependents = gdc_wait = None
 
-from .common import _finish, _load_q, _row_coords, _softmax_update, _split_share, _store_rows, block_d_for, block_m_for, cdiv, \
-    dot_flags, pdl_supported, softmax_scale
+from .common import _arrive_and_merge, _finish_parts, _load_q, _row_coords, _softmax_update, _split_share, _store_lse, \
+    _store_rows, arrival_counters, cdiv, decode_geometry, dot_flags, pdl_supported, softmax_scale
 from .launch import KernelLauncher
 from .merge import merge_states
 from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_workspace
@@ -131,13 +131,19 @@ def _saap_kernel(
     end_ptr,  # (B,) int32 indexed_end: keys from here on (the window, later tokens) are always attended
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     o_ptr,  # (S, B, Hq, L, Dv) fp32 partial outputs
-    lse_ptr,  # (S, B, Hq, L) fp32 partial natural-log LSEs
+    lse_ptr,  # (2, S, B, Hq, L) fp32 partial row maxima (plane 0) and log l (plane 1), natural log
+    out_ptr,  # FUSED: the final (B, Hq, L, Dv) output the last split to arrive merges into (else unused)
+    lse_out_ptr,  # FUSED: the final (B, Hq, L) fp32 LSE (written when WRITE_LSE_OUT)
+    counter_ptr,  # FUSED: (B * HKV * NUM_M,) int32 arrival counters, zero before and after every launch
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides
     stride_kb, stride_kh, stride_kn, stride_kd,  # K strides
     stride_vb, stride_vh, stride_vn, stride_vd,  # V strides
     stride_pb, stride_ph, stride_pn,  # perm strides
     stride_os, stride_ob, stride_oh, stride_ol, stride_od,  # partial output strides
     stride_ls, stride_lb, stride_lh, stride_ll,  # partial LSE strides
+    stride_lpart,  # between the row-max and log-l planes of the partial LSEs
+    stride_fb, stride_fh, stride_fl, stride_fd,  # FUSED: final output strides
+    stride_gb, stride_gh, stride_gl,  # FUSED: final LSE strides
     sm_scale,  # softmax scale (natural units)
     N,  # keys in the K/V tensors
     L,  # query tokens per head
@@ -161,6 +167,10 @@ def _saap_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent of the selection: wait before reading its list
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the merge launch become resident now
+    FUSED: tl.constexpr = False,  # the last split to finish a tile merges the partials (no merge launch)
+    WRITE_LSE_OUT: tl.constexpr = False,  # FUSED: whether to store the final LSE
+    BLOCK_R: tl.constexpr = 16,  # FUSED: rows merged per tile
+    MERGE_P: tl.constexpr = 2,  # FUSED: partials loaded per merge step
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -230,10 +240,17 @@ def _saap_kernel(
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
                                              UPCAST, PRECISION, False)
-    o, lse = _finish(acc, m_i, l_i)
-    _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
+    o, m_part, log_l = _finish_parts(acc, m_i, l_i)  # m and log l kept apart for the merge (see _merge_step)
+    _store_rows(o, m_part, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
                 stride_lb, stride_lh, stride_ll, G, DV, True)
+    _store_lse(log_l, lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls, b, kvh, g, i, row_ok, stride_lb,
+               stride_lh, stride_ll, G)
+    if FUSED:  # the last split to arrive at the tile merges all NUM_SPLITS partials
+        _arrive_and_merge(counter_ptr, tile, NUM_SPLITS, o_ptr, lse_ptr, out_ptr, lse_out_ptr, mb, b, kvh, offs_dv,
+                          stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls, stride_lb, stride_lh,
+                          stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl, stride_fd, stride_gb, stride_gh,
+                          stride_gl, NUM_SPLITS, L, G, DV, BLOCK_M, BLOCK_R, MERGE_P, WRITE_LSE_OUT)
 
 
 _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
@@ -250,11 +267,13 @@ def window_split_count(num_splits: int, always_keys: float, cluster_keys: float)
 
 
 class SaapWorkspace(NamedTuple):
-    """Everything one call needs besides its inputs: the partial states of the splits and the selection's buffers."""
+    """Everything one call needs besides its inputs: the partial states of the splits, the fused merge's arrival
+    counters and the selection's buffers."""
 
     o: torch.Tensor  # (S, B, Hq, L, Dv) fp32 partial outputs
-    lse: torch.Tensor  # (S, B, Hq, L) fp32 partial LSEs
+    lse: torch.Tensor  # (2, S, B, Hq, L) fp32 partial row maxima and log l (natural log)
     select: SelectWorkspace
+    counters: torch.Tensor  # (B * Hkv * num_m,) int32 arrival counters of the fused merge, zeroed
 
     @property
     def num_splits(self) -> int:
@@ -267,15 +286,17 @@ def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, 
     ``hidden`` is the query MLP's width (0: centroid scoring)."""
     B, Hq, L, _ = q.shape
     f32 = dict(device=q.device, dtype=torch.float32)
+    geo = decode_geometry(q, v, v)  # v stands for k: the heads, the length and Dv are all the geometry reads
     return SaapWorkspace(torch.empty((num_splits, B, Hq, L, v.shape[-1]), **f32),
-                         torch.empty((num_splits, B, Hq, L), **f32),
-                         select_workspace(B, hkv, (Hq // hkv) * L, clusters, hidden, q.device))
+                         torch.empty((2, num_splits, B, Hq, L), **f32),
+                         select_workspace(B, hkv, (Hq // hkv) * L, clusters, hidden, q.device),
+                         arrival_counters(geo, q.device))
 
 
 def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
                        block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None,
-                       window_splits=None):
+                       window_splits=None, fused_select=False, fused_merge=False):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -294,14 +315,14 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     window_splits : splits that share the sink and the window (the rest share the clusters; see
         ``window_split_count``); None: by the keys the sink and window hold at N keys against ``probes`` clusters of
         average size.
+    fused_select : the scoring launch also selects (its last chunk program per head; one launch fewer).
+    fused_merge : the attention launch also merges (its last split per tile; one launch fewer). Each counts its
+        programs' arrivals in a counter that every launch leaves at zero; both: two launches (three with the MLP).
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    Dv = v.shape[-1]
+    geo = decode_geometry(q, k, v)
     C = offsets.shape[-1] - 1
-    G = Hq // Hkv
-    BLOCK_M = block_m_for(G * L)
-    num_m = cdiv(G * L, BLOCK_M)
     sm_scale = softmax_scale(scale, D)
     if workspace is None:
         workspace = saap_workspace(num_splits, q, v, Hkv, C, scorer.hidden if scorer is not None else 0)
@@ -313,19 +334,25 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         raise ValueError(f"saap_decode_kernel: window_splits must be in [0, {S}) for {S} splits; got {window_splits}")
     pdl = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
-                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl)
+                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl, fused=fused_select)
     upcast, precision = dot_flags(q.dtype)
     has_valid = valid_len is not None
     ws_o, ws_lse = workspace.o, workspace.lse
+    fused = bool(fused_merge) and S > 1
+    final_lse = lse if lse is not None else out
     _SAAP_LAUNCH(
-        (workspace.num_splits, B * Hkv * num_m), q, k, v, sel.incl, sel.shift, sel.total, perm, indexed_end,
-        valid_len if has_valid else indexed_end, ws_o, ws_lse,
-        *q.stride(), *k.stride(), *v.stride(), *perm.stride(), *ws_o.stride(), *ws_lse.stride(), sm_scale, N, L, G,
-        Hkv, num_m, int(sink), S, int(window_splits), D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_D=block_d_for(D), BLOCK_DV=block_d_for(Dv), BLOCK_C=sel.incl.shape[1],
+        (S, B * Hkv * geo.num_m), q, k, v, sel.incl, sel.shift, sel.total, perm, indexed_end,
+        valid_len if has_valid else indexed_end, ws_o, ws_lse, out, final_lse, workspace.counters,
+        *q.stride(), *k.stride(), *v.stride(), *perm.stride(), *ws_o.stride(), *ws_lse.stride()[1:],
+        ws_lse.stride(0), *out.stride(), *(lse.stride() if lse is not None else (0, 0, 0)), sm_scale, N, L, geo.G,
+        Hkv, geo.num_m, int(sink), S, int(window_splits), D=D, DV=geo.Dv, BLOCK_M=geo.block_m, BLOCK_N=block_n,
+        BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv, BLOCK_C=sel.incl.shape[1],
         FIRST_CHUNK=min(1024, sel.incl.shape[1]), HAS_VALID=has_valid,
-        UPCAST=upcast, PRECISION=precision, WAIT_PRIOR=pdl, LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
+        UPCAST=upcast, PRECISION=precision, WAIT_PRIOR=pdl, LAUNCH_DEPENDENTS=pdl and not fused, FUSED=fused,
+        WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r, MERGE_P=max(1, geo.merge_p // 2), num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
-    merge_states(ws_o, ws_lse, out=out, lse_out=lse if lse is not None else False, pdl=pdl)
+    if not fused:
+        merge_states(ws_o, ws_lse[0], out=out, lse_out=lse if lse is not None else False, pdl=pdl,
+                     log_l_parts=ws_lse[1])
     return out, lse

@@ -104,6 +104,8 @@ def _saap_rows_kernel(
     bn_ptr,  # HIDDEN: (4, Hkv, NOUT) fp32 BatchNorm mean, var, weight, bias
     out_ptr,  # (B, Hkv, M, NOUT) fp32 contiguous: hidden units or logits
     stat_ptr,  # logits: (B, Hkv, M, NCHUNK, 2) fp32 contiguous chunk row max and sum of exp(logit - max)
+    counter_ptr,  # SELECT: (B * Hkv,) int32 arrival counters, zero before and after every launch
+    offsets_ptr, end_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr,  # SELECT: as ``_saap_select_kernel``'s
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides (SRC_Q)
     scale,  # logits multiplier (the attention scale for centroid scoring, 1 for the MLP)
     eps,  # BatchNorm epsilon (HIDDEN)
@@ -114,6 +116,8 @@ def _saap_rows_kernel(
     K,  # inner dim: D (SRC_Q) or H
     NOUT,  # outputs per row: H (HIDDEN) or C
     NCHUNK,  # output chunks per row (the grid's second axis)
+    stride_fb, stride_fh, stride_fc,  # SELECT: offsets strides
+    PROBES, SINK, inv_heads,  # SELECT: as ``_saap_select_kernel``'s
     D: tl.constexpr,  # head dim (SRC_Q)
     BLOCK_R: tl.constexpr,  # padded rows (>= G * L, >= 16)
     BLOCK_O: tl.constexpr,  # outputs per program
@@ -126,6 +130,9 @@ def _saap_rows_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the grid before it first
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next launch (a programmatic dependent) become resident now
+    SELECT: tl.constexpr = False,  # logits: the last chunk of a head to arrive runs the selection (no own launch)
+    BLOCK_C: tl.constexpr = 16, BLOCK_CH: tl.constexpr = 2, ROWS: tl.constexpr = 1,  # SELECT: as the selection's
+    RADIX_BITS: tl.constexpr = 4, HAS_STATS: tl.constexpr = False,  # SELECT: as the selection's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -179,6 +186,111 @@ def _saap_rows_kernel(
         stat = stat_ptr + ((bh.to(tl.int64) * M + offs_r) * NCHUNK + chunk) * 2
         tl.store(stat, row_max, mask=offs_r < M)
         tl.store(stat + 1, row_sum, mask=offs_r < M)
+        if SELECT:  # the last of the head's NCHUNK programs to arrive has every logit: it selects
+            tl.debug_barrier()  # every thread's logits are stored before the release below
+            arrived = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if arrived == NCHUNK - 1:
+                _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
+                             stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
+                             inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False)
+                tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr,
+                 stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK, PROBES, SINK,
+                 inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
+                 RADIX_BITS: tl.constexpr, FROM_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr,
+                 HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr):
+    """The selection of one (batch row, KV head) ``bh``: see ``_saap_select_kernel`` for the arguments. The logits and
+    their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
+    launch."""
+    b = bh // HKV
+    kvh = bh % HKV
+    b64 = b.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    # the cluster sizes first: their loads overlap the scores' arithmetic
+    f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
+    c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    if WAIT_PRIOR:
+        gdc_wait()  # the offsets come from the prefill; the logits from the scoring launch, complete from here on
+    if FROM_LOGITS:
+        offs_ch = tl.arange(0, BLOCK_CH)
+        score = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for m0 in range(0, M, ROWS):  # ROWS rows at a time: their loads are in flight together
+            offs_m = m0 + tl.arange(0, ROWS)
+            m_ok = offs_m < M
+            row = bh.to(tl.int64) * M + offs_m
+            stat = stat_ptr + (row[:, None] * NCHUNK + offs_ch[None, :]) * 2
+            s_ok = m_ok[:, None] & (offs_ch[None, :] < NCHUNK)
+            cmax = tl.load(stat, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+            csum = tl.load(stat + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+            mx = tl.where(m_ok, tl.max(cmax, axis=1), 0.0)
+            lse = mx + tl.log(tl.where(m_ok, tl.sum(csum * tl.exp(cmax - mx[:, None]), axis=1), 1.0))
+            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                            other=float("-inf"), cache_modifier=".cg")
+            score += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
+    else:
+        score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,
+                        mask=c_ok, other=0.0)
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
+    # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
+    # flipped), then the largest threshold with at least PROBES keys at or above it, RADIX_BITS per round: one
+    # histogram of the keys' next digit (keys whose higher bits already differ from the threshold's go to two
+    # extra bins) gives the count at or above every candidate digit at once. Padding is key 0, below every float
+    # but NaN: it never reaches the threshold, which is above -inf's key.
+    bits = score.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+    key = tl.where(c_ok, key, 0)
+    NB: tl.constexpr = 1 << RADIX_BITS
+    bins = tl.arange(0, 2 * NB)
+    thr = tl.zeros([1], dtype=tl.uint32).sum(axis=0)
+    # Early exit: once the keys at or above the threshold so far number exactly PROBES, the remaining rounds would
+    # only raise it to the least of those keys, which selects the same set; typical scores settle in 2 or 3 rounds
+    # of 8, and a round is a chain of reductions on one SM.
+    open_rounds = tl.zeros([1], dtype=tl.int32).sum(axis=0) + 1
+    for rnd in tl.static_range(32 // RADIX_BITS):
+        if open_rounds != 0:
+            shift = 32 - RADIX_BITS * (rnd + 1)
+            digit = ((key >> shift) & (NB - 1)).to(tl.int32)
+            if rnd > 0:  # keys whose higher bits are above the threshold's so far count in bin NB, below in NB + 1
+                higher = key >> (shift + RADIX_BITS)
+                prefix = thr >> (shift + RADIX_BITS)
+                digit = tl.where(higher == prefix, digit, tl.where(higher > prefix, NB, NB + 1))
+            hist = tl.histogram(digit, 2 * NB)
+            above = tl.sum(tl.where(bins == NB, hist, 0), axis=0)
+            same = tl.where(bins < NB, hist, 0)
+            at_least = above + tl.sum(same, axis=0) - tl.cumsum(same, 0) + same  # keys >= thr + (bin << shift)
+            # the largest digit with at least PROBES keys at or above it, and that count, in one reduction:
+            # (count, digit) packed so that the least packed value is the least count at the largest digit
+            packed = tl.min(tl.where((bins < NB) & (at_least >= PROBES), at_least * (2 * NB) + (2 * NB - 1 - bins),
+                                     2147483647), axis=0)
+            thr = thr + ((2 * NB - 1 - packed % (2 * NB)).to(tl.uint32) << shift)
+            open_rounds = (packed // (2 * NB) != PROBES).to(tl.int32)
+    chosen = c_ok & (key >= thr)
+    size = c_end - c_start
+    picked = chosen & (size > 0)
+    size = tl.where(picked, size, 0)
+    incl = tl.cumsum(size, 0)
+    slot = tl.cumsum(picked.to(tl.int32), 0) - 1
+    n_picked = tl.sum(picked.to(tl.int32), axis=0)
+    total = tl.sum(size, axis=0)
+    out = bh.to(tl.int64) * BLOCK_C
+    tl.store(incl_ptr + out + slot, incl, mask=picked)
+    tl.store(shift_ptr + out + slot, c_start - (incl - size), mask=picked)
+    tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
+    tl.store(total_ptr + bh, total)
+    if HAS_STATS:
+        kv_len = N
+        if HAS_VALID:
+            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
+        attended = SINK + total + tl.maximum(kv_len - tl.load(end_ptr + b), 0)
+        share = attended.to(tl.float64) / tl.maximum(kv_len, 1).to(tl.float64) * inv_heads
+        tl.atomic_add(stats_ptr, share)
+        tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
 
 
 @triton.jit
@@ -214,83 +326,10 @@ def _saap_select_kernel(
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
-    bh = tl.program_id(0)
-    b = bh // HKV
-    kvh = bh % HKV
-    b64 = b.to(tl.int64)
-    kvh64 = kvh.to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
-    # the cluster sizes first: their loads overlap the scores' arithmetic
-    f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
-    c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
-    c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
-    if WAIT_PRIOR:
-        gdc_wait()  # the offsets come from the prefill; the logits from the scoring launch, complete from here on
-    if FROM_LOGITS:
-        offs_ch = tl.arange(0, BLOCK_CH)
-        score = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for m0 in range(0, M, ROWS):  # ROWS rows at a time: their loads are in flight together
-            offs_m = m0 + tl.arange(0, ROWS)
-            m_ok = offs_m < M
-            row = bh.to(tl.int64) * M + offs_m
-            stat = stat_ptr + (row[:, None] * NCHUNK + offs_ch[None, :]) * 2
-            s_ok = m_ok[:, None] & (offs_ch[None, :] < NCHUNK)
-            cmax = tl.load(stat, mask=s_ok, other=float("-inf"))
-            csum = tl.load(stat + 1, mask=s_ok, other=0.0)
-            mx = tl.where(m_ok, tl.max(cmax, axis=1), 0.0)
-            lse = mx + tl.log(tl.where(m_ok, tl.sum(csum * tl.exp(cmax - mx[:, None]), axis=1), 1.0))
-            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                            other=float("-inf"))
-            score += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
-    else:
-        score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,
-                        mask=c_ok, other=0.0)
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
-    # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
-    # flipped), then the largest threshold with at least PROBES keys at or above it, RADIX_BITS per round: one
-    # histogram of the keys' next digit (keys whose higher bits already differ from the threshold's go to two
-    # extra bins) gives the count at or above every candidate digit at once. Padding is key 0, below every float
-    # but NaN: it never reaches the threshold, which is above -inf's key.
-    bits = score.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
-    key = tl.where(c_ok, key, 0)
-    NB: tl.constexpr = 1 << RADIX_BITS
-    bins = tl.arange(0, 2 * NB)
-    thr = tl.zeros([1], dtype=tl.uint32).sum(axis=0)
-    for rnd in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (rnd + 1)
-        digit = ((key >> shift) & (NB - 1)).to(tl.int32)
-        if rnd > 0:  # keys whose higher bits are above the threshold's so far count in bin NB, below in NB + 1
-            higher = key >> (shift + RADIX_BITS)
-            prefix = thr >> (shift + RADIX_BITS)
-            digit = tl.where(higher == prefix, digit, tl.where(higher > prefix, NB, NB + 1))
-        hist = tl.histogram(digit, 2 * NB)
-        above = tl.sum(tl.where(bins == NB, hist, 0), axis=0)
-        same = tl.where(bins < NB, hist, 0)
-        at_least = above + tl.sum(same, axis=0) - tl.cumsum(same, 0) + same  # keys >= thr + (bin << shift)
-        thr = thr + (tl.max(tl.where((bins < NB) & (at_least >= PROBES), bins, 0), axis=0).to(tl.uint32) << shift)
-    chosen = c_ok & (key >= thr)
-    size = c_end - c_start
-    picked = chosen & (size > 0)
-    size = tl.where(picked, size, 0)
-    incl = tl.cumsum(size, 0)
-    slot = tl.cumsum(picked.to(tl.int32), 0) - 1
-    n_picked = tl.sum(picked.to(tl.int32), axis=0)
-    total = tl.sum(size, axis=0)
-    out = bh.to(tl.int64) * BLOCK_C
-    tl.store(incl_ptr + out + slot, incl, mask=picked)
-    tl.store(shift_ptr + out + slot, c_start - (incl - size), mask=picked)
-    tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
-    tl.store(total_ptr + bh, total)
-    if HAS_STATS:
-        kv_len = N
-        if HAS_VALID:
-            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
-        attended = SINK + total + tl.maximum(kv_len - tl.load(end_ptr + b), 0)
-        share = attended.to(tl.float64) / tl.maximum(kv_len, 1).to(tl.float64) * inv_heads
-        tl.atomic_add(stats_ptr, share)
-        tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
+    _select_head(tl.program_id(0), score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
+                 stats_ptr, stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK,
+                 PROBES, SINK, inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, FROM_LOGITS, HAS_VALID, HAS_STATS,
+                 WAIT_PRIOR)
 
 
 _ROWS_LAUNCH = KernelLauncher(_saap_rows_kernel)
@@ -316,6 +355,15 @@ def select_warps(block_c: int) -> int:
     return max(4, min(16, block_c // 128))
 
 
+def fused_select_warps(block_c: int) -> int:
+    """Warps of the fused scoring-and-selection launch: its last program per head selects, so as many as the
+    selection's own launch takes (``select_warps``), but at most 8. Every chunk program of the scoring has them:
+    compiled for sm_90 at 2048 clusters, 16 warps take 128 registers a thread, the whole register file of an SM, so
+    the 256 programs of llama3-8b's 8 heads would run in two waves on an H100; 8 warps (128 registers) fit two
+    programs an SM, one wave."""
+    return min(8, select_warps(block_c))
+
+
 def block_rows_for(rows: int) -> int:
     """Padded query rows of the scoring product (a power of two >= 16, for ``tl.dot``)."""
     return max(16, next_pow2(rows))
@@ -330,6 +378,7 @@ class SelectWorkspace(NamedTuple):
     incl: torch.Tensor  # (B * Hkv, BLOCK_C) int32
     shift: torch.Tensor  # (B * Hkv, BLOCK_C) int32
     total: torch.Tensor  # (B * Hkv,) int32
+    counters: torch.Tensor  # (B * Hkv,) int32 arrival counters of the fused scoring and selection, zeroed
 
 
 def _logit_block(hidden: int) -> int:
@@ -347,13 +396,13 @@ def select_workspace(batch: int, hkv: int, rows: int, clusters: int, hidden: int
                            torch.empty((batch, hkv, rows, hidden), **f32) if hidden else None,
                            torch.empty((batch * hkv, block_c_for(clusters)), **i32),
                            torch.empty((batch * hkv, block_c_for(clusters)), **i32),
-                           torch.empty((batch * hkv,), **i32))
+                           torch.empty((batch * hkv,), **i32), torch.zeros((batch * hkv,), **i32))
 
 
 def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: int, scale: float, n_keys: int,
                 sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                pdl: bool = False) -> SelectWorkspace:
+                pdl: bool = False, fused: bool = False) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -366,6 +415,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     pdl : chain the launches by programmatic dependent launch (each next one becomes resident while the one before
         runs, and waits for it before reading); the selection then lets the launch after it do the same. Only where
         ``common.pdl_supported``.
+    fused : with a ``scorer``, the logits launch also selects (the last of a head's chunk programs to finish runs
+        the selection, counted by ``workspace.counters``): one launch fewer, the same work list.
     """
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
@@ -378,8 +429,17 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     valid = valid_len if has_valid else indexed_end
     ws = workspace
     nchunk = ws.chunk_stats.shape[3]
+    has_stats = stats is not None
+    block_c = ws.incl.shape[1]
+    # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
+    select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
+    select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(nchunk)),
+                         ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix_bits(block_c),
+                         HAS_STATS=has_stats)
+    inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
+    fused = bool(fused) and scores is None
     if scores is None:
         if scorer is None:
             raise ValueError("saap_select needs a scorer or scores")
@@ -395,35 +455,40 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
         precision = "ieee" if interpreting() else "tf32x3"
         common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, PRECISION=precision,
-                      LAUNCH_DEPENDENTS=pdl, num_warps=4)
+                      LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
+        # the selection's pointers (after the scoring's) and scalars (after the scoring's), or placeholders
+        no_select = ((ws.counters,) * 7, (0, 0, 0, probes, int(sink), inv_heads))
+        with_select = ((ws.counters, *select_args), (*offsets.stride(), probes, int(sink), inv_heads))
+        sel_ptrs, sel_scalars = with_select if fused else no_select
+        logits_select = dict(SELECT=True, num_warps=fused_select_warps(block_c), **select_consts) if fused else dict(
+            num_warps=4)
         if scorer.mlp is None:
             _ROWS_LAUNCH((B * Hkv, nchunk), q, inv_freq, valid, scorer.centroids, scorer.centroids,
-                         scorer.centroids, ws.logits, ws.chunk_stats, *q.stride(), float(scale), 0.0, N, L, G, Hkv,
-                         D, C, nchunk, BLOCK_O=BLOCK_LOGITS_Q, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True,
-                         DEROPE=derope, HIDDEN=False, HAS_BIAS=False, WAIT_PRIOR=False, **common)
+                         scorer.centroids, ws.logits, ws.chunk_stats, *sel_ptrs, *q.stride(), float(scale), 0.0, N, L,
+                         G, Hkv, D, C, nchunk, *sel_scalars, BLOCK_O=BLOCK_LOGITS_Q,
+                         BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope, HIDDEN=False, HAS_BIAS=False,
+                         WAIT_PRIOR=False, **common, **logits_select)
         else:
             w1, b1, bn, w2, b2 = scorer.mlp
             H = w1.shape[1]
             _ROWS_LAUNCH((B * Hkv, cdiv(H, BLOCK_HIDDEN)), q, inv_freq, valid, w1, b1, bn, ws.hidden,
-                         ws.chunk_stats, *q.stride(), 1.0, float(scorer.bn_eps), N, L, G, Hkv, D, H, 1,
+                         ws.chunk_stats, *no_select[0], *q.stride(), 1.0, float(scorer.bn_eps), N, L, G, Hkv, D, H, 1,
+                         *no_select[1],
                          BLOCK_O=BLOCK_HIDDEN, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope,
-                         HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, **common)
+                         HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, num_warps=4, **common)
             _ROWS_LAUNCH((B * Hkv, nchunk), ws.hidden, inv_freq, valid, w2, b2, bn, ws.logits, ws.chunk_stats,
-                         0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, BLOCK_O=BLOCK_LOGITS_H,
-                         BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False, HAS_BIAS=True, **common,
-                         **dependent)
+                         *sel_ptrs, 0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, *sel_scalars,
+                         BLOCK_O=BLOCK_LOGITS_H, BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False,
+                         HAS_BIAS=True, **common, **dependent, **logits_select)
+        if fused:
+            return ws
         score_src, sstrides = ws.logits, (0, 0, 0)
     else:
         score_src, sstrides = scores, scores.stride()
-    has_stats = stats is not None
     chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
-    _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, ws.incl, ws.shift, ws.total,
-                   stats if has_stats else ws.chunk_stats, *sstrides, *offsets.stride(), N, Hkv, M, C, nchunk,
-                   probes, int(sink), 1.0 / (B * Hkv), BLOCK_C=ws.incl.shape[1], BLOCK_CH=max(2, next_pow2(nchunk)),
-                   ROWS=max(1, min(next_pow2(M), 8192 // ws.incl.shape[1])),
-                   RADIX_BITS=radix_bits(ws.incl.shape[1]),
-                   FROM_LOGITS=scores is None, HAS_VALID=has_valid, HAS_STATS=has_stats, WAIT_PRIOR=chained,
-                   LAUNCH_DEPENDENTS=pdl, num_warps=select_warps(ws.incl.shape[1]),
-                   **({"launch_pdl": True} if chained else {}))
+    _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, *select_args[2:], *sstrides,
+                   *offsets.stride(), N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,
+                   HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl, num_warps=select_warps(block_c),
+                   **select_consts, **({"launch_pdl": True} if chained else {}))
     return ws

@@ -16,8 +16,8 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = None
 
-from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _split_share,
-                     _store_rows, arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported,
+from .common import (_arrive_and_merge, _attend, _finish_parts, _load_q, _row_coords, _split_share, _store_rows,
+                     arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported,
                      softmax_scale)
 from .launch import KernelLauncher
 from .merge import merge_states
@@ -132,38 +132,11 @@ def _split_kv_kernel(
         ll_ptrs = (lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
                    + (kvh * G + g).to(tl.int64) * stride_lh + i.to(tl.int64) * stride_ll)
         tl.store(ll_ptrs, log_l, mask=row_ok)
-    if FUSED:
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            # last split to arrive: merge all NUM_SPLITS partials of this tile (int32 offsets: the workspace
-            # is small), over the tile's real rows only
-            tl.debug_barrier()
-            r, gc, ic, ok_c = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
-            hc = kvh * G + gc
-            o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
-            l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
-            offs_p = tl.arange(0, MERGE_P)
-            mm = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-            den = tl.zeros([BLOCK_R], dtype=tl.float32)
-            acc2 = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-            for s0 in range(0, NUM_SPLITS, MERGE_P):
-                sp = s0 + offs_p
-                sp_ok = sp < NUM_SPLITS
-                pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=sp_ok[:, None] & ok_c[None, :],
-                             other=float("-inf"), cache_modifier=".cg")
-                pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :],
-                              mask=sp_ok[:, None] & ok_c[None, :], other=float("-inf"),
-                              cache_modifier=".cg")
-                po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None]
-                             + offs_dv[None, None, :] * stride_od,
-                             mask=sp_ok[:, None, None] & ok_c[None, :, None] & (offs_dv[None, None, :] < DV),
-                             other=0.0, cache_modifier=".cg")
-                mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
-            o2, lse2 = _finish(acc2, mm, den)
-            _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh,
-                        stride_fl, stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
-            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    if FUSED:  # the last split to arrive at the tile merges all NUM_SPLITS partials
+        _arrive_and_merge(counter_ptr, tile, NUM_SPLITS, o_ptr, lse_ptr, out_ptr, lse_out_ptr, mb, b, kvh, offs_dv,
+                          stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls, stride_lb, stride_lh,
+                          stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl, stride_fd, stride_gb, stride_gh,
+                          stride_gl, NUM_SPLITS, L, G, DV, BLOCK_M, BLOCK_R, MERGE_P, WRITE_LSE_OUT)
 
 
 _SPLIT_KV_LAUNCH = KernelLauncher(_split_kv_kernel)

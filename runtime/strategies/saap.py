@@ -6,7 +6,9 @@ which fills ``PlanContext.extras["saap"]``), and only at the layers the index co
 run time the op finds the loaded index and the live sequence's clusters in ``runtime.saap.registry``, where a
 ``saap_cache`` built them at prefill. On CUDA (or the interpreter) a call is four launches (five with the query
 MLP): the scoring (de-roping, centroid or MLP logits), the selection (group softmax sums, top-l threshold, the work
-list, the selectivity counter), the attention over sink + window + chosen clusters, and the merge. On the CPU the
+list, the selectivity counter), the attention over sink + window + chosen clusters, and the merge; by default
+(``fused_select``, ``fused_merge``) two launches (three with the MLP): the scoring launch's last program per head
+selects, the attention launch's last split per tile merges. On the CPU the
 pure-PyTorch reference does the same with ``torch.topk``. Each call adds its selectivity to a device-side counter
 that the plan table reads.
 """
@@ -31,7 +33,8 @@ _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
 #: kernel holds 114 registers per thread at 32 keys a tile but 255 at 64, and its gathered reads are latency-bound, so
 #: the 4 programs per SM that PROGRAMS_PER_SM aims at are resident at once only at 32 (at 64 only 2 are: two waves).
 BLOCK_N = 32
-#: Kernel launches per call besides the attention: scoring, selection, the merge (one more with the query MLP).
+#: Kernel launches per call besides the attention: scoring, selection, the merge (one more with the query MLP; one
+#: fewer each with the plan's ``fused_select`` and ``fused_merge``).
 EXTRA_LAUNCHES = 3
 #: Attention programs per SM that the split count aims at: the tiles' gathered loads are latency-bound, so
 #: several resident programs per SM keep more of them in flight.
@@ -105,7 +108,7 @@ class Saap(Strategy[SaapPlan]):
         layer = index.layers.get(plan.layer) or next(iter(index.layers.values()))
         weights = [layer.centroids] if layer.mlp is None else [layer.mlp["w1"], layer.mlp["w2"]]
         nbytes += sum(w.numel() for w in weights) * 4
-        launches = 1 + EXTRA_LAUNCHES + (layer.mlp is not None)
+        launches = 1 + EXTRA_LAUNCHES + (layer.mlp is not None) - plan.fused_select - plan.fused_merge
         return nbytes / (hw.hbm_read_gbps * 1e3) + launches * hw.launch_us
 
     def prepare(self, plan: SaapPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
@@ -150,7 +153,8 @@ class Saap(Strategy[SaapPlan]):
             saap_decode_kernel(q, k, v, clusters_state.offsets, clusters_state.perm, clusters_state.ends, out,
                                probes=plan.probes, sink=plan.sink, scale=scale, scorer=scorer,
                                valid_len=valid_len, stats=state.stats, block_n=plan.block_n,
-                               workspace=state.workspace, window_splits=window_split_count(
+                               workspace=state.workspace, fused_select=plan.fused_select,
+                               fused_merge=plan.fused_merge, window_splits=window_split_count(
                                    plan.num_splits, plan.sink + plan.window,
                                    plan.probes * clusters_state.perm.shape[-1] / clusters_state.num_clusters))
             return out

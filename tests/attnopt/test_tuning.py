@@ -532,3 +532,8 @@ def test_tune_cli_runs_its_shapes_through_the_tuner(monkeypatch, capsys, cache):
     assert all(r["measured_us"] == 3.0 and r["plan"].startswith("dense") for r in data["rows"])
     assert main(["tune", "smollm2", "--context", "8k", "--json"]) == 0  # a second run finds them cached
     assert json.loads(capsys.readouterr().out)["rows"][0]["choice"] == "cached"
+    probed = []
+    Stand.fresh_length_us = lambda self, plan, site: probed.append(plan.backend) or (50.0, 40.0)
+    assert main(["tune", "smollm2", "--symbolic", "--json"]) == 0  # a growing cache: cuDNN probed at new lengths
+    capsys.readouterr()
+    assert probed == ["cudnn"]

@@ -141,23 +141,54 @@ def test_a_bucket_is_timed_at_its_geometric_middle():
 
 
 def test_buckets_are_tuned_from_the_hint_outwards_within_one_shared_budget(cache, monkeypatch):
-    """Each timing costs 1 s of a fake clock and the budget is 4 s a shape, 12 s for all buckets: the hint's bucket
-    (8k) and its neighbours get every candidate, the farthest only the model's pick and the first SDPA backend."""
+    """Each timing costs 1 s of a fake clock, the budget is 4 s of timing a shape (five timings start within it), 12 s
+    of compiling for all buckets: the hint's bucket (8k) and its neighbours warm every candidate; the buckets that
+    start later compile nothing new: they time
+    the model's pick, the SDPA backends and the candidates whose kernels (``compile_key``) an earlier bucket
+    compiled, and leave the others out (not even "skipped")."""
     now = [0.0]
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: now[0])
     site = dataclasses.replace(AttentionSite.canonical(), kv_len=None, kv_len_hint=6000)
     timer = Clocked(lambda p, s: 5.0 if p.kind == "dense" else 9.0, now, cost_s=1.0)
     tuner = Tuner(timer, cache, env=ENV, budget_s=4.0)
-    choice = tuner.choose_bucketed(site, _ranked)
+    started: dict[int, float] = {}
+
+    def rank(at):
+        started.setdefault(at.kv_len, now[0])
+        return _ranked(at)
+    choice = tuner.choose_bucketed(site, rank)
     order = list(dict.fromkeys(n for _, n in timer.calls))
     hint = tuning.BUCKETS.index(8192)
     expect = sorted(range(len(tuning.BUCKETS)), key=lambda i: (abs(i - hint), i))
     assert order == [tuning.bucket_length(tuning.BUCKETS[i]) for i in expect]
-    per_bucket = {n: sum(1 for _, m in timer.calls if m == n) for n in order}
-    assert per_bucket[order[0]] >= 5 and per_bucket[order[-1]] == 2  # skipped: budget spent, the pair still timed
-    assert now[0] <= tuning.BUCKETED_BUDGET_FACTOR * 4.0 + 2 * len(tuning.BUCKETS)
+    compiled: set[str] = set()
+    left_out = 0
+    for n in order:
+        plans = tuning.to_time(_ranked(dataclasses.replace(site, kv_len=n, kv_len_hint=None)), tuning.DEFAULT_TOP_K)
+        timed = {k for k, m in timer.calls if m == n}
+        if started[n] <= tuning.BUCKETED_BUDGET_FACTOR * 4.0:  # all warmed; the 4 s budget times the first five
+            warmed = plans
+            assert timed == {p.runtime_key() for p in plans[:5]}
+        else:
+            warmed = [p for i, p in enumerate(plans) if i < 2 or p.kind == "dense" or tuning.compile_key(p) in compiled]
+            assert timed == {p.runtime_key() for p in warmed[:5]}
+            left_out += len(plans) - len(warmed)
+        compiled |= {tuning.compile_key(p) for p in warmed}
+    assert left_out > 0 and started[order[-1]] > tuning.BUCKETED_BUDGET_FACTOR * 4.0
     assert choice.choice == "measured" and choice.measured_us == 5.0  # dense was faster in every bucket
     assert choice.plan.kind == "dense"
+
+
+def test_compile_keys_ignore_the_grid_but_not_what_triton_specializes():
+    """Split counts apart from 1 and multiples of 16 share kernels; block size, warps, stages, TMA do not."""
+    def key(**kw):
+        return tuning.compile_key(SplitKVPlan(**{"num_splits": 5, "block_n": 64, **kw}))
+    assert key(num_splits=5) == key(num_splits=7) != key(num_splits=1)
+    assert key(num_splits=16) == key(num_splits=32) != key(num_splits=5)
+    assert len({key(), key(block_n=128), key(num_warps=8), key(num_stages=3), key(tma=True)}) == 5
+    from attnopt.plan import StreamKPlan
+
+    assert tuning.compile_key(StreamKPlan(grid=132)) == tuning.compile_key(StreamKPlan(grid=264))
 
 
 def test_the_planner_shares_one_tuner_per_process(monkeypatch, tmp_path):
@@ -265,13 +296,39 @@ def test_a_near_tie_in_a_bucket_is_decided_at_its_ends(cache):
 def test_no_tie_no_ends_and_the_faster_keeps_a_tie_that_holds(cache):
     site = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
     span = tuning.bucket_span(4096)
-    clear = Clocked(_two_close(site, lambda n: 10.0, lambda n: 10.5))  # 5 % apart: no tie
+    clear = Clocked(_two_close(site, lambda n: 10.0, lambda n: 11.0))  # 10 % apart: no tie, cuDNN beyond PEER_SPAN
     Tuner(clear, cache, env=ENV).choose(site, _ranked(site), bucketed=True, span=span)
-    assert {n for _, n in clear.calls} == {2880}
+    assert {n for _, n in clear.calls} == {2880} and tuning.PEER_SPAN < 0.1
     site2 = dataclasses.replace(site, batch=2)  # another shape: not cached
     steady = Clocked(_two_close(site2, lambda n: 10.0, lambda n: 10.2))  # a tie, the same at both ends
     choice = Tuner(steady, cache, env=ENV).choose(site2, _ranked(site2), bucketed=True, span=span)
     assert {n for _, n in steady.calls} == {2880, 2112, 4096} and choice.plan.kind != "dense"
+
+
+def test_a_kernel_winner_is_judged_against_a_close_dense_plan_at_the_bucket_ends(cache):
+    """5 % apart at the middle is no near tie of two kernel plans, but cuDNN (within PEER_SPAN) is timed with the
+    kernel winner at the bucket's ends: 10 % faster at the short end, it wins the worst ratio (1.05 vs 1.11)."""
+    site = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
+    span = tuning.bucket_span(4096)
+    timer = Clocked(_two_close(site, lambda n: 10.0, lambda n: {2880: 10.5, 2112: 9.0, 4096: 10.5}[n]))
+    choice = Tuner(timer, cache, env=ENV).choose(site, _ranked(site), bucketed=True, span=span)
+    assert choice.plan.kind == "dense" and choice.plan.backend == "cudnn"
+    assert sorted(n for _, n in timer.calls if n != 2880) == [2112, 2112, 4096, 4096]
+
+
+def test_a_kernel_plan_must_beat_the_peer_by_the_margin(cache):
+    """A fixed shape: a kernel plan 0.5 % ahead of cuDNN is within the timing noise, so cuDNN (the peer's own kernel)
+    is kept; 3 % ahead, the kernel plan wins. In a bucket the same margin weighs the worst ratios."""
+    site = AttentionSite.canonical(kv_len=4000)
+    narrow = Tuner(Clocked(_two_close(site, lambda n: 10.0, lambda n: 10.05)), cache, env=ENV)
+    assert narrow.choose(site, _ranked(site)).plan.backend == "cudnn"
+    site2 = dataclasses.replace(site, batch=2)
+    clear = Tuner(Clocked(_two_close(site2, lambda n: 10.0, lambda n: 10.3)), cache, env=ENV)
+    assert clear.choose(site2, _ranked(site2)).plan.kind != "dense"
+    site3 = AttentionSite.canonical(kv_len=tuning.bucket_length(4096))
+    same = Clocked(_two_close(site3, lambda n: 10.0, lambda n: 10.05))  # 0.5 % at every length
+    choice = Tuner(same, cache, env=ENV).choose(site3, _ranked(site3), bucketed=True, span=tuning.bucket_span(4096))
+    assert choice.plan.backend == "cudnn" and tuning.PEER_MARGIN == 0.01
 
 
 def test_buckets_pass_their_span():
@@ -362,3 +419,117 @@ def test_a_short_static_cache_is_never_timed_past_its_length(cache):
     timer = Clocked(lambda p, s: 10.0)
     Tuner(timer, cache, env=ENV).choose(site, _ranked(site))
     assert {n for _, n in timer.calls} == {48}
+
+
+def test_a_dense_static_winner_is_judged_against_several_readers_at_a_low_fill(cache):
+    """4k of a 32k cache: cuDNN is fastest full, two kernel plans within STATIC_DENSE_TIE of it; the one slower full
+    but faster over an eighth of the keys (more splits) wins the worst ratio. A reader beyond the margin is not
+    timed again."""
+    site = dataclasses.replace(SMOL_1K, q_heads=32, kv_heads=8, head_dim=128, kv_len=32768)
+    ranked = _ranked(site)
+    kernels = [p.runtime_key() for p in tuning.to_time(ranked, tuning.DEFAULT_TOP_K) if p.kind != "dense"]
+    few, many, far = kernels[:3]
+    full = {few: 59.0, many: 62.0, far: 80.0}
+    low = {few: 17.0, many: 9.0, far: 5.0}
+
+    def rule(p, s):
+        if getattr(p, "backend", "") == "cudnn":
+            return 58.0
+        k = p.runtime_key()
+        return (full if s.kv_len == 32768 else low).get(k, 200.0)
+    timer = Clocked(rule)
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=32)
+    assert choice.plan.runtime_key() == many and choice.measured_us == 62.0
+    assert sorted(k for k, n in timer.calls if n != 32768) == sorted([few, many])
+
+
+def test_the_timed_call_returns_the_layout_the_op_returns(monkeypatch):
+    """SDPA flash/cuDNN hand back a transposed view at q_len > 1 and the op copies it into the contiguous layout its
+    fake declares: the timer's call pays that copy too, so a dense plan is not timed cheaper than it runs."""
+    from attnopt.plan import DensePlan
+    from attnopt.runtime.strategies import dense
+
+    real = dense._sdpa
+    monkeypatch.setattr(dense, "_sdpa", lambda *a, **kw: real(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=40, q_len=4, dtype="float32")
+    s = T.synthetic_inputs(site, 0, device="cpu")
+    out = T.site_call(DensePlan(), site, s)()
+    assert out.is_contiguous() and out.shape == (1, 4, 4, 64)
+    raw = dense._sdpa(DensePlan(), False, s["q"], s["k"], s["v"], None, site.head_dim ** -0.5, False)
+    assert not raw.is_contiguous()
+    torch.testing.assert_close(out, raw)
+
+
+def test_a_static_reader_is_not_traded_for_the_peer_within_the_margin(cache):
+    """Without CUDA graphs no low fill is timed; a kernel plan 0.5 % ahead of cuDNN full still wins a static cache,
+    where it reads only the valid keys (the margin that keeps the peer elsewhere does not apply)."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    kernel = ranked[0].runtime_key()
+
+    class Eager(Clocked):
+        def host_us(self, plan, site):
+            return 0.0
+    timer = Eager(lambda p, s: 10.0 if p.runtime_key() == kernel else (10.05 if getattr(p, "backend", "") == "cudnn"
+                                                                       else 30.0))
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30, graphed=False)
+    assert choice.plan.runtime_key() == kernel
+
+
+@pytest.mark.parametrize("fresh_us, cudnn_wins", [(60.0, True), (5000.0, False)])
+def test_a_growing_cache_charges_cudnn_what_a_new_length_costs(cache, fresh_us, cudnn_wins):
+    """A symbolic length runs a new length every step. cuDNN is fastest replayed at one length; where its call at a
+    new length costs far more than at a known one (a graph build per shape), that difference is charged to it in
+    every bucket and a kernel plan wins; where it does not (host noise under FRESH_LENGTH_SLACK_US), cuDNN keeps its
+    lead. The probe runs once per site, not per bucket, and never for a fixed length."""
+    class Probed(Clocked):
+        probes = 0
+
+        def fresh_length_us(self, plan, site):
+            assert plan.kind == "dense" and plan.backend == "cudnn"
+            self.probes += 1
+            return fresh_us, 40.0
+
+    site = dataclasses.replace(AttentionSite.canonical(), kv_len=None, kv_len_hint=6000)
+    timer = Probed(lambda p, s: 50.0 if getattr(p, "backend", "") == "cudnn" else (55.0 if p.kind != "dense" else 90.0))
+    choice = Tuner(timer, cache, env=ENV).choose_bucketed(site, _ranked)
+    assert timer.probes == 1
+    assert (choice.plan.kind == "dense" and choice.plan.backend == "cudnn") == cudnn_wins
+    record = cache.get(ENV, tuning.ShapeKey.of(dataclasses.replace(site, kv_len=5824), 5824, True))
+    assert list(record["fresh_length_us"].values()) == [[fresh_us, 40.0]]
+    fixed = AttentionSite.canonical(kv_len=4000)
+    Tuner(timer, cache, env=ENV).choose(fixed, _ranked(fixed))
+    assert timer.probes == 1
+
+
+def test_the_gpu_timers_fresh_length_probe_calls_new_then_known_lengths(monkeypatch):
+    """fresh_length_us: three lengths just below the site's, each called twice (first new, then known), over views of
+    the first input set (a growing cache's view, no copy); a strategy that builds per length shows the build."""
+    import time as _time
+
+    import attnopt.runtime.strategies as strategies
+    from test_tuning_method import _gpu_on_the_cpu
+
+    calls, built = [], set()
+
+    class PerLength:
+        def prepare(self, plan, q, k, v):
+            return None
+
+        def run(self, state, plan, q, k, v, mask, valid_len, scale, is_causal):
+            n = k.shape[2]
+            calls.append((n, k.data_ptr()))
+            if n not in built:
+                built.add(n)
+                _time.sleep(0.003)
+            return q
+    monkeypatch.setattr(strategies, "get_strategy", lambda kind: PerLength())
+    _gpu_on_the_cpu(monkeypatch)
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=256, dtype="float32")
+    timer = T.GpuTimer(warm_ms=0.0)
+    from attnopt.plan import DensePlan
+
+    fresh, repeat = timer.fresh_length_us(DensePlan(backend="cudnn"), site)
+    assert [n for n, _ in calls] == [255, 254, 253, 255, 254, 253]
+    assert {p for _, p in calls} == {timer._sets[0]["k"].data_ptr()}
+    assert fresh - repeat > 2000 and T.FRESH_LENGTHS == 3

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import STAGES, budget, saap_geometries, speed_verdict, stage_of, unchained
+from attnopt.bench.saap import STAGES, budget, fuse_choices, saap_geometries, speed_verdict, stage_of, unchained
 from attnopt.cli import build_parser
 
 
@@ -61,6 +61,15 @@ def test_geometry_sweep_options():
             saap_geometries(splits, block_n)
 
 
+def test_fuse_choice_option():
+    assert fuse_choices("both,none") == ["both", "none"] and fuse_choices("merge,merge,select") == ["merge", "select"]
+    for bad in ("1", "yes", ","):
+        with pytest.raises(ValueError, match="--saap-fuse takes a comma-separated list of both, none, select, merge"):
+            fuse_choices(bad)
+    args = build_parser().parse_args(["bench", "saap"])
+    assert fuse_choices(args.saap_fuse) == ["both", "none"]
+
+
 def test_bench_saap_is_registered():
     args = build_parser().parse_args(["bench", "saap", "--cases", "llama3-8b-128k", "--targets", "0.05"])
     assert args.cases == "llama3-8b-128k" and args.func.__module__ == "attnopt.bench.saap"
@@ -71,11 +80,17 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
     from attnopt.bench.saap import run
 
     res = run(argparse.Namespace(cases="tiny-4k", targets="0.05", dtype="bf16", dense_candidates=1, no_mlp=False,
-                                 commit=None))
+                                 commit=None, saap_fuse="both,none"))
     saap = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
-    assert len(saap) == 2 and all("us" in r and r["rel_err"] < 2e-2 for r in saap), json.dumps(saap)
-    # the breakdown: scoring (2 launches with the MLP), selection, attention, merge, and no other kernel
+    assert len(saap) == 4 and all("us" in r and r["rel_err"] < 2e-2 for r in saap), json.dumps(saap)
+    unfused = [r for r in saap if r["method"].endswith("-unfused")]
+    fused = [r for r in saap if not r["method"].endswith("-unfused")]
+    # four launches: scoring (2 with the MLP), selection, attention, merge, and no other kernel
     assert all(r["attention_us"] > 0 and r["selection_us"] > 0 and r["merge_us"] > 0 and r["scoring_us"] > 0
-               and r["other_us"] == 0 and r["us_unchained"] > 0 for r in saap), json.dumps(saap)
-    assert sorted(r["kernels_per_call"] for r in saap) == [4, 5], json.dumps(saap)
+               and r["other_us"] == 0 and r["us_unchained"] > 0 and r["fuse"] == "none" for r in unfused), json.dumps(saap)
+    assert sorted(r["kernels_per_call"] for r in unfused) == [4, 5], json.dumps(saap)
+    # fused: the scoring launch selects, the attention launch merges
+    assert all(r["attention_us"] > 0 and r["selection_us"] == 0 and r["merge_us"] == 0 and r["scoring_us"] > 0
+               and r["other_us"] == 0 and r["fuse"] == "both" for r in fused), json.dumps(saap)
+    assert sorted(r["kernels_per_call"] for r in fused) == [2, 3], json.dumps(saap)
     assert all(0.01 < r["selectivity"] < 0.3 for r in saap)

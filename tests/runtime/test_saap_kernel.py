@@ -21,11 +21,11 @@ def random_index(hkv: int, hq: int, d: int, clusters: int) -> SaapIndex:
 
 
 def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits, block_n, valid=None, scores=None,
-             assign=None, window_splits=None):
+             assign=None, window_splits=None, fused=False):
     """Kernel against the reference over the same sparse set. ``assign`` (B, Hkv, n): given clusters of keys
     [sink, sink + n) (default: the nearest centroid of a random index, over the first ``prompt`` keys). With
     ``valid``, the cache holds garbage (NaN) from there on."""
-    from attnopt.runtime.kernels.saap import saap_decode_kernel
+    from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
 
     torch.manual_seed(N + C + probes)
     index = random_index(Hkv, Hq, D, C)
@@ -49,10 +49,12 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     out = torch.empty(B, Hq, L, D, dtype=dtype, device=dev)
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device=dev)
     stats = torch.zeros(2, dtype=torch.float64, device=dev)
+    ws = saap_workspace(splits, q.to(dev), v.to(dev), Hkv, C)
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
-                       valid_len=None if vl is None else vl.to(dev), stats=stats, num_splits=splits, block_n=block_n,
-                       window_splits=window_splits)
+                       valid_len=None if vl is None else vl.to(dev), stats=stats, workspace=ws, block_n=block_n,
+                       window_splits=window_splits, fused_select=fused, fused_merge=fused)
+    assert int(ws.counters.abs().sum()) == 0, "the fused merge left an arrival counter non-zero"
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=tol, rtol=tol)
@@ -69,9 +71,10 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     (1, 2, 2, 130, 64, 1, 16, 16, 2, 16, torch.float32),  # every cluster: dense
     (1, 2, 1, 260, 64, 1, 64, 40, 4, 32, torch.float32),  # many probes over many (small, some empty) clusters
 ])
-def test_kernel_matches_reference_on_the_same_sparse_set(B, Hq, Hkv, N, D, L, C, probes, splits, block_n, dtype):
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernel_matches_reference_on_the_same_sparse_set(B, Hq, Hkv, N, D, L, C, probes, splits, block_n, dtype, fused):
     keep = run_case(B, Hq, Hkv, N, D, L, C, probes, sink=2, window=17, prompt=N - 3, dtype=dtype, splits=splits,
-                    block_n=block_n)
+                    block_n=block_n, fused=fused)
     if probes == C:
         assert bool(keep.all())
     else:
@@ -105,9 +108,10 @@ def test_window_split_count_and_bad_counts():
                            probes=1, sink=1, num_splits=4, window_splits=4)
 
 
-def test_kernel_reads_nothing_past_the_valid_length():
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernel_reads_nothing_past_the_valid_length(fused):
     run_case(1, 3, 1, 160, 64, 1, 8, 2, sink=1, window=10, prompt=120, dtype=torch.float32, splits=3, block_n=16,
-             valid=140)
+             valid=140, fused=fused)
 
 
 def test_valid_length_below_the_indexed_end_hides_cluster_keys_past_it():
@@ -142,16 +146,19 @@ def test_fp16_many_query_tokens_and_heads_with_negative_scores():
              scores=scores)
 
 
-def test_kernel_with_more_splits_than_tiles_gives_empty_partials_not_nan():
-    run_case(1, 2, 1, 40, 64, 1, 4, 1, sink=1, window=4, prompt=40, dtype=torch.float32, splits=8, block_n=32)
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernel_with_more_splits_than_tiles_gives_empty_partials_not_nan(fused):
+    run_case(1, 2, 1, 40, 64, 1, 4, 1, sink=1, window=4, prompt=40, dtype=torch.float32, splits=8, block_n=32,
+             fused=fused)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("N,C,probes", [(4096, 64, 5), (70000, 1024, 200)])
-def test_kernel_bf16_compiled_on_the_gpu(N, C, probes):
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernel_bf16_compiled_on_the_gpu(N, C, probes, fused):
     """Compiled on a GPU (bf16 is wrong in the interpreter): long sequences, many clusters and probes."""
     keep = run_case(1, 32, 8, N, 128, 1, C, probes, sink=1, window=512, prompt=N - 1, dtype=torch.bfloat16,
-                    splits=16, block_n=64)
+                    splits=16, block_n=64, fused=fused)
     assert float(keep.float().mean()) < 0.9
 
 
@@ -170,9 +177,10 @@ def mlp_index(hkv, hq, d, clusters, hidden, rotated=False):
     return index
 
 
-@pytest.mark.parametrize("mlp,rotated,L,valid", [(False, False, 1, None), (False, True, 2, 700), (True, False, 1, 640),
-                                                 (True, False, 3, None)])
-def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, valid):
+@pytest.mark.parametrize("mlp,rotated,L,valid,fused", [
+    (False, False, 1, None, False), (False, True, 2, 700, False), (True, False, 1, 640, False),
+    (True, False, 3, None, False), (False, True, 2, 700, True), (True, False, 3, None, True)])
+def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, valid, fused):
     """The whole launch (de-roping, centroid or MLP logits, group softmax sums, top-l, attention) against the
     reference fed the PyTorch scores: the same clusters are picked, the same output comes out."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
@@ -202,8 +210,9 @@ def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, va
     ws = saap_workspace(3, q.to(dev), v.to(dev), Hkv, C, scorer.hidden)
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        state.ends.to(dev), out, lse, probes=probes, sink=sink, scale=0.125, scorer=scorer,
-                       valid_len=vl, workspace=ws, block_n=32)
+                       valid_len=vl, workspace=ws, block_n=32, fused_select=fused, fused_merge=fused)
     sel = ws.select
+    assert int(sel.counters.abs().sum()) == 0 and int(ws.counters.abs().sum()) == 0  # ready for the next launch
     logits = sel.logits.cpu()  # (B, Hkv, G * L, C)
     stats = sel.chunk_stats.cpu()
     lse_rows = stats[..., 0].amax(-1) + torch.log((stats[..., 1] * torch.exp(stats[..., 0] - stats[..., 0].amax(
@@ -235,7 +244,8 @@ def test_derope_is_accurate_at_half_a_million_positions():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mlp", [False, True])
-def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
+@pytest.mark.parametrize("fused", [False, True])
+def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused):
     """bf16 on a GPU: scoring, selection, attention and merge captured once in a CUDA graph, replayed at three
     valid lengths (read on the device); each replay equals the reference over the sparse set the PyTorch scores
     pick, and the selectivity counter counts every replay."""
@@ -258,7 +268,8 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
 
     def call():
         saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
-                           scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64)
+                           scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64,
+                           fused_select=fused, fused_merge=fused)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -278,6 +289,7 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp):
         want, _ = saap_decode_states(q, k[:, :, :n], v[:, :, :n], keep, D ** -0.5)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     assert float(stats[1]) == 3.0 and 0.0 < float(stats[0]) / 3 < 0.5
+    assert int(ws.counters.abs().sum()) == 0 and int(ws.select.counters.abs().sum()) == 0  # every replay resets them
 
 
 @pytest.mark.parametrize("seed", range(4))

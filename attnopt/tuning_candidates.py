@@ -1,0 +1,98 @@
+"""What the measured choice times (``attnopt.tuning``): the candidates of a shape, in the order they are timed, and
+which of them share compiled kernels.
+
+The cost model ranks the grids of one kernel configuration well and configurations against each other poorly, so
+the tuner times the model's pick, every explicit SDPA backend (the peers' own kernels), the most parallel split-KV
+plan, the model's ``top_k`` kernel plans and one plan of a few further configurations. ``compile_key`` tells which
+plans share their Triton kernels at one site shape (a symbolic length's later buckets time only those already
+compiled).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Sequence
+
+from .plan import Plan
+
+#: Kernel (non-SDPA) candidates timed per shape, best estimates first.
+DEFAULT_TOP_K = 4
+#: Kernel configurations beyond the top ``DEFAULT_TOP_K``: the best-estimated plan of each further (kind, block_n,
+#: num_warps, num_stages) family, up to this many. On the H100 the datasheet model ranked SmolLM2's 1k static site
+#: (9/3 heads, D=64) S=5/256/8/2 first, 10.0 µs alone in a graph, and left the fastest family out of its top four:
+#: S=16/64/4/3 ran in 6.2 µs (probe at c761f67). Timing one plan per family lets measurement find it.
+DEFAULT_EXTRA_FAMILIES = 4
+#: Further families are timed only within this factor of the best kernel estimate (a family the model puts 3x
+#: behind costs a cold compile, about a second, and has not won a measurement on the H100).
+EXTRA_WITHIN = 2.0
+
+
+def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EXTRA_FAMILIES) -> list[Plan]:
+    """The candidates worth timing, in the order they are timed.
+
+    Which: the model's pick; every explicit SDPA backend (cuDNN first: the fastest on Hopper; ``auto`` only when no
+    backend is named explicitly, as it is one of them); the most parallel split-KV plan (``most_parallel``); the
+    ``top_k`` kernel plans by estimate; the best-estimated plan of up to ``extra_families`` further kernel
+    configurations (kind, block_n, num_warps, num_stages) estimated within ``EXTRA_WITHIN`` of the best (the model
+    ranks the grids of one configuration well and configurations against each other poorly).
+
+    Order: the model's pick, the SDPA backends, the most parallel plan, then one plan of each configuration before
+    a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
+    (about a second) where a second grid of it costs only its timing, so the configurations come first."""
+    if not ranked:
+        return []
+    explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
+    order = {"cudnn": 0, "flash": 1, "efficient": 2, "math": 3}
+    dense = sorted(explicit, key=lambda p: order.get(p.backend, 9)) or [p for p in ranked if p.kind == "dense"][:1]
+    ranked_kernels = [p for p in ranked if p.kind != "dense"]
+    kernels = ranked_kernels[:top_k]
+    families = {_family(p) for p in [ranked[0]] + kernels}
+    estimates = [p.est_us for p in kernels if math.isfinite(p.est_us)]
+    ceiling = EXTRA_WITHIN * min(estimates) if estimates else math.inf
+    for p in ranked_kernels[top_k:]:
+        if extra_families <= 0:
+            break
+        if _family(p) not in families and not p.est_us > ceiling:
+            families.add(_family(p))
+            kernels.append(p)
+            extra_families -= 1
+    widest = most_parallel(ranked_kernels)
+    seen_families = {_family(ranked[0])} | ({_family(widest)} if widest is not None else set())
+    firsts, seconds = [], []
+    for p in kernels:
+        (seconds if _family(p) in seen_families else firsts).append(p)
+        seen_families.add(_family(p))
+    out: list[Plan] = [ranked[0]]
+    for p in dense + ([widest] if widest is not None else []) + firsts + seconds:
+        if all(p.runtime_key() != q.runtime_key() for q in out):
+            out.append(p)
+    return out
+
+
+def most_parallel(kernels: Sequence[Plan]) -> Plan | None:
+    """The split-KV plan with the smallest tiles and, among those, the most splits (the best estimate of equals):
+    on a short KV (a few tiles per (batch row, KV head)) one tile per split fills the GPU where the model's wave
+    sizing does not. At SmolLM2's 1k static site (9/3 heads, D=64) that is S=17/64/4/3; a forced H100 sweep found
+    S=16/64/4/3 at 6.2 µs against 10 µs for the model's S=5/256/8/2 (c761f67). ``None`` without a split-KV plan."""
+    splits = [p for p in kernels if p.kind == "split_kv"]
+    if not splits:
+        return None
+    return min(splits, key=lambda p: (p.block_n, -p.num_splits, p.est_us if math.isfinite(p.est_us) else math.inf))
+
+
+def _family(plan: Plan) -> tuple:
+    """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages)."""
+    return (plan.kind, getattr(plan, "block_n", None), getattr(plan, "num_warps", None),
+            getattr(plan, "num_stages", None))
+
+
+def compile_key(plan: Plan) -> str:
+    """What a kernel plan compiles apart from its grid: its runtime key without the split count or the grid, with
+    whether the split count is 1 and a multiple of 16 (Triton specializes an integer argument on both). Plans of one
+    key share their kernels at one site shape, so a bucket may time any of them once another bucket compiled one."""
+    data = dict(json.loads(plan.runtime_key())["data"])
+    splits = data.pop("num_splits", None)
+    data.pop("grid", None)
+    if splits is not None:
+        data["splits_1_16"] = (splits == 1, splits % 16 == 0)
+    return json.dumps({"kind": plan.kind, "data": data}, sort_keys=True)
