@@ -3,8 +3,8 @@
 * ``collect`` runs the model over the training text and records de-roped keys and sampled queries;
 * ``train`` fits the k-means (and, with ``--mlp``, the paper's query MLP) into an index file. The defaults are the
   configuration measured best on SmolLM2 at 8k (``benchmarks/saap_quality_scoring.py``): clusters of the rotated
-  keys (as the cache holds them), about 4 keys a cluster (at most 2048), refined over each prompt's keys with one
-  Lloyd iteration at prefill, and centroid scoring. ``--deroped --mlp --refine 0 --clusters 1024`` is the paper's;
+  keys (as the cache holds them), about 4 keys a cluster (at most 2048), refined over each prompt's keys with 2
+  Lloyd passes at prefill, and centroid scoring. ``--deroped --mlp --refine 0 --clusters 1024`` is the paper's;
 * ``eval`` measures recall, next-token agreement, perplexity and passkey retrieval on the held-out text, for
   SAAP and for the training-free baseline (the same clusters scored by centroids), at several selectivities.
 
@@ -65,7 +65,7 @@ def register(sub) -> None:
                      help="cluster the de-roped keys (the paper's; what extrapolates past the trained positions, "
                           "and what the ONNX export takes)")
     t.add_argument("--refine", type=int, default=None,
-                   help="Lloyd iterations over each prompt's keys at prefill (default 1; 0: the trained centroids)")
+                   help="Lloyd iterations over each prompt's keys at prefill (default 2; 0: the trained centroids)")
     t.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
     t.set_defaults(func=run_train)

@@ -137,7 +137,7 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     assert not index.rotated and index.refine == 0
     assert main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16"]) == 0
     index = load_index(ipath, model.config)  # the defaults: rotated keys, refined at prefill, centroid scoring
-    assert not index.has_mlp and index.rotated and index.refine == 1
+    assert not index.has_mlp and index.rotated and index.refine == 2
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
 
 
