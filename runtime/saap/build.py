@@ -86,8 +86,9 @@ def fit_to_prompt(centroids: Tensor, keys: Tensor, passes: int) -> tuple[Tensor,
     """Fit the trained ``centroids`` (Hkv, C, D) to a prompt's ``keys`` (B, Hkv, n, D), the batch rows pooled.
 
     Each of ``passes`` (>= 1) assigns every key to its nearest centroid and moves each centroid to the mean of its
-    keys (Lloyd's iteration); the last pass's assignment is the result, and the centroids are then exactly the means
-    of their clusters' keys, so that a query's centroid logit is its mean logit over the cluster. A cluster left
+    keys (Lloyd's iteration; between passes a cluster left empty moves onto one of the keys farthest from their
+    centroid, ``_reseed_empty``); the last pass's assignment is the result, and the centroids are then exactly the
+    means of their clusters' keys, so that a query's centroid logit is its mean logit over the cluster. A cluster left
     without a key gets the mean of all the prompt's keys: it holds nothing to attend, and scoring a query's
     average logit ranks it under every cluster of above-average keys (the ones worth probing), where its trained
     centroid could outscore them (at a context shorter than C keys most clusters are empty).
@@ -105,9 +106,26 @@ def fit_to_prompt(centroids: Tensor, keys: Tensor, passes: int) -> tuple[Tensor,
         sums = torch.zeros_like(cents).scatter_add_(1, a[..., None].expand(-1, -1, D), x[0])
         counts = torch.zeros(cents.shape[:2], device=cents.device).scatter_add_(
             1, a, torch.ones_like(a, dtype=torch.float32))
-        keep = cents if i + 1 < passes else x[0].mean(dim=1, keepdim=True).expand_as(cents)
-        cents = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], keep)
+        last = i + 1 == passes
+        keep = x[0].mean(dim=1, keepdim=True).expand_as(cents) if last else cents
+        new = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], keep)
+        if not last:  # as k-means does: an empty cluster takes an outlier, which would cost probes elsewhere
+            new = _reseed_empty(new, counts, x[0], a)
+        cents = new
     return a.view(H, B, n).transpose(0, 1), cents
+
+
+def _reseed_empty(cents: Tensor, counts: Tensor, x: Tensor, a: Tensor) -> Tensor:
+    """Move each empty cluster's centroid (Hkv, C, D) onto one of the keys x (Hkv, n, D) farthest from their
+    centroid (a (Hkv, n) their clusters), the emptiest clusters to the farthest keys; no host sync."""
+    H, C, D = cents.shape
+    k = min(C, x.shape[1])
+    far = (x - cents.gather(1, a[..., None].expand(-1, -1, D))).pow(2).sum(-1).topk(k, dim=1).indices  # (Hkv, k)
+    emptiest = counts.argsort(dim=1)[:, :k]  # (Hkv, k): empty clusters first
+    empty = counts.gather(1, emptiest) == 0
+    target = torch.where(empty[..., None], x.gather(1, far[..., None].expand(-1, -1, D)),
+                         cents.gather(1, emptiest[..., None].expand(-1, -1, D)))
+    return cents.scatter(1, emptiest[..., None].expand(-1, -1, D), target)
 
 
 def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sink: int, window: int,

@@ -30,10 +30,10 @@ KEYS_PER_CLUSTER = 4
 #: The most clusters the device selection handles (its radix select over at most 2048 scores).
 MAX_CLUSTERS = 2048
 #: Lloyd passes over each prompt's keys at prefill that ``attnopt saap train`` stores by default
-#: (``SaapIndex.refine``, ``build.fit_to_prompt``): on the hardest layers at 8k, one pass (the cost of the plain
-#: assignment, scoring with the clusters' means) gains +1.6 points of recall, more passes 0.3 at most; but the 2k
-#: passkey (fewer keys than clusters) needed 2 passes on the CPU (4/4 as dense, 3/4 with one). Each pass costs
-#: one assignment of the prompt's keys at prefill.
+#: (``SaapIndex.refine``, ``build.fit_to_prompt``): on the hardest layers at 8k (recall at 10 % total), none 0.910,
+#: one pass (the cost of the plain assignment, scoring with the clusters' means) 0.927, two with the empty clusters
+#: re-seeded between them 0.932; the 2k passkey (fewer keys than clusters) needed the second pass (CPU, 4 trials at
+#: 6.5 % total: 4/4 as dense; one pass 3/4 at 9.9 %). Each pass costs one assignment of the prompt's keys.
 DEFAULT_REFINE = 2
 
 

@@ -143,6 +143,9 @@ def test_refinement_moves_the_centroids_onto_the_prompt_and_decode_scores_with_t
     sizes = (few.offsets[..., 1:] - few.offsets[..., :-1]).sum(0)  # (Hkv, C) over both rows
     mean_key = remove_rope(k[:, :, 1:9], torch.arange(1, 9), index.rope).transpose(0, 1).reshape(2, -1, 16).mean(1)
     assert (sizes == 0).any()
+    one_pass = build_clusters(refined_index, 1, k, prompt_len=29, sink=1, window=20, refine=1)
+    one_sizes = (one_pass.offsets[..., 1:] - one_pass.offsets[..., :-1]).sum(0)
+    assert (sizes > 0).sum() > (one_sizes > 0).sum()  # empty clusters re-seeded on outliers between passes
     torch.testing.assert_close(few.centroids[sizes == 0], mean_key[:, None].expand(-1, 16, -1)[sizes == 0])
     empty = build_clusters(refined_index, 1, k, prompt_len=10, sink=1, window=20)  # nothing indexed: a copy
     torch.testing.assert_close(empty.centroids, index.layers[1].centroids)
