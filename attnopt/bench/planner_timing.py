@@ -11,13 +11,13 @@ from typing import Any, Callable
 def fresh_length_us(call_on: Callable[[dict[str, Any]], Callable[[], Any]], s: dict[str, Any],
                     lengths: int = 3) -> list[float]:
     """[µs of an eager call at a KV length not called before, µs at one called before], medians over ``lengths``
-    views of set ``s`` a few keys shorter (a growing cache's view grows by one key a step, and every step is a new
-    length). ``call_on(set) -> call``."""
+    copies of set ``s`` a few keys shorter, made before each timed call (a growing cache is a new contiguous tensor a
+    key longer every step, and every step is a new length). ``call_on(set) -> call``."""
     import torch
 
     def at(n: int) -> float:
-        view = dict(s, k=s["k"][:, :, :n], v=s["v"][:, :, :n])
-        call = call_on(view)
+        shorter = dict(s, k=s["k"][:, :, :n].contiguous(), v=s["v"][:, :, :n].contiguous())
+        call = call_on(shorter)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         call()
