@@ -39,7 +39,7 @@ def test_a_bool_mask_becomes_zero_and_minus_inf_in_qs_dtype_once_prepared():
     assert dense.additive_mask(additive, q.dtype) is additive and dense.additive_mask(None, q.dtype) is None
 
 
-def _check_equal_to_sdpa(backend, **case):
+def _check_equal_to_sdpa(backend, tol=0.0, **case):
     q, k, v, mask = _case(**case)
     plan = DensePlan(backend=backend)
     strategy = get_strategy("dense")
@@ -47,7 +47,7 @@ def _check_equal_to_sdpa(backend, **case):
     out = strategy.run(state, plan, q, k, v, mask, None, 0.125, False)
     with _backend(backend):
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
-    torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol, equal_nan=True)
     assert bool(torch.isnan(out[2, :, 1]).all()) == bool(torch.isnan(ref[2, :, 1]).all())  # the row with no key
 
 
@@ -59,4 +59,5 @@ def test_the_dense_run_equals_sdpa_with_the_bool_mask(backend):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["cudnn", "auto"])
 def test_the_dense_run_equals_sdpa_with_the_bool_mask_on_a_gpu(backend):
-    _check_equal_to_sdpa(backend, device="cuda", dtype=torch.bfloat16, N=4096)
+    # one bf16 rounding apart at most, should SDPA's own conversion pick another kernel variant
+    _check_equal_to_sdpa(backend, tol=1e-2, device="cuda", dtype=torch.bfloat16, N=4096)
