@@ -534,3 +534,19 @@ def test_the_gpu_timers_fresh_length_probe_calls_new_then_known_lengths(monkeypa
     assert [n for n, _, _ in calls] == [255, 254, 253, 255, 254, 253]
     assert all(contiguous and same for _, contiguous, same in calls)
     assert fresh - repeat > 2000 and T.FRESH_LENGTHS == 3
+
+
+def test_a_backend_that_builds_per_length_is_not_timed_again_in_later_buckets(cache):
+    """Once the first bucket's probe shows cuDNN building per length, the other buckets neither warm nor time it (each
+    new length would build again, 40-108 ms on the H100), and their records say why."""
+    class Probed(Clocked):
+        def fresh_length_us(self, plan, site):
+            return 40000.0, 120.0
+
+    site = dataclasses.replace(AttentionSite.canonical(), kv_len=None, kv_len_hint=6000)
+    timer = Probed(lambda p, s: 50.0 if getattr(p, "backend", "") == "cudnn" else 55.0)
+    Tuner(timer, cache, env=ENV).choose_bucketed(site, _ranked)
+    cudnn = [n for k, n in timer.calls if '"cudnn"' in k]
+    assert cudnn == [tuning.bucket_length(8192)]  # the hint's bucket only
+    record = cache.get(ENV, tuning.ShapeKey.of(dataclasses.replace(site, kv_len=2880), 2880, True))
+    assert [v for k, v in record["timings"].items() if '"cudnn"' in k][0].startswith("skipped: a new KV length")
