@@ -198,13 +198,15 @@ def _kernel_class(name: str) -> str:
     """The part of a decode step a GPU kernel belongs to, by its name."""
     if any(t in name for t in ("_split_kv", "_stream_k", "_merge_states", "_saap")):
         return "attnopt attention kernels"
+    if any(t in name for t in ("_valid_len", "_key_range", "_key_start")):
+        return "attnopt mask scans (valid length, window start)"
     if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
         return "SDPA kernels"
     if name.startswith("triton_"):
         return "inductor kernels"
     if any(t in name for t in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitKreduce")):
         return "GEMMs"
-    return "other aten kernels (in attnopt steps: the valid length)"
+    return "other kernels (input copies, the harness's argmax, SDPA's mask conversions)"
 
 
 def profile_steps(step, cache, tok, n: int = 5) -> dict[str, Any]:

@@ -86,3 +86,17 @@ def test_decode_call_timer_needs_hfs_compiled_call_where_hf_compiles():
     assert "__call__" in vars(opt)
     timer.remove()
     assert "__call__" not in vars(opt) and timer.median_ms() is None
+
+
+def test_profile_kernel_classes():
+    """The profile's classes name what a decode step's kernels are for: attnopt's attention and its mask scans apart
+    from input copies, GEMMs, inductor's kernels and SDPA's."""
+    from attnopt.bench.e2e import _kernel_class
+
+    assert _kernel_class("_split_kv_kernel") == "attnopt attention kernels"
+    assert _kernel_class("_merge_states_kernel") == "attnopt attention kernels"
+    assert _kernel_class("_valid_len_kernel").startswith("attnopt mask scans")
+    assert _kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "SDPA kernels"
+    assert _kernel_class("triton_poi_fused_add_0") == "inductor kernels"
+    assert _kernel_class("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "GEMMs"
+    assert _kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel").startswith("other")
