@@ -153,7 +153,8 @@ class Dense(Strategy[DensePlan]):
         when the named backend cannot run them at all (this build or GPU lacks it), so SDPA picks its own: a
         planned backend that is missing costs speed, never the call. ``auto`` never expands. Also makes the values
         ``run`` converts a bool mask with (``additive_mask``)."""
-        _mask_values(q.device, q.dtype)
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for good: not in a graph's pool
+            _mask_values(q.device, q.dtype)
         if plan.backend == "auto":
             return False
         for expand in ((False,) if q.shape[1] == k.shape[1] else (False, True)):
