@@ -37,7 +37,7 @@ python -m attnopt.cli saap eval --index "$OUT/idx128r.safetensors" --context 819
     --targets 0.05,0.08,0.1,0.2 --methods mlp,centroids,oracle --passkey-lengths "" --threads 2 \
     --out "$OUT/saap-quality-rotated.json"
 # attnopt's configuration (the CLI's defaults since the scoring study, benchmarks/saap_quality_scoring.py): rotated
-# keys, C = 2048 at 8k, centroids refined over each prompt with 2 Lloyd iterations, centroid scoring, no MLP
+# keys, C = 2048 at 8k, centroids refined over each prompt with 2 Lloyd passes, centroid scoring, no MLP
 python benchmarks/saap_quality_scoring.py "$OUT/coll8k.safetensors" --clusters 512,1024,2048 --windows 64,128,256 \
     --refine 2 --out "$OUT/scoring-refine2.json"
 python -m attnopt.cli saap train "$OUT/coll8k.safetensors" --out "$OUT/idx2048.safetensors" --threads 1

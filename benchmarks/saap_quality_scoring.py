@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from attnopt.runtime.saap.build import assign_keys, refine_centroids
+from attnopt.runtime.saap.build import assign_keys, fit_to_prompt
 from attnopt.runtime.saap.collect import Collection
 from attnopt.runtime.saap.rope import apply_rope
 from attnopt.runtime.saap.train import kmeans
@@ -71,9 +71,11 @@ def layer_curves(coll: Collection, layer: int, clusters: list[int], windows: lis
     held_keys = k if rotated else kd
     for C in clusters:
         cents = torch.stack([kmeans(train[h], C, iterations, h) for h in range(Hkv)])  # (Hkv, C, D)
-        if refine:  # Lloyd's iterations on the held-out sequence's own keys, from the trained centroids (prefill)
-            cents = refine_centroids(cents, held_keys[None, :, sink:], refine)
-        assign = assign_keys(cents, held_keys[None])[0]  # (Hkv, N)
+        if refine:  # fitted to the held-out sequence's own keys, from the trained centroids (as at prefill)
+            fitted, cents = fit_to_prompt(cents, held_keys[None, :, sink:], refine)
+            assign = torch.cat([assign_keys(cents, held_keys[None, :, :sink])[0], fitted[0]], dim=1)
+        else:
+            assign = assign_keys(cents, held_keys[None])[0]  # (Hkv, N)
         qs = q if rotated else held.queries[layer][:, m_keep]
         logits = torch.einsum("hmd,hcd->hmc", qs, cents.repeat_interleave(G, 0)) * scale
         cent_score = torch.softmax(logits, -1).reshape(Hkv, G, queries, C).sum(1)  # (Hkv, M, C)
@@ -183,7 +185,7 @@ def main() -> None:
     ap.add_argument("--layers", default="")
     ap.add_argument("--deroped", action="store_true", help="cluster the de-roped keys (the paper) instead")
     ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--refine", type=int, default=0, help="Lloyd iterations on the held-out keys (prefill)")
+    ap.add_argument("--refine", type=int, default=0, help="passes of fit_to_prompt over the held-out keys (prefill)")
     ap.add_argument("--out")
     args = ap.parse_args()
     coll = Collection.load(args.collection)

@@ -4,7 +4,7 @@
 * ``train`` fits the k-means (and, with ``--mlp``, the paper's query MLP) into an index file. The defaults are the
   configuration measured best on SmolLM2 at 8k (``benchmarks/saap_quality_scoring.py``): clusters of the rotated
   keys (as the cache holds them), about 4 keys a cluster (at most 2048), refined over each prompt's keys with 2
-  Lloyd iterations at prefill, and centroid scoring. ``--deroped --mlp --refine 0 --clusters 1024`` is the paper's;
+  Lloyd passes at prefill, and centroid scoring. ``--deroped --mlp --refine 0 --clusters 1024`` is the paper's;
 * ``eval`` measures recall, next-token agreement, perplexity and passkey retrieval on the held-out text, for
   SAAP and for the training-free baseline (the same clusters scored by centroids), at several selectivities.
 

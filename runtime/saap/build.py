@@ -6,12 +6,13 @@ join the recent window and never need assigning. The result is CSR: ``offsets`` 
 ``perm``, the indexed key positions sorted by cluster, plus ``assign`` (each indexed key's cluster), which the
 pure-PyTorch reference uses.
 
-With ``refine`` > 0 (``SaapIndex.refine``), the trained centroids are only the start: that many Lloyd iterations
-over the prompt's own indexed keys (all batch rows together, so one set per KV head, the shape the scorer reads)
-move them onto this sequence's keys before the final assignment, and decode scores with the refined set
-(``ClusterState.centroids``). Measured on SmolLM2 at 8k (``benchmarks/saap_quality_scoring.py``): 3 iterations
-bring centroid scoring to the oracle of the trained partition and beyond, +1 to +3 points of attention-mass
-recall on the hardest layers at the same selectivity.
+With ``refine`` > 0 (``SaapIndex.refine``), the trained centroids are only the start: that many Lloyd passes
+over the prompt's own indexed keys (all batch rows together, so one set per KV head, the shape the scorer reads,
+``fit_to_prompt``) give the assignment, and decode scores with the means of the resulting clusters
+(``ClusterState.centroids``; the mean key for a cluster left empty). Measured on SmolLM2 at 8k
+(``benchmarks/saap_quality_scoring.py``): one pass, which costs no more than the plain assignment, brings centroid
+scoring to the oracle of the trained partition, +1 to +3 points of attention-mass recall on the hardest layers
+at the same selectivity.
 """
 from __future__ import annotations
 
@@ -81,18 +82,50 @@ def assign_keys(centroids: Tensor, keys: Tensor) -> Tensor:
     return torch.cat(out, dim=-1) if out else torch.zeros((B, H, 0), dtype=torch.int64, device=keys.device)
 
 
-def refine_centroids(centroids: Tensor, keys: Tensor, iterations: int) -> Tensor:
-    """Lloyd's k-means iterations from ``centroids`` (Hkv, C, D) over ``keys`` (B, Hkv, n, D), the batch rows
-    pooled: (Hkv, C, D) fp32 on the keys' device. A cluster that receives no key keeps its centroid. No host sync."""
+def fit_to_prompt(centroids: Tensor, keys: Tensor, passes: int) -> tuple[Tensor, Tensor]:
+    """Fit the trained ``centroids`` (Hkv, C, D) to a prompt's ``keys`` (B, Hkv, n, D), the batch rows pooled.
+
+    Each of ``passes`` (>= 1) assigns every key to its nearest centroid and moves each centroid to the mean of its
+    keys (Lloyd's iteration; between passes a cluster left empty moves onto one of the keys farthest from their
+    centroid, ``_reseed_empty``); the last pass's assignment is the result, and the centroids are then exactly the
+    means of their clusters' keys, so that a query's centroid logit is its mean logit over the cluster. A cluster left
+    without a key gets the mean of all the prompt's keys: it holds nothing to attend, and scoring a query's
+    average logit ranks it under every cluster of above-average keys (the ones worth probing), where its trained
+    centroid could outscore them (at a context shorter than C keys most clusters are empty).
+    One pass costs what the plain assignment does. No host sync.
+
+    Returns (B, Hkv, n) int64 clusters and (Hkv, C, D) fp32 centroids, on the keys' device.
+    """
+    if passes < 1:
+        raise ValueError(f"fit_to_prompt needs at least one pass, got {passes}")
     cents = centroids.to(keys.device, torch.float32)
     B, H, n, D = keys.shape
     x = keys.float().transpose(0, 1).reshape(1, H, B * n, D)  # (1, Hkv, B * n, D): every row's keys of a head
-    for _ in range(iterations):
+    for i in range(passes):
         a = assign_keys(cents, x)[0]  # (Hkv, B * n)
         sums = torch.zeros_like(cents).scatter_add_(1, a[..., None].expand(-1, -1, D), x[0])
-        counts = torch.zeros(cents.shape[:2], device=cents.device).scatter_add_(1, a, torch.ones_like(a, dtype=torch.float32))
-        cents = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], cents)
-    return cents
+        counts = torch.zeros(cents.shape[:2], device=cents.device).scatter_add_(
+            1, a, torch.ones_like(a, dtype=torch.float32))
+        last = i + 1 == passes
+        keep = x[0].mean(dim=1, keepdim=True).expand_as(cents) if last else cents
+        new = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], keep)
+        if not last:  # as k-means does: an empty cluster takes an outlier, which would cost probes elsewhere
+            new = _reseed_empty(new, counts, x[0], a)
+        cents = new
+    return a.view(H, B, n).transpose(0, 1), cents
+
+
+def _reseed_empty(cents: Tensor, counts: Tensor, x: Tensor, a: Tensor) -> Tensor:
+    """Move each empty cluster's centroid (Hkv, C, D) onto one of the keys x (Hkv, n, D) farthest from their
+    centroid (a (Hkv, n) their clusters), the emptiest clusters to the farthest keys; no host sync."""
+    H, C, D = cents.shape
+    k = min(C, x.shape[1])
+    far = (x - cents.gather(1, a[..., None].expand(-1, -1, D))).pow(2).sum(-1).topk(k, dim=1).indices  # (Hkv, k)
+    emptiest = counts.argsort(dim=1)[:, :k]  # (Hkv, k): empty clusters first
+    empty = counts.gather(1, emptiest) == 0
+    target = torch.where(empty[..., None], x.gather(1, far[..., None].expand(-1, -1, D)),
+                         cents.gather(1, emptiest[..., None].expand(-1, -1, D)))
+    return cents.scatter(1, emptiest[..., None].expand(-1, -1, D), target)
 
 
 def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sink: int, window: int,
@@ -104,7 +137,8 @@ def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sin
     k : (B, Hkv, N, D) rotated keys as the cache holds them (N >= prompt_len); any float dtype.
     prompt_len : keys [0, prompt_len) are the prompt. ``sink`` and ``window`` as in ``SaapPlan``.
     start_position : the RoPE position of key 0 (0 for a cache that starts with the sequence).
-    refine : Lloyd iterations over the prompt's keys before the assignment (default ``index.refine``).
+    refine : passes of ``fit_to_prompt`` over the prompt's keys (default ``index.refine``; 0: the index's
+        centroids as they are).
     """
     if sink < 0 or window < 0:
         raise ValueError(f"sink ({sink}) and window ({window}) must be >= 0")
@@ -123,8 +157,9 @@ def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sin
         pos = torch.arange(sink, end, device=k.device) + start_position
         keys = k[:, :, sink:end].float() if index.rotated else remove_rope(k[:, :, sink:end], pos, index.rope)
         if refine:
-            centroids = refined = refine_centroids(centroids, keys, refine)
-        assign = assign_keys(centroids, keys)
+            assign, refined = fit_to_prompt(centroids, keys, refine)
+        else:
+            assign = assign_keys(centroids, keys)
     else:
         assign = torch.zeros((B, H, 0), dtype=torch.int64, device=k.device)
         if refine:  # nothing to refine on: the trained centroids, as a buffer of the state's own

@@ -94,8 +94,9 @@ class SaapIndex:
     #: Better where decode stays within the positions trained on (measured at 4k: oracle recall +2 points);
     #: the paper's de-roping is what extrapolates past them.
     rotated: bool = False
-    #: Lloyd iterations over each prompt's own keys at prefill, from these centroids (``build.refine_centroids``);
-    #: decode then scores with the refined set. 0: the trained centroids as they are (an index of before the option).
+    #: Lloyd passes over each prompt's own keys at prefill, from these centroids (``build.fit_to_prompt``); decode
+    #: then scores with the means of the prompt's clusters. 0: the trained centroids as they are (an index of before
+    #: the option).
     refine: int = 0
 
     @property

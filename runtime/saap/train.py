@@ -1,7 +1,7 @@
 """``train``: k-means over de-roped keys (faiss) and the query MLP, per layer and KV head.
 
 Keys: k-means with C clusters per KV head (C scales with the context, ``cluster_count``), optionally refined over
-each prompt's own keys at prefill (``refine``, see ``build.refine_centroids``). Queries: an MLP of 2
+each prompt's own keys at prefill (``refine``, see ``build.fit_to_prompt``). Queries: an MLP of 2
 layers (Linear -> BatchNorm -> ReLU -> Linear, hidden 1024 by default) per KV head, trained with the KL divergence
 from the real attention mass per cluster. Only long-range attention counts: the mass of the keys in
 [sink, position - window), which is what the window does not already cover; every query head of a group is a
@@ -29,17 +29,21 @@ from .rope import apply_rope
 KEYS_PER_CLUSTER = 4
 #: The most clusters the device selection handles (its radix select over at most 2048 scores).
 MAX_CLUSTERS = 2048
-#: Lloyd iterations over each prompt's keys at prefill that ``train_index`` stores by default (``SaapIndex.refine``):
-#: at 8k, 1 iteration gains most of 3's recall, 2 is the default trade against the prefill time.
+#: Lloyd passes over each prompt's keys at prefill that ``attnopt saap train`` stores by default
+#: (``SaapIndex.refine``, ``build.fit_to_prompt``): on the hardest layers at 8k (recall at 10 % total), none 0.910,
+#: one pass (the cost of the plain assignment, scoring with the clusters' means) 0.927, two with the empty clusters
+#: re-seeded between them 0.932; the 2k passkey (fewer keys than clusters) needed the second pass (CPU, 4 trials at
+#: 6.5 % total: 4/4 as dense; one pass 3/4 at 9.9 %). Each pass costs one assignment of the prompt's keys.
 DEFAULT_REFINE = 2
 
 
 #: The decode operating point an index recommends (``SaapIndex.decode_defaults``): a sink of 4, a window of
-#: 1/128 of the context and probes of 5.5 % of the clusters, which the CPU screening put near 10 % total
-#: selectivity on SmolLM2 at 8k (layer 0 dense included).
+#: 1/128 of the context and probes of 7 % of the clusters: on SmolLM2 at 8k (C = 2048, refined) the CPU screening
+#: measured 8.2 % total selectivity (layer 0 dense included) at 6 % of the clusters and 10.1 % at 8 %; tokens
+#: decoded after the prompt add to it.
 DECODE_SINK = 4
 DECODE_WINDOW_FRACTION = 1 / 128
-DECODE_PROBE_FRACTION = 0.055
+DECODE_PROBE_FRACTION = 0.07
 
 
 def decode_defaults(clusters: int, context: int) -> dict[str, int]:

@@ -90,14 +90,34 @@ def test_a_new_cache_or_a_replaced_parameter_is_recorded_again(model):
     _decode(model, call, steps=5)
     _decode(model, call, steps=5, seed=1)  # another cache object: another signature
     assert steps.graphs.recordings == 2
-    weight = model.lm_head.weight
-    try:
-        model.lm_head.weight = torch.nn.Parameter(weight.detach().clone())
-        want, _ = _decode(model, model.forward, steps=6, seed=2)
-        got, _ = _decode(model, call, steps=6, seed=2)
-        assert got == want
-    finally:
-        model.lm_head.weight = weight
+    cache_b = make_cache(model, "static", 32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with torch.no_grad():
+        tok = prefill(model, cache_b, ids, chunk=64)
+        for i in range(5):  # warm, warm, record, replay, replay: one recording for this cache
+            call(input_ids=tok, past_key_values=cache_b, cache_position=torch.tensor([8 + i]), use_cache=True)
+        assert steps.graphs.recordings == 3
+        weight = model.lm_head.weight
+        try:  # a replaced parameter: the graph would read the old one's memory; the signature records again
+            model.lm_head.weight = torch.nn.Parameter(weight.detach().clone())
+            for i in range(5, 8):
+                call(input_ids=tok, past_key_values=cache_b, cache_position=torch.tensor([8 + i]), use_cache=True)
+            assert steps.graphs.recordings == 4
+        finally:
+            model.lm_head.weight = weight
+        for i in range(8, 11):  # the original weight back: recorded again
+            call(input_ids=tok, past_key_values=cache_b, cache_position=torch.tensor([8 + i]), use_cache=True)
+        assert steps.graphs.recordings == 5
+        mlp = model.model.layers[1].mlp
+        try:  # a submodule swapped for a copy (new parameters, in a module the recording never saw): again
+            import copy
+
+            model.model.layers[1].mlp = copy.deepcopy(mlp)
+            for i in range(11, 14):
+                call(input_ids=tok, past_key_values=cache_b, cache_position=torch.tensor([8 + i]), use_cache=True)
+            assert steps.graphs.recordings == 6
+        finally:
+            model.model.layers[1].mlp = mlp
 
 
 def test_grad_mode_cpu_tensors_and_unknown_arguments_run_the_forward(model):
@@ -141,11 +161,18 @@ def test_a_forward_that_mutates_an_input_or_python_state_is_never_recorded(model
         return kw["input_ids"] * 2
 
     cache = Counting()
-    steps = StepGraphs(counting_forward, model, lambda: None, graphs=FakeGraphs())
+    fallback_calls = []
+
+    def fallback(**kw):
+        fallback_calls.append(1)
+        return counting_forward(**kw)
+
+    steps = StepGraphs(counting_forward, model, lambda: None, graphs=FakeGraphs(), fallback=fallback)
     with torch.no_grad():
         for _ in range(5):
             steps((), {"input_ids": torch.ones(1, 1), "past_key_values": cache})
     assert cache.seen == 5 and steps.graphs.recordings == 0
+    assert len(fallback_calls) == 5 - 1  # after the compiled call that found the Python state
 
 
 def test_a_failed_recording_warns_once_and_runs_the_forward(model):
@@ -169,3 +196,99 @@ def test_optimize_reduce_overhead_uses_step_graphs_on_static_caches_only(model):
     assert attnopt.last_plans(opt).calls_without_attnopt == 0
     off = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead", step_graphs=False)
     assert not hasattr(off, "_attnopt_step_graphs")
+
+
+def test_a_forward_hook_added_after_recording_is_not_skipped(model):
+    """A hook that edits a layer's output (a steering vector) added after the step was recorded: a replay would
+    silently skip it; the signature counts hooks, so the call runs the forward, with the hook."""
+    steps = StepGraphs(model.forward, model, lambda: None, graphs=FakeGraphs())
+    layer = model.model.layers[0].mlp
+
+    def steer(module, args, output):
+        return output + 1.0
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=g)
+    cache = make_cache(model, "static", 40)
+    with torch.no_grad():
+        tok = prefill(model, cache, ids, chunk=64)
+        kw = lambda i: dict(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([12 + i]),  # noqa: E731
+                            use_cache=True)
+        for i in range(4):  # two warm calls, a recording, a replay
+            steps((), kw(i))
+        assert steps.replays == 2
+        reference_cache = make_cache(model, "static", 40)
+        prefill(model, reference_cache, ids, chunk=64)
+        for i in range(4):  # the reference: the same four steps through the plain forward ...
+            model.forward(input_ids=tok, past_key_values=reference_cache, cache_position=torch.tensor([12 + i]),
+                          use_cache=True)
+        handle = layer.register_forward_hook(steer)
+        try:
+            want = model.forward(input_ids=tok, past_key_values=reference_cache, cache_position=torch.tensor([16]),
+                                 use_cache=True).logits  # ... then the hooked fifth
+            got = steps((), kw(4)).logits
+        finally:
+            handle.remove()
+    assert steps.replays == 2  # not replayed
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_each_new_cache_is_recorded_after_one_call_and_forgotten_with_its_cache(model):
+    """generate() makes a StaticCache per call: a known signature records a new cache after one compiled call (not
+    two), and a recording goes when its cache does (it pins the cache's tensors: they would stay allocated)."""
+    import gc
+
+    calls = []
+
+    def forward(**kw):
+        calls.append(1)
+        return model.forward(**kw)
+
+    class Forgetful(FakeGraphs):  # a graph keeps no Python objects; the stand-in's replay would keep the cache
+        def record(self, fn):
+            handle, out = super().record(fn)
+            return {"first": True, "fn": None}, out
+
+        def replay(self, graph):
+            graph["first"] = False
+
+    steps = StepGraphs(forward, model, lambda: None, graphs=Forgetful())
+    for seed in range(3):
+        _decode(model, lambda **kw: steps((), kw), steps=5, seed=seed)
+    assert steps.graphs.recordings == 3
+    # of 15 calls: 2 compiled for the first cache and 1 for each later one (the stand-in's recording runs the forward
+    # once more, a real one does not); the other 11 are replays, each recording's first one included
+    assert len(calls) - steps.graphs.recordings == 2 + 1 + 1
+    assert steps.replays == 15 - 4
+    gc.collect()
+    assert steps.recorded == {}  # the three caches are gone, and so are their recordings
+
+
+def test_an_argument_that_views_the_cache_runs_the_forward():
+    """An argument sharing memory with the cache would be copied into the graph's buffer and miss the forward's
+    writes to the cache, which the original sees; such a call runs the compiled forward instead of a replay."""
+    class Layer:
+        def __init__(self):
+            self.keys = torch.zeros(4)
+
+    class Cache:
+        is_compileable = True
+
+        def __init__(self):
+            self.layers = [Layer()]
+
+    def forward(x, past_key_values):
+        past_key_values.layers[0].keys.add_(1.0)  # the step writes the cache, then reads its argument
+        return {"out": x * 2.0}
+
+    cache = Cache()
+    steps = StepGraphs(forward, torch.nn.Linear(1, 1), lambda: None, graphs=FakeGraphs())
+    with torch.no_grad():
+        for _ in range(4):
+            steps((), {"x": torch.ones(4), "past_key_values": cache})
+        assert steps.replays == 2
+        view = cache.layers[0].keys
+        got = steps((), {"x": view, "past_key_values": cache})["out"]
+    assert steps.replays == 2
+    # four calls wrote the cache (two compiled, the recording's, one replay), the fifth's write is seen: 2 * (4 + 1)
+    torch.testing.assert_close(got, torch.full((4,), 10.0))

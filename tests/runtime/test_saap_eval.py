@@ -206,6 +206,8 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     assert (ten["probes"], ten["passkey"], ten["done"]) == (4, "3/4", True)  # 0.96 at 9 %, +2 % ppl, 3/4 as dense
     assert math.isclose(ten["ppl_vs_dense"], 0.02)
     assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]
+    results["passkey"][1]["selectivity_all_layers"] = 0.2  # found, but over the budget: not done
+    assert not {(r["method"], r["at_most"]): r for r in script.summarize(results, ["mlp"], ["64"])}[("mlp", 0.1)]["done"]
 
 
 def test_gpu_quality_script_index_configurations():

@@ -100,7 +100,7 @@ def test_cluster_count_scales_with_the_context():
     assert cluster_count(8192, keys_per_cluster=64) == 128
     from attnopt.runtime.saap.train import decode_defaults
 
-    assert decode_defaults(2048, 8192) == {"probes": 113, "sink": 4, "window": 64}
+    assert decode_defaults(2048, 8192) == {"probes": 143, "sink": 4, "window": 64}
 
 
 def _inertia(cents, keys):
@@ -122,9 +122,15 @@ def test_refinement_moves_the_centroids_onto_the_prompt_and_decode_scores_with_t
     st = build_clusters(refined_index, 1, k, prompt_len=N - 3, sink=1, window=20)
     assert st.centroids.shape == index.layers[1].centroids.shape and st.centroids.dtype == torch.float32
     indexed = remove_rope(k[:, :, 1:N - 23], torch.arange(1, N - 23), index.rope)
-    # Lloyd iterations pooled over the batch rows never increase the inertia; the assignment is to the refined set
+    # Lloyd passes pooled over the batch rows never increase the inertia
     assert _inertia(st.centroids, indexed) < _inertia(index.layers[1].centroids, indexed)
-    torch.testing.assert_close(st.assign, torch.cdist(indexed, st.centroids[None].expand(B, -1, -1, -1)).argmin(-1))
+    for h in range(2):  # each centroid is the mean of its cluster's keys over both rows; an empty one, of all keys
+        for c in range(16):
+            members = indexed[:, h][st.assign[:, h] == c]
+            want = members.mean(0) if len(members) else indexed[:, h].reshape(-1, 16).mean(0)
+            torch.testing.assert_close(st.centroids[h, c], want, atol=1e-5, rtol=1e-5)
+    one = build_clusters(index, 1, k, prompt_len=N - 3, sink=1, window=20, refine=1)  # one pass: the plain assignment
+    torch.testing.assert_close(one.assign, plain.assign)
     assert int(st.offsets[..., -1].min()) == N - 24
     q, v = torch.randn(B, 6, 1, 16), torch.randn(B, 2, N, 16)
     o, _, _ = saap_decode(refined_index, 1, st, q, k, v, 3, 0.25)
@@ -133,6 +139,14 @@ def test_refinement_moves_the_centroids_onto_the_prompt_and_decode_scores_with_t
                                scale=0.25)
     torch.testing.assert_close(o, want)
     assert not torch.equal(clusters, select_clusters(index, 1, q, torch.tensor([N - 1]), 3, 0.25))
+    few = build_clusters(refined_index, 1, k, prompt_len=29, sink=1, window=20)  # 8 keys a row for 16 clusters
+    sizes = (few.offsets[..., 1:] - few.offsets[..., :-1]).sum(0)  # (Hkv, C) over both rows
+    mean_key = remove_rope(k[:, :, 1:9], torch.arange(1, 9), index.rope).transpose(0, 1).reshape(2, -1, 16).mean(1)
+    assert (sizes == 0).any()
+    one_pass = build_clusters(refined_index, 1, k, prompt_len=29, sink=1, window=20, refine=1)
+    one_sizes = (one_pass.offsets[..., 1:] - one_pass.offsets[..., :-1]).sum(0)
+    assert (sizes > 0).sum() > (one_sizes > 0).sum()  # empty clusters re-seeded on outliers between passes
+    torch.testing.assert_close(few.centroids[sizes == 0], mean_key[:, None].expand(-1, 16, -1)[sizes == 0])
     empty = build_clusters(refined_index, 1, k, prompt_len=10, sink=1, window=20)  # nothing indexed: a copy
     torch.testing.assert_close(empty.centroids, index.layers[1].centroids)
     with pytest.raises(ValueError, match="refine"):

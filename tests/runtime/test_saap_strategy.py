@@ -84,9 +84,9 @@ def test_unset_probes_sink_and_window_come_from_the_index(tmp_path, index_path):
                                                             "window": 2047}
     path = str(tmp_path / "recommends.safetensors")
     index = synthetic_index(6, 2, 64, clusters=2048, layers=(1,), num_layers=2)
-    index.train_info["decode"] = {"probes": 113, "sink": 4, "window": 64}  # what train_index stores at 8k
+    index.train_info["decode"] = {"probes": 143, "sink": 4, "window": 64}  # what train_index stores at 8k
     index.save(path)
-    assert saap_options(OptimizeConfig(saap=path)) == {"index": path, "probes": 113, "sink": 4, "window": 64}
+    assert saap_options(OptimizeConfig(saap=path)) == {"index": path, "probes": 143, "sink": 4, "window": 64}
     assert saap_options(OptimizeConfig(saap=path, saap_probes=7, saap_sink=0)) == {
         "index": path, "probes": 7, "sink": 0, "window": 64}
     cache = registry.saap_cache(path)
