@@ -19,7 +19,9 @@ A replay skips dynamo's guards, so what the graph baked in is checked at every c
   global ones): a hook added after a recording runs, through the compiled forward.
 
 A call that differs in any of these runs the compiled forward as before and, once its own signature has been seen
-``WARM_CALLS`` times, is recorded too. A call whose forward mutated one of its input tensors, or changed a cache's
+``WARM_CALLS`` times, is recorded too; a new cache object under a recorded signature (``generate()`` makes one per
+call) is recorded after one compiled call. A recording lives as long as its cache object (it pins the cache's
+tensors), and at most ``MAX_RECORDED`` are kept. A call whose forward mutated one of its input tensors, or changed a cache's
 Python state, is never recorded (a copy of the input would take the mutation instead). Recording a signature
 happens after it has run compiled (its kernels compiled, its states prepared), costs no extra forward (the
 recording runs nothing; the first replay is that call's forward), and a failure to record (a sync inside the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 import operator
 import warnings
+import weakref
 from collections import Counter
 from typing import Any, Callable
 
@@ -39,6 +42,8 @@ log = logging.getLogger("attnopt")
 
 #: Compiled calls of one signature before it is recorded: the first compiles, the second runs warm.
 WARM_CALLS = 2
+#: Recorded graphs kept at once (each pins its caches' tensors and a share of the graphs' memory pool).
+MAX_RECORDED = 8
 #: Configuration flags of a Hugging Face model that change what a forward returns.
 _CONFIG_FLAGS = ("output_attentions", "output_hidden_states", "use_cache", "return_dict", "_attn_implementation")
 _PLAIN = (int, float, bool, str, type(None))
@@ -66,6 +71,7 @@ class _Recorded:
                       if t is not None]
         self.pinned = self.current_tensors(caches)
         self.pinned_ptrs = _addresses(self.pinned)
+        self.pinned_storages = {t.untyped_storage().data_ptr() for t in self.pinned}
         self.pinned_indices = list(range(len(self.pinned)))
 
     def current_tensors(self, caches: list[Any]) -> list[torch.Tensor]:
@@ -105,8 +111,9 @@ class StepGraphs:
         self.model = model
         self.on_replay = on_replay
         self.graphs = graphs or CudaGraphs()
-        self.recorded: dict[tuple, _Recorded | None] = {}
-        self.seen: Counter[tuple] = Counter()
+        self.recorded: dict[tuple, _Recorded] = {}  # by (signature, the ids of its caches); oldest first
+        self.refused: set[tuple] = set()             # signatures that are never recorded
+        self.seen: Counter[tuple] = Counter()        # compiled calls per signature, and per signature and caches
         self.replays = 0
         self._warned = False
         # forward hooks run in Python around modules: a hook added or removed after a recording (a steering vector,
@@ -146,7 +153,7 @@ class StepGraphs:
                 return ("dict", tuple((k, visit(v)) for k, v in sorted(value.items())))
             if getattr(value, "is_compileable", False) and hasattr(value, "layers"):
                 caches.append(value)
-                return ("cache", id(value))
+                return ("cache", type(value).__name__, len(caches) - 1)
             raise _Uncapturable(f"an argument of type {type(value).__name__}")
 
         parts.append(tuple(visit(a) for a in args))
@@ -155,22 +162,32 @@ class StepGraphs:
 
     # -- calls ---------------------------------------------------------------------------------------------
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        """One forward call. A signature is recorded after ``WARM_CALLS`` compiled calls; a new cache object of a
+        recorded signature (``generate()`` makes one per call) after one; a graph whose model or cache tensors moved
+        is dropped and recorded again after one."""
         try:
             key, tensors, caches = self._key(args, kwargs)
         except _Uncapturable:
             return self.compiled(*args, **kwargs)
-        entry = self.recorded.get(key, False)
-        if entry is None:  # this signature could not be recorded
+        if key in self.refused:
             return self.compiled(*args, **kwargs)
-        if entry is not False:
+        full = (key, tuple(map(id, caches)))
+        entry = self.recorded.get(full)
+        if entry is not None:
             if entry.unchanged(caches):
-                return self._replay(entry, tensors)
-            del self.recorded[key]  # a cache re-allocated or a parameter replaced: record again
-            self.seen[key] = 0
-        self.seen[key] += 1
-        if self.seen[key] <= WARM_CALLS:
+                if any(t.untyped_storage().data_ptr() in entry.pinned_storages for t in tensors):
+                    # an argument that is a view of the cache or a parameter: a copy of it would not see the
+                    # forward's writes to the cache, as the original does
+                    return self.compiled(*args, **kwargs)
+                return self._replay(entry, tensors, caches)
+            del self.recorded[full]  # a cache re-allocated or a parameter replaced: one compiled call, then again
+            self.seen[full] = 0
+        warm = self.seen[key] >= WARM_CALLS and self.seen[full] >= 1
+        if not warm:
+            self.seen[key] += 1
+            self.seen[full] += 1
             return self._compiled_call(key, args, kwargs, tensors, caches)
-        return self._record(key, args, kwargs, tensors, caches)
+        return self._record(key, full, args, kwargs, tensors, caches)
 
     def _compiled_call(self, key, args, kwargs, tensors, caches) -> Any:
         """A compiled call that also learns whether this signature may be recorded."""
@@ -185,19 +202,19 @@ class StepGraphs:
         return out
 
     def _refuse(self, key: tuple, reason: str) -> None:
-        self.recorded[key] = None
+        self.refused.add(key)
         log.info("attnopt: decode step not recorded as one CUDA graph: %s", reason)
 
-    def _replay(self, entry: _Recorded, tensors: list[torch.Tensor]) -> Any:
+    def _replay(self, entry: _Recorded, tensors: list[torch.Tensor], caches: list[Any]) -> Any:
         if tensors:
             torch._foreach_copy_(entry.inputs, tensors)
         self.graphs.replay(entry.graph)
         self.replays += 1
         self.on_replay()
         _add_counts(entry.call_counts)
-        return _cloned(entry.output)
+        return _cloned(entry.output, caches)
 
-    def _record(self, key, args, kwargs, tensors, caches) -> Any:
+    def _record(self, key, full, args, kwargs, tensors, caches) -> Any:
         from attnopt.runtime.ops import CALL_COUNTS
 
         inputs = [t.clone() for t in tensors]
@@ -216,8 +233,8 @@ class StepGraphs:
             return self.compiled(*args, **kwargs)
         delta = Counter(CALL_COUNTS)
         delta.subtract(counts_before)
-        entry = _Recorded(graph, inputs, output, self.model, caches, +delta)
-        self.recorded[key] = entry
+        entry = _Recorded(graph, inputs, _without(output, caches), self.model, caches, +delta)
+        self._keep(full, entry, caches)
         log.info("attnopt: recorded a decode step as one CUDA graph (%d input tensors)", len(inputs))
         # the recording ran no kernel: this call's forward is the first replay (counts added once, here)
         if tensors:
@@ -225,7 +242,27 @@ class StepGraphs:
         self.graphs.replay(graph)
         self.replays += 1
         self.on_replay()
-        return _cloned(output)
+        return _cloned(entry.output, caches)
+
+
+    def _keep(self, full: tuple, entry: _Recorded, caches: list[Any]) -> None:
+        """Keep ``entry`` while its caches live (a recording pins their tensors: ``generate()`` makes a cache per call,
+        and each would stay allocated), and at most ``MAX_RECORDED`` entries, the oldest going first."""
+        self.recorded[full] = entry
+        owner = weakref.ref(self)
+        for cache in caches:
+            weakref.finalize(cache, _forget, owner, full)
+        while len(self.recorded) > MAX_RECORDED:
+            oldest = next(iter(self.recorded))
+            del self.recorded[oldest]
+            self.seen.pop(oldest, None)
+
+
+def _forget(owner: "weakref.ref[StepGraphs]", full: tuple) -> None:
+    steps = owner()
+    if steps is not None:
+        steps.recorded.pop(full, None)
+        steps.seen.pop(full, None)
 
 
 class CudaGraphs:
@@ -287,19 +324,46 @@ def _substitute(value: Any, swap: dict[int, torch.Tensor]) -> Any:
     return value
 
 
-def _cloned(output: Any) -> Any:
-    """``output`` with every tensor cloned out of the graph's memory (the next replay overwrites it)."""
+class _CacheSlot:
+    """Where a recorded output held the call's cache object (``past_key_values``): the entry keeps no reference to
+    the cache, which would keep it alive (and its recording with it)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _without(output: Any, caches: list[Any]) -> Any:
+    """``output`` with each of ``caches`` replaced by a ``_CacheSlot``."""
+    for i, cache in enumerate(caches):
+        if output is cache:
+            return _CacheSlot(i)
+    if isinstance(output, (tuple, list)) and not hasattr(output, "keys"):
+        return type(output)(_without(v, caches) for v in output)
+    if hasattr(output, "keys") and hasattr(output, "__getitem__"):
+        return _rebuilt(output, {k: _without(output[k], caches) for k in output.keys()})
+    return output
+
+
+def _cloned(output: Any, caches: list[Any]) -> Any:
+    """A recorded output for the caller: every tensor cloned out of the graph's memory (the next replay overwrites
+    it), the call's cache objects put back."""
     if isinstance(output, torch.Tensor):
         return output.clone()
+    if isinstance(output, _CacheSlot):
+        return caches[output.index]
     if isinstance(output, (tuple, list)) and not hasattr(output, "keys"):
-        return type(output)(_cloned(v) for v in output)
+        return type(output)(_cloned(v, caches) for v in output)
     if hasattr(output, "keys") and hasattr(output, "__getitem__"):  # HF ModelOutput (an OrderedDict) or a dict
-        fields = {k: _cloned(output[k]) for k in output.keys()}
-        try:
-            return type(output)(**fields)
-        except TypeError:
-            return fields
+        return _rebuilt(output, {k: _cloned(output[k], caches) for k in output.keys()})
     return output
+
+
+def _rebuilt(like: Any, fields: dict) -> Any:
+    """An object of ``like``'s mapping type with ``fields`` (a plain dict where the type takes no such keywords)."""
+    try:
+        return type(like)(**fields)
+    except TypeError:
+        return fields
 
 
 def _add_counts(counts: Counter) -> None:

@@ -198,8 +198,8 @@ def _kernel_class(name: str) -> str:
     """The part of a decode step a GPU kernel belongs to, by its name."""
     if any(t in name for t in ("_split_kv", "_stream_k", "_merge_states", "_saap")):
         return "attnopt attention kernels"
-    if any(t in name for t in ("_valid_len", "_key_range", "_key_start")):
-        return "attnopt mask scans (valid length, window start)"
+    if not name.startswith("triton_") and any(t in name for t in ("_valid_len", "_key_range", "_key_start")):
+        return "attnopt mask scans (valid length, window start)"  # (inductor's kernels name the ops they fuse)
     if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
         return "SDPA kernels"
     if name.startswith("triton_"):
@@ -232,38 +232,57 @@ def profile_steps(step, cache, tok, n: int = 5) -> dict[str, Any]:
             c["gpu_us_per_step"] += gpu / n
         elif "attnopt::" in e.key or "Torch-Compiled Region" in e.key or "CUDAGraph" in e.key:
             host_ops[e.key] = {"calls_per_step": e.count / n, "host_us_per_step": e.cpu_time_total / n}
-    for name, us in busy.items():
-        classes.setdefault(name, {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})["busy_us_per_step"] = us
+    for name, (us, alone) in busy.items():
+        entry = classes.setdefault(name, {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})
+        entry["busy_us_per_step"], entry["exclusive_us_per_step"] = us, alone
     return {"gpu_by_class": classes, "host_ops": host_ops,
             "kernels_per_step": sum(c["kernels_per_step"] for c in classes.values()),
             "gpu_us_per_step": sum(c["gpu_us_per_step"] for c in classes.values())}
 
 
-def _busy_us_by_class(prof, n: int) -> dict[str, float]:
-    """Per kernel class, the time per step during which at least one of its kernels ran (the union of their
-    intervals). Summing durations counts twice what overlaps: split-KV launches its merge with programmatic
-    dependent launch, and the merge's kernel starts while the partial kernel still runs."""
+def _busy_us_by_class(prof, n: int) -> dict[str, tuple[float, float]]:
+    """Per kernel class, (busy, exclusive) µs per step: busy is the time during which at least one of its kernels ran
+    (the union of their intervals; summing durations counts twice what overlaps: split-KV launches its merge with
+    programmatic dependent launch, and the merge starts while the partial kernel still runs); exclusive is the part
+    of that during which no kernel of another class ran (a kernel launched early with PDL waits inside its interval
+    while its predecessor finishes: that wait is busy time, not exclusive)."""
     spans: dict[str, list[tuple[float, float]]] = {}
     for e in prof.events():
         if not str(getattr(e, "device_type", "")).endswith("CUDA"):
             continue
         tr = e.time_range
         spans.setdefault(_kernel_class(e.name), []).append((tr.start, tr.end))
-    busy = {}
-    for name, iv in spans.items():
-        iv.sort()
-        total, cur_s, cur_e = 0.0, None, None
-        for s0, e0 in iv:
-            if cur_e is None or s0 > cur_e:
-                if cur_e is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s0, e0
-            else:
-                cur_e = max(cur_e, e0)
-        if cur_e is not None:
-            total += cur_e - cur_s
-        busy[name] = total / n
-    return busy
+    merged = {name: _union(iv) for name, iv in spans.items()}
+    out = {}
+    for name, mine in merged.items():
+        others = _union([span for other, iv in merged.items() if other != name for span in iv])
+        busy = sum(e0 - s0 for s0, e0 in mine)
+        out[name] = (busy / n, (busy - _overlap(mine, others)) / n)
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as ``intervals``."""
+    out: list[tuple[float, float]] = []
+    for s0, e0 in sorted(intervals):
+        if out and s0 <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e0))
+        else:
+            out.append((s0, e0))
+    return out
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, disjoint interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def standalone_attention_us(report, cache, context: int) -> dict[str, Any] | None:

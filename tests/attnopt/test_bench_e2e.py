@@ -98,5 +98,25 @@ def test_profile_kernel_classes():
     assert _kernel_class("_valid_len_kernel").startswith("attnopt mask scans")
     assert _kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "SDPA kernels"
     assert _kernel_class("triton_poi_fused_add_0") == "inductor kernels"
+    assert _kernel_class("triton_poi_fused_lt_valid_len_0") == "inductor kernels"
     assert _kernel_class("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "GEMMs"
     assert _kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel").startswith("other")
+
+
+def test_busy_and_exclusive_time_of_kernel_classes():
+    """Busy: the union of a class's kernel intervals; exclusive: the part no other class overlaps (a PDL-launched
+    kernel waiting on its predecessor overlaps it)."""
+    from types import SimpleNamespace
+
+    from attnopt.bench.e2e import _busy_us_by_class
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start,
+                                                                                                    end=end))
+
+    events = [kernel("nvjet_gemm", 0, 10), kernel("_split_kv_kernel", 8, 20), kernel("_merge_states_kernel", 18, 24),
+              kernel("nvjet_gemm", 30, 40), kernel("_split_kv_kernel", 41, 45), kernel("cpu op", 0, 100)]
+    events[-1].device_type = "DeviceType.CPU"
+    busy = _busy_us_by_class(SimpleNamespace(events=lambda: events), n=2)
+    assert busy["attnopt attention kernels"] == ((16 + 4) / 2, (14 + 4) / 2)
+    assert busy["GEMMs"] == (20 / 2, 18 / 2)

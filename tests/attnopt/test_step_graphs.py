@@ -224,3 +224,64 @@ def test_a_forward_hook_added_after_recording_is_not_skipped(model):
             handle.remove()
     assert steps.replays == 2  # not replayed
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_each_new_cache_is_recorded_after_one_call_and_forgotten_with_its_cache(model):
+    """generate() makes a StaticCache per call: a known signature records a new cache after one compiled call (not
+    two), and a recording goes when its cache does (it pins the cache's tensors: they would stay allocated)."""
+    import gc
+
+    calls = []
+
+    def forward(**kw):
+        calls.append(1)
+        return model.forward(**kw)
+
+    class Forgetful(FakeGraphs):  # a graph keeps no Python objects; the stand-in's replay would keep the cache
+        def record(self, fn):
+            handle, out = super().record(fn)
+            return {"first": True, "fn": None}, out
+
+        def replay(self, graph):
+            graph["first"] = False
+
+    steps = StepGraphs(forward, model, lambda: None, graphs=Forgetful())
+    for seed in range(3):
+        _decode(model, lambda **kw: steps((), kw), steps=5, seed=seed)
+    assert steps.graphs.recordings == 3
+    # of 15 calls: 2 compiled for the first cache and 1 for each later one (the stand-in's recording runs the forward
+    # once more, a real one does not); the other 11 are replays, each recording's first one included
+    assert len(calls) - steps.graphs.recordings == 2 + 1 + 1
+    assert steps.replays == 15 - 4
+    gc.collect()
+    assert steps.recorded == {}  # the three caches are gone, and so are their recordings
+
+
+def test_an_argument_that_views_the_cache_runs_the_forward():
+    """An argument sharing memory with the cache would be copied into the graph's buffer and miss the forward's
+    writes to the cache, which the original sees; such a call runs the compiled forward instead of a replay."""
+    class Layer:
+        def __init__(self):
+            self.keys = torch.zeros(4)
+
+    class Cache:
+        is_compileable = True
+
+        def __init__(self):
+            self.layers = [Layer()]
+
+    def forward(x, past_key_values):
+        past_key_values.layers[0].keys.add_(1.0)  # the step writes the cache, then reads its argument
+        return {"out": x * 2.0}
+
+    cache = Cache()
+    steps = StepGraphs(forward, torch.nn.Linear(1, 1), lambda: None, graphs=FakeGraphs())
+    with torch.no_grad():
+        for _ in range(4):
+            steps((), {"x": torch.ones(4), "past_key_values": cache})
+        assert steps.replays == 2
+        view = cache.layers[0].keys
+        got = steps((), {"x": view, "past_key_values": cache})["out"]
+    assert steps.replays == 2
+    # four calls wrote the cache (two compiled, the recording's, one replay), the fifth's write is seen: 2 * (4 + 1)
+    torch.testing.assert_close(got, torch.full((4,), 10.0))
