@@ -84,7 +84,10 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
                 from .step_graphs import StepGraphs
 
                 growing = compiled_forward
-                steps = StepGraphs(compiled_forward, model, backend.note_graph_replay)
+                # what step graphs never record still replays through inductor's CUDA-graph trees, as before them
+                # (compiled at its first call only: a model whose steps all record never compiles it)
+                trees = torch.compile(private_code(model.forward), backend=backend, dynamic=cfg.dynamic)
+                steps = StepGraphs(compiled_forward, model, backend.note_graph_replay, fallback=trees)
                 object.__setattr__(optimized, _STEP_GRAPHS_ATTR, steps)
             elif mode == "reduce-overhead":
                 growing = torch.compile(private_code(model.forward), backend=backend.with_mode(None),
@@ -161,20 +164,20 @@ def _hf_forward(compiled: Callable, original: Callable, max_decode_q_len: int, b
             new_tokens = embeds.shape[-2] if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2 else 0
         if new_tokens > max_decode_q_len:
             return original(*args, **kwargs)
-        target = compiled
+        grows = False
         if growing_cache is not None:
             cache = kwargs.get("past_key_values")
             ref = last_cache[0]
             if cache is None or ref is None or ref() is not cache:
-                grows = getattr(cache, "is_compileable", True) is False
-                last_cache[:] = [_weak(cache), grows]
-            if last_cache[1]:
-                target = growing_cache
+                last_cache[:] = [_weak(cache), getattr(cache, "is_compileable", True) is False]
+            grows = last_cache[1]
         before = backend.graph_calls
-        if step_graphs is not None and target is compiled:
+        if grows:
+            out = growing_cache(*args, **kwargs)
+        elif step_graphs is not None:
             out = step_graphs(args, kwargs)
         else:
-            out = target(*args, **kwargs)
+            out = compiled(*args, **kwargs)
         if backend.graph_calls == before:
             backend.note_uncompiled_call(name)
         return out

@@ -102,12 +102,15 @@ class StepGraphs:
     """Record and replay whole forward calls of ``compiled`` (the attnopt-compiled forward of ``model``).
 
     ``__call__(args, kwargs)`` returns the forward's output, from a replay when the signature is recorded.
-    ``on_replay()`` runs at each replay (the backend counts it as a call of its graphs).
+    ``on_replay()`` runs at each replay (the backend counts it as a call of its graphs). ``fallback`` runs the calls
+    that are never recorded (an argument of an unknown kind, grad mode, a mutating forward, a cache with Python-side
+    counters, a failed recording); by default ``compiled``.
     """
 
     def __init__(self, compiled: Callable, model: torch.nn.Module, on_replay: Callable[[], None],
-                 graphs: "CudaGraphs | None" = None):
+                 graphs: "CudaGraphs | None" = None, fallback: Callable | None = None):
         self.compiled = compiled
+        self.fallback = fallback or compiled  # calls that are never recorded (inductor's CUDA-graph trees, say)
         self.model = model
         self.on_replay = on_replay
         self.graphs = graphs or CudaGraphs()
@@ -168,9 +171,9 @@ class StepGraphs:
         try:
             key, tensors, caches = self._key(args, kwargs)
         except _Uncapturable:
-            return self.compiled(*args, **kwargs)
+            return self.fallback(*args, **kwargs)
         if key in self.refused:
-            return self.compiled(*args, **kwargs)
+            return self.fallback(*args, **kwargs)
         full = (key, tuple(map(id, caches)))
         entry = self.recorded.get(full)
         if entry is not None:
@@ -178,7 +181,7 @@ class StepGraphs:
                 if any(t.untyped_storage().data_ptr() in entry.pinned_storages for t in tensors):
                     # an argument that is a view of the cache or a parameter: a copy of it would not see the
                     # forward's writes to the cache, as the original does
-                    return self.compiled(*args, **kwargs)
+                    return self.fallback(*args, **kwargs)
                 return self._replay(entry, tensors, caches)
             del self.recorded[full]  # a cache re-allocated or a parameter replaced: one compiled call, then again
             self.seen[full] = 0
@@ -230,7 +233,7 @@ class StepGraphs:
                 self._warned = True
                 warnings.warn(f"attnopt: a decode step could not be recorded as one CUDA graph and runs without "
                               f"one ({type(e).__name__}: {str(e)[:200]})", RuntimeWarning, stacklevel=3)
-            return self.compiled(*args, **kwargs)
+            return self.fallback(*args, **kwargs)
         delta = Counter(CALL_COUNTS)
         delta.subtract(counts_before)
         entry = _Recorded(graph, inputs, _without(output, caches), self.model, caches, +delta)

@@ -358,8 +358,8 @@ class GpuTimer:
 
     def fresh_length_us(self, plan: Plan, site: AttentionSite, lengths: int = FRESH_LENGTHS) -> tuple[float, float]:
         """(µs of a call at a KV length not called before, µs of a call at a length called before): wall time of one
-        eager, synchronized call each, the median of ``lengths`` of each kind, over views of the first input set
-        shortened by a few keys (as a growing cache's view grows by one key a step). A symbolic length runs a new
+        eager, synchronized call each, the median of ``lengths`` of each kind, over copies of the first input set a
+        few keys shorter, made before each timed call (a growing cache is a new tensor a key longer every step). A symbolic length runs a new
         length every step: a backend that builds something per shape (cuDNN's SDPA graph is keyed by the lengths
         unless ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``) pays the difference on every step."""
         import statistics
@@ -374,8 +374,8 @@ class GpuTimer:
             state = get_strategy(plan.kind).prepare(plan, s0["q"], s0["k"], s0["v"])
 
             def call_at(n: int) -> float:
-                s = dict(s0, k=s0["k"][:, :, :n], v=s0["v"][:, :, :n],
-                         mask=None if s0["mask"] is None else s0["mask"][..., :n])
+                s = dict(s0, k=s0["k"][:, :, :n].contiguous(), v=s0["v"][:, :, :n].contiguous(),
+                         mask=None if s0["mask"] is None else s0["mask"][..., :n].contiguous())
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 site_call(plan, site, s, state)()

@@ -54,8 +54,9 @@ from .site import AttentionSite
 from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
 from .timer import error_text as _error_text
 from .timer import warm_workers
-from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, _family,  # noqa: F401
-                                compile_key, most_parallel, to_time)  # (re-exported for the tuner's users)
+from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, PEER_MARGIN,  # noqa: F401
+                                PEER_SPAN, _family, compile_key, most_parallel, near_peer, prefer_peer,
+                                to_time)  # (re-exported for the tuner's users)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
@@ -97,15 +98,6 @@ TIE_MAX = 3
 #: over an eighth of the keys, where more splits fill the GPU (4k of a 32k cache: the model's S=16/128 ran 16.9 µs,
 #: 3.4x SDPA over the whole cache, on the H100 at f9e648f; the issue asks 5x).
 STATIC_READERS = 6
-#: A kernel plan must beat the fastest dense (SDPA) plan by more than this fraction, at every length it is judged at,
-#: to be chosen over it. The dense plan is the peer's own kernel, so choosing it holds 1.0x the peer by construction;
-#: a kernel plan that wins by less than the timing noise (about 1 % round to round) may lose by as much on the next
-#: measurement (H100, planner part 0 of 2 at 18ffcc3: 0.978x-0.987x where a kernel plan or cuDNN won narrowly).
-PEER_MARGIN = 0.01
-#: A bucket's kernel winner is also timed against the fastest dense plan at the bucket's ends when that plan is within
-#: this fraction of it at the middle: a fixed grid runs from half to twice its tiles per split inside a 2x bucket, so
-#: the order of two plans this close can swap there (lhs08: split-KV ahead at 4096 keys, cuDNN 2 % ahead at 2432).
-PEER_SPAN = 0.08
 #: A symbolic length's cuDNN plan is charged the extra µs of a call at a new length (``Tuner._fresh_length_charge``)
 #: when it exceeds this: host noise between two eager calls stays well below it, a cuDNN graph build far above.
 FRESH_LENGTH_SLACK_US = 100.0
@@ -262,6 +254,10 @@ class Tuner:
         if late:  # compile nothing new: time what earlier buckets compiled, the SDPA backends and the two always timed
             seen = compiled or set()
             plans = [p for i, p in enumerate(plans) if i < 2 or p.kind == "dense" or compile_key(p) in seen]
+        # a backend seen to build per length at an earlier bucket of this site is not compiled or timed again
+        per_length = {p.runtime_key(): self._per_length_us(p, site) for p in plans} if bucketed else {}
+        per_length = {k: v for k, v in per_length.items() if v is not None}
+        plans = [p for p in plans if p.runtime_key() not in per_length] or plans
         extra: dict[str, Any] = self._warm_up(plans, site, eager)
         if late:
             extra["late"] = True
@@ -282,6 +278,9 @@ class Tuner:
         end = time.perf_counter() + self.budget_s  # after the warm-up and the valid length: timing alone
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         extra.update(measure_extra)
+        for key, us in per_length.items():
+            if key not in timings and key not in samples:
+                timings[key] = f"skipped: a new KV length costs {us:.0f} µs more (built per length)"
         for key, times in samples.items():
             timings[key] = _median(times) + charge[key]
         measured = {k: v for k, v in timings.items() if isinstance(v, float) and math.isfinite(v)}
@@ -292,12 +291,12 @@ class Tuner:
         # a static cache's dense winner is judged at a low fill, and a kernel winner against a close dense plan over
         # the span, even past the budget: a few timings of compiled plans
         dense_static = static and best is not None and not uses_valid_len(by_key[best], site)
-        near_peer = best is not None and span is not None and _near_peer(best, measured, by_key) is not None
+        close_peer = best is not None and span is not None and near_peer(best, measured, by_key) is not None
         if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static
-                                                                     or near_peer):
+                                                                     or close_peer):
             best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
         elif best is not None and not static:  # (a static cache's reader beats the peer at a low fill)
-            best = _prefer_peer(best, measured, by_key)
+            best = prefer_peer(best, measured, by_key)
         release = getattr(self.timer, "release", None)
         if release is not None:  # free the timer's input sets (GBs at long contexts) before the model runs
             release()
@@ -350,9 +349,7 @@ class Tuner:
             key = plan.runtime_key()
             if plan.kind != "dense" or getattr(plan, "backend", "") != "cudnn":
                 continue
-            # probed once per site apart from its length (the buckets of one site share the answer)
-            which = (key, site.batch, site.q_heads, site.kv_heads, site.head_dim, site.q_len, site.dtype,
-                     site.mask_kind)
+            which = _fresh_key(plan, site)  # probed once per site apart from its length: its buckets share it
             if which not in self._fresh:
                 try:
                     self._fresh[which] = [float(x) for x in probe(plan, site)]
@@ -363,11 +360,19 @@ class Tuner:
                 charge[key] = charge.get(key, 0.0) + seen[key][0] - seen[key][1]
         return {"fresh_length_us": seen} if seen else {}
 
+    def _per_length_us(self, plan: Plan, site: AttentionSite) -> float | None:
+        """What a new KV length costs ``plan`` beyond ``FRESH_LENGTH_SLACK_US`` at this site, where an earlier
+        bucket probed it (``_fresh_length_charge``); else ``None``."""
+        probed = self._fresh.get(_fresh_key(plan, site))
+        if isinstance(probed, list) and probed[0] - probed[1] > FRESH_LENGTH_SLACK_US:
+            return probed[0] - probed[1]
+        return None
+
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
                    span: tuple[int, ...], charge: dict[str, float],
                    static: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
         """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it, and the fastest dense plan
-        when it is within ``PEER_SPAN`` of a kernel winner (``_near_peer``): the one whose worst ratio to the fastest
+        when it is within ``PEER_SPAN`` of a kernel winner (``near_peer``): the one whose worst ratio to the fastest
         of them, at the measured length and at each length of ``span``, is lowest, a kernel plan's counted
         ``PEER_MARGIN`` higher (ties: the faster where measured).
         A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
@@ -376,7 +381,7 @@ class Tuner:
         full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
         pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
         pair = pair[:TIE_MAX]
-        peer = _near_peer(best, measured, by_key)
+        peer = near_peer(best, measured, by_key)
         if peer is not None and peer not in pair:
             pair.append(peer)
         if static and not uses_valid_len(by_key[best], site):
@@ -384,7 +389,7 @@ class Tuner:
                        and measured[k] <= (1 + STATIC_DENSE_TIE) * measured[best]]
             pair += [k for k in readers if k not in pair][:STATIC_READERS]
         if len(pair) < 2:
-            return _prefer_peer(best, measured, by_key), {}
+            return prefer_peer(best, measured, by_key), {}
         worst = {k: measured[k] / measured[best] for k in pair}
         at_ends: dict[str, dict[str, float]] = {}
         for n in dict.fromkeys(span):
@@ -501,25 +506,10 @@ def _static_cache(site: AttentionSite) -> bool:
     return site.mask_kind in ("valid_length", "arbitrary") and site.window is None and site.kv_len is not None
 
 
-def _fastest_dense(measured: dict[str, float], by_key: dict[str, Plan]) -> str | None:
-    dense = [k for k in measured if by_key[k].kind == "dense"]
-    return min(dense, key=measured.get) if dense else None
-
-
-def _near_peer(best: str, measured: dict[str, float], by_key: dict[str, Plan]) -> str | None:
-    """The fastest dense plan when ``best`` is a kernel plan and that dense plan is within ``PEER_SPAN`` of it."""
-    peer = _fastest_dense(measured, by_key)
-    if peer is None or by_key[best].kind == "dense" or measured[peer] > (1 + PEER_SPAN) * measured[best]:
-        return None
-    return peer
-
-
-def _prefer_peer(best: str, measured: dict[str, float], by_key: dict[str, Plan]) -> str:
-    """``best``, or the fastest dense plan where ``best`` is a kernel plan ahead of it by ``PEER_MARGIN`` or less."""
-    peer = _fastest_dense(measured, by_key)
-    if peer is not None and by_key[best].kind != "dense" and measured[peer] <= (1 + PEER_MARGIN) * measured[best]:
-        return peer
-    return best
+def _fresh_key(plan: Plan, site: AttentionSite) -> tuple:
+    """The plan and the site apart from its KV length: what ``Tuner._fresh`` keeps a fresh-length probe by."""
+    return (plan.runtime_key(), site.batch, site.q_heads, site.kv_heads, site.head_dim, site.q_len, site.dtype,
+            site.mask_kind)
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -29,7 +29,9 @@ from .site import AttentionSite
 #: ``tuning.PEER_SPAN`` of a bucket's kernel winner is judged at the bucket's ends.
 #: 6: the timed call returns the op's layout (``ops.fake_layout``), a static cache's dense winner is judged against
 #: several valid-key plans at the low fill, and a symbolic length's cuDNN plan is charged what a new length costs.
-TUNING_VERSION = 6
+#: 7: a dense plan converts a bool mask in one kernel (``strategies.dense.additive_mask``): dense timings with a mask
+#: changed.
+TUNING_VERSION = 7
 
 log = logging.getLogger("attnopt.tuning")
 

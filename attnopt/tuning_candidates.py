@@ -1,5 +1,5 @@
-"""What the measured choice times (``attnopt.tuning``): the candidates of a shape, in the order they are timed, and
-which of them share compiled kernels.
+"""What the measured choice times (``attnopt.tuning``): the candidates of a shape, in the order they are timed, which
+of them share compiled kernels, and how a kernel plan is weighed against the SDPA peer's own kernel.
 
 The cost model ranks the grids of one kernel configuration well and configurations against each other poorly, so
 the tuner times the model's pick, every explicit SDPA backend (the peers' own kernels), the most parallel split-KV
@@ -15,6 +15,15 @@ from typing import Sequence
 
 from .plan import Plan
 
+#: A kernel plan must beat the fastest dense (SDPA) plan by more than this fraction, at every length it is judged at,
+#: to be chosen over it. The dense plan is the peer's own kernel, so choosing it holds 1.0x the peer by construction;
+#: a kernel plan that wins by less than the timing noise (about 1 % round to round) may lose by as much on the next
+#: measurement (H100, planner part 0 of 2 at 18ffcc3: 0.978x-0.987x where a kernel plan or cuDNN won narrowly).
+PEER_MARGIN = 0.01
+#: A bucket's kernel winner is also timed against the fastest dense plan at the bucket's ends when that plan is within
+#: this fraction of it at the middle: a fixed grid runs from half to twice its tiles per split inside a 2x bucket, so
+#: the order of two plans this close can swap there (lhs08: split-KV ahead at 4096 keys, cuDNN 2 % ahead at 2432).
+PEER_SPAN = 0.08
 #: Kernel (non-SDPA) candidates timed per shape, best estimates first.
 DEFAULT_TOP_K = 4
 #: Kernel configurations beyond the top ``DEFAULT_TOP_K``: the best-estimated plan of each further (kind, block_n,
@@ -96,3 +105,25 @@ def compile_key(plan: Plan) -> str:
     if splits is not None:
         data["splits_1_16"] = (splits == 1, splits % 16 == 0)
     return json.dumps({"kind": plan.kind, "data": data}, sort_keys=True)
+
+
+def fastest_dense(measured: dict[str, float], by_key: dict[str, Plan]) -> str | None:
+    """The runtime key of the fastest measured dense (SDPA) plan, or ``None``."""
+    dense = [k for k in measured if by_key[k].kind == "dense"]
+    return min(dense, key=measured.get) if dense else None
+
+
+def near_peer(best: str, measured: dict[str, float], by_key: dict[str, Plan]) -> str | None:
+    """The fastest dense plan when ``best`` is a kernel plan and that dense plan is within ``PEER_SPAN`` of it."""
+    peer = fastest_dense(measured, by_key)
+    if peer is None or by_key[best].kind == "dense" or measured[peer] > (1 + PEER_SPAN) * measured[best]:
+        return None
+    return peer
+
+
+def prefer_peer(best: str, measured: dict[str, float], by_key: dict[str, Plan]) -> str:
+    """``best``, or the fastest dense plan where ``best`` is a kernel plan ahead of it by ``PEER_MARGIN`` or less."""
+    peer = fastest_dense(measured, by_key)
+    if peer is not None and by_key[best].kind != "dense" and measured[peer] <= (1 + PEER_MARGIN) * measured[best]:
+        return peer
+    return best

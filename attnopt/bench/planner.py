@@ -22,6 +22,11 @@ replay and checked against an fp32 reference:
 The pick and the peers within 5 % of the best are then timed ``--retime`` more times each in alternating order, and
 each keeps its median (``us_samples``), so that the order of measurement does not decide a tie of one kernel.
 
+A dynamic case also times one eager call of the pick and of sdpa-cudnn at KV lengths not called before against
+lengths called before (``fresh_length_us``): every step of a growing cache is a new length, and PyTorch builds a
+cuDNN SDPA graph per length. ``growing_ratio_to_best_peer`` charges each its excess per step (``growing_us``);
+``ratio_to_best_peer`` is the replayed time at one length alone.
+
 Per case: the ratio best peer / ours (>= 1: we are faster), the fraction of the HBM read roofline (the valid K/V
 bytes over the read bandwidth measured in the same run), the first-call seconds, and for static caches the
 speedup over the best SDPA over the whole cache. ``overall``: min ratio, geometric mean, the count >= 0.99, the
@@ -43,6 +48,7 @@ import time
 from typing import Any, Callable
 
 from .planner_grid import STATIC_CHECK_CASE, STATIC_CHECK_MIN, STATIC_KINDS, all_cases, geomean, valid_len_of
+from .planner_timing import cudnn_call, fresh_length_us, growing_us, retime
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Relative error above which a row does not count (bf16 outputs land near 3e-3).
@@ -169,7 +175,7 @@ def _error(exc: Exception) -> str:
 def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str,
                    inner: str | None = None, keep: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
     """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune`` (inner backend ``inner``, default ``--inner-backend``):
-    first-call seconds, plan, error, time. ``keep``: gets the timed call by method (for ``_retime``)."""
+    first-call seconds, plan, error, time. ``keep``: gets the timed call by method (for ``planner_timing.retime``)."""
     import torch
 
     import attnopt
@@ -211,6 +217,8 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
         row["timing"] = clock.last
         if keep is not None:
             keep[method] = fn
+        if case[6] == "dynamic" and clock.device == "cuda":
+            row["fresh_length_us"] = fresh_length_us(lambda s: (lambda: opt(*_args_of(s, case[6]))), sets[0])
     except Exception as exc:  # report and go on: one failing case must not lose the run
         row["error"] = _error(exc)
     return row
@@ -260,7 +268,7 @@ def _fastest_first(item: tuple[str, Any]) -> tuple[bool, float]:
 def _peer_rows(base, case, sets, ref, scale, clock, args,
                keep: dict[str, Callable[[], Any]] | None = None) -> list[dict[str, Any]]:
     """SDPA with each backend forced (GPU), or SDPA's own path (CPU); torch.compile of the same function. ``keep``:
-    gets each peer's timed call by method (for ``_retime``)."""
+    gets each peer's timed call by method (for ``planner_timing.retime``)."""
     import torch
 
     from .common import cycle, rel_err
@@ -295,37 +303,12 @@ def _peer_rows(base, case, sets, ref, scale, clock, args,
             row["timing"] = clock.last
             if keep is not None:
                 keep[name] = fn
+            if cache == "dynamic" and clock.device == "cuda" and name == "sdpa-cudnn":
+                row["fresh_length_us"] = fresh_length_us(lambda s: cudnn_call(s, scale, Hq != Hkv), sets[0])
         except Exception as exc:
             row["error"] = _error(exc)
         rows.append(row)
     return rows
-
-
-#: Peers within this fraction of the best are re-timed with the planner's pick (``_retime``).
-RETIME_WITHIN = 0.05
-
-
-def _retime(rows: list[dict[str, Any]], keep: dict[str, Callable[[], Any]], clock: Clock, times: int,
-            calls: int) -> None:
-    """Time the planner's pick and the peers within ``RETIME_WITHIN`` of the best ``times`` more times each, in
-    alternating order (ABBA), and set each one's ``us`` to the median of all its measurements (``us_samples``).
-    One measurement each, the pick first, right after its compile, left a 1-2 % spread between two calls of the same
-    cuDNN kernel on the H100 (planner parts at 18ffcc3 / f9e648f). Only SDPA peers and the HF static path are
-    re-timed: a ``torch.compile`` peer of the same function would make dynamo recompile between the two."""
-    ok = [r for r in rows if r.get("us") and r.get("rel_err", 1.0) < REL_ERR_OK and r["method"] in keep]
-    peers = [r for r in ok if r["peer"] and (r["method"].startswith("sdpa") or r["method"].startswith("hf-"))]
-    if not peers or not any(r["method"] == "attnopt:planner" for r in ok) or times <= 0:
-        return
-    best = min(r["us"] for r in peers)
-    chosen = [r for r in ok if r["method"] == "attnopt:planner"] + [r for r in peers
-                                                                     if r["us"] <= (1 + RETIME_WITHIN) * best]
-    samples = {r["method"]: [r["us"]] for r in chosen}
-    for i in range(times):
-        for r in (chosen if i % 2 else chosen[::-1]):
-            samples[r["method"]].append(clock.time(keep[r["method"]], calls))
-    for r in chosen:
-        r["us_samples"] = samples[r["method"]]
-        r["us"] = statistics.median(samples[r["method"]])
 
 
 def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -351,6 +334,12 @@ def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any
     if "attnopt:model" in ours:
         s.update(model_plan=ours["attnopt:model"].get("plan"), model_us=ours["attnopt:model"].get("us"),
                  model_compile_s=ours["attnopt:model"].get("compile_s"))
+    # per step of a growing cache: a peer that builds something per length (cuDNN) pays it every step
+    growing = [r for r in peers if growing_us(r)]
+    if planner in ok and growing:
+        best_growing = min(growing, key=growing_us)
+        s.update(best_growing_peer=best_growing["method"],
+                 growing_ratio_to_best_peer=growing_us(best_growing) / growing_us(planner))
     sdpa = [r for r in peers if r["method"].startswith("sdpa")]
     if case[6] == "static" and sdpa and planner in ok:  # a nearly full cache (static-full) has nothing to skip
         s["speedup_vs_sdpa_full_cache"] = min(r["us"] for r in sdpa) / planner["us"]
@@ -361,7 +350,8 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Over the cases with a ratio: min, geometric mean, the count >= 0.99 and the worst case, for the tuned pick
     and the model's (``model_*``); the static-cache check; first-call seconds."""
     out: dict[str, Any] = {"cases": len(summaries)}
-    for key, prefix in (("ratio_to_best_peer", ""), ("model_ratio_to_best_peer", "model_")):
+    for key, prefix in (("ratio_to_best_peer", ""), ("model_ratio_to_best_peer", "model_"),
+                        ("growing_ratio_to_best_peer", "growing_")):
         ratios = {s["case"]: s[key] for s in summaries if s.get(key)}
         if not ratios:
             continue
@@ -454,7 +444,8 @@ def print_summary(results: dict[str, Any]) -> None:
     print(format_table(results.get("summary", []), [
         ("case", "case", ""), ("best_peer", "best peer", ""), ("best_peer_us", "peer µs", ".1f"),
         ("attnopt_us", "tuned µs", ".1f"), ("ratio_to_best_peer", "ratio", ".3f"), ("model_us", "model µs", ".1f"),
-        ("model_ratio_to_best_peer", "model ratio", ".3f"), ("frac_of_roofline", "roof", ".2f"),
+        ("model_ratio_to_best_peer", "model ratio", ".3f"), ("growing_ratio_to_best_peer", "growing", ".3f"),
+        ("frac_of_roofline", "roof", ".2f"),
         ("compile_s", "first s", ".1f"), ("tune_s", "tune s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"),
         ("choice", "choice", ""),
         ("plan", "plan", ""), ("error", "error", "")]))
@@ -485,7 +476,7 @@ def _run_case(name, case, dtype, dtype_name, clock, args, hw_name, read_bw, resu
     planner = _optimized_row(base, "attnopt:planner", sets, case, ref, clock, args, hw_name, "1", keep=keep)
     peers = _peer_rows(base, case, sets, ref, scale, clock, args, keep=keep)
     # before the model's row, whose dynamo reset would make the planner's function compile again
-    _retime([planner] + peers, keep, clock, args.retime, len(sets))
+    retime([planner] + peers, keep, clock, args.retime, len(sets), REL_ERR_OK)
     keep.clear()
     rows = [planner]
     if args.compare_model:

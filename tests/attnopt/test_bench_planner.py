@@ -208,3 +208,24 @@ def test_every_sampled_name_spells_its_shape_and_held_out_shapes_can_be_named():
     for bad in ("x-B3-12/5-d96-N5000-q1-dynamic", "x-B3-12/4-d96-N5000-q1-growing", "lhs01"):
         with pytest.raises(ValueError, match="unknown case"):
             G.all_cases(0, 0, 19, (bad,))
+
+
+def test_a_growing_cache_charges_each_method_what_a_new_length_costs():
+    """A dynamic case: sdpa-cudnn replays fastest at one length but builds a graph at every new length (40 ms on the
+    H100), so per step of a growing cache flash is the best peer; a case without fresh-length numbers keeps the
+    replayed ratio, and overall reports both."""
+    from attnopt.bench.planner import growing_us
+
+    case = (8, 4, 2, 80, 2048, 1, "dynamic")
+    rows = [_row("attnopt:planner", 10.0, False, fresh_length_us=[110.0, 100.0]),
+            _row("sdpa-cudnn", 9.8, True, fresh_length_us=[40000.0, 120.0]), _row("sdpa-flash", 14.0, True)]
+    s = summarize("dyn", case, rows)
+    assert s["ratio_to_best_peer"] == pytest.approx(0.98) and s["best_peer"] == "sdpa-cudnn"
+    assert s["best_growing_peer"] == "sdpa-flash" and s["growing_ratio_to_best_peer"] == pytest.approx(1.4)
+    assert growing_us(rows[0]) == 10.0 and growing_us(rows[1]) == pytest.approx(9.8 + 39880.0)
+    fixed = summarize("fix", (1, 4, 2, 64, 4096, 1, "fixed"), [_row("attnopt:planner", 5.0, False),
+                                                               _row("sdpa-cudnn", 5.0, True)])
+    assert fixed["growing_ratio_to_best_peer"] == fixed["ratio_to_best_peer"] == 1.0
+    out = overall([s, fixed])
+    assert out["min_ratio"] == pytest.approx(0.98) and out["growing_min_ratio"] == 1.0
+    assert out["growing_at_least_0_99"] == 2 and out["at_least_0_99"] == 1

@@ -161,11 +161,18 @@ def test_a_forward_that_mutates_an_input_or_python_state_is_never_recorded(model
         return kw["input_ids"] * 2
 
     cache = Counting()
-    steps = StepGraphs(counting_forward, model, lambda: None, graphs=FakeGraphs())
+    fallback_calls = []
+
+    def fallback(**kw):
+        fallback_calls.append(1)
+        return counting_forward(**kw)
+
+    steps = StepGraphs(counting_forward, model, lambda: None, graphs=FakeGraphs(), fallback=fallback)
     with torch.no_grad():
         for _ in range(5):
             steps((), {"input_ids": torch.ones(1, 1), "past_key_values": cache})
     assert cache.seen == 5 and steps.graphs.recordings == 0
+    assert len(fallback_calls) == 5 - 1  # after the compiled call that found the Python state
 
 
 def test_a_failed_recording_warns_once_and_runs_the_forward(model):

@@ -503,8 +503,9 @@ def test_a_growing_cache_charges_cudnn_what_a_new_length_costs(cache, fresh_us, 
 
 
 def test_the_gpu_timers_fresh_length_probe_calls_new_then_known_lengths(monkeypatch):
-    """fresh_length_us: three lengths just below the site's, each called twice (first new, then known), over views of
-    the first input set (a growing cache's view, no copy); a strategy that builds per length shows the build."""
+    """fresh_length_us: three lengths just below the site's, each called twice (first new, then known), over
+    contiguous copies of the first input set's keys (a growing cache's new tensor); a strategy that builds per length
+    shows the build."""
     import time as _time
 
     import attnopt.runtime.strategies as strategies
@@ -518,7 +519,7 @@ def test_the_gpu_timers_fresh_length_probe_calls_new_then_known_lengths(monkeypa
 
         def run(self, state, plan, q, k, v, mask, valid_len, scale, is_causal):
             n = k.shape[2]
-            calls.append((n, k.data_ptr()))
+            calls.append((n, k.is_contiguous(), bool(torch.equal(k, timer._sets[0]["k"][:, :, :n]))))
             if n not in built:
                 built.add(n)
                 _time.sleep(0.003)
@@ -530,6 +531,22 @@ def test_the_gpu_timers_fresh_length_probe_calls_new_then_known_lengths(monkeypa
     from attnopt.plan import DensePlan
 
     fresh, repeat = timer.fresh_length_us(DensePlan(backend="cudnn"), site)
-    assert [n for n, _ in calls] == [255, 254, 253, 255, 254, 253]
-    assert {p for _, p in calls} == {timer._sets[0]["k"].data_ptr()}
+    assert [n for n, _, _ in calls] == [255, 254, 253, 255, 254, 253]
+    assert all(contiguous and same for _, contiguous, same in calls)
     assert fresh - repeat > 2000 and T.FRESH_LENGTHS == 3
+
+
+def test_a_backend_that_builds_per_length_is_not_timed_again_in_later_buckets(cache):
+    """Once the first bucket's probe shows cuDNN building per length, the other buckets neither warm nor time it (each
+    new length would build again, 40-108 ms on the H100), and their records say why."""
+    class Probed(Clocked):
+        def fresh_length_us(self, plan, site):
+            return 40000.0, 120.0
+
+    site = dataclasses.replace(AttentionSite.canonical(), kv_len=None, kv_len_hint=6000)
+    timer = Probed(lambda p, s: 50.0 if getattr(p, "backend", "") == "cudnn" else 55.0)
+    Tuner(timer, cache, env=ENV).choose_bucketed(site, _ranked)
+    cudnn = [n for k, n in timer.calls if '"cudnn"' in k]
+    assert cudnn == [tuning.bucket_length(8192)]  # the hint's bucket only
+    record = cache.get(ENV, tuning.ShapeKey.of(dataclasses.replace(site, kv_len=2880), 2880, True))
+    assert [v for k, v in record["timings"].items() if '"cudnn"' in k][0].startswith("skipped: a new KV length")
