@@ -323,6 +323,10 @@ def main() -> int:
     dense_trials = {r["length"]: r["trials"] for r in results["passkey"] if r["method"] == "dense"}
     print(f"dense: ppl {dense_ppl:.3f}; passkey found "
           + ", ".join(f"{n}: {f}/{dense_trials[n]}" for n, f in sorted(dense_pk.items())))
+    if "index_build_s" in results:  # the first configuration's build at prefill, against the dense prefill
+        print(f"prefill {results['prefill_s']:.3f} s; index build {results['index_build_s']:.3f} s "
+              f"({results['index_build_s'] / results['prefill_s']:.1%} of it; the first build in the process "
+              f"{results.get('index_build_first_s', math.nan):.3f} s)")
     if results["skipped"]:
         print("skipped: " + "; ".join(results["skipped"]))
     print(f"wrote {out_path} ({elapsed():.0f} s)")
