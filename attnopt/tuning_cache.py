@@ -29,9 +29,11 @@ from .site import AttentionSite
 #: ``tuning.PEER_SPAN`` of a bucket's kernel winner is judged at the bucket's ends.
 #: 6: the timed call returns the op's layout (``ops.fake_layout``), a static cache's dense winner is judged against
 #: several valid-key plans at the low fill, and a symbolic length's cuDNN plan is charged what a new length costs.
-#: 7: a dense plan converts a bool mask in one kernel (``strategies.dense.additive_mask``): dense timings with a mask
+#: 7: a dense plan converted a bool mask in one kernel (``strategies.dense.additive_mask``): dense timings with a mask
 #: changed.
-TUNING_VERSION = 7
+#: 8: that conversion is gone again (on the H100 its -inf rows made cuDNN's and SDPA's auto output differ from SDPA
+#: with the bool mask on a row with no visible key): dense timings with a mask are SDPA's own again.
+TUNING_VERSION = 8
 
 log = logging.getLogger("attnopt.tuning")
 

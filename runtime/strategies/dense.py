@@ -73,30 +73,6 @@ def combined_mask(q: Tensor, k: Tensor, attn_mask: Tensor | None, valid_len: Ten
 
 
 _AUTO = DensePlan()
-#: (device, dtype) -> the 0-dim (0, -inf) that ``additive_mask`` selects between, made by ``prepare`` (outside any
-#: capture) so that ``run`` allocates nothing for them.
-_MASK_VALUES: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
-
-
-def _mask_values(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    key = (device, dtype)
-    if key not in _MASK_VALUES:
-        _MASK_VALUES[key] = (torch.zeros((), device=device, dtype=dtype),
-                             torch.full((), float("-inf"), device=device, dtype=dtype))
-    return _MASK_VALUES[key]
-
-
-def additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """A bool mask (True = attend) as the additive mask SDPA makes of it (0 where kept, -inf elsewhere, in q's dtype),
-    in one elementwise kernel: SDPA's own conversion launches three (a fill, a logical not, a masked fill; H100:
-    lhs01's static cache ran 24.8 µs with a bool mask where inductor, which fuses them, ran 19.6). Other masks, and
-    a device and dtype whose values ``prepare`` has not made, are returned as they are (SDPA converts them)."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    values = _MASK_VALUES.get((mask.device, dtype))
-    if values is None:
-        return mask
-    return torch.where(mask, values[0], values[1])
 
 
 def _sdpa_backend(name: str):
@@ -151,10 +127,7 @@ class Dense(Strategy[DensePlan]):
         """How ``run`` calls SDPA, found by calls on these tensors (without the mask), outside any capture:
         ``False`` as planned; ``True`` with K/V expanded (the named backend rejects ``enable_gqa``); ``"auto"``
         when the named backend cannot run them at all (this build or GPU lacks it), so SDPA picks its own: a
-        planned backend that is missing costs speed, never the call. ``auto`` never expands. Also makes the values
-        ``run`` converts a bool mask with (``additive_mask``)."""
-        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for good: not in a graph's pool
-            _mask_values(q.device, q.dtype)
+        planned backend that is missing costs speed, never the call. ``auto`` never expands."""
         if plan.backend == "auto":
             return False
         for expand in ((False,) if q.shape[1] == k.shape[1] else (False, True)):
@@ -175,7 +148,7 @@ class Dense(Strategy[DensePlan]):
             # Eager code adds a half-precision bias to wider scores (type promotion); SDPA takes a float mask only in
             # q's dtype or fp32. The promoted dtype (fp32 or fp64) holds every fp16/bf16 value exactly.
             attn_mask = attn_mask.to(torch.promote_types(attn_mask.dtype, q.dtype))
-        mask = additive_mask(combined_mask(q, k, attn_mask, valid_len), q.dtype)
+        mask = combined_mask(q, k, attn_mask, valid_len)
         if state == "auto":
             return _sdpa(_AUTO, False, q, k, v, mask, scale, is_causal)
         return _sdpa(plan, bool(state), q, k, v, mask, scale, is_causal)
