@@ -21,11 +21,12 @@ A replay skips dynamo's guards, so what the graph baked in is checked at every c
 A call that differs in any of these runs the compiled forward as before and, once its own signature has been seen
 ``WARM_CALLS`` times, is recorded too; a new cache object under a recorded signature (``generate()`` makes one per
 call) is recorded after one compiled call. A recording lives as long as its cache object (it pins the cache's
-tensors), and at most ``MAX_RECORDED`` are kept. A call whose forward mutated one of its input tensors, or changed a cache's
-Python state, is never recorded (a copy of the input would take the mutation instead). Recording a signature
-happens after it has run compiled (its kernels compiled, its states prepared), costs no extra forward (the
-recording runs nothing; the first replay is that call's forward), and a failure to record (a sync inside the
-forward) falls back to the compiled forward for that signature, with one warning.
+tensors), and at most ``MAX_RECORDED`` are kept. A call whose forward mutated one of its input tensors, or changed a
+cache's Python state, is never recorded (a copy of the input would take the mutation instead), nor is an argument
+that shares memory with the cache or the parameters replayed; those calls, and a signature whose recording failed
+(a sync inside the forward; one warning), run ``fallback`` (``optimize()`` passes inductor's CUDA-graph trees).
+Recording a signature happens after it has run compiled (its kernels compiled, its states prepared) and costs no
+extra forward (the recording runs nothing; the first replay is that call's forward).
 """
 from __future__ import annotations
 
@@ -123,8 +124,13 @@ class StepGraphs:
         # an activation probe) must not be skipped by a replay, so their count is part of every signature
         from torch.nn.modules import module as nn_module
 
-        self._hook_dicts = [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks]
-        self._hook_dicts += [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._global_hooks = [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks]
+        self._find_hooks()
+
+    def _find_hooks(self) -> None:
+        """The hook dicts of the model's modules as they are now (again after a submodule is swapped in)."""
+        modules = self.model.modules()
+        self._hook_dicts = self._global_hooks + [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     # -- the signature -------------------------------------------------------------------------------------
     def _state_key(self) -> tuple:
@@ -185,6 +191,7 @@ class StepGraphs:
                 return self._replay(entry, tensors, caches)
             del self.recorded[full]  # a cache re-allocated or a parameter replaced: one compiled call, then again
             self.seen[full] = 0
+            self._find_hooks()  # (a swapped-in module brings hook dicts of its own)
         warm = self.seen[key] >= WARM_CALLS and self.seen[full] >= 1
         if not warm:
             self.seen[key] += 1

@@ -90,7 +90,7 @@ def test_a_new_cache_or_a_replaced_parameter_is_recorded_again(model):
     _decode(model, call, steps=5)
     _decode(model, call, steps=5, seed=1)  # another cache object: another signature
     assert steps.graphs.recordings == 2
-    cache_b = make_cache(model, "static", 32)
+    cache_b = make_cache(model, "static", 40)
     ids = torch.randint(0, model.config.vocab_size, (1, 8))
     with torch.no_grad():
         tok = prefill(model, cache_b, ids, chunk=64)
@@ -116,6 +116,13 @@ def test_a_new_cache_or_a_replaced_parameter_is_recorded_again(model):
             for i in range(11, 14):
                 call(input_ids=tok, past_key_values=cache_b, cache_position=torch.tensor([8 + i]), use_cache=True)
             assert steps.graphs.recordings == 6
+            replays = steps.replays
+            handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out * 0.5)
+            try:  # a hook on the swapped-in module (its hook dicts are new): not skipped by a replay
+                call(input_ids=tok, past_key_values=cache_b, cache_position=torch.tensor([22]), use_cache=True)
+                assert steps.replays == replays
+            finally:
+                handle.remove()
         finally:
             model.model.layers[1].mlp = mlp
 
