@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .common import format_table, results_header, write_results
+from .e2e_profile import profile_steps, standalone_attention_us
 from .turns import LOCK_ENV, DecodeCallTimer, compile_turn, gpu_turn
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
@@ -192,121 +193,6 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timed row
                 row["profile"] = {"error": repr(e)[:500], "ops": {}, "kernels_per_step": None, "gpu_us_per_step": None}
     return row
-
-
-def _kernel_class(name: str) -> str:
-    """The part of a decode step a GPU kernel belongs to, by its name."""
-    if any(t in name for t in ("_split_kv", "_stream_k", "_merge_states", "_saap")):
-        return "attnopt attention kernels"
-    if not name.startswith("triton_") and any(t in name for t in ("_valid_len", "_key_range", "_key_start")):
-        return "attnopt mask scans (valid length, window start)"  # (inductor's kernels name the ops they fuse)
-    if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
-        return "SDPA kernels"
-    if name.startswith("triton_"):
-        return "inductor kernels"
-    if any(t in name for t in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitKreduce")):
-        return "GEMMs"
-    return "other kernels (input copies, the harness's argmax, SDPA's mask conversions)"
-
-
-def profile_steps(step, cache, tok, n: int = 5) -> dict[str, Any]:
-    """GPU time per step by kernel class (attention, GEMMs, inductor, other), kernel launches, and host time of the
-    attnopt ops when they run outside a graph."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            logits = step(tok, cache)
-            tok = logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-    classes: dict[str, dict[str, float]] = {}
-    host_ops: dict[str, dict[str, float]] = {}
-    busy = _busy_us_by_class(prof, n)
-    for e in prof.key_averages():
-        gpu = getattr(e, "self_device_time_total", None)
-        if gpu is None:
-            gpu = getattr(e, "self_cuda_time_total", 0.0)
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
-            c = classes.setdefault(_kernel_class(e.key), {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})
-            c["kernels_per_step"] += e.count / n
-            c["gpu_us_per_step"] += gpu / n
-        elif "attnopt::" in e.key or "Torch-Compiled Region" in e.key or "CUDAGraph" in e.key:
-            host_ops[e.key] = {"calls_per_step": e.count / n, "host_us_per_step": e.cpu_time_total / n}
-    for name, (us, alone) in busy.items():
-        entry = classes.setdefault(name, {"kernels_per_step": 0.0, "gpu_us_per_step": 0.0})
-        entry["busy_us_per_step"], entry["exclusive_us_per_step"] = us, alone
-    return {"gpu_by_class": classes, "host_ops": host_ops,
-            "kernels_per_step": sum(c["kernels_per_step"] for c in classes.values()),
-            "gpu_us_per_step": sum(c["gpu_us_per_step"] for c in classes.values())}
-
-
-def _busy_us_by_class(prof, n: int) -> dict[str, tuple[float, float]]:
-    """Per kernel class, (busy, exclusive) µs per step: busy is the time during which at least one of its kernels ran
-    (the union of their intervals; summing durations counts twice what overlaps: split-KV launches its merge with
-    programmatic dependent launch, and the merge starts while the partial kernel still runs); exclusive is the part
-    of that during which no kernel of another class ran (a kernel launched early with PDL waits inside its interval
-    while its predecessor finishes: that wait is busy time, not exclusive)."""
-    spans: dict[str, list[tuple[float, float]]] = {}
-    for e in prof.events():
-        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
-            continue
-        tr = e.time_range
-        spans.setdefault(_kernel_class(e.name), []).append((tr.start, tr.end))
-    merged = {name: _union(iv) for name, iv in spans.items()}
-    out = {}
-    for name, mine in merged.items():
-        others = _union([span for other, iv in merged.items() if other != name for span in iv])
-        busy = sum(e0 - s0 for s0, e0 in mine)
-        out[name] = (busy / n, (busy - _overlap(mine, others)) / n)
-    return out
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, disjoint intervals covering the same time as ``intervals``."""
-    out: list[tuple[float, float]] = []
-    for s0, e0 in sorted(intervals):
-        if out and s0 <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e0))
-        else:
-            out.append((s0, e0))
-    return out
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length of the intersection of two sorted, disjoint interval lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def standalone_attention_us(report, cache, context: int) -> dict[str, Any] | None:
-    """The chosen plan of the first rewritten site, alone in a CUDA graph over layer 0's cache at this fill (the mask
-    and the valid length given, as in the step): the yardstick for the attention's share of a step."""
-    from .common import time_us
-
-    site = next((s for s in report.rewritten if s.chosen is not None), None)
-    layer = cache.layers[0] if hasattr(cache, "layers") else None
-    if site is None or layer is None or not hasattr(layer, "keys"):
-        return None
-    k, v = layer.keys, layer.values
-    hq = site.site.q_heads
-    q = torch.randn(k.shape[0], hq, 1, k.shape[-1], device=k.device, dtype=k.dtype)
-    n = k.shape[2]
-    mask = (torch.arange(n, device=k.device) <= context).view(1, 1, 1, n)
-    valid = torch.full((k.shape[0],), context + 1, device=k.device, dtype=torch.int32)
-    plan = site.chosen.runtime_key()
-    op = torch.ops.attnopt.decode_attention
-
-    def call():
-        return op(q, k, v, mask, valid, float(site.site.scale), False, plan, "bench:standalone")
-
-    return {"plan": plan, "us": time_us(call, "graph")}
 
 
 @torch.no_grad()

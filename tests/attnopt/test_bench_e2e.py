@@ -91,7 +91,7 @@ def test_decode_call_timer_needs_hfs_compiled_call_where_hf_compiles():
 def test_profile_kernel_classes():
     """The profile's classes name what a decode step's kernels are for: attnopt's attention and its mask scans apart
     from input copies, GEMMs, inductor's kernels and SDPA's."""
-    from attnopt.bench.e2e import _kernel_class
+    from attnopt.bench.e2e_profile import _kernel_class
 
     assert _kernel_class("_split_kv_kernel") == "attnopt attention kernels"
     assert _kernel_class("_merge_states_kernel") == "attnopt attention kernels"
@@ -108,7 +108,7 @@ def test_busy_and_exclusive_time_of_kernel_classes():
     kernel waiting on its predecessor overlaps it)."""
     from types import SimpleNamespace
 
-    from attnopt.bench.e2e import _busy_us_by_class
+    from attnopt.bench.e2e_profile import _busy_us_by_class
 
     def kernel(name, start, end):
         return SimpleNamespace(name=name, device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start,
