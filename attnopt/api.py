@@ -80,18 +80,17 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
             compiled_forward = _never_eager_over_shards(compiled_forward, model)
         if hf_decode:
             growing, steps = None, None
+            if mode == "reduce-overhead":  # growing caches: no CUDA graphs, and plans chosen knowing it
+                growing = torch.compile(private_code(model.forward), backend=backend.with_mode(None),
+                                        dynamic=cfg.dynamic)
             if step_graphs:
                 from .step_graphs import StepGraphs
 
-                growing = compiled_forward
                 # what step graphs never record still replays through inductor's CUDA-graph trees, as before them
                 # (compiled at its first call only: a model whose steps all record never compiles it)
                 trees = torch.compile(private_code(model.forward), backend=backend, dynamic=cfg.dynamic)
                 steps = StepGraphs(compiled_forward, model, backend.note_graph_replay, fallback=trees)
                 object.__setattr__(optimized, _STEP_GRAPHS_ATTR, steps)
-            elif mode == "reduce-overhead":
-                growing = torch.compile(private_code(model.forward), backend=backend.with_mode(None),
-                                        dynamic=cfg.dynamic)
             forward = _hf_forward(compiled_forward, model.forward, cfg.max_decode_q_len, backend, growing_cache=growing,
                                   step_graphs=steps)
         else:

@@ -137,14 +137,28 @@ def test_reduce_overhead_runs_growing_caches_without_cuda_graphs(monkeypatch, ca
         return inner(name, gm, example_inputs, mode)
 
     monkeypatch.setattr(backend_module, "_compile_inner", recording)
+    import attnopt.passes as passes_module
+
+    graphed = []  # what the planner is told: plans replayed in CUDA graphs, or launched from the host
+    make_context = passes_module.make_context
+
+    def recording_context(*args, **kwargs):
+        graphed.append(kwargs["graphed"])
+        return make_context(*args, **kwargs)
+
+    monkeypatch.setattr(passes_module, "make_context", recording_context)
     model, _ = build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=256)
     ids = torch.randint(0, model.config.vocab_size, (1, 24))
     kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, cache_implementation=cache)
     for step_graphs in (True, False):  # on the CPU nothing is recorded: both routes compile as the trees do
         modes.clear()
+        graphed.clear()
         opt = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead", step_graphs=step_graphs)
         assert torch.equal(opt.generate(ids, **kw), model.generate(ids, **kw))
         assert modes and set(modes) == {None if cache == "dynamic" else "reduce-overhead"}
+        # growing caches run without CUDA graphs, and their plans are chosen knowing it; with the eager inner backend
+        # the trees do not replay graphs either (on a GPU, step graphs' own compile is told graphed=True)
+        assert set(graphed) == {False}
     backend = opt._attnopt_backend  # the first call's parts attnopt owns, which bench e2e reports
     assert backend.pass_seconds > 0 and backend.inner_compile_seconds > 0
     report = attnopt.last_plans(opt)
