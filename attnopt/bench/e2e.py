@@ -17,7 +17,8 @@ Methods:
 * ``hf-compiled``: ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, HF's documented
   static-cache path (and ``generate()`` compiling by itself over a static cache);
 * ``attnopt``: ``attnopt.optimize(model)`` (inductor);
-* ``attnopt-ro``: ``attnopt.optimize(model, mode="reduce-overhead")`` (inductor with CUDA graphs);
+* ``attnopt-ro``: ``attnopt.optimize(model, mode="reduce-overhead")`` (each decode step one CUDA graph that attnopt
+  records, ``attnopt.step_graphs``);
 * ``attnopt-cg``: ``attnopt.optimize(model, inner_backend="cudagraphs")``.
 
 ``--isolate`` runs every (context, method) in a subprocess, so a crash becomes a row with its exit signal instead of
