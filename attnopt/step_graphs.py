@@ -215,13 +215,16 @@ class StepGraphs:
         self.refused.add(key)
         log.info("attnopt: decode step not recorded as one CUDA graph: %s", reason)
 
-    def _replay(self, entry: _Recorded, tensors: list[torch.Tensor], caches: list[Any]) -> Any:
+    def _replay(self, entry: _Recorded, tensors: list[torch.Tensor], caches: list[Any], count_ops: bool = True) -> Any:
+        """Copy the call's tensors in, replay, clone the outputs out. ``count_ops``: add the recording's attnopt op
+        calls to ``CALL_COUNTS`` (not at the replay that serves the recording's own call, whose ops counted then)."""
         if tensors:
             torch._foreach_copy_(entry.inputs, tensors)
         self.graphs.replay(entry.graph)
         self.replays += 1
         self.on_replay()
-        _add_counts(entry.call_counts)
+        if count_ops:
+            _add_counts(entry.call_counts)
         return _cloned(entry.output, caches)
 
     def _record(self, key, full, args, kwargs, tensors, caches) -> Any:
@@ -238,22 +241,16 @@ class StepGraphs:
             self._refuse(key, f"recording failed: {type(e).__name__}: {str(e)[:300]}")
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"attnopt: a decode step could not be recorded as one CUDA graph and runs without "
-                              f"one ({type(e).__name__}: {str(e)[:200]})", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"attnopt: a decode step could not be recorded as one CUDA graph and runs through the "
+                              f"fallback forward ({type(e).__name__}: {str(e)[:200]})", RuntimeWarning, stacklevel=3)
             return self.fallback(*args, **kwargs)
         delta = Counter(CALL_COUNTS)
         delta.subtract(counts_before)
         entry = _Recorded(graph, inputs, _without(output, caches), self.model, caches, +delta)
         self._keep(full, entry, caches)
         log.info("attnopt: recorded a decode step as one CUDA graph (%d input tensors)", len(inputs))
-        # the recording ran no kernel: this call's forward is the first replay (counts added once, here)
-        if tensors:
-            torch._foreach_copy_(entry.inputs, tensors)
-        self.graphs.replay(graph)
-        self.replays += 1
-        self.on_replay()
-        return _cloned(entry.output, caches)
-
+        # the recording ran no kernel: this call's forward is the first replay
+        return self._replay(entry, tensors, caches, count_ops=False)
 
     def _keep(self, full: tuple, entry: _Recorded, caches: list[Any]) -> None:
         """Keep ``entry`` while its caches live (a recording pins their tensors: ``generate()`` makes a cache per call,
