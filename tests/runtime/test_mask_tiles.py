@@ -1,0 +1,143 @@
+"""Split-KV over a mask with no valid length (``runtime/kernels/mask_tiles.py``): each split owns every S-th tile,
+reads the mask over them and attends only to the tiles where some row of its query tile sees a key.
+
+Against the fp64 reference (``runtime/reference.py``) in the Triton interpreter (and on a GPU where there is one):
+static-cache prefixes per batch row with the unused slots poisoned, holes that hide whole tiles (poisoned: a
+hidden tile must not be read), every mask shape that broadcasts to (B, Hq, L, N), bool and additive (-inf, and
+finfo.min, which hides nothing), fully masked rows, with and without a causal flag and a valid length.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnopt.runtime.reference import attention_states, sdpa_float64
+
+triton = pytest.importorskip("triton")
+
+from attnopt.runtime.kernels.mask_tiles import chunk_tiles, scan_rows  # noqa: E402
+from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace  # noqa: E402
+
+BN = 16
+
+
+def _qkv(B, Hkv, G, L, N, D, dtype, dev, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to(dev, dtype) for h, n in ((Hkv * G, L), (Hkv, N), (Hkv, N)))
+    return q, k, v
+
+
+def _split_kv(q, k, v, mask, splits, block_n=BN, valid_len=None, is_causal=False, fused=False):
+    B, Hq, L, _ = q.shape
+    out = torch.full((B, Hq, L, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
+    split_kv_decode(q, k, v, out, lse, workspace=split_kv_workspace(splits, q, k, v), attn_mask=mask,
+                    valid_len=valid_len, is_causal=is_causal, num_splits=splits, block_n=block_n, fused_merge=fused,
+                    tma=True)
+    return out, lse
+
+
+def _assert_matches(out, lse, q, k, v, tol, **kw):
+    """``out`` and ``lse`` equal the fp64 reference (rows with no visible key: 0 and -inf) and hold no NaN."""
+    ref = sdpa_float64(q, k, v, **kw)
+    _, ref_lse = attention_states(q, k, v, compute_dtype=torch.float64, **kw)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN in the output"
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, f"max abs error {err:.3e}"
+    assert bool((torch.isneginf(lse) == torch.isneginf(ref_lse)).all()), "rows with no visible key differ"
+    finite = ~torch.isneginf(ref_lse)
+    assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3 if finite.any() else True
+
+
+def test_static_cache_prefixes_read_nothing_past_the_last_visible_key(kernel_device):
+    """A static cache: per batch row a prefix of the N slots is visible (one row none at all), the mask (B, 1, 1, N)
+    as Hugging Face passes it; K/V past each prefix are NaN, as unused storage may be. Equal to the reference over
+    the clean cache for 1, 3 and 5 splits (with 5 splits of 9 tiles, the prefix tiles fall to every split)."""
+    dev = kernel_device
+    B, Hkv, G, L, N, D = 3, 2, 4, 1, 9 * BN, 64
+    q, k, v = _qkv(B, Hkv, G, L, N, D, torch.float16, dev)
+    lengths = torch.tensor([BN + 5, 4 * BN, 0], device=dev)
+    mask = (torch.arange(N, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
+    kp, vp = k.clone(), v.clone()
+    for b, n in enumerate(lengths.tolist()):
+        kp[b, :, n:] = float("nan")
+        vp[b, :, n:] = float("nan")
+    for splits in (1, 3, 5):
+        for fused in ((False, True) if splits > 1 else (False,)):
+            out, lse = _split_kv(q, kp, vp, mask, splits, fused=fused)
+            _assert_matches(out, lse, q, k, v, 3e-3, attn_mask=mask)
+            assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())  # no visible key: 0, -inf
+
+
+def test_hidden_tiles_are_not_read(kernel_device):
+    """Holes that hide whole tiles, different per query position (mask (1, 1, L, N)) and per head ((B, Hq, 1, N)):
+    their K/V (and the keys after each tile's last visible key) are NaN, and none reaches the output."""
+    dev = kernel_device
+    B, Hkv, G, L, N, D = 2, 2, 3, 2, 8 * BN, 64
+    q, k, v = _qkv(B, Hkv, G, L, N, D, torch.float16, dev, seed=1)
+    tile = torch.arange(N, device=dev) // BN
+    per_query = torch.stack([(tile % 3 == 0), (tile == 5)])[None, None] & (torch.arange(N, device=dev) % BN < 9)
+    per_head = (tile[None, None, None, :] == torch.arange(B * Hkv * G, device=dev).view(B, Hkv * G, 1, 1) % 8)
+    for mask in (per_query, per_head):
+        seen = mask.expand(B, Hkv * G, L, N).reshape(B, Hkv, G * L, N).any(dim=2)  # (B, Hkv, N)
+        kp, vp = k.clone(), v.clone()
+        kp[~seen] = float("nan")
+        vp[~seen] = float("nan")
+        for splits in (1, 4):
+            out, lse = _split_kv(q, kp, vp, mask, splits)
+            _assert_matches(out, lse, q, k, v, 3e-3, attn_mask=mask)
+
+
+_SHAPES = ("N", "LN", "11LN", "B11N", "B1LN", "BHLN", "BH1N", "1HLN")
+
+
+def _shaped(kind: str, full: torch.Tensor) -> torch.Tensor:
+    """The mask of broadcast form ``kind`` made of ``full`` (B, Hq, L, N): the entries a broadcast dim drops are
+    those of index 0."""
+    B, Hq, L, N = full.shape
+    sizes = {"N": (N,), "LN": (L, N), "11LN": (1, 1, L, N), "B11N": (B, 1, 1, N), "B1LN": (B, 1, L, N),
+             "BHLN": (B, Hq, L, N), "BH1N": (B, Hq, 1, N), "1HLN": (1, Hq, L, N)}[kind]
+    four = (1,) * (4 - len(sizes)) + sizes
+    m = full[tuple(slice(None) if s > 1 else slice(0, 1) for s in four)]
+    return m.reshape(sizes)
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 4]), L=st.integers(1, 3),
+       tiles=st.integers(1, 6), extra=st.integers(0, BN - 1), kind=st.sampled_from(_SHAPES),
+       dtype=st.sampled_from(["bool", "-inf", "finfo.min"]), density=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+       splits=st.integers(1, 5), causal=st.booleans(), with_valid=st.booleans(), seed=st.integers(0, 2**16))
+def test_mask_shapes_and_kinds_fuzzed(kernel_device, B, Hkv, G, L, tiles, extra, kind, dtype, density, splits, causal,
+                                      with_valid, seed):
+    """Any mask that broadcasts to (B, Hq, L, N), bool or additive (-inf hides; finfo.min does not, and a row it
+    hides whole gives the mean of V, as SDPA's math backend), visible with ``density`` (0: rows with no key), with a
+    causal flag and a valid length too: equal to the reference."""
+    dev = kernel_device
+    N = tiles * BN + extra or 1
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = _qkv(B, Hkv, G, L, N, 64, torch.float32, dev, seed=seed)
+    visible = torch.rand(B, Hkv * G, L, N, generator=gen) < density
+    if density and density < 1:  # runs of visible keys, as real masks have (a prefix, a window)
+        visible |= (torch.arange(N) < torch.randint(0, N + 1, (B, 1, L, 1), generator=gen))
+    mask = _shaped(kind, visible.to(dev))
+    if dtype != "bool":
+        hide = float("-inf") if dtype == "-inf" else torch.finfo(torch.float32).min
+        bias = torch.rand(mask.shape, generator=gen).to(dev)
+        mask = torch.zeros(mask.shape, device=dev).masked_fill(~mask, hide) - bias
+    valid = torch.randint(0, N + 1, (B,), generator=gen).to(dev) if with_valid else None
+    out, lse = _split_kv(q, k, v, mask, splits, valid_len=valid, is_causal=causal)
+    _assert_matches(out, lse, q, k, v, 2e-5, attn_mask=mask, valid_len=valid, is_causal=causal)
+
+
+def test_scan_rows_and_chunks():
+    """A mask broadcast over the heads is scanned per query position (once when broadcast over them too); a
+    per-head one per packed row. A split classifies all its tiles at once up to CHUNK_ELEMENTS mask elements."""
+    assert scan_rows((0, 0, 0, 1), 4) == (True, 1)
+    assert scan_rows((4 * 64, 0, 64, 1), 4) == (True, 4)
+    assert scan_rows((64, 0, 64, 1), 1) == (True, 1)
+    assert scan_rows((8 * 64, 64, 0, 1), 1) == (False, 0)
+    assert chunk_tiles(32768, 16, 128) == 16 and chunk_tiles(32768, 4, 64) == 32 and chunk_tiles(1, 1, 64) == 1
+    assert chunk_tiles(100, 3, 16) == 4  # 7 tiles over 3 splits: at most 3 each, rounded up to a power of two
