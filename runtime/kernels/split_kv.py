@@ -171,7 +171,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
-                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None):
+                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -196,6 +196,9 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         is the same).
     pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
         wherever the GPU and Triton support it.
+    mask_tiles : given a mask and no ``key_start``, the splits own strided tiles and attend only to those with a
+        visible key (``mask_tiles.py``); False takes contiguous shares of [0, valid_len) instead, the mask read in
+        every tile (the path before it; for comparisons). None = True. Exact either way.
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
@@ -204,7 +207,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     geo = decode_geometry(q, k, v)
     # a mask and no window: the splits read the mask over their own (strided) tiles and attend only to the tiles
     # with a visible key, by pointer loads (mask_tiles.py)
-    skip = attn_mask is not None and key_start is None
+    skip = attn_mask is not None and key_start is None and mask_tiles is not False
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma and not skip,
                                                        key_start, alibi_slopes)
     upcast, precision = dot_flags(q.dtype)

@@ -29,13 +29,13 @@ def _qkv(B, Hkv, G, L, N, D, dtype, dev, seed=0):
     return q, k, v
 
 
-def _split_kv(q, k, v, mask, splits, block_n=BN, valid_len=None, is_causal=False, fused=False):
+def _split_kv(q, k, v, mask, splits, block_n=BN, valid_len=None, is_causal=False, fused=False, mask_tiles=None):
     B, Hq, L, _ = q.shape
     out = torch.full((B, Hq, L, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
     split_kv_decode(q, k, v, out, lse, workspace=split_kv_workspace(splits, q, k, v), attn_mask=mask,
                     valid_len=valid_len, is_causal=is_causal, num_splits=splits, block_n=block_n, fused_merge=fused,
-                    tma=True)
+                    tma=True, mask_tiles=mask_tiles)
     return out, lse
 
 
@@ -109,12 +109,14 @@ def _shaped(kind: str, full: torch.Tensor) -> torch.Tensor:
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 4]), L=st.integers(1, 3),
        tiles=st.integers(1, 6), extra=st.integers(0, BN - 1), kind=st.sampled_from(_SHAPES),
        dtype=st.sampled_from(["bool", "-inf", "finfo.min"]), density=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
-       splits=st.integers(1, 5), causal=st.booleans(), with_valid=st.booleans(), seed=st.integers(0, 2**16))
+       splits=st.integers(1, 5), causal=st.booleans(), with_valid=st.booleans(), seed=st.integers(0, 2**16),
+       tiles_path=st.sampled_from([None, False]))
 def test_mask_shapes_and_kinds_fuzzed(kernel_device, B, Hkv, G, L, tiles, extra, kind, dtype, density, splits, causal,
-                                      with_valid, seed):
+                                      with_valid, seed, tiles_path):
     """Any mask that broadcasts to (B, Hq, L, N), bool or additive (-inf hides; finfo.min does not, and a row it
     hides whole gives the mean of V, as SDPA's math backend), visible with ``density`` (0: rows with no key), with a
-    causal flag and a valid length too: equal to the reference."""
+    causal flag and a valid length too: equal to the reference, by the mask tiles and by contiguous shares
+    (``mask_tiles=False``, the path before them)."""
     dev = kernel_device
     N = tiles * BN + extra or 1
     gen = torch.Generator().manual_seed(seed)
@@ -128,7 +130,7 @@ def test_mask_shapes_and_kinds_fuzzed(kernel_device, B, Hkv, G, L, tiles, extra,
         bias = torch.rand(mask.shape, generator=gen).to(dev)
         mask = torch.zeros(mask.shape, device=dev).masked_fill(~mask, hide) - bias
     valid = torch.randint(0, N + 1, (B,), generator=gen).to(dev) if with_valid else None
-    out, lse = _split_kv(q, k, v, mask, splits, valid_len=valid, is_causal=causal)
+    out, lse = _split_kv(q, k, v, mask, splits, valid_len=valid, is_causal=causal, mask_tiles=tiles_path)
     _assert_matches(out, lse, q, k, v, 2e-5, attn_mask=mask, valid_len=valid, is_causal=causal)
 
 
