@@ -248,7 +248,7 @@ class StepGraphs:
                 self._warned = True
                 warnings.warn(f"attnopt: a decode step could not be recorded as one CUDA graph and runs through the "
                               f"fallback forward ({type(e).__name__}: {str(e)[:200]})", RuntimeWarning, stacklevel=3)
-            return self._fall_back("recording failed", args, kwargs)
+            return self._fall_back(f"recording failed: {type(e).__name__}: {str(e)[:200]}", args, kwargs)
         delta = Counter(CALL_COUNTS)
         delta.subtract(counts_before)
         entry = _Recorded(graph, inputs, _without(output, caches), self.model, caches, +delta)
