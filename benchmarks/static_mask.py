@@ -8,8 +8,10 @@ K/V), in interleaved rounds:
 
 * ``scan+shares``: the path at 50b728f: ``valid_len_from_mask`` (a launch), then split-KV over [0, valid_len) in
   contiguous shares, the mask read in every tile (``mask_tiles=False``), TMA tiles, and the merge;
-* ``mask-tiles``: split-KV given the mask alone: every split owns every S-th tile, reads the mask over them and
-  attends only to the tiles with a visible key (``runtime/kernels/mask_tiles.py``), then the merge;
+* ``mask-tiles-tma``: split-KV given the mask alone (what the lowered graph runs now): every split owns every S-th
+  tile, reads the mask over them and attends only to the tiles with a visible key (``runtime/kernels/mask_tiles.py``),
+  the tiles whose last key is visible by the copy engine, then the merge;
+* ``mask-tiles``: the same, every tile by pointer loads (``mask_tiles=True``);
 * ``length-only``: split-KV given the valid length and no mask (the bound: nothing to read but the tokens);
 
 against ``sdpa-cudnn`` (SDPA's cuDNN backend over the whole cache with the mask, the planner bench's peer). Prints
@@ -49,14 +51,18 @@ def _ways(sets, scale, config):
                                    mask_tiles=False, **kw)[0]
         return call
 
-    def mask_tiles(s):
+    def mask_tiles_tma(s):
         return lambda: split_kv_decode(s["q"], s["k"], s["v"], out, attn_mask=s["mask"], **kw)[0]
+
+    def mask_tiles(s):
+        return lambda: split_kv_decode(s["q"], s["k"], s["v"], out, attn_mask=s["mask"], mask_tiles=True, **kw)[0]
 
     def length_only(s):
         return lambda: split_kv_decode(s["q"], s["k"], s["v"], out, valid_len=s["valid"], **kw)[0]
 
     tag = "S{}/bn{}/w{}/st{}".format(*config)
-    return {f"scan+shares {tag}": scan_shares, f"mask-tiles {tag}": mask_tiles, f"length-only {tag}": length_only}
+    return {f"scan+shares {tag}": scan_shares, f"mask-tiles-tma {tag}": mask_tiles_tma, f"mask-tiles {tag}": mask_tiles,
+            f"length-only {tag}": length_only}
 
 
 def _peer(scale, gqa):

@@ -15,10 +15,17 @@ of the result.
   them: a mask broadcast over the heads is read once per query position, one broadcast over the queries too
   once), and keeps the tiles with a visible key, compacted (``tl.cumsum`` ranks): a hidden tile costs its share
   of one vector load and nothing in the KV loop.
-* A kept tile is attended as the valid-length path attends its last tile: the mask per key, and K/V by pointer
-  loads that stop at the tile's last visible key (rows after it are never read: a static cache's unused tail may
-  hold anything, and a hidden key's zero weight times NaN is NaN). No copy-engine (TMA) tiles: they read whole
-  tiles, and a second, TMA loop for the tiles that all rows see whole spilled registers (ptxas, sm_90).
+* A kept tile is attended with the mask per key, and K/V by pointer loads that stop at the tile's last visible key
+  (rows after it are never read: a static cache's unused tail may hold anything, and a hidden key's zero weight
+  times NaN is NaN), as the valid-length path attends its last tile. Where the launch takes copy-engine (TMA)
+  tiles, the kept tiles whose last key is visible (all but the boundary tile of a prefix, every tile of a full
+  cache) come whole through it in a pipelined loop first, the others after it by pointer loads, as the
+  valid-length path reads its tiles and its last one (``split_kv_decode(mask_tiles=True)``: all by pointers;
+  ``benchmarks/static_mask.py`` times both).
+* A mask with one row per batch row (broadcast over heads and queries, as Hugging Face passes it at q_len 1) is
+  read as one (BLOCK_N,) vector a tile (``MASK_ROW``), not a (BLOCK_M, BLOCK_N) tile of pointers: ptxas (sm_90,
+  bf16, D=128, 128-key tiles, 4 warps) spilled 1128 bytes instead of 2216, the valid-length path with its mask
+  2112 and without a mask 1192.
 """
 from __future__ import annotations
 
@@ -88,19 +95,42 @@ def _pick(sel, rank, j, values):
 
 
 @triton.jit
+def _attend_picked(q, acc, m_i, l_i, sel, tiles, hi, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
+                   row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                   stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV,
+                   BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr, STAGES: tl.constexpr, softcap,
+                   SOFTCAP: tl.constexpr, slope, ALIBI: tl.constexpr, MASK_ROW: tl.constexpr):
+    """Attend to the tiles ``tiles`` where ``sel`` (CHUNK_T,) is set, compacted, each up to its ``hi`` (one past
+    its last visible key), the mask applied per key: K/V by the copy engine (USE_TMA: whole tiles, for tiles whose
+    last key is visible) or by pointer loads stopping at ``hi``. STAGES: the loop's pipeline depth (None: the
+    launch's). MASK_ROW: one mask row per batch row (``common._attend_tile``)."""
+    rank = tl.cumsum(sel.to(tl.int32), axis=0)
+    for jj in tl.range(0, tl.sum(sel.to(tl.int32), axis=0), num_stages=STAGES):
+        start_n = _pick(sel, rank, jj, tiles) * BLOCK_N
+        tile_end = _pick(sel, rank, jj, hi)
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start_n, tile_end, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
+            row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+            stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
+            0, softcap, False, SOFTCAP, slope, ALIBI, MASK_ROW)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend_visible(q, acc, m_i, l_i, split, num_splits, kv_len,
                     k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, mb, i, row_ok, offs_d, offs_dv,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
                     stride_mb, stride_mh, stride_ml, stride_mn,
-                    sm_scale, L, G, D, DV, n_scan,
+                    sm_scale, L, G, D, DV, n_scan: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_T: tl.constexpr, MASK_KIND: tl.constexpr,
                     HEAD_BCAST: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
                     PRECISION: tl.constexpr, softcap=0.0, SOFTCAP: tl.constexpr = False, alibi_ptr=0,
-                    ALIBI: tl.constexpr = False):
+                    ALIBI: tl.constexpr = False, USE_TMA: tl.constexpr = False):
     """Online softmax of the query tile over the visible tiles among split ``split``'s strided share of keys
-    [0, kv_len) (see the module docstring). Same state and arguments as ``common._attend`` (the descriptors are not
-    read); ``i``: the query rows' positions; ``n_scan``: the query positions to scan with HEAD_BCAST."""
+    [0, kv_len) (see the module docstring). Same state and arguments as ``common._attend`` (the descriptors read
+    only with USE_TMA); ``i``: the query rows' positions; ``n_scan``: the query positions to scan with HEAD_BCAST."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     g = (mb * BLOCK_M + tl.arange(0, BLOCK_M)) // L
@@ -109,6 +139,7 @@ def _attend_visible(q, acc, m_i, l_i, split, num_splits, kv_len,
     slope = i.to(tl.float32) * 0.0
     if ALIBI:
         slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32)
+    MASK_ROW: tl.constexpr = HEAD_BCAST and n_scan == 1  # one mask row per batch row: a (BLOCK_N,) load a tile
     owned = tl.cdiv(tl.maximum(tl.cdiv(kv_len, BLOCK_N) - split, 0), num_splits)
     offs_c = tl.arange(0, CHUNK_T)
     for c0 in range(0, owned, CHUNK_T):
@@ -116,14 +147,20 @@ def _attend_visible(q, acc, m_i, l_i, split, num_splits, kv_len,
         tiles = split + j * num_splits
         some, hi = _visible_tiles(mask_ptr, b, kvh, mb, tiles, j < owned, kv_len, stride_mb, stride_mh, stride_ml,
                                   stride_mn, L, G, n_scan, BLOCK_M, BLOCK_N, MASK_KIND, HEAD_BCAST)
-        rank = tl.cumsum(some.to(tl.int32), axis=0)
-        # the kept tiles, the mask applied per key, K/V read up to the tile's last visible key
-        for jj in range(0, tl.sum(some.to(tl.int32), axis=0)):
-            start_n = _pick(some, rank, jj, tiles) * BLOCK_N
-            tile_end = _pick(some, rank, jj, hi)
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, start_n, tile_end, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
-                0, softcap, False, SOFTCAP, slope, ALIBI)
+        if USE_TMA:  # the kept tiles whose last key is visible: whole tiles by the copy engine, pipelined
+            whole = some & (hi == (tiles + 1) * BLOCK_N)
+            acc, m_i, l_i = _attend_picked(q, acc, m_i, l_i, whole, tiles, hi, k_base, v_base, k_desc, v_desc,
+                                           mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, stride_kn,
+                                           stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+                                           stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST,
+                                           PRECISION, True, None, softcap, SOFTCAP, slope, ALIBI, MASK_ROW)
+            some = some & (whole == 0)
+        # the (other) kept tiles by pointer loads up to their last visible key; after a TMA loop not pipelined, so
+        # that it adds no shared-memory buffers
+        acc, m_i, l_i = _attend_picked(q, acc, m_i, l_i, some, tiles, hi, k_base, v_base, k_desc, v_desc,
+                                       mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, stride_kn,
+                                       stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
+                                       stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST,
+                                       PRECISION, False, 1 if USE_TMA else None, softcap, SOFTCAP, slope, ALIBI,
+                                       MASK_ROW)
     return acc, m_i, l_i

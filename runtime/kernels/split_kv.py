@@ -129,7 +129,7 @@ def _split_kv_kernel(
                                         stride_vb, stride_vh, stride_vn, stride_vd,
                                         stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, L, G, D, DV, N_SCAN,
                                         BLOCK_M, BLOCK_N, CHUNK_T, MASK_KIND, HEAD_BCAST, IS_CAUSAL, UPCAST,
-                                        PRECISION, softcap, SOFTCAP, alibi_ptr, ALIBI)
+                                        PRECISION, softcap, SOFTCAP, alibi_ptr, ALIBI, USE_TMA)
     else:
         acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g,
                                 i, row_ok,
@@ -197,8 +197,10 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
         wherever the GPU and Triton support it.
     mask_tiles : given a mask and no ``key_start``, the splits own strided tiles and attend only to those with a
-        visible key (``mask_tiles.py``); False takes contiguous shares of [0, valid_len) instead, the mask read in
-        every tile (the path before it; for comparisons). None = True. Exact either way.
+        visible key (``mask_tiles.py``): "tma" reads the tiles whose last key is visible by the copy engine (where
+        ``tma`` applies), True all by pointer loads; None = "tma" with ``tma``, else True. False takes contiguous
+        shares of [0, valid_len) instead, the mask read in every tile (the path before it; for comparisons). Exact
+        each way.
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
@@ -206,10 +208,13 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         raise ValueError(f"split_kv_decode: num_splits must be >= 1; got {num_splits}")
     geo = decode_geometry(q, k, v)
     # a mask and no window: the splits read the mask over their own (strided) tiles and attend only to the tiles
-    # with a visible key, by pointer loads (mask_tiles.py)
+    # with a visible key (mask_tiles.py)
+    if mask_tiles not in (None, True, False, "tma"):
+        raise ValueError(f"split_kv_decode: mask_tiles must be None, True, False or 'tma'; got {mask_tiles!r}")
     skip = attn_mask is not None and key_start is None and mask_tiles is not False
-    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma and not skip,
-                                                       key_start, alibi_slopes)
+    tma = tma and (not skip or mask_tiles in (None, "tma"))
+    pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
+                                                       alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
     planes = lse is not None and lse.dim() == 4
     if planes and (lse.shape[0] != 2 or tuple(lse.shape[1:]) != tuple(q.shape[:3])):

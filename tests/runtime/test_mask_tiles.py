@@ -30,6 +30,7 @@ def _qkv(B, Hkv, G, L, N, D, dtype, dev, seed=0):
 
 
 def _split_kv(q, k, v, mask, splits, block_n=BN, valid_len=None, is_causal=False, fused=False, mask_tiles=None):
+    """split_kv_decode with TMA asked for (the interpreter emulates the copy engine) into NaN-poisoned outputs."""
     B, Hq, L, _ = q.shape
     out = torch.full((B, Hq, L, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
@@ -53,7 +54,8 @@ def _assert_matches(out, lse, q, k, v, tol, **kw):
 
 def test_static_cache_prefixes_read_nothing_past_the_last_visible_key(kernel_device):
     """A static cache: per batch row a prefix of the N slots is visible (one row none at all), the mask (B, 1, 1, N)
-    as Hugging Face passes it; K/V past each prefix are NaN, as unused storage may be. Equal to the reference over
+    as Hugging Face passes it, bool and additive (-inf, and a bias); K/V past each prefix are NaN, as unused storage
+    may be. Equal to the reference over
     the clean cache for 1, 3 and 5 splits (with 5 splits of 9 tiles, the prefix tiles fall to every split)."""
     dev = kernel_device
     B, Hkv, G, L, N, D = 3, 2, 4, 1, 9 * BN, 64
@@ -64,11 +66,13 @@ def test_static_cache_prefixes_read_nothing_past_the_last_visible_key(kernel_dev
     for b, n in enumerate(lengths.tolist()):
         kp[b, :, n:] = float("nan")
         vp[b, :, n:] = float("nan")
+    additive = torch.zeros(mask.shape, device=dev).masked_fill(~mask, float("-inf")) - 0.5 * (mask.float() - 0.3)
     for splits in (1, 3, 5):
-        for fused in ((False, True) if splits > 1 else (False,)):
-            out, lse = _split_kv(q, kp, vp, mask, splits, fused=fused)
-            _assert_matches(out, lse, q, k, v, 3e-3, attn_mask=mask)
-            assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())  # no visible key: 0, -inf
+        for fused, tiles_path in (((False, None), (True, None), (False, True)) if splits > 1 else ((False, True),)):
+            for m in (mask, additive):
+                out, lse = _split_kv(q, kp, vp, m, splits, fused=fused, mask_tiles=tiles_path)
+                _assert_matches(out, lse, q, k, v, 3e-3, attn_mask=m)
+                assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())  # no visible key: 0, -inf
 
 
 def test_hidden_tiles_are_not_read(kernel_device):
@@ -85,8 +89,8 @@ def test_hidden_tiles_are_not_read(kernel_device):
         kp, vp = k.clone(), v.clone()
         kp[~seen] = float("nan")
         vp[~seen] = float("nan")
-        for splits in (1, 4):
-            out, lse = _split_kv(q, kp, vp, mask, splits)
+        for splits, tiles_path in ((1, None), (4, None), (4, True)):
+            out, lse = _split_kv(q, kp, vp, mask, splits, mask_tiles=tiles_path)
             _assert_matches(out, lse, q, k, v, 3e-3, attn_mask=mask)
 
 
@@ -110,13 +114,14 @@ def _shaped(kind: str, full: torch.Tensor) -> torch.Tensor:
        tiles=st.integers(1, 6), extra=st.integers(0, BN - 1), kind=st.sampled_from(_SHAPES),
        dtype=st.sampled_from(["bool", "-inf", "finfo.min"]), density=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
        splits=st.integers(1, 5), causal=st.booleans(), with_valid=st.booleans(), seed=st.integers(0, 2**16),
-       tiles_path=st.sampled_from([None, False]))
+       tiles_path=st.sampled_from([None, True, False]))
 def test_mask_shapes_and_kinds_fuzzed(kernel_device, B, Hkv, G, L, tiles, extra, kind, dtype, density, splits, causal,
                                       with_valid, seed, tiles_path):
     """Any mask that broadcasts to (B, Hq, L, N), bool or additive (-inf hides; finfo.min does not, and a row it
     hides whole gives the mean of V, as SDPA's math backend), visible with ``density`` (0: rows with no key), with a
-    causal flag and a valid length too: equal to the reference, by the mask tiles and by contiguous shares
-    (``mask_tiles=False``, the path before them)."""
+    causal flag and a valid length too: equal to the reference, by the mask tiles (the copy engine for tiles whose
+    last key is visible, the default with ``tma``; or all by pointer loads, ``mask_tiles=True``) and by contiguous
+    shares (``mask_tiles=False``, the path before them)."""
     dev = kernel_device
     N = tiles * BN + extra or 1
     gen = torch.Generator().manual_seed(seed)
@@ -143,3 +148,9 @@ def test_scan_rows_and_chunks():
     assert scan_rows((8 * 64, 64, 0, 1), 1) == (False, 0)
     assert chunk_tiles(32768, 16, 128) == 16 and chunk_tiles(32768, 4, 64) == 32 and chunk_tiles(1, 1, 64) == 1
     assert chunk_tiles(100, 3, 16) == 4  # 7 tiles over 3 splits: at most 3 each, rounded up to a power of two
+
+
+def test_a_bad_mask_tiles_value_names_the_valid_ones():
+    q, k, v = _qkv(1, 1, 1, 1, 8, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="None, True, False or 'tma'"):
+        split_kv_decode(q, k, v, torch.empty_like(q), attn_mask=torch.ones(8, dtype=torch.bool), mask_tiles="yes")
