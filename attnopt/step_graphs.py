@@ -24,7 +24,8 @@ call) is recorded after one compiled call. A recording lives as long as its cach
 tensors), and at most ``MAX_RECORDED`` are kept. A call whose forward mutated one of its input tensors, or changed a
 cache's Python state, is never recorded (a copy of the input would take the mutation instead), nor is an argument
 that shares memory with the cache or the parameters replayed; those calls, and a signature whose recording failed
-(a sync inside the forward; one warning), run ``fallback`` (``optimize()`` passes inductor's CUDA-graph trees).
+``RECORD_ATTEMPTS`` times (a sync inside the forward; one warning), run ``fallback`` (``optimize()`` passes
+inductor's CUDA-graph trees).
 Recording a signature happens after it has run compiled (its kernels compiled, its states prepared) and costs no
 extra forward (the recording runs nothing; the first replay is that call's forward).
 """
@@ -43,6 +44,8 @@ log = logging.getLogger("attnopt")
 
 #: Compiled calls of one signature before it is recorded: the first compiles, the second runs warm.
 WARM_CALLS = 2
+#: Recordings tried per signature before it is refused (a failure may be transient).
+RECORD_ATTEMPTS = 3
 #: Recorded graphs kept at once (each pins its caches' tensors and a share of the graphs' memory pool).
 MAX_RECORDED = 8
 #: Configuration flags of a Hugging Face model that change what a forward returns.
@@ -117,6 +120,7 @@ class StepGraphs:
         self.graphs = graphs or CudaGraphs()
         self.recorded: dict[tuple, _Recorded] = {}  # by (signature, the ids of its caches); oldest first
         self.refused: set[tuple] = set()             # signatures that are never recorded
+        self.failures: Counter[tuple] = Counter()    # failed recordings per signature
         self.seen: Counter[tuple] = Counter()        # compiled calls per signature, and per signature and caches
         self.replays = 0
         self.fallbacks: Counter[str] = Counter()     # calls that ran ``fallback``, by reason (diagnostics)
@@ -243,12 +247,20 @@ class StepGraphs:
         try:
             graph, output = self.graphs.record(lambda: self.compiled(*rec_args, **rec_kwargs))
         except Exception as e:  # noqa: BLE001 - any failure to record means: run compiled, as before
-            self._refuse(key, f"recording failed: {type(e).__name__}: {str(e)[:300]}")
+            reason = f"recording failed: {type(e).__name__}: {str(e)[:200]}"
+            self.failures[key] += 1
+            if self.failures[key] < RECORD_ATTEMPTS:
+                # maybe transient (H100, 6 benchmark processes on one GPU: one of many signatures failed once, and
+                # the same run alone recorded it): this call runs compiled, the next one tries again
+                log.info("attnopt: %s; trying again at the next call", reason)
+                self.fallbacks[reason] += 1
+                return self._compiled_call(key, args, kwargs, tensors, caches)
+            self._refuse(key, reason)
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"attnopt: a decode step could not be recorded as one CUDA graph and runs through the "
                               f"fallback forward ({type(e).__name__}: {str(e)[:200]})", RuntimeWarning, stacklevel=3)
-            return self._fall_back(f"recording failed: {type(e).__name__}: {str(e)[:200]}", args, kwargs)
+            return self._fall_back(reason, args, kwargs)
         delta = Counter(CALL_COUNTS)
         delta.subtract(counts_before)
         entry = _Recorded(graph, inputs, _without(output, caches), self.model, caches, +delta)
