@@ -35,15 +35,20 @@ import triton.language as tl
 from .common import _attend_tile, cdiv, next_pow2
 
 #: Mask elements a program classifies per chunk of its tiles (registers: the chunk's mask values are live while
-#: the accumulators are).
+#: the accumulators are), and with one mask row per batch row (``MASK_ROW``: no running OR over rows to keep). Each
+#: chunk restarts the KV loop's pipeline: a full 128k cache over 25 splits of 64-key tiles is 3 chunks of 2048, 2 of
+#: 4096. ptxas (sm_90, bf16, D=128, 4 warps, 3 stages, one row) spilled 368 / 480 / 792 bytes at 64-key tiles for
+#: chunks of 2048 / 4096 / 8192 elements, 1648 / 1312 / 1280 at 128-key tiles.
 CHUNK_ELEMENTS = 2048
+CHUNK_ELEMENTS_ONE_ROW = 4096
 
 
-def chunk_tiles(n_keys: int, num_splits: int, block_n: int) -> int:
+def chunk_tiles(n_keys: int, num_splits: int, block_n: int, one_row: bool = False) -> int:
     """``CHUNK_T``: tiles a program classifies at once, a power of two, enough for all of its tiles where they fit
-    in ``CHUNK_ELEMENTS`` mask elements."""
+    in ``CHUNK_ELEMENTS`` mask elements (``CHUNK_ELEMENTS_ONE_ROW`` with ``one_row``)."""
     owned = cdiv(cdiv(max(n_keys, 1), block_n), max(num_splits, 1))
-    return max(1, min(next_pow2(owned), max(1, CHUNK_ELEMENTS // block_n)))
+    elements = CHUNK_ELEMENTS_ONE_ROW if one_row else CHUNK_ELEMENTS
+    return max(1, min(next_pow2(owned), max(1, elements // block_n)))
 
 
 def scan_rows(mask_strides: tuple[int, int, int, int], q_len: int) -> tuple[bool, int]:
@@ -57,19 +62,27 @@ def scan_rows(mask_strides: tuple[int, int, int, int], q_len: int) -> tuple[bool
 
 @triton.jit
 def _visible_tiles(mask_ptr, b, kvh, mb, tiles, t_ok, kv_len, stride_mb, stride_mh, stride_ml, stride_mn, L, G,
-                  n_scan, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-                  HEAD_BCAST: tl.constexpr):
+                   n_scan: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+                   HEAD_BCAST: tl.constexpr):
     """Of the tiles ``tiles`` (CHUNK_T,) (``t_ok``: owned): whether some key is visible (CHUNK_T,) bool, and one past
     the last visible key (CHUNK_T,) int32, over the mask rows this program computes: with HEAD_BCAST query positions
     [0, n_scan), else the real packed rows of M block ``mb``."""
     keys = tiles[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     in_range = t_ok[:, None] & (keys < kv_len)
+    base = mask_ptr + b.to(tl.int64) * stride_mb
+    if HEAD_BCAST and n_scan == 1:  # one row: no running OR to keep
+        if MASK_KIND == 1:
+            vis = tl.load(base + keys.to(tl.int64) * stride_mn, mask=in_range, other=0) != 0
+        else:
+            vis = tl.load(base + keys.to(tl.int64) * stride_mn, mask=in_range,
+                          other=float("-inf")).to(tl.float32) != float("-inf")
+        vis = vis & in_range
+        return tl.max(vis.to(tl.int32), axis=1) > 0, tl.max(tl.where(vis, keys + 1, 0), axis=1)
     seen = tl.zeros(keys.shape, dtype=tl.int32)
     if HEAD_BCAST:
         rows = n_scan
     else:
         rows = tl.minimum(BLOCK_M, G * L - mb * BLOCK_M)
-    base = mask_ptr + b.to(tl.int64) * stride_mb
     zero64 = b.to(tl.int64) * 0  # int64 row offsets (the loop index is a plain int in the interpreter)
     for r in range(0, rows):
         if HEAD_BCAST:

@@ -53,11 +53,30 @@ def _assert_matches(out, lse, q, k, v, tol, **kw):
 
 
 def test_static_cache_prefixes_read_nothing_past_the_last_visible_key(kernel_device):
+    _static_prefixes(kernel_device)
+
+
+def test_hidden_tiles_are_not_read(kernel_device):
+    _hidden_tiles(kernel_device)
+
+
+def test_several_chunks_of_tiles(kernel_device, monkeypatch):
+    """A split classifies its tiles a chunk at a time (``CHUNK_ELEMENTS``): with chunks of two tiles, the cases
+    above run several chunks per split, with kept tiles in some and none in others."""
+    from attnopt.runtime.kernels import mask_tiles
+
+    monkeypatch.setattr(mask_tiles, "CHUNK_ELEMENTS", 2 * BN)
+    monkeypatch.setattr(mask_tiles, "CHUNK_ELEMENTS_ONE_ROW", 2 * BN)
+    assert chunk_tiles(9 * BN, 1, BN) == 2
+    _static_prefixes(kernel_device)
+    _hidden_tiles(kernel_device)
+
+
+def _static_prefixes(dev):
     """A static cache: per batch row a prefix of the N slots is visible (one row none at all), the mask (B, 1, 1, N)
     as Hugging Face passes it, bool and additive (-inf, and a bias); K/V past each prefix are NaN, as unused storage
-    may be. Equal to the reference over
-    the clean cache for 1, 3 and 5 splits (with 5 splits of 9 tiles, the prefix tiles fall to every split)."""
-    dev = kernel_device
+    may be. Equal to the reference over the clean cache for 1, 3 and 5 splits (with 5 splits of 9 tiles, the prefix
+    tiles fall to every split)."""
     B, Hkv, G, L, N, D = 3, 2, 4, 1, 9 * BN, 64
     q, k, v = _qkv(B, Hkv, G, L, N, D, torch.float16, dev)
     lengths = torch.tensor([BN + 5, 4 * BN, 0], device=dev)
@@ -75,10 +94,9 @@ def test_static_cache_prefixes_read_nothing_past_the_last_visible_key(kernel_dev
                 assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())  # no visible key: 0, -inf
 
 
-def test_hidden_tiles_are_not_read(kernel_device):
+def _hidden_tiles(dev):
     """Holes that hide whole tiles, different per query position (mask (1, 1, L, N)) and per head ((B, Hq, 1, N)):
     their K/V (and the keys after each tile's last visible key) are NaN, and none reaches the output."""
-    dev = kernel_device
     B, Hkv, G, L, N, D = 2, 2, 3, 2, 8 * BN, 64
     q, k, v = _qkv(B, Hkv, G, L, N, D, torch.float16, dev, seed=1)
     tile = torch.arange(N, device=dev) // BN
@@ -148,6 +166,7 @@ def test_scan_rows_and_chunks():
     assert scan_rows((8 * 64, 64, 0, 1), 1) == (False, 0)
     assert chunk_tiles(32768, 16, 128) == 16 and chunk_tiles(32768, 4, 64) == 32 and chunk_tiles(1, 1, 64) == 1
     assert chunk_tiles(100, 3, 16) == 4  # 7 tiles over 3 splits: at most 3 each, rounded up to a power of two
+    assert chunk_tiles(131136, 25, 64) == 32 and chunk_tiles(131136, 25, 64, one_row=True) == 64
 
 
 def test_a_bad_mask_tiles_value_names_the_valid_ones():
