@@ -21,7 +21,8 @@ of the result.
   tiles, the kept tiles whose last key is visible (all but the boundary tile of a prefix, every tile of a full
   cache) come whole through it in a pipelined loop first, the others after it by pointer loads, as the
   valid-length path reads its tiles and its last one (``split_kv_decode(mask_tiles=True)``: all by pointers;
-  ``benchmarks/static_mask.py`` times both).
+  ``benchmarks/static_mask.py`` times both). With a bool mask of one row per batch row the copy-engine loop takes
+  the tiles that row shows whole and reads no mask in them, as the valid-length loop over a prefix.
 * A mask with one row per batch row (broadcast over heads and queries, as Hugging Face passes it at q_len 1) is
   read as one (BLOCK_N,) vector a tile (``MASK_ROW``), not a (BLOCK_M, BLOCK_N) tile of pointers: ptxas (sm_90,
   bf16, D=128, 128-key tiles, 4 warps) spilled 1128 bytes instead of 2216, the valid-length path with its mask
@@ -35,20 +36,17 @@ import triton.language as tl
 from .common import _attend_tile, cdiv, next_pow2
 
 #: Mask elements a program classifies per chunk of its tiles (registers: the chunk's mask values are live while
-#: the accumulators are), and with one mask row per batch row (``MASK_ROW``: no running OR over rows to keep). Each
-#: chunk restarts the KV loop's pipeline: a full 128k cache over 25 splits of 64-key tiles is 3 chunks of 2048, 2 of
-#: 4096. ptxas (sm_90, bf16, D=128, 4 warps, 3 stages, one row) spilled 368 / 480 / 792 bytes at 64-key tiles for
-#: chunks of 2048 / 4096 / 8192 elements, 1648 / 1312 / 1280 at 128-key tiles.
+#: the accumulators are). Each chunk restarts the KV loop's pipeline (a full 128k cache over 25 splits of 64-key
+#: tiles: 3 chunks). ptxas (sm_90, bf16, D=128, 4 warps, 3 stages, a one-row bool mask) spilled 400 / 520 bytes at
+#: 64-key tiles for chunks of 2048 / 4096 elements, and 848 / 2984 at 128-key tiles.
 CHUNK_ELEMENTS = 2048
-CHUNK_ELEMENTS_ONE_ROW = 4096
 
 
-def chunk_tiles(n_keys: int, num_splits: int, block_n: int, one_row: bool = False) -> int:
+def chunk_tiles(n_keys: int, num_splits: int, block_n: int) -> int:
     """``CHUNK_T``: tiles a program classifies at once, a power of two, enough for all of its tiles where they fit
-    in ``CHUNK_ELEMENTS`` mask elements (``CHUNK_ELEMENTS_ONE_ROW`` with ``one_row``)."""
+    in ``CHUNK_ELEMENTS`` mask elements."""
     owned = cdiv(cdiv(max(n_keys, 1), block_n), max(num_splits, 1))
-    elements = CHUNK_ELEMENTS_ONE_ROW if one_row else CHUNK_ELEMENTS
-    return max(1, min(next_pow2(owned), max(1, elements // block_n)))
+    return max(1, min(next_pow2(owned), max(1, CHUNK_ELEMENTS // block_n)))
 
 
 def scan_rows(mask_strides: tuple[int, int, int, int], q_len: int) -> tuple[bool, int]:
@@ -64,41 +62,44 @@ def scan_rows(mask_strides: tuple[int, int, int, int], q_len: int) -> tuple[bool
 def _visible_tiles(mask_ptr, b, kvh, mb, tiles, t_ok, kv_len, stride_mb, stride_mh, stride_ml, stride_mn, L, G,
                    n_scan: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                    HEAD_BCAST: tl.constexpr):
-    """Of the tiles ``tiles`` (CHUNK_T,) (``t_ok``: owned): whether some key is visible (CHUNK_T,) bool, and one past
-    the last visible key (CHUNK_T,) int32, over the mask rows this program computes: with HEAD_BCAST query positions
-    [0, n_scan), else the real packed rows of M block ``mb``."""
+    """Of the tiles ``tiles`` (CHUNK_T,) (``t_ok``: owned), over the mask rows this program computes (with HEAD_BCAST
+    query positions [0, n_scan), else the real packed rows of M block ``mb``): whether some key is visible and
+    whether every key is (CHUNK_T,) bool (every: found for one row only, else False), and one past the last visible
+    key (CHUNK_T,) int32."""
     keys = tiles[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     in_range = t_ok[:, None] & (keys < kv_len)
     base = mask_ptr + b.to(tl.int64) * stride_mb
     if HEAD_BCAST and n_scan == 1:  # one row: no running OR to keep
         if MASK_KIND == 1:
-            vis = tl.load(base + keys.to(tl.int64) * stride_mn, mask=in_range, other=0) != 0
+            row_vis = tl.load(base + keys.to(tl.int64) * stride_mn, mask=in_range, other=0) != 0
         else:
-            vis = tl.load(base + keys.to(tl.int64) * stride_mn, mask=in_range,
-                          other=float("-inf")).to(tl.float32) != float("-inf")
-        vis = vis & in_range
-        return tl.max(vis.to(tl.int32), axis=1) > 0, tl.max(tl.where(vis, keys + 1, 0), axis=1)
-    seen = tl.zeros(keys.shape, dtype=tl.int32)
-    if HEAD_BCAST:
-        rows = n_scan
+            row_vis = tl.load(base + keys.to(tl.int64) * stride_mn, mask=in_range,
+                              other=float("-inf")).to(tl.float32) != float("-inf")
+        seen = (row_vis & in_range).to(tl.int32)
+        every = tl.min(seen, axis=1) > 0
     else:
-        rows = tl.minimum(BLOCK_M, G * L - mb * BLOCK_M)
-    zero64 = b.to(tl.int64) * 0  # int64 row offsets (the loop index is a plain int in the interpreter)
-    for r in range(0, rows):
+        seen = tl.zeros(keys.shape, dtype=tl.int32)
         if HEAD_BCAST:
-            row = (zero64 + r) * stride_ml
+            rows = n_scan
         else:
-            packed = mb * BLOCK_M + r
-            row = (kvh * G + packed // L).to(tl.int64) * stride_mh + (packed % L).to(tl.int64) * stride_ml
-        ptrs = base + row + keys.to(tl.int64) * stride_mn
-        if MASK_KIND == 1:
-            vis = tl.load(ptrs, mask=in_range, other=0) != 0
-        else:
-            vis = tl.load(ptrs, mask=in_range, other=float("-inf")).to(tl.float32) != float("-inf")
-        seen = seen | (vis & in_range).to(tl.int32)
+            rows = tl.minimum(BLOCK_M, G * L - mb * BLOCK_M)
+        zero64 = b.to(tl.int64) * 0  # int64 row offsets (the loop index is a plain int in the interpreter)
+        for r in range(0, rows):
+            if HEAD_BCAST:
+                row = (zero64 + r) * stride_ml
+            else:
+                packed = mb * BLOCK_M + r
+                row = (kvh * G + packed // L).to(tl.int64) * stride_mh + (packed % L).to(tl.int64) * stride_ml
+            ptrs = base + row + keys.to(tl.int64) * stride_mn
+            if MASK_KIND == 1:
+                vis = tl.load(ptrs, mask=in_range, other=0) != 0
+            else:
+                vis = tl.load(ptrs, mask=in_range, other=float("-inf")).to(tl.float32) != float("-inf")
+            seen = seen | (vis & in_range).to(tl.int32)
+        every = tl.max(seen, axis=1) < 0  # not tracked over several rows: False
     some = tl.max(seen, axis=1) > 0
     hi = tl.max(tl.where(seen > 0, keys + 1, 0), axis=1)
-    return some, hi
+    return some, every, hi
 
 
 @triton.jit
@@ -153,19 +154,23 @@ def _attend_visible(q, acc, m_i, l_i, split, num_splits, kv_len,
     if ALIBI:
         slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32)
     MASK_ROW: tl.constexpr = HEAD_BCAST and n_scan == 1  # one mask row per batch row: a (BLOCK_N,) load a tile
+    WHOLE_KIND: tl.constexpr = 0 if (MASK_KIND == 1 and MASK_ROW) else MASK_KIND  # the mask in the TMA loop's tiles
     owned = tl.cdiv(tl.maximum(tl.cdiv(kv_len, BLOCK_N) - split, 0), num_splits)
     offs_c = tl.arange(0, CHUNK_T)
     for c0 in range(0, owned, CHUNK_T):
         j = c0 + offs_c
         tiles = split + j * num_splits
-        some, hi = _visible_tiles(mask_ptr, b, kvh, mb, tiles, j < owned, kv_len, stride_mb, stride_mh, stride_ml,
-                                  stride_mn, L, G, n_scan, BLOCK_M, BLOCK_N, MASK_KIND, HEAD_BCAST)
-        if USE_TMA:  # the kept tiles whose last key is visible: whole tiles by the copy engine, pipelined
-            whole = some & (hi == (tiles + 1) * BLOCK_N)
+        some, every, hi = _visible_tiles(mask_ptr, b, kvh, mb, tiles, j < owned, kv_len, stride_mb, stride_mh,
+                                         stride_ml, stride_mn, L, G, n_scan, BLOCK_M, BLOCK_N, MASK_KIND, HEAD_BCAST)
+        if USE_TMA:  # whole tiles by the copy engine, pipelined
+            if MASK_KIND == 1 and MASK_ROW:  # a bool row: the tiles it shows whole, no mask read in them
+                whole = every
+            else:  # the kept tiles whose last key is visible, the mask applied per key
+                whole = some & (hi == (tiles + 1) * BLOCK_N)
             acc, m_i, l_i = _attend_picked(q, acc, m_i, l_i, whole, tiles, hi, k_base, v_base, k_desc, v_desc,
                                            mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, stride_kn,
                                            stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                                           stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST,
+                                           stride_mn, sm_scale, D, DV, BLOCK_N, WHOLE_KIND, IS_CAUSAL, UPCAST,
                                            PRECISION, True, None, softcap, SOFTCAP, slope, ALIBI, MASK_ROW)
             some = some & (whole == 0)
         # the (other) kept tiles by pointer loads up to their last visible key; after a TMA loop not pipelined, so

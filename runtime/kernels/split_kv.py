@@ -253,7 +253,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
-        MASK_SKIP=skip, CHUNK_T=chunk_tiles(geo.N, num_splits, block_n, head_bcast and n_scan == 1) if skip else 1,
+        MASK_SKIP=skip, CHUNK_T=chunk_tiles(geo.N, num_splits, block_n) if skip else 1,
         HEAD_BCAST=head_bcast, N_SCAN=n_scan, num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

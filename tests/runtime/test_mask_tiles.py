@@ -66,7 +66,6 @@ def test_several_chunks_of_tiles(kernel_device, monkeypatch):
     from attnopt.runtime.kernels import mask_tiles
 
     monkeypatch.setattr(mask_tiles, "CHUNK_ELEMENTS", 2 * BN)
-    monkeypatch.setattr(mask_tiles, "CHUNK_ELEMENTS_ONE_ROW", 2 * BN)
     assert chunk_tiles(9 * BN, 1, BN) == 2
     _static_prefixes(kernel_device)
     _hidden_tiles(kernel_device)
@@ -95,18 +94,25 @@ def _static_prefixes(dev):
 
 
 def _hidden_tiles(dev):
-    """Holes that hide whole tiles, different per query position (mask (1, 1, L, N)) and per head ((B, Hq, 1, N)):
-    their K/V (and the keys after each tile's last visible key) are NaN, and none reaches the output."""
+    """Holes that hide whole tiles, different per query position (mask (1, 1, L, N)), per head ((B, Hq, 1, N)) and
+    per batch row with holes inside visible tiles too ((B, 1, 1, N)): the K/V of hidden tiles and of the keys after
+    each tile's last visible key are NaN (a hidden key inside a kept tile is read, as SDPA reads it), and none
+    reaches the output."""
     B, Hkv, G, L, N, D = 2, 2, 3, 2, 8 * BN, 64
     q, k, v = _qkv(B, Hkv, G, L, N, D, torch.float16, dev, seed=1)
-    tile = torch.arange(N, device=dev) // BN
-    per_query = torch.stack([(tile % 3 == 0), (tile == 5)])[None, None] & (torch.arange(N, device=dev) % BN < 9)
+    col = torch.arange(N, device=dev)
+    tile = col // BN
+    per_query = torch.stack([(tile % 3 == 0), (tile == 5)])[None, None] & (col % BN < 9)
     per_head = (tile[None, None, None, :] == torch.arange(B * Hkv * G, device=dev).view(B, Hkv * G, 1, 1) % 8)
-    for mask in (per_query, per_head):
+    one_row = torch.stack([(tile == 0) & (col < 12) | (tile == 2) & ((col % BN < 4) | (col % BN > 6)) | (tile == 3),
+                           (tile == 1) | (tile == 6) & (col % BN != 8)])[:, None, None]
+    for mask in (per_query, per_head, one_row):
         seen = mask.expand(B, Hkv * G, L, N).reshape(B, Hkv, G * L, N).any(dim=2)  # (B, Hkv, N)
+        tile_end = torch.where(seen, col + 1, 0).view(B, Hkv, N // BN, BN).amax(-1, keepdim=True)
+        unread = (col.view(N // BN, BN) >= tile_end).reshape(B, Hkv, N)  # hidden tiles, and tails after the last key
         kp, vp = k.clone(), v.clone()
-        kp[~seen] = float("nan")
-        vp[~seen] = float("nan")
+        kp[unread] = float("nan")
+        vp[unread] = float("nan")
         for splits, tiles_path in ((1, None), (4, None), (4, True)):
             out, lse = _split_kv(q, kp, vp, mask, splits, mask_tiles=tiles_path)
             _assert_matches(out, lse, q, k, v, 3e-3, attn_mask=mask)
@@ -166,7 +172,7 @@ def test_scan_rows_and_chunks():
     assert scan_rows((8 * 64, 64, 0, 1), 1) == (False, 0)
     assert chunk_tiles(32768, 16, 128) == 16 and chunk_tiles(32768, 4, 64) == 32 and chunk_tiles(1, 1, 64) == 1
     assert chunk_tiles(100, 3, 16) == 4  # 7 tiles over 3 splits: at most 3 each, rounded up to a power of two
-    assert chunk_tiles(131136, 25, 64) == 32 and chunk_tiles(131136, 25, 64, one_row=True) == 64
+    assert chunk_tiles(131136, 25, 64) == 32
 
 
 def test_a_bad_mask_tiles_value_names_the_valid_ones():
