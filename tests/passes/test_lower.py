@@ -193,6 +193,27 @@ def test_valid_len_wired_for_masks_under_kernel_plans_that_need_one():
         torch.testing.assert_close(r.out, sdpa_gqa(q, k, v, m), atol=1e-4, rtol=1e-4)
 
 
+def test_split_kv_over_a_static_mask_runs_the_mask_tiles_kernel(monkeypatch):
+    """A static cache through SDPA with HF's bool mask (B, 1, 1, N) under split-KV, the Triton kernels interpreted: the
+    lowered graph launches no mask scan, the kernel reads the mask over its own tiles, and NaN in the cache's unused
+    slots (past each row's tokens) never reaches the output."""
+    from attnopt.runtime.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, L=1, N=150, D=64)
+    lengths = torch.tensor([13, 97])
+    m = (torch.arange(150)[None, :] < lengths[:, None])[:, None, None, :]
+    ref = sdpa_gqa(q, k, v, m)
+    for b, n in enumerate(lengths.tolist()):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    r = dynamo(sdpa_gqa, q, k, v, m, config=OptimizeConfig(force_plan="split_kv"))
+    assert r.reports[0].chosen.kind == "split_kv" and not op_nodes(r.gm, "attnopt.valid_len_from_mask.default")
+    torch.testing.assert_close(r.out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_verify_wraps_with_check_close():
     reset_runtime_state()
     q, k, v = qkv(B=1, Hq=4, Hkv=2, L=2, N=15, D=64)
