@@ -6,7 +6,9 @@
 #   device call 1: bash benchmarks/gpu_session_e2e_smollm2.sh stage     # carry .devcarry_a; copies part 1 to /tmp
 #   device call 2: bash benchmarks/gpu_session_e2e_smollm2.sh run       # carry .devcarry_b, within the idle window
 #              or: bash benchmarks/gpu_session_e2e_smollm2.sh saap-quality  # the same, then SAAP's quality curve
-#                  (benchmarks/saap_quality_gpu.py; options through ARGS_saap_quality) instead of the e2e runs
+#                  (benchmarks/saap_quality_gpu.py; options through ARGS_saap_quality) instead of the e2e runs;
+#                  with ARGS_saap_quality_b, a second evaluation (other index configurations) runs beside the first
+#                  on the same GPU, and --merge joins both into $OUT/saap-quality-smollm2-gpu.json
 # "run" joins the parts, checks their md5, installs the carried gguf wheel, and runs one process per (prompt,
 # dtype, cache) in parallel; JSON to $OUT. Pass ATTNOPT_COMMIT=<sha>. Another "stage" command may precede it in
 # call 1 (the machine keeps /tmp while it is warm).
@@ -34,8 +36,17 @@ run|saap-quality)
   set +e
   . "$(dirname "${BASH_SOURCE[0]}")/gpu.sh"  # installs the checkout; sets REPO, OUT, t0
   if [ "$1" = saap-quality ]; then  # SAAP's whole quality curve at 8k (benchmarks/saap_quality_gpu.py)
-    timeout 560 python "$REPO/benchmarks/saap_quality_gpu.py" --gguf /tmp/e2e/smol.gguf --out "$OUT" \
-      ${ARGS_saap_quality:-} 2>&1 | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/saap-quality.log"
+    quality="python $REPO/benchmarks/saap_quality_gpu.py --gguf /tmp/e2e/smol.gguf --out $OUT"
+    if [ -z "${ARGS_saap_quality_b:-}" ]; then
+      timeout 560 $quality ${ARGS_saap_quality:-} 2>&1 | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/saap-quality.log"
+      exit "${PIPESTATUS[0]}"
+    fi
+    # two evaluations side by side on the GPU (each is bound by its own host thread), then one curve of both
+    timeout 540 $quality --out-name part-a.json ${ARGS_saap_quality:-} > "$OUT/saap-quality-a.log" 2>&1 &
+    timeout 540 $quality --out-name part-b.json $ARGS_saap_quality_b > "$OUT/saap-quality-b.log" 2>&1 &
+    wait
+    for part in a b; do grep -v "Warning\|warn(\|it/s\]" "$OUT/saap-quality-$part.log" | tail -25; done
+    $quality --merge "$OUT/part-a.json" "$OUT/part-b.json" 2>&1 | tee "$OUT/saap-quality.log"
     exit "${PIPESTATUS[0]}"
   fi
   for n in ${PROMPTS:-0 2000}; do for d in float32 bfloat16; do for c in dynamic static; do
