@@ -206,8 +206,9 @@ MERGE_KEYS = ("model", "context", "tail", "sink", "eval_sequences", "train_seque
 
 def merge(parts: list[dict]) -> dict:
     """One results dict from runs of the same evaluation (``MERGE_KEYS``) over different index configurations:
-    their rows, passkeys and indexes together, one dense row and one dense passkey per length (the first run's;
-    the others must agree, within 1e-4 of the perplexity and exactly for the passkeys), the summary redone.
+    their rows, passkeys and indexes together, one dense row and one dense passkey per length (the first run's; the
+    others' dense perplexity must be within 1e-3 of it, and where theirs differ at all ``dense_differences`` says
+    so), the summary redone.
     ``ValueError`` naming the field when they are not the same evaluation or both ran one configuration."""
     if not parts:
         raise ValueError("nothing to merge")
@@ -224,13 +225,15 @@ def merge(parts: list[dict]) -> dict:
     dense_pk = {r["length"]: r for r in out["passkey"] if r["method"] == "dense"}
     for i, part in enumerate(parts[1:], 1):
         other = next(r for r in part["rows"] if r["method"] == "dense")
-        if not math.isclose(other["perplexity"], dense["perplexity"], rel_tol=1e-4):
+        if not math.isclose(other["perplexity"], dense["perplexity"], rel_tol=1e-3):
             raise ValueError(f"run {i}'s dense perplexity {other['perplexity']} differs from run 0's "
                              f"{dense['perplexity']}: not the same evaluation")
-        for r in part["passkey"]:
-            if r["method"] == "dense" and r["length"] in dense_pk and r["found"] != dense_pk[r["length"]]["found"]:
-                raise ValueError(f"run {i}'s dense passkey at {r['length']} found {r['found']}, run 0's "
-                                 f"{dense_pk[r['length']]['found']}")
+        differ = [f"run {i}: dense perplexity {other['perplexity']}"] * (other["perplexity"] != dense["perplexity"])
+        differ += [f"run {i}: dense passkey at {r['length']} found {r['found']}/{r['trials']}" for r in part["passkey"]
+                   if r["method"] == "dense" and r["length"] in dense_pk
+                   and (r["found"], r["trials"]) != (dense_pk[r["length"]]["found"], dense_pk[r["length"]]["trials"])]
+        if differ:  # the same evaluation on the same GPU: the runs' own dense results, kept beside the first's
+            out.setdefault("dense_differences", []).extend(differ)
         out["rows"] += [r for r in part["rows"] if r["method"] != "dense"]
         out["passkey"] += [r for r in part["passkey"] if r["method"] != "dense" or r["length"] not in dense_pk]
         out["indexes"].update(part["indexes"])

@@ -368,3 +368,6 @@ def test_gpu_quality_script_runs_the_curve_with_layer_0_sparse_and_merges_two_ru
         script.merge([a, a])
     with pytest.raises(ValueError, match="'context'"):
         script.merge([a, dict(b, context=8192)])
+    b["rows"][0] = dict(b["rows"][0], perplexity=b["rows"][0]["perplexity"] * 1.01)
+    with pytest.raises(ValueError, match="dense perplexity.*not the same evaluation"):
+        script.merge([a, b])
