@@ -9,6 +9,8 @@
 #                  (benchmarks/saap_quality_gpu.py; options through ARGS_saap_quality) instead of the e2e runs;
 #                  with ARGS_saap_quality_b, a second evaluation (other index configurations) runs beside the first
 #                  on the same GPU, and --merge joins both into $OUT/saap-quality-smollm2-gpu.json
+#              or: bash benchmarks/gpu_session_e2e_smollm2.sh saap-step  # a SmolLM2 decode step at 8k with SAAP
+#                  against attnopt's dense step and HF's compiled one (benchmarks/saap_smollm2_step.py; ARGS_saap_step)
 # "run" joins the parts, checks their md5, installs the carried gguf wheel, and runs one process per (prompt,
 # dtype, cache) in parallel; JSON to $OUT. Pass ATTNOPT_COMMIT=<sha>. Another "stage" command may precede it in
 # call 1 (the machine keeps /tmp while it is warm).
@@ -27,7 +29,7 @@ prepare)
   du -sh .devcarry_a .devcarry_b ;;
 stage)
   mkdir -p /tmp/e2e && cp .devcarry_a/* /tmp/e2e/ && ls -la /tmp/e2e ;;
-run|saap-quality)
+run|saap-quality|saap-step)
   cat /tmp/e2e/smol.part1 .devcarry_b/smol.part2 > /tmp/e2e/smol.gguf
   echo "$(cat .devcarry_b/md5)  /tmp/e2e/smol.gguf" | md5sum -c
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -35,6 +37,12 @@ run|saap-quality)
   export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1
   set +e
   . "$(dirname "${BASH_SOURCE[0]}")/gpu.sh"  # installs the checkout; sets REPO, OUT, t0
+  if [ "$1" = saap-step ]; then  # a SAAP decode step at 8k against the dense ones (benchmarks/saap_smollm2_step.py)
+    timeout 200 python "$REPO/benchmarks/saap_smollm2_step.py" --gguf /tmp/e2e/smol.gguf \
+      --out "$OUT/saap-smollm2-step.json" ${ARGS_saap_step:-} 2>&1 | grep -v "Warning\|warn(\|it/s\]" \
+      | tee "$OUT/saap-step.log"
+    exit "${PIPESTATUS[0]}"
+  fi
   if [ "$1" = saap-quality ]; then  # SAAP's whole quality curve at 8k (benchmarks/saap_quality_gpu.py)
     quality="python $REPO/benchmarks/saap_quality_gpu.py --gguf /tmp/e2e/smol.gguf --out $OUT"
     if [ -z "${ARGS_saap_quality_b:-}" ]; then
@@ -58,5 +66,5 @@ run|saap-quality)
   echo "all $(( $(date +%s) - t0 )) s"
   for f in /tmp/e2e-*.log; do grep -v "Warning\|it/s\|return F\|^{\|warn\|^dtype " "$f" | tail -4; done ;;
 *)
-  echo "usage: $0 prepare|stage|run|saap-quality" >&2; exit 2 ;;
+  echo "usage: $0 prepare|stage|run|saap-quality|saap-step" >&2; exit 2 ;;
 esac
