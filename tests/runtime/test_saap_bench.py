@@ -96,7 +96,8 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
     assert all(0.01 < r["selectivity"] < 0.3 for r in saap)
 
 
-def test_smollm2_step_script_trains_the_default_index_and_times_saap_beside_dense(tmp_path, monkeypatch):
+def test_smollm2_step_script_trains_the_default_index_and_times_saap_beside_dense(tmp_path, monkeypatch,
+                                                                                 saap_tiny_llama):
     """benchmarks/saap_smollm2_step.py on a tiny Llama on the CPU (the eager inner backend instead of
     reduce-overhead): the index it trains is attnopt's default, the forced SAAP row runs SAAP at every covered layer
     with probing every cluster giving dense tokens, and the rows compare."""
@@ -104,7 +105,6 @@ def test_smollm2_step_script_trains_the_default_index_and_times_saap_beside_dens
     import types
     from pathlib import Path
 
-    transformers = pytest.importorskip("transformers")
     pytest.importorskip("faiss")
     from attnopt.runtime.saap import load_index, registry
     from attnopt.runtime.saap.train import DEFAULT_REFINE
@@ -115,11 +115,7 @@ def test_smollm2_step_script_trains_the_default_index_and_times_saap_beside_dens
     spec.loader.exec_module(script)
     monkeypatch.setattr(script, "MODE", {"inner_backend": "eager"})
     registry.reset()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=192, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
-                                   head_dim=64, num_hidden_layers=3, vocab_size=97, max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.set_attn_implementation("sdpa")
+    model = saap_tiny_llama
     tok = lambda text, return_tensors=None: types.SimpleNamespace(  # noqa: E731 - characters as token ids
         input_ids=torch.tensor([[ord(c) % 97 for c in text]]))
     path = tmp_path / "index.safetensors"
