@@ -138,6 +138,12 @@ def measure(method: str, model, ids: torch.Tensor, index: str | None, steps: int
         chosen = [s.chosen for s in report.rewritten if s.chosen is not None]
         row["kinds"] = sorted({c.kind for c in chosen})
         row["rewritten"] = len(report.rewritten)
+        from attnopt.api import _STEP_GRAPHS_ATTR
+
+        graphs = getattr(opt, _STEP_GRAPHS_ATTR, None)
+        if graphs is not None:  # whether the decode steps ran as recorded step graphs, or fell back and why
+            row["step_graphs"] = {"replays": graphs.replays, "recorded": len(graphs.recorded),
+                                  "fallbacks": dict(graphs.fallbacks)}
         saap = [registry.measured_selectivity(c.runtime_key()) for c in chosen if c.kind == "saap"]
         saap = [m for m in saap if m]
         if saap:  # mean over the SAAP sites of each one's mean selectivity (sparse layers; layer 0 is dense)
