@@ -117,22 +117,25 @@ def parse_spec(spec: str) -> IndexSpec:
     return IndexSpec(int(m[1]), bool(m[2]), not m[3], int(m[5] or 0), bool(m[4]))
 
 
-def sweep_settings(C: int, context: int, tail: int, methods: list[str]):
+def sweep_settings(C: int, context: int, tail: int, methods: list[str], layers: int = 1, dense_layers: int = 0):
     """Every setting of a cluster count: the ``SWEEP`` (for "topk" its fractions of the context in keys);
-    StreamingLLM at the curve's targets."""
-    from attnopt.runtime.saap.evaluate import Setting
+    StreamingLLM aimed at 98 % of each reachable total target of the curve, over ``layers`` of which
+    ``dense_layers`` read every key."""
+    from attnopt.runtime.saap.evaluate import Setting, sparse_layer_target
 
     out = []
     for m in methods:
         if m == "window":
-            out += [Setting("window", t, SINK, max(16, round(t * context - SINK - tail / 2)), 0)
-                    for t in STREAMING_TARGETS]
+            for t in STREAMING_TARGETS:
+                if t * layers > dense_layers:  # what the sparse layers may read so that all of them read t
+                    sparse = 0.98 * sparse_layer_target(t, layers, layers - dense_layers)
+                    out.append(Setting("window", t, SINK, max(16, round(sparse * context - SINK - tail / 2)), 0))
             continue
         for wf, fractions in SWEEP.items():
             window = max(16, round(context * wf))
             probes = sorted({max(1, round(f * (context if m == "topk" else C))) for f in fractions})
             out += [Setting(m, 0.0, SINK, window, p) for p in probes]
-    return out
+    return list(dict.fromkeys(out))
 
 
 def nearest(rows: list[dict], method: str, target: float) -> dict | None:
@@ -397,7 +400,7 @@ def run(args, methods: list[str], Cs: list[str], specs: dict[str, IndexSpec]) ->
                         and (m != "mlp" or index.has_mlp)]
         partition_free_done.add(dense_layers)
         harness = Harness(model, index)
-        settings = sweep_settings(index.num_clusters, args.context, args.tail, mine_methods)
+        settings = sweep_settings(index.num_clusters, args.context, args.tail, mine_methods, n_layers, dense_layers)
         with custom_attention(model, "attnopt_saap_eval", harness):
             rows, timing = evaluate_language(model, harness, windows, args.tail, settings)
 

@@ -207,6 +207,22 @@ def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
     assert not {(r["method"], r["at_most"]): r for r in script.summarize(results)}[("mlp", 0.1)]["done"]
 
 
+def test_gpu_quality_script_sweep_reaches_each_target_of_the_curve():
+    script = _script("saap_quality_gpu")
+    paper = script.sweep_settings(2048, 8192, 64, ["window", "centroids"], layers=30, dense_layers=1)
+    streaming = [s for s in paper if s.method == "window"]
+    assert [s.target for s in streaming] == [0.05, 0.10, 0.20]  # 2 %: layer 0 alone reads 3.3 %
+    for s in streaming:  # sink + window + half the decoded tail, on 29 sparse layers, 98 % of the target
+        sparse = (s.sink + s.window + 32) / 8192
+        assert 0.97 * s.target < (29 * sparse + 1) / 30 < s.target
+    every = script.sweep_settings(2048, 8192, 64, ["window"], layers=30, dense_layers=0)
+    assert [s.target for s in every] == [0.02, 0.05, 0.10, 0.20]
+    # the 2 % point (every layer sparse) and the 5 % one (layer 0 dense) need a 32-key window and ~10-20 clusters
+    centroids = {(s.window, s.probes) for s in paper if s.method == "centroids"}
+    assert {(32, 10), (32, 20), (64, 10)} <= centroids and max(p for _, p in centroids) == round(0.16 * 2048)
+    assert len(centroids) == len([s for s in paper if s.method == "centroids"])
+
+
 def test_gpu_quality_script_index_configurations():
     script = _script("saap_quality_gpu")
     assert script.parse_spec("1024") == (1024, False, True, 0, False)  # the paper's: de-roped, MLP, layer 0 dense
