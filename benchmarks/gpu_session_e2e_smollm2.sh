@@ -7,8 +7,8 @@
 #   device call 2: bash benchmarks/gpu_session_e2e_smollm2.sh run       # carry .devcarry_b, within the idle window
 #              or: bash benchmarks/gpu_session_e2e_smollm2.sh saap-quality  # the same, then SAAP's quality curve
 #                  (benchmarks/saap_quality_gpu.py; options through ARGS_saap_quality) instead of the e2e runs;
-#                  with ARGS_saap_quality_b, a second evaluation (other index configurations) runs beside the first
-#                  on the same GPU, and --merge joins both into $OUT/saap-quality-smollm2-gpu.json
+#                  with ARGS_saap_quality_b (and _c), more evaluations (other index configurations) run beside the
+#                  first on the same GPU, and --merge joins them into $OUT/saap-quality-smollm2-gpu.json
 #              or: bash benchmarks/gpu_session_e2e_smollm2.sh saap-step  # a SmolLM2 decode step at 8k with SAAP
 #                  against attnopt's dense step and HF's compiled one (benchmarks/saap_smollm2_step.py; ARGS_saap_step)
 # "run" joins the parts, checks their md5, installs the carried gguf wheel, and runs one process per (prompt,
@@ -49,12 +49,18 @@ run|saap-quality|saap-step)
       timeout 560 $quality ${ARGS_saap_quality:-} 2>&1 | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/saap-quality.log"
       exit "${PIPESTATUS[0]}"
     fi
-    # two evaluations side by side on the GPU (each is bound by its own host thread), then one curve of both
+    # evaluations side by side on the GPU (each is bound by its own host thread), then one curve of them all
+    parts=a
     timeout 540 $quality --out-name part-a.json ${ARGS_saap_quality:-} > "$OUT/saap-quality-a.log" 2>&1 &
-    timeout 540 $quality --out-name part-b.json $ARGS_saap_quality_b > "$OUT/saap-quality-b.log" 2>&1 &
+    for part in b c; do
+      args_var=ARGS_saap_quality_$part
+      [ -n "${!args_var:-}" ] || continue
+      parts="$parts $part"
+      timeout 540 $quality --out-name "part-$part.json" ${!args_var} > "$OUT/saap-quality-$part.log" 2>&1 &
+    done
     wait
-    for part in a b; do grep -v "Warning\|warn(\|it/s\]" "$OUT/saap-quality-$part.log" | tail -25; done
-    $quality --merge "$OUT/part-a.json" "$OUT/part-b.json" 2>&1 | tee "$OUT/saap-quality.log"
+    for part in $parts; do grep -v "Warning\|warn(\|it/s\]" "$OUT/saap-quality-$part.log" | tail -25; done
+    $quality --merge $(for part in $parts; do echo "$OUT/part-$part.json"; done) 2>&1 | tee "$OUT/saap-quality.log"
     exit "${PIPESTATUS[0]}"
   fi
   for n in ${PROMPTS:-0 2000}; do for d in float32 bfloat16; do for c in dynamic static; do

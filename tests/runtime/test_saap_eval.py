@@ -221,6 +221,8 @@ def test_gpu_quality_script_sweep_reaches_each_target_of_the_curve():
     centroids = {(s.window, s.probes) for s in paper if s.method == "centroids"}
     assert {(32, 10), (32, 20), (64, 10)} <= centroids and max(p for _, p in centroids) == round(0.16 * 2048)
     assert len(centroids) == len([s for s in paper if s.method == "centroids"])
+    topk = script.sweep_settings(2048, 8192, 64, ["topk"])
+    assert {s.window for s in topk} == {64} and [s.probes for s in topk][:2] == [41, 82]  # keys, not clusters
 
 
 def test_gpu_quality_script_index_configurations():
@@ -350,6 +352,7 @@ def test_gpu_quality_script_runs_the_curve_with_layer_0_sparse_and_merges_two_ru
     monkeypatch.setattr(script, "CURVE_TARGETS", (0.3, 0.6))
     monkeypatch.setattr(script, "STREAMING_TARGETS", (0.3, 0.6))
     monkeypatch.setattr(script, "SWEEP", {1 / 16: (0.1, 0.3), 1 / 8: (0.2, 0.5)})
+    monkeypatch.setattr(script, "TOPK_SWEEP", {1 / 16: (0.1, 0.2, 0.4)})
 
     def run(clusters, methods, name):
         args = argparse.Namespace(
