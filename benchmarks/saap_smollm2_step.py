@@ -130,7 +130,8 @@ def measure(method: str, model, ids: torch.Tensor, index: str | None, steps: int
     with gpu_turn():
         for _ in range(steps):
             one_step()
-    row: dict[str, Any] = {"method": method, "context": ids.shape[1], "step_ms": 1e3 * statistics.median(times[warmup:]),
+    row: dict[str, Any] = {"method": method, "prompt": ids.shape[1], "context": ids.shape[1] + warmup + steps,
+                           "step_ms": 1e3 * statistics.median(times[warmup:]),
                            "step_ms_min": 1e3 * min(times[warmup:]), "first_call_s": times[0],
                            "prefill_s": prefill_s, "tokens": tokens}
     if opt is not None:
@@ -199,6 +200,8 @@ def compare(rows: list[dict[str, Any]]) -> None:
         if "attnopt-ro" in by and r["method"] != "attnopt-ro":
             same = [a == b for a, b in zip(r["tokens"], by["attnopt-ro"]["tokens"])]
             r["tokens_as_dense"] = f"{sum(same)}/{len(same)}"
+            # greedy decoding: after the first differing token the two continue different texts
+            r["first_token_difference"] = None if all(same) else same.index(False)
 
 
 def main() -> int:
@@ -233,7 +236,7 @@ def main() -> int:
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="saap-step-"))
     model, tok = load(torch.float32, args.device)  # fp32 for training, as the quality runs trained
-    ids = prompt_ids(tok, args.context - args.steps - args.warmup - 1)  # the last step sees `context` keys
+    ids = prompt_ids(tok, args.context - args.steps - args.warmup)  # the last timed step attends to `context` keys
     torch.save(ids, work / "ids.pt")
     results = results_header("saap-smollm2-step", model="SmolLM2-135M (GGUF, dequantized)", context=args.context,
                              dtype=args.dtype, steps=args.steps, warmup=args.warmup, cache="static")
@@ -259,7 +262,8 @@ def main() -> int:
                               ("vs_hf_compiled", "HF compiled / this", ".2f"),
                               ("vs_attnopt_dense", "attnopt dense / this", ".2f"), ("kinds", "plans", ""),
                               ("selectivity_sparse_layers", "selectivity", ".3f"),
-                              ("tokens_as_dense", "tokens as dense", ""), ("first_call_s", "first call s", ".1f"),
+                              ("tokens_as_dense", "tokens as dense", ""),
+                              ("first_token_difference", "first differs", ""), ("first_call_s", "first call s", ".1f"),
                               ("error", "error", "")]))
     print(f"wrote {args.out} ({results['seconds']:.0f} s)")
     return 0

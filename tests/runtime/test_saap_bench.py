@@ -132,6 +132,8 @@ def test_smollm2_step_script_trains_the_default_index_and_times_saap_beside_dens
     assert len(saap["tokens"]) == len(dense["tokens"]) == 5 and dense["step_ms"] > 0
     script.compare(rows)
     assert saap["vs_attnopt_dense"] == dense["step_ms"] / saap["step_ms"] and saap["tokens_as_dense"].endswith("/5")
+    assert (saap["first_token_difference"] is None) == (saap["tokens"] == dense["tokens"])
+    assert (dense["prompt"], dense["context"]) == (150, 154)  # the last timed step attends to 154 keys
     with pytest.raises(ValueError, match="valid: hf-compiled"):
         script.measure("saap", model, ids, str(path), 1, 1, "cpu")
     registry.reset()
