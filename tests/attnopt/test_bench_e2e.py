@@ -106,6 +106,8 @@ def test_profile_kernel_classes():
     assert _kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "SDPA kernels"
     assert _kernel_class("triton_poi_fused_add_0") == "inductor kernels"
     assert _kernel_class("triton_poi_fused_lt_valid_len_0") == "inductor kernels"
+    # the RoPE-and-cache-write kernel inductor fuses ahead of the op carries its name: not attention work
+    assert _kernel_class("triton_poi_fused__to_copy_cat_cos_decode_attention_index_copy_sin_3") == "inductor kernels"
     assert _kernel_class("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "GEMMs"
     assert _kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel").startswith("other")
 
