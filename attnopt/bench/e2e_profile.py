@@ -158,3 +158,19 @@ def tuning_records() -> list[dict[str, Any]]:
                     "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),
                     "measured_us": record.get("measured_us")})
     return out
+
+
+def attention_in_step(profile: dict[str, Any], sites: int, standalone: dict[str, Any] | None) -> dict[str, Any]:
+    """The attention's GPU time per layer inside the step (its kernels and the mask scans made for them, exclusive
+    µs: time when no other class ran) and its ratio to the same plan alone in a CUDA graph (issue 16's 1.1x)."""
+    classes = profile.get("gpu_by_class") or {}
+    mine = [v.get("exclusive_us_per_step", 0.0) for k, v in classes.items()
+            if k.startswith(("attnopt attention", "attnopt mask scans"))]
+    if not sites or not mine:
+        return {}
+    per_layer = sum(mine) / sites
+    out: dict[str, Any] = {"attention_in_step_us_per_layer": round(per_layer, 3)}
+    alone = (standalone or {}).get("us")
+    if alone:
+        out["attention_in_step_vs_standalone"] = round(per_layer / alone, 3)
+    return out

@@ -129,3 +129,17 @@ def test_busy_and_exclusive_time_of_kernel_classes():
     busy = _busy_us_by_class(SimpleNamespace(events=lambda: events), n=2)
     assert busy["attnopt attention kernels"] == ((16 + 4) / 2, (14 + 4) / 2)
     assert busy["GEMMs"] == (20 / 2, 18 / 2)
+
+
+def test_attention_in_step_per_layer_against_standalone():
+    """Issue 16's check: the attention kernels and the mask scans made for them (exclusive µs a step) per rewritten
+    site, against the same plan timed alone; other classes are not attention."""
+    from attnopt.bench.e2e_profile import attention_in_step
+
+    profile = {"gpu_by_class": {"attnopt attention kernels": {"exclusive_us_per_step": 300.0},
+                                "attnopt mask scans (valid length, window start)": {"exclusive_us_per_step": 3.0},
+                                "inductor kernels": {"exclusive_us_per_step": 270.0}}}
+    got = attention_in_step(profile, 30, {"us": 10.0})
+    assert got == {"attention_in_step_us_per_layer": 10.1, "attention_in_step_vs_standalone": 1.01}
+    assert attention_in_step(profile, 0, None) == {}
+    assert "attention_in_step_vs_standalone" not in attention_in_step(profile, 30, {"error": "x"})
