@@ -129,6 +129,42 @@ def test_a_new_cache_or_a_replaced_parameter_is_recorded_again(model):
             model.model.layers[1].mlp = mlp
 
 
+def test_a_cache_whose_layer_or_tensor_was_replaced_is_recorded_again(model):
+    """The graph writes into the cache's tensors in place: a layer object or a key tensor put in their place since
+    the recording (a cache re-allocated by hand, an offloading layer) must not be replayed against."""
+    import copy
+
+    steps = StepGraphs(model.forward, model, lambda: None, graphs=FakeGraphs())
+    cache = make_cache(model, "static", 40)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with torch.no_grad():
+        tok = prefill(model, cache, ids, chunk=64)
+        step = iter(range(8, 40))
+
+        def call():
+            return steps((), {"input_ids": tok, "past_key_values": cache,
+                              "cache_position": torch.tensor([next(step)]), "use_cache": True})
+
+        for _ in range(4):  # warm, warm, record, replay
+            call()
+        assert steps.graphs.recordings == 1 and steps.replays == 2
+        layer = cache.layers[1]
+        cache.layers[1] = copy.copy(layer)  # another object (its tensors the same): the recording is stale
+        call()
+        assert steps.replays == 2  # ran compiled
+        call()
+        assert steps.graphs.recordings == 2 and steps.replays == 3
+        cache.layers[1].keys = cache.layers[1].keys.clone()  # a key tensor moved: again
+        call()
+        assert steps.replays == 3
+        call()
+        assert steps.graphs.recordings == 3 and steps.replays == 4
+        del cache.layers[1].values  # a tensor gone: never replayed against
+        with pytest.raises(AttributeError):
+            call()
+        assert steps.replays == 4
+
+
 def test_grad_mode_cpu_tensors_and_unknown_arguments_run_the_forward(model):
     calls = []
 
