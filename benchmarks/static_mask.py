@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="static-4k-of-32k,e2e-llama3-8b-128k-static",
                    help="static planner-bench case names (the second: a nearly full cache)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", default=None, help="split-KV configs S/block_n/warps/stages, comma-separated "
+                   "(default: " + ",".join("/".join(map(str, c)) for c in CONFIGS) + ")")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import os
@@ -134,7 +136,9 @@ def main(argv=None) -> int:
         return 2
     results = []
     for name in (c.strip() for c in args.cases.split(",") if c.strip()):
-        r = run_case(name, case_of(name), args.rounds, CONFIGS)
+        configs = CONFIGS if not args.configs else tuple(tuple(int(x) for x in c.split("/"))
+                                                          for c in args.configs.split(","))
+        r = run_case(name, case_of(name), args.rounds, configs)
         results.append(r)
         print(f"{name} ({r['sets']} input sets)")
         for w, us in r["median_us"].items():

@@ -84,6 +84,7 @@ def _split_kv_kernel(
     CHUNK_T: tl.constexpr = 1,  # MASK_SKIP: tiles classified at once
     HEAD_BCAST: tl.constexpr = False,  # MASK_SKIP: the mask is broadcast over the heads (scanned per query position)
     N_SCAN: tl.constexpr = 0,  # MASK_SKIP with HEAD_BCAST: query positions to scan (1 when broadcast over them)
+    ONE_CHUNK: tl.constexpr = False,  # MASK_SKIP: CHUNK_T covers every split's tiles
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -129,7 +130,7 @@ def _split_kv_kernel(
                                         stride_vb, stride_vh, stride_vn, stride_vd,
                                         stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, L, G, D, DV, N_SCAN,
                                         BLOCK_M, BLOCK_N, CHUNK_T, MASK_KIND, HEAD_BCAST, IS_CAUSAL, UPCAST,
-                                        PRECISION, softcap, SOFTCAP, alibi_ptr, ALIBI, USE_TMA)
+                                        PRECISION, softcap, SOFTCAP, alibi_ptr, ALIBI, USE_TMA, ONE_CHUNK)
     else:
         acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g,
                                 i, row_ok,
@@ -242,6 +243,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     gstr = tuple(lse.stride()) if lse is not None and not planes else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
     head_bcast, n_scan = scan_rows(mstr, geo.L) if skip else (False, 0)
+    chunk, one_chunk = chunk_tiles(geo.N, num_splits, block_n) if skip else (1, False)
     two_launches = num_splits > 1 and not fused and merge
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _SPLIT_KV_LAUNCH(
@@ -253,8 +255,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
-        MASK_SKIP=skip, CHUNK_T=chunk_tiles(geo.N, num_splits, block_n) if skip else 1,
-        HEAD_BCAST=head_bcast, N_SCAN=n_scan, num_warps=num_warps, num_stages=num_stages,
+        MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:
         merge_states(ws_o, ws_lse[0], out=out, lse_out=lse if lse is not None else False, pdl=pdl,

@@ -66,7 +66,7 @@ def test_several_chunks_of_tiles(kernel_device, monkeypatch):
     from attnopt.runtime.kernels import mask_tiles
 
     monkeypatch.setattr(mask_tiles, "CHUNK_ELEMENTS", 2 * BN)
-    assert chunk_tiles(9 * BN, 1, BN) == 2
+    assert chunk_tiles(9 * BN, 1, BN) == (2, False)
     _static_prefixes(kernel_device)
     _hidden_tiles(kernel_device)
 
@@ -170,9 +170,10 @@ def test_scan_rows_and_chunks():
     assert scan_rows((4 * 64, 0, 64, 1), 4) == (True, 4)
     assert scan_rows((64, 0, 64, 1), 1) == (True, 1)
     assert scan_rows((8 * 64, 64, 0, 1), 1) == (False, 0)
-    assert chunk_tiles(32768, 16, 128) == 16 and chunk_tiles(32768, 4, 64) == 32 and chunk_tiles(1, 1, 64) == 1
-    assert chunk_tiles(100, 3, 16) == 4  # 7 tiles over 3 splits: at most 3 each, rounded up to a power of two
-    assert chunk_tiles(131136, 25, 64) == 32
+    assert chunk_tiles(32768, 16, 128) == (16, True) and chunk_tiles(32768, 4, 64) == (32, False)
+    assert chunk_tiles(1, 1, 64) == (1, True)
+    assert chunk_tiles(100, 3, 16) == (4, True)  # 7 tiles over 3 splits: at most 3 each, rounded up to a power of 2
+    assert chunk_tiles(131136, 25, 64) == (32, False)
 
 
 def test_a_bad_mask_tiles_value_names_the_valid_ones():
