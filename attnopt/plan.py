@@ -212,6 +212,10 @@ class SaapPlan(Plan):
     #: Chain the launches by programmatic dependent launch. Off by default: on the H100 it cost 3-12 µs a call at
     #: 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
     pdl: bool = False
+    #: The sink-and-window splits as a launch of their own on a side stream, beside the scoring and the selection (in
+    #: a captured graph: a parallel branch, joined before the merge); the attention launch after the selection then
+    #: holds only the cluster splits. Off by default until the H100 measures it.
+    window_stream: bool = False
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

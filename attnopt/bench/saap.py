@@ -27,6 +27,9 @@ kernels; ``us_pdl``: the graph timing with the launches chained by programmatic 
 ``attnopt:saap-unfused``) beside fused ones in the same run: ``both`` (two launches: the scoring launch also
 selects, the attention launch also merges; its ``scoring_us`` then holds the selection and its ``attention_us`` the
 merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...-fuse-select``, ``...-fuse-merge``).
+``--saap-window-stream`` (default ``off``; ``off,on`` times both) times each of those also with the plan's
+``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside the
+scoring and the selection; its ``attention_us`` then sums both attention launches, which run in parallel branches.
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ def register(suites) -> None:
     p.add_argument("--saap-fuse", default="none,merge", help="comma-separated, of: none (four launches, the plan's "
                    "default; method suffix -unfused), both (two launches: scoring with the selection, attention with "
                    "the merge), select, merge (one of the two fused: suffix -fuse-select, -fuse-merge)")
+    p.add_argument("--saap-window-stream", default="off", help="comma-separated, of: off, on (the window's splits "
+                   "launched apart on a side stream, beside the scoring and the selection; method suffix -ws)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -87,6 +92,14 @@ def fuse_choices(text: str) -> list[str]:
     if not items or any(x not in FUSE_CHOICES for x in items):
         raise ValueError(f"--saap-fuse takes a comma-separated list of {', '.join(FUSE_CHOICES)}; got {text!r}")
     return list(dict.fromkeys(items))
+
+
+def window_stream_choices(text: str) -> list[bool]:
+    """The ``--saap-window-stream`` list (off, on), each once; ``ValueError`` naming the choices otherwise."""
+    items = [x.strip() for x in (text or "off").split(",") if x.strip()]
+    if not items or any(x not in ("off", "on") for x in items):
+        raise ValueError(f"--saap-window-stream takes a comma-separated list of off, on; got {text!r}")
+    return [x == "on" for x in dict.fromkeys(items)]
 
 
 def saap_geometries(splits: str, block_n: str) -> tuple[list[int], list[int]]:
@@ -159,6 +172,7 @@ def run(args) -> dict[str, Any]:
     targets = [float(t) for t in args.targets.split(",") if t.strip()]
     split_list, block_list = saap_geometries(getattr(args, "saap_splits", ""), getattr(args, "saap_block_n", ""))
     fuse_list = fuse_choices(getattr(args, "saap_fuse", "both"))
+    stream_list = window_stream_choices(getattr(args, "saap_window_stream", "off"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -233,12 +247,14 @@ def run(args) -> dict[str, Any]:
                 want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"],
                                            sets[0]["k"], sets[0]["v"], probes, scale)
                 sel = float(sel)
-                for fuse, splits, block_n in [(f, sp or proto.num_splits, bn or proto.block_n) for f in fuse_list
-                                              for sp in split_list for bn in block_list]:
+                for fuse, splits, block_n, apart in [(f, sp or proto.num_splits, bn or proto.block_n, ws)
+                                                     for f in fuse_list for sp in split_list for bn in block_list
+                                                     for ws in stream_list]:
                     (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
+                    suffix += "-ws" if apart else ""
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
-                                      fused_merge=fused_merge) for layer in layers]
+                                      fused_merge=fused_merge, window_stream=apart) for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
@@ -334,6 +350,7 @@ def run_cli(args) -> int:
 
     saap_geometries(args.saap_splits, args.saap_block_n)  # bad values fail before any GPU work
     fuse_choices(args.saap_fuse)
+    window_stream_choices(args.saap_window_stream)
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)

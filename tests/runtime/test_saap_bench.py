@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import STAGES, budget, fuse_choices, saap_geometries, speed_verdict, stage_of, unchained
+from attnopt.bench.saap import STAGES, budget, fuse_choices, saap_geometries, speed_verdict, stage_of, unchained, \
+    window_stream_choices
 from attnopt.cli import build_parser
 
 
@@ -70,6 +71,15 @@ def test_fuse_choice_option():
     assert fuse_choices(args.saap_fuse) == ["none", "merge"]
 
 
+def test_window_stream_option():
+    assert window_stream_choices("off,on,off") == [False, True] and window_stream_choices("") == [False]
+    for bad in ("1", "yes", ","):
+        with pytest.raises(ValueError, match="--saap-window-stream takes a comma-separated list of off, on"):
+            window_stream_choices(bad)
+    args = build_parser().parse_args(["bench", "saap"])
+    assert window_stream_choices(args.saap_window_stream) == [False]
+
+
 def test_bench_saap_is_registered():
     args = build_parser().parse_args(["bench", "saap", "--cases", "llama3-8b-128k", "--targets", "0.05"])
     assert args.cases == "llama3-8b-128k" and args.func.__module__ == "attnopt.bench.saap"
@@ -80,9 +90,14 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
     from attnopt.bench.saap import run
 
     res = run(argparse.Namespace(cases="tiny-4k", targets="0.05", dtype="bf16", dense_candidates=1, no_mlp=False,
-                                 commit=None, saap_fuse="both,none"))
-    saap = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
-    assert len(saap) == 4 and all("us" in r and r["rel_err"] < 2e-2 for r in saap), json.dumps(saap)
+                                 commit=None, saap_fuse="both,none", saap_window_stream="off,on"))
+    every = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
+    assert len(every) == 8 and all("us" in r and r["rel_err"] < 2e-2 for r in every), json.dumps(every)
+    saap = [r for r in every if not r["method"].endswith("-ws")]
+    apart = {r["method"][:-3]: r for r in every if r["method"].endswith("-ws")}
+    # window_stream: the same launches and one more attention launch (the window's, on the side stream)
+    assert sorted(apart) == sorted(r["method"] for r in saap) and all(
+        apart[r["method"]]["kernels_per_call"] == r["kernels_per_call"] + 1 for r in saap), json.dumps(every)
     unfused = [r for r in saap if r["method"].endswith("-unfused")]
     fused = [r for r in saap if not r["method"].endswith("-unfused")]
     # four launches: scoring (2 with the MLP), selection, attention, merge, and no other kernel
