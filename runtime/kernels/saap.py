@@ -226,11 +226,14 @@ def _saap_kernel(
         incl_base = incl_ptr + bh.to(tl.int64) * BLOCK_C
         shift_base = shift_ptr + bh.to(tl.int64) * BLOCK_C
         p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
+        # the list's first prefixes load with the key count, before the share that needs it: one round trip (the
+        # share's integer divisions would otherwise keep the compiler from issuing them early)
+        offs_c = tl.arange(0, FIRST_CHUNK)
+        prefixes = tl.load(incl_base + offs_c)
         lo, hi = _split_share(split - WINDOW_SPLITS, total, NUM_SPLITS - WINDOW_SPLITS, BLOCK_N)
         # the list entry of the cluster holding key lo: the count of prefixes at or below it
-        offs_c = tl.arange(0, FIRST_CHUNK)
-        first = 0
-        for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
+        first = tl.sum((prefixes <= lo).to(tl.int32), axis=0)
+        for c0 in tl.static_range(FIRST_CHUNK, BLOCK_C, FIRST_CHUNK):  # a longer list: the rest, a chunk at a time
             first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo).to(tl.int32), axis=0)
         # the cluster keys lie below the stored indexed end: past the rows' first position (only under a valid
         # length that cut into the index), the masks must check each key's position
@@ -258,6 +261,9 @@ def _saap_kernel(
 
 
 _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
+#: List entries a cluster split reads at once to find its first cluster: the whole list up to 2048 clusters (compiled
+#: for sm_90 at the bench shape, the same 128 registers as 1024 at a time, and one load and one reduction, not two).
+FIRST_CHUNK = 2048
 
 
 def window_split_count(num_splits: int, always_keys: float, cluster_keys: float) -> int:
@@ -392,7 +398,7 @@ def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace
             *(lse.stride() if lse is not None else (0, 0, 0)), sm_scale, N, L, geo.G, Hkv, geo.num_m, int(sink), S,
             int(window_splits))
     consts = dict(D=D, DV=geo.Dv, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
-                  BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(1024, sel.incl.shape[1]), HAS_VALID=has_valid,
+                  BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(FIRST_CHUNK, sel.incl.shape[1]), HAS_VALID=has_valid,
                   UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
                   MERGE_P=max(1, geo.merge_p // 2), num_warps=num_warps, num_stages=num_stages, **extra)
     return args, consts

@@ -69,10 +69,10 @@ class SaapScorer(NamedTuple):
 
 
 @triton.jit
-def _query_rows(q_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_d, stride_qb, stride_qh, stride_ql, stride_qd,
-                L, G, D, DEROPE: tl.constexpr):
-    """The group's G x L query rows (BLOCK_R, BLOCK_D) fp32, packed r = g * L + i, with RoPE removed at each token's
-    position ``kv_len - L + i`` when DEROPE (``x cos + sign * x[partner] sin``, partner d +- D/2)."""
+def _load_query_rows(q_ptr, inv_freq_ptr, b, kvh, offs_r, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, L, G, D,
+                     DEROPE: tl.constexpr):
+    """The group's G x L query rows (BLOCK_R, BLOCK_D) fp32, packed r = g * L + i, as stored; when DEROPE also each
+    element's RoPE partner (d +- D/2) and inverse frequency, for ``_derope_rows`` (else those two are ``x``)."""
     g = offs_r // L
     i = offs_r % L
     row_ok = offs_r < G * L
@@ -81,11 +81,23 @@ def _query_rows(q_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_d, stride_qb, 
             + i.to(tl.int64)[:, None] * stride_ql)
     ok = row_ok[:, None] & d_ok[None, :]
     x = tl.load(base + offs_d.to(tl.int64)[None, :] * stride_qd, mask=ok, other=0.0).to(tl.float32)
+    xp = x
+    inv_freq = x
     if DEROPE:
         half = D // 2
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
         xp = tl.load(base + partner.to(tl.int64)[None, :] * stride_qd, mask=ok, other=0.0).to(tl.float32)
         inv_freq = tl.load(inv_freq_ptr + tl.where(offs_d < half, offs_d, offs_d - half), mask=d_ok, other=0.0)
+    return x, xp, inv_freq
+
+
+@triton.jit
+def _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_d, L, D, DEROPE: tl.constexpr):
+    """``_load_query_rows``' rows with RoPE removed at each token's position ``kv_len - L + i`` when DEROPE
+    (``x cos + sign * x[partner] sin``)."""
+    if DEROPE:
+        i = offs_r % L
+        half = D // 2
         pos = (kv_len - L + i).to(tl.float32)
         angle = pos[:, None] * inv_freq[None, :]  # rounded as the reference rounds it, in fp32
         # range reduction in fp64: the fp32 cosine of an angle of 5e5 radians is accurate only after it
@@ -155,9 +167,12 @@ def _saap_rows_kernel(
     w_base = w_ptr + kvh.to(tl.int64) * NOUT * K + offs_o.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_R, BLOCK_O], dtype=tl.float32)
     if SRC_Q:
-        x = _query_rows(x_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_k, stride_qb, stride_qh, stride_ql,
-                        stride_qd, L, G, D, DEROPE)
+        # every load before any math: the weights' read (the launch's bytes) is then in flight with the queries'
+        # (de-roped first, sm_90 issued it only after the de-roping's barriers: two memory latencies in a row)
+        x, xp, inv_freq = _load_query_rows(x_ptr, inv_freq_ptr, b, kvh, offs_r, offs_k, stride_qb, stride_qh,
+                                           stride_ql, stride_qd, L, G, D, DEROPE)
         w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        x = _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_k, L, D, DEROPE)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     else:
         x_base = x_ptr + bh.to(tl.int64) * M * K + offs_r.to(tl.int64)[:, None] * K
@@ -233,12 +248,14 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
             row = bh.to(tl.int64) * M + offs_m
             stat = stat_ptr + (row[:, None] * NCHUNK + offs_ch[None, :]) * 2
             s_ok = m_ok[:, None] & (offs_ch[None, :] < NCHUNK)
+            # the logits load with the statistics, before the normaliser's reductions (their barriers would keep
+            # sm_90 from issuing them early: two L2 round trips in a row)
+            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                            other=float("-inf"), cache_modifier=".cg")
             cmax = tl.load(stat, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
             csum = tl.load(stat + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
             mx = tl.where(m_ok, tl.max(cmax, axis=1), 0.0)
             lse = mx + tl.log(tl.where(m_ok, tl.sum(csum * tl.exp(cmax - mx[:, None]), axis=1), 1.0))
-            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                            other=float("-inf"), cache_modifier=".cg")
             score += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
     else:
         score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,

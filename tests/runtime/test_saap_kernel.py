@@ -363,9 +363,11 @@ def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats
 
 def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monkeypatch):
     """Past 2048 clusters the selection finds 2 threshold bits per round (1 past 8192): forced here on a small
-    table, with the attention's first-entry search read in chunks, the answer is the same."""
+    table, with the attention's first-entry search read in chunks (4 of 512 entries), the answer is the same."""
+    import attnopt.runtime.kernels.saap as attn
     import attnopt.runtime.kernels.saap_select as sel
 
+    monkeypatch.setattr(attn, "FIRST_CHUNK", 512)
     for bits in (1, 2):
         monkeypatch.setattr(sel, "radix_bits", lambda block_c, bits=bits: bits)
         test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(2)
