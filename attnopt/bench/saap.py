@@ -30,6 +30,8 @@ merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...
 ``--saap-window-stream`` (default ``off``; ``off,on`` times both) times each of those also with the plan's
 ``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside the
 scoring and the selection; its ``attention_us`` then sums both attention launches, which run in parallel branches.
+The centroid-scored rows also carry ``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
+(``SELECT_WARPS``; the plan takes ``saap_select.select_warps``), timed once per case and target.
 """
 from __future__ import annotations
 
@@ -247,6 +249,14 @@ def run(args) -> dict[str, Any]:
                 want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"],
                                            sets[0]["k"], sets[0]["v"], probes, scale)
                 sel = float(sel)
+                by_warps = {}
+                if variant == "saap":  # centroid scoring: the selection's width, timed alone
+                    try:
+                        by_warps = {"selection_us_by_warps": selection_by_warps(
+                            index, layers[0], registry.get_state(path, layers[0]), sets[0], probes, scale, SINK)}
+                        print(f"    selection alone by warps: {by_warps['selection_us_by_warps']} µs", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - an extra measurement must not lose the rows
+                        by_warps = {"selection_by_warps_error": f"{type(exc).__name__}: {exc}"[:200]}
                 for fuse, splits, block_n, apart in [(f, sp or proto.num_splits, bn or proto.block_n, ws)
                                                      for f in fuse_list for sp in split_list for bn in block_list
                                                      for ws in stream_list]:
@@ -259,7 +269,7 @@ def run(args) -> dict[str, Any]:
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
                                  "selectivity": sel, "read_bytes": sel * kv_bytes, "fuse": fuse, "splits": splits,
-                                 "block_n": block_n, "plan": plans[0].describe()})
+                                 "block_n": block_n, "plan": plans[0].describe(), **by_warps})
                     if "us" in row:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
@@ -316,10 +326,10 @@ def unchained():
             os.environ["ATTNOPT_PDL"] = saved
 
 
-def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
-    """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn`` under
-    torch.profiler, and the kernels per call. The launches are not chained here (``ATTNOPT_PDL=0``), so each
-    kernel's time is its own work, not also its wait for the one before."""
+def kernel_times(fn, calls: int = 20) -> list[tuple[str, float]]:
+    """(kernel name, device µs) of every kernel that ``calls`` eager calls of ``fn`` launch, under torch.profiler
+    after three warm-up calls. The launches are not chained here (``ATTNOPT_PDL=0``), so each kernel's time is its
+    own work, not also its wait for the one before."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -332,14 +342,46 @@ def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if str(getattr(e, "device_type", "")).endswith("CUDA")]
+
+
+def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
+    """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn``
+    (``kernel_times``), and the kernels per call."""
     out = {stage: 0.0 for stage in STAGES}
-    kernels = 0
-    for e in prof.events():
-        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
-            continue
-        out[stage_of(e.name)] += e.time_range.elapsed_us() / calls
-        kernels += 1
-    out["kernels_per_call"] = kernels / calls
+    times = kernel_times(fn, calls)
+    for name, us in times:
+        out[stage_of(name)] += us / calls
+    out["kernels_per_call"] = len(times) / calls
+    return out
+
+
+#: Widths of the selection launch timed once per case and target (``selection_us_by_warps``).
+SELECT_WARPS = (8, 16, 32)
+
+
+def selection_by_warps(index, layer: int, state, s: dict[str, Any], probes: int, scale: float, sink: int,
+                       warps: tuple[int, ...] = SELECT_WARPS, calls: int = 20) -> dict[str, float]:
+    """Device µs per call of the selection launch alone (its one program per head) at each width of ``warps``, on
+    one input set's query and clusters after its scoring launch (not counted): the width the selection should
+    take."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    q = s["q"]
+    B, Hq, L, _ = q.shape
+    Hkv = state.offsets.shape[1]
+    scorer = kernel_scorer(index, layer)
+    if state.centroids is not None:  # refined at prefill: what the op scores with
+        scorer = scorer._replace(centroids=state.centroids)
+    ws = select_workspace(B, Hkv, Hq // Hkv * L, scorer.clusters, scorer.hidden, q.device)
+    out = {}
+    for w in warps:
+        def call(w=w):
+            saap_select(q, state.offsets, state.ends, ws, probes=probes, scale=scale, n_keys=s["k"].shape[2],
+                        sink=sink, scorer=scorer, num_warps=w)
+        out[str(w)] = sum(us for name, us in kernel_times(call, calls) if "_saap_select_kernel" in name) / calls
     return out
 
 

@@ -427,7 +427,7 @@ def select_workspace(batch: int, hkv: int, rows: int, clusters: int, hidden: int
 def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: int, scale: float, n_keys: int,
                 sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                pdl: bool = False, fused: bool = False) -> SelectWorkspace:
+                pdl: bool = False, fused: bool = False, num_warps: int | None = None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -442,6 +442,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         ``common.pdl_supported``.
     fused : with a ``scorer``, the logits launch also selects (the last of a head's chunk programs to finish runs
         the selection, counted by ``workspace.counters``): one launch fewer, the same work list.
+    num_warps : the selection launch's warps (not fused; None: ``select_warps``), for measuring other widths.
     """
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
@@ -514,6 +515,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, *select_args[2:], *sstrides,
                    *offsets.stride(), N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,
-                   HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl, num_warps=select_warps(block_c),
+                   HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl,
+                   num_warps=num_warps or select_warps(block_c),
                    **select_consts, **({"launch_pdl": True} if chained else {}))
     return ws

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import STAGES, budget, fuse_choices, saap_geometries, speed_verdict, stage_of, unchained, \
-    window_stream_choices
+from attnopt.bench.saap import SELECT_WARPS, STAGES, budget, fuse_choices, saap_geometries, speed_verdict, stage_of, \
+    unchained, window_stream_choices
 from attnopt.cli import build_parser
 
 
@@ -109,3 +109,7 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
                and r["other_us"] == 0 and r["fuse"] == "both" for r in fused), json.dumps(saap)
     assert sorted(r["kernels_per_call"] for r in fused) == [2, 3], json.dumps(saap)
     assert all(0.01 < r["selectivity"] < 0.3 for r in saap)
+    # the selection alone at each width, beside the centroid-scored rows
+    timed = [r["selection_us_by_warps"] for r in every if "-mlp" not in r["method"]]
+    assert timed and all(sorted(t) == sorted(str(w) for w in SELECT_WARPS) and min(t.values()) > 0
+                         for t in timed), json.dumps(every)
