@@ -389,3 +389,32 @@ def test_mismatched_workspace_or_scores_are_refused_before_any_launch():
     with pytest.raises(ValueError, match=r"scores must have shape \(B, Hkv, C\) = \(1, 2, 8\)"):
         saap_select(q, offsets, end, select_workspace(1, 2, 2, 8, 0, "cpu"), probes=2, scale=1.0, n_keys=10,
                     scores=torch.rand(1, 2, 7))
+
+
+@pytest.mark.parametrize("clusters", [300, 1100])
+def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clusters):
+    """The fused centroid launch (wider chunks of BLOCK_LOGITS_Q_FUSED clusters, its last program per head selects
+    from every chunk's logits and statistics) leaves exactly the work list of scoring and selection apart."""
+    from attnopt.runtime.kernels.saap_select import BLOCK_LOGITS_Q_FUSED, saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    assert clusters > 2 * BLOCK_LOGITS_Q_FUSED  # several fused chunks arrive per head
+    B, Hq, Hkv, D = 2, 6, 2, 64
+    torch.manual_seed(clusters)
+    scorer = kernel_scorer(random_index(Hkv, Hq, D, clusters).to(DEVICE), 1)
+    q = torch.randn(B, Hq, 1, D, device=DEVICE) * 3
+    sizes = torch.randint(0, 5, (B, Hkv, clusters), dtype=torch.int32)
+    offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1, dtype=torch.int32)], -1)
+    end = torch.full((B,), int(offsets.max()) + 1, dtype=torch.int32, device=DEVICE)
+    lists = []
+    for fused in (False, True):
+        ws = select_workspace(B, Hkv, Hq // Hkv, clusters, 0, DEVICE)
+        saap_select(q, offsets.to(DEVICE), end, ws, probes=37, scale=0.125, n_keys=int(end[0]) + 50, sink=1,
+                    scorer=scorer, fused=fused)
+        assert int(ws.counters.abs().sum()) == 0
+        n = ws.total.cpu()
+        lists.append((ws.incl.cpu(), ws.shift.cpu(), n))
+    (incl, shift, total), (incl_f, shift_f, total_f) = lists
+    assert torch.equal(total, total_f) and torch.equal(incl, incl_f)
+    picked = incl != 2147483647
+    assert torch.equal(shift[picked], shift_f[picked]) and 0 < int(picked.sum(-1).min())
