@@ -119,6 +119,7 @@ class StepGraphs:
         self.refused: set[tuple] = set()             # signatures that are never recorded
         self.seen: Counter[tuple] = Counter()        # compiled calls per signature, and per signature and caches
         self.replays = 0
+        self.fallbacks: Counter[str] = Counter()     # calls that ran ``fallback``, by reason (diagnostics)
         self._warned = False
         # forward hooks run in Python around modules: a hook added or removed after a recording (a steering vector,
         # an activation probe) must not be skipped by a replay, so their count is part of every signature
@@ -176,10 +177,10 @@ class StepGraphs:
         is dropped and recorded again after one."""
         try:
             key, tensors, caches = self._key(args, kwargs)
-        except _Uncapturable:
-            return self.fallback(*args, **kwargs)
+        except _Uncapturable as e:
+            return self._fall_back(str(e), args, kwargs)
         if key in self.refused:
-            return self.fallback(*args, **kwargs)
+            return self._fall_back("signature refused", args, kwargs)
         full = (key, tuple(map(id, caches)))
         entry = self.recorded.get(full)
         if entry is not None:
@@ -187,7 +188,7 @@ class StepGraphs:
                 if any(t.untyped_storage().data_ptr() in entry.pinned_storages for t in tensors):
                     # an argument that is a view of the cache or a parameter: a copy of it would not see the
                     # forward's writes to the cache, as the original does
-                    return self.fallback(*args, **kwargs)
+                    return self._fall_back("an argument shares memory with the cache or a parameter", args, kwargs)
                 return self._replay(entry, tensors, caches)
             del self.recorded[full]  # a cache re-allocated or a parameter replaced: one compiled call, then again
             self.seen[full] = 0
@@ -198,6 +199,10 @@ class StepGraphs:
             self.seen[full] += 1
             return self._compiled_call(key, args, kwargs, tensors, caches)
         return self._record(key, full, args, kwargs, tensors, caches)
+
+    def _fall_back(self, reason: str, args: tuple, kwargs: dict) -> Any:
+        self.fallbacks[reason] += 1
+        return self.fallback(*args, **kwargs)
 
     def _compiled_call(self, key, args, kwargs, tensors, caches) -> Any:
         """A compiled call that also learns whether this signature may be recorded."""
@@ -243,7 +248,7 @@ class StepGraphs:
                 self._warned = True
                 warnings.warn(f"attnopt: a decode step could not be recorded as one CUDA graph and runs through the "
                               f"fallback forward ({type(e).__name__}: {str(e)[:200]})", RuntimeWarning, stacklevel=3)
-            return self.fallback(*args, **kwargs)
+            return self._fall_back(f"recording failed: {type(e).__name__}: {str(e)[:200]}", args, kwargs)
         delta = Counter(CALL_COUNTS)
         delta.subtract(counts_before)
         entry = _Recorded(graph, inputs, _without(output, caches), self.model, caches, +delta)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .common import format_table, results_header, write_results
-from .e2e_profile import profile_steps, standalone_attention_us
+from .e2e_profile import host_profile, profile_steps, standalone_attention_us, tuning_records
 from .turns import LOCK_ENV, DecodeCallTimer, compile_turn, gpu_turn
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
@@ -235,9 +235,20 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
             times.setdefault(n, []).append(time.perf_counter() - t0)
     timer.remove()
     per_token = (min(times[long]) - min(times[short])) / (long - short)
-    return {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": 1e3 * per_token,
-            "generate_first_call_s": first, "generate_forward_host_ms": timer.median_ms(),
-            "generate_forward_calls": len(timer.seconds)}
+    row = {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": 1e3 * per_token,
+           "generate_first_call_s": first, "generate_forward_host_ms": timer.median_ms(),
+           "generate_forward_calls": len(timer.seconds)}
+    from attnopt.api import _STEP_GRAPHS_ATTR
+
+    steps = getattr(owner, _STEP_GRAPHS_ATTR, None)
+    if steps is not None:  # how the timed calls' decode steps ran: replays, and what fell back and why
+        row["generate_step_graphs"] = {"replays": steps.replays, "recorded": len(steps.recorded),
+                                       "fallbacks": dict(steps.fallbacks)}
+    if getattr(args, "profile", False):
+        with gpu_turn():
+            row["generate_host_profile"] = host_profile(lambda: owner.generate(ids, max_new_tokens=long,
+                                                                              min_new_tokens=long, **kw), long)
+    return row
 
 
 def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
@@ -245,6 +256,8 @@ def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
     model, _ = build_model(args.model, layers=args.layers, dtype=_DTYPES[args.dtype], device=args.device,
                            max_positions=context + 1024)
     rows = [decode_row(args, model, method, context)]
+    if method in OPTIMIZE_OPTIONS:
+        rows[0]["tuning"] = tuning_records()
     if args.generate and method != "attnopt-cg":
         rows[0].update(generate_row(args, model, method, context))
     return rows
@@ -264,8 +277,10 @@ def _isolated(args, context: int, method: str) -> list[dict[str, Any]]:
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--generate"] if args.generate else []
     cmd += ["--profile"] if args.profile else []
+    # an empty attnopt cache per run: its first call tunes as a new user's does (no measurements from another run)
+    env = dict(os.environ, ATTNOPT_CACHE_DIR=tempfile.mkdtemp(prefix="attnopt-e2e-"))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-3000:]
         return [{"method": method, "context": context, "cache": args.cache, "error": f"timeout after {args.timeout} s",

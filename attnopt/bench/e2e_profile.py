@@ -3,6 +3,8 @@ mask scans, SDPA, GEMMs, inductor's kernels, the rest), busy and exclusive time 
 standalone CUDA-graph time at the step's shape, for the in-step/standalone ratio."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,3 +123,38 @@ def standalone_attention_us(report, cache, context: int) -> dict[str, Any] | Non
         return op(q, k, v, mask, valid, float(site.site.scale), False, plan, "bench:standalone")
 
     return {"plan": plan, "us": time_us(call, "graph")}
+
+
+def host_profile(call, tokens: int, top: int = 14) -> dict[str, list[dict[str, Any]]]:
+    """Where ``call()``'s host time goes (cProfile), in µs per generated token: the functions with the most own
+    time, and attnopt's functions with the most cumulative time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, prim, tottime, cumtime, callers)}
+
+    def rows(items) -> list[dict[str, Any]]:
+        return [{"function": f"{name} ({'/'.join(Path(file).parts[-2:])}:{line})",
+                 "calls_per_token": round(v[0] / tokens, 2), "own_us_per_token": round(1e6 * v[2] / tokens, 1),
+                 "cum_us_per_token": round(1e6 * v[3] / tokens, 1)} for (file, line, name), v in items]
+
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    ours = sorted(((k, v) for k, v in stats.items() if f"{os.sep}attnopt{os.sep}" in k[0]), key=lambda kv: -kv[1][3])
+    return {"own": rows(own), "attnopt_cumulative": rows(ours[:top])}
+
+
+def tuning_records() -> list[dict[str, Any]]:
+    """What the tuner measured in this process's tuning cache file: per shape its seconds, the warm-up's share and
+    the number of candidates timed (with ``--isolate`` each run starts from an empty cache, so these are first-call
+    costs)."""
+    from attnopt.tuning_cache import TuningCache
+
+    out = []
+    for record in TuningCache().load().values():
+        winner = record.get("winner") or {}
+        out.append({"tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
+                    "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),
+                    "measured_us": record.get("measured_us")})
+    return out

@@ -70,11 +70,18 @@ def test_generate_row_reports_the_host_time_of_each_decode_call(monkeypatch, met
     model is left as it was."""
     monkeypatch.setitem(e2e.OPTIMIZE_OPTIONS, "attnopt-ro", {"mode": "reduce-overhead", "inner_backend": "eager"})
     model, _ = e2e.build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=256)
-    args = types.SimpleNamespace(device="cpu", cache="static", generate_tokens=4)
+    args = types.SimpleNamespace(device="cpu", cache="static", generate_tokens=4, profile=True)
     row = e2e.generate_row(args, model, method, 24)
     assert row["generate_forward_calls"] == 4 * ((8 - 1) + (12 - 1))
     assert 0 < row["generate_forward_host_ms"] < 1e3 * row["generate_first_call_s"]
     assert "__call__" not in vars(model)
+    # the host profile of one more generate() call: HF's sampling loop is in it; attnopt's forward where it runs
+    profile = row["generate_host_profile"]
+    assert profile["own"] and all(r["own_us_per_token"] >= 0 for r in profile["own"])
+    names = [r["function"] for r in profile["attnopt_cumulative"]]
+    assert any(n.startswith("forward (attnopt/api.py") for n in names) == (method == "attnopt-ro")
+    if method == "attnopt-ro":  # on the CPU the step graphs run their fallback (CUDA tensors only), and say why
+        assert row["generate_step_graphs"]["fallbacks"] and row["generate_step_graphs"]["replays"] == 0
 
 
 def test_decode_call_timer_needs_hfs_compiled_call_where_hf_compiles():

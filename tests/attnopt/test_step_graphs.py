@@ -144,6 +144,7 @@ def test_grad_mode_cpu_tensors_and_unknown_arguments_run_the_forward(model):
         with torch.no_grad():
             steps((), {"input_ids": ids, "extra": object()})
     assert steps.graphs.recordings == 0 and len(calls) == 8
+    assert steps.fallbacks == {"grad mode is on": 4, "an argument of type object": 4}
 
 
 def test_a_forward_that_mutates_an_input_or_python_state_is_never_recorded(model):
