@@ -216,6 +216,9 @@ class SaapPlan(Plan):
     #: a captured graph: a parallel branch, joined before the merge); the attention launch after the selection then
     #: holds only the cluster splits. Off by default until the H100 measures it.
     window_stream: bool = False
+    #: With ``window_stream``: fork after the scoring launch, not before it, so that the window's reads overlap only
+    #: the selection (one SM a head, latency-bound) and not the scoring's own reads.
+    window_after_scoring: bool = False
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

@@ -27,9 +27,10 @@ kernels; ``us_pdl``: the graph timing with the launches chained by programmatic 
 ``attnopt:saap-unfused``) beside fused ones in the same run: ``both`` (two launches: the scoring launch also
 selects, the attention launch also merges; its ``scoring_us`` then holds the selection and its ``attention_us`` the
 merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...-fuse-select``, ``...-fuse-merge``).
-``--saap-window-stream`` (default ``off``; ``off,on`` times both) times each of those also with the plan's
-``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside the
-scoring and the selection; its ``attention_us`` then sums both attention launches, which run in parallel branches.
+``--saap-window-stream`` (default ``off``; e.g. ``off,on,late`` times all three) times each of those also with the
+plan's ``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside
+the scoring and the selection; ``late`` (suffix ``-wsl``) forks it after the scoring (``window_after_scoring``). Its
+``attention_us`` then sums both attention launches, which run in parallel branches.
 The centroid-scored rows also carry ``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
 (``SELECT_WARPS``; the plan takes ``saap_select.select_warps``), timed once per case and target.
 """
@@ -70,7 +71,8 @@ def register(suites) -> None:
                    "default; method suffix -unfused), both (two launches: scoring with the selection, attention with "
                    "the merge), select, merge (one of the two fused: suffix -fuse-select, -fuse-merge)")
     p.add_argument("--saap-window-stream", default="off", help="comma-separated, of: off, on (the window's splits "
-                   "launched apart on a side stream, beside the scoring and the selection; method suffix -ws)")
+                   "launched apart on a side stream, beside the scoring and the selection; method suffix -ws), late "
+                   "(the same, forked after the scoring; suffix -wsl)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -96,12 +98,18 @@ def fuse_choices(text: str) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def window_stream_choices(text: str) -> list[bool]:
-    """The ``--saap-window-stream`` list (off, on), each once; ``ValueError`` naming the choices otherwise."""
+#: ``--saap-window-stream`` choices -> (the plan's window_stream, window_after_scoring) and the method's suffix.
+WINDOW_CHOICES = {"off": ((False, False), ""), "on": ((True, False), "-ws"), "late": ((True, True), "-wsl")}
+
+
+def window_stream_choices(text: str) -> list[str]:
+    """The ``--saap-window-stream`` list (keys of ``WINDOW_CHOICES``), each once; ``ValueError`` naming them
+    otherwise."""
     items = [x.strip() for x in (text or "off").split(",") if x.strip()]
-    if not items or any(x not in ("off", "on") for x in items):
-        raise ValueError(f"--saap-window-stream takes a comma-separated list of off, on; got {text!r}")
-    return [x == "on" for x in dict.fromkeys(items)]
+    if not items or any(x not in WINDOW_CHOICES for x in items):
+        raise ValueError(f"--saap-window-stream takes a comma-separated list of {', '.join(WINDOW_CHOICES)}; "
+                         f"got {text!r}")
+    return list(dict.fromkeys(items))
 
 
 def saap_geometries(splits: str, block_n: str) -> tuple[list[int], list[int]]:
@@ -261,10 +269,12 @@ def run(args) -> dict[str, Any]:
                                                      for f in fuse_list for sp in split_list for bn in block_list
                                                      for ws in stream_list]:
                     (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
-                    suffix += "-ws" if apart else ""
+                    (window_stream, window_late), window_suffix = WINDOW_CHOICES[apart]
+                    suffix += window_suffix
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
-                                      fused_merge=fused_merge, window_stream=apart) for layer in layers]
+                                      fused_merge=fused_merge, window_stream=window_stream,
+                                      window_after_scoring=window_late) for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,

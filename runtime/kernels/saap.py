@@ -307,7 +307,8 @@ def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, 
 def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
                        block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None,
-                       window_splits=None, fused_select=False, fused_merge=False, window_stream=False):
+                       window_splits=None, fused_select=False, fused_merge=False, window_stream=False,
+                       window_after_scoring=False):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -333,6 +334,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         selection (in a captured graph: a parallel branch, joined before the merge), so that they run while the
         selection holds one SM per head; the attention launch after the selection then holds the cluster splits
         alone. Needs a window split (else one launch as without it); the same partials, so the same output.
+    window_after_scoring : with ``window_stream``, fork after the scoring launch rather than before it, so that the
+        window's reads overlap only the selection (latency-bound on one SM a head), not the scoring's own reads.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -352,16 +355,22 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     side = workspace.side if apart and q.is_cuda else None
     args, consts = _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace, sm_scale, sink,
                                      window_splits, block_n, num_warps, num_stages, fused_merge, geo)
-    if apart:
+
+    def launch_window():
         window_grid = (window_splits, B * Hkv * geo.num_m)
-        if side is not None:  # fork: the window's launch waits for what came before this call, nothing else
+        if side is not None:  # fork: the window's launch waits for what came before it, nothing else
             side.wait_stream(torch.cuda.current_stream(q.device))
             with torch.cuda.stream(side):
                 _SAAP_LAUNCH(window_grid, *args, 0, **consts, WAIT_PRIOR=False, LAUNCH_DEPENDENTS=False)
         else:  # the interpreter: one stream, the same partials
             _SAAP_LAUNCH(window_grid, *args, 0, **consts, WAIT_PRIOR=False, LAUNCH_DEPENDENTS=False)
+
+    late = apart and bool(window_after_scoring)
+    if apart and not late:
+        launch_window()
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
-                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl, fused=fused_select)
+                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl and not late,
+                      fused=fused_select, after_scoring=launch_window if late else None)
     fused = bool(fused_merge) and S > 1
     extra = {"launch_pdl": True} if pdl else {}
     first = window_splits if apart else 0  # the splits this launch runs: from ``first`` on

@@ -431,7 +431,8 @@ def select_workspace(batch: int, hkv: int, rows: int, clusters: int, hidden: int
 def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: int, scale: float, n_keys: int,
                 sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                pdl: bool = False, fused: bool = False, num_warps: int | None = None) -> SelectWorkspace:
+                pdl: bool = False, fused: bool = False, num_warps: int | None = None,
+                after_scoring=None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -447,6 +448,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     fused : with a ``scorer``, the logits launch also selects (the last of a head's chunk programs to finish runs
         the selection, counted by ``workspace.counters``): one launch fewer, the same work list.
     num_warps : the selection launch's warps (not fused; None: ``select_warps``), for measuring other widths.
+    after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
+        one launch), to put other work there.
     """
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
@@ -496,6 +499,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         sel_ptrs, sel_scalars = with_select if fused else no_select
         logits_select = dict(SELECT=True, num_warps=fused_select_warps(block_c, scorer.hidden),
                              **select_consts) if fused else dict(num_warps=4)
+        if fused and after_scoring is not None:  # no launch between the scoring and the selection: before both
+            after_scoring()
         if scorer.mlp is None:
             _ROWS_LAUNCH((B * Hkv, launch_chunks), q, inv_freq, valid, scorer.centroids, scorer.centroids,
                          scorer.centroids, ws.logits, ws.chunk_stats, *sel_ptrs, *q.stride(), float(scale), 0.0, N, L,
@@ -519,6 +524,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         score_src, sstrides = ws.logits, (0, 0, 0)
     else:
         score_src, sstrides = scores, scores.stride()
+    if after_scoring is not None:
+        after_scoring()
     chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, *select_args[2:], *sstrides,
                    *offsets.stride(), N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,

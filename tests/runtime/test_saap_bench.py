@@ -72,12 +72,12 @@ def test_fuse_choice_option():
 
 
 def test_window_stream_option():
-    assert window_stream_choices("off,on,off") == [False, True] and window_stream_choices("") == [False]
+    assert window_stream_choices("off,late,on,off") == ["off", "late", "on"] and window_stream_choices("") == ["off"]
     for bad in ("1", "yes", ","):
-        with pytest.raises(ValueError, match="--saap-window-stream takes a comma-separated list of off, on"):
+        with pytest.raises(ValueError, match="--saap-window-stream takes a comma-separated list of off, on, late"):
             window_stream_choices(bad)
     args = build_parser().parse_args(["bench", "saap"])
-    assert window_stream_choices(args.saap_window_stream) == [False]
+    assert window_stream_choices(args.saap_window_stream) == ["off"]
 
 
 def test_bench_saap_is_registered():
@@ -90,14 +90,16 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
     from attnopt.bench.saap import run
 
     res = run(argparse.Namespace(cases="tiny-4k", targets="0.05", dtype="bf16", dense_candidates=1, no_mlp=False,
-                                 commit=None, saap_fuse="both,none", saap_window_stream="off,on"))
+                                 commit=None, saap_fuse="both,none", saap_window_stream="off,on,late"))
     every = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
-    assert len(every) == 8 and all("us" in r and r["rel_err"] < 2e-2 for r in every), json.dumps(every)
-    saap = [r for r in every if not r["method"].endswith("-ws")]
-    apart = {r["method"][:-3]: r for r in every if r["method"].endswith("-ws")}
-    # window_stream: the same launches and one more attention launch (the window's, on the side stream)
-    assert sorted(apart) == sorted(r["method"] for r in saap) and all(
-        apart[r["method"]]["kernels_per_call"] == r["kernels_per_call"] + 1 for r in saap), json.dumps(every)
+    assert len(every) == 12 and all("us" in r and r["rel_err"] < 2e-2 for r in every), json.dumps(every)
+    saap = [r for r in every if not r["method"].endswith(("-ws", "-wsl"))]
+    # window_stream (forked first or after the scoring): the same launches and one more attention launch (the
+    # window's, on the side stream)
+    for suffix in ("-ws", "-wsl"):
+        apart = {r["method"][:-len(suffix)]: r for r in every if r["method"].endswith(suffix)}
+        assert sorted(apart) == sorted(r["method"] for r in saap) and all(
+            apart[r["method"]]["kernels_per_call"] == r["kernels_per_call"] + 1 for r in saap), json.dumps(every)
     unfused = [r for r in saap if r["method"].endswith("-unfused")]
     fused = [r for r in saap if not r["method"].endswith("-unfused")]
     # four launches: scoring (2 with the MLP), selection, attention, merge, and no other kernel

@@ -21,7 +21,7 @@ def random_index(hkv: int, hq: int, d: int, clusters: int) -> SaapIndex:
 
 
 def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits, block_n, valid=None, scores=None,
-             assign=None, window_splits=None, fused=False, window_stream=False):
+             assign=None, window_splits=None, fused=False, window_stream=False, late=False):
     """Kernel against the reference over the same sparse set. ``assign`` (B, Hkv, n): given clusters of keys
     [sink, sink + n) (default: the nearest centroid of a random index, over the first ``prompt`` keys). With
     ``valid``, the cache holds garbage (NaN) from there on."""
@@ -54,7 +54,7 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
                        state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
                        valid_len=None if vl is None else vl.to(dev), stats=stats, workspace=ws, block_n=block_n,
                        window_splits=window_splits, fused_select=fused, fused_merge=fused,
-                       window_stream=window_stream)
+                       window_stream=window_stream, window_after_scoring=late)
     assert int(ws.counters.abs().sum()) == 0, "the fused merge left an arrival counter non-zero"
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
@@ -94,14 +94,16 @@ def test_any_division_of_the_splits_between_window_and_clusters(splits, window_s
              block_n=16, window_splits=window_splits)
 
 
-@pytest.mark.parametrize("splits,window_splits,fused,valid", [(4, 1, False, None), (5, 2, True, None),
-                                                              (4, 0, False, None), (3, 1, False, 140)])
-def test_window_splits_in_a_launch_of_their_own(splits, window_splits, fused, valid):
-    # window_stream: the window splits launched apart (first, here on the one stream of the interpreter), the
-    # cluster splits after the selection from split W on; W = 0 falls back to one launch; the fused merge's
-    # arrival counter spans both launches
+@pytest.mark.parametrize("splits,window_splits,fused,valid,late", [
+    (4, 1, False, None, False), (5, 2, True, None, False), (4, 0, False, None, False), (3, 1, False, 140, False),
+    (4, 2, False, None, True), (5, 3, True, 140, True)])
+def test_window_splits_in_a_launch_of_their_own(splits, window_splits, fused, valid, late):
+    # window_stream: the window splits launched apart (first, or after the scoring when late; here on the one
+    # stream of the interpreter), the cluster splits after the selection from split W on; W = 0 falls back to one
+    # launch; the fused merge's arrival counter spans both launches
     run_case(1, 4, 2, 160, 64, 1, 8, 3, sink=2, window=30, prompt=120 if valid else 150, dtype=torch.float32,
-             splits=splits, block_n=16, window_splits=window_splits, fused=fused, window_stream=True, valid=valid)
+             splits=splits, block_n=16, window_splits=window_splits, fused=fused, window_stream=True, valid=valid,
+             late=late)
 
 
 def test_window_split_count_and_bad_counts():
@@ -255,12 +257,14 @@ def test_derope_is_accurate_at_half_a_million_positions():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mlp", [False, True])
-@pytest.mark.parametrize("fused,window_stream", [(False, False), (True, False), (False, True), (True, True)])
-def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused, window_stream):
+@pytest.mark.parametrize("fused,window_stream,late", [(False, False, False), (True, False, False),
+                                                     (False, True, False), (True, True, False), (False, True, True)])
+def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused, window_stream, late):
     """bf16 on a GPU: scoring, selection, attention and merge captured once in a CUDA graph, replayed at three
     valid lengths (read on the device); each replay equals the reference over the sparse set the PyTorch scores
     pick, and the selectivity counter counts every replay. With ``window_stream`` the window's launch is a
-    parallel branch of the graph (a side stream), joined before the merge."""
+    parallel branch of the graph (a side stream: forked first, or after the scoring when ``late``), joined before
+    the merge."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
 
@@ -281,7 +285,8 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused, w
     def call():
         saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
                            scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64,
-                           fused_select=fused, fused_merge=fused, window_stream=window_stream)
+                           fused_select=fused, fused_merge=fused, window_stream=window_stream,
+                           window_after_scoring=late)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

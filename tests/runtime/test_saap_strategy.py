@@ -147,11 +147,13 @@ def test_kernel_path_in_the_interpreter_matches_the_reference_path(which, reques
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("fused,window_stream", [(False, False), (True, False), (False, True)])
-def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path, monkeypatch, fused, window_stream):
+@pytest.mark.parametrize("fused,window_stream,late", [(False, False, False), (True, False, False),
+                                                     (False, True, False), (False, True, True), (True, True, True)])
+def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path, monkeypatch, fused, window_stream,
+                                                                      late):
     """The run of a prepared plan: scoring, selection, attention and merge launches (fused: scoring with the selection,
-    attention with the merge; window_stream: the window's attention launch first, apart), the output's allocation,
-    and nothing else (before, scoring and statistics were some 40 small torch launches); the selectivity counter
+    attention with the merge; window_stream: the window's attention launch apart, first, or after the scoring when
+    ``late`` and not fused), the output's allocation, and nothing else (before, scoring and statistics were some 40 small torch launches); the selectivity counter
     still counts the call."""
     pytest.importorskip("triton")
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,7 +166,7 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
     monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
     plan = SaapPlan(index=index_path, probes=3, sink=1, window=8, layer=1, num_splits=3, block_n=16,
-                    fused_select=fused, fused_merge=fused, window_stream=window_stream)
+                    fused_select=fused, fused_merge=fused, window_stream=window_stream, window_after_scoring=late)
     registry.set_state(index_path, 1, build_clusters(registry.get_index(index_path), 1, k, 85, 1, 8))
     state = SAAP.prepare(plan, q, k, v)
     launches, ops = [], []
@@ -186,8 +188,9 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
         SAAP.run(state, plan, q, k, v, None, None, 0.125, False)
     want = ["_saap_rows_kernel", "_saap_kernel"] if fused else ["_saap_rows_kernel", "_saap_select_kernel",
                                                                "_saap_kernel", "_merge_states_kernel"]
-    if window_stream:
-        want = ["_saap_kernel"] + want
+    if window_stream:  # the window's launch before the selection's (fused: before the scoring, which selects)
+        at = 1 if late and not fused else 0
+        want = want[:at] + ["_saap_kernel"] + want[at:]
     assert launches == want, launches
     views = (".view.", ".select.")  # views (the LSE planes of the partials among them) launch nothing
     assert [op for op in ops if not any(v in op for v in views)] == ["aten.empty.memory_format"], ops
