@@ -240,6 +240,11 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
     c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
     c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    if HAS_STATS:  # the lengths too (inputs, not the scoring's): loaded at the end, they held the program's exit
+        kv_len = N
+        if HAS_VALID:
+            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
+        window_keys = tl.maximum(kv_len - tl.load(end_ptr + b), 0)
     if WAIT_PRIOR:
         gdc_wait()  # the offsets come from the prefill; the logits from the scoring launch, complete from here on
     if FROM_LOGITS:
@@ -312,10 +317,7 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
     tl.store(total_ptr + bh, total)
     if HAS_STATS:
-        kv_len = N
-        if HAS_VALID:
-            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
-        attended = SINK + total + tl.maximum(kv_len - tl.load(end_ptr + b), 0)
+        attended = SINK + total + window_keys
         share = attended.to(tl.float64) / tl.maximum(kv_len, 1).to(tl.float64) * inv_heads
         tl.atomic_add(stats_ptr, share)
         tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
