@@ -63,6 +63,23 @@ def test_never_planned_without_the_index_and_layer_zero_stays_dense(index_path):
     assert SAAP.estimate_us(plan, _site(layer=2), hw, _ctx(index_path)) > 0
 
 
+def test_centroid_scoring_selects_in_its_scoring_launch_and_the_mlp_does_not(tmp_path, index_path):
+    # the plan's fused_select as the H100 measured it: faster with centroid scoring, far slower with the MLP
+    from attnopt.runtime.saap.index import LayerIndex
+
+    hw = builtin_profile("cpu")
+    assert next(iter(SAAP.candidates(_site(), hw, _ctx(index_path)))).fused_select
+    index = synthetic_index(6, 2, 64, clusters=8, layers=(1,), num_layers=3)
+    g = torch.Generator().manual_seed(0)
+    mlp = {"w1": torch.randn(2, 16, 64, generator=g), "b1": torch.zeros(2, 16), "bn_mean": torch.zeros(2, 16),
+           "bn_var": torch.ones(2, 16), "bn_weight": torch.ones(2, 16), "bn_bias": torch.zeros(2, 16),
+           "w2": torch.randn(2, 8, 16, generator=g), "b2": torch.zeros(2, 8)}
+    index.layers[1] = LayerIndex(index.layers[1].centroids, mlp)
+    path = str(tmp_path / "mlp.safetensors")
+    index.save(path)
+    assert not next(iter(SAAP.candidates(_site(), hw, _ctx(path)))).fused_select
+
+
 def test_config_fields_validate_early(tmp_path, index_path):
     cfg = OptimizeConfig(saap=index_path, saap_probes=4, saap_window=16, saap_sink=2)
     assert OptimizeConfig.from_json(cfg.to_json()) == cfg
