@@ -220,6 +220,9 @@ class SaapPlan(Plan):
     #: With ``window_stream``: fork after the scoring launch, not before it, so that the window's reads overlap only
     #: the selection (one SM a head, latency-bound) and not the scoring's own reads.
     window_after_scoring: bool = False
+    #: Warps of the selection (its own launch, or the fused scoring launch); 0: the kernel's rule (16 at 2048
+    #: clusters). A fused centroid launch below 16 warps takes 64 clusters a program (two an SM) instead of 128.
+    select_warps: int = 0
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

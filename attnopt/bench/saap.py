@@ -31,7 +31,9 @@ merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...
 plan's ``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside
 the scoring and the selection; ``late`` (suffix ``-wsl``) forks it after the scoring (``window_after_scoring``). Its
 ``attention_us`` then sums both attention launches, which run in parallel branches.
-The centroid-scored rows also carry ``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
+``--saap-select-warps`` (default ``0``: the kernel's rule) times each row also at other selection widths (suffix
+``-sw<N>``; fused, below 16 warps the scoring takes 64 clusters a program). The centroid-scored rows also carry
+``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
 (``SELECT_WARPS``; the plan takes ``saap_select.select_warps``), timed once per case and target.
 """
 from __future__ import annotations
@@ -73,6 +75,8 @@ def register(suites) -> None:
     p.add_argument("--saap-window-stream", default="off", help="comma-separated, of: off, on (the window's splits "
                    "launched apart on a side stream, beside the scoring and the selection; method suffix -ws), late "
                    "(the same, forked after the scoring; suffix -wsl)")
+    p.add_argument("--saap-select-warps", default="0", help="comma-separated selection widths to time per SAAP row "
+                   "(0: the kernel's rule; others 4, 8, 16 or 32: method suffix -sw<N>)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -108,6 +112,19 @@ def window_stream_choices(text: str) -> list[str]:
     items = [x.strip() for x in (text or "off").split(",") if x.strip()]
     if not items or any(x not in WINDOW_CHOICES for x in items):
         raise ValueError(f"--saap-window-stream takes a comma-separated list of {', '.join(WINDOW_CHOICES)}; "
+                         f"got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def select_warps_choices(text: str) -> list[int]:
+    """The ``--saap-select-warps`` list (0: the kernel's rule, or 4, 8, 16, 32), each once; ``ValueError`` naming
+    the choices otherwise."""
+    try:
+        items = [int(x) for x in (text or "0").split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items or any(x not in (0, 4, 8, 16, 32) for x in items):
+        raise ValueError(f"--saap-select-warps takes a comma-separated list of 0 (the rule), 4, 8, 16, 32; "
                          f"got {text!r}")
     return list(dict.fromkeys(items))
 
@@ -183,6 +200,7 @@ def run(args) -> dict[str, Any]:
     split_list, block_list = saap_geometries(getattr(args, "saap_splits", ""), getattr(args, "saap_block_n", ""))
     fuse_list = fuse_choices(getattr(args, "saap_fuse", "both"))
     stream_list = window_stream_choices(getattr(args, "saap_window_stream", "off"))
+    warps_list = select_warps_choices(getattr(args, "saap_select_warps", "0"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -265,16 +283,16 @@ def run(args) -> dict[str, Any]:
                         print(f"    selection alone by warps: {by_warps['selection_us_by_warps']} µs", flush=True)
                     except Exception as exc:  # noqa: BLE001 - an extra measurement must not lose the rows
                         by_warps = {"selection_by_warps_error": f"{type(exc).__name__}: {exc}"[:200]}
-                for fuse, splits, block_n, apart in [(f, sp or proto.num_splits, bn or proto.block_n, ws)
-                                                     for f in fuse_list for sp in split_list for bn in block_list
-                                                     for ws in stream_list]:
+                for fuse, splits, block_n, apart, warps in [
+                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w) for f in fuse_list for sp in split_list
+                        for bn in block_list for ws in stream_list for w in warps_list]:
                     (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
                     (window_stream, window_late), window_suffix = WINDOW_CHOICES[apart]
-                    suffix += window_suffix
+                    suffix += window_suffix + (f"-sw{warps}" if warps else "")
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
                                       fused_merge=fused_merge, window_stream=window_stream,
-                                      window_after_scoring=window_late) for layer in layers]
+                                      window_after_scoring=window_late, select_warps=warps) for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
@@ -403,6 +421,7 @@ def run_cli(args) -> int:
     saap_geometries(args.saap_splits, args.saap_block_n)  # bad values fail before any GPU work
     fuse_choices(args.saap_fuse)
     window_stream_choices(args.saap_window_stream)
+    select_warps_choices(args.saap_select_warps)
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)

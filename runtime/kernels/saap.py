@@ -308,7 +308,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
                        block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None,
                        window_splits=None, fused_select=False, fused_merge=False, window_stream=False,
-                       window_after_scoring=False):
+                       window_after_scoring=False, select_warps=None):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -334,6 +334,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         selection (in a captured graph: a parallel branch, joined before the merge), so that they run while the
         selection holds one SM per head; the attention launch after the selection then holds the cluster splits
         alone. Needs a window split (else one launch as without it); the same partials, so the same output.
+    select_warps : the selection's warps (its own launch's, or the fused scoring launch's); None: the rule of
+        ``saap_select``.
     window_after_scoring : with ``window_stream``, fork after the scoring launch rather than before it, so that the
         window's reads overlap only the selection (latency-bound on one SM a head), not the scoring's own reads.
     """
@@ -370,7 +372,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         launch_window()
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
                       scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl and not late,
-                      fused=fused_select, after_scoring=launch_window if late else None)
+                      fused=fused_select, after_scoring=launch_window if late else None, num_warps=select_warps)
     fused = bool(fused_merge) and S > 1
     extra = {"launch_pdl": True} if pdl else {}
     first = window_splits if apart else 0  # the splits this launch runs: from ``first`` on

@@ -449,10 +449,13 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         ``common.pdl_supported``.
     fused : with a ``scorer``, the logits launch also selects (the last of a head's chunk programs to finish runs
         the selection, counted by ``workspace.counters``): one launch fewer, the same work list.
-    num_warps : the selection launch's warps (not fused; None: ``select_warps``), for measuring other widths.
+    num_warps : the selection's warps (None: ``select_warps``, fused ``fused_select_warps``); a fused centroid launch
+        below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
     """
+    if num_warps is not None and num_warps not in (4, 8, 16, 32):
+        raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
     C = offsets.shape[-1] - 1
@@ -467,8 +470,10 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     has_stats = stats is not None
     block_c = ws.incl.shape[1]
     fused = bool(fused) and scores is None
-    # the fused centroid launch takes wider chunks: its statistics then fill the workspace's first chunks of a row
-    logit_block = BLOCK_LOGITS_Q_FUSED if fused and scorer is not None and scorer.mlp is None else None
+    fused_warps = (num_warps or fused_select_warps(block_c, scorer.hidden)) if fused and scorer is not None else 0
+    # the fused centroid launch at 16 warps or more takes wider chunks (one program an SM): its statistics then fill
+    # the workspace's first chunks of a row
+    logit_block = BLOCK_LOGITS_Q_FUSED if fused_warps >= 16 and scorer.mlp is None else None
     launch_chunks = cdiv(C, logit_block) if logit_block else nchunk
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
@@ -499,8 +504,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         no_select = ((ws.counters,) * 7, (0, 0, 0, probes, int(sink), inv_heads))
         with_select = ((ws.counters, *select_args), (*offsets.stride(), probes, int(sink), inv_heads))
         sel_ptrs, sel_scalars = with_select if fused else no_select
-        logits_select = dict(SELECT=True, num_warps=fused_select_warps(block_c, scorer.hidden),
-                             **select_consts) if fused else dict(num_warps=4)
+        logits_select = dict(SELECT=True, num_warps=fused_warps, **select_consts) if fused else dict(num_warps=4)
         if fused and after_scoring is not None:  # no launch between the scoring and the selection: before both
             after_scoring()
         if scorer.mlp is None:

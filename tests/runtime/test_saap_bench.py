@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import SELECT_WARPS, STAGES, budget, fuse_choices, saap_geometries, speed_verdict, stage_of, \
-    unchained, window_stream_choices
+from attnopt.bench.saap import SELECT_WARPS, STAGES, budget, fuse_choices, saap_geometries, select_warps_choices, \
+    speed_verdict, stage_of, unchained, window_stream_choices
 from attnopt.cli import build_parser
 
 
@@ -78,6 +78,15 @@ def test_window_stream_option():
             window_stream_choices(bad)
     args = build_parser().parse_args(["bench", "saap"])
     assert window_stream_choices(args.saap_window_stream) == ["off"]
+
+
+def test_select_warps_option():
+    assert select_warps_choices("0,8,8,16") == [0, 8, 16] and select_warps_choices("") == [0]
+    for bad in ("3", "x", ",", "64"):
+        with pytest.raises(ValueError, match="--saap-select-warps takes a comma-separated list of 0"):
+            select_warps_choices(bad)
+    args = build_parser().parse_args(["bench", "saap"])
+    assert select_warps_choices(args.saap_select_warps) == [0]
 
 
 def test_bench_saap_is_registered():

@@ -380,6 +380,16 @@ def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monk
              block_n=64)
 
 
+def test_select_warps_outside_the_choices_are_refused():
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+
+    q = torch.randn(1, 4, 1, 16)
+    offsets = torch.zeros(1, 2, 9, dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_warps must be 4, 8, 16 or 32"):
+        saap_select(q, offsets, torch.zeros(1, dtype=torch.int32), select_workspace(1, 2, 2, 8, 0, "cpu"),
+                    probes=2, scale=1.0, n_keys=10, scores=torch.rand(1, 2, 8), num_warps=12)
+
+
 def test_mismatched_workspace_or_scores_are_refused_before_any_launch():
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
@@ -396,10 +406,11 @@ def test_mismatched_workspace_or_scores_are_refused_before_any_launch():
                     scores=torch.rand(1, 2, 7))
 
 
-@pytest.mark.parametrize("clusters", [300, 1100])
-def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clusters):
-    """The fused centroid launch (wider chunks of BLOCK_LOGITS_Q_FUSED clusters, its last program per head selects
-    from every chunk's logits and statistics) leaves exactly the work list of scoring and selection apart."""
+@pytest.mark.parametrize("clusters,warps", [(300, None), (1100, None), (1100, 8)])
+def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clusters, warps):
+    """The fused centroid launch (its last program per head selects from every chunk's logits and statistics; at 16
+    warps, the rule at 1100 clusters, chunks of BLOCK_LOGITS_Q_FUSED clusters, at 8 of 64) leaves exactly the work
+    list of scoring and selection apart."""
     from attnopt.runtime.kernels.saap_select import BLOCK_LOGITS_Q_FUSED, saap_select, select_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
 
@@ -415,7 +426,7 @@ def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clust
     for fused in (False, True):
         ws = select_workspace(B, Hkv, Hq // Hkv, clusters, 0, DEVICE)
         saap_select(q, offsets.to(DEVICE), end, ws, probes=37, scale=0.125, n_keys=int(end[0]) + 50, sink=1,
-                    scorer=scorer, fused=fused)
+                    scorer=scorer, fused=fused, num_warps=warps)
         assert int(ws.counters.abs().sum()) == 0
         n = ws.total.cpu()
         lists.append((ws.incl.cpu(), ws.shift.cpu(), n))
