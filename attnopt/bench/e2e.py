@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from .common import format_table, results_header, write_results
-from .e2e_profile import host_profile, profile_steps, standalone_attention_us, tuning_records
+from .e2e_profile import (attention_in_step, host_profile, profile_steps, standalone_attention_us,
+                          tuning_records)
 from .turns import LOCK_ENV, DecodeCallTimer, compile_turn, gpu_turn
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
@@ -191,6 +192,7 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
                 with gpu_turn():
                     row["profile"] = profile_steps(step, cache, tok)
                     row["standalone_attention"] = standalone_attention_us(report, cache, context + len(tokens))
+                row.update(attention_in_step(row["profile"], len(report.rewritten), row["standalone_attention"]))
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timed row
                 row["profile"] = {"error": repr(e)[:500], "ops": {}, "kernels_per_step": None, "gpu_us_per_step": None}
     return row

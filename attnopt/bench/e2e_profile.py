@@ -16,10 +16,10 @@ def _kernel_class(name: str) -> str:
         return "attnopt attention kernels"
     if not name.startswith("triton_") and any(t in name for t in ("_valid_len", "_key_range", "_key_start")):
         return "attnopt mask scans (valid length, window start)"  # (inductor's kernels name the ops they fuse)
+    if name.startswith("triton_"):  # inductor names a kernel after every op it fuses: its RoPE-and-cache-write
+        return "inductor kernels"     # kernel carries "decode_attention" (H100 profile at e6e7a19: 30 a step)
     if any(t in name for t in ("flash", "fmha", "cudnn", "sdpa", "attention")):
         return "SDPA kernels"
-    if name.startswith("triton_"):
-        return "inductor kernels"
     if any(t in name for t in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitKreduce")):
         return "GEMMs"
     return "other kernels (input copies, the harness's argmax, SDPA's mask conversions)"
@@ -157,4 +157,20 @@ def tuning_records() -> list[dict[str, Any]]:
         out.append({"tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
                     "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),
                     "measured_us": record.get("measured_us")})
+    return out
+
+
+def attention_in_step(profile: dict[str, Any], sites: int, standalone: dict[str, Any] | None) -> dict[str, Any]:
+    """The attention's GPU time per layer inside the step (its kernels and the mask scans made for them, exclusive
+    µs: time when no other class ran) and its ratio to the same plan alone in a CUDA graph (issue 16's 1.1x)."""
+    classes = profile.get("gpu_by_class") or {}
+    mine = [v.get("exclusive_us_per_step", 0.0) for k, v in classes.items()
+            if k.startswith(("attnopt attention", "attnopt mask scans"))]
+    if not sites or not mine:
+        return {}
+    per_layer = sum(mine) / sites
+    out: dict[str, Any] = {"attention_in_step_us_per_layer": round(per_layer, 3)}
+    alone = (standalone or {}).get("us")
+    if alone:
+        out["attention_in_step_vs_standalone"] = round(per_layer / alone, 3)
     return out

@@ -102,20 +102,28 @@ def sparse_layer_target(total: float, num_layers: int, sparse_layers: int) -> fl
 class Harness:
     """The attention function of every layer during evaluation (``attnopt_saap_eval``).
 
-    ``setting`` None = dense causal SDPA. Otherwise layers >= 1 attend sparsely to the last ``prompt_len``
-    key prefix's clusters, and ``stats`` collects per-layer recall and selectivity.
+    ``setting`` None = dense causal SDPA. Otherwise the layers the index covers (every layer but 0 for an index of
+    ``train_index``'s default layers; layer 0 too for one trained with it) attend sparsely to the last
+    ``prompt_len`` key prefix's clusters, and ``stats`` collects per-layer recall and selectivity, as device
+    tensors (no host sync per layer; ``summary`` reads them).
+
+    The clusters built over a prompt are kept for the next settings of the same sink and window until the next
+    dense ``use(None, ...)``, which is how every prompt starts (its dense prefill): the build depends only on the
+    prompt's keys, the sink and the window, so the settings of one prompt share it.
     """
 
     def __init__(self, model: Any, index: SaapIndex):
         self.model, self.index = model, index
         self.setting: Setting | None = None
         self.prompt_len = 0
-        self.states: dict[int, ClusterState] = {}
-        self.stats: dict[str, list[float]] = {"recall": [], "selectivity": []}
-        self.layer_recall: dict[int, list[float]] = {}
+        self.states: dict[tuple[int, int, int], ClusterState] = {}  # (layer, sink, window) -> state
+        self.stats: dict[str, list[Tensor]] = {"recall": [], "selectivity": []}
+        self.layer_recall: dict[int, list[Tensor]] = {}
 
     def use(self, setting: Setting | None, prompt_len: int) -> None:
-        self.setting, self.prompt_len, self.states = setting, prompt_len, {}
+        if setting is None or prompt_len != self.prompt_len:  # a new prompt (or the dense reference of one)
+            self.states = {}
+        self.setting, self.prompt_len = setting, prompt_len
         self.stats = {"recall": [], "selectivity": []}
         self.layer_recall = {}
 
@@ -123,11 +131,13 @@ class Harness:
         layer = int(module.layer_idx)
         s = self.setting
         L, N = query.shape[2], key.shape[2]
-        if s is None or layer == 0 or layer not in self.index.layers or L == N:
+        if s is None or layer not in self.index.layers or L == N:
             return causal_sdpa(module, query, key, value, scaling), None
         index = self.index if s.method == "mlp" else self.index.without_mlp()
-        if layer not in self.states:
-            self.states[layer] = build_clusters(index, layer, key, self.prompt_len, s.sink, s.window)
+        built = (layer, s.sink, s.window)
+        if built not in self.states:  # the same for "mlp" and the rest: the centroids and refine are the index's
+            self.states[built] = build_clusters(index, layer, key, self.prompt_len, s.sink, s.window)
+        state = self.states[built]
         positions = torch.arange(N - L, N, device=query.device)
         G = query.shape[1] // key.shape[1]
         scores = torch.matmul(query.float(), key.float().repeat_interleave(G, 1).transpose(-1, -2)) * scaling
@@ -135,23 +145,34 @@ class Harness:
         visible = cols[None, :] <= positions[:, None]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # (B, Hq, L, N) dense
         if s.method == "topk":
-            keep = top_keys(self.states[layer], probs, s.probes, visible)
+            keep = top_keys(state, probs, s.probes, visible)
         else:
             if s.method == "oracle":
-                clusters = oracle_clusters(self.states[layer], probs, s.probes)
+                clusters = oracle_clusters(state, probs, s.probes)
             else:  # (.., 0) for "window"
                 clusters = select_clusters(index, layer, query, positions, s.probes, scaling, per_token=True,
-                                           centroids=self.states[layer].centroids)
-            keep = attended_keys(self.states[layer], clusters, N, L)  # (B, Hkv, L, N)
+                                           centroids=state.centroids)
+            keep = attended_keys(state, clusters, N, L)  # (B, Hkv, L, N)
         mask = keep.repeat_interleave(G, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
-        self.stats["recall"].append(float((probs * mask).sum(-1).mean()))
-        self.layer_recall.setdefault(layer, []).append(self.stats["recall"][-1])
-        self.stats["selectivity"].append(float((keep.sum(-1).float() / (positions + 1).float()).mean()))
+        recall = (probs * mask).sum(-1).mean()
+        self.stats["recall"].append(recall)
+        self.layer_recall.setdefault(layer, []).append(recall)
+        self.stats["selectivity"].append((keep.sum(-1).float() / (positions + 1).float()).mean())
         return out.transpose(1, 2).contiguous(), None
 
     def summary(self) -> dict[str, float]:
-        return {k: (sum(v) / len(v) if v else math.nan) for k, v in self.stats.items()}
+        """Mean recall and selectivity of the calls since ``use`` (one host sync)."""
+        return {k: (float(torch.stack(v).double().mean()) if v else math.nan) for k, v in self.stats.items()}
+
+    def recall_per_layer(self) -> dict[int, list[float]]:
+        """Each sparse layer's recall of every call since ``use`` (one host sync)."""
+        flat = [(l, r) for l, values in self.layer_recall.items() for r in values]
+        got = torch.stack([r for _, r in flat]).tolist() if flat else []
+        out: dict[int, list[float]] = {}
+        for (l, _), r in zip(flat, got):
+            out.setdefault(l, []).append(r)
+        return out
 
 
 def oracle_clusters(state: ClusterState, probs: Tensor, probes: int) -> Tensor:
@@ -244,7 +265,7 @@ def evaluate_language(model: Any, harness: Harness, windows: list[Tensor], tail:
             stats = harness.summary()
             r["recall"].append(stats["recall"])
             r["sel"].append(stats["selectivity"])
-            for layer, values in harness.layer_recall.items():
+            for layer, values in harness.recall_per_layer().items():
                 r["layers"].setdefault(layer, []).extend(values)
             if task is not None:
                 progress.advance(task)

@@ -6,7 +6,7 @@ layers (Linear -> BatchNorm -> ReLU -> Linear, hidden 1024 by default) per KV he
 from the real attention mass per cluster. Only long-range attention counts: the mass of the keys in
 [sink, position - window), which is what the window does not already cover; every query head of a group is a
 training sample of its KV head's MLP, as the group's distributions are summed at decode. Layer 0 stays dense and
-gets no index.
+gets no index unless ``layers`` names it (``attnopt saap train --sparse-layer-0``).
 """
 from __future__ import annotations
 

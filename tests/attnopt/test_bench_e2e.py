@@ -106,6 +106,8 @@ def test_profile_kernel_classes():
     assert _kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "SDPA kernels"
     assert _kernel_class("triton_poi_fused_add_0") == "inductor kernels"
     assert _kernel_class("triton_poi_fused_lt_valid_len_0") == "inductor kernels"
+    # the RoPE-and-cache-write kernel inductor fuses ahead of the op carries its name: not attention work
+    assert _kernel_class("triton_poi_fused__to_copy_cat_cos_decode_attention_index_copy_sin_3") == "inductor kernels"
     assert _kernel_class("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "GEMMs"
     assert _kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel").startswith("other")
 
@@ -127,3 +129,17 @@ def test_busy_and_exclusive_time_of_kernel_classes():
     busy = _busy_us_by_class(SimpleNamespace(events=lambda: events), n=2)
     assert busy["attnopt attention kernels"] == ((16 + 4) / 2, (14 + 4) / 2)
     assert busy["GEMMs"] == (20 / 2, 18 / 2)
+
+
+def test_attention_in_step_per_layer_against_standalone():
+    """Issue 16's check: the attention kernels and the mask scans made for them (exclusive µs a step) per rewritten
+    site, against the same plan timed alone; other classes are not attention."""
+    from attnopt.bench.e2e_profile import attention_in_step
+
+    profile = {"gpu_by_class": {"attnopt attention kernels": {"exclusive_us_per_step": 300.0},
+                                "attnopt mask scans (valid length, window start)": {"exclusive_us_per_step": 3.0},
+                                "inductor kernels": {"exclusive_us_per_step": 270.0}}}
+    got = attention_in_step(profile, 30, {"us": 10.0})
+    assert got == {"attention_in_step_us_per_layer": 10.1, "attention_in_step_vs_standalone": 1.01}
+    assert attention_in_step(profile, 0, None) == {}
+    assert "attention_in_step_vs_standalone" not in attention_in_step(profile, 30, {"error": "x"})

@@ -124,3 +124,46 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
     timed = [r["selection_us_by_warps"] for r in every if "-mlp" not in r["method"]]
     assert timed and all(sorted(t) == sorted(str(w) for w in SELECT_WARPS) and min(t.values()) > 0
                          for t in timed), json.dumps(every)
+
+
+def test_smollm2_step_script_trains_the_default_index_and_times_saap_beside_dense(tmp_path, monkeypatch,
+                                                                                 saap_tiny_llama):
+    """benchmarks/saap_smollm2_step.py on a tiny Llama on the CPU (the eager inner backend instead of
+    reduce-overhead): the index it trains is attnopt's default, the forced SAAP row runs SAAP at every covered layer
+    with probing every cluster giving dense tokens, and the rows compare."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    pytest.importorskip("faiss")
+    from attnopt.runtime.saap import load_index, registry
+    from attnopt.runtime.saap.train import DEFAULT_REFINE
+
+    spec = importlib.util.spec_from_file_location(
+        "saap_smollm2_step", Path(__file__).parents[2] / "benchmarks" / "saap_smollm2_step.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "MODE", {"inner_backend": "eager"})
+    registry.reset()
+    model = saap_tiny_llama
+    tok = lambda text, return_tensors=None: types.SimpleNamespace(  # noqa: E731 - characters as token ids
+        input_ids=torch.tensor([[ord(c) % 97 for c in text]]))
+    path = tmp_path / "index.safetensors"
+    info = script.train_default_index(model, tok, path, 160, 2, "cpu")
+    index = load_index(path, model.config)
+    assert (index.rotated, index.has_mlp, index.refine, sorted(index.layers)) == (True, False, DEFAULT_REFINE, [1, 2])
+    assert info["clusters"] == index.num_clusters == 32 and info["decode"] == index.decode_defaults()
+    ids = script.prompt_ids(tok, 150)
+    rows = [script.measure(m, model, ids, str(path), steps=3, warmup=1, device="cpu")
+            for m in ("attnopt-ro", "attnopt-ro+saap-forced")]
+    dense, saap = rows
+    assert dense["kinds"] and "saap" not in dense["kinds"] and saap["kinds"] == ["saap"]
+    assert saap["saap_sites"] >= 1 and 0 < saap["selectivity_sparse_layers"] < 1  # 2 probes of 32 clusters
+    assert len(saap["tokens"]) == len(dense["tokens"]) == 5 and dense["step_ms"] > 0
+    script.compare(rows)
+    assert saap["vs_attnopt_dense"] == dense["step_ms"] / saap["step_ms"] and saap["tokens_as_dense"].endswith("/5")
+    assert (saap["first_token_difference"] is None) == (saap["tokens"] == dense["tokens"])
+    assert (dense["prompt"], dense["context"]) == (150, 154)  # the last timed step attends to 154 keys
+    with pytest.raises(ValueError, match="valid: hf-compiled"):
+        script.measure("saap", model, ids, str(path), 1, 1, "cpu")
+    registry.reset()

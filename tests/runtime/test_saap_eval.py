@@ -138,6 +138,8 @@ def test_cli_trains_an_index_from_a_collection(tmp_path, tiny):
     assert main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16"]) == 0
     index = load_index(ipath, model.config)  # the defaults: rotated keys, refined at prefill, centroid scoring
     assert not index.has_mlp and index.rotated and index.refine == 2
+    assert main(["saap", "train", str(cpath), "--out", str(ipath), "--clusters", "16", "--sparse-layer-0"]) == 0
+    assert sorted(load_index(ipath, model.config).layers) == [0, 1, 2]
     assert main(["saap", "train", str(tmp_path / "missing.safetensors"), "--out", str(ipath)]) == 2
 
 
@@ -175,46 +177,59 @@ def test_cli_eval_aims_at_total_selectivity_and_skips_what_the_dense_layer_excee
 
 
 def test_gpu_quality_script_summary_picks_the_best_point_under_each_budget():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "saap_quality_gpu", Path(__file__).parents[2] / "benchmarks" / "saap_quality_gpu.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script("saap_quality_gpu")
 
     def row(method, C, window, probes, sel, agree, ppl):
         return {"method": method, "clusters": C, "window": window, "probes": probes, "selectivity": sel - 0.01,
                 "selectivity_all_layers": sel,  # what the budgets count: every layer, the dense one included
-                "recall": 0.9, "next_token_agreement": agree, "perplexity": ppl}
+                "recall": 0.9, "next_token_agreement": agree, "perplexity": ppl, "dense_layers": 1}
+
+    def passkey(length, found, target, window, probes, **extra):  # scaled from the 8k point (window, probes)
+        return {"length": length, "method": "mlp", "clusters": "64", "dense_layers": 1, "target": target,
+                "window": window // 4, "probes": probes // 4, "point_window": window, "point_probes": probes,
+                "found": found, "trials": 4, **extra}
 
     results = {"rows": [row("dense", None, None, None, 1.0, 1.0, 10.0),
                         row("mlp", "64", 32, 2, 0.04, 0.90, 10.5), row("mlp", "64", 32, 4, 0.09, 0.96, 10.2),
                         row("mlp", "64", 32, 8, 0.16, 0.99, 10.0), row("window", None, 400, 0, 0.05, 0.8, 12.0)],
                "passkey": [{"length": 2048, "method": "dense", "found": 3, "trials": 4},
-                           {"length": 2048, "method": "mlp", "clusters": "64", "target": 0.1, "probes": 4,
-                            "window": 8, "found": 3, "trials": 4},
-                           {"length": 2048, "method": "mlp", "clusters": "64", "target": 0.05, "probes": 2,
-                            "window": 8, "found": 1, "trials": 4}],
-               "passkey_points": {"64": [{"method": "mlp", "window": 32, "probes": 2, "target": 0.05},
-                                         {"method": "mlp", "window": 32, "probes": 4, "target": 0.1},
-                                         {"method": "window", "window": 400, "probes": 0, "target": 0.05}]}}
-    summary = script.summarize(results, ["mlp", "window"], ["64"])
+                           passkey(2048, 3, 0.1, 32, 4), passkey(2048, 1, 0.05, 32, 2), passkey(2048, 4, 0.2, 32, 8)]}
+    summary = script.summarize(results)
     by = {(r["method"], r["clusters"], r["at_most"]): r for r in summary}
-    five, ten = by[("mlp", "64", 0.05)], by[("mlp", "64", 0.1)]
+    assert (0.02 in {r["at_most"] for r in summary}) is False  # nothing reaches 2 %: no row claims it
+    five, ten, twenty = by[("mlp", "64", 0.05)], by[("mlp", "64", 0.1)], by[("mlp", "64", 0.2)]
     assert (five["probes"], five["passkey"], five["done"]) == (2, "1/4", False)
     assert (ten["probes"], ten["passkey"], ten["done"]) == (4, "3/4", True)  # 0.96 at 9 %, +2 % ppl, 3/4 as dense
+    assert (twenty["probes"], twenty["passkey"], twenty["done"]) == (8, "4/4", False)  # done is judged at 10 %
     assert math.isclose(ten["ppl_vs_dense"], 0.02)
     assert by[("window", None, 0.05)]["passkey"] == "-" and not by[("window", None, 0.1)]["done"]
     results["passkey"][1]["selectivity_all_layers"] = 0.2  # found, but over the budget: not done
-    assert not {(r["method"], r["at_most"]): r for r in script.summarize(results, ["mlp"], ["64"])}[("mlp", 0.1)]["done"]
+    assert not {(r["method"], r["at_most"]): r for r in script.summarize(results)}[("mlp", 0.1)]["done"]
+
+
+def test_gpu_quality_script_sweep_reaches_each_target_of_the_curve():
+    script = _script("saap_quality_gpu")
+    paper = script.sweep_settings(2048, 8192, 64, ["window", "centroids"], layers=30, dense_layers=1)
+    streaming = [s for s in paper if s.method == "window"]
+    assert [s.target for s in streaming] == [0.05, 0.10, 0.20]  # 2 %: layer 0 alone reads 3.3 %
+    for s in streaming:  # sink + window + half the decoded tail, on 29 sparse layers, 98 % of the target
+        sparse = (s.sink + s.window + 32) / 8192
+        assert 0.97 * s.target < (29 * sparse + 1) / 30 < s.target
+    every = script.sweep_settings(2048, 8192, 64, ["window"], layers=30, dense_layers=0)
+    assert [s.target for s in every] == [0.02, 0.05, 0.10, 0.20]
+    # the 2 % point (every layer sparse) and the 5 % one (layer 0 dense) need a 32-key window and ~10-20 clusters
+    centroids = {(s.window, s.probes) for s in paper if s.method == "centroids"}
+    assert {(32, 10), (32, 20), (64, 10)} <= centroids and max(p for _, p in centroids) == round(0.16 * 2048)
+    assert len(centroids) == len([s for s in paper if s.method == "centroids"])
+    topk = script.sweep_settings(2048, 8192, 64, ["topk"])
+    assert {s.window for s in topk} == {64} and [s.probes for s in topk][:2] == [41, 82]  # keys, not clusters
 
 
 def test_gpu_quality_script_index_configurations():
     script = _script("saap_quality_gpu")
-    assert script.parse_spec("1024") == (1024, False, True, 0)  # the paper's: de-roped, MLP
-    assert script.parse_spec("2048rn:2") == (2048, True, False, 2)
-    assert script.parse_spec("512n") == (512, False, False, 0)
+    assert script.parse_spec("1024") == (1024, False, True, 0, False)  # the paper's: de-roped, MLP, layer 0 dense
+    assert script.parse_spec("2048rn:2") == (2048, True, False, 2, False)
+    assert script.parse_spec("2048rna:2").all_layers and script.parse_spec("512n") == (512, False, False, 0, False)
     with pytest.raises(ValueError, match="<clusters>"):
         script.parse_spec("2048x")
 
@@ -283,3 +298,95 @@ def test_scoring_study_curves_reach_full_recall_and_refinement_keeps_them_sound(
                                               rotated=True, iterations=3)}
     recall, sel, picks = script.allocate(both, lambda k: k[0] == "centroids", 0.6)
     assert sel <= 0.6 + 1e-9 and set(picks) == {1, 2} and 0 < recall <= 1
+
+
+def test_harness_reuses_a_prompts_clusters_across_settings_and_drops_them_at_the_next_prompt(tiny):
+    model, _, index = tiny
+    harness = Harness(model, index.without_mlp())
+    q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 151, 16), torch.randn(1, 2, 151, 16)
+    layer = types.SimpleNamespace(layer_idx=2)
+    outs = []
+    for s in (Setting("centroids", 0.1, 1, 8, 3), Setting("oracle", 0.1, 1, 8, 3), Setting("centroids", 0.1, 1, 8, 5)):
+        harness.use(s, prompt_len=150)
+        outs.append(harness(layer, q, k, v, None, scaling=0.25)[0])
+        fresh = Harness(model, index.without_mlp())  # builds its own clusters: the same answer
+        fresh.use(s, prompt_len=150)
+        torch.testing.assert_close(outs[-1], fresh(layer, q, k, v, None, scaling=0.25)[0], rtol=0, atol=0)
+    assert list(harness.states) == [(2, 1, 8)]  # one build for the three settings of one sink and window
+    harness.use(None, prompt_len=150)  # a dense call starts every prompt: the clusters are of the last one
+    assert harness.states == {}
+    harness.use(Setting("centroids", 0.1, 1, 8, 3), prompt_len=150)
+    k2 = torch.randn(1, 2, 151, 16)  # another prompt's keys
+    fresh = Harness(model, index.without_mlp())
+    fresh.use(Setting("centroids", 0.1, 1, 8, 3), prompt_len=150)
+    torch.testing.assert_close(harness(layer, q, k2, v, None, scaling=0.25)[0],
+                               fresh(layer, q, k2, v, None, scaling=0.25)[0], rtol=0, atol=0)
+
+
+def test_harness_sparsifies_layer_0_only_when_the_index_covers_it(tiny):
+    model, coll, index = tiny
+    q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 151, 16), torch.randn(1, 2, 151, 16)
+    s = Setting("centroids", 0.1, sink=1, window=8, probes=2)
+    dense = Harness(model, index)  # layers 1 and 2: layer 0 stays dense
+    dense.use(s, prompt_len=150)
+    out, _ = dense(types.SimpleNamespace(layer_idx=0, scaling=0.25), q, k, v, None, scaling=0.25)
+    assert dense.stats["selectivity"] == []  # nothing sparse ran
+    every = train_index(coll, clusters=16, mlp=False, layers=[0, 1, 2], kmeans_iterations=4)
+    harness = Harness(model, every)
+    harness.use(s, prompt_len=150)
+    sparse, _ = harness(types.SimpleNamespace(layer_idx=0), q, k, v, None, scaling=0.25)
+    want, _, sel = saap_decode(every, 0, build_clusters(every, 0, k, 150, 1, 8), q, k, v, 2, 0.25)
+    torch.testing.assert_close(sparse.transpose(1, 2), want)
+    assert math.isclose(harness.summary()["selectivity"], float(sel), rel_tol=1e-6) and float(sel) < 0.5
+    assert not torch.allclose(sparse, out)
+
+
+def test_gpu_quality_script_runs_the_curve_with_layer_0_sparse_and_merges_two_runs(tmp_path, tiny, monkeypatch):
+    import argparse
+    import json
+
+    model = tiny[0]
+    script = _script("saap_quality_gpu")
+    monkeypatch.setattr(script, "load_model", lambda gguf, device: (model, _CharTokenizer()))
+    # 3 layers: layer 0 dense is a third of the keys, so 0.3 is out of reach but for an index over every layer
+    monkeypatch.setattr(script, "CURVE_TARGETS", (0.3, 0.6))
+    monkeypatch.setattr(script, "STREAMING_TARGETS", (0.3, 0.6))
+    monkeypatch.setattr(script, "SWEEP", {1 / 16: (0.1, 0.3), 1 / 8: (0.2, 0.5)})
+    monkeypatch.setattr(script, "TOPK_SWEEP", {1 / 16: (0.1, 0.2, 0.4)})
+
+    def run(clusters, methods, name):
+        args = argparse.Namespace(
+            gguf=None, out=str(tmp_path), out_name=name, device="cpu", context=160, train_sequences=2, queries=16,
+            clusters=clusters, hidden=8, steps=3, batch=16, lr=1e-3, train_window=16, eval_sequences=1,
+            eval_stride=160, tail=8, methods=methods, passkey_lengths="128", passkey_trials=1, budget_s=600,
+            commit="test")
+        Cs = clusters.split(",")
+        return script.run(args, methods.split(","), Cs, {c: script.parse_spec(c) for c in Cs})
+
+    a = run("16rn:1,16rna:1", "centroids,topk", "a.json")
+    assert json.loads((tmp_path / "a.json").read_text())["summary"] == json.loads(json.dumps(a["summary"]))
+    assert any("16rn:1: total selectivity 0.3 out of reach" in s for s in a["skipped"])
+    for r in a["rows"][1:] + [p for p in a["passkey"] if p["method"] != "dense"]:
+        n_sparse = 3 - r["dense_layers"]
+        if r.get("clusters"):
+            assert r["dense_layers"] == (0 if r["clusters"] == "16rna:1" else 1)
+        assert math.isclose(r["selectivity_all_layers"], (r["selectivity"] * n_sparse + r["dense_layers"]) / 3)
+    groups = {(r["method"], r["clusters"], r["dense_layers"]) for r in a["rows"][1:]}
+    assert groups == {("centroids", "16rn:1", 1), ("centroids", "16rna:1", 0), ("topk", None, 1), ("topk", None, 0)}
+    at_03 = {(r["method"], r["clusters"]) for r in a["summary"] if r["at_most"] == 0.3}
+    assert at_03 and all(r["dense_layers"] == 0 for r in a["summary"] if r["at_most"] == 0.3)
+    for r in a["summary"]:
+        assert r["selectivity"] <= r["at_most"] and r["passkey"] != "-"  # each point's passkey ran and is found
+    b = run("16", "mlp,centroids", "b.json")
+    merged = script.merge([a, b])
+    assert [r["method"] for r in merged["rows"]].count("dense") == 1 and set(merged["indexes"]) == {
+        "16rn:1", "16rna:1", "16"}
+    assert {(r["method"], r["clusters"]) for r in merged["summary"]} >= {("mlp", "16"), ("centroids", "16rna:1")}
+    assert "timing_beside_other_runs" in merged and "index_build_s" not in merged
+    with pytest.raises(ValueError, match="repeats index configuration"):
+        script.merge([a, a])
+    with pytest.raises(ValueError, match="'context'"):
+        script.merge([a, dict(b, context=8192)])
+    b["rows"][0] = dict(b["rows"][0], perplexity=b["rows"][0]["perplexity"] * 1.01)
+    with pytest.raises(ValueError, match="dense perplexity.*not the same evaluation"):
+        script.merge([a, b])

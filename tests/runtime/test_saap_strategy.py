@@ -243,7 +243,7 @@ def test_run_without_clusters_says_how_to_build_them(index_path):
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_optimize_with_saap_on_a_tiny_llama(tmp_path, static):
+def test_optimize_with_saap_on_a_tiny_llama(tmp_path, static, saap_tiny_llama):
     """attnopt.optimize(saap=...) plans saap at layers >= 1; greedy decoding with every cluster probed equals dense;
     with few clusters the logits equal the eager SAAP harness (same sparse sets); the table shows the selectivity."""
     transformers = pytest.importorskip("transformers")
@@ -254,11 +254,7 @@ def test_optimize_with_saap_on_a_tiny_llama(tmp_path, static):
     from attnopt.runtime.saap.train import train_index
 
     registry.reset()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=192, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
-                                   head_dim=64, num_hidden_layers=3, vocab_size=97, max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.set_attn_implementation("sdpa")
+    model = saap_tiny_llama
     coll = collect(model, [torch.randint(0, 97, (256,))], queries_per_sequence=32, min_query_position=64)
     path = tmp_path / "tiny.safetensors"
     train_index(coll, clusters=8, hidden=16, steps=10, batch=32, window=8, kmeans_iterations=3).save(path)
