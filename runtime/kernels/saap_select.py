@@ -390,8 +390,9 @@ def fused_select_warps(block_c: int, hidden: int = 0) -> int:
     selection's own launch takes (``select_warps``). Every chunk program of the scoring has them, so centroid scoring
     takes ``BLOCK_LOGITS_Q_FUSED`` clusters a program (half the programs of its own launch, one an SM); the MLP's
     logits (``BLOCK_LOGITS_H`` a program, four times the programs) at most 8: compiled for sm_90 at 2048 clusters,
-    16 warps take 128 registers a thread, the whole register file of an SM. At 8 warps the fused centroid launch
-    (64 clusters a program) measured 22.8 µs on the H100 against 9.9 + 10.2 apart (dbfa5c3)."""
+    16 warps take 128 registers a thread, the whole register file of an SM. On the H100 (llama3-8b, 5 %) the fused
+    centroid launch took 18.6-19.1 µs at 16 warps (cc11447; the two launches apart: 9.3 + 9.1 at 2cefde7) against
+    21.3-22.5 at 8 warps and 64 clusters a program."""
     return min(8, select_warps(block_c)) if hidden else select_warps(block_c)
 
 
