@@ -284,7 +284,7 @@ class SaapWorkspace(NamedTuple):
     lse: torch.Tensor  # (2, S, B, Hq, L) fp32 partial row maxima and log l (natural log)
     select: SelectWorkspace
     counters: torch.Tensor  # (B * Hkv * num_m,) int32 arrival counters of the fused merge, zeroed
-    side: torch.cuda.Stream | None = None  # CUDA: the stream of the window launch (``window_stream``)
+    side: torch.cuda.Stream | None = None  # CUDA, made for ``window_stream``: the stream of the window's launch
 
     @property
     def num_splits(self) -> int:
@@ -292,16 +292,18 @@ class SaapWorkspace(NamedTuple):
 
 
 def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, clusters: int,
-                   hidden: int = 0) -> SaapWorkspace:
+                   hidden: int = 0, window_stream: bool = False) -> SaapWorkspace:
     """Buffers for ``num_splits`` splits of q (B, Hq, L, D) over v (B, Hkv, N, Dv) with ``clusters`` clusters;
-    ``hidden`` is the query MLP's width (0: centroid scoring)."""
+    ``hidden`` is the query MLP's width (0: centroid scoring); ``window_stream``: also a side stream for the
+    window's launch (CUDA)."""
     B, Hq, L, _ = q.shape
     f32 = dict(device=q.device, dtype=torch.float32)
     geo = decode_geometry(q, v, v)  # v stands for k: the heads, the length and Dv are all the geometry reads
     return SaapWorkspace(torch.empty((num_splits, B, Hq, L, v.shape[-1]), **f32),
                          torch.empty((2, num_splits, B, Hq, L), **f32),
                          select_workspace(B, hkv, (Hq // hkv) * L, clusters, hidden, q.device),
-                         arrival_counters(geo, q.device), torch.cuda.Stream(q.device) if q.is_cuda else None)
+                         arrival_counters(geo, q.device),
+                         torch.cuda.Stream(q.device) if window_stream and q.is_cuda else None)
 
 
 def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
@@ -345,7 +347,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     C = offsets.shape[-1] - 1
     sm_scale = softmax_scale(scale, D)
     if workspace is None:
-        workspace = saap_workspace(num_splits, q, v, Hkv, C, scorer.hidden if scorer is not None else 0)
+        workspace = saap_workspace(num_splits, q, v, Hkv, C, scorer.hidden if scorer is not None else 0,
+                                   window_stream)
     S = workspace.num_splits
     if window_splits is None:
         n_idx = perm.shape[-1]
@@ -355,6 +358,9 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     pdl = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
     apart = bool(window_stream) and window_splits > 0  # the window splits in a launch of their own
     side = workspace.side if apart and q.is_cuda else None
+    if apart and q.is_cuda and side is None:
+        raise ValueError("saap_decode_kernel: window_stream needs a workspace with a side stream: allocate it with "
+                         "saap_workspace(..., window_stream=True)")
     args, consts = _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace, sm_scale, sink,
                                      window_splits, block_n, num_warps, num_stages, fused_merge, geo)
 

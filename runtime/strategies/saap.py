@@ -131,7 +131,8 @@ class Saap(Strategy[SaapPlan]):
             from ..saap.decode import kernel_scorer
 
             scorer = kernel_scorer(index, plan.layer)
-            workspace = saap_workspace(plan.num_splits, q, v, k.shape[1], index.num_clusters, scorer.hidden)
+            workspace = saap_workspace(plan.num_splits, q, v, k.shape[1], index.num_clusters, scorer.hidden,
+                                       plan.window_stream)
         return SaapState(index=index, workspace=workspace, stats=stats_buffer(plan.runtime_key(), q.device),
                          scorer=scorer)
 

@@ -49,7 +49,7 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     out = torch.empty(B, Hq, L, D, dtype=dtype, device=dev)
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device=dev)
     stats = torch.zeros(2, dtype=torch.float64, device=dev)
-    ws = saap_workspace(splits, q.to(dev), v.to(dev), Hkv, C)
+    ws = saap_workspace(splits, q.to(dev), v.to(dev), Hkv, C, window_stream=window_stream)
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
                        valid_len=None if vl is None else vl.to(dev), stats=stats, workspace=ws, block_n=block_n,
@@ -277,7 +277,7 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused, w
     prompt = N - 3000
     state = build_clusters(index, 1, k, prompt, sink, window)
     scorer = kernel_scorer(index, 1)
-    ws = saap_workspace(24, q, v, Hkv, C, scorer.hidden)
+    ws = saap_workspace(24, q, v, Hkv, C, scorer.hidden, window_stream)
     valid = torch.tensor([prompt], dtype=torch.int32, device="cuda")
     out = torch.empty(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
     stats = torch.zeros(2, dtype=torch.float64, device="cuda")
@@ -306,6 +306,11 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused, w
         want, _ = saap_decode_states(q, k[:, :, :n], v[:, :, :n], keep, D ** -0.5)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     assert float(stats[1]) == 3.0 and 0.0 < float(stats[0]) / 3 < 0.5
+    if window_stream:  # a workspace made without the side stream is refused, before any launch
+        with pytest.raises(ValueError, match=r"saap_workspace\(\.\.\., window_stream=True\)"):
+            saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
+                               scorer=scorer, valid_len=valid, block_n=64, window_stream=True,
+                               workspace=saap_workspace(24, q, v, Hkv, C, scorer.hidden))
     assert int(ws.counters.abs().sum()) == 0 and int(ws.select.counters.abs().sum()) == 0  # every replay resets them
 
 
