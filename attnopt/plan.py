@@ -202,8 +202,8 @@ class SaapPlan(Plan):
     num_splits: int = 8
     block_n: int = 64
     #: The scoring launch also selects (its last program per head to arrive, by an arrival counter): one launch fewer.
-    #: Off by default: on the H100 (128k, 5 %, at dbfa5c3) scoring with the selection took 22.8 µs against 9.9 + 10.2
-    #: apart, the whole call 3.4 µs more.
+    #: The planner turns it on for centroid scoring (H100, 2cefde7, 5 %: 42.9 µs against 44.3 apart at 128k, 73.1
+    #: against 78.9 at 512k) and leaves it off for the query MLP (its fused launch: 76-78 µs against 44.3, dbfa5c3).
     fused_select: bool = False
     #: The attention launch also merges (its last split per tile to arrive): one launch fewer. Off by default until
     #: measured with the register cap that keeps the attention's programs per SM (at dbfa5c3 the merge's registers
@@ -212,6 +212,18 @@ class SaapPlan(Plan):
     #: Chain the launches by programmatic dependent launch. Off by default: on the H100 it cost 3-12 µs a call at
     #: 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
     pdl: bool = False
+    #: The sink-and-window splits as a launch of their own on a side stream, beside the scoring and the selection (in
+    #: a captured graph: a parallel branch, joined before the merge); the attention launch after the selection then
+    #: holds only the cluster splits. Off: on the H100 (2cefde7, 128k, 5 %, 64 splits) it cost 7.3 µs a call
+    #: (51.6 against 44.3; fused selection 47.8 against 42.9).
+    window_stream: bool = False
+    #: With ``window_stream``: fork after the scoring launch, not before it, so that the window's reads overlap only
+    #: the selection (one SM a head, latency-bound) and not the scoring's own reads.
+    window_after_scoring: bool = False
+    #: Warps of the selection (its own launch, or the fused scoring launch); 0: the kernel's rule (16 at 2048
+    #: clusters). A fused centroid launch below 16 warps takes 64 clusters a program (two an SM) instead of 128: on the
+    #: H100 (cc11447, llama3-8b, 5 %) its scoring-and-selection took 21.3-22.5 µs at 8 warps against 18.6-19.1 at 16.
+    select_warps: int = 0
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

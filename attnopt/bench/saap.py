@@ -27,6 +27,14 @@ kernels; ``us_pdl``: the graph timing with the launches chained by programmatic 
 ``attnopt:saap-unfused``) beside fused ones in the same run: ``both`` (two launches: the scoring launch also
 selects, the attention launch also merges; its ``scoring_us`` then holds the selection and its ``attention_us`` the
 merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...-fuse-select``, ``...-fuse-merge``).
+``--saap-window-stream`` (default ``off``; e.g. ``off,on,late`` times all three) times each of those also with the
+plan's ``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside
+the scoring and the selection; ``late`` (suffix ``-wsl``) forks it after the scoring (``window_after_scoring``). Its
+``attention_us`` then sums both attention launches, which run in parallel branches.
+``--saap-select-warps`` (default ``0``: the kernel's rule) times each row also at other selection widths (suffix
+``-sw<N>``; fused, below 16 warps the scoring takes 64 clusters a program). The centroid-scored rows also carry
+``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
+(``SELECT_WARPS``; the plan takes ``saap_select.select_warps``), timed once per case and target.
 """
 from __future__ import annotations
 
@@ -64,6 +72,11 @@ def register(suites) -> None:
     p.add_argument("--saap-fuse", default="none,merge", help="comma-separated, of: none (four launches, the plan's "
                    "default; method suffix -unfused), both (two launches: scoring with the selection, attention with "
                    "the merge), select, merge (one of the two fused: suffix -fuse-select, -fuse-merge)")
+    p.add_argument("--saap-window-stream", default="off", help="comma-separated, of: off, on (the window's splits "
+                   "launched apart on a side stream, beside the scoring and the selection; method suffix -ws), late "
+                   "(the same, forked after the scoring; suffix -wsl)")
+    p.add_argument("--saap-select-warps", default="0", help="comma-separated selection widths to time per SAAP row "
+                   "(0: the kernel's rule; others 4, 8, 16 or 32: method suffix -sw<N>)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -86,6 +99,33 @@ def fuse_choices(text: str) -> list[str]:
     items = [x.strip() for x in (text or "both").split(",") if x.strip()]
     if not items or any(x not in FUSE_CHOICES for x in items):
         raise ValueError(f"--saap-fuse takes a comma-separated list of {', '.join(FUSE_CHOICES)}; got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+#: ``--saap-window-stream`` choices -> (the plan's window_stream, window_after_scoring) and the method's suffix.
+WINDOW_CHOICES = {"off": ((False, False), ""), "on": ((True, False), "-ws"), "late": ((True, True), "-wsl")}
+
+
+def window_stream_choices(text: str) -> list[str]:
+    """The ``--saap-window-stream`` list (keys of ``WINDOW_CHOICES``), each once; ``ValueError`` naming them
+    otherwise."""
+    items = [x.strip() for x in (text or "off").split(",") if x.strip()]
+    if not items or any(x not in WINDOW_CHOICES for x in items):
+        raise ValueError(f"--saap-window-stream takes a comma-separated list of {', '.join(WINDOW_CHOICES)}; "
+                         f"got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def select_warps_choices(text: str) -> list[int]:
+    """The ``--saap-select-warps`` list (0: the kernel's rule, or 4, 8, 16, 32), each once; ``ValueError`` naming
+    the choices otherwise."""
+    try:
+        items = [int(x) for x in (text or "0").split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items or any(x not in (0, 4, 8, 16, 32) for x in items):
+        raise ValueError(f"--saap-select-warps takes a comma-separated list of 0 (the rule), 4, 8, 16, 32; "
+                         f"got {text!r}")
     return list(dict.fromkeys(items))
 
 
@@ -159,6 +199,8 @@ def run(args) -> dict[str, Any]:
     targets = [float(t) for t in args.targets.split(",") if t.strip()]
     split_list, block_list = saap_geometries(getattr(args, "saap_splits", ""), getattr(args, "saap_block_n", ""))
     fuse_list = fuse_choices(getattr(args, "saap_fuse", "both"))
+    stream_list = window_stream_choices(getattr(args, "saap_window_stream", "off"))
+    warps_list = select_warps_choices(getattr(args, "saap_select_warps", "0"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -233,17 +275,29 @@ def run(args) -> dict[str, Any]:
                 want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"],
                                            sets[0]["k"], sets[0]["v"], probes, scale)
                 sel = float(sel)
-                for fuse, splits, block_n in [(f, sp or proto.num_splits, bn or proto.block_n) for f in fuse_list
-                                              for sp in split_list for bn in block_list]:
+                by_warps = {}
+                if variant == "saap":  # centroid scoring: the selection's width, timed alone
+                    try:
+                        by_warps = {"selection_us_by_warps": selection_by_warps(
+                            index, layers[0], registry.get_state(path, layers[0]), sets[0], probes, scale, SINK)}
+                        print(f"    selection alone by warps: {by_warps['selection_us_by_warps']} µs", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - an extra measurement must not lose the rows
+                        by_warps = {"selection_by_warps_error": f"{type(exc).__name__}: {exc}"[:200]}
+                for fuse, splits, block_n, apart, warps in [
+                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w) for f in fuse_list for sp in split_list
+                        for bn in block_list for ws in stream_list for w in warps_list]:
                     (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
+                    (window_stream, window_late), window_suffix = WINDOW_CHOICES[apart]
+                    suffix += window_suffix + (f"-sw{warps}" if warps else "")
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
-                                      fused_merge=fused_merge) for layer in layers]
+                                      fused_merge=fused_merge, window_stream=window_stream,
+                                      window_after_scoring=window_late, select_warps=warps) for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
                                  "selectivity": sel, "read_bytes": sel * kv_bytes, "fuse": fuse, "splits": splits,
-                                 "block_n": block_n, "plan": plans[0].describe()})
+                                 "block_n": block_n, "plan": plans[0].describe(), **by_warps})
                     if "us" in row:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
@@ -300,10 +354,10 @@ def unchained():
             os.environ["ATTNOPT_PDL"] = saved
 
 
-def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
-    """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn`` under
-    torch.profiler, and the kernels per call. The launches are not chained here (``ATTNOPT_PDL=0``), so each
-    kernel's time is its own work, not also its wait for the one before."""
+def kernel_times(fn, calls: int = 20) -> list[tuple[str, float]]:
+    """(kernel name, device µs) of every kernel that ``calls`` eager calls of ``fn`` launch, under torch.profiler
+    after three warm-up calls. The launches are not chained here (``ATTNOPT_PDL=0``), so each kernel's time is its
+    own work, not also its wait for the one before."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -316,14 +370,46 @@ def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if str(getattr(e, "device_type", "")).endswith("CUDA")]
+
+
+def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
+    """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn``
+    (``kernel_times``), and the kernels per call."""
     out = {stage: 0.0 for stage in STAGES}
-    kernels = 0
-    for e in prof.events():
-        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
-            continue
-        out[stage_of(e.name)] += e.time_range.elapsed_us() / calls
-        kernels += 1
-    out["kernels_per_call"] = kernels / calls
+    times = kernel_times(fn, calls)
+    for name, us in times:
+        out[stage_of(name)] += us / calls
+    out["kernels_per_call"] = len(times) / calls
+    return out
+
+
+#: Widths of the selection launch timed once per case and target (``selection_us_by_warps``).
+SELECT_WARPS = (8, 16, 32)
+
+
+def selection_by_warps(index, layer: int, state, s: dict[str, Any], probes: int, scale: float, sink: int,
+                       warps: tuple[int, ...] = SELECT_WARPS, calls: int = 20) -> dict[str, float]:
+    """Device µs per call of the selection launch alone (its one program per head) at each width of ``warps``, on
+    one input set's query and clusters after its scoring launch (not counted): the width the selection should
+    take."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    q = s["q"]
+    B, Hq, L, _ = q.shape
+    Hkv = state.offsets.shape[1]
+    scorer = kernel_scorer(index, layer)
+    if state.centroids is not None:  # refined at prefill: what the op scores with
+        scorer = scorer._replace(centroids=state.centroids)
+    ws = select_workspace(B, Hkv, Hq // Hkv * L, scorer.clusters, scorer.hidden, q.device)
+    out = {}
+    for w in warps:
+        def call(w=w):
+            saap_select(q, state.offsets, state.ends, ws, probes=probes, scale=scale, n_keys=s["k"].shape[2],
+                        sink=sink, scorer=scorer, num_warps=w)
+        out[str(w)] = sum(us for name, us in kernel_times(call, calls) if "_saap_select_kernel" in name) / calls
     return out
 
 
@@ -334,6 +420,8 @@ def run_cli(args) -> int:
 
     saap_geometries(args.saap_splits, args.saap_block_n)  # bad values fail before any GPU work
     fuse_choices(args.saap_fuse)
+    window_stream_choices(args.saap_window_stream)
+    select_warps_choices(args.saap_select_warps)
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)

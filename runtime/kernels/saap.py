@@ -157,6 +157,7 @@ def _saap_kernel(
     NUM_SPLITS,  # programs per (batch row, KV head, M block)
     WINDOW_SPLITS,  # splits [0, W) share the sink and the window, splits [W, S) the clusters (0 <= W < S; W = 0:
     # split 0 takes the sink and the window as well)
+    SPLIT_BASE,  # the split of program 0 (a launch may run only some of the splits: the window ones, or the others)
     D: tl.constexpr,  # head dim of Q/K
     DV: tl.constexpr,  # head dim of V
     BLOCK_M: tl.constexpr,  # packed query rows per tile
@@ -177,7 +178,7 @@ def _saap_kernel(
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
-    split = tl.program_id(0)
+    split = tl.program_id(0) + SPLIT_BASE
     tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
     mb = tile % NUM_M
     bh = tile // NUM_M
@@ -225,11 +226,14 @@ def _saap_kernel(
         incl_base = incl_ptr + bh.to(tl.int64) * BLOCK_C
         shift_base = shift_ptr + bh.to(tl.int64) * BLOCK_C
         p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
+        # the list's first prefixes load with the key count, before the share that needs it: one round trip (the
+        # share's integer divisions would otherwise keep the compiler from issuing them early)
+        offs_c = tl.arange(0, FIRST_CHUNK)
+        prefixes = tl.load(incl_base + offs_c)
         lo, hi = _split_share(split - WINDOW_SPLITS, total, NUM_SPLITS - WINDOW_SPLITS, BLOCK_N)
         # the list entry of the cluster holding key lo: the count of prefixes at or below it
-        offs_c = tl.arange(0, FIRST_CHUNK)
-        first = 0
-        for c0 in tl.static_range(0, BLOCK_C, FIRST_CHUNK):
+        first = tl.sum((prefixes <= lo).to(tl.int32), axis=0)
+        for c0 in tl.static_range(FIRST_CHUNK, BLOCK_C, FIRST_CHUNK):  # a longer list: the rest, a chunk at a time
             first += tl.sum((tl.load(incl_base + c0 + offs_c) <= lo).to(tl.int32), axis=0)
         # the cluster keys lie below the stored indexed end: past the rows' first position (only under a valid
         # length that cut into the index), the masks must check each key's position
@@ -257,6 +261,9 @@ def _saap_kernel(
 
 
 _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
+#: List entries a cluster split reads at once to find its first cluster: the whole list up to 2048 clusters (compiled
+#: for sm_90 at the bench shape, the same 128 registers as 1024 at a time, and one load and one reduction, not two).
+FIRST_CHUNK = 2048
 
 
 def window_split_count(num_splits: int, always_keys: float, cluster_keys: float) -> int:
@@ -277,6 +284,7 @@ class SaapWorkspace(NamedTuple):
     lse: torch.Tensor  # (2, S, B, Hq, L) fp32 partial row maxima and log l (natural log)
     select: SelectWorkspace
     counters: torch.Tensor  # (B * Hkv * num_m,) int32 arrival counters of the fused merge, zeroed
+    side: torch.cuda.Stream | None = None  # CUDA, made for ``window_stream``: the stream of the window's launch
 
     @property
     def num_splits(self) -> int:
@@ -284,22 +292,25 @@ class SaapWorkspace(NamedTuple):
 
 
 def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, clusters: int,
-                   hidden: int = 0) -> SaapWorkspace:
+                   hidden: int = 0, window_stream: bool = False) -> SaapWorkspace:
     """Buffers for ``num_splits`` splits of q (B, Hq, L, D) over v (B, Hkv, N, Dv) with ``clusters`` clusters;
-    ``hidden`` is the query MLP's width (0: centroid scoring)."""
+    ``hidden`` is the query MLP's width (0: centroid scoring); ``window_stream``: also a side stream for the
+    window's launch (CUDA)."""
     B, Hq, L, _ = q.shape
     f32 = dict(device=q.device, dtype=torch.float32)
     geo = decode_geometry(q, v, v)  # v stands for k: the heads, the length and Dv are all the geometry reads
     return SaapWorkspace(torch.empty((num_splits, B, Hq, L, v.shape[-1]), **f32),
                          torch.empty((2, num_splits, B, Hq, L), **f32),
                          select_workspace(B, hkv, (Hq // hkv) * L, clusters, hidden, q.device),
-                         arrival_counters(geo, q.device))
+                         arrival_counters(geo, q.device),
+                         torch.cuda.Stream(q.device) if window_stream and q.is_cuda else None)
 
 
 def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, probes, sink, scale=None,
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
                        block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None,
-                       window_splits=None, fused_select=False, fused_merge=False):
+                       window_splits=None, fused_select=False, fused_merge=False, window_stream=False,
+                       window_after_scoring=False, select_warps=None):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -321,6 +332,14 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     fused_select : the scoring launch also selects (its last chunk program per head; one launch fewer).
     fused_merge : the attention launch also merges (its last split per tile; one launch fewer). Each counts its
         programs' arrivals in a counter that every launch leaves at zero; both: two launches (three with the MLP).
+    window_stream : the window splits are a launch of their own, on ``workspace.side`` beside the scoring and the
+        selection (in a captured graph: a parallel branch, joined before the merge), so that they run while the
+        selection holds one SM per head; the attention launch after the selection then holds the cluster splits
+        alone. Needs a window split (else one launch as without it); the same partials, so the same output.
+    select_warps : the selection's warps (its own launch's, or the fused scoring launch's); None: the rule of
+        ``saap_select``.
+    window_after_scoring : with ``window_stream``, fork after the scoring launch rather than before it, so that the
+        window's reads overlap only the selection (latency-bound on one SM a head), not the scoring's own reads.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -328,7 +347,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     C = offsets.shape[-1] - 1
     sm_scale = softmax_scale(scale, D)
     if workspace is None:
-        workspace = saap_workspace(num_splits, q, v, Hkv, C, scorer.hidden if scorer is not None else 0)
+        workspace = saap_workspace(num_splits, q, v, Hkv, C, scorer.hidden if scorer is not None else 0,
+                                   window_stream)
     S = workspace.num_splits
     if window_splits is None:
         n_idx = perm.shape[-1]
@@ -336,31 +356,66 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     if not 0 <= window_splits < S:
         raise ValueError(f"saap_decode_kernel: window_splits must be in [0, {S}) for {S} splits; got {window_splits}")
     pdl = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
+    apart = bool(window_stream) and window_splits > 0  # the window splits in a launch of their own
+    side = workspace.side if apart and q.is_cuda else None
+    if apart and q.is_cuda and side is None:
+        raise ValueError("saap_decode_kernel: window_stream needs a workspace with a side stream: allocate it with "
+                         "saap_workspace(..., window_stream=True)")
+    args, consts = _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace, sm_scale, sink,
+                                     window_splits, block_n, num_warps, num_stages, fused_merge, geo)
+
+    def launch_window():
+        window_grid = (window_splits, B * Hkv * geo.num_m)
+        if side is not None:  # fork: the window's launch waits for what came before it, nothing else
+            side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side):
+                _SAAP_LAUNCH(window_grid, *args, 0, **consts, WAIT_PRIOR=False, LAUNCH_DEPENDENTS=False)
+        else:  # the interpreter: one stream, the same partials
+            _SAAP_LAUNCH(window_grid, *args, 0, **consts, WAIT_PRIOR=False, LAUNCH_DEPENDENTS=False)
+
+    late = apart and bool(window_after_scoring)
+    if apart and not late:
+        launch_window()
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
-                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl, fused=fused_select)
+                      scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl and not late,
+                      fused=fused_select, after_scoring=launch_window if late else None, num_warps=select_warps)
+    fused = bool(fused_merge) and S > 1
+    extra = {"launch_pdl": True} if pdl else {}
+    first = window_splits if apart else 0  # the splits this launch runs: from ``first`` on
+    _SAAP_LAUNCH((S - first, B * Hkv * geo.num_m), *args, first, **consts, WAIT_PRIOR=pdl,
+                 LAUNCH_DEPENDENTS=pdl and not fused, **extra)
+    if side is not None:  # join: the merge reads the window's partials (so it is not chained past the join)
+        torch.cuda.current_stream(q.device).wait_stream(side)
+    if not fused:
+        merge_states(workspace.o, workspace.lse[0], out=out, lse_out=lse if lse is not None else False,
+                     pdl=pdl and side is None, log_l_parts=workspace.lse[1])
+    return out, lse
+
+
+def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace: SaapWorkspace, sm_scale, sink,
+                      window_splits, block_n, num_warps, num_stages, fused_merge, geo):
+    """The attention launch's positional arguments before ``SPLIT_BASE`` (its last) and its keyword arguments but
+    ``WAIT_PRIOR``, ``LAUNCH_DEPENDENTS`` and the PDL flag: the same for the window's and the clusters' launches."""
+    B, Hq, L, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    S = workspace.num_splits
+    sel = workspace.select
     upcast, precision = dot_flags(q.dtype)
     has_valid = valid_len is not None
     ws_o, ws_lse = workspace.o, workspace.lse
     fused = bool(fused_merge) and S > 1
-    final_lse = lse if lse is not None else out
-    extra = {"launch_pdl": True} if pdl else {}
+    extra = {}
     if fused and block_n <= 32 and num_warps == 4 and not interpreting() and backend_has_option("maxnreg"):
         # The merge's registers must not cost programs per SM: without a cap, the H100's Triton 3.6 gave the fused
         # launch fewer resident programs and 2.5x the time. 128 lets four 4-warp programs share an SM, as unfused.
         extra["maxnreg"] = 128
-    _SAAP_LAUNCH(
-        (S, B * Hkv * geo.num_m), q, k, v, sel.incl, sel.shift, sel.total, perm, indexed_end,
-        valid_len if has_valid else indexed_end, ws_o, ws_lse, out, final_lse, workspace.counters,
-        *q.stride(), *k.stride(), *v.stride(), *perm.stride(), *ws_o.stride(), *ws_lse.stride()[1:],
-        ws_lse.stride(0), *out.stride(), *(lse.stride() if lse is not None else (0, 0, 0)), sm_scale, N, L, geo.G,
-        Hkv, geo.num_m, int(sink), S, int(window_splits), D=D, DV=geo.Dv, BLOCK_M=geo.block_m, BLOCK_N=block_n,
-        BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv, BLOCK_C=sel.incl.shape[1],
-        FIRST_CHUNK=min(1024, sel.incl.shape[1]), HAS_VALID=has_valid,
-        UPCAST=upcast, PRECISION=precision, WAIT_PRIOR=pdl, LAUNCH_DEPENDENTS=pdl and not fused, FUSED=fused,
-        WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r, MERGE_P=max(1, geo.merge_p // 2), num_warps=num_warps,
-        num_stages=num_stages, **extra,
-    )
-    if not fused:
-        merge_states(ws_o, ws_lse[0], out=out, lse_out=lse if lse is not None else False, pdl=pdl,
-                     log_l_parts=ws_lse[1])
-    return out, lse
+    args = (q, k, v, sel.incl, sel.shift, sel.total, perm, indexed_end, valid_len if has_valid else indexed_end, ws_o,
+            ws_lse, out, lse if lse is not None else out, workspace.counters, *q.stride(), *k.stride(), *v.stride(),
+            *perm.stride(), *ws_o.stride(), *ws_lse.stride()[1:], ws_lse.stride(0), *out.stride(),
+            *(lse.stride() if lse is not None else (0, 0, 0)), sm_scale, N, L, geo.G, Hkv, geo.num_m, int(sink), S,
+            int(window_splits))
+    consts = dict(D=D, DV=geo.Dv, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
+                  BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(FIRST_CHUNK, sel.incl.shape[1]), HAS_VALID=has_valid,
+                  UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
+                  MERGE_P=max(1, geo.merge_p // 2), num_warps=num_warps, num_stages=num_stages, **extra)
+    return args, consts

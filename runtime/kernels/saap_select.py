@@ -41,6 +41,9 @@ from .launch import KernelLauncher
 #: Outputs per scoring program: the hidden layer's units, the clusters' logits (from D- or H-long rows).
 BLOCK_HIDDEN = 64
 BLOCK_LOGITS_Q = 64
+#: Clusters per program of the fused centroid scoring-and-selection launch: wider, so that its programs at the
+#: selection's width (16 warps at 2048 clusters) are one an SM in one wave (llama3-8b: 8 heads x 16 chunks on 132 SMs).
+BLOCK_LOGITS_Q_FUSED = 128
 BLOCK_LOGITS_H = 32
 #: Inner-dim chunk of the hidden-to-logits product.
 BLOCK_K_HIDDEN = 128
@@ -69,10 +72,10 @@ class SaapScorer(NamedTuple):
 
 
 @triton.jit
-def _query_rows(q_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_d, stride_qb, stride_qh, stride_ql, stride_qd,
-                L, G, D, DEROPE: tl.constexpr):
-    """The group's G x L query rows (BLOCK_R, BLOCK_D) fp32, packed r = g * L + i, with RoPE removed at each token's
-    position ``kv_len - L + i`` when DEROPE (``x cos + sign * x[partner] sin``, partner d +- D/2)."""
+def _load_query_rows(q_ptr, inv_freq_ptr, b, kvh, offs_r, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, L, G, D,
+                     DEROPE: tl.constexpr):
+    """The group's G x L query rows (BLOCK_R, BLOCK_D) fp32, packed r = g * L + i, as stored; when DEROPE also each
+    element's RoPE partner (d +- D/2) and inverse frequency, for ``_derope_rows`` (else those two are ``x``)."""
     g = offs_r // L
     i = offs_r % L
     row_ok = offs_r < G * L
@@ -81,11 +84,23 @@ def _query_rows(q_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_d, stride_qb, 
             + i.to(tl.int64)[:, None] * stride_ql)
     ok = row_ok[:, None] & d_ok[None, :]
     x = tl.load(base + offs_d.to(tl.int64)[None, :] * stride_qd, mask=ok, other=0.0).to(tl.float32)
+    xp = x
+    inv_freq = x
     if DEROPE:
         half = D // 2
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
         xp = tl.load(base + partner.to(tl.int64)[None, :] * stride_qd, mask=ok, other=0.0).to(tl.float32)
         inv_freq = tl.load(inv_freq_ptr + tl.where(offs_d < half, offs_d, offs_d - half), mask=d_ok, other=0.0)
+    return x, xp, inv_freq
+
+
+@triton.jit
+def _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_d, L, D, DEROPE: tl.constexpr):
+    """``_load_query_rows``' rows with RoPE removed at each token's position ``kv_len - L + i`` when DEROPE
+    (``x cos + sign * x[partner] sin``)."""
+    if DEROPE:
+        i = offs_r % L
+        half = D // 2
         pos = (kv_len - L + i).to(tl.float32)
         angle = pos[:, None] * inv_freq[None, :]  # rounded as the reference rounds it, in fp32
         # range reduction in fp64: the fp32 cosine of an angle of 5e5 radians is accurate only after it
@@ -155,9 +170,12 @@ def _saap_rows_kernel(
     w_base = w_ptr + kvh.to(tl.int64) * NOUT * K + offs_o.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_R, BLOCK_O], dtype=tl.float32)
     if SRC_Q:
-        x = _query_rows(x_ptr, inv_freq_ptr, b, kvh, kv_len, offs_r, offs_k, stride_qb, stride_qh, stride_ql,
-                        stride_qd, L, G, D, DEROPE)
+        # every load before any math: the weights' read (the launch's bytes) is then in flight with the queries'
+        # (de-roped first, sm_90 issued it only after the de-roping's barriers: two memory latencies in a row)
+        x, xp, inv_freq = _load_query_rows(x_ptr, inv_freq_ptr, b, kvh, offs_r, offs_k, stride_qb, stride_qh,
+                                           stride_ql, stride_qd, L, G, D, DEROPE)
         w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        x = _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_k, L, D, DEROPE)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     else:
         x_base = x_ptr + bh.to(tl.int64) * M * K + offs_r.to(tl.int64)[:, None] * K
@@ -222,6 +240,11 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
     c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
     c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
+    if HAS_STATS:  # the lengths too (inputs, not the scoring's): loaded at the end, they held the program's exit
+        kv_len = N
+        if HAS_VALID:
+            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
+        window_keys = tl.maximum(kv_len - tl.load(end_ptr + b), 0)
     if WAIT_PRIOR:
         gdc_wait()  # the offsets come from the prefill; the logits from the scoring launch, complete from here on
     if FROM_LOGITS:
@@ -233,12 +256,14 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
             row = bh.to(tl.int64) * M + offs_m
             stat = stat_ptr + (row[:, None] * NCHUNK + offs_ch[None, :]) * 2
             s_ok = m_ok[:, None] & (offs_ch[None, :] < NCHUNK)
+            # the logits load with the statistics, before the normaliser's reductions (their barriers would keep
+            # sm_90 from issuing them early: two L2 round trips in a row)
+            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                            other=float("-inf"), cache_modifier=".cg")
             cmax = tl.load(stat, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
             csum = tl.load(stat + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
             mx = tl.where(m_ok, tl.max(cmax, axis=1), 0.0)
             lse = mx + tl.log(tl.where(m_ok, tl.sum(csum * tl.exp(cmax - mx[:, None]), axis=1), 1.0))
-            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                            other=float("-inf"), cache_modifier=".cg")
             score += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
     else:
         score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,
@@ -292,10 +317,7 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
     tl.store(total_ptr + bh, total)
     if HAS_STATS:
-        kv_len = N
-        if HAS_VALID:
-            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
-        attended = SINK + total + tl.maximum(kv_len - tl.load(end_ptr + b), 0)
+        attended = SINK + total + window_keys
         share = attended.to(tl.float64) / tl.maximum(kv_len, 1).to(tl.float64) * inv_heads
         tl.atomic_add(stats_ptr, share)
         tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
@@ -363,13 +385,15 @@ def select_warps(block_c: int) -> int:
     return max(4, min(16, block_c // 128))
 
 
-def fused_select_warps(block_c: int) -> int:
+def fused_select_warps(block_c: int, hidden: int = 0) -> int:
     """Warps of the fused scoring-and-selection launch: its last program per head selects, so as many as the
-    selection's own launch takes (``select_warps``), but at most 8. Every chunk program of the scoring has them:
-    compiled for sm_90 at 2048 clusters, 16 warps take 128 registers a thread, the whole register file of an SM, so
-    the 256 programs of llama3-8b's 8 heads would run in two waves on an H100; 8 warps (128 registers) fit two
-    programs an SM, one wave."""
-    return min(8, select_warps(block_c))
+    selection's own launch takes (``select_warps``). Every chunk program of the scoring has them, so centroid scoring
+    takes ``BLOCK_LOGITS_Q_FUSED`` clusters a program (half the programs of its own launch, one an SM); the MLP's
+    logits (``BLOCK_LOGITS_H`` a program, four times the programs) at most 8: compiled for sm_90 at 2048 clusters,
+    16 warps take 128 registers a thread, the whole register file of an SM. On the H100 (llama3-8b, 5 %) the fused
+    centroid launch took 18.6-19.1 µs at 16 warps (cc11447; the two launches apart: 9.3 + 9.1 at 2cefde7) against
+    21.3-22.5 at 8 warps and 64 clusters a program."""
+    return min(8, select_warps(block_c)) if hidden else select_warps(block_c)
 
 
 def block_rows_for(rows: int) -> int:
@@ -410,7 +434,8 @@ def select_workspace(batch: int, hkv: int, rows: int, clusters: int, hidden: int
 def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: int, scale: float, n_keys: int,
                 sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                pdl: bool = False, fused: bool = False) -> SelectWorkspace:
+                pdl: bool = False, fused: bool = False, num_warps: int | None = None,
+                after_scoring=None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -425,7 +450,13 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         ``common.pdl_supported``.
     fused : with a ``scorer``, the logits launch also selects (the last of a head's chunk programs to finish runs
         the selection, counted by ``workspace.counters``): one launch fewer, the same work list.
+    num_warps : the selection's warps (None: ``select_warps``, fused ``fused_select_warps``); a fused centroid launch
+        below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
+    after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
+        one launch), to put other work there.
     """
+    if num_warps is not None and num_warps not in (4, 8, 16, 32):
+        raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
     C = offsets.shape[-1] - 1
@@ -439,15 +470,20 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     nchunk = ws.chunk_stats.shape[3]
     has_stats = stats is not None
     block_c = ws.incl.shape[1]
+    fused = bool(fused) and scores is None
+    fused_warps = (num_warps or fused_select_warps(block_c, scorer.hidden)) if fused and scorer is not None else 0
+    # the fused centroid launch at 16 warps or more takes wider chunks (one program an SM): its statistics then fill
+    # the workspace's first chunks of a row
+    logit_block = BLOCK_LOGITS_Q_FUSED if fused_warps >= 16 and scorer.mlp is None else None
+    launch_chunks = cdiv(C, logit_block) if logit_block else nchunk
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
-    select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(nchunk)),
+    select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix_bits(block_c),
                          HAS_STATS=has_stats)
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
-    fused = bool(fused) and scores is None
     if scores is None:
         if scorer is None:
             raise ValueError("saap_select needs a scorer or scores")
@@ -469,12 +505,13 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         no_select = ((ws.counters,) * 7, (0, 0, 0, probes, int(sink), inv_heads))
         with_select = ((ws.counters, *select_args), (*offsets.stride(), probes, int(sink), inv_heads))
         sel_ptrs, sel_scalars = with_select if fused else no_select
-        logits_select = dict(SELECT=True, num_warps=fused_select_warps(block_c), **select_consts) if fused else dict(
-            num_warps=4)
+        logits_select = dict(SELECT=True, num_warps=fused_warps, **select_consts) if fused else dict(num_warps=4)
+        if fused and after_scoring is not None:  # no launch between the scoring and the selection: before both
+            after_scoring()
         if scorer.mlp is None:
-            _ROWS_LAUNCH((B * Hkv, nchunk), q, inv_freq, valid, scorer.centroids, scorer.centroids,
+            _ROWS_LAUNCH((B * Hkv, launch_chunks), q, inv_freq, valid, scorer.centroids, scorer.centroids,
                          scorer.centroids, ws.logits, ws.chunk_stats, *sel_ptrs, *q.stride(), float(scale), 0.0, N, L,
-                         G, Hkv, D, C, nchunk, *sel_scalars, BLOCK_O=BLOCK_LOGITS_Q,
+                         G, Hkv, D, C, launch_chunks, *sel_scalars, BLOCK_O=logit_block or BLOCK_LOGITS_Q,
                          BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope, HIDDEN=False, HAS_BIAS=False,
                          WAIT_PRIOR=False, **common, **logits_select)
         else:
@@ -494,9 +531,12 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         score_src, sstrides = ws.logits, (0, 0, 0)
     else:
         score_src, sstrides = scores, scores.stride()
+    if after_scoring is not None:
+        after_scoring()
     chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, *select_args[2:], *sstrides,
                    *offsets.stride(), N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,
-                   HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl, num_warps=select_warps(block_c),
+                   HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl,
+                   num_warps=num_warps or select_warps(block_c),
                    **select_consts, **({"launch_pdl": True} if chained else {}))
     return ws

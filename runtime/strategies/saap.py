@@ -29,6 +29,9 @@ from .base import PlanContext, Strategy, register_strategy
 from .split_kv import MAX_Q_LEN, kernel_check, use_triton
 
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
+#: Centroid scoring selects in its own launch (the plan's ``fused_select``, its last program per head): on the H100
+#: (2cefde7, llama3-8b, 5 %) 42.9 µs a call at 128k against 44.3 apart, 73.1 against 78.9 at 512k. The query MLP's
+#: logits do not: its fused launch took 76-78 µs against 44.3 apart (dbfa5c3).
 #: Attended keys per kernel tile. 32, not 64: compiled for sm_90 (bf16, D=128, 4 warps, 2 stages) the attention
 #: kernel holds 114 registers per thread at 32 keys a tile but 255 at 64, and its gathered reads are latency-bound, so
 #: the 4 programs per SM that PROGRAMS_PER_SM aims at are resident at once only at 32 (at 64 only 2 are: two waves).
@@ -96,9 +99,11 @@ class Saap(Strategy[SaapPlan]):
 
         opts = ctx.extras["saap"]
         probes, sink, window = int(opts["probes"]), int(opts["sink"]), int(opts["window"])
-        clusters = get_index(opts["index"]).num_clusters
+        index = get_index(opts["index"])
+        layer = index.layers.get(site_layer(site))
         yield SaapPlan(index=opts["index"], probes=probes, sink=sink, window=window, layer=site_layer(site),
-                       num_splits=split_count(site, hw, probes, sink, window, clusters), block_n=BLOCK_N)
+                       num_splits=split_count(site, hw, probes, sink, window, index.num_clusters), block_n=BLOCK_N,
+                       fused_select=layer is not None and layer.mlp is None)
 
     def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         """Roofline of the attended keys (sink + window + probes clusters of average size, read once) and of the
@@ -126,7 +131,8 @@ class Saap(Strategy[SaapPlan]):
             from ..saap.decode import kernel_scorer
 
             scorer = kernel_scorer(index, plan.layer)
-            workspace = saap_workspace(plan.num_splits, q, v, k.shape[1], index.num_clusters, scorer.hidden)
+            workspace = saap_workspace(plan.num_splits, q, v, k.shape[1], index.num_clusters, scorer.hidden,
+                                       plan.window_stream)
         return SaapState(index=index, workspace=workspace, stats=stats_buffer(plan.runtime_key(), q.device),
                          scorer=scorer)
 
@@ -159,7 +165,9 @@ class Saap(Strategy[SaapPlan]):
                                probes=plan.probes, sink=plan.sink, scale=scale, scorer=scorer,
                                valid_len=valid_len, stats=state.stats, block_n=plan.block_n,
                                workspace=state.workspace, fused_select=plan.fused_select,
-                               fused_merge=plan.fused_merge, pdl=plan.pdl, window_splits=window_split_count(
+                               fused_merge=plan.fused_merge, pdl=plan.pdl, window_stream=plan.window_stream,
+                               window_after_scoring=plan.window_after_scoring, select_warps=plan.select_warps or None,
+                               window_splits=window_split_count(
                                    plan.num_splits, plan.sink + plan.window,
                                    plan.probes * clusters_state.perm.shape[-1] / clusters_state.num_clusters))
             return out

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import STAGES, budget, fuse_choices, saap_geometries, speed_verdict, stage_of, unchained
+from attnopt.bench.saap import SELECT_WARPS, STAGES, budget, fuse_choices, saap_geometries, select_warps_choices, \
+    speed_verdict, stage_of, unchained, window_stream_choices
 from attnopt.cli import build_parser
 
 
@@ -70,6 +71,24 @@ def test_fuse_choice_option():
     assert fuse_choices(args.saap_fuse) == ["none", "merge"]
 
 
+def test_window_stream_option():
+    assert window_stream_choices("off,late,on,off") == ["off", "late", "on"] and window_stream_choices("") == ["off"]
+    for bad in ("1", "yes", ","):
+        with pytest.raises(ValueError, match="--saap-window-stream takes a comma-separated list of off, on, late"):
+            window_stream_choices(bad)
+    args = build_parser().parse_args(["bench", "saap"])
+    assert window_stream_choices(args.saap_window_stream) == ["off"]
+
+
+def test_select_warps_option():
+    assert select_warps_choices("0,8,8,16") == [0, 8, 16] and select_warps_choices("") == [0]
+    for bad in ("3", "x", ",", "64"):
+        with pytest.raises(ValueError, match="--saap-select-warps takes a comma-separated list of 0"):
+            select_warps_choices(bad)
+    args = build_parser().parse_args(["bench", "saap"])
+    assert select_warps_choices(args.saap_select_warps) == [0]
+
+
 def test_bench_saap_is_registered():
     args = build_parser().parse_args(["bench", "saap", "--cases", "llama3-8b-128k", "--targets", "0.05"])
     assert args.cases == "llama3-8b-128k" and args.func.__module__ == "attnopt.bench.saap"
@@ -80,9 +99,16 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
     from attnopt.bench.saap import run
 
     res = run(argparse.Namespace(cases="tiny-4k", targets="0.05", dtype="bf16", dense_candidates=1, no_mlp=False,
-                                 commit=None, saap_fuse="both,none"))
-    saap = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
-    assert len(saap) == 4 and all("us" in r and r["rel_err"] < 2e-2 for r in saap), json.dumps(saap)
+                                 commit=None, saap_fuse="both,none", saap_window_stream="off,on,late"))
+    every = [r for r in res["rows"] if r["method"].startswith("attnopt:saap")]
+    assert len(every) == 12 and all("us" in r and r["rel_err"] < 2e-2 for r in every), json.dumps(every)
+    saap = [r for r in every if not r["method"].endswith(("-ws", "-wsl"))]
+    # window_stream (forked first or after the scoring): the same launches and one more attention launch (the
+    # window's, on the side stream)
+    for suffix in ("-ws", "-wsl"):
+        apart = {r["method"][:-len(suffix)]: r for r in every if r["method"].endswith(suffix)}
+        assert sorted(apart) == sorted(r["method"] for r in saap) and all(
+            apart[r["method"]]["kernels_per_call"] == r["kernels_per_call"] + 1 for r in saap), json.dumps(every)
     unfused = [r for r in saap if r["method"].endswith("-unfused")]
     fused = [r for r in saap if not r["method"].endswith("-unfused")]
     # four launches: scoring (2 with the MLP), selection, attention, merge, and no other kernel
@@ -94,6 +120,10 @@ def test_bench_saap_tiny_case_on_the_gpu(tmp_path):
                and r["other_us"] == 0 and r["fuse"] == "both" for r in fused), json.dumps(saap)
     assert sorted(r["kernels_per_call"] for r in fused) == [2, 3], json.dumps(saap)
     assert all(0.01 < r["selectivity"] < 0.3 for r in saap)
+    # the selection alone at each width, beside the centroid-scored rows
+    timed = [r["selection_us_by_warps"] for r in every if "-mlp" not in r["method"]]
+    assert timed and all(sorted(t) == sorted(str(w) for w in SELECT_WARPS) and min(t.values()) > 0
+                         for t in timed), json.dumps(every)
 
 
 def test_smollm2_step_script_trains_the_default_index_and_times_saap_beside_dense(tmp_path, monkeypatch,

@@ -21,7 +21,7 @@ def random_index(hkv: int, hq: int, d: int, clusters: int) -> SaapIndex:
 
 
 def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits, block_n, valid=None, scores=None,
-             assign=None, window_splits=None, fused=False):
+             assign=None, window_splits=None, fused=False, window_stream=False, late=False):
     """Kernel against the reference over the same sparse set. ``assign`` (B, Hkv, n): given clusters of keys
     [sink, sink + n) (default: the nearest centroid of a random index, over the first ``prompt`` keys). With
     ``valid``, the cache holds garbage (NaN) from there on."""
@@ -49,11 +49,12 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
     out = torch.empty(B, Hq, L, D, dtype=dtype, device=dev)
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device=dev)
     stats = torch.zeros(2, dtype=torch.float64, device=dev)
-    ws = saap_workspace(splits, q.to(dev), v.to(dev), Hkv, C)
+    ws = saap_workspace(splits, q.to(dev), v.to(dev), Hkv, C, window_stream=window_stream)
     saap_decode_kernel(q.to(dev), k.to(dev), v.to(dev), state.offsets.to(dev), state.perm.to(dev),
                        state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
                        valid_len=None if vl is None else vl.to(dev), stats=stats, workspace=ws, block_n=block_n,
-                       window_splits=window_splits, fused_select=fused, fused_merge=fused)
+                       window_splits=window_splits, fused_select=fused, fused_merge=fused,
+                       window_stream=window_stream, window_after_scoring=late)
     assert int(ws.counters.abs().sum()) == 0, "the fused merge left an arrival counter non-zero"
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
@@ -91,6 +92,18 @@ def test_any_division_of_the_splits_between_window_and_clusters(splits, window_s
     # W = 0: split 0 takes the sink and window besides its cluster share; W = S - 1: one split for the clusters
     run_case(2, 4, 2, 170, 64, 2, 12, 4, sink=3, window=40, prompt=170, dtype=torch.float32, splits=splits,
              block_n=16, window_splits=window_splits)
+
+
+@pytest.mark.parametrize("splits,window_splits,fused,valid,late", [
+    (4, 1, False, None, False), (5, 2, True, None, False), (4, 0, False, None, False), (3, 1, False, 140, False),
+    (4, 2, False, None, True), (5, 3, True, 140, True)])
+def test_window_splits_in_a_launch_of_their_own(splits, window_splits, fused, valid, late):
+    # window_stream: the window splits launched apart (first, or after the scoring when late; here on the one
+    # stream of the interpreter), the cluster splits after the selection from split W on; W = 0 falls back to one
+    # launch; the fused merge's arrival counter spans both launches
+    run_case(1, 4, 2, 160, 64, 1, 8, 3, sink=2, window=30, prompt=120 if valid else 150, dtype=torch.float32,
+             splits=splits, block_n=16, window_splits=window_splits, fused=fused, window_stream=True, valid=valid,
+             late=late)
 
 
 def test_window_split_count_and_bad_counts():
@@ -244,11 +257,14 @@ def test_derope_is_accurate_at_half_a_million_positions():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mlp", [False, True])
-@pytest.mark.parametrize("fused", [False, True])
-def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused):
+@pytest.mark.parametrize("fused,window_stream,late", [(False, False, False), (True, False, False),
+                                                     (False, True, False), (True, True, False), (False, True, True)])
+def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused, window_stream, late):
     """bf16 on a GPU: scoring, selection, attention and merge captured once in a CUDA graph, replayed at three
     valid lengths (read on the device); each replay equals the reference over the sparse set the PyTorch scores
-    pick, and the selectivity counter counts every replay."""
+    pick, and the selectivity counter counts every replay. With ``window_stream`` the window's launch is a
+    parallel branch of the graph (a side stream: forked first, or after the scoring when ``late``), joined before
+    the merge."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
 
@@ -261,7 +277,7 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused):
     prompt = N - 3000
     state = build_clusters(index, 1, k, prompt, sink, window)
     scorer = kernel_scorer(index, 1)
-    ws = saap_workspace(24, q, v, Hkv, C, scorer.hidden)
+    ws = saap_workspace(24, q, v, Hkv, C, scorer.hidden, window_stream)
     valid = torch.tensor([prompt], dtype=torch.int32, device="cuda")
     out = torch.empty(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
     stats = torch.zeros(2, dtype=torch.float64, device="cuda")
@@ -269,7 +285,8 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused):
     def call():
         saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
                            scale=D ** -0.5, scorer=scorer, valid_len=valid, stats=stats, workspace=ws, block_n=64,
-                           fused_select=fused, fused_merge=fused)
+                           fused_select=fused, fused_merge=fused, window_stream=window_stream,
+                           window_after_scoring=late)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -289,6 +306,11 @@ def test_scored_decode_replays_in_a_cuda_graph_as_the_length_grows(mlp, fused):
         want, _ = saap_decode_states(q, k[:, :, :n], v[:, :, :n], keep, D ** -0.5)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     assert float(stats[1]) == 3.0 and 0.0 < float(stats[0]) / 3 < 0.5
+    if window_stream:  # a workspace made without the side stream is refused, before any launch
+        with pytest.raises(ValueError, match=r"saap_workspace\(\.\.\., window_stream=True\)"):
+            saap_decode_kernel(q, k, v, state.offsets, state.perm, state.ends, out, probes=probes, sink=sink,
+                               scorer=scorer, valid_len=valid, block_n=64, window_stream=True,
+                               workspace=saap_workspace(24, q, v, Hkv, C, scorer.hidden))
     assert int(ws.counters.abs().sum()) == 0 and int(ws.select.counters.abs().sum()) == 0  # every replay resets them
 
 
@@ -351,14 +373,26 @@ def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats
 
 def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monkeypatch):
     """Past 2048 clusters the selection finds 2 threshold bits per round (1 past 8192): forced here on a small
-    table, with the attention's first-entry search read in chunks, the answer is the same."""
+    table, with the attention's first-entry search read in chunks (4 of 512 entries), the answer is the same."""
+    import attnopt.runtime.kernels.saap as attn
     import attnopt.runtime.kernels.saap_select as sel
 
+    monkeypatch.setattr(attn, "FIRST_CHUNK", 512)
     for bits in (1, 2):
         monkeypatch.setattr(sel, "radix_bits", lambda block_c, bits=bits: bits)
         test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(2)
     run_case(1, 2, 1, 1200, 64, 1, 1100, 300, sink=1, window=20, prompt=1200, dtype=torch.float32, splits=3,
              block_n=64)
+
+
+def test_select_warps_outside_the_choices_are_refused():
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+
+    q = torch.randn(1, 4, 1, 16)
+    offsets = torch.zeros(1, 2, 9, dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_warps must be 4, 8, 16 or 32"):
+        saap_select(q, offsets, torch.zeros(1, dtype=torch.int32), select_workspace(1, 2, 2, 8, 0, "cpu"),
+                    probes=2, scale=1.0, n_keys=10, scores=torch.rand(1, 2, 8), num_warps=12)
 
 
 def test_mismatched_workspace_or_scores_are_refused_before_any_launch():
@@ -375,3 +409,33 @@ def test_mismatched_workspace_or_scores_are_refused_before_any_launch():
     with pytest.raises(ValueError, match=r"scores must have shape \(B, Hkv, C\) = \(1, 2, 8\)"):
         saap_select(q, offsets, end, select_workspace(1, 2, 2, 8, 0, "cpu"), probes=2, scale=1.0, n_keys=10,
                     scores=torch.rand(1, 2, 7))
+
+
+@pytest.mark.parametrize("clusters,warps", [(300, None), (1100, None), (1100, 8)])
+def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clusters, warps):
+    """The fused centroid launch (its last program per head selects from every chunk's logits and statistics; at 16
+    warps, the rule at 1100 clusters, chunks of BLOCK_LOGITS_Q_FUSED clusters, at 8 of 64) leaves exactly the work
+    list of scoring and selection apart."""
+    from attnopt.runtime.kernels.saap_select import BLOCK_LOGITS_Q_FUSED, saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    assert clusters > 2 * BLOCK_LOGITS_Q_FUSED  # several fused chunks arrive per head
+    B, Hq, Hkv, D = 2, 6, 2, 64
+    torch.manual_seed(clusters)
+    scorer = kernel_scorer(random_index(Hkv, Hq, D, clusters).to(DEVICE), 1)
+    q = torch.randn(B, Hq, 1, D, device=DEVICE) * 3
+    sizes = torch.randint(0, 5, (B, Hkv, clusters), dtype=torch.int32)
+    offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1, dtype=torch.int32)], -1)
+    end = torch.full((B,), int(offsets.max()) + 1, dtype=torch.int32, device=DEVICE)
+    lists = []
+    for fused in (False, True):
+        ws = select_workspace(B, Hkv, Hq // Hkv, clusters, 0, DEVICE)
+        saap_select(q, offsets.to(DEVICE), end, ws, probes=37, scale=0.125, n_keys=int(end[0]) + 50, sink=1,
+                    scorer=scorer, fused=fused, num_warps=warps)
+        assert int(ws.counters.abs().sum()) == 0
+        n = ws.total.cpu()
+        lists.append((ws.incl.cpu(), ws.shift.cpu(), n))
+    (incl, shift, total), (incl_f, shift_f, total_f) = lists
+    assert torch.equal(total, total_f) and torch.equal(incl, incl_f)
+    picked = incl != 2147483647
+    assert torch.equal(shift[picked], shift_f[picked]) and 0 < int(picked.sum(-1).min())

@@ -121,10 +121,12 @@ def test_attention_fits_its_programs_per_sm_and_the_selection_does_not_spill(mon
     trig = usage["_saap_rows_kernel"]["stack"]
     assert trig <= 32, usage
     assert attn["stack"] == 0 and select["stack"] == (trig if fused else 0), usage
-    if fused:  # the scoring launch (8 heads x 32 chunks of the 2048 clusters) runs in one wave on 132 SMs
+    if fused:  # the scoring launch (8 heads x 16 chunks of the 2048 clusters) runs in one wave on 132 SMs
+        from attnopt.runtime.kernels.saap_select import BLOCK_LOGITS_Q_FUSED
+
         scoring = usage["_saap_rows_kernel"]
         per_sm = min(SM_REGISTERS // (-(-scoring["regs"] // 8) * 8 * scoring["threads"]),
                      SM_SHARED // (scoring["shared"] + 1024))
-        assert 132 * per_sm >= 8 * 32, usage
+        assert 132 * per_sm >= 8 * -(-2048 // BLOCK_LOGITS_Q_FUSED), usage
     assert PROGRAMS_PER_SM * per_program_regs <= SM_REGISTERS, usage
     assert PROGRAMS_PER_SM * (attn["shared"] + 1024) <= SM_SHARED, usage

@@ -63,6 +63,23 @@ def test_never_planned_without_the_index_and_layer_zero_stays_dense(index_path):
     assert SAAP.estimate_us(plan, _site(layer=2), hw, _ctx(index_path)) > 0
 
 
+def test_centroid_scoring_selects_in_its_scoring_launch_and_the_mlp_does_not(tmp_path, index_path):
+    # the plan's fused_select as the H100 measured it: faster with centroid scoring, far slower with the MLP
+    from attnopt.runtime.saap.index import LayerIndex
+
+    hw = builtin_profile("cpu")
+    assert next(iter(SAAP.candidates(_site(), hw, _ctx(index_path)))).fused_select
+    index = synthetic_index(6, 2, 64, clusters=8, layers=(1,), num_layers=3)
+    g = torch.Generator().manual_seed(0)
+    mlp = {"w1": torch.randn(2, 16, 64, generator=g), "b1": torch.zeros(2, 16), "bn_mean": torch.zeros(2, 16),
+           "bn_var": torch.ones(2, 16), "bn_weight": torch.ones(2, 16), "bn_bias": torch.zeros(2, 16),
+           "w2": torch.randn(2, 8, 16, generator=g), "b2": torch.zeros(2, 8)}
+    index.layers[1] = LayerIndex(index.layers[1].centroids, mlp)
+    path = str(tmp_path / "mlp.safetensors")
+    index.save(path)
+    assert not next(iter(SAAP.candidates(_site(), hw, _ctx(path)))).fused_select
+
+
 def test_config_fields_validate_early(tmp_path, index_path):
     cfg = OptimizeConfig(saap=index_path, saap_probes=4, saap_window=16, saap_sink=2)
     assert OptimizeConfig.from_json(cfg.to_json()) == cfg
@@ -147,11 +164,15 @@ def test_kernel_path_in_the_interpreter_matches_the_reference_path(which, reques
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path, monkeypatch, fused):
+@pytest.mark.parametrize("fused,window_stream,late,warps", [
+    (False, False, False, 0), (True, False, False, 0), (False, True, False, 0), (False, True, True, 0),
+    (True, True, True, 0), (False, False, False, 8), (True, False, False, 8)])
+def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path, monkeypatch, fused, window_stream,
+                                                                      late, warps):
     """The run of a prepared plan: scoring, selection, attention and merge launches (fused: scoring with the selection,
-    attention with the merge), the output's allocation, and nothing else (before, scoring and statistics were some 40
-    small torch launches); the selectivity counter still counts the call."""
+    attention with the merge; window_stream: the window's attention launch apart, first, or after the scoring when
+    ``late`` and not fused), the output's allocation, and nothing else (before, scoring and statistics were some 40 small torch launches); the selectivity counter
+    still counts the call."""
     pytest.importorskip("triton")
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -163,14 +184,16 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
     monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
     plan = SaapPlan(index=index_path, probes=3, sink=1, window=8, layer=1, num_splits=3, block_n=16,
-                    fused_select=fused, fused_merge=fused)
+                    fused_select=fused, fused_merge=fused, window_stream=window_stream, window_after_scoring=late,
+                    select_warps=warps)
     registry.set_state(index_path, 1, build_clusters(registry.get_index(index_path), 1, k, 85, 1, 8))
     state = SAAP.prepare(plan, q, k, v)
-    launches, ops = [], []
+    launches, ops, widths = [], [], {}
     original = KernelLauncher.__call__
 
     def counting(self, grid, *args, **kwargs):
         launches.append(self.fn.__name__)
+        widths[self.fn.__name__] = kwargs.get("num_warps")
         with _Paused(recorder):
             return original(self, grid, *args, **kwargs)
 
@@ -185,7 +208,12 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
         SAAP.run(state, plan, q, k, v, None, None, 0.125, False)
     want = ["_saap_rows_kernel", "_saap_kernel"] if fused else ["_saap_rows_kernel", "_saap_select_kernel",
                                                                "_saap_kernel", "_merge_states_kernel"]
+    if window_stream:  # the window's launch before the selection's (fused: before the scoring, which selects)
+        at = 1 if late and not fused else 0
+        want = want[:at] + ["_saap_kernel"] + want[at:]
     assert launches == want, launches
+    if warps:  # the plan's selection width reaches the launch that selects
+        assert widths["_saap_rows_kernel" if fused else "_saap_select_kernel"] == warps, widths
     views = (".view.", ".select.")  # views (the LSE planes of the partials among them) launch nothing
     assert [op for op in ops if not any(v in op for v in views)] == ["aten.empty.memory_format"], ops
     assert registry.measured_selectivity(plan.runtime_key())[1] == 1
