@@ -279,7 +279,8 @@ def test_after_the_warm_up_timing_compiles_nothing(monkeypatch):
         assert timer.warm_up(plans, site) == {}
         before = [launcher.jit for launcher in launchers]
         times = {p.runtime_key(): timer(p, site) for p in plans}
-        timer.valid_len_us(site)
+        if any(T.uses_valid_len(p, site) for p in plans):  # as the tuner does: split-KV reads the mask by tiles
+            timer.valid_len_us(site)
         assert [launcher.jit for launcher in launchers] == before
         assert all(t > 0 for t in times.values()), times
     finally:
