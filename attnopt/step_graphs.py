@@ -316,9 +316,26 @@ class CudaGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = fn()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                output = fn()
+        except Exception:
+            self._abandon_pool()
+            raise
         return graph, output
+
+    def _abandon_pool(self) -> None:
+        """After a failed capture: PyTorch skips ending the allocator's routing into the pool when the capture ends
+        in an error, and every later capture into that pool then failed ("beginAllocateToPool: already recording
+        to mempool_id"; H100, torch 2.11, a retried recording). End it, and record later graphs in a new pool (the
+        recorded graphs keep theirs)."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(torch.cuda.current_device(), self._pool)
+            except Exception:  # noqa: BLE001 - nothing was routing any more: fine
+                pass
+        self._pool = None
 
     def replay(self, graph: Any) -> None:
         graph.replay()

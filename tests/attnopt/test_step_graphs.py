@@ -350,3 +350,35 @@ def test_an_argument_that_views_the_cache_runs_the_forward():
     assert steps.replays == 2
     # four calls wrote the cache (two compiled, the recording's, one replay), the fifth's write is seen: 2 * (4 + 1)
     torch.testing.assert_close(got, torch.full((4,), 10.0))
+
+
+def test_a_failed_capture_ends_its_pool_routing_and_later_recordings_take_a_new_pool(monkeypatch):
+    """CudaGraphs, with CUDA's calls stood in: a capture that fails leaves PyTorch's allocator routing into the pool
+    (every later capture there failed on the H100: "already recording to mempool_id"), so the routing is ended and
+    the next recording gets a pool of its own."""
+    import contextlib
+
+    from attnopt.step_graphs import CudaGraphs
+
+    pools, ended, captures = iter(range(100)), [], []
+
+    @contextlib.contextmanager
+    def graph(g, pool):
+        captures.append(pool)
+        yield
+        if len(captures) == 1:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(pools)))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: ended.append((dev, pool)),
+                        raising=False)
+    graphs = CudaGraphs()
+    with pytest.raises(RuntimeError, match="previous error"):
+        graphs.record(lambda: 1)
+    assert ended == [(0, ("pool", 0))]
+    assert graphs.record(lambda: 2)[1] == 2 and graphs.record(lambda: 3)[1] == 3
+    assert captures == [("pool", 0), ("pool", 1), ("pool", 1)]  # a new pool after the failure, then shared
