@@ -301,3 +301,23 @@ class BucketedPlan(Plan):
             runs.append(f"N {lo + 1}..{hi}: {plan_from_json(text).describe()}")
             lo = bound
         return "bucketed(" + "; ".join(runs) + ")"
+
+
+#: Plan kinds that take a site's mask as it is, never a valid length computed from it: SDPA (dense), and the
+#: distributed plans, whose mask columns may be global or a rank's.
+MASK_ONLY_KINDS = ("dense", "tree", "ring")
+
+
+def reads_valid_keys(plan: Plan, site: Any) -> bool:
+    """Whether ``plan`` reads only the keys that ``site``'s mask (valid-length or arbitrary) shows, rather than the
+    whole cache: every kernel plan does, from a device valid length (``uses_valid_len``) or by skipping the tiles the
+    mask hides (split-KV)."""
+    return site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in MASK_ONLY_KINDS
+
+
+def uses_valid_len(plan: Plan, site: Any) -> bool:
+    """Whether the lowered op gives ``plan`` a device valid length computed from ``site``'s mask (a launch ahead of the
+    attention, ``valid_len_from_mask``). Not a split-KV plan without a sliding window: its programs read the mask over
+    their own tiles and skip the hidden ones (``runtime/kernels/mask_tiles.py``). A window's start still comes from a
+    scan or the band (``key_range_from_mask``), so that the splits share only the window's keys."""
+    return reads_valid_keys(plan, site) and not (plan.kind == "split_kv" and site.window is None)

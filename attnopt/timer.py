@@ -27,7 +27,7 @@ import os
 import time
 from typing import Any, Callable
 
-from .plan import Plan
+from .plan import Plan, uses_valid_len  # noqa: F401  (re-exported)
 from .site import AttentionSite
 
 #: The fill a static cache (valid-length mask) is timed at: full. Its valid length is a device tensor, unknown at
@@ -58,12 +58,6 @@ FRESH_LENGTHS = 3
 #: Overrides ``WARM_WORKERS`` (read at each warm-up): ``1`` compiles the candidates one after another, still before
 #: timing; ``0`` skips the warm-up (each candidate compiles when it is first timed, as before it existed).
 WARM_WORKERS_ENV = "ATTNOPT_TUNE_WARM_WORKERS"
-
-
-def uses_valid_len(plan: Plan, site: AttentionSite) -> bool:
-    """Whether the lowered op gives ``plan`` a device valid length computed from the site's mask (the kernel plans
-    at a valid-length or arbitrary mask; dense and distributed plans take the mask itself)."""
-    return site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring")
 
 
 def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda", reduce: bool = True) -> dict[str, Any]:

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .plan import BucketedPlan, Plan, plan_from_dict
+from .plan import BucketedPlan, Plan, plan_from_dict, reads_valid_keys
 from .site import AttentionSite
 from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
 from .timer import error_text as _error_text
@@ -290,7 +290,7 @@ class Tuner:
             span = (min(site.kv_len, max(64, int(round(site.kv_len * STATIC_LOW_FILL / 64)) * 64)),)
         # a static cache's dense winner is judged at a low fill, and a kernel winner against a close dense plan over
         # the span, even past the budget: a few timings of compiled plans
-        dense_static = static and best is not None and not uses_valid_len(by_key[best], site)
+        dense_static = static and best is not None and not reads_valid_keys(by_key[best], site)
         close_peer = best is not None and span is not None and near_peer(best, measured, by_key) is not None
         if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static
                                                                      or close_peer):
@@ -384,8 +384,8 @@ class Tuner:
         peer = near_peer(best, measured, by_key)
         if peer is not None and peer not in pair:
             pair.append(peer)
-        if static and not uses_valid_len(by_key[best], site):
-            readers = [k for k in sorted(measured, key=measured.get) if uses_valid_len(by_key[k], site)
+        if static and not reads_valid_keys(by_key[best], site):
+            readers = [k for k in sorted(measured, key=measured.get) if reads_valid_keys(by_key[k], site)
                        and measured[k] <= (1 + STATIC_DENSE_TIE) * measured[best]]
             pair += [k for k in readers if k not in pair][:STATIC_READERS]
         if len(pair) < 2:
@@ -398,7 +398,7 @@ class Tuner:
             at = dataclasses.replace(site, kv_len=int(n))
             times = {}
             for k in pair:
-                if static and not uses_valid_len(by_key[k], site):
+                if static and not reads_valid_keys(by_key[k], site):
                     times[k] = measured[k]
                     continue
                 try:

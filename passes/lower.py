@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from attnopt.plan import uses_valid_len
+
 from .constants import constant_value
 from .context import PassContext
 from .mutation import _PURE_OPERATORS
@@ -354,8 +356,9 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
             new_nodes.append(q)
         valid_len = key_start = None
         # Distributed plans get no valid_len: it would be read in the mask's columns, which may be global or this
-        # rank's, and the tree/ring runtime cannot tell which; the mask alone is exact either way.
-        if mask is not None and site.mask_kind in ("valid_length", "arbitrary") and plan.kind not in ("dense", "tree", "ring"):
+        # rank's, and the tree/ring runtime cannot tell which; the mask alone is exact either way. Nor does a
+        # split-KV plan outside a window: its programs skip the tiles the mask hides (``uses_valid_len``).
+        if mask is not None and uses_valid_len(plan, site):
             if site.window is not None and _reads_windows(plan) and not (m.shared_prefix is not None
                                                                          and runs_cascade(plan)):
                 drop_ok = m.empty_rows == "zero" and _always_reads_windows(plan)

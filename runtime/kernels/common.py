@@ -352,10 +352,11 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                  kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope,
-                 ALIBI: tl.constexpr):
+                 ALIBI: tl.constexpr, MASK_ROW: tl.constexpr = False):
     """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
     head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64; ``slope``: ALiBi's slope
-    of each query row (BLOCK_M,) fp32)."""
+    of each query row (BLOCK_M,) fp32). MASK_ROW: the mask is one row per batch row (broadcast over heads and
+    queries): one (BLOCK_N,) load, not a (BLOCK_M, BLOCK_N) tile of pointers (registers)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     n64 = offs_n.to(tl.int64)
@@ -379,11 +380,17 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     visible = n_ok[None, :] & row_ok[:, None]
     if IS_CAUSAL:
         visible = visible & (offs_n[None, :] <= i[:, None])  # top-left: query i sees keys j <= i
-    if MASK_KIND == 1:
+    if MASK_KIND == 1 and MASK_ROW:
+        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + n64 * stride_mn, mask=n_ok, other=0)
+        visible = visible & (mv != 0)[None, :]
+    elif MASK_KIND == 1:
         mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
                      + n64[None, :] * stride_mn, mask=visible, other=0)
         visible = visible & (mv != 0)
-    if MASK_KIND == 2:
+    if MASK_KIND == 2 and MASK_ROW:
+        s = s + tl.load(mask_ptr + b.to(tl.int64) * stride_mb + n64 * stride_mn, mask=n_ok, other=0.0).to(
+            tl.float32)[None, :]
+    elif MASK_KIND == 2:
         mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
                      + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
         # natural units, rounded as the original's ``scores + mask`` (see the module docstring); finfo.min absorbs

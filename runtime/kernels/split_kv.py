@@ -3,7 +3,9 @@ stage 2 merges them with ``merge_states``.
 
 The grid is fixed by the plan: ``num_splits`` programs per (batch row, KV head, M block). Each split's share
 of keys follows the valid length read on device at run time, so a captured CUDA graph replays correctly as
-the cache grows. With one split, stage 1 writes the normalised output directly and no merge runs.
+the cache grows. Given a mask (and no window start), each split instead owns every S-th tile and reads the mask
+over them, attending only to tiles with a visible key (``mask_tiles.py``): a static cache needs no valid length
+computed ahead of the launch. With one split, stage 1 writes the normalised output directly and no merge runs.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from .common import (_arrive_and_merge, _attend, _finish_parts, _load_q, _row_co
                      arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported,
                      softmax_scale)
 from .launch import KernelLauncher
+from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
 
 
@@ -76,6 +79,12 @@ def _split_kv_kernel(
     HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
     SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
     ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
+    MASK_SKIP: tl.constexpr = False,  # the splits own strided tiles and attend only to the tiles the mask shows
+    # (mask_tiles.py); no device valid length is needed
+    CHUNK_T: tl.constexpr = 1,  # MASK_SKIP: tiles classified at once
+    HEAD_BCAST: tl.constexpr = False,  # MASK_SKIP: the mask is broadcast over the heads (scanned per query position)
+    N_SCAN: tl.constexpr = 0,  # MASK_SKIP with HEAD_BCAST: query positions to scan (1 when broadcast over them)
+    ONE_CHUNK: tl.constexpr = False,  # MASK_SKIP: CHUNK_T covers every split's tiles
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -114,12 +123,21 @@ def _split_kv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g, i,
-                            row_ok,
-                            offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
-                            stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                            sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-                            first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+    if MASK_SKIP:
+        acc, m_i, l_i = _attend_visible(q, acc, m_i, l_i, split, NUM_SPLITS, kv_len, k_ptr, v_ptr, k_desc, v_desc,
+                                        mask_ptr, b, kvh, mb, i, row_ok, offs_d, offs_dv,
+                                        stride_kb, stride_kh, stride_kn, stride_kd,
+                                        stride_vb, stride_vh, stride_vn, stride_vd,
+                                        stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, L, G, D, DV, N_SCAN,
+                                        BLOCK_M, BLOCK_N, CHUNK_T, MASK_KIND, HEAD_BCAST, IS_CAUSAL, UPCAST,
+                                        PRECISION, softcap, SOFTCAP, alibi_ptr, ALIBI, USE_TMA, ONE_CHUNK)
+    else:
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g,
+                                i, row_ok,
+                                offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
+                                stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
+                                sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
+                                first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)
     if LSE_PLANES:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
@@ -154,7 +172,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
-                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None):
+                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -175,15 +193,27 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     fused_merge : with S > 1, the last split to finish each tile merges the partials in the same launch
         (arrival counter per tile) instead of a second ``merge_states`` launch.
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
-        is being captured into a CUDA graph (``tma_now``); pointer loads otherwise (the result is the same).
+        is being captured into a CUDA graph (``tma_now``) and no mask is given; pointer loads otherwise (the result
+        is the same).
     pdl : launch the merge with programmatic dependent launch (it becomes resident while stage 1 runs); None =
         wherever the GPU and Triton support it.
+    mask_tiles : given a mask and no ``key_start``, the splits own strided tiles and attend only to those with a
+        visible key (``mask_tiles.py``): "tma" reads the tiles whose last key is visible by the copy engine (where
+        ``tma`` applies), True all by pointer loads; None = "tma" with ``tma``, else True. False takes contiguous
+        shares of [0, valid_len) instead, the mask read in every tile (the path before it; for comparisons). Exact
+        each way.
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
     if num_splits < 1:
         raise ValueError(f"split_kv_decode: num_splits must be >= 1; got {num_splits}")
     geo = decode_geometry(q, k, v)
+    # a mask and no window: the splits read the mask over their own (strided) tiles and attend only to the tiles
+    # with a visible key (mask_tiles.py)
+    if mask_tiles not in (None, True, False, "tma"):
+        raise ValueError(f"split_kv_decode: mask_tiles must be None, True, False or 'tma'; got {mask_tiles!r}")
+    skip = attn_mask is not None and key_start is None and mask_tiles is not False
+    tma = tma and (not skip or mask_tiles in (None, "tma"))
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
                                                        alibi_slopes)
     upcast, precision = dot_flags(q.dtype)
@@ -212,6 +242,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None and not planes else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
+    head_bcast, n_scan = scan_rows(mstr, geo.L) if skip else (False, 0)
+    chunk, one_chunk = chunk_tiles(geo.N, num_splits, block_n) if skip else (1, False)
     two_launches = num_splits > 1 and not fused and merge
     pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     _SPLIT_KV_LAUNCH(
@@ -223,6 +255,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
+        MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan,
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

@@ -14,7 +14,7 @@ from attnopt import tuning
 from attnopt.config import OptimizeConfig
 from attnopt.hardware import builtin_profile
 from attnopt.passes.plan import plan_site, rank_candidates
-from attnopt.plan import DensePlan, SplitKVPlan
+from attnopt.plan import DensePlan, SplitKVPlan, StreamKPlan, reads_valid_keys
 from attnopt.runtime.strategies import PlanContext
 from attnopt.site import AttentionSite
 from attnopt.tuning import ShapeKey, Tuner, TuningCache
@@ -73,7 +73,14 @@ def test_candidates_are_timed_round_robin_and_keep_their_median(cache):
     assert record["samples"][first] == [13.2, 10.0, 11.0] and record["rounds"] == 3
 
 
-def test_candidates_far_behind_after_the_first_round_are_not_timed_again(cache):
+@pytest.fixture
+def charged_kernels(monkeypatch):
+    """Every kernel plan of a masked site takes a device valid length, as split-KV did before it read the mask over
+    its own tiles (stream-K still does): the charge's arithmetic, tested on the candidates a static site times."""
+    monkeypatch.setattr(tuning, "uses_valid_len", reads_valid_keys)
+
+
+def test_candidates_far_behind_after_the_first_round_are_not_timed_again(cache, charged_kernels):
     """A candidate over PRUNE slower than the best in round 1 (its valid-length share included) keeps its one
     sample; the close ones get every round."""
     site = STATIC
@@ -104,7 +111,7 @@ def test_later_rounds_stop_when_the_budget_is_spent(cache):
 
 
 @pytest.mark.parametrize("sharing,winner", [(1, "dense"), (30, "split_kv")])
-def test_the_valid_length_is_charged_per_sharing_site(cache, sharing, winner):
+def test_the_valid_length_is_charged_per_sharing_site(cache, sharing, winner, charged_kernels):
     """The first GPU run's failure, with its numbers: split-KV runs in 9.2 µs, cuDNN over the mask in 21 µs, and
     the device valid length costs 15 µs per step. Charged whole to each site, split-KV (24.2 µs) loses; shared by
     SmolLM2's 30 layers (0.5 µs each), it wins. Dense plans take the mask and are never charged."""
@@ -127,6 +134,19 @@ def test_no_valid_length_is_timed_without_a_mask(cache):
     timer = Scripted(lambda p, s, n: 5.0, valid_len=15.0)
     Tuner(timer, cache, env=ENV).choose(AttentionSite.canonical(), _ranked(AttentionSite.canonical()))
     assert timer.valid_len_calls == 0
+
+
+def test_split_kv_over_a_static_mask_is_charged_no_valid_length(cache):
+    """Split-KV reads the mask over its own tiles: at a static cache (no window) it is charged nothing, and where no
+    timed candidate takes a valid length none is timed; at a sliding window it takes the window's range (a scan)."""
+    def rule(plan, site, n):
+        return 21.0 if plan.kind == "dense" else 9.2
+    timer = Scripted(rule, valid_len=15.0)
+    choice = Tuner(timer, cache, env=ENV).choose(STATIC, _ranked(STATIC))
+    assert choice.plan.kind == "split_kv" and choice.measured_us == 9.2 and timer.valid_len_calls == 0
+    assert not tuning.uses_valid_len(choice.plan, STATIC) and reads_valid_keys(choice.plan, STATIC)
+    assert tuning.uses_valid_len(choice.plan, dataclasses.replace(STATIC, window=256))
+    assert not reads_valid_keys(DensePlan(), STATIC)
     assert ShapeKey.of(AttentionSite.canonical(), 8192, False, 30).valid_len_sharing == 0
 
 
@@ -215,7 +235,7 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
     site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=256, dtype="float32",
                                    mask_kind="valid_length")
     timer = T.GpuTimer(warm_ms=0.0)
-    plan = SplitKVPlan(num_splits=2, block_n=16)
+    plan = StreamKPlan(grid=2, block_n=16)  # a plan that takes the valid length (split-KV reads the mask itself)
     assert timer(plan, site) == 7.5
     sets = timer._sets
     assert len(sets) == 16  # 4 x 1 MB of L2 over 256 kB sets
@@ -340,7 +360,7 @@ def test_gpu_timer_agrees_with_the_kernels_bench_and_the_choice_is_no_slower_tha
     T.gpu_timer.release()
 
 
-def test_tune_charges_each_preset_site_its_share_of_the_valid_length(cache):
+def test_tune_charges_each_preset_site_its_share_of_the_valid_length(cache, charged_kernels):
     """``attnopt tune smollm2 --mask valid_length`` charges each of SmolLM2's 30 layers 1/30 of the valid
     length; a bare shape is one site (``--layers`` overrides both)."""
     import argparse

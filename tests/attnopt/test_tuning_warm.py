@@ -128,6 +128,10 @@ def test_the_gpu_timers_warm_up_compiles_each_kernel_plan_on_a_thread_of_its_own
     ranked = _ranked(SMOL_1K)
     plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
     kernels = [p for p in plans if p.kind != "dense"]
+    # the mask reduction is compiled where a timed plan takes a valid length (stream-K, a window's split-KV; a
+    # static site's split-KV reads the mask itself): every kernel plan here, as if it did
+    from attnopt.plan import reads_valid_keys
+    monkeypatch.setattr(T, "uses_valid_len", reads_valid_keys)
     me, calls, made = threading.get_ident(), [], []
     # every kernel plan's thread, the input sets' one and the mask reduction's
     barrier = threading.Barrier(len(kernels) + 2, timeout=30)

@@ -179,22 +179,39 @@ def test_symbolic_kv_len_is_rewritten():
     torch.testing.assert_close(r.out, sdpa_gqa(q, k, v), **TOL)
 
 
-def test_valid_len_wired_for_masks_under_non_dense_plans():
-    from attnopt.runtime.strategies import STRATEGIES
-
-    kinds = [kd for kd in STRATEGIES if kd not in ("dense",) and not STRATEGIES[kd].distributed]
+def test_valid_len_wired_for_masks_under_kernel_plans_that_need_one():
+    """stream-K gets a device valid length from the mask (one ``valid_len_from_mask`` node); split-KV reads the mask
+    over its own tiles (``mask_tiles.py``) and gets none, nor does the dense plan; all equal SDPA."""
     q, k, v = qkv(B=2, Hq=4, Hkv=2, L=1, N=21, D=64)
     m = rand_bool_mask(2, 1, 21)
-    if not kinds:
-        pytest.skip("no non-dense single-device strategy registered")
-    cfg = OptimizeConfig(force_plan=kinds[0])
-    r = dynamo(sdpa_gqa, q, k, v, m, config=cfg)
-    if r.sites[0].unsupported:
-        pytest.skip(f"{kinds[0]} does not apply on this machine: {r.sites[0].unsupported}")
-    assert len(op_nodes(r.gm, "attnopt.valid_len_from_mask.default")) == 1
-    torch.testing.assert_close(r.out, sdpa_gqa(q, k, v, m), atol=1e-4, rtol=1e-4)
-    r = dynamo(sdpa_gqa, q, k, v, m)  # dense: no valid_len
-    assert not op_nodes(r.gm, "attnopt.valid_len_from_mask.default")
+    for kind, scans in (("stream_k", 1), ("split_kv", 0), ("dense", 0)):
+        r = dynamo(sdpa_gqa, q, k, v, m, config=OptimizeConfig(force_plan=kind))
+        assert not r.sites[0].unsupported, r.sites[0].unsupported
+        assert r.reports[0].chosen.kind == kind
+        assert len(op_nodes(r.gm, "attnopt.valid_len_from_mask.default")) == scans, kind
+        assert len(op_nodes(r.gm, "attnopt.decode_attention.default")) == 1, kind
+        torch.testing.assert_close(r.out, sdpa_gqa(q, k, v, m), atol=1e-4, rtol=1e-4)
+
+
+def test_split_kv_over_a_static_mask_runs_the_mask_tiles_kernel(monkeypatch):
+    """A static cache through SDPA with HF's bool mask (B, 1, 1, N) under split-KV, the Triton kernels interpreted: the
+    lowered graph launches no mask scan, the kernel reads the mask over its own tiles, and NaN in the cache's unused
+    slots (past each row's tokens) never reaches the output."""
+    from attnopt.runtime.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, L=1, N=150, D=64)
+    lengths = torch.tensor([13, 97])
+    m = (torch.arange(150)[None, :] < lengths[:, None])[:, None, None, :]
+    ref = sdpa_gqa(q, k, v, m)
+    for b, n in enumerate(lengths.tolist()):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    r = dynamo(sdpa_gqa, q, k, v, m, config=OptimizeConfig(force_plan="split_kv"))
+    assert r.reports[0].chosen.kind == "split_kv" and not op_nodes(r.gm, "attnopt.valid_len_from_mask.default")
+    torch.testing.assert_close(r.out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_verify_wraps_with_check_close():
@@ -347,11 +364,7 @@ def test_verify_raises_on_a_wrong_rewrite():
 
 
 def test_symbolic_batch_valid_len_uses_sym_size():
-    from attnopt.runtime.strategies import STRATEGIES
-
-    kinds = [kd for kd in STRATEGIES if kd != "dense" and not STRATEGIES[kd].distributed]
-    if not kinds:
-        pytest.skip("no non-dense single-device strategy registered")
+    kinds = ["stream_k"]  # a plan that takes a device valid length (split-KV reads the mask itself)
     q, k, v = qkv(B=3, Hq=4, Hkv=2, L=1, N=21, D=64)
     m = rand_bool_mask(3, 1, 21)
     for t in (q, k, v, m):
@@ -427,9 +440,7 @@ def test_symbolic_float_scale_under_dynamic_shapes(eager):
 def test_layers_sharing_a_mask_share_one_valid_len():
     """Three attention layers reading one mask compute its valid length once per call, not once per layer (it was a
     reduction and a host round trip per layer of every decode step)."""
-    from attnopt.runtime.strategies import STRATEGIES
-
-    kinds = [kd for kd in STRATEGIES if kd != "dense" and not STRATEGIES[kd].distributed]
+    kinds = ["stream_k"]  # a plan that takes a device valid length (split-KV reads the mask itself)
     q, k, v = qkv(B=2, Hq=4, Hkv=2, L=1, N=21, D=64)
     m = rand_bool_mask(2, 1, 21)
 
