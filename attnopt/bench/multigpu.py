@@ -22,6 +22,8 @@ Each row has ``us`` (median per step), ``rel_err`` against an fp32 single-device
 ``est_us`` from the cost model (``attnopt.cost.collective``; ``graph=True`` for graph rows) and, per case and
 timing mode, ``model_pick`` / ``measured_best`` among the planner's candidates (tree x 3, ring x 2). The
 summary gives ring over tree in each mode and the model's predicted / measured ratios. Results are written after every case, so a run cut short still leaves its rows.
+
+The step timers are in ``multigpu_timing``.
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
+
+from .multigpu_timing import eager_us, graph_us, local_eager_us
 
 #: name -> (B, Hq, Hkv, D)
 SHAPES = {"llama3-8b": (1, 32, 8, 128), "mha16": (1, 16, 16, 128)}
@@ -71,86 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_length(text: str) -> int:
     return LENGTHS[text] if text in LENGTHS else int(text)
-
-
-# --------------------------------------------------------------------------------------------- timing
-def _sync(cuda: bool) -> None:
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def eager_us(fn: Callable[[], Any], g, iters: int, cuda: bool) -> float:
-    """Mean wall time per step of ``iters`` lock-step calls (host overhead included), after warm-up: the ranks
-    meet at a barrier before timing, so no rank's time includes waiting for a slower peer's warm-up."""
-    import torch
-
-    def barrier():
-        g.all_reduce(torch.zeros(1, device="cuda" if cuda else "cpu"), _sum(), what="bench barrier")
-        _sync(cuda)
-
-    return local_eager_us(fn, iters, cuda, after_warmup=barrier)
-
-
-def local_eager_us(fn: Callable[[], Any], iters: int, cuda: bool,
-                   after_warmup: Callable[[], Any] | None = None) -> float:
-    """Median over 3 repeats of the mean wall time per call of ``iters`` calls, after 3 warm-up calls."""
-    from .common import host_us
-
-    return host_us(fn, iters, repeats=3, warmup=3, sync=lambda: _sync(cuda), sync_in_timing=True,
-                   after_warmup=after_warmup)
-
-
-def graph_us(fn: Callable[[], Any], steps: int, g=None, replays: int = 7) -> float:
-    """Median per-step time of a CUDA graph holding ``steps`` calls (identical on every rank: lock-step).
-
-    With a group ``g``, the ranks agree that every capture succeeded before any replays (a replay of captured
-    collectives on one rank alone would wait on its peers)."""
-    import torch
-    import torch.distributed as dist
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = None
-    error = None
-    try:
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(steps):
-                fn()
-        torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001
-        error = exc
-    if g is not None:
-        flag = torch.tensor([0.0 if error is None else 1.0], device="cuda")
-        g.all_reduce(flag, dist.ReduceOp.MAX, what="graph capture agreement")
-        if flag.item() and error is None:
-            error = RuntimeError("a peer rank failed to capture the graph")
-    if error is not None:
-        raise error
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / steps)
-    del graph
-    return statistics.median(times)
-
-
-def _sum():
-    import torch.distributed as dist
-
-    return dist.ReduceOp.SUM
 
 
 # --------------------------------------------------------------------------------------------- symm-mem tree

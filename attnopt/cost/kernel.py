@@ -23,6 +23,8 @@ the kernel derives each program's share from the valid length on the device (spl
 covers work units ``[p * ceil(U / P), ...)``). This costs nothing on the host and stays correct under
 CUDA-graph replay as the cache grows. ``best_split_kv`` and ``best_stream_k`` pick the grid that is best
 over the range of lengths a symbolic site is expected to see (``planning_lengths``).
+
+The byte counts (K/V, mask, query and output, softmax states, one tile) and the roofline are in ``traffic``.
 """
 from __future__ import annotations
 
@@ -33,10 +35,10 @@ from dataclasses import dataclass
 from attnopt.hardware import HardwareProfile
 from attnopt.site import AttentionSite
 
-#: KV length assumed when a site's length is symbolic and carries no hint.
-DEFAULT_KV_LEN = 4096
-#: Largest packed query block of the attnopt kernels (``runtime/kernels/common.py``: MAX_BLOCK_M).
-MAX_BLOCK_M = 64
+from .traffic import (DEFAULT_KV_LEN, MAX_BLOCK_M, _dims, _keys_read, _kv_len, _next_pow2, _tile_bytes,  # noqa: F401
+                      block_m_for, io_bytes, kv_bytes, m_blocks, mask_bytes, packed_state_bytes, roofline_us,
+                      state_bytes, total_bytes)  # (re-exported: callers read them as attnopt.cost.kernel's)
+
 #: Split counts and block sizes the planner considers.
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 BLOCK_N_CHOICES = (32, 64, 128)
@@ -46,88 +48,6 @@ WARP_CHOICES = (4, 8)
 #: 20-30 µs more than split-KV at 8k-32k on both cards (e.g. H200 llama3-8b-8k: 46.4 vs 15.1 µs), so the
 #: uncalibrated default is 25 µs; ``attnopt calibrate`` refits it per GPU.
 STREAM_K_FIXUP_US = 25.0
-
-
-# --------------------------------------------------------------------------------------------- shapes
-def _kv_len(site: AttentionSite) -> int:
-    n = site.effective_kv_len
-    return int(n) if n is not None else DEFAULT_KV_LEN
-
-
-def _keys_read(site: AttentionSite) -> int:
-    """Keys the attnopt kernels read per row: a sliding window's band (``site.keys_read``: they start at the
-    window's first key, found on device), else the whole length. SDPA with the window as a mask reads them all."""
-    n = site.keys_read
-    return int(n) if n is not None else DEFAULT_KV_LEN
-
-
-def _dims(site: AttentionSite) -> tuple[int, int, int, int, int, int, int]:
-    """(B, Hkv, G, L, D, Dv, element bytes)."""
-    return (site.batch or 1, site.kv_heads, max(site.group_size, 1), site.q_len or 1, site.head_dim,
-            site.v_head_dim or site.head_dim, site.dtype_bytes)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def block_m_for(rows: int) -> int:
-    """Packed query rows per tile for ``rows = G * q_len``: a power of two in [16, 64] (as the kernels use)."""
-    return max(16, min(MAX_BLOCK_M, _next_pow2(max(rows, 1))))
-
-
-def m_blocks(site: AttentionSite) -> int:
-    _, _, g, L, *_ = _dims(site)
-    return math.ceil(g * L / block_m_for(g * L))
-
-
-def kv_bytes(site: AttentionSite) -> float:
-    """Bytes of K and V read up to the planned KV length (the roofline numerator)."""
-    b, hkv, _, _, d, dv, e = _dims(site)
-    return float(b * hkv * _kv_len(site) * (d + dv) * e)
-
-
-def mask_bytes(site: AttentionSite) -> float:
-    """Bytes of the mask the kernels read: an arbitrary bool mask, broadcast over heads, is (B, L, N)."""
-    if site.mask_kind != "arbitrary":
-        return 0.0
-    b, _, _, L, *_ = _dims(site)
-    return float(b * L * _kv_len(site))
-
-
-def io_bytes(site: AttentionSite) -> float:
-    """Query read plus output written."""
-    b, hkv, g, L, d, dv, e = _dims(site)
-    return float(b * hkv * g * L * (d + dv) * e)
-
-
-def state_bytes(site: AttentionSite) -> float:
-    """Bytes of one fp32 softmax state (o, lse) for the whole site: (B, Hq, L, Dv + 1) x 4."""
-    b, hkv, g, L, _, dv, _ = _dims(site)
-    return float(b * hkv * g * L * (dv + 1) * 4)
-
-
-def packed_state_bytes(site: AttentionSite) -> float:
-    """Bytes of one fp32 softmax state as it crosses ranks, with the row max and log l apart (exact weights for a
-    row that finfo.min hides; ``runtime/distributed/local.py``): (B, Hq, L, Dv + 2) x 4."""
-    b, hkv, g, L, _, dv, _ = _dims(site)
-    return float(b * hkv * g * L * (dv + 2) * 4)
-
-
-def total_bytes(site: AttentionSite) -> float:
-    return kv_bytes(site) + mask_bytes(site) + io_bytes(site)
-
-
-def roofline_us(site: AttentionSite, hw: HardwareProfile) -> float:
-    """Bytes that must be read (K, V, mask, query) at the full read bandwidth: the floor of any plan."""
-    return total_bytes(site) / (hw.hbm_read_gbps * 1e3)
-
-
-def _tile_bytes(site: AttentionSite, block_n: int) -> float:
-    """Bytes one program reads per KV tile: K and V rows, plus its slice of the mask."""
-    _, _, g, L, d, dv, e = _dims(site)
-    mask = block_n * L if site.mask_kind == "arbitrary" else 0
-    return float(block_n * (d + dv) * e + mask)
 
 
 # --------------------------------------------------------------------------------------------- calibration

@@ -2,8 +2,8 @@
 (aot_autograd, make_fx, ``torch.export``).
 
 One module per family, each saying what it proves: ``sdpa`` (SDPA and its aten forms), ``eager`` (matmul ->
-softmax -> matmul chains), ``gqa`` (``repeat_kv`` / ``repeat_interleave``), ``masks`` (mask and bias
-analysis), ``scale`` (scalar factors of the scores); ``layout`` (operands through layout ops) and ``nodes``
+softmax -> matmul chains; ``products`` reads their score and value products), ``gqa`` (``repeat_kv`` /
+``repeat_interleave``), ``masks`` (mask and bias analysis), ``scale`` (scalar factors of the scores); ``layout`` (operands through layout ops) and ``nodes``
 (FX helpers, op kinds, ``AttentionMatch``) serve them, and ``passes.mutation`` proves no write interferes.
 This module holds the registry (``PATTERNS``), ``find_matches`` and ``module_path``, and re-exports the public
 names of the modules.
