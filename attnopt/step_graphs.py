@@ -135,7 +135,7 @@ class StepGraphs:
         self.failures: Counter[tuple] = Counter()    # failed recordings per signature
         self.seen: Counter[tuple] = Counter()        # compiled calls per signature, and per signature and caches
         self.replays = 0
-        self.fallbacks: Counter[str] = Counter()     # calls that ran ``fallback``, by reason (diagnostics)
+        self.fallbacks: Counter[str] = Counter()     # calls not replayed, by reason (diagnostics)
         self._warned = False
         # forward hooks run in Python around modules: a hook added or removed after a recording (a steering vector,
         # an activation probe) must not be skipped by a replay, so their count is part of every signature
@@ -265,7 +265,7 @@ class StepGraphs:
                 # maybe transient (H100, 6 benchmark processes on one GPU: one of many signatures failed once, and
                 # the same run alone recorded it): this call runs compiled, the next one tries again
                 log.info("attnopt: %s; trying again at the next call", reason)
-                self.fallbacks[reason] += 1
+                self.fallbacks[reason + " (ran compiled; tried again next call)"] += 1
                 return self._compiled_call(key, args, kwargs, tensors, caches)
             self._refuse(key, reason)
             if not self._warned:
