@@ -143,3 +143,33 @@ def test_attention_in_step_per_layer_against_standalone():
     assert got == {"attention_in_step_us_per_layer": 10.1, "attention_in_step_vs_standalone": 1.01}
     assert attention_in_step(profile, 0, None) == {}
     assert "attention_in_step_vs_standalone" not in attention_in_step(profile, 30, {"error": "x"})
+
+
+def test_standalone_attention_goes_round_every_layers_cache(monkeypatch):
+    """The yardstick of the in-step check reads each layer's cache in turn, as a step does (one layer's cache read
+    again and again stays partly in L2): every call of a captured run uses the next layer's K/V."""
+    from attnopt.bench import common, e2e_profile
+
+    model, _ = e2e.build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=64)
+    cache = e2e.make_cache(model, "static", 40)
+    with torch.no_grad():
+        e2e.prefill(model, cache, torch.randint(0, model.config.vocab_size, (1, 8)), chunk=64)
+    opt = attnopt.optimize(model, inner_backend="eager")
+    with torch.no_grad():
+        opt(input_ids=torch.tensor([[1]]), past_key_values=cache, use_cache=True)
+    report = attnopt.last_plans(opt)
+    seen = []
+
+    def fake_time_us(fn, mode, *, min_calls):
+        for _ in range(2 * min_calls):
+            fn()
+        return 1.0
+
+    real = torch.ops.attnopt.decode_attention
+    monkeypatch.setattr(torch.ops.attnopt, "decode_attention",
+                        lambda q, k, *a: seen.append(k.data_ptr()) or real(q, k, *a), raising=False)
+    monkeypatch.setattr(common, "time_us", fake_time_us)
+    got = e2e_profile.standalone_attention_us(report, cache, 9)
+    layers = [layer.keys.data_ptr() for layer in cache.layers]
+    assert got["layers_rotated"] == len(layers) > 1
+    assert seen == layers + layers
