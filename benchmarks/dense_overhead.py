@@ -173,10 +173,10 @@ def main(argv=None) -> int:
               flush=True)
         for w, ks in r["kernels"].items():
             print(f"  {w:<10} {len(ks)} kernels: {ks}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"cases": results, "torch": torch.__version__, "device": torch.cuda.get_device_name()}, f,
-                      indent=1)
+    if args.out:  # the results format (device, versions, commit: pass ATTNOPT_COMMIT on a device copy)
+        from attnopt.bench.common import results_header, write_results
+
+        write_results(args.out, results_header("dense-overhead", cases=results))
     return 0
 
 

@@ -23,7 +23,6 @@ the medians, each way's speedup over the peer and its max abs error against the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -143,10 +142,10 @@ def main(argv=None) -> int:
         print(f"{name} ({r['sets']} input sets)")
         for w, us in r["median_us"].items():
             print(f"  {w:34s} {us:8.2f} µs  {r['speedup_vs_sdpa_cudnn'][w]:5.2f}x  err {r['max_abs_err'][w]:.2e}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"cases": results, "torch": torch.__version__, "device": torch.cuda.get_device_name()}, f,
-                      indent=1)
+    if args.out:  # the results format (device, versions, commit: pass ATTNOPT_COMMIT on a device copy)
+        from attnopt.bench.common import results_header, write_results
+
+        write_results(args.out, results_header("static-mask", cases=results))
     return 0
 
 

@@ -87,6 +87,12 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
         for _ in range(n):
             fn()
     torch.cuda.synchronize()
+    return replayed_us(graph, n, replays)
+
+
+def replayed_us(graph, calls: int, replays: int) -> float:
+    """Median µs per call of a captured ``graph`` holding ``calls`` back-to-back calls: one untimed replay, then
+    ``replays`` timed ones (CUDA events), each divided by ``calls``."""
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -96,8 +102,7 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    del graph
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
 

@@ -4,7 +4,6 @@ before any replays).
 """
 from __future__ import annotations
 
-import statistics
 from typing import Any, Callable
 
 
@@ -67,18 +66,9 @@ def graph_us(fn: Callable[[], Any], steps: int, g=None, replays: int = 7) -> flo
             error = RuntimeError("a peer rank failed to capture the graph")
     if error is not None:
         raise error
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / steps)
-    del graph
-    return statistics.median(times)
+    from .common import replayed_us
+
+    return replayed_us(graph, steps, replays)
 
 
 def _sum():
