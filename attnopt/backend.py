@@ -74,6 +74,10 @@ class Backend:
         #: compile, over every graph so far: what attnopt adds to a first call, beside dynamo's tracing.
         self.pass_seconds = 0.0
         self.inner_compile_seconds = 0.0
+        #: Measured choices that ran in the background beside the inner compile (``attnopt.tuning_defer``), and the
+        #: seconds first calls waited for them: the tuning that the inner compile did not hide.
+        self.background_tunings: list[Any] = []
+        self.tune_wait_seconds = 0.0
         self.__name__ = "attnopt"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -103,28 +107,52 @@ class Backend:
             world_size = distributed.register_group(self.process_group).world
             topology = self.config.topology
         t0 = time.perf_counter()
+        # the returned callable waits for pending choices before its first call: measuring may overlap the inner
+        # compile (multi-GPU plans are never measured)
         ctx = make_context(self.config, example_inputs, world_size=world_size, topology=topology,
                            graphed=replays_as_cuda_graphs(self.config.inner_backend, mode) if graphed is None
-                           else graphed)
+                           else graphed, defer_tuning=world_size == 1)
         gm, report = run_passes(gm, example_inputs, ctx=ctx)
         self.pass_seconds += time.perf_counter() - t0
         self.reports.append(report)
         _ALL_REPORTS.append(report)
         if world_size > 1:
             check_no_decode_left_over_shards(report)
+        pending = pending_choices(report)
+        self.background_tunings += [p for p in pending if p not in self.background_tunings]
+        if not pending:
+            self._log_report(report)
+        t0 = time.perf_counter()
+        compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
+        self.inner_compile_seconds += time.perf_counter() - t0
+        return self._counted(compiled, report if pending else None)
+
+    def _log_report(self, report: PlanReport) -> None:
         path = self.config.resolved_plan_log()
         if path:
             append_plan_log(path, report)
         log.info("attnopt: %s (graph %s)", report.summary(), report.graph)
-        t0 = time.perf_counter()
-        compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
-        self.inner_compile_seconds += time.perf_counter() - t0
-        return self._counted(compiled)
 
-    def _counted(self, compiled: Callable) -> Callable:
-        """``compiled``, counting its calls in ``graph_calls`` (one attribute increment per call)."""
+    def join_tuning(self) -> float:
+        """Wait for every measured choice still running in the background (``attnopt.tuning_defer``); returns the
+        seconds waited, also added to ``tune_wait_seconds``."""
+        from .tuning_defer import join_all
+
+        waited = join_all()
+        self.tune_wait_seconds += waited
+        return waited
+
+    def _counted(self, compiled: Callable, pending_report: PlanReport | None = None) -> Callable:
+        """``compiled``, counting its calls in ``graph_calls`` (one attribute increment per call). With
+        ``pending_report`` (a report whose choices run in the background), the first call first waits for every
+        pending choice of the process, so that no tuning runs beside the model's kernels or a CUDA-graph capture
+        (which the first call's own warm-up precedes), then writes the resolved report to the plan log."""
+        unresolved = [pending_report] if pending_report is not None else []
 
         def run(*args: Any) -> Any:
+            if unresolved:
+                self.join_tuning()
+                self._log_report(unresolved.pop())
             self.graph_calls += 1
             return compiled(*args)
 
@@ -159,6 +187,14 @@ class Backend:
 
     def reset(self) -> None:
         self.reports.clear()
+
+
+def pending_choices(report: PlanReport) -> list[Any]:
+    """The background choices (``tuning_defer.PendingChoice``) that ``report``'s sites wait on, one each."""
+    from .tuning_defer import lookup
+
+    found = [lookup(s.pending_key) for s in report.sites if s.pending_key]
+    return list({id(p): p for p in found if p is not None}.values())
 
 
 def check_no_decode_left_over_shards(report: PlanReport) -> None:

@@ -40,13 +40,22 @@ class SiteReport:
     #: Id of the compiled graph the site is in (``g3``); ``PlanReport.merge`` fills it from its report.
     graph: str = ""
     #: How the plan was chosen: ``model`` (the cost model's lowest estimate), ``measured`` (timed on this device
-    #: before first use), ``cached`` (a measurement from the tuning cache) or ``forced`` (``config.force_plan``).
+    #: before first use), ``cached`` (a measurement from the tuning cache) or ``forced`` (``config.force_plan``);
+    #: ``pending`` while a measured choice runs in the background (until the compiled graph's first call).
     choice: str = "model"
     #: Measured µs of the chosen plan (NaN when not measured); ``chosen.est_us`` is the prediction.
     measured_us: float = math.nan
     #: What ``attnopt.export_onnx`` wrote for the site (``onnx:Attention-24``, ``attnopt:decode_attention (function
     #: body)``); empty when not exported.
     exported_as: str = ""
+    #: Seconds the measured choice took (NaN where none ran: the model's pick, a cached or forced plan).
+    tune_s: float = math.nan
+    #: How the measured choice ran where that is worth saying: in the background beside the inner compile, or why
+    #: it fell back to the cost model's pick (``attnopt.tuning_defer``).
+    tuning: str = ""
+    #: The op's pending plan key while the choice runs in the background (not saved: it means nothing to another
+    #: process).
+    pending_key: str = field(default="", repr=False)
 
     @property
     def reason_untouched(self) -> str | None:
@@ -84,6 +93,8 @@ class SiteReport:
             "choice": self.choice,
             "measured_us": None if math.isnan(self.measured_us) else self.measured_us,
             "exported_as": self.exported_as,
+            "tune_s": None if math.isnan(self.tune_s) else self.tune_s,
+            "tuning": self.tuning,
         }
 
     @classmethod
@@ -103,6 +114,8 @@ class SiteReport:
             choice=data.get("choice", "model"),
             measured_us=math.nan if data.get("measured_us") is None else float(data["measured_us"]),
             exported_as=data.get("exported_as", ""),
+            tune_s=math.nan if data.get("tune_s") is None else float(data["tune_s"]),
+            tuning=data.get("tuning", ""),
         )
 
 

@@ -15,7 +15,7 @@ the benchmark rank plans alike:
   longer of the two: at small shapes the host's launch cost, not the kernel, sets the pace;
 * the valid length a kernel plan reads is set once per input set (as the mask reduction computes it), outside the
   timed region: the lowered graph computes it once per step for every site that reads that mask
-  (``passes.lower._shared_valid_len``), so ``valid_len_us`` times it apart and the tuner charges each site its
+  (``passes.lower_nodes._shared_valid_len``), so ``valid_len_us`` times it apart and the tuner charges each site its
   share. At a sliding window that computation is ``key_range_from_mask`` (the window's start too), and the input
   sets' mask is a band of ``window`` keys, so that a window plan is timed reading only its band, as it runs.
 
@@ -242,7 +242,10 @@ class GpuTimer:
                 for c in calls[:8]:
                     c()
                 torch.cuda.synchronize()
-        return time_us(cycle(calls), "graph", target_ms=self.target_ms, replays=self.replays, min_calls=len(calls))
+        # thread_local: the choice may run beside the inner compile (``tuning_defer``), whose CUDA calls on the main
+        # thread a global-mode capture here would refuse (and fail that compile)
+        return time_us(cycle(calls), "graph", target_ms=self.target_ms, replays=self.replays, min_calls=len(calls),
+                       capture_error_mode="thread_local")
 
     def __call__(self, plan: Plan, site: AttentionSite) -> float:
         import torch

@@ -53,10 +53,11 @@ from .plan import BucketedPlan, Plan, plan_from_dict, reads_valid_keys
 from .site import AttentionSite
 from .timer import GpuTimer, gpu_timer, site_call, synthetic_inputs, uses_valid_len  # noqa: F401  (re-exported)
 from .timer import error_text as _error_text
-from .timer import warm_workers
 from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, PEER_MARGIN,  # noqa: F401
                                 PEER_SPAN, _family, compile_key, most_parallel, near_peer, prefer_peer,
                                 to_time)  # (re-exported for the tuner's users)
+from .tuning_rounds import (FRESH_LENGTH_SLACK_US, PRUNE, STATIC_DENSE_TIE, STATIC_READERS, TIE,  # noqa: F401
+                            TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
@@ -77,30 +78,10 @@ BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
 BUCKETED_BUDGET_FACTOR = 2.0
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
-#: After the first round, only candidates within this fraction of the best are timed again.
-PRUNE = 0.15
-#: A bucket's runner-up within this fraction of its fastest is timed with it at the bucket's ends (``span``); a
-#: static cache's, at ``STATIC_LOW_FILL``.
-TIE = 0.03
 #: The low fill a static cache's near tie is also judged at (the timer times it full): the planner bench's static
 #: cases and the issue's 4k of 32k. A kernel plan reads only the valid keys, so it is timed over that many keys; a
 #: dense plan reads the whole cache at any fill and keeps its full time.
 STATIC_LOW_FILL = 1 / 8
-#: A static cache's dense (whole-cache) winner is also judged at ``STATIC_LOW_FILL`` against the fastest plan that
-#: reads only the valid keys when that plan is within this fraction of it full: the fill is unknown when the graph
-#: compiles, and at a low fill the dense plan keeps its full time while the other shrinks (H100, f9e648f: timed full
-#: only, cuDNN won 4k of a 32k cache at 1.0x SDPA over the whole cache, where the split-KV plan runs about 8x).
-STATIC_DENSE_TIE = 0.25
-#: At most this many near-tied candidates are timed again.
-TIE_MAX = 3
-#: A static cache's dense winner is judged at ``STATIC_LOW_FILL`` against this many plans that read only the valid
-#: keys (those within ``STATIC_DENSE_TIE`` of it full, fastest first): the fastest of them full need not be the fastest
-#: over an eighth of the keys, where more splits fill the GPU (4k of a 32k cache: the model's S=16/128 ran 16.9 µs,
-#: 3.4x SDPA over the whole cache, on the H100 at f9e648f; the issue asks 5x).
-STATIC_READERS = 6
-#: A symbolic length's cuDNN plan is charged the extra µs of a call at a new length (``Tuner._fresh_length_charge``)
-#: when it exceeds this: host noise between two eager calls stays well below it, a cuDNN graph build far above.
-FRESH_LENGTH_SLACK_US = 100.0
 
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
@@ -156,7 +137,7 @@ class Choice:
     tune_s: float = 0.0
 
 
-class Tuner:
+class Tuner(TimingRounds):
     """Chooses plans by measurement where it may, else from the cache, else by the cost model.
 
     Parameters
@@ -231,21 +212,9 @@ class Tuner:
         eager = not graphed and hasattr(self.timer, "host_us")
         shape = ShapeKey.of(site, site.kv_len, bucketed, valid_len_sharing, graphed)
         by_key = {p.runtime_key(): p for p in ranked}
-        mine = self._measured.get(shape)
-        if mine is not None and mine[0] in by_key:
-            return Choice(by_key[mine[0]], "cached", mine[1], dict(mine[2]))
-        record = self.cache.get(self.environment(), shape) if self.cache is not None else None
-        if record is not None:
-            try:
-                winner = plan_from_dict(record["winner"])
-            except (KeyError, TypeError, ValueError):
-                winner = None
-            if winner is not None and winner.runtime_key() in by_key:
-                # kept for this process too: the other sites of the shape then skip re-reading the file
-                self._measured[shape] = (winner.runtime_key(), float(record.get("measured_us", math.nan)),
-                                         dict(record.get("timings", {})))
-                return Choice(by_key[winner.runtime_key()], "cached", float(record.get("measured_us", math.nan)),
-                              dict(record.get("timings", {})))
+        known = self.cached(site, ranked, bucketed=bucketed, valid_len_sharing=valid_len_sharing, graphed=graphed)
+        if known is not None:
+            return known
         if not self.enabled or self.capturing():
             return Choice(ranked[0], "model")
         start = time.perf_counter()
@@ -313,157 +282,29 @@ class Tuner:
                 "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
 
-    def _warm_up(self, plans: Sequence[Plan], site: AttentionSite, eager: bool) -> dict[str, Any]:
-        """Let the timer compile the candidates at once before any is timed (``timer.warm_up(plans, site, eager=)``,
-        where it has one; ``GpuTimer`` makes their first calls on a thread each): a cold Triton compile costs about
-        a second per configuration, which one after another spent the budget before the fastest family was timed
-        (the H100 at f9e648f: SmolLM2's 1k static site kept S=5/256/8/2, 7.78 µs, where S=16/64/4/3 ran in 7.25).
-        The warm-up counts against the budget. With no budget only the two candidates always timed are warmed.
-        Returns the extras to record: its seconds and its errors (the candidates are timed all the same)."""
-        warm_up = getattr(self.timer, "warm_up", None)
-        if warm_up is None:
-            return {}
-        warm_workers()  # a bad ATTNOPT_TUNE_WARM_WORKERS is the user's error to see, not a warm-up failure to record
-        started = time.perf_counter()
+    def cached(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False, valid_len_sharing: int = 1,
+               graphed: bool = True) -> Choice | None:
+        """The measured winner among ``ranked`` that this tuner or the cache file already knows for ``site``'s shape
+        (``choice == "cached"``), else ``None``: no timing, no GPU work (the plan pass asks before it starts a
+        background choice)."""
+        shape = ShapeKey.of(site, site.kv_len, bucketed, valid_len_sharing, graphed)
+        by_key = {p.runtime_key(): p for p in ranked}
+        mine = self._measured.get(shape)
+        if mine is not None and mine[0] in by_key:
+            return Choice(by_key[mine[0]], "cached", mine[1], dict(mine[2]))
+        record = self.cache.get(self.environment(), shape) if self.cache is not None else None
+        if record is None:
+            return None
         try:
-            errors = warm_up(list(plans if self.budget_s > 0 else plans[:2]), site, eager=eager)
-        except Exception as exc:  # noqa: BLE001 - then each candidate compiles when it is first timed, as before
-            errors = {"warm_up": _error_text(exc)}
-        extra: dict[str, Any] = {"warm_up_s": round(time.perf_counter() - started, 3)}
-        if errors:
-            extra["warm_up_errors"] = dict(errors)
-        return extra
-
-    def _fresh_length_charge(self, plans: Sequence[Plan], site: AttentionSite,
-                             charge: dict[str, float]) -> dict[str, Any]:
-        """A symbolic length runs at a new length every step: add to each cuDNN plan's ``charge`` (µs added to its
-        timings) what a call at a new length costs over a call at a known one (``timer.fresh_length_us``), where that
-        exceeds ``FRESH_LENGTH_SLACK_US``. PyTorch builds a cuDNN SDPA graph per shape unless
-        ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``, which a replayed timing at one length never shows. Returns the extras
-        to record (``fresh_length_us``: key -> [fresh µs, repeat µs] or the probe's error)."""
-        probe = getattr(self.timer, "fresh_length_us", None)
-        if probe is None:
-            return {}
-        seen: dict[str, Any] = {}
-        for plan in plans:
-            key = plan.runtime_key()
-            if plan.kind != "dense" or getattr(plan, "backend", "") != "cudnn":
-                continue
-            which = _fresh_key(plan, site)  # probed once per site apart from its length: its buckets share it
-            if which not in self._fresh:
-                try:
-                    self._fresh[which] = [float(x) for x in probe(plan, site)]
-                except Exception as exc:  # noqa: BLE001 - a probe that fails does not decide; say so
-                    self._fresh[which] = _error_text(exc)
-            seen[key] = self._fresh[which]
-            if isinstance(seen[key], list) and seen[key][0] - seen[key][1] > FRESH_LENGTH_SLACK_US:
-                charge[key] = charge.get(key, 0.0) + seen[key][0] - seen[key][1]
-        return {"fresh_length_us": seen} if seen else {}
-
-    def _per_length_us(self, plan: Plan, site: AttentionSite) -> float | None:
-        """What a new KV length costs ``plan`` beyond ``FRESH_LENGTH_SLACK_US`` at this site, where an earlier
-        bucket probed it (``_fresh_length_charge``); else ``None``."""
-        probed = self._fresh.get(_fresh_key(plan, site))
-        if isinstance(probed, list) and probed[0] - probed[1] > FRESH_LENGTH_SLACK_US:
-            return probed[0] - probed[1]
-        return None
-
-    def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
-                   span: tuple[int, ...], charge: dict[str, float],
-                   static: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
-        """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it, and the fastest dense plan
-        when it is within ``PEER_SPAN`` of a kernel winner (``near_peer``): the one whose worst ratio to the fastest
-        of them, at the measured length and at each length of ``span``, is lowest, a kernel plan's counted
-        ``PEER_MARGIN`` higher (ties: the faster where measured).
-        A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
-        H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). ``static``: the
-        lengths stand for fills of a static cache (a kernel plan timed over that many keys, a dense plan keeping its
-        full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
-        pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
-        pair = pair[:TIE_MAX]
-        peer = near_peer(best, measured, by_key)
-        if peer is not None and peer not in pair:
-            pair.append(peer)
-        if static and not reads_valid_keys(by_key[best], site):
-            readers = [k for k in sorted(measured, key=measured.get) if reads_valid_keys(by_key[k], site)
-                       and measured[k] <= (1 + STATIC_DENSE_TIE) * measured[best]]
-            pair += [k for k in readers if k not in pair][:STATIC_READERS]
-        if len(pair) < 2:
-            return prefer_peer(best, measured, by_key), {}
-        worst = {k: measured[k] / measured[best] for k in pair}
-        at_ends: dict[str, dict[str, float]] = {}
-        for n in dict.fromkeys(span):
-            if n == site.kv_len:
-                continue
-            at = dataclasses.replace(site, kv_len=int(n))
-            times = {}
-            for k in pair:
-                if static and not reads_valid_keys(by_key[k], site):
-                    times[k] = measured[k]
-                    continue
-                try:
-                    times[k] = float(self.timer(by_key[k], at)) + charge.get(k, 0.0)
-                except Exception:  # noqa: BLE001 - an end that cannot be timed does not decide
-                    times = {}
-                    break
-            if times and all(math.isfinite(t) and t > 0 for t in times.values()):
-                fastest = min(times.values())
-                for k in pair:
-                    worst[k] = max(worst[k], times[k] / fastest)
-                at_ends[str(n)] = times
-        # a kernel plan must beat the dense plans by PEER_MARGIN in the worst case to be chosen over them
-        weight = {k: 1.0 if by_key[k].kind == "dense" else 1.0 + PEER_MARGIN for k in pair}
-        return min(pair, key=lambda k: (worst[k] * weight[k], measured[k])), at_ends
-
-    def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
-                 charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
-        """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
-        The model's pick and the first SDPA backend always get one round; everything else only within the
-        budget. A candidate that fails once is not timed again, nor one whose median so far, with its ``charge``
-        (µs added to each of its samples), is over ``PRUNE`` slower than the best's: round-to-round noise is a few
-        per cent, so it cannot win, and the later rounds go to the close ones. When no other candidate is that
-        close to the best the ranking is clear and no further round runs. ``eager``: a sample is the longer of the
-        device time and the host time (both kept in the extras)."""
-        charge = charge or {}
-        samples: dict[str, list[float]] = {}
-        failed: dict[str, Any] = {}
-        device_us: dict[str, list[float]] = {}
-        host_us: dict[str, list[float]] = {}
-        rounds_done = 0
-        close: set[str] | None = None
-        for r in range(self.rounds):
-            if r > 0 and time.perf_counter() > end:
-                break
-            if r > 0 and samples:
-                so_far = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
-                close = {k for k, t in so_far.items() if t <= (1 + PRUNE) * min(so_far.values())}
-                if len(close) < 2:
-                    break
-            for i, p in enumerate(plans):
-                key = p.runtime_key()
-                if key in failed or (close is not None and key not in close):
-                    continue
-                if (r > 0 or i >= 2) and time.perf_counter() > end:
-                    if key not in samples:
-                        failed[key] = "skipped: tuning budget spent"
-                    continue
-                try:
-                    t = float(self.timer(p, site))
-                    if eager:
-                        h = float(self.timer.host_us(p, site))
-                        device_us.setdefault(key, []).append(t)
-                        host_us.setdefault(key, []).append(h)
-                        t = max(t, h)
-                    samples.setdefault(key, []).append(t)
-                except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is not a choice
-                    samples.pop(key, None)
-                    failed[key] = _error_text(exc)
-            rounds_done = r + 1
-        extra: dict[str, Any] = {"rounds": rounds_done}
-        if eager:
-            extra.update(device_us={k: v for k, v in device_us.items() if k in samples},
-                         host_us={k: v for k, v in host_us.items() if k in samples})
-        return samples, failed, extra
+            winner = plan_from_dict(record["winner"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if winner.runtime_key() not in by_key:
+            return None
+        # kept for this process too: the other sites of the shape then skip re-reading the file
+        measured_us, timings = float(record.get("measured_us", math.nan)), dict(record.get("timings", {}))
+        self._measured[shape] = (winner.runtime_key(), measured_us, timings)
+        return Choice(by_key[winner.runtime_key()], "cached", measured_us, dict(timings))
 
     # ------------------------------------------------------------------------------------- symbolic length
     def choose_bucketed(self, site: AttentionSite, rank: Callable[[AttentionSite], list[Plan]], *,
@@ -504,18 +345,6 @@ class Tuner:
 def _static_cache(site: AttentionSite) -> bool:
     """A static cache read through its mask (the kernels read only its valid keys), not a sliding window's band."""
     return site.mask_kind in ("valid_length", "arbitrary") and site.window is None and site.kv_len is not None
-
-
-def _fresh_key(plan: Plan, site: AttentionSite) -> tuple:
-    """The plan and the site apart from its KV length: what ``Tuner._fresh`` keeps a fresh-length probe by."""
-    return (plan.runtime_key(), site.batch, site.q_heads, site.kv_heads, site.head_dim, site.q_len, site.dtype,
-            site.mask_kind)
-
-
-def _median(xs: Sequence[float]) -> float:
-    import statistics
-
-    return float(statistics.median(xs))
 
 
 def _stream_capturing() -> bool:

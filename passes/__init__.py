@@ -17,10 +17,12 @@ PASSES = (detect, plan, lower)
 
 
 def make_context(config: OptimizeConfig, example_inputs: Sequence[Any] = (), world_size: int = 1,
-                 topology: Any = None, graphed: bool | None = None) -> PassContext:
+                 topology: Any = None, graphed: bool | None = None, defer_tuning: bool = False) -> PassContext:
     """Resolve the hardware profile and the planning context for ``config`` on this machine. ``graphed``: whether
     the compiled graph will replay as CUDA graphs (``None``: not known; the measured choice then times device time
-    alone), kept in ``plan_context.extras["graphed"]``."""
+    alone), kept in ``plan_context.extras["graphed"]``. ``defer_tuning``: the caller waits for pending measured
+    choices before the graph's first call (``attnopt.tuning_defer``), so the plan pass may measure in the
+    background (``passes.plan.deferral_reason``)."""
     from attnopt.hardware import resolve_profile
     from attnopt.runtime.strategies import PlanContext
 
@@ -36,6 +38,8 @@ def make_context(config: OptimizeConfig, example_inputs: Sequence[Any] = (), wor
     extras: dict[str, Any] = {"saap": saap_options(config)} if config.saap else {}
     if graphed is not None:
         extras["graphed"] = bool(graphed)
+    if defer_tuning:
+        extras["defer_tuning"] = True
     plan_ctx = PlanContext(world_size=world_size, topology=topology, device_type=device_type,
                            triton_available=triton_usable(device_type), extras=extras)
     return PassContext(config=config, hardware=hw, plan_context=plan_ctx, example_inputs=list(example_inputs))

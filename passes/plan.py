@@ -87,19 +87,99 @@ def plan_site(site, hw, plan_ctx, config, tuner=None, valid_len_sharing: int = 1
         if tunable_reason(site) is None:
             # Unknown (a caller without a backend): device time alone, as a CUDA-graph replay runs it.
             graphed = plan_ctx.extras.get("graphed", True)
-            try:
-                if site.kv_len is not None:
-                    picked = tuner.choose(site, report.candidates, valid_len_sharing=valid_len_sharing,
-                                          graphed=graphed)
-                else:
-                    picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0],
-                                                   valid_len_sharing=valid_len_sharing, graphed=graphed)
-            except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the compile
-                log.warning("attnopt: measuring plans for %s failed (%s: %s); using the cost model's choice",
-                            site.shape_str(), type(exc).__name__, exc)
+            if deferral_reason(site, plan_ctx, config, graphed) is None:
+                _choose_in_background(report, site, hw, plan_ctx, config, tuner, valid_len_sharing, graphed)
             else:
-                report.chosen, report.choice, report.measured_us = picked.plan, picked.choice, picked.measured_us
+                _choose_now(report, site, hw, plan_ctx, config, tuner, valid_len_sharing, graphed)
     return report
+
+
+def _choose_now(report, site, hw, plan_ctx, config, tuner, valid_len_sharing: int, graphed: bool) -> None:
+    """The measured choice, before the lowering (as before ``attnopt.tuning_defer``)."""
+    from attnopt.tuning_defer import TUNE_LOCK
+
+    try:
+        with TUNE_LOCK:  # a background choice of an earlier graph may be timing on the shared GPU timer
+            if site.kv_len is not None:
+                picked = tuner.choose(site, report.candidates, valid_len_sharing=valid_len_sharing, graphed=graphed)
+            else:
+                picked = tuner.choose_bucketed(site, lambda at: rank_candidates(at, hw, plan_ctx, config)[0],
+                                               valid_len_sharing=valid_len_sharing, graphed=graphed)
+    except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the compile
+        log.warning("attnopt: measuring plans for %s failed (%s: %s); using the cost model's choice",
+                    site.shape_str(), type(exc).__name__, exc)
+    else:
+        report.chosen, report.choice, report.measured_us = picked.plan, picked.choice, picked.measured_us
+        report.tune_s = round(float(getattr(picked, "tune_s", 0.0)), 3)
+
+
+def deferral_reason(site, plan_ctx, config, graphed: bool) -> str | None:
+    """Why the measured choice at ``site`` must finish before the lowering (``None``: it may run in the background,
+    beside the inner compile; ``attnopt.tuning_defer``)."""
+    if not plan_ctx.extras.get("defer_tuning"):
+        return "the caller resolves plans at once (export, the CLI, a compile outside the backend)"
+    if not graphed:
+        # the choice adds each call's host time, which the inner compile's Python on the same GIL would inflate
+        return "the graph does not replay as CUDA graphs: a call's host time is measured, on a quiet host"
+    if site.window is not None:
+        return "a sliding window's key range is lowered per plan (band, scan or the mask alone)"
+    if site.shared_prefix is not None:
+        return "a shared prefix is lowered per plan (cascade or not)"
+    if config.saap:
+        return "SAAP sites are planned knowing the index (opt-in, not exact): chosen before the lowering"
+    return None
+
+
+def without_valid_len(plans, site) -> list:
+    """The plans whose lowering computes no device valid length (``uses_valid_len``): what a deferred choice times,
+    so that the graph lowered before the choice is exact for whichever of them wins."""
+    from attnopt.plan import uses_valid_len
+
+    return [p for p in plans if not uses_valid_len(p, site)]
+
+
+def _choose_in_background(report, site, hw, plan_ctx, config, tuner, valid_len_sharing: int, graphed: bool) -> None:
+    """Lower now, choose later: the candidates that share one lowering (``without_valid_len``); a persisted
+    measurement resolves at once (no thread), otherwise the site gets a pending key (``report.pending_key``) that the
+    op resolves to the measured winner, or, if the tuning fails, to the cost model's pick among them."""
+    from attnopt import tuning_defer
+
+    timed = without_valid_len(report.candidates, site)
+    if not timed:  # (not on any registered strategy: SDPA takes no valid length) then the model's pick, at once
+        _choose_now(report, site, hw, plan_ctx, config, tuner, valid_len_sharing, graphed)
+        return
+    cached = getattr(tuner, "cached", None)
+    if site.kv_len is not None and cached is not None:
+        hit = cached(site, timed, valid_len_sharing=valid_len_sharing, graphed=graphed)
+        if hit is not None:
+            report.chosen, report.choice, report.measured_us = hit.plan, hit.choice, hit.measured_us
+            return
+    if site.kv_len is not None:
+        def work():
+            return tuner.choose(site, timed, valid_len_sharing=valid_len_sharing, graphed=graphed)
+    else:  # each bucket times its own candidates that share the lowering; the worker reads the cache first
+        def work():
+            return tuner.choose_bucketed(site, lambda at: without_valid_len(
+                rank_candidates(at, hw, plan_ctx, config)[0], at), valid_len_sharing=valid_len_sharing, graphed=graphed)
+    job = (tuner, ranking_key(site, plan_ctx), valid_len_sharing, graphed, tuple(p.runtime_key() for p in timed))
+    pending = tuning_defer.submit(job, timed[0], _on_device(work, plan_ctx))
+    report.chosen, report.pending_key = timed[0], pending.key
+    pending.attach(report)
+
+
+def _on_device(work, plan_ctx):
+    """``work`` on the worker thread with this thread's current CUDA device (a new thread starts on device 0)."""
+    if plan_ctx.device_type != "cuda":
+        return work
+    import torch
+
+    device = torch.cuda.current_device()
+
+    def on_device():
+        torch.cuda.set_device(device)
+        return work()
+
+    return on_device
 
 
 def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -138,7 +218,7 @@ def ranking_key(site, plan_ctx):
 def valid_len_sharing(matches) -> list[int]:
     """Per match, how many matches share its device valid-length computation: the lowering makes one
     ``valid_len_from_mask`` per (mask node, static batch size) for every site reading that mask as it is
-    (``lower._shared_valid_len``), and one of its own for a site with a symbolic batch, an inverted mask or a mask
+    (``lower_nodes._shared_valid_len``), and one of its own for a site with a symbolic batch, an inverted mask or a mask
     written for it alone. Every layer of a decoder reads the same mask, so the count is usually the layer count:
     the tuner charges each site ``1 / count`` of the computation's measured time."""
     def key(m):
@@ -158,4 +238,5 @@ def valid_len_sharing(matches) -> list[int]:
 
 _default = object()
 
-__all__ = ["plan", "plan_site", "rank_candidates", "ranking_key", "valid_len_sharing"]
+__all__ = ["plan", "plan_site", "rank_candidates", "ranking_key", "valid_len_sharing", "deferral_reason",
+           "without_valid_len"]

@@ -53,9 +53,16 @@ _RESOLVED: dict[str, tuple[Plan, Any]] = {}
 
 
 def _resolve(plan: str) -> tuple[Plan, Any]:
-    """(plan, strategy) for a plan string, parsed once: the per-call path is one dict lookup."""
+    """(plan, strategy) for a plan string, parsed once: the per-call path is one dict lookup. A pending key
+    (``attnopt.tuning_defer``) resolves to its measured winner, waiting for it if it is still being measured (the
+    backend's callable has waited before its first call, so this does not)."""
     hit = _RESOLVED.get(plan)
     if hit is None:
+        from attnopt import tuning_defer
+
+        if tuning_defer.is_pending(plan):  # a measured choice made in the background: its winner, once
+            hit = _RESOLVED[plan] = _resolve(tuning_defer.resolved_key(plan))
+            return hit
         from .strategies import get_strategy
 
         parsed = plan_from_json(plan)

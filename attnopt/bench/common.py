@@ -55,12 +55,14 @@ def device_info(device: int = 0) -> dict[str, Any]:
 
 
 def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.0, replays: int = 11,
-            min_calls: int = 4) -> float:
+            min_calls: int = 4, capture_error_mode: str = "global") -> float:
     """Median time of one call of ``fn`` in µs.
 
     ``graph``: warm up, capture ``n`` back-to-back calls (about ``target_ms`` in all, at least ``min_calls``: pass
     the number of rotating input sets so that one replay reads each of them) in one CUDA graph, replay it
     ``replays`` times and take the median per call. ``eager``: ``triton.testing.do_bench`` median.
+    ``capture_error_mode``: ``torch.cuda.graph``'s; ``"thread_local"`` lets other threads make CUDA calls during
+    the capture (the tuner's background timing, beside the inner compile).
     """
     if mode == "eager":
         import triton.testing
@@ -83,7 +85,7 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
     est_ms = max(start.elapsed_time(end) / 5, 1e-3)
     n = int(max(4, min_calls, min(400, target_ms / est_ms)))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=capture_error_mode):
         for _ in range(n):
             fn()
     torch.cuda.synchronize()

@@ -226,8 +226,8 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
     _gpu_on_the_cpu(monkeypatch)
     seen = {}
 
-    def fake_time_us(fn, mode="graph", *, target_ms=5.0, replays=11, min_calls=4):
-        seen.update(mode=mode, min_calls=min_calls, log_at_start=list(log))
+    def fake_time_us(fn, mode="graph", *, target_ms=5.0, replays=11, min_calls=4, capture_error_mode="global"):
+        seen.update(mode=mode, min_calls=min_calls, log_at_start=list(log), capture_error_mode=capture_error_mode)
         for _ in range(min_calls):
             fn()
         return 7.5
@@ -240,6 +240,7 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
     sets = timer._sets
     assert len(sets) == 16  # 4 x 1 MB of L2 over 256 kB sets
     assert seen["mode"] == "graph" and seen["min_calls"] == len(sets)
+    assert seen["capture_error_mode"] == "thread_local"  # other threads' CUDA calls (an inner compile) stay legal
     assert seen["log_at_start"][0] == ("prepare",) and log.count(("prepare",)) == 1
     assert all(e[0] == "run" for e in seen["log_at_start"][1:])  # only the warm-up ran before timing began
     runs = [e for e in log[len(seen["log_at_start"]):]]

@@ -1,0 +1,209 @@
+"""The measured choice in the background (attnopt.tuning_defer): the backend returns while the tuner still runs, the
+inner compile runs beside it, the first call waits and runs the winner, exactly; a failing tuner falls back to the
+model's pick with its reason; a cached shape starts no thread; the report shows the resolved plan."""
+import logging
+import math
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnopt
+from attnopt import backend as backend_mod
+from attnopt import tuning, tuning_defer
+from attnopt.backend import Backend
+from attnopt.config import OptimizeConfig
+from attnopt.plan import uses_valid_len
+from attnopt.runtime import ops
+from attnopt.tuning import Tuner, TuningCache
+
+ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "570.1", "torch": "2.11.0", "triton": "3.6.0",
+       "attnopt": "0.1.0", "tuning": "1"}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path))
+    tuning_defer.forget_jobs()
+    torch._dynamo.reset()
+    yield TuningCache()
+    tuning_defer.forget_jobs()
+
+
+def attend(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def inputs(n=96):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+    mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
+    mask[..., n - 9:] = False  # a static cache's empty tail: a valid-length mask
+    return q, k, v, mask
+
+
+class Gated(Tuner):
+    """Times nothing until ``gate`` opens (the test opens it from the inner compile); records where it ran and what
+    it was offered; the last candidate it is offered wins (the fake timer makes it fastest)."""
+
+    def __init__(self, cache, fail: bool = False):
+        self.gate, self.events, self.offered, self.fail = threading.Event(), [], [], fail
+        self.winner = None
+        super().__init__(lambda plan, site: 1.0 if plan.runtime_key() == self.winner else 2.0, cache, env=ENV)
+
+    def choose(self, site, ranked, **kw):
+        self.events.append(("tuning starts", threading.current_thread().name))
+        opened = self.gate.wait(20)
+        self.events.append(("gate opened" if opened else "gate timed out", threading.current_thread().name))
+        if self.fail:
+            raise RuntimeError("the driver went away")
+        self.offered = list(ranked)
+        self.winner = tuning.to_time(ranked, self.top_k)[-1].runtime_key()
+        return super().choose(site, ranked, **kw)
+
+
+def compiled_graphed(tuner, monkeypatch):
+    """``attend`` compiled by a backend whose graphs replay as CUDA graphs (as step graphs run them), with the inner
+    compile opening the tuner's gate: a tuning that ran before it would wait 20 s and time out."""
+    inner = backend_mod._compile_inner
+
+    def compile_inner(*args, **kw):
+        tuner.events.append(("inner compile", threading.current_thread().name))
+        tuner.gate.set()
+        return inner(*args, **kw)
+
+    monkeypatch.setattr(backend_mod, "_compile_inner", compile_inner)
+    backend = Backend(OptimizeConfig(inner_backend="eager"))
+    return backend, torch.compile(attend, backend=backend.with_mode(None, graphed=True), dynamic=False)
+
+
+def test_the_tuning_overlaps_the_inner_compile_and_the_first_call_runs_the_winner(cache, monkeypatch):
+    tuner = Gated(cache)
+    backend, opt = compiled_graphed(tuner, monkeypatch)
+    q, k, v, mask = inputs()
+    with tuning.use_tuner(tuner):
+        out = opt(q, k, v, mask)
+    # (a) the backend went on to the inner compile while the tuner (on its own thread) could not finish
+    names = [e[0] for e in tuner.events]
+    assert names.index("inner compile") < names.index("gate opened") and "gate timed out" not in names
+    assert all(thread.startswith("attnopt-tune") for what, thread in tuner.events if what != "inner compile")
+    # only candidates lowered alike were offered (a static cache's mask: none computes a device valid length)
+    (site,) = backend.report().rewritten
+    assert tuner.offered and not any(uses_valid_len(p, site.site) for p in tuner.offered)
+    assert any(uses_valid_len(p, site.site) for p in site.candidates)  # (there were such candidates)
+    # (b) the first call waited for the choice, and the op ran the measured winner, not the model's pick
+    assert backend.tune_wait_seconds >= 0 and backend.background_tunings[0].done.is_set()
+    assert site.chosen.runtime_key() == tuner.winner != tuner.offered[0].runtime_key()
+    assert ops._RESOLVED[site.pending_key][0].runtime_key() == tuner.winner
+    # (c) exact
+    torch.testing.assert_close(out, attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    # (e) the report shows the resolved plan, how it was chosen and the tuning's seconds
+    assert site.choice == "measured" and "background" in site.tuning and site.tune_s >= 0
+    saved = attnopt.PlanReport.from_json(backend.report().to_json()).rewritten[0]
+    assert saved.choice == "measured" and saved.chosen.runtime_key() == tuner.winner and not math.isnan(saved.tune_s)
+    assert site.calls == 1
+
+
+def test_a_failing_background_tuning_falls_back_to_the_models_pick_with_its_reason(cache, monkeypatch, caplog):
+    tuner = Gated(cache, fail=True)
+    backend, opt = compiled_graphed(tuner, monkeypatch)
+    q, k, v, mask = inputs()
+    with tuning.use_tuner(tuner), caplog.at_level(logging.WARNING, logger="attnopt.tuning"):
+        out = opt(q, k, v, mask)
+    (site,) = backend.report().rewritten
+    assert site.choice == "model" and "the driver went away" in site.tuning
+    assert site.chosen.runtime_key() == [p for p in site.candidates if not uses_valid_len(p, site.site)][0].runtime_key()
+    assert any("the driver went away" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(out, attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_a_cached_shape_starts_no_thread_and_other_graphs_share_one_job(cache, monkeypatch):
+    tuner = Gated(cache)
+    backend, opt = compiled_graphed(tuner, monkeypatch)
+    q, k, v, mask = inputs()
+    with tuning.use_tuner(tuner):
+        opt(q, k, v, mask)
+        torch._dynamo.reset()
+        again = torch.compile(attend, backend=backend.with_mode(None, graphed=True), dynamic=False)
+        out = again(q, k, v, mask)
+    first, second = backend.reports[0].sites[0], backend.reports[1].sites[0]
+    assert second.choice == "cached" and not second.pending_key and second.chosen.runtime_key() == tuner.winner
+    assert [e[0] for e in tuner.events].count("tuning starts") == 1  # tuned once
+    assert first.pending_key and len(backend.background_tunings) == 1
+    torch.testing.assert_close(out, attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_where_the_choice_stays_synchronous(cache):
+    from attnopt.passes import make_context
+    from attnopt.passes.plan import deferral_reason
+    from attnopt.site import AttentionSite
+
+    site, cfg = AttentionSite.canonical(), OptimizeConfig()
+    ctx = make_context(cfg, graphed=True).plan_context
+    assert "resolves plans at once" in deferral_reason(site, ctx, cfg, True)  # export, the CLI
+    ctx = make_context(cfg, graphed=True, defer_tuning=True).plan_context
+    assert deferral_reason(site, ctx, cfg, True) is None
+    assert "host time" in deferral_reason(site, ctx, cfg, False)
+    assert "window" in deferral_reason(AttentionSite.canonical(window=512), ctx, cfg, True)
+
+
+def test_a_host_timed_graph_tunes_before_the_lowering(cache):
+    """inner_backend="eager" without CUDA graphs: the choice adds host time, so it is made at once, in the pass."""
+    tuner = Gated(cache)
+    tuner.gate.set()
+    q, k, v, mask = inputs()
+    with tuning.use_tuner(tuner):
+        opt = attnopt.optimize(attend, inner_backend="eager", dynamic=False)
+        out = opt(q, k, v, mask)
+    (site,) = attnopt.last_plans(opt).rewritten
+    assert tuner.events[0][1] == "MainThread" and site.choice == "measured" and not site.pending_key
+    torch.testing.assert_close(out, attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_the_e2e_bench_reports_how_much_tuning_the_compile_hid(cache, monkeypatch):
+    from attnopt.bench.e2e import overlap_row
+
+    tuner = Gated(cache)
+    backend, opt = compiled_graphed(tuner, monkeypatch)
+    with tuning.use_tuner(tuner):
+        opt(*inputs())
+    row = overlap_row(backend)
+    job = backend.background_tunings[0]
+    assert row["background_tunings"] == 1 and row["tuning_wall_s"] == round(job.wall_s, 3) > 0
+    assert row["first_call_waited_s"] == round(backend.tune_wait_seconds, 3)
+    assert row["tuning_hidden_s"] == round(max(0.0, job.wall_s - backend.tune_wait_seconds), 3)
+    assert row["tuning_failed"] == []
+
+
+def test_a_symbolic_length_is_tuned_per_bucket_in_the_background(cache):
+    """A growing cache (symbolic KV length): the buckets are timed on the worker, the graph's op resolves to the
+    bucketed plan (dense for short caches, a kernel plan for long ones) and runs each bucket's plan exactly."""
+    def attend_gqa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def rule(plan, site):
+        if site.kv_len <= 32:
+            return 1.0 if plan.kind == "dense" else 9.0
+        return 1.0 if plan.kind != "dense" else 9.0
+
+    threads = []
+
+    class Recording(Tuner):
+        def choose_bucketed(self, site, rank, **kw):
+            threads.append(threading.current_thread().name)
+            return super().choose_bucketed(site, rank, **kw)
+
+    backend = Backend(OptimizeConfig(inner_backend="eager"))
+    opt = torch.compile(attend_gqa, backend=backend.with_mode(None, graphed=True))
+    with tuning.use_tuner(Recording(rule, cache, env=ENV, buckets=(32, 128))):
+        for n in (20, 100):
+            q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+            torch._dynamo.maybe_mark_dynamic(k, 2)
+            torch._dynamo.maybe_mark_dynamic(v, 2)
+            torch.testing.assert_close(opt(q, k, v), attend_gqa(q, k, v), atol=1e-5, rtol=1e-5)
+    (site,) = backend.report().rewritten
+    assert threads and all(t.startswith("attnopt-tune") for t in threads) and site.pending_key
+    assert site.chosen.kind == "bucketed" and site.choice == "measured" and site.calls == 2
+    kinds = [plan.split('"kind": "')[1].split('"')[0] for plan in site.chosen.plans]
+    assert kinds[0] == "dense" and kinds[1] != "dense"
