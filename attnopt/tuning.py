@@ -245,7 +245,9 @@ class Tuner(TimingRounds):
         if bucketed:  # every step of a growing cache runs a new length
             extra.update(self._fresh_length_charge(plans, site, charge))
         end = time.perf_counter() + self.budget_s  # after the warm-up and the valid length: timing alone
+        measure_start = time.perf_counter()
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
+        extra["measure_s"] = round(time.perf_counter() - measure_start, 3)
         extra.update(measure_extra)
         for key, us in per_length.items():
             if key not in timings and key not in samples:
@@ -263,7 +265,9 @@ class Tuner(TimingRounds):
         close_peer = best is not None and span is not None and near_peer(best, measured, by_key) is not None
         if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static
                                                                      or close_peer):
-            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static)
+            tie_start = time.perf_counter()
+            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static, extra)
+            extra["tie_break_s"] = round(time.perf_counter() - tie_start, 3)
         elif best is not None and not static:  # (a static cache's reader beats the peer at a low fill)
             best = prefer_peer(best, measured, by_key)
         release = getattr(self.timer, "release", None)

@@ -95,8 +95,8 @@ class TimingRounds:
         return None
 
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
-                   span: tuple[int, ...], charge: dict[str, float],
-                   static: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
+                   span: tuple[int, ...], charge: dict[str, float], static: bool = False,
+                   extra: dict[str, Any] | None = None) -> tuple[str, dict[str, dict[str, float]]]:
         """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it, and the fastest dense plan
         when it is within ``PEER_SPAN`` of a kernel winner (``near_peer``): the one whose worst ratio to the fastest
         of them, at the measured length and at each length of ``span``, is lowest, a kernel plan's counted
@@ -122,6 +122,12 @@ class TimingRounds:
             if n == site.kv_len:
                 continue
             at = dataclasses.replace(site, kv_len=int(n))
+            # the pair compiled at the measured length, not necessarily at this one (split-KV's mask-tile chunking
+            # is a compile-time constant of the key count): compiled at once, as the candidates were, not one by one
+            warmed = self._warm_up([by_key[k] for k in pair if not (static and not reads_valid_keys(by_key[k], site))],
+                                   at, False)
+            if extra is not None and "warm_up_s" in warmed:
+                extra["tie_warm_up_s"] = round(extra.get("tie_warm_up_s", 0.0) + warmed["warm_up_s"], 3)
             times = {}
             for k in pair:
                 if static and not reads_valid_keys(by_key[k], site):
