@@ -116,19 +116,19 @@ def submit(job_key: Any, fallback: Any, work: Callable[[], Any]) -> PendingChoic
             _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="attnopt-tune"))
 
     def run() -> None:
-        choice, error = None, ""
+        choice, error = None, "the tuning was interrupted"
         try:
             with TUNE_LOCK:
                 pending.started = time.perf_counter()  # from when it may time: not while another job holds the lock
                 choice = work()
+            error = "" if getattr(choice, "plan", None) is not None else "the tuner returned no plan"
         except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the model: the model's pick
             from .timer import error_text
 
             error = error_text(exc)
             log.warning("attnopt: measuring plans in the background failed (%s); using the cost model's choice", error)
-        if choice is not None and getattr(choice, "plan", None) is None:
-            choice, error = None, "the tuner returned no plan"
-        pending._resolve(choice, error)
+        finally:  # whatever happened, the first call waiting on it goes on
+            pending._resolve(choice if not error else None, error)
 
     _WORKER[0].submit(run)
     return pending
