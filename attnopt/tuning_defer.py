@@ -134,6 +134,11 @@ def submit(job_key: Any, fallback: Any, work: Callable[[], Any]) -> PendingChoic
     return pending
 
 
+def job(job_key: Any) -> PendingChoice | None:
+    """The pending choice already made for ``job_key`` (running or done), else ``None``."""
+    return _JOBS.get(job_key)
+
+
 def is_pending(plan_key: str) -> bool:
     return plan_key.startswith(PENDING_PREFIX)
 

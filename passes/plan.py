@@ -148,8 +148,12 @@ def _choose_in_background(report, site, hw, plan_ctx, config, tuner, valid_len_s
     if not timed:  # (not on any registered strategy: SDPA takes no valid length) then the model's pick, at once
         _choose_now(report, site, hw, plan_ctx, config, tuner, valid_len_sharing, graphed)
         return
-    cached = getattr(tuner, "cached", None)
-    if site.kv_len is not None and cached is not None:
+    job = (tuner, ranking_key(site, plan_ctx), valid_len_sharing, graphed, tuple(p.runtime_key() for p in timed))
+    earlier, cached = tuning_defer.job(job), getattr(tuner, "cached", None)
+    if earlier is not None and earlier.done.is_set() and earlier.choice is not None:  # an earlier graph measured it
+        report.chosen, report.choice, report.measured_us = earlier.plan, "cached", earlier.choice.measured_us
+        return
+    if earlier is None and site.kv_len is not None and cached is not None:  # (the file: once per shape)
         hit = cached(site, timed, valid_len_sharing=valid_len_sharing, graphed=graphed)
         if hit is not None:
             report.chosen, report.choice, report.measured_us = hit.plan, hit.choice, hit.measured_us
@@ -161,7 +165,6 @@ def _choose_in_background(report, site, hw, plan_ctx, config, tuner, valid_len_s
         def work():
             return tuner.choose_bucketed(site, lambda at: without_valid_len(
                 rank_candidates(at, hw, plan_ctx, config)[0], at), valid_len_sharing=valid_len_sharing, graphed=graphed)
-    job = (tuner, ranking_key(site, plan_ctx), valid_len_sharing, graphed, tuple(p.runtime_key() for p in timed))
     pending = tuning_defer.submit(job, timed[0], _on_device(work, plan_ctx))
     report.chosen, report.pending_key = timed[0], pending.key
     pending.attach(report)

@@ -132,6 +132,17 @@ def test_a_cached_shape_starts_no_thread_and_other_graphs_share_one_job(cache, m
     assert [e[0] for e in tuner.events].count("tuning starts") == 1  # tuned once
     assert first.pending_key and len(backend.background_tunings) == 1
     torch.testing.assert_close(out, attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    # another process (a new tuner, no jobs) finds the shape in the tuning file: resolved at once, no thread
+    tuning_defer.forget_jobs()
+    fresh = Gated(cache)  # its gate stays shut: a tuning would wait 20 s and record that it started
+    torch._dynamo.reset()
+    with tuning.use_tuner(fresh):
+        third = torch.compile(attend, backend=backend.with_mode(None, graphed=True), dynamic=False)
+        out = third(q, k, v, mask)
+    site = backend.reports[2].sites[0]
+    assert fresh.events == [] and site.choice == "cached" and not site.pending_key
+    assert site.chosen.runtime_key() == tuner.winner and len(backend.background_tunings) == 1
+    torch.testing.assert_close(out, attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
 def test_where_the_choice_stays_synchronous(cache):
