@@ -218,3 +218,29 @@ def test_a_symbolic_length_is_tuned_per_bucket_in_the_background(cache):
     assert site.chosen.kind == "bucketed" and site.choice == "measured" and site.calls == 2
     kinds = [plan.split('"kind": "')[1].split('"')[0] for plan in site.chosen.plans]
     assert kinds[0] == "dense" and kinds[1] != "dense"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["reduce-overhead", "step-graphs"])
+def test_on_a_gpu_the_real_tuner_runs_beside_inductor_and_the_replays_stay_exact(cache, mode):
+    """On a GPU: the real timer (its CUDA-graph captures on the worker) beside inductor's compile, then inductor's
+    CUDA-graph trees (or a graph replayed as step graphs replay it: inductor, graphed) record and replay the winner
+    exactly, with a valid-length mask as a static cache has."""
+    from attnopt.runtime.reference import decode_attention
+
+    torch.manual_seed(0)
+    n = 4096
+    q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    mask = torch.zeros(1, 1, 1, n, dtype=torch.bool, device="cuda")
+    mask[..., :3000] = True
+    backend = Backend(OptimizeConfig(inner_backend="inductor"))
+    compiled = backend.with_mode("reduce-overhead") if mode == "reduce-overhead" else backend.with_mode(None, True)
+    with tuning.use_tuner(Tuner(cache=cache, budget_s=0.5)):
+        opt = torch.compile(attend, backend=compiled, dynamic=False)
+        ref = decode_attention(q, k, v, attn_mask=mask)
+        for _ in range(4):
+            torch.testing.assert_close(opt(q, k, v, mask).clone(), ref, atol=2e-3, rtol=2e-3)
+    (site,) = backend.report().rewritten
+    assert site.choice == "measured" and "background" in site.tuning and site.tune_s > 0, site.tuning
+    assert backend.background_tunings[0].error == "" and not tuning_defer.unfinished()
