@@ -59,7 +59,8 @@ def rank_candidates(site, hw, plan_ctx, config) -> tuple[list, list[Rejection]]:
 
 def plan_site(site, hw, plan_ctx, config, tuner=None, valid_len_sharing: int = 1, ranked=None) -> SiteReport:
     """Rank every applicable strategy at one site. ``config.force_plan`` wins when it is applicable; otherwise
-    ``tuner`` (an ``attnopt.tuning.Tuner``, ``None`` = the cost model alone) picks among the best candidates.
+    ``tuner`` (an ``attnopt.tuning.Tuner``, ``None`` = the cost model alone) picks among the best candidates, now or,
+    where ``deferral_reason`` allows, on a background thread (the report then holds a pending key until it ends).
     ``valid_len_sharing``: the sites that share this site's valid-length computation (``valid_len_sharing``).
     ``ranked``: ``rank_candidates``'s answer for this site when the caller has it (from an identical site)."""
     report = SiteReport(site=site)
