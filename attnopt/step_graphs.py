@@ -317,7 +317,11 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a CUDA call that another thread of this process makes meanwhile (a Triton compile
+            # loading its module, a background tuning) must not invalidate this capture, as it did under "global"
+            # (H100: cudaErrorStreamCaptureInvalidated in 2 of 3 generate() runs beside the background tuner); this
+            # thread's own forbidden calls still fail the capture. Inductor's CUDA-graph trees capture the same way.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = fn()
         except Exception:
             self._abandon_pool()

@@ -363,7 +363,8 @@ def test_a_failed_capture_ends_its_pool_routing_and_later_recordings_take_a_new_
     pools, ended, captures = iter(range(100)), [], []
 
     @contextlib.contextmanager
-    def graph(g, pool):
+    def graph(g, pool, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"  # another thread's CUDA call must not invalidate the capture
         captures.append(pool)
         yield
         if len(captures) == 1:
