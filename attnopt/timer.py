@@ -53,6 +53,11 @@ REPLAYS = 5
 #: Triton compile takes about a second per configuration on the H100 machine's host, mostly in MLIR/LLVM passes and
 #: ptxas, which do not hold the GIL (a separate process).
 WARM_WORKERS = 16
+#: The same threads for a tuning in the background (``attnopt.tuning_defer``), beside the inner backend's compile on
+#: the main thread: each thread's Python share of a Triton compile (its front end) takes the GIL from that compile.
+#: On the H100 (batch 6805859) SmolLM2's inductor compile ran 28.4 -> 32.6 s at 1k and 26.8 -> 35.7 s at 32k beside
+#: a 16-thread warm-up; the tuning, 11-16 s, had 17-23 s to spare.
+BACKGROUND_WARM_WORKERS = 4
 #: Fresh KV lengths (and as many repeated ones) ``GpuTimer.fresh_length_us`` calls a plan at.
 FRESH_LENGTHS = 3
 #: Overrides ``WARM_WORKERS`` (read at each warm-up): ``1`` compiles the candidates one after another, still before
@@ -268,7 +273,9 @@ class GpuTimer:
         the mask reduction (``valid_len_us``) and this one makes the dense and distributed plans' first calls
         (``_warmed_here``). Returns the error text of each first call that failed, by runtime key: such a
         candidate is still timed, and fails there if the error is its own."""
-        workers = warm_workers(self.warm_workers)
+        from .tuning_defer import in_background
+
+        workers = warm_workers(min(self.warm_workers, BACKGROUND_WARM_WORKERS) if in_background() else self.warm_workers)
         if workers == 0:
             return {}
         import torch

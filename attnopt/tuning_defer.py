@@ -43,7 +43,7 @@ _PENDING: dict[str, "PendingChoice"] = {}
 #: Jobs by what they tune, so the sites of one shape (every layer of a decoder, and later graphs of the same model
 #: while the first job runs) share one.
 _JOBS: dict[Any, "PendingChoice"] = {}
-_WORKER: list[Any] = []
+_BACKGROUND = threading.local()
 
 
 @dataclass
@@ -61,6 +61,7 @@ class PendingChoice:
     #: The site reports that show this choice (updated when it resolves).
     reports: list[Any] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
 
     @property
     def plan(self) -> Any:
@@ -103,20 +104,19 @@ class PendingChoice:
 
 def submit(job_key: Any, fallback: Any, work: Callable[[], Any]) -> PendingChoice:
     """The pending choice of ``job_key``: the running or finished one, else a new one running ``work()`` (which
-    returns a ``tuning.Choice``) on the worker thread under ``TUNE_LOCK``."""
+    returns a ``tuning.Choice``) on a thread of its own under ``TUNE_LOCK`` (jobs run one at a time). The thread
+    ends with its job, and ``join_all`` joins it: after the join no tuner thread is left to make a CUDA call
+    during a capture."""
     with _lock:
         pending = _JOBS.get(job_key)
         if pending is not None:
             return pending
         pending = PendingChoice(key=f"{PENDING_PREFIX}{next(_ids)}", fallback=fallback)
         _JOBS[job_key] = _PENDING[pending.key] = pending
-        if not _WORKER:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="attnopt-tune"))
 
     def run() -> None:
         choice, error = None, "the tuning was interrupted"
+        _BACKGROUND.on = True
         try:
             with TUNE_LOCK:
                 pending.started = time.perf_counter()  # from when it may time: not while another job holds the lock
@@ -130,8 +130,15 @@ def submit(job_key: Any, fallback: Any, work: Callable[[], Any]) -> PendingChoic
         finally:  # whatever happened, the first call waiting on it goes on
             pending._resolve(choice if not error else None, error)
 
-    _WORKER[0].submit(run)
+    # not a daemon: the interpreter's exit waits for a tuning in flight rather than tear CUDA down under it
+    pending.thread = threading.Thread(target=run, name=f"attnopt-tune-{pending.key[len(PENDING_PREFIX):]}")
+    pending.thread.start()
     return pending
+
+
+def in_background() -> bool:
+    """Whether the calling thread is a background tuning (``GpuTimer.warm_up`` then compiles with fewer threads)."""
+    return getattr(_BACKGROUND, "on", False)
 
 
 def job(job_key: Any) -> PendingChoice | None:
@@ -164,18 +171,23 @@ def lowering_plan(plan_key: str) -> Any:
 
 
 def unfinished() -> list[PendingChoice]:
+    """The pending choices whose tuning, or thread, has not ended."""
     with _lock:
-        return [p for p in _PENDING.values() if not p.done.is_set()]
+        return [p for p in _PENDING.values()
+                if not p.done.is_set() or (p.thread is not None and p.thread.is_alive())]
 
 
 def join_all() -> float:
-    """Wait for every pending choice of the process; returns the seconds waited (0 when none was running)."""
+    """Wait for every pending choice of the process and for its thread to end; returns the seconds waited (0 when
+    none was running)."""
     waiting = unfinished()
     if not waiting:
         return 0.0
     start = time.perf_counter()
     for pending in waiting:
         pending.done.wait()
+        if pending.thread is not None and pending.thread is not threading.current_thread():
+            pending.thread.join()
     return time.perf_counter() - start
 
 

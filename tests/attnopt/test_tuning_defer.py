@@ -103,6 +103,47 @@ def test_the_tuning_overlaps_the_inner_compile_and_the_first_call_runs_the_winne
     saved = attnopt.PlanReport.from_json(backend.report().to_json()).rewritten[0]
     assert saved.choice == "measured" and saved.chosen.runtime_key() == tuner.winner and not math.isnan(saved.tune_s)
     assert site.calls == 1
+    # no tuner thread is left after the join: none can make a CUDA call during a later capture
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("attnopt-tune", "attnopt-warm"))]
+    assert not tuning_defer.unfinished()
+
+
+def test_a_background_warm_up_compiles_on_fewer_threads(monkeypatch):
+    """Beside the inner compile the warm-up's threads take the GIL from it: a background tuning uses
+    ``BACKGROUND_WARM_WORKERS`` threads (the environment's setting still wins)."""
+    from attnopt import timer as T
+    from attnopt.site import AttentionSite
+
+    seen = []
+    monkeypatch.setattr(T, "run_concurrently", lambda pooled, here, workers: seen.append(workers) or {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(T, "synthetic_inputs", lambda *a, **k: {"mask": None})
+    monkeypatch.setattr(T, "_start_triton_driver", lambda: None)
+    monkeypatch.delenv(T.WARM_WORKERS_ENV, raising=False)
+    site = AttentionSite.canonical()
+    plans = [tuning.to_time(tuning_ranked(site), 1)[0]]
+
+    def in_a_background_tuning():
+        tuning_defer._BACKGROUND.on = True
+        T.GpuTimer().warm_up(plans, site)
+
+    T.GpuTimer().warm_up(plans, site)
+    for env in (None, "7"):
+        if env:
+            monkeypatch.setenv(T.WARM_WORKERS_ENV, env)
+        thread = threading.Thread(target=in_a_background_tuning)
+        thread.start()
+        thread.join()
+    assert seen == [T.WARM_WORKERS, T.BACKGROUND_WARM_WORKERS, 7] and T.BACKGROUND_WARM_WORKERS < T.WARM_WORKERS
+
+
+def tuning_ranked(site):
+    from attnopt.hardware import builtin_profile
+    from attnopt.passes.plan import rank_candidates
+    from attnopt.runtime.strategies import PlanContext
+
+    return rank_candidates(site, builtin_profile("h100-sxm"), PlanContext(device_type="cuda", triton_available=True),
+                           OptimizeConfig())[0]
 
 
 def test_a_failing_background_tuning_falls_back_to_the_models_pick_with_its_reason(cache, monkeypatch, caplog):
