@@ -203,12 +203,16 @@ class GpuTimer:
         self._shape: Any = None
         self._sets: list[dict[str, Any]] = []
         self._warm = False
+        #: Per runtime key at the current shape: (graph, calls, prepared state) of its timing, replayed again in the
+        #: tuner's later rounds instead of captured again (a capture is the host's work: a launch per input set,
+        #: which beside a background tuning's inner compile competes for the GIL).
+        self._graphs: dict[str, tuple[Any, int, Any]] = {}
 
     def release(self) -> None:
         """Drop the input sets and hand their memory back to the driver (they can take GBs at long contexts, and
         the model being compiled needs its memory next)."""
         had_sets = bool(self._sets)
-        self._shape, self._sets, self._warm = None, [], False
+        self._shape, self._sets, self._warm, self._graphs = None, [], False, {}
         if had_sets:
             import torch
 
@@ -236,9 +240,15 @@ class GpuTimer:
         return self._sets
 
     def _time(self, calls: list[Callable[[], Any]]) -> float:
+        from .bench.common import replayed_us
+
+        graph, n = self._capture(calls)
+        return replayed_us(graph, n, self.replays)
+
+    def _capture(self, calls: list[Callable[[], Any]]) -> tuple[Any, int]:
         import torch
 
-        from .bench.common import cycle, time_us
+        from .bench import common
 
         if not self._warm:  # the first timing of a shape: bring the clocks up first
             self._warm = True
@@ -249,8 +259,8 @@ class GpuTimer:
                 torch.cuda.synchronize()
         # thread_local: the choice may run beside the inner compile (``tuning_defer``), whose CUDA calls on the main
         # thread a global-mode capture here would refuse (and fail that compile)
-        return time_us(cycle(calls), "graph", target_ms=self.target_ms, replays=self.replays, min_calls=len(calls),
-                       capture_error_mode="thread_local")
+        return common.captured_calls(common.cycle(calls), target_ms=self.target_ms, min_calls=len(calls),
+                                     capture_error_mode="thread_local")
 
     def __call__(self, plan: Plan, site: AttentionSite) -> float:
         import torch
@@ -259,12 +269,18 @@ class GpuTimer:
         from attnopt.runtime.kernels.common import tma_as_captured
         from attnopt.runtime.strategies import get_strategy
 
+        from .bench.common import replayed_us
+
         # the warm-up calls too take the variant the captured graph replays (one compile per candidate, not two)
         with unset_fake_temporarily(), torch.no_grad(), tma_as_captured():
             sets = self._input_sets(site)
-            state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
-            torch.cuda.synchronize()
-            return self._time([site_call(plan, site, s, state) for s in sets])
+            key = plan.runtime_key()
+            kept = self._graphs.get(key)
+            if kept is None:  # a later round replays the same calls again: same kernels, same sets, no capture
+                state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+                torch.cuda.synchronize()
+                kept = self._graphs[key] = (*self._capture([site_call(plan, site, s, state) for s in sets]), state)
+            return replayed_us(kept[0], kept[1], self.replays)
 
     def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False) -> dict[str, str]:
         """Compile every candidate of ``site``'s shape at once, before any is timed: each kernel plan's first call

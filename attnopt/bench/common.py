@@ -58,11 +58,8 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
             min_calls: int = 4, capture_error_mode: str = "global") -> float:
     """Median time of one call of ``fn`` in µs.
 
-    ``graph``: warm up, capture ``n`` back-to-back calls (about ``target_ms`` in all, at least ``min_calls``: pass
-    the number of rotating input sets so that one replay reads each of them) in one CUDA graph, replay it
-    ``replays`` times and take the median per call. ``eager``: ``triton.testing.do_bench`` median.
-    ``capture_error_mode``: ``torch.cuda.graph``'s; ``"thread_local"`` lets other threads make CUDA calls during
-    the capture (the tuner's background timing, beside the inner compile).
+    ``graph``: ``captured_calls`` (a warm-up, then ``n`` back-to-back calls in one CUDA graph), replayed ``replays``
+    times, the median per call (``replayed_us``). ``eager``: ``triton.testing.do_bench`` median.
     """
     if mode == "eager":
         import triton.testing
@@ -70,6 +67,16 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
         return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
     if mode != "graph":
         raise ValueError(f"unknown timing mode {mode!r}; valid: graph, eager")
+    graph, n = captured_calls(fn, target_ms=target_ms, min_calls=min_calls, capture_error_mode=capture_error_mode)
+    return replayed_us(graph, n, replays)
+
+
+def captured_calls(fn: Callable[[], Any], *, target_ms: float = 5.0, min_calls: int = 4,
+                   capture_error_mode: str = "global") -> tuple[Any, int]:
+    """(graph, n): ``fn`` warmed up, then ``n`` back-to-back calls (about ``target_ms`` in all, at least
+    ``min_calls``: pass the number of rotating input sets so that one replay reads each of them) captured in one
+    CUDA graph. ``capture_error_mode``: ``torch.cuda.graph``'s; ``"thread_local"`` lets other threads make CUDA calls
+    during the capture (the tuner's background timing, beside the inner compile)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -89,7 +96,7 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
         for _ in range(n):
             fn()
     torch.cuda.synchronize()
-    return replayed_us(graph, n, replays)
+    return graph, n
 
 
 def replayed_us(graph, calls: int, replays: int) -> float:

@@ -226,12 +226,18 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
     _gpu_on_the_cpu(monkeypatch)
     seen = {}
 
-    def fake_time_us(fn, mode="graph", *, target_ms=5.0, replays=11, min_calls=4, capture_error_mode="global"):
-        seen.update(mode=mode, min_calls=min_calls, log_at_start=list(log), capture_error_mode=capture_error_mode)
+    def fake_capture(fn, *, target_ms=5.0, min_calls=4, capture_error_mode="global"):
+        seen.update(min_calls=min_calls, log_at_start=list(log), capture_error_mode=capture_error_mode,
+                    captures=seen.get("captures", 0) + 1)
         for _ in range(min_calls):
             fn()
+        return "graph", min_calls
+
+    def fake_replay(graph, calls, replays):
+        seen.setdefault("replays", []).append((graph, calls))
         return 7.5
-    monkeypatch.setattr(common, "time_us", fake_time_us)
+    monkeypatch.setattr(common, "captured_calls", fake_capture)
+    monkeypatch.setattr(common, "replayed_us", fake_replay)
     site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=64, kv_len=256, dtype="float32",
                                    mask_kind="valid_length")
     timer = T.GpuTimer(warm_ms=0.0)
@@ -239,7 +245,7 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
     assert timer(plan, site) == 7.5
     sets = timer._sets
     assert len(sets) == 16  # 4 x 1 MB of L2 over 256 kB sets
-    assert seen["mode"] == "graph" and seen["min_calls"] == len(sets)
+    assert seen["min_calls"] == len(sets) and seen["replays"] == [("graph", len(sets))]
     assert seen["capture_error_mode"] == "thread_local"  # other threads' CUDA calls (an inner compile) stay legal
     assert seen["log_at_start"][0] == ("prepare",) and log.count(("prepare",)) == 1
     assert all(e[0] == "run" for e in seen["log_at_start"][1:])  # only the warm-up ran before timing began
@@ -248,6 +254,12 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
     assert [e[2] for e in runs] == [s["k"].data_ptr() for s in sets]  # one call per set, in turn
     assert all(e[3] is s["valid_len"] for e, s in zip(runs, sets))  # the set's own, computed once
     assert sets[0]["valid_len"].tolist() == [256] and T.STATIC_FILL == 1.0  # a static cache is timed full
+    # a later round of the same plan replays the graph it captured: no new prepare, capture or run call
+    calls_before = len(log)
+    assert timer(plan, site) == 7.5 and seen["captures"] == 1 and len(log) == calls_before
+    assert seen["replays"] == [("graph", len(sets))] * 2
+    timer.release()  # a new shape (or the end of the tuning) drops the graphs with the sets
+    assert timer(plan, site) == 7.5 and seen["captures"] == 2 and log.count(("prepare",)) == 2
     assert T.site_call(DensePlan(), site, sets[0], "s") is not None  # dense takes the mask, no valid length
 
 
