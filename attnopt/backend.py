@@ -194,7 +194,7 @@ def pending_choices(report: PlanReport) -> list[Any]:
     from .tuning_defer import lookup
 
     found = [lookup(s.pending_key) for s in report.sites if s.pending_key]
-    return list({id(p): p for p in found if p is not None}.values())
+    return list(dict.fromkeys(p for p in found if p is not None))
 
 
 def check_no_decode_left_over_shards(report: PlanReport) -> None:

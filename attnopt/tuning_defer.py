@@ -46,7 +46,7 @@ _JOBS: dict[Any, "PendingChoice"] = {}
 _BACKGROUND = threading.local()
 
 
-@dataclass
+@dataclass(eq=False)  # one job is one object: compared and hashed by identity
 class PendingChoice:
     """One measured choice running in the background. ``fallback``: the cost model's pick among the candidates timed
     (what a failed tuning resolves to)."""
