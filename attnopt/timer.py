@@ -49,6 +49,9 @@ TUNING_SITE = "attnopt-tuning"
 #: CUDA-graph timing: about this many ms of calls per graph, the median over this many replays.
 TARGET_MS = 2.0
 REPLAYS = 5
+#: In a background tuning the timed replays wait behind this many ms of GPU sleep (``bench.common.replayed_us``):
+#: the host pauses up to a GIL switch interval (5 ms) at each replay beside the inner compile's Python.
+BACKGROUND_PREROLL_MS = 20.0
 #: Threads that make a shape's candidates' first calls at once before any is timed (``GpuTimer.warm_up``). A cold
 #: Triton compile takes about a second per configuration on the H100 machine's host, mostly in MLIR/LLVM passes and
 #: ptxas, which do not hold the GIL (a separate process).
@@ -240,10 +243,14 @@ class GpuTimer:
         return self._sets
 
     def _time(self, calls: list[Callable[[], Any]]) -> float:
-        from .bench.common import replayed_us
-
         graph, n = self._capture(calls)
-        return replayed_us(graph, n, self.replays)
+        return self._replayed(graph, n)
+
+    def _replayed(self, graph: Any, n: int) -> float:
+        from .bench.common import replayed_us
+        from .tuning_defer import in_background
+
+        return replayed_us(graph, n, self.replays, BACKGROUND_PREROLL_MS if in_background() else 0.0)
 
     def _capture(self, calls: list[Callable[[], Any]]) -> tuple[Any, int]:
         import torch
@@ -269,8 +276,6 @@ class GpuTimer:
         from attnopt.runtime.kernels.common import tma_as_captured
         from attnopt.runtime.strategies import get_strategy
 
-        from .bench.common import replayed_us
-
         # the warm-up calls too take the variant the captured graph replays (one compile per candidate, not two)
         with unset_fake_temporarily(), torch.no_grad(), tma_as_captured():
             sets = self._input_sets(site)
@@ -280,7 +285,7 @@ class GpuTimer:
                 state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
                 torch.cuda.synchronize()
                 kept = self._graphs[key] = (*self._capture([site_call(plan, site, s, state) for s in sets]), state)
-            return replayed_us(kept[0], kept[1], self.replays)
+            return self._replayed(kept[0], kept[1])
 
     def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False) -> dict[str, str]:
         """Compile every candidate of ``site``'s shape at once, before any is timed: each kernel plan's first call

@@ -285,3 +285,76 @@ def test_on_a_gpu_the_real_tuner_runs_beside_inductor_and_the_replays_stay_exact
     (site,) = backend.report().rewritten
     assert site.choice == "measured" and "background" in site.tuning and site.tune_s > 0, site.tuning
     assert backend.background_tunings[0].error == "" and not tuning_defer.unfinished()
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda in ``bench.common.replayed_us``: a GPU that runs what is enqueued only when the host
+    syncs, unless ``caught_up`` says it already reached the first event (a host pause longer than the preroll)."""
+
+    def __init__(self, caught_up):
+        self.log, self.caught_up, self.clock = [], list(caught_up), 0.0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.at = None
+
+            def record(self):
+                fake.log.append("event")
+                self.at = fake.clock
+
+            def query(self):
+                return fake.caught_up.pop(0)
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        self.Event = Event
+
+    def _sleep(self, cycles):
+        self.log.append(("sleep", cycles))
+
+    def synchronize(self):
+        self.log.append("sync")
+
+
+@pytest.mark.parametrize("caught_up", [[False], [True, False]])
+def test_background_replays_are_enqueued_behind_a_gpu_wait(monkeypatch, caught_up):
+    """A replay releases the GIL; beside the inner compile the host got it back a switch interval later, the GPU idle
+    meanwhile and the end event late. With a preroll every timed replay is enqueued behind a GPU sleep before the
+    host syncs; a GPU that caught up with the host anyway (the first event done before the last was enqueued) is
+    timed again behind a wait twice as long."""
+    from attnopt.bench import common
+
+    fake = _FakeCuda(caught_up)
+    monkeypatch.setattr(common.torch, "cuda", fake)
+    monkeypatch.setattr(common, "sleep_cycles", lambda ms: int(ms * 1000))
+
+    class Graph:
+        def replay(self):  # 1 ms of GPU work
+            fake.log.append("replay")
+            fake.clock += 1.0
+
+    assert common.replayed_us(Graph(), calls=4, replays=3, preroll_ms=20.0) == pytest.approx(1e3 / 4)
+    tries = [i for i, e in enumerate(fake.log) if isinstance(e, tuple)]
+    assert [fake.log[i][1] for i in tries] == [20000 * 2 ** k for k in range(len(caught_up))]
+    last = fake.log[tries[-1]:]
+    assert last == [("sleep", last[0][1]), "event"] + ["replay", "event"] * 3 + ["sync"]  # no sync in between
+
+
+def test_the_gpu_timer_prerolls_only_in_a_background_tuning(monkeypatch):
+    from attnopt import timer as T
+    from attnopt.bench import common
+
+    seen = []
+    monkeypatch.setattr(common, "replayed_us", lambda graph, n, replays, preroll_ms=0.0: seen.append(preroll_ms) or 1.0)
+
+    def in_a_background_tuning():
+        tuning_defer._BACKGROUND.on = True
+        T.GpuTimer()._replayed("graph", 4)
+
+    T.GpuTimer()._replayed("graph", 4)
+    thread = threading.Thread(target=in_a_background_tuning)
+    thread.start()
+    thread.join()
+    assert seen == [0.0, T.BACKGROUND_PREROLL_MS] and T.BACKGROUND_PREROLL_MS >= 10
