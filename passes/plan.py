@@ -166,24 +166,34 @@ def _choose_in_background(report, site, hw, plan_ctx, config, tuner, valid_len_s
         def work():
             return tuner.choose_bucketed(site, lambda at: without_valid_len(
                 rank_candidates(at, hw, plan_ctx, config)[0], at), valid_len_sharing=valid_len_sharing, graphed=graphed)
-    pending = tuning_defer.submit(job, timed[0], _on_device(work, plan_ctx))
+    pending = tuning_defer.submit(job, timed[0], _in_worker(work, plan_ctx, tuner))
     report.chosen, report.pending_key = timed[0], pending.key
     pending.attach(report)
 
 
-def _on_device(work, plan_ctx):
-    """``work`` on the worker thread with this thread's current CUDA device (a new thread starts on device 0)."""
-    if plan_ctx.device_type != "cuda":
-        return work
-    import torch
+def _in_worker(work, plan_ctx, tuner):
+    """``work`` as the worker thread runs it: on this thread's current CUDA device (a new thread starts on device 0),
+    and with the timer's input sets and captured graphs freed at its end, failed or not, on that thread (nothing of the
+    timing is left for a later garbage collection, which could run on a thread that is capturing a CUDA graph)."""
+    device = None
+    if plan_ctx.device_type == "cuda":
+        import torch
 
-    device = torch.cuda.current_device()
+        device = torch.cuda.current_device()
 
-    def on_device():
-        torch.cuda.set_device(device)
-        return work()
+    def run():
+        if device is not None:
+            import torch
 
-    return on_device
+            torch.cuda.set_device(device)
+        try:
+            return work()
+        finally:
+            release = getattr(getattr(tuner, "timer", None), "release", None)
+            if release is not None:
+                release()
+
+    return run
 
 
 def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

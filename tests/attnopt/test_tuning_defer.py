@@ -358,3 +358,22 @@ def test_the_gpu_timer_prerolls_only_in_a_background_tuning(monkeypatch):
     thread.start()
     thread.join()
     assert seen == [0.0, T.BACKGROUND_PREROLL_MS] and T.BACKGROUND_PREROLL_MS >= 10
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_timers_inputs_and_graphs_are_freed_on_the_worker_at_the_end_of_the_job(cache, monkeypatch, fail):
+    tuner = Gated(cache, fail=fail)
+    released = []
+
+    class Timer:
+        def __call__(self, plan, site):
+            return 1.0 if plan.runtime_key() == tuner.winner else 2.0
+
+        def release(self):
+            released.append(threading.current_thread().name)
+
+    tuner.timer = Timer()
+    backend, opt = compiled_graphed(tuner, monkeypatch)
+    with tuning.use_tuner(tuner):
+        opt(*inputs())
+    assert released and released[-1].startswith("attnopt-tune")
