@@ -36,6 +36,9 @@ so every compiled candidate is timed); the rounds stop when one candidate is mor
 others; configurations the model puts over ``EXTRA_WITHIN`` behind are not compiled; ``budget_s`` caps a shape's
 timing and ``BUCKETED_BUDGET_FACTOR`` budgets cap the compiling of all buckets of a symbolic length.
 
+Where the compiled graph replays as CUDA graphs, the plan pass runs the choice on a background thread beside the inner
+backend's compile (``attnopt.tuning_defer``); the timing rounds, tie-break and warm-up live in ``tuning_rounds``.
+
 This module imports nothing from ``runtime/`` at import time; the GPU timer does so when it runs.
 """
 from __future__ import annotations
