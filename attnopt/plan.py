@@ -224,6 +224,10 @@ class SaapPlan(Plan):
     #: clusters). A fused centroid launch below 16 warps takes 64 clusters a program (two an SM) instead of 128: on the
     #: H100 (cc11447, llama3-8b, 5 %) its scoring-and-selection took 21.3-22.5 µs at 8 warps against 18.6-19.1 at 16.
     select_warps: int = 0
+    #: Software-pipeline stages of the attention launch's K/V tiles (Triton ``num_stages``): 2 keeps one tile's
+    #: copy in flight, issued after the tile before is folded; 3 keeps two in flight while a tile is folded (twice
+    #: the K/V buffers in shared memory).
+    num_stages: int = 2
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

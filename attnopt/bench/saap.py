@@ -31,7 +31,8 @@ merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...
 plan's ``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside
 the scoring and the selection; ``late`` (suffix ``-wsl``) forks it after the scoring (``window_after_scoring``). Its
 ``attention_us`` then sums both attention launches, which run in parallel branches.
-``--saap-select-warps`` (default ``0``: the kernel's rule) times each row also at other selection widths (suffix
+``--saap-stages`` (default ``0``: the plan's) times each row also at other software-pipeline depths of the attention's
+K/V tiles (suffix ``-st<N>``). ``--saap-select-warps`` (default ``0``: the kernel's rule) times each row also at other selection widths (suffix
 ``-sw<N>``; fused, below 16 warps the scoring takes 64 clusters a program). The centroid-scored rows also carry
 ``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
 (``SELECT_WARPS``; the plan takes ``saap_select.select_warps``), timed once per case and target.
@@ -77,6 +78,8 @@ def register(suites) -> None:
                    "(the same, forked after the scoring; suffix -wsl)")
     p.add_argument("--saap-select-warps", default="0", help="comma-separated selection widths to time per SAAP row "
                    "(0: the kernel's rule; others 4, 8, 16 or 32: method suffix -sw<N>)")
+    p.add_argument("--saap-stages", default="0", help="comma-separated software-pipeline stages of the attention's "
+                   "K/V tiles to time per SAAP row (0: the plan's; others 2 or 3: method suffix -st<N>)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -116,17 +119,27 @@ def window_stream_choices(text: str) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def select_warps_choices(text: str) -> list[int]:
-    """The ``--saap-select-warps`` list (0: the kernel's rule, or 4, 8, 16, 32), each once; ``ValueError`` naming
-    the choices otherwise."""
+def _int_choices(text: str, option: str, zero: str, allowed: tuple[int, ...]) -> list[int]:
+    """A comma-separated list of ``option``'s integers (0: ``zero``, or one of ``allowed``), each once; ``ValueError``
+    naming the choices otherwise."""
     try:
         items = [int(x) for x in (text or "0").split(",") if x.strip()]
     except ValueError:
         items = []
-    if not items or any(x not in (0, 4, 8, 16, 32) for x in items):
-        raise ValueError(f"--saap-select-warps takes a comma-separated list of 0 (the rule), 4, 8, 16, 32; "
+    if not items or any(x not in (0, *allowed) for x in items):
+        raise ValueError(f"{option} takes a comma-separated list of 0 ({zero}), {', '.join(map(str, allowed))}; "
                          f"got {text!r}")
     return list(dict.fromkeys(items))
+
+
+def select_warps_choices(text: str) -> list[int]:
+    """The ``--saap-select-warps`` list (0: the kernel's rule, or 4, 8, 16, 32)."""
+    return _int_choices(text, "--saap-select-warps", "the rule", (4, 8, 16, 32))
+
+
+def stages_choices(text: str) -> list[int]:
+    """The ``--saap-stages`` list (0: the plan's, or 2, 3)."""
+    return _int_choices(text, "--saap-stages", "the plan's", (2, 3))
 
 
 def saap_geometries(splits: str, block_n: str) -> tuple[list[int], list[int]]:
@@ -201,6 +214,7 @@ def run(args) -> dict[str, Any]:
     fuse_list = fuse_choices(getattr(args, "saap_fuse", "both"))
     stream_list = window_stream_choices(getattr(args, "saap_window_stream", "off"))
     warps_list = select_warps_choices(getattr(args, "saap_select_warps", "0"))
+    stages_list = stages_choices(getattr(args, "saap_stages", "0"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -283,21 +297,24 @@ def run(args) -> dict[str, Any]:
                         print(f"    selection alone by warps: {by_warps['selection_us_by_warps']} µs", flush=True)
                     except Exception as exc:  # noqa: BLE001 - an extra measurement must not lose the rows
                         by_warps = {"selection_by_warps_error": f"{type(exc).__name__}: {exc}"[:200]}
-                for fuse, splits, block_n, apart, warps in [
-                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w) for f in fuse_list for sp in split_list
-                        for bn in block_list for ws in stream_list for w in warps_list]:
+                for fuse, splits, block_n, apart, warps, stages in [
+                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w, st) for f in fuse_list
+                        for sp in split_list for bn in block_list for ws in stream_list for w in warps_list
+                        for st in stages_list]:
                     (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
                     (window_stream, window_late), window_suffix = WINDOW_CHOICES[apart]
-                    suffix += window_suffix + (f"-sw{warps}" if warps else "")
+                    suffix += window_suffix + (f"-sw{warps}" if warps else "") + (f"-st{stages}" if stages else "")
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
                                       fused_merge=fused_merge, window_stream=window_stream,
-                                      window_after_scoring=window_late, select_warps=warps) for layer in layers]
+                                      window_after_scoring=window_late, select_warps=warps,
+                                      num_stages=stages or proto.num_stages) for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
                                  "selectivity": sel, "read_bytes": sel * kv_bytes, "fuse": fuse, "splits": splits,
-                                 "block_n": block_n, "plan": plans[0].describe(), **by_warps})
+                                 "block_n": block_n, "num_stages": plans[0].num_stages, "plan": plans[0].describe(),
+                                 **by_warps})
                     if "us" in row:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
@@ -307,7 +324,8 @@ def run(args) -> dict[str, Any]:
                                                            for plan, s in zip(plans, sets)]), "graph")
                         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
                             row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
-                        print(f"    fuse {fuse}, splits {splits}, block_n {block_n}: " + ", ".join(
+                        print(f"    fuse {fuse}, splits {splits}, block_n {block_n}, stages {plans[0].num_stages}: "
+                              + ", ".join(
                             f"{k[:-3]} {row[k]:.1f}" for k in STAGES if k in row)
                             + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels; "
                             f"{row.get('between_kernels_us', float('nan')):.1f} µs of the graph's time between them; "
@@ -422,13 +440,15 @@ def run_cli(args) -> int:
     fuse_choices(args.saap_fuse)
     window_stream_choices(args.saap_window_stream)
     select_warps_choices(args.saap_select_warps)
+    stages_choices(args.saap_stages)
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)
     out = args.out or f"benchmarks/results/saap-{results['device'].replace(' ', '-').lower()}.json"
     write_results(out, results)
     print(format_table(results["rows"], [("case", "case", ""), ("method", "method", ""), ("target", "target", ".2f"),
-                                         ("selectivity", "sel", ".3f"), ("splits", "S", ""), ("us", "µs", ".1f"),
+                                         ("selectivity", "sel", ".3f"), ("splits", "S", ""), ("block_n", "BN", ""),
+                                         ("num_stages", "st", ""), ("us", "µs", ".1f"),
                                          ("us_pdl", "µs PDL", ".1f"),
                                          ("speedup_vs_sdpa-cudnn", "x cuDNN", ".2f"),
                                          ("speedup_vs_dense-best", "x best dense", ".2f"),

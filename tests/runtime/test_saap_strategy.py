@@ -164,11 +164,11 @@ def test_kernel_path_in_the_interpreter_matches_the_reference_path(which, reques
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("fused,window_stream,late,warps", [
-    (False, False, False, 0), (True, False, False, 0), (False, True, False, 0), (False, True, True, 0),
-    (True, True, True, 0), (False, False, False, 8), (True, False, False, 8)])
+@pytest.mark.parametrize("fused,window_stream,late,warps,stages", [
+    (False, False, False, 0, 2), (True, False, False, 0, 3), (False, True, False, 0, 2), (False, True, True, 0, 2),
+    (True, True, True, 0, 2), (False, False, False, 8, 2), (True, False, False, 8, 2)])
 def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path, monkeypatch, fused, window_stream,
-                                                                      late, warps):
+                                                                      late, warps, stages):
     """The run of a prepared plan: scoring, selection, attention and merge launches (fused: scoring with the selection,
     attention with the merge; window_stream: the window's attention launch apart, first, or after the scoring when
     ``late`` and not fused), the output's allocation, and nothing else (before, scoring and statistics were some 40 small torch launches); the selectivity counter
@@ -185,15 +185,16 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
     plan = SaapPlan(index=index_path, probes=3, sink=1, window=8, layer=1, num_splits=3, block_n=16,
                     fused_select=fused, fused_merge=fused, window_stream=window_stream, window_after_scoring=late,
-                    select_warps=warps)
+                    select_warps=warps, num_stages=stages)
     registry.set_state(index_path, 1, build_clusters(registry.get_index(index_path), 1, k, 85, 1, 8))
     state = SAAP.prepare(plan, q, k, v)
-    launches, ops, widths = [], [], {}
+    launches, ops, widths, depths = [], [], {}, {}
     original = KernelLauncher.__call__
 
     def counting(self, grid, *args, **kwargs):
         launches.append(self.fn.__name__)
         widths[self.fn.__name__] = kwargs.get("num_warps")
+        depths[self.fn.__name__] = kwargs.get("num_stages")
         with _Paused(recorder):
             return original(self, grid, *args, **kwargs)
 
@@ -214,6 +215,7 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
     assert launches == want, launches
     if warps:  # the plan's selection width reaches the launch that selects
         assert widths["_saap_rows_kernel" if fused else "_saap_select_kernel"] == warps, widths
+    assert depths["_saap_kernel"] == stages, depths  # the plan's pipeline depth reaches the attention launch
     views = (".view.", ".select.")  # views (the LSE planes of the partials among them) launch nothing
     assert [op for op in ops if not any(v in op for v in views)] == ["aten.empty.memory_format"], ops
     assert registry.measured_selectivity(plan.runtime_key())[1] == 1
