@@ -205,9 +205,9 @@ class SaapPlan(Plan):
     #: The planner turns it on for centroid scoring (H100, 2cefde7, 5 %: 42.9 µs against 44.3 apart at 128k, 73.1
     #: against 78.9 at 512k) and leaves it off for the query MLP (its fused launch: 76-78 µs against 44.3, dbfa5c3).
     fused_select: bool = False
-    #: The attention launch also merges (its last split per tile to arrive): one launch fewer. Off by default until
-    #: measured with the register cap that keeps the attention's programs per SM (at dbfa5c3 the merge's registers
-    #: made the launch 2.5x slower).
+    #: The attention launch also merges (the last split of each group of about sqrt(S) splits merges its group, the
+    #: last group the tile: ``runtime.kernels.saap_merge``): one launch fewer. Off by default until measured (at
+    #: dbfa5c3 one program merging all 64 partials, 8 steps of L2 round trips, made the launch 2.5x slower).
     fused_merge: bool = False
     #: Chain the launches by programmatic dependent launch. Off by default: on the H100 it cost 3-12 µs a call at
     #: 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
