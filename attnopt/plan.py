@@ -228,6 +228,9 @@ class SaapPlan(Plan):
     #: copy in flight, issued after the tile before is folded; 3 keeps two in flight while a tile is folded (twice
     #: the K/V buffers in shared memory).
     num_stages: int = 2
+    #: Attention splits that share the sink and the window (the others share the chosen clusters); 0: in proportion
+    #: to the keys each part holds (``kernels.saap.window_split_count``).
+    window_splits: int = 0
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

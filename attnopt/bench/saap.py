@@ -32,7 +32,8 @@ plan's ``window_stream`` (method suffix ``-ws``): the window's splits a launch o
 the scoring and the selection; ``late`` (suffix ``-wsl``) forks it after the scoring (``window_after_scoring``). Its
 ``attention_us`` then sums both attention launches, which run in parallel branches.
 ``--saap-stages`` (default ``0``: the plan's) times each row also at other software-pipeline depths of the attention's
-K/V tiles (suffix ``-st<N>``). ``--saap-select-warps`` (default ``0``: the kernel's rule) times each row also at other selection widths (suffix
+K/V tiles (suffix ``-st<N>``); ``--saap-window-splits`` (default ``0``: the rule) at other counts of the splits
+that share the sink and the window (suffix ``-w<N>``). ``--saap-select-warps`` (default ``0``: the kernel's rule) times each row also at other selection widths (suffix
 ``-sw<N>``; fused, below 16 warps the scoring takes 64 clusters a program). The centroid-scored rows also carry
 ``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
 (``SELECT_WARPS``; the plan takes ``saap_select.select_warps``), timed once per case and target.
@@ -80,6 +81,9 @@ def register(suites) -> None:
                    "(0: the kernel's rule; others 4, 8, 16 or 32: method suffix -sw<N>)")
     p.add_argument("--saap-stages", default="0", help="comma-separated software-pipeline stages of the attention's "
                    "K/V tiles to time per SAAP row (0: the plan's; others 2 or 3: method suffix -st<N>)")
+    p.add_argument("--saap-window-splits", default="0", help="comma-separated counts of the attention splits that "
+                   "share the sink and the window, to time per SAAP row (0: the plan's rule; others: method suffix "
+                   "-w<N>)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -140,6 +144,19 @@ def select_warps_choices(text: str) -> list[int]:
 def stages_choices(text: str) -> list[int]:
     """The ``--saap-stages`` list (0: the plan's, or 2, 3)."""
     return _int_choices(text, "--saap-stages", "the plan's", (2, 3))
+
+
+def window_splits_choices(text: str) -> list[int]:
+    """The ``--saap-window-splits`` list (0: the plan's rule, or a count >= 1), each once; ``ValueError`` otherwise
+    (a count must also be below the row's split count: the kernel refuses it, naming the range)."""
+    try:
+        items = [int(x) for x in (text or "0").split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items or any(x < 0 for x in items):
+        raise ValueError(f"--saap-window-splits takes a comma-separated list of 0 (the rule) or counts >= 1; "
+                         f"got {text!r}")
+    return list(dict.fromkeys(items))
 
 
 def saap_geometries(splits: str, block_n: str) -> tuple[list[int], list[int]]:
@@ -215,6 +232,7 @@ def run(args) -> dict[str, Any]:
     stream_list = window_stream_choices(getattr(args, "saap_window_stream", "off"))
     warps_list = select_warps_choices(getattr(args, "saap_select_warps", "0"))
     stages_list = stages_choices(getattr(args, "saap_stages", "0"))
+    window_list = window_splits_choices(getattr(args, "saap_window_splits", "0"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -297,18 +315,20 @@ def run(args) -> dict[str, Any]:
                         print(f"    selection alone by warps: {by_warps['selection_us_by_warps']} µs", flush=True)
                     except Exception as exc:  # noqa: BLE001 - an extra measurement must not lose the rows
                         by_warps = {"selection_by_warps_error": f"{type(exc).__name__}: {exc}"[:200]}
-                for fuse, splits, block_n, apart, warps, stages in [
-                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w, st) for f in fuse_list
+                for fuse, splits, block_n, apart, warps, stages, wsplits in [
+                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w, st, wn) for f in fuse_list
                         for sp in split_list for bn in block_list for ws in stream_list for w in warps_list
-                        for st in stages_list]:
+                        for st in stages_list for wn in window_list]:
                     (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
                     (window_stream, window_late), window_suffix = WINDOW_CHOICES[apart]
-                    suffix += window_suffix + (f"-sw{warps}" if warps else "") + (f"-st{stages}" if stages else "")
+                    suffix += window_suffix + (f"-sw{warps}" if warps else "") + (f"-st{stages}" if stages else "") \
+                        + (f"-w{wsplits}" if wsplits else "")
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
                                       fused_merge=fused_merge, window_stream=window_stream,
                                       window_after_scoring=window_late, select_warps=warps,
-                                      num_stages=stages or proto.num_stages) for layer in layers]
+                                      num_stages=stages or proto.num_stages, window_splits=wsplits)
+                             for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
@@ -441,6 +461,7 @@ def run_cli(args) -> int:
     window_stream_choices(args.saap_window_stream)
     select_warps_choices(args.saap_select_warps)
     stages_choices(args.saap_stages)
+    window_splits_choices(args.saap_window_splits)
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)

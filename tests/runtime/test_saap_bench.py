@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnopt.bench.saap import SELECT_WARPS, STAGES, budget, fuse_choices, saap_geometries, select_warps_choices, \
-    speed_verdict, stage_of, stages_choices, unchained, window_stream_choices
+    speed_verdict, stage_of, stages_choices, unchained, window_splits_choices, window_stream_choices
 from attnopt.cli import build_parser
 
 
@@ -82,7 +82,8 @@ def test_window_stream_option():
 
 @pytest.mark.parametrize("parse,option,given,want,bad", [
     (select_warps_choices, "--saap-select-warps", "0,8,8,16", [0, 8, 16], ("3", "x", ",", "64")),
-    (stages_choices, "--saap-stages", "0,3,3,2", [0, 3, 2], ("1", "x", ",", "4"))])
+    (stages_choices, "--saap-stages", "0,3,3,2", [0, 3, 2], ("1", "x", ",", "4")),
+    (window_splits_choices, "--saap-window-splits", "0,8,12,8", [0, 8, 12], ("-1", "x", ","))])
 def test_integer_list_options(parse, option, given, want, bad):
     assert parse(given) == want and parse("") == [0]
     for text in bad:

@@ -111,8 +111,9 @@ def test_unset_probes_sink_and_window_come_from_the_index(tmp_path, index_path):
     assert (registry.saap_cache(path, sink=2, window=9).saap_window) == 9
 
 
-def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1):
-    plan = SaapPlan(index=index_path, probes=probes, sink=1, window=8, layer=layer, num_splits=3, block_n=16)
+def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1, **plan_fields):
+    plan = SaapPlan(index=index_path, probes=probes, sink=1, window=8, layer=layer, num_splits=3, block_n=16,
+                    **plan_fields)
     index = registry.get_index(index_path)
     n = k.shape[2] if valid_len is None else int(valid_len[0])
     registry.set_state(index_path, layer, build_clusters(index, layer, k[:, :, :n], prompt, 1, 8))
@@ -161,6 +162,26 @@ def test_kernel_path_in_the_interpreter_matches_the_reference_path(which, reques
     _, ref = _run(index_path, 3, q, k, v, prompt=70, valid_len=vl)
     monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
     _, out = _run(index_path, 3, q, k, v, prompt=70, valid_len=vl)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window_splits", [0, 2])
+def test_plan_window_splits_reach_the_kernel(index_path, monkeypatch, window_splits):
+    # 0: the rule (in proportion to the keys: 1 of 3 splits here); a count: that many, same output as the reference
+    pytest.importorskip("triton")
+    from attnopt.runtime.kernels import saap as kernels, triton_usable
+
+    if not triton_usable("cpu"):
+        pytest.skip("the Triton interpreter is not on")
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
+    _, ref = _run(index_path, 3, q, k, v, prompt=70)
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    given = []
+    launch = kernels.saap_decode_kernel
+    monkeypatch.setattr(kernels, "saap_decode_kernel", lambda *a, **kw: given.append(kw["window_splits"]) or launch(
+        *a, **kw))
+    _, out = _run(index_path, 3, q, k, v, prompt=70, window_splits=window_splits)
+    assert given == [window_splits or 1]  # the rule: 9 always-attended keys against 3 clusters of about 5
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
