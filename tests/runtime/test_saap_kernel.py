@@ -359,12 +359,15 @@ def test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(seed):
 def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats():
     """The selection stops its radix rounds once the keys at or above the threshold so far are exactly the probes:
     over random floats (distinct, or sharing all but their last bits, so that some heads need every round) the
-    chosen clusters are still exactly ``threshold_clusters``'."""
+    chosen clusters are still exactly ``threshold_clusters``'; all equal (every cluster ties) and -inf to +inf as
+    well."""
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
 
     g = torch.Generator().manual_seed(4)
-    B, Hkv, C = 1, 4, 300
+    B, Hkv, C = 1, 6, 300
     scores = torch.rand(B, Hkv, C, generator=g)
+    scores[0, 4] = 0.25
+    scores[0, 5, :3], scores[0, 5, 3:6] = float("inf"), float("-inf")
     near = torch.tensor(0.7).view(torch.int32) + torch.randint(0, 4, (C,), generator=g, dtype=torch.int32)
     scores[0, 1] = near.view(torch.float32)  # ties and one-ulp neighbours: the last rounds decide
     scores[0, 2] = -scores[0, 2] * 1e-30  # tiny negatives
