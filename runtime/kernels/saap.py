@@ -179,8 +179,11 @@ def _saap_kernel(
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
-    split = tl.program_id(0) + SPLIT_BASE
-    tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
+    # the tile is the grid's first axis, so that blocks start split-major: every tile's window splits (the first W)
+    # before any cluster split. Chained by PDL, they then take the SMs that the scoring frees while its last
+    # programs select, and the cluster splits, which wait for the selection, come after them.
+    tile = tl.program_id(0)  # (b * HKV + kvh) * NUM_M + mb
+    split = tl.program_id(1) + SPLIT_BASE
     mb = tile % NUM_M
     bh = tile // NUM_M
     kvh = bh % HKV
@@ -255,7 +258,7 @@ def _saap_kernel(
     _store_lse(log_l, lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls, b, kvh, g, i, row_ok, stride_lb,
                stride_lh, stride_ll, G)
     if FUSED:  # the last split of a group merges the group, the last group the tile (saap_merge)
-        _arrive_and_merge_grouped(counter_ptr, tile, tl.num_programs(1), split, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+        _arrive_and_merge_grouped(counter_ptr, tile, tl.num_programs(0), split, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
                                   mb, b, kvh, offs_dv, stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls,
                                   stride_lb, stride_lh, stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl,
                                   stride_fd, stride_gb, stride_gh, stride_gl, NUM_SPLITS, L, G, DV, BLOCK_M, BLOCK_R,
@@ -368,7 +371,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
                                      window_splits, block_n, num_warps, num_stages, fused_merge, geo)
 
     def launch_window():
-        window_grid = (window_splits, B * Hkv * geo.num_m)
+        window_grid = (B * Hkv * geo.num_m, window_splits)
         if side is not None:  # fork: the window's launch waits for what came before it, nothing else
             side.wait_stream(torch.cuda.current_stream(q.device))
             with torch.cuda.stream(side):
@@ -385,7 +388,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     fused = bool(fused_merge) and S > 1
     extra = {"launch_pdl": True} if pdl else {}
     first = window_splits if apart else 0  # the splits this launch runs: from ``first`` on
-    _SAAP_LAUNCH((S - first, B * Hkv * geo.num_m), *args, first, **consts, WAIT_PRIOR=pdl,
+    _SAAP_LAUNCH((B * Hkv * geo.num_m, S - first), *args, first, **consts, WAIT_PRIOR=pdl,
                  LAUNCH_DEPENDENTS=pdl and not fused, **extra)
     if side is not None:  # join: the merge reads the window's partials (so it is not chained past the join)
         torch.cuda.current_stream(q.device).wait_stream(side)
