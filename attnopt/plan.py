@@ -206,8 +206,9 @@ class SaapPlan(Plan):
     #: against 78.9 at 512k) and leaves it off for the query MLP (its fused launch: 76-78 µs against 44.3, dbfa5c3).
     fused_select: bool = False
     #: The attention launch also merges (the last split of each group of about sqrt(S) splits merges its group, the
-    #: last group the tile: ``runtime.kernels.saap_merge``): one launch fewer. Off by default until measured (at
-    #: dbfa5c3 one program merging all 64 partials, 8 steps of L2 round trips, made the launch 2.5x slower).
+    #: last group the tile: ``runtime.kernels.saap_merge``): one launch fewer. Off: on the H100 (8db9edf, llama3-8b
+    #: 128k, 5 %) the attention launch took 29.5 µs with it against 19.1 + a 3.4 µs merge launch without (every
+    #: program's release fence and arrival atomic, then two merges, sit on the launch's tail).
     fused_merge: bool = False
     #: Chain the launches by programmatic dependent launch. Off by default: on the H100 it cost 3-12 µs a call at
     #: 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
@@ -225,8 +226,9 @@ class SaapPlan(Plan):
     #: H100 (cc11447, llama3-8b, 5 %) its scoring-and-selection took 21.3-22.5 µs at 8 warps against 18.6-19.1 at 16.
     select_warps: int = 0
     #: Software-pipeline stages of the attention launch's K/V tiles (Triton ``num_stages``): 2 keeps one tile's
-    #: copy in flight, issued after the tile before is folded; 3 keeps two in flight while a tile is folded (twice
-    #: the K/V buffers in shared memory).
+    #: copy in flight, issued after the tile before is folded; 3 keeps two in flight (twice the K/V buffers in shared
+    #: memory). 2: on the H100 (8db9edf, llama3-8b 128k, 5 %) 3 took 24.1 µs at 32 keys a tile and 20.5 at 16,
+    #: against 19.1 and 19.5 at 2.
     num_stages: int = 2
     #: Attention splits that share the sink and the window (the others share the chosen clusters); 0: in proportion
     #: to the keys each part holds (``kernels.saap.window_split_count``).
