@@ -423,5 +423,6 @@ def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace
     consts = dict(D=D, DV=geo.Dv, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
                   BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(FIRST_CHUNK, sel.incl.shape[1]), HAS_VALID=has_valid,
                   UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
-                  MERGE_GROUP=merge_group_size(S, geo.block_r, geo.block_dv), num_warps=num_warps, num_stages=num_stages, **extra)
+                  MERGE_GROUP=merge_group_size(S, geo.block_r, geo.block_dv), num_warps=num_warps,
+                  num_stages=num_stages, **extra)
     return args, consts

@@ -6,8 +6,10 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import SELECT_WARPS, STAGES, budget, fuse_choices, saap_geometries, select_warps_choices, \
-    speed_verdict, stage_of, stages_choices, unchained, window_splits_choices, window_stream_choices
+from attnopt.bench.saap import budget, speed_verdict
+from attnopt.bench.saap_breakdown import SELECT_WARPS, STAGES, stage_of, unchained
+from attnopt.bench.saap_options import fuse_choices, saap_geometries, select_warps_choices, stages_choices, \
+    window_splits_choices, window_stream_choices
 from attnopt.cli import build_parser
 
 
