@@ -36,7 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _attend_tile, cdiv, next_pow2
+from .attend import _attend_tile
+from .common import cdiv, next_pow2
 
 #: Mask elements a program classifies per chunk of its tiles (registers: the chunk's mask values are live while
 #: the accumulators are). Each chunk restarts the KV loop's pipeline (a full 128k cache over 25 splits of 64-key

@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_lse,
-                     _store_rows, arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags,
-                     next_pow2, softmax_scale)
+from .attend import _attend, _load_q, _row_coords
+from .common import (_finish, _finish_parts, _merge_step, _merged_rows, _store_lse, _store_rows, arrival_counters,
+                     backend_has_option, decode_geometry, decode_inputs, dot_flags, next_pow2, softmax_scale)
 from .launch import KernelLauncher
 
 

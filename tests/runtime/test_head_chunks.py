@@ -1,0 +1,101 @@
+"""Split-KV with the head dim cut in two power-of-two chunks (``common.head_dim_split``: D=80 as 64 + 16, D=96 as
+64 + 32) against the float64 reference and against the padded path, in the interpreter (and compiled on CUDA)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnopt.runtime.reference import sdpa_float64
+
+triton = pytest.importorskip("triton")
+
+from attnopt.runtime.kernels import interpreting  # noqa: E402
+from attnopt.runtime.kernels.common import head_dim_split, kv_descriptors  # noqa: E402
+from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace  # noqa: E402
+
+
+
+@pytest.fixture(autouse=True)
+def _tma_in_eager(monkeypatch):
+    """Eager CUDA launches take pointer tiles by default (``tma_now``); these tests run the TMA kernels too."""
+    monkeypatch.setenv("ATTNOPT_TMA_EAGER", "1")
+
+
+def test_where_the_head_dim_is_cut(monkeypatch):
+    assert [head_dim_split(d, d) for d in (48, 64, 72, 80, 96, 112, 128, 160, 192, 256)] == \
+        [32, 0, 0, 64, 64, 0, 0, 128, 128, 0]
+    assert head_dim_split(80, 64) == 0, "Q.K and P.V chunks are cut alike: D == Dv only"
+    monkeypatch.setenv("ATTNOPT_HEAD_CHUNKS", "0")
+    assert head_dim_split(80, 80) == 0
+
+
+def test_chunk_descriptors_cover_both_chunks():
+    if not interpreting():
+        pytest.skip("CPU descriptors need the Triton interpreter")
+    k = torch.randn(2, 3, 40, 80, dtype=torch.float16)
+    v = torch.randn(2, 40, 3, 80, dtype=torch.float16).transpose(1, 2)
+    descs = kv_descriptors(k, v, 16, 64)
+    assert [list(d.block_shape) for d in descs] == [[1, 1, 16, 64]] * 2 + [[1, 1, 16, 16]] * 2
+    assert descs[2].base.data_ptr() == k.data_ptr() + 64 * 2 and descs[3].base.data_ptr() == v.data_ptr() + 64 * 2
+    assert kv_descriptors(k, v, 16) is not None and len(kv_descriptors(k, v, 16)) == 2
+
+
+@pytest.mark.parametrize("D,G,L", [(80, 1, 1), (96, 3, 2), (48, 4, 1)])
+def test_chunked_split_kv_matches_reference_and_padded(kernel_device, D, G, L):
+    """Every split-KV form (one split, a merge launch, the fused merge; TMA tiles and pointers) with a valid length
+    that ends inside a tile (the TMA path's pointer tail) and NaN past it, ALiBi and a softcap, against the float64
+    reference; and the chunked output against the padded one."""
+    dev = kernel_device
+    dtype = torch.float16
+    B, Hkv, BN = 2, 2, 16 if dev.type == "cpu" else 64
+    N = 3 * BN + 5
+    Hq = Hkv * G
+    q = torch.randn(B, Hq, L, D, dtype=dtype, device=dev)
+    k = torch.randn(B, Hkv, N, D, dtype=dtype, device=dev)
+    v = torch.randn(B, Hkv, N, D, dtype=dtype, device=dev)
+    valid = torch.tensor([N - 3, BN + 7], dtype=torch.int32, device=dev)
+    slopes = torch.rand(Hq, device=dev)
+    for kw in ({}, {"alibi_slopes": slopes, "softcap": 20.0}):
+        ref = sdpa_float64(q, k, v, valid_len=valid, **kw)
+        k2, v2 = k.clone(), v.clone()
+        for b, n in enumerate(valid.tolist()):
+            k2[b, :, n:] = float("nan")
+            v2[b, :, n:] = float("nan")
+        for splits, fused, tma in ((1, False, False), (1, False, True), (3, False, True), (3, True, False),
+                                   (3, True, True)):
+            outs = []
+            for chunks in (None, False):
+                out = torch.full((B, Hq, L, D), float("nan"), dtype=dtype, device=dev)
+                lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=dev)
+                ws = split_kv_workspace(splits, q, k2, v2)
+                split_kv_decode(q, k2, v2, out, lse, workspace=ws, valid_len=valid, num_splits=splits, block_n=BN,
+                                fused_merge=fused, tma=tma, head_chunks=chunks, **kw)
+                what = f"D{D} G{G} L{L} S{splits} fused={fused} tma={tma} chunks={chunks} {sorted(kw)}"
+                assert not torch.isnan(out).any(), what
+                err = (out.double() - ref).abs()
+                assert bool((err <= 3e-3 + 3e-3 * ref.abs()).all()), f"{what}: max error {err.max().item():.2e}"
+                outs.append(out)
+            assert (outs[0].double() - outs[1].double()).abs().max().item() < 4e-3
+
+
+def test_chunked_two_plane_lse_and_unequal_head_dims(kernel_device):
+    """The two-plane state (row max and log l apart, a distributed decode's local part) comes out of the chunked
+    path equal to the padded path's; D != Dv is never cut and still matches the reference."""
+    dev = kernel_device
+    B, Hkv, G, L, N, D = 1, 2, 2, 1, 37, 80
+    q = torch.randn(B, Hkv * G, L, D, dtype=torch.float16, device=dev)
+    k = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
+    v = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
+    planes = []
+    for chunks in (None, False):
+        out = torch.empty(B, Hkv * G, L, D, dtype=torch.float16, device=dev)
+        lse = torch.empty(2, B, Hkv * G, L, dtype=torch.float32, device=dev)
+        split_kv_decode(q, k, v, out, lse, num_splits=1, block_n=16, head_chunks=chunks)
+        planes.append((out, lse))
+    assert torch.allclose(planes[0][1], planes[1][1], atol=1e-3, rtol=0)
+    assert torch.allclose(planes[0][0].float(), planes[1][0].float(), atol=2e-3, rtol=0)
+    v64 = torch.randn(B, Hkv, N, 64, dtype=torch.float16, device=dev)
+    out = torch.full((B, Hkv * G, L, 64), float("nan"), dtype=torch.float16, device=dev)
+    split_kv_decode(q, k, v64, out, num_splits=2, block_n=16)
+    ref = sdpa_float64(q, k, v64)
+    assert (out.double() - ref).abs().max().item() < 3e-3
