@@ -77,19 +77,21 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
     D_LO = 0: the head dims in one chunk each, padded to a power of two: q (BLOCK_M, BLOCK_D) and acc (BLOCK_M,
     BLOCK_DV), columns ``offs_d``/``offs_dv`` (masked past D/DV); ``q_hi``, ``acc_hi``, ``offs_hi`` and the hi
     descriptors are not read (acc_hi comes back as given).
-    D_LO > 0 (D == DV == D_LO + a power of two, ``common.head_dim_split``): columns [0, D_LO) in q (BLOCK_M, D_LO) and acc
-    (BLOCK_M, D_LO) (``offs_d`` = ``offs_dv`` = arange(D_LO)), columns [D_LO, D) in q_hi and acc_hi (``offs_hi``);
-    Q.K is the sum of the two chunks' dots and P.V goes to the two accumulators, so no MMA, shared memory or TMA box
-    is spent on padding (D=80 ran as 128 wide).
+    D_LO > 0 (D == DV, cut by ``common.head_dim_split``): columns [0, D_LO) in q (BLOCK_M, D_LO) and acc (BLOCK_M,
+    D_LO) (``offs_d`` = ``offs_dv`` = arange(D_LO)), the next ones in q_hi and acc_hi (BLOCK_M, D_HI) (``offs_hi`` =
+    D_LO + arange(D_HI), masked past D); Q.K is the sum of the two chunks' dots and P.V goes to the two
+    accumulators, so D=80 runs 96 wide, not 128.
 
     USE_TMA: K/V tiles come through the tensor descriptors ``k_desc``/``v_desc`` (4-D, block (1, 1, BLOCK_N, the
     chunk's width); the hi chunk's through ``k_hi_desc``/``v_hi_desc``, descriptors of K[..., D_LO:] and V[...,
     D_LO:]) as bulk copies; rows past the tensor and padded dims arrive as zeros. Else through pointers.
 
     A bulk copy reads a tile's rows past ``kv_len`` from the tensor as they are (a sharded cache's spare capacity,
-    a static cache's unused tail: any bits, NaN included), and a masked key's zero weight times a NaN value is
-    NaN. So with TMA only the whole tiles below ``kv_len`` go through the copy engine; the one tile that crosses it
-    (the only one past it with a visible key) is read with masked pointer loads.
+    a static cache's unused tail: any bits, NaN included), and a hidden key's zero weight times a NaN value is
+    NaN. So the one tile that crosses ``kv_len`` (the only one past it with a visible key) has its V rows past it
+    zeroed after the copy (its K rows' scores are hidden anyway); the whole tiles below it need no such step. (That
+    tile went by masked pointer loads before: their pointer tiles cost registers, ptxas sm_90 bf16 D=80 padded,
+    128-key tiles: 1224 bytes of spills, none with the copy.)
 
     HAS_START: keys before ``kv_first`` do not exist (a sliding window's first key; ``lo`` may be a tile below
     it). SOFTCAP: the scores are ``softcap * tanh(qk * sm_scale)`` (see :func:`_scores`). ALIBI: the scores get
@@ -122,13 +124,14 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
                 stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND,
                 IS_CAUSAL, UPCAST, PRECISION, False, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO)
     if tail:
-        # the tile that crosses kv_len, by masked pointer loads: straight-line code, so it adds no pipeline buffers
-        # (a second pipelined loop doubled the shared memory); tiles wholly past kv_len hold no visible key
+        # the tile that crosses kv_len (its V rows past kv_len zeroed where they come by the copy engine):
+        # straight-line code, so it adds no pipeline buffers (a second pipelined loop doubled the shared memory);
+        # tiles wholly past kv_len hold no visible key
         acc, acc_hi, m_i, l_i = _attend_step(
             q, q_hi, acc, acc_hi, m_i, l_i, full_end, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc, v_hi_desc,
             mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd, stride_vn,
             stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL,
-            UPCAST, PRECISION, False, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO)
+            UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO, False, USE_TMA)
     return acc, acc_hi, m_i, l_i
 
 
@@ -141,21 +144,23 @@ def _attend_step(q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                  kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope,
-                 ALIBI: tl.constexpr, D_LO: tl.constexpr):
-    """One KV tile of :func:`_attend_chunks`: returns (acc, acc_hi, m_i, l_i)."""
+                 ALIBI: tl.constexpr, D_LO: tl.constexpr, MASK_ROW: tl.constexpr = False,
+                 ZERO_PAST: tl.constexpr = False):
+    """One KV tile of :func:`_attend_chunks` (keys from ``start_n`` below ``kv_len``; the arguments of
+    :func:`_attend_tile`): returns (acc, acc_hi, m_i, l_i)."""
     if D_LO > 0:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_len
         n64 = offs_n.to(tl.int64)
         k, v = _kv_tile(k_base, v_base, k_desc, v_desc, b, kvh, start_n, n_ok, n64, offs_d, offs_dv,
-                        stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA)
+                        stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA, ZERO_PAST)
         k_hi, v_hi = _kv_tile(k_base, v_base, k_hi_desc, v_hi_desc, b, kvh, start_n, n_ok, n64, offs_hi, offs_hi,
-                              stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA)
+                              stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA, ZERO_PAST)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         qk = qk + tl.dot(q_hi, tl.trans(k_hi), input_precision=PRECISION)
         s, visible = _visible_scores(qk, start_n, kv_len, mask_ptr, b, h64, i, i64, row_ok, stride_mb, stride_mh,
                                      stride_ml, stride_mn, sm_scale, BLOCK_N, MASK_KIND, IS_CAUSAL, kv_first,
-                                     softcap, HAS_START, SOFTCAP, slope, ALIBI, False)
+                                     softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW)
         p, alpha, m_i, l_i = _online_weights(m_i, l_i, s, visible)
         acc = _weigh_values(acc, alpha, p, v, UPCAST, PRECISION)
         acc_hi = _weigh_values(acc_hi, alpha, p, v_hi, UPCAST, PRECISION)
@@ -164,7 +169,7 @@ def _attend_step(q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len,
             q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
             row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
             stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-            kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI)
+            kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW, ZERO_PAST)
     return acc, acc_hi, m_i, l_i
 
 
@@ -176,14 +181,14 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                  kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope,
-                 ALIBI: tl.constexpr, MASK_ROW: tl.constexpr = False):
+                 ALIBI: tl.constexpr, MASK_ROW: tl.constexpr = False, ZERO_PAST: tl.constexpr = False):
     """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
     head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64; ``slope``: ALiBi's slope
     of each query row (BLOCK_M,) fp32). MASK_ROW: the mask is one row per batch row (broadcast over heads and
     queries): one (BLOCK_N,) load, not a (BLOCK_M, BLOCK_N) tile of pointers (registers)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _kv_tile(k_base, v_base, k_desc, v_desc, b, kvh, start_n, offs_n < kv_len, offs_n.to(tl.int64), offs_d,
-                    offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA)
+                    offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA, ZERO_PAST)
     s, visible = _visible_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), start_n, kv_len, mask_ptr, b,
                                  h64, i, i64, row_ok, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, BLOCK_N,
                                  MASK_KIND, IS_CAUSAL, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW)
@@ -192,13 +197,17 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
 
 @triton.jit
 def _kv_tile(k_base, v_base, k_desc, v_desc, b, kvh, start_n, n_ok, n64, offs_d, offs_dv,
-             stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+             stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+             ZERO_PAST: tl.constexpr = False):
     """The K (BLOCK_N, len(offs_d)) and V (BLOCK_N, len(offs_dv)) columns ``offs_d``/``offs_dv`` of the KV tile at
     ``start_n`` (keys ``n64``, read where ``n_ok``): by the copy engine (USE_TMA: the descriptors' boxes cover those
-    columns) or by pointer loads."""
+    columns; ZERO_PAST: V's rows where not ``n_ok`` are zeroed, whatever the tensor holds there) or by pointer
+    loads (zeros where not ``n_ok``)."""
     if USE_TMA:
         k = k_desc.load([b, kvh, start_n, 0]).reshape(n64.shape[0], offs_d.shape[0])
         v = v_desc.load([b, kvh, start_n, 0]).reshape(n64.shape[0], offs_dv.shape[0])
+        if ZERO_PAST:
+            v = tl.where(n_ok[:, None], v, 0.0)
     else:
         # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
         k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,

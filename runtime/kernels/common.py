@@ -157,13 +157,15 @@ def tma_as_captured():
         _AS_CAPTURED.on = before
 
 
-def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, d_lo: int = 0):
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, split: tuple[int, int] = (0, 0)):
     """Tensor descriptors for bulk (TMA) copies of (1, 1, block_n, padded D) K/V tiles, or None when this input
     cannot take them: not Hopper or newer (nor the interpreter), a Triton without descriptors, a last dim that is
     not contiguous, or strides and base not 16-byte aligned (the copy engine's rules).
 
-    d_lo > 0 (a head split from :func:`head_dim_split`): four descriptors, K and V columns [0, d_lo) in (1, 1, block_n,
-    d_lo) boxes, then K[..., d_lo:] and V[..., d_lo:] in boxes of the rest's width."""
+    ``split`` = (d_lo, d_hi) with d_lo > 0 (:func:`head_dim_split`): four descriptors, K and V columns [0, d_lo) in
+    (1, 1, block_n, d_lo) boxes, then K[..., d_lo:] and V[..., d_lo:] in (1, 1, block_n, d_hi) boxes (the columns
+    past D arrive as zeros)."""
+    d_lo, d_hi = split
     if k.device.type == "cuda":
         if device_major(k.device.index) < 9:
             return None
@@ -173,7 +175,7 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, d_lo: int = 0
         return None
     parts = [(k, d_lo), (v, d_lo)]
     if d_lo:
-        parts += [(k[..., d_lo:], k.shape[-1] - d_lo), (v[..., d_lo:], v.shape[-1] - d_lo)]
+        parts += [(k[..., d_lo:], d_hi), (v[..., d_lo:], d_hi)]
     descs = []
     for t, width in parts:
         item = t.element_size()
@@ -184,16 +186,20 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, d_lo: int = 0
     return tuple(descs)
 
 
-def head_dim_split(head_dim: int, head_dim_v: int) -> int:
-    """Where the kernels cut the head dims in two power-of-two chunks (the first chunk's width), or 0 to run them in
-    one chunk padded to a power of two. Cut where D == Dv is a power of two and a second power of two >= 16 (80 =
-    64 + 16, 96 = 64 + 32, 48, 160, 192): padded, D=80 spends 37 % of Q.K's and P.V's MMA work, shared memory and
-    TMA box on zeros (D=96: 25 %). ``ATTNOPT_HEAD_CHUNKS=0`` turns it off (for comparisons)."""
-    if head_dim != head_dim_v or os.environ.get("ATTNOPT_HEAD_CHUNKS", "1") == "0":
-        return 0
+def head_dim_split(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """How the kernels cut the head dims: (width of the first chunk, width of the second), both powers of two, or
+    (0, 0) to run them in one chunk padded to a power of two. The first chunk is the largest power of two <= D, the
+    second covers the rest, padded to a power of two of at least 32 (80 = 64 + 32 with 16 padding columns, 96 =
+    64 + 32, 72, 160 = 128 + 32, 192 = 128 + 64); cut only where that pads less than one chunk does and D == Dv.
+    Padded to 128, D=80 spends 37 % of Q.K's and P.V's MMA work, shared memory and TMA box on zeros (ptxas, sm_90,
+    bf16, 128-key tiles, 3 stages, TMA: 139 KB of shared memory, one program per SM; as 64 + 32: two). A 16-wide
+    second chunk (80 = 64 + 16 exactly) spilled 784 bytes there where the 32-wide one spills none.
+    ``ATTNOPT_HEAD_CHUNKS=0`` turns cutting off (for comparisons)."""
+    if head_dim != head_dim_v or head_dim < 1 or os.environ.get("ATTNOPT_HEAD_CHUNKS", "1") == "0":
+        return 0, 0
     lo = 1 << (int(head_dim).bit_length() - 1)
-    rest = head_dim - lo
-    return lo if rest >= 16 and rest & (rest - 1) == 0 else 0
+    hi = max(32, next_pow2(head_dim - lo)) if head_dim > lo else 0
+    return (lo, hi) if hi and lo + hi < next_pow2(head_dim) else (0, 0)
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -251,23 +257,24 @@ def arrival_counters(geo: DecodeGeometry, device: torch.device) -> torch.Tensor:
 def decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                   valid_len: torch.Tensor | None, geo: DecodeGeometry, block_n: int, tma: bool,
                   key_start: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                  d_lo: int | None = None):
+                  split: tuple[int, int] | None = None):
     """The inputs both decode kernels take first, and how to read them.
 
     Returns
     -------
     pointers : (q, k, v, K tiles, V tiles, mask, valid_len, key_start, alibi_slopes): the tiles are TMA descriptors
         when ``tma`` is asked for and applies to this launch (``tma_now``), else K and V again; an absent mask,
-        valid length, key start or slopes tensor is q (never read). With ``d_lo`` given (an int: the head split,
-        0 for none) the V tiles are followed by the hi chunk's K and V tiles (descriptors of K[..., d_lo:] and
-        V[..., d_lo:] where d_lo > 0 and the tiles are descriptors, else K and V again).
+        valid length, key start or slopes tensor is q (never read). With ``split`` given (the head split
+        (d_lo, d_hi) of :func:`head_dim_split`; (0, 0) for none) the V tiles are followed by the second chunk's K
+        and V tiles (descriptors of K[..., d_lo:] and V[..., d_lo:] where d_lo > 0 and the tiles are descriptors,
+        else K and V again).
     mask_strides, mask_kind : from :func:`mask_args`.
     use_tma : whether the tiles are descriptors.
     """
     mask, mask_strides, mask_kind = mask_args(attn_mask, geo.B, geo.Hq, geo.L, geo.N)
-    descs = kv_descriptors(k, v, block_n, d_lo or 0) if tma and tma_now(q.device) else None
+    descs = kv_descriptors(k, v, block_n, split or (0, 0)) if tma and tma_now(q.device) else None
     tiles = descs if descs is not None else (k, v)
-    if d_lo is not None and len(tiles) == 2:
+    if split is not None and len(tiles) == 2:
         tiles = tiles + tiles
     if key_start is not None and tuple(key_start.shape) != (geo.B,):
         raise ValueError(f"key_start must have shape (B,) = ({geo.B},); got {tuple(key_start.shape)}")

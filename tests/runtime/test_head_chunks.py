@@ -1,5 +1,6 @@
-"""Split-KV with the head dim cut in two power-of-two chunks (``common.head_dim_split``: D=80 as 64 + 16, D=96 as
-64 + 32) against the float64 reference and against the padded path, in the interpreter (and compiled on CUDA)."""
+"""Split-KV with the head dim cut in two power-of-two chunks (``common.head_dim_split``: D=80 and D=96 as 64 + 32,
+the columns past D masked) against the float64 reference and against the padded path, in the interpreter (and
+compiled on CUDA)."""
 from __future__ import annotations
 
 import pytest
@@ -22,11 +23,12 @@ def _tma_in_eager(monkeypatch):
 
 
 def test_where_the_head_dim_is_cut(monkeypatch):
-    assert [head_dim_split(d, d) for d in (48, 64, 72, 80, 96, 112, 128, 160, 192, 256)] == \
-        [32, 0, 0, 64, 64, 0, 0, 128, 128, 0]
-    assert head_dim_split(80, 64) == 0, "Q.K and P.V chunks are cut alike: D == Dv only"
+    cuts = {d: head_dim_split(d, d) for d in (16, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)}
+    assert cuts == {16: (0, 0), 48: (0, 0), 64: (0, 0), 72: (64, 32), 80: (64, 32), 96: (64, 32), 112: (0, 0),
+                    128: (0, 0), 160: (128, 32), 192: (128, 64), 256: (0, 0)}, "cut only where it pads less"
+    assert head_dim_split(80, 64) == (0, 0), "Q.K and P.V chunks are cut alike: D == Dv only"
     monkeypatch.setenv("ATTNOPT_HEAD_CHUNKS", "0")
-    assert head_dim_split(80, 80) == 0
+    assert head_dim_split(80, 80) == (0, 0)
 
 
 def test_chunk_descriptors_cover_both_chunks():
@@ -34,13 +36,13 @@ def test_chunk_descriptors_cover_both_chunks():
         pytest.skip("CPU descriptors need the Triton interpreter")
     k = torch.randn(2, 3, 40, 80, dtype=torch.float16)
     v = torch.randn(2, 40, 3, 80, dtype=torch.float16).transpose(1, 2)
-    descs = kv_descriptors(k, v, 16, 64)
-    assert [list(d.block_shape) for d in descs] == [[1, 1, 16, 64]] * 2 + [[1, 1, 16, 16]] * 2
+    descs = kv_descriptors(k, v, 16, (64, 32))
+    assert [list(d.block_shape) for d in descs] == [[1, 1, 16, 64]] * 2 + [[1, 1, 16, 32]] * 2
     assert descs[2].base.data_ptr() == k.data_ptr() + 64 * 2 and descs[3].base.data_ptr() == v.data_ptr() + 64 * 2
     assert kv_descriptors(k, v, 16) is not None and len(kv_descriptors(k, v, 16)) == 2
 
 
-@pytest.mark.parametrize("D,G,L", [(80, 1, 1), (96, 3, 2), (48, 4, 1)])
+@pytest.mark.parametrize("D,G,L", [(80, 1, 1), (96, 3, 2), (72, 4, 1)])
 def test_chunked_split_kv_matches_reference_and_padded(kernel_device, D, G, L):
     """Every split-KV form (one split, a merge launch, the fused merge; TMA tiles and pointers) with a valid length
     that ends inside a tile (the TMA path's pointer tail) and NaN past it, ALiBi and a softcap, against the float64
@@ -99,3 +101,39 @@ def test_chunked_two_plane_lse_and_unequal_head_dims(kernel_device):
     split_kv_decode(q, k, v64, out, num_splits=2, block_n=16)
     ref = sdpa_float64(q, k, v64)
     assert (out.double() - ref).abs().max().item() < 3e-3
+
+
+@pytest.mark.parametrize("mask_kind", ["prefix_row", "arbitrary"])
+def test_chunked_mask_tiles_match_reference(kernel_device, mask_kind):
+    """The mask-tile path (a static cache through its mask) in head chunks: a bool prefix mask of one row per batch
+    row with NaN in the hidden slots (the copy-engine loop over whole tiles, the pointer tail), and an arbitrary
+    (B, Hq, L, N) bool mask, TMA tiles and pointers, one split and several, against the reference and the padded
+    path."""
+    dev = kernel_device
+    B, Hkv, G, L, D, BN = 2, 2, 3, 1 if mask_kind == "prefix_row" else 2, 96, 16 if dev.type == "cpu" else 64
+    N = 6 * BN
+    q = torch.randn(B, Hkv * G, L, D, dtype=torch.float16, device=dev)
+    k = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
+    v = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
+    if mask_kind == "prefix_row":
+        valid = torch.tensor([2 * BN + 5, 4 * BN], device=dev)
+        mask = (torch.arange(N, device=dev)[None, :] < valid[:, None])[:, None, None, :]
+        for b, n in enumerate(valid.tolist()):
+            k[b, :, n:] = float("nan")
+            v[b, :, n:] = float("nan")
+        ref = sdpa_float64(q, k.nan_to_num(), v.nan_to_num(), attn_mask=mask)
+    else:
+        mask = torch.rand(B, Hkv * G, L, N, device=dev) > 0.6
+        mask[..., 0] = True
+        ref = sdpa_float64(q, k, v, attn_mask=mask)
+    for splits, tma in ((1, True), (3, True), (3, False)):
+        outs = []
+        for chunks in (None, False):
+            out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=dev)
+            split_kv_decode(q, k, v, out, attn_mask=mask, num_splits=splits, block_n=BN, tma=tma, head_chunks=chunks)
+            what = f"{mask_kind} S{splits} tma={tma} chunks={chunks}"
+            assert not torch.isnan(out).any(), what
+            err = (out.double() - ref).abs()
+            assert bool((err <= 3e-3 + 3e-3 * ref.abs()).all()), f"{what}: max error {err.max().item():.2e}"
+            outs.append(out)
+        assert (outs[0].double() - outs[1].double()).abs().max().item() < 4e-3
