@@ -3,7 +3,7 @@
 Issue 19: every shape where the planner's pick trails cuDNN at one KV length has D=80 or 96 (H100 at 50b728f: lhs08
 B64 8/8 D80 N2432 0.940, lhs33 B8 4/2 D80 N2048 0.945, lhs04 B7 4/2 D96 N3264 0.958, corner B1 14/2 D80 512k 0.925,
 B3 12/4 D96 N5000 0.985). Padded to 128, D=80 spends 37 % of the MMA work and shared memory on zeros (ptxas, sm_90,
-bf16, 128-key tiles, 3 stages, TMA: 139 KB of shared memory, one program per SM; in chunks of 64 + 16: 85 KB, two).
+bf16, 128-key tiles, 3 stages, TMA: 139 KB of shared memory, one program per SM; in chunks of 64 + 32: 105 KB, two).
 Per case and split-KV config (splits, block_n, warps, stages), each timed by CUDA-graph replay over rotating input
 sets (L2 holds no K/V) in interleaved rounds, as a dynamic cache runs it (no mask, no valid length):
 
