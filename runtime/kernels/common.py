@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnopt.cost.traffic import head_chunk_widths
+
 from . import interpreting
 # the KV-tile loop's pieces, imported from here by kernels that predate attend.py (saap.py)
 from .attend import (_attend, _attend_tile, _load_q, _row_coords, _softmax_update,  # noqa: F401
@@ -188,18 +190,14 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, split: tuple[
 
 def head_dim_split(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """How the kernels cut the head dims: (width of the first chunk, width of the second), both powers of two, or
-    (0, 0) to run them in one chunk padded to a power of two. The first chunk is the largest power of two <= D, the
-    second covers the rest, padded to a power of two of at least 32 (80 = 64 + 32 with 16 padding columns, 96 =
-    64 + 32, 72, 160 = 128 + 32, 192 = 128 + 64); cut only where that pads less than one chunk does and D == Dv.
-    Padded to 128, D=80 spends 37 % of Q.K's and P.V's MMA work, shared memory and TMA box on zeros (ptxas, sm_90,
-    bf16, 128-key tiles, 3 stages, TMA: 139 KB of shared memory, one program per SM; as 64 + 32: two). A 16-wide
-    second chunk (80 = 64 + 16 exactly) spilled 784 bytes there where the 32-wide one spills none.
-    ``ATTNOPT_HEAD_CHUNKS=0`` turns cutting off (for comparisons)."""
-    if head_dim != head_dim_v or head_dim < 1 or os.environ.get("ATTNOPT_HEAD_CHUNKS", "1") == "0":
+    (0, 0) to run them in one chunk padded to a power of two (``attnopt.cost.traffic.head_chunk_widths``: 72, 80
+    and 96 as 64 + 32, the columns past D masked; 160, 192). Padded to 128, D=80 spends 37 % of Q.K's and P.V's MMA
+    work, shared memory and TMA box on zeros (ptxas, sm_90, bf16, 128-key tiles, 3 stages, TMA: 139 KB of shared
+    memory, one program per SM; as 64 + 32: 105 KB, two). A 16-wide second chunk (80 = 64 + 16 exactly) spilled 784
+    bytes there where the 32-wide one spills none. ``ATTNOPT_HEAD_CHUNKS=0`` turns cutting off (for comparisons)."""
+    if os.environ.get("ATTNOPT_HEAD_CHUNKS", "1") == "0":
         return 0, 0
-    lo = 1 << (int(head_dim).bit_length() - 1)
-    hi = max(32, next_pow2(head_dim - lo)) if head_dim > lo else 0
-    return (lo, hi) if hi and lo + hi < next_pow2(head_dim) else (0, 0)
+    return head_chunk_widths(head_dim, head_dim_v)
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:

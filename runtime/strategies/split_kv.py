@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from attnopt.cost import kernel as kernel_cost
+from attnopt.cost.traffic import padded_head_dim
 from attnopt.hardware import HardwareProfile
 from attnopt.plan import SplitKVPlan
 from attnopt.site import AttentionSite
@@ -77,15 +78,13 @@ MAX_SMALL_PROGRAMS_PER_SM = 32
 SMEM_BUDGET = 200 * 1024
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def smem_bytes(site: AttentionSite, block_n: int, num_stages: int) -> int:
-    """Shared memory of one program: K and V tiles (padded head dims) per buffered pipeline stage, plus about
-    8 KB (matches the compiled kernels within a few KB)."""
+    """Shared memory of one program: K and V tiles (head dims as the kernels hold them: padded, or in two chunks,
+    ``attnopt.cost.traffic.padded_head_dim``) per buffered pipeline stage, plus about 8 KB (matches the compiled
+    kernels within a few KB)."""
     dv = site.v_head_dim or site.head_dim
-    return max(1, num_stages - 1) * block_n * (_pow2(site.head_dim) + _pow2(dv)) * site.dtype_bytes + 8192
+    width = padded_head_dim(site.head_dim, dv) + padded_head_dim(dv, site.head_dim)
+    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + 8192
 
 
 def fit_stages(site: AttentionSite, block_n: int, num_stages: int) -> int | None:

@@ -27,6 +27,9 @@ def test_where_the_head_dim_is_cut(monkeypatch):
     assert cuts == {16: (0, 0), 48: (0, 0), 64: (0, 0), 72: (64, 32), 80: (64, 32), 96: (64, 32), 112: (0, 0),
                     128: (0, 0), 160: (128, 32), 192: (128, 64), 256: (0, 0)}, "cut only where it pads less"
     assert head_dim_split(80, 64) == (0, 0), "Q.K and P.V chunks are cut alike: D == Dv only"
+    from attnopt.cost.traffic import padded_head_dim
+
+    assert [padded_head_dim(d) for d in (16, 64, 80, 96, 112, 160, 256)] == [16, 64, 96, 96, 128, 160, 256]
     monkeypatch.setenv("ATTNOPT_HEAD_CHUNKS", "0")
     assert head_dim_split(80, 80) == (0, 0)
 
