@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton")
 from attnopt.runtime.kernels import interpreting  # noqa: E402
 from attnopt.runtime.kernels.common import head_dim_split, kv_descriptors  # noqa: E402
 from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace  # noqa: E402
+from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace  # noqa: E402
 
 
 
@@ -140,3 +141,37 @@ def test_chunked_mask_tiles_match_reference(kernel_device, mask_kind):
             assert bool((err <= 3e-3 + 3e-3 * ref.abs()).all()), f"{what}: max error {err.max().item():.2e}"
             outs.append(out)
         assert (outs[0].double() - outs[1].double()).abs().max().item() < 4e-3
+
+
+@pytest.mark.parametrize("D,G,L", [(80, 1, 1), (96, 3, 2)])
+def test_chunked_stream_k_matches_reference_and_padded(kernel_device, D, G, L):
+    """Stream-K in head chunks: tiles written whole, tiles split between programs (partials in the workspace, merged
+    by the last to arrive), the two-plane LSE; NaN past each row's valid length; TMA tiles and pointers."""
+    dev = kernel_device
+    B, Hkv, BN = 2, 2, 16 if dev.type == "cpu" else 64
+    N = 5 * BN + 3
+    Hq = Hkv * G
+    q = torch.randn(B, Hq, L, D, dtype=torch.float16, device=dev)
+    k = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
+    v = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
+    valid = torch.tensor([N - 2, 2 * BN + 9], dtype=torch.int32, device=dev)
+    ref = sdpa_float64(q, k, v, valid_len=valid)
+    for b, n in enumerate(valid.tolist()):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    for grid, tma, planes in ((3, True, False), (7, False, False), (7, True, True)):
+        outs = []
+        for chunks in (None, False):
+            out = torch.full((B, Hq, L, D), float("nan"), dtype=torch.float16, device=dev)
+            lse = torch.full(((2,) if planes else ()) + (B, Hq, L), float("nan"), dtype=torch.float32, device=dev)
+            ws = stream_k_workspace(grid, q, k, v)
+            stream_k_decode(q, k, v, out, lse, workspace=ws, valid_len=valid, grid=grid, block_n=BN, tma=tma,
+                            head_chunks=chunks)
+            what = f"D{D} G{G} L{L} grid={grid} tma={tma} planes={planes} chunks={chunks}"
+            assert int(ws[2].abs().sum()) == 0, what
+            assert not torch.isnan(out).any() and not torch.isnan(lse).any(), what
+            err = (out.double() - ref).abs()
+            assert bool((err <= 3e-3 + 3e-3 * ref.abs()).all()), f"{what}: max error {err.max().item():.2e}"
+            outs.append((out, lse))
+        assert (outs[0][0].double() - outs[1][0].double()).abs().max().item() < 4e-3
+        assert torch.allclose(outs[0][1], outs[1][1], atol=1e-3, rtol=0)
