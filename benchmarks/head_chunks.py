@@ -9,12 +9,14 @@ sets (L2 holds no K/V) in interleaved rounds, as a dynamic cache runs it (no mas
 
 * ``chunks``: Q.K as two dots over the chunks, P.V into two accumulators, a TMA descriptor per chunk (the default);
 * ``padded``: one chunk padded to a power of two (``split_kv_decode(head_chunks=False)``, the path before);
+* ``chunks-fused`` (``--ways``): chunks, the last split to finish a tile merging it in the same launch;
 
 against ``sdpa-cudnn`` (SDPA's cuDNN backend at this one length, the planner bench's peer). Prints the medians,
 each way's ratio to the peer (> 1: faster) and its max abs error against the fp32 reference.
 
     python benchmarks/head_chunks.py [--cases lhs08-B64-8/8-d80-N2432-q1-dynamic,...] [--rounds 3]
-                                     [--configs 1/128/4/3,...] [--out $OUT/head-chunks.json]
+                                     [--configs 1/128/4/3,...] [--ways chunks,padded,chunks-fused]
+                                     [--out $OUT/head-chunks.json]
 """
 from __future__ import annotations
 
@@ -45,7 +47,11 @@ def default_configs(case, sms: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def run_case(name, case, rounds, configs) -> dict:
+#: The ways a config can run: (head_chunks, fused_merge) for ``split_kv_decode``.
+WAYS = {"chunks": (None, False), "padded": (False, False), "chunks-fused": (None, True)}
+
+
+def run_case(name, case, rounds, configs, ways=("chunks", "padded")) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -77,9 +83,12 @@ def run_case(name, case, rounds, configs) -> dict:
         kw = dict(workspace=ws, scale=scale, num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
                   tma=True)
         tag = f"S{splits}/bn{block_n}/w{warps}/st{stages}"
-        for way, chunks in (("chunks", None), ("padded", False)):
-            makers[f"{way} {tag}"] = (lambda kw_, c_: lambda s: lambda: split_kv_decode(
-                s["q"], s["k"], s["v"], out, head_chunks=c_, **kw_)[0])(kw, chunks)
+        for way in ways:
+            chunks, fused = WAYS[way]
+            if fused and splits == 1:
+                continue
+            makers[f"{way} {tag}"] = (lambda kw_, c_, f_: lambda s: lambda: split_kv_decode(
+                s["q"], s["k"], s["v"], out, head_chunks=c_, fused_merge=f_, **kw_)[0])(kw, chunks, fused)
     res = {"case": name, "sets": len(sets), **timed_rounds(makers, sets, ref, rounds)}
     p = res["median_us"].get("sdpa-cudnn")
     res["ratio_to_sdpa_cudnn"] = {w: (p / v if p else None) for w, v in res["median_us"].items()}
@@ -98,6 +107,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES), help="planner-bench case names (case_of)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ways", default="chunks,padded", help=f"comma-separated, of {', '.join(WAYS)}")
     p.add_argument("--configs", default=None, help="split-KV configs S/block_n/warps/stages, comma-separated "
                    "(default per case: default_configs)")
     p.add_argument("--out", default=None)
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
         case = case_of(name)
         configs = (default_configs(case, sms) if not args.configs
                    else [tuple(int(x) for x in c.split("/")) for c in args.configs.split(",")])
-        results.append(run_case(name, case, args.rounds, configs))
+        results.append(run_case(name, case, args.rounds, configs, tuple(w.strip() for w in args.ways.split(","))))
         _print(results[-1])
     if args.out:
         from attnopt.bench.common import results_header, write_results
