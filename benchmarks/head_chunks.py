@@ -7,8 +7,9 @@ bf16, 128-key tiles, 3 stages, TMA: 139 KB of shared memory, one program per SM;
 Per case and split-KV config (splits, block_n, warps, stages), each timed by CUDA-graph replay over rotating input
 sets (L2 holds no K/V) in interleaved rounds, as a dynamic cache runs it (no mask, no valid length):
 
-* ``chunks``: Q.K as two dots over the chunks, P.V into two accumulators, a TMA descriptor per chunk (the default);
-* ``padded``: one chunk padded to a power of two (``split_kv_decode(head_chunks=False)``, the path before);
+* ``chunks``: Q.K as two dots over the chunks, P.V into two accumulators, a TMA descriptor per chunk
+  (``split_kv_decode(head_chunks=True)``, a plan's ``head_chunks``);
+* ``padded``: one chunk padded to a power of two (the default);
 * ``chunks-fused`` (``--ways``): chunks, the last split to finish a tile merging it in the same launch;
 
 against ``sdpa-cudnn`` (SDPA's cuDNN backend at this one length, the planner bench's peer). Prints the medians,
@@ -48,7 +49,7 @@ def default_configs(case, sms: int) -> list[tuple[int, int, int, int]]:
 
 
 #: The ways a config can run: (head_chunks, fused_merge) for ``split_kv_decode``.
-WAYS = {"chunks": (None, False), "padded": (False, False), "chunks-fused": (None, True)}
+WAYS = {"chunks": (True, False), "padded": (False, False), "chunks-fused": (True, True)}
 
 
 def run_case(name, case, rounds, configs, ways=("chunks", "padded")) -> dict:

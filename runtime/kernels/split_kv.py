@@ -194,7 +194,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
                     tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None,
-                    head_chunks=None):
+                    head_chunks=False):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -224,9 +224,9 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         ``tma`` applies), True all by pointer loads; None = "tma" with ``tma``, else True. False takes contiguous
         shares of [0, valid_len) instead, the mask read in every tile (the path before it; for comparisons). Exact
         each way.
-    head_chunks : None: where ``common.head_dim_split`` cuts the head dim in two power-of-two chunks (D=80 and 96:
-        64 + 32), Q.K and P.V run over the two chunks instead of one padded to a power of two (128); False: padded
-        always (for comparisons). Exact either way.
+    head_chunks : True: where ``common.head_dim_split`` cuts the head dim in two power-of-two chunks (D=80 and 96:
+        64 + 32), Q.K and P.V run over the two chunks instead of one padded to a power of two (128); False: one
+        padded chunk. Exact either way (a plan's ``head_chunks``, chosen by measurement).
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
@@ -239,7 +239,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         raise ValueError(f"split_kv_decode: mask_tiles must be None, True, False or 'tma'; got {mask_tiles!r}")
     skip = attn_mask is not None and key_start is None and mask_tiles is not False
     tma = tma and (not skip or mask_tiles in (None, "tma"))
-    split = (0, 0) if head_chunks is False else head_dim_split(geo.D, geo.Dv)
+    split = head_dim_split(geo.D, geo.Dv) if head_chunks else (0, 0)
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
                                                        alibi_slopes, split)
     upcast, precision = dot_flags(q.dtype)

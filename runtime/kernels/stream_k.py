@@ -262,7 +262,7 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2, tma=False, key_start=None,
-                    softcap=0.0, alibi_slopes=None, head_chunks=None):
+                    softcap=0.0, alibi_slopes=None, head_chunks=False):
     """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch.
 
     Parameters
@@ -281,7 +281,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     grid : programs in the persistent grid (more programs than iterations just leaves some idle).
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
         is being captured into a CUDA graph (``tma_now``, as for split-KV); pointer loads otherwise.
-    head_chunks : as for ``split_kv_decode``: None cuts the head dim in two power-of-two chunks where
+    head_chunks : as for ``split_kv_decode``: True cuts the head dim in two power-of-two chunks where
         ``common.head_dim_split`` does; False keeps one padded chunk.
     """
     if grid < 1:
@@ -290,7 +290,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     if workspace is None:
         workspace = stream_k_workspace(grid, q, k, v)
     ws_o, ws_lse, counters = workspace
-    split = (0, 0) if head_chunks is False else head_dim_split(geo.D, geo.Dv)
+    split = head_dim_split(geo.D, geo.Dv) if head_chunks else (0, 0)
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
                                                        alibi_slopes, split)
     upcast, precision = dot_flags(q.dtype)

@@ -88,7 +88,7 @@ def interpret(monkeypatch):
     (3, 3, 1, 2, 33, 9, torch.float32, "bool", 64),   # L > 1: the (Hq, B, L) workspace layout; row 0 fully hidden
     (2, 6, 2, 1, 40, 0, torch.float16, "min", 64),    # no suffix yet; finfo.min row
     (2, 4, 4, 1, 0, 7, torch.float32, "neginf", 64),  # no prefix
-    (3, 4, 2, 1, 70, 5, torch.float16, "bool", 80),   # the head dim in two chunks (64 + 32)
+    (3, 4, 2, 1, 70, 5, torch.float16, "bool", 80),   # a head dim that is not a power of two
 ])
 def test_kernel_cascade_matches_oracle_and_plain_split_kv(interpret, B, Hq, Hkv, L, P, S, dtype, mask, D):
     q, parts, k, v, m = _inputs(B, Hq, Hkv, L, P, S, D, dtype=dtype, mask=mask)

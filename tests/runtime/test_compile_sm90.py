@@ -97,9 +97,10 @@ def _launches(monkeypatch) -> list[dict]:
         for splits, fused, m in ((1, False, None), (4, True, None), (4, False, mask)):
             split_kv_decode(q80, k80, v80, torch.empty(B, Hq, L, 80, dtype=dtype), torch.empty(B, Hq, L),
                             valid_len=torch.tensor([250], dtype=torch.int32), attn_mask=m, num_splits=splits,
-                            block_n=64, num_warps=4, num_stages=3, fused_merge=fused)
+                            block_n=64, num_warps=4, num_stages=3, fused_merge=fused, head_chunks=True)
         stream_k_decode(q80, k80, v80, torch.empty(B, Hq, L, 80, dtype=dtype), torch.empty(B, Hq, L),
-                        workspace=stream_k_workspace(8, q80, k80, v80), grid=8, block_n=64, num_warps=4, num_stages=3)
+                        workspace=stream_k_workspace(8, q80, k80, v80), grid=8, block_n=64, num_warps=4, num_stages=3,
+                        head_chunks=True)
         for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
             _saap_launch(q, k, v, clusters, probes)
         _variant_launches(q, k, v, mask)

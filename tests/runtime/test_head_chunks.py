@@ -70,7 +70,7 @@ def test_chunked_split_kv_matches_reference_and_padded(kernel_device, D, G, L):
         for splits, fused, tma in ((1, False, False), (1, False, True), (3, False, True), (3, True, False),
                                    (3, True, True)):
             outs = []
-            for chunks in (None, False):
+            for chunks in (True, False):
                 out = torch.full((B, Hq, L, D), float("nan"), dtype=dtype, device=dev)
                 lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=dev)
                 ws = split_kv_workspace(splits, q, k2, v2)
@@ -93,7 +93,7 @@ def test_chunked_two_plane_lse_and_unequal_head_dims(kernel_device):
     k = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
     v = torch.randn(B, Hkv, N, D, dtype=torch.float16, device=dev)
     planes = []
-    for chunks in (None, False):
+    for chunks in (True, False):
         out = torch.empty(B, Hkv * G, L, D, dtype=torch.float16, device=dev)
         lse = torch.empty(2, B, Hkv * G, L, dtype=torch.float32, device=dev)
         split_kv_decode(q, k, v, out, lse, num_splits=1, block_n=16, head_chunks=chunks)
@@ -132,7 +132,7 @@ def test_chunked_mask_tiles_match_reference(kernel_device, mask_kind):
         ref = sdpa_float64(q, k, v, attn_mask=mask)
     for splits, tma in ((1, True), (3, True), (3, False)):
         outs = []
-        for chunks in (None, False):
+        for chunks in (True, False):
             out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=dev)
             split_kv_decode(q, k, v, out, attn_mask=mask, num_splits=splits, block_n=BN, tma=tma, head_chunks=chunks)
             what = f"{mask_kind} S{splits} tma={tma} chunks={chunks}"
@@ -161,7 +161,7 @@ def test_chunked_stream_k_matches_reference_and_padded(kernel_device, D, G, L):
         v[b, :, n:] = float("nan")
     for grid, tma, planes in ((3, True, False), (7, False, False), (7, True, True)):
         outs = []
-        for chunks in (None, False):
+        for chunks in (True, False):
             out = torch.full((B, Hq, L, D), float("nan"), dtype=torch.float16, device=dev)
             lse = torch.full(((2,) if planes else ()) + (B, Hq, L), float("nan"), dtype=torch.float32, device=dev)
             ws = stream_k_workspace(grid, q, k, v)
@@ -175,3 +175,37 @@ def test_chunked_stream_k_matches_reference_and_padded(kernel_device, D, G, L):
             outs.append((out, lse))
         assert (outs[0][0].double() - outs[1][0].double()).abs().max().item() < 4e-3
         assert torch.allclose(outs[0][1], outs[1][1], atol=1e-3, rtol=0)
+
+
+def test_chunked_plans_are_candidates_that_only_measurement_picks():
+    """Where the kernels cut the head dim (D=80), split-KV's candidates include head-chunked twins of the configs
+    with tiles >= CHUNK_MIN_BLOCK_N, sized by their own shared memory; each is estimated behind its padded twin, so
+    the model's pick stays padded, and the tuner times the best chunked one early. None at D=128."""
+    import dataclasses
+
+    from attnopt.hardware import builtin_profile
+    from attnopt.plan import SplitKVPlan, plan_from_json
+    from attnopt.runtime.strategies.base import PlanContext, get_strategy
+    from attnopt.runtime.strategies.split_kv import CHUNK_MIN_BLOCK_N, smem_bytes
+    from attnopt.site import AttentionSite
+    from attnopt.tuning_candidates import to_time
+
+    hw, ctx = builtin_profile("h100-sxm"), PlanContext(device_type="cuda", triton_available=True)
+    strategy = get_strategy("split_kv")
+    for head_dim, twins in ((80, True), (96, True), (128, False)):
+        site = AttentionSite.canonical(dtype="bfloat16", batch=8, q_heads=4, kv_heads=2, head_dim=head_dim,
+                                       kv_len=2048)
+        plans = sorted((dataclasses.replace(p, est_us=strategy.estimate_us(p, site, hw, ctx))
+                        for p in strategy.candidates(site, hw, ctx)), key=lambda p: p.est_us)
+        chunked = [p for p in plans if p.head_chunks]
+        assert bool(chunked) == twins, head_dim
+        assert not plans[0].head_chunks, "the untuned pick is never head-chunked"
+        assert all(p.block_n >= CHUNK_MIN_BLOCK_N for p in chunked)
+        if twins:
+            assert smem_bytes(site, 128, 3, True) < smem_bytes(site, 128, 3)
+            assert any(p.head_chunks for p in to_time(plans, 4)), "the tuner times a chunked plan"
+            padded = dataclasses.replace(chunked[0], head_chunks=False)
+            assert chunked[0].est_us > strategy.estimate_us(padded, site, hw, ctx)
+    plan = SplitKVPlan(num_splits=4, block_n=128, head_chunks=True)
+    assert plan_from_json(plan.to_json()) == plan
+    assert plan.runtime_key() != SplitKVPlan(num_splits=4, block_n=128).runtime_key()
