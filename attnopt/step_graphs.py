@@ -31,6 +31,7 @@ extra forward (the recording runs nothing; the first replay is that call's forwa
 """
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 import warnings
@@ -316,12 +317,25 @@ class CudaGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
+        # No garbage collection during the capture: a collection there can free an object that owns CUDA memory
+        # of another pool (a tuner's timing graph, its input sets), whose release may call cudaFree from this very
+        # thread and invalidate the capture. The suspect (not proven) of an intermittent failure on the H100:
+        # cudaErrorStreamCaptureInvalidated in generate()'s recording with no other thread of ours alive and
+        # capture_error_mode="thread_local" (8936801). Collect first instead.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a CUDA call that another thread of this process makes meanwhile (a Triton compile
+            # loading its module) must not invalidate this capture; inductor's CUDA-graph trees capture the same way
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = fn()
         except Exception:
             self._abandon_pool()
             raise
+        finally:
+            if collecting:
+                gc.enable()
         return graph, output
 
     def _abandon_pool(self) -> None:

@@ -357,13 +357,16 @@ def test_a_failed_capture_ends_its_pool_routing_and_later_recordings_take_a_new_
     (every later capture there failed on the H100: "already recording to mempool_id"), so the routing is ended and
     the next recording gets a pool of its own."""
     import contextlib
+    import gc
 
     from attnopt.step_graphs import CudaGraphs
 
     pools, ended, captures = iter(range(100)), [], []
 
     @contextlib.contextmanager
-    def graph(g, pool):
+    def graph(g, pool, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"  # another thread's CUDA call must not invalidate the capture
+        assert not gc.isenabled()  # a collection inside the capture could free another pool's memory (cudaFree)
         captures.append(pool)
         yield
         if len(captures) == 1:
@@ -382,3 +385,4 @@ def test_a_failed_capture_ends_its_pool_routing_and_later_recordings_take_a_new_
     assert ended == [(0, ("pool", 0))]
     assert graphs.record(lambda: 2)[1] == 2 and graphs.record(lambda: 3)[1] == 3
     assert captures == [("pool", 0), ("pool", 1), ("pool", 1)]  # a new pool after the failure, then shared
+    assert gc.isenabled()  # collection is back on after a failed capture and after good ones
