@@ -61,6 +61,11 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
     (``benchmarks/results/experiments/kernel-headroom-*``); they come last so that equal estimates plan the others."""
     if head_dim > 128:
         return ((32, 4, 3), (64, 8, 2), (64, 4, 3))
+    if 64 < head_dim <= 96:
+        # (128, 4, 3) last: at D=80/96 it was the fastest config in 3 of 5 trailing dynamic shapes (H100 at a5cad6d,
+        # benchmarks/head_chunks.py: B64 8/8 N2432 S1 139.6 µs, B1 14/2 512k S66 122.2, B3 12/4 N5000 S11 15.9, each
+        # ahead of every listed config) and was a candidate only when the cost model picked it
+        return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 4, 3), (128, 4, 3))
     if head_dim <= 96:
         return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 4, 3))
     # (128, 4, 3) before (128, 8, 3): an uncalibrated cost model cannot tell them apart, the first of equal
@@ -130,11 +135,13 @@ def fitting_configs(site: AttentionSite, head_chunks: bool = False) -> Iterable[
             yield block_n, warps, stages
 
 
-#: Tiles at least this wide get a head-chunked twin where the kernels cut the head dim (``SplitKVPlan.head_chunks``).
-#: H100 at a2753cf (D=96 as 64 + 32, ``benchmarks/head_chunks.py``): with 128-key tiles the chunks ran 7-16 % faster
-#: than one padded chunk at 18-40 splits (padded, 139 KB of shared memory holds one program per SM; chunked, 105 KB,
-#: two) and within 4 % at 9-11; with 64-key tiles, where registers bound the programs per SM either way, 2-8 % slower.
-CHUNK_MIN_BLOCK_N = 128
+#: Tiles at least this wide get a head-chunked twin where the kernels cut the head dim (``SplitKVPlan.head_chunks``):
+#: every config. H100 at a5cad6d (``benchmarks/head_chunks.py``, D=80/96 as 64 + 32, against one padded chunk):
+#: B8 4/2 D80 N2048 S32/bn64 10.76 µs against 12.02 (1.019x cuDNN, the fastest row), B64 8/8 D80 N2432 S1/bn64 143.6
+#: against 164.8, B7 4/2 D96 N3264 S18/bn64 13.36 against 13.59; at B3 12/4 D96 N5000 3-5 % slower at 64-key tiles
+#: and 11 splits; at 128-key tiles up to 15 % faster with many splits (padded, 139 KB of shared memory holds one
+#: program per SM; chunked, 105 KB, two). Neither wins everywhere, so measurement chooses.
+CHUNK_MIN_BLOCK_N = 64
 #: A head-chunked plan's estimate is its padded twin's times (1 + this): the untuned choice stays padded.
 CHUNK_ESTIMATE_PENALTY = 0.01
 
@@ -241,7 +248,7 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         the trace-time hint sizes the splits; the share of each split then follows the length at run time. K/V
         tiles go through TMA where the GPU and strides allow it. Where the kernels cut the head dim in two chunks
         (D=80/96), the configs of tiles >= CHUNK_MIN_BLOCK_N come again with ``head_chunks`` (sized by their own
-        shared memory), for measurement to choose."""
+        shared memory), each estimated just behind its padded twin, for measurement to choose."""
         n = planned_len(site)
         base = output_tiles(site)
         seen = set()
