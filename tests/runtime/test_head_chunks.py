@@ -201,6 +201,8 @@ def test_chunked_plans_are_candidates_that_only_measurement_picks():
         assert bool(chunked) == twins, head_dim
         assert not plans[0].head_chunks, "the untuned pick is never head-chunked"
         assert all(p.block_n >= CHUNK_MIN_BLOCK_N for p in chunked)
+        configs = {(p.block_n, p.num_warps, p.num_stages) for p in plans}
+        assert (128, 4, 3) in configs, "128-key tiles, 4 warps, 3 stages: a candidate (at D=80/96 measured fastest)"
         if twins:
             assert smem_bytes(site, 128, 3, True) < smem_bytes(site, 128, 3)
             assert any(p.head_chunks for p in to_time(plans, 4)), "the tuner times a chunked plan"
