@@ -143,6 +143,9 @@ class SplitKVPlan(Plan):
     fused_merge: bool = False
     #: K/V tiles through the copy engine (TMA tensor descriptors) where the GPU and the strides allow it.
     tma: bool = False
+    #: The head dim in two power-of-two chunks where the kernels cut it (D=80/96 as 64 + 32, not padded to 128: less
+    #: shared memory, more programs per SM; ``runtime/kernels/common.py`` head_dim_split); ignored elsewhere.
+    head_chunks: bool = False
 
 
 @register_plan_kind
