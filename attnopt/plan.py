@@ -143,6 +143,9 @@ class SplitKVPlan(Plan):
     fused_merge: bool = False
     #: K/V tiles through the copy engine (TMA tensor descriptors) where the GPU and the strides allow it.
     tma: bool = False
+    #: The head dim in two power-of-two chunks where the kernels cut it (D=80/96 as 64 + 32, not padded to 128: less
+    #: shared memory, more programs per SM; ``runtime/kernels/common.py`` head_dim_split); ignored elsewhere.
+    head_chunks: bool = False
 
 
 @register_plan_kind
@@ -205,9 +208,10 @@ class SaapPlan(Plan):
     #: The planner turns it on for centroid scoring (H100, 2cefde7, 5 %: 42.9 µs against 44.3 apart at 128k, 73.1
     #: against 78.9 at 512k) and leaves it off for the query MLP (its fused launch: 76-78 µs against 44.3, dbfa5c3).
     fused_select: bool = False
-    #: The attention launch also merges (its last split per tile to arrive): one launch fewer. Off by default until
-    #: measured with the register cap that keeps the attention's programs per SM (at dbfa5c3 the merge's registers
-    #: made the launch 2.5x slower).
+    #: The attention launch also merges (the last split of each group of about sqrt(S) splits merges its group, the
+    #: last group the tile: ``runtime.kernels.saap_merge``): one launch fewer. Off: on the H100 (8db9edf, llama3-8b
+    #: 128k, 5 %) the attention launch took 29.5 µs with it against 19.1 + a 3.4 µs merge launch without (every
+    #: program's release fence and arrival atomic, then two merges, sit on the launch's tail).
     fused_merge: bool = False
     #: Chain the launches by programmatic dependent launch. Off by default: on the H100 it cost 3-12 µs a call at
     #: 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
@@ -224,6 +228,16 @@ class SaapPlan(Plan):
     #: clusters). A fused centroid launch below 16 warps takes 64 clusters a program (two an SM) instead of 128: on the
     #: H100 (cc11447, llama3-8b, 5 %) its scoring-and-selection took 21.3-22.5 µs at 8 warps against 18.6-19.1 at 16.
     select_warps: int = 0
+    #: Software-pipeline stages of the attention launch's K/V tiles (Triton ``num_stages``): 2 keeps one tile's
+    #: copy in flight, issued after the tile before is folded; 3 keeps two in flight (twice the K/V buffers in shared
+    #: memory). 2: on the H100 (8db9edf, llama3-8b 128k, 5 %) 3 took 24.1 µs at 32 keys a tile and 20.5 at 16,
+    #: against 19.1 and 19.5 at 2.
+    num_stages: int = 2
+    #: Attention splits that share the sink and the window (the others share the chosen clusters); 0: in proportion
+    #: to the keys each part holds (``kernels.saap.window_split_count``). The rule stays: on the H100 (94ca2cf,
+    #: llama3-8b, 5 %, 64 splits) 8 and 24 of them took 44.1 and 45.2 µs at 128k against 43.3-44 for the rule's 16
+    #: (79.0 and 83.9 µs at 512k against 80.1).
+    window_splits: int = 0
 
     def runtime_note(self) -> str:
         """The selectivity measured at run time (attended keys over visible keys), once the op has run."""

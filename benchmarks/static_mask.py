@@ -78,12 +78,37 @@ def _peer(scale, gqa):
     return make
 
 
+def timed_rounds(makers: dict, sets: list, ref, rounds: int) -> dict:
+    """Each way (``makers``: name -> input set -> call) checked once against ``ref`` (max abs error), then timed by
+    CUDA-graph replay over the input sets in ``rounds`` interleaved rounds (each round starts at another way).
+    Returns max_abs_err, rounds_us and median_us per way, and ``failed``: the ways whose first call raised (a
+    config out of shared memory), with the error."""
+    from attnopt.bench.common import cycle, time_us
+
+    calls = {w: [make(s) for s in sets] for w, make in makers.items()}
+    out: dict = {"max_abs_err": {}, "failed": {}}
+    for w, cs in list(calls.items()):
+        try:
+            out["max_abs_err"][w] = float((cs[0]().float() - ref).abs().max())
+        except Exception as e:  # noqa: BLE001 - reported; the other ways still run
+            out["failed"][w] = f"{type(e).__name__}: {str(e)[:300]}"
+            del calls[w]
+    out["rounds_us"] = {w: [] for w in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for w in names[r % len(names):] + names[:r % len(names)]:
+            out["rounds_us"][w].append(time_us(cycle(calls[w]), "graph", target_ms=2.0, replays=5,
+                                               min_calls=len(sets)))
+    out["median_us"] = {w: statistics.median(v) for w, v in out["rounds_us"].items()}
+    return out
+
+
 def run_case(name, case, rounds, configs) -> dict:
     import math
 
     import torch
 
-    from attnopt.bench.common import Rotation, cycle, time_us
+    from attnopt.bench.common import Rotation
     from attnopt.bench.planner import MAX_SETS, _make_set
     from attnopt.runtime.reference import decode_attention
 
@@ -99,19 +124,24 @@ def run_case(name, case, rounds, configs) -> dict:
     makers = {"sdpa-cudnn": _peer(scale, Hq != Hkv)}
     for config in configs:
         makers.update(_ways(sets, scale, config))
-    calls = {w: [make(s) for s in sets] for w, make in makers.items()}
-    out: dict = {"case": name, "sets": len(sets), "max_abs_err": {}, "rounds_us": {w: [] for w in calls}}
-    for w, cs in calls.items():
-        out["max_abs_err"][w] = float((cs[0]().float() - ref).abs().max())
-    names = list(calls)
-    for r in range(rounds):
-        for w in names[r % len(names):] + names[:r % len(names)]:
-            out["rounds_us"][w].append(time_us(cycle(calls[w]), "graph", target_ms=2.0, replays=5,
-                                               min_calls=len(sets)))
-    out["median_us"] = {w: statistics.median(v) for w, v in out["rounds_us"].items()}
+    out = {"case": name, "sets": len(sets), **timed_rounds(makers, sets, ref, rounds)}
     peer = out["median_us"]["sdpa-cudnn"]
     out["speedup_vs_sdpa_cudnn"] = {w: peer / v for w, v in out["median_us"].items()}
     return out
+
+
+def cuda_ready() -> bool:
+    """Whether there is a GPU (else a message); the eager warm-ups then compile the variant a graph replays (TMA),
+    once."""
+    import os
+
+    os.environ.setdefault("ATTNOPT_TMA_EAGER", "1")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv=None) -> int:
@@ -123,16 +153,10 @@ def main(argv=None) -> int:
                    "(default: " + ",".join("/".join(map(str, c)) for c in CONFIGS) + ")")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    import os
-
-    os.environ.setdefault("ATTNOPT_TMA_EAGER", "1")  # the warm-up compiles the variant the graph replays, once
-    import torch
-
+    if not cuda_ready():
+        return 2
     from attnopt.bench.planner_grid import case_of
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
     results = []
     for name in (c.strip() for c in args.cases.split(",") if c.strip()):
         configs = CONFIGS if not args.configs else tuple(tuple(int(x) for x in c.split("/"))

@@ -31,22 +31,28 @@ merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...
 plan's ``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside
 the scoring and the selection; ``late`` (suffix ``-wsl``) forks it after the scoring (``window_after_scoring``). Its
 ``attention_us`` then sums both attention launches, which run in parallel branches.
-``--saap-select-warps`` (default ``0``: the kernel's rule) times each row also at other selection widths (suffix
-``-sw<N>``; fused, below 16 warps the scoring takes 64 clusters a program). The centroid-scored rows also carry
+``--saap-stages`` (default ``0``: the plan's) times each row also at other software-pipeline depths of the attention's
+K/V tiles (suffix ``-st<N>``); ``--saap-window-splits`` (default ``0``: the rule) at other counts of the splits
+that share the sink and the window (suffix ``-w<N>``). ``--saap-select-warps`` (default ``0``: the kernel's rule)
+times each row also at other selection widths (suffix ``-sw<N>``; fused, below 16 warps the scoring takes 64
+clusters a program). The centroid-scored rows also carry
 ``selection_us_by_warps``: the selection launch alone at 8, 16 and 32 warps
-(``SELECT_WARPS``; the plan takes ``saap_select.select_warps``), timed once per case and target.
+(``saap_breakdown.SELECT_WARPS``; the plan takes ``saap_topl.select_warps``), timed once per case and target.
+The command-line choices are in ``saap_options``, the per-launch breakdown in ``saap_breakdown``.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 from dataclasses import replace
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from .saap_breakdown import STAGES, launch_breakdown, selection_by_warps
+from .saap_options import FUSE_CHOICES, WINDOW_CHOICES, fuse_choices, saap_geometries, select_warps_choices, \
+    stages_choices, window_splits_choices, window_stream_choices
 
 #: name -> (B, Hq, Hkv, D, N)
 CASES = {"tiny-4k": (1, 8, 2, 128, 4096), "llama3-8b-32k": (1, 32, 8, 128, 32768), "llama3-8b-128k": (1, 32, 8, 128, 131072),
@@ -77,6 +83,11 @@ def register(suites) -> None:
                    "(the same, forked after the scoring; suffix -wsl)")
     p.add_argument("--saap-select-warps", default="0", help="comma-separated selection widths to time per SAAP row "
                    "(0: the kernel's rule; others 4, 8, 16 or 32: method suffix -sw<N>)")
+    p.add_argument("--saap-stages", default="0", help="comma-separated software-pipeline stages of the attention's "
+                   "K/V tiles to time per SAAP row (0: the plan's; others 2 or 3: method suffix -st<N>)")
+    p.add_argument("--saap-window-splits", default="0", help="comma-separated counts of the attention splits that "
+                   "share the sink and the window, to time per SAAP row (0: the plan's rule; others: method suffix "
+                   "-w<N>)")
     p.add_argument("--commit", default=None)
     p.set_defaults(func=run_cli)
 
@@ -87,60 +98,6 @@ def budget(target: float, n: int, clusters: int) -> tuple[int, int]:
     window = min(2047, int(0.25 * target * n))
     probes = max(1, round((target * n - SINK - window) / (n / clusters)))
     return window, min(probes, clusters)
-
-
-#: ``--saap-fuse`` choices -> (the plan's fused_select, fused_merge) and the method's suffix.
-FUSE_CHOICES = {"both": ((True, True), ""), "none": ((False, False), "-unfused"),
-                "select": ((True, False), "-fuse-select"), "merge": ((False, True), "-fuse-merge")}
-
-
-def fuse_choices(text: str) -> list[str]:
-    """The ``--saap-fuse`` list (keys of ``FUSE_CHOICES``, each once); ``ValueError`` naming them otherwise."""
-    items = [x.strip() for x in (text or "both").split(",") if x.strip()]
-    if not items or any(x not in FUSE_CHOICES for x in items):
-        raise ValueError(f"--saap-fuse takes a comma-separated list of {', '.join(FUSE_CHOICES)}; got {text!r}")
-    return list(dict.fromkeys(items))
-
-
-#: ``--saap-window-stream`` choices -> (the plan's window_stream, window_after_scoring) and the method's suffix.
-WINDOW_CHOICES = {"off": ((False, False), ""), "on": ((True, False), "-ws"), "late": ((True, True), "-wsl")}
-
-
-def window_stream_choices(text: str) -> list[str]:
-    """The ``--saap-window-stream`` list (keys of ``WINDOW_CHOICES``), each once; ``ValueError`` naming them
-    otherwise."""
-    items = [x.strip() for x in (text or "off").split(",") if x.strip()]
-    if not items or any(x not in WINDOW_CHOICES for x in items):
-        raise ValueError(f"--saap-window-stream takes a comma-separated list of {', '.join(WINDOW_CHOICES)}; "
-                         f"got {text!r}")
-    return list(dict.fromkeys(items))
-
-
-def select_warps_choices(text: str) -> list[int]:
-    """The ``--saap-select-warps`` list (0: the kernel's rule, or 4, 8, 16, 32), each once; ``ValueError`` naming
-    the choices otherwise."""
-    try:
-        items = [int(x) for x in (text or "0").split(",") if x.strip()]
-    except ValueError:
-        items = []
-    if not items or any(x not in (0, 4, 8, 16, 32) for x in items):
-        raise ValueError(f"--saap-select-warps takes a comma-separated list of 0 (the rule), 4, 8, 16, 32; "
-                         f"got {text!r}")
-    return list(dict.fromkeys(items))
-
-
-def saap_geometries(splits: str, block_n: str) -> tuple[list[int], list[int]]:
-    """The ``--saap-splits`` and ``--saap-block-n`` lists (0 = the planner's choice; empty = [0]); ``ValueError``
-    naming the valid values otherwise."""
-    try:
-        split_list = [int(x) for x in (splits or "0").split(",") if x.strip()]
-        block_list = [int(x) for x in (block_n or "0").split(",") if x.strip()]
-    except ValueError:
-        split_list = block_list = [-1]
-    if any(x < 0 for x in split_list) or any(x not in (0, 16, 32, 64, 128) for x in block_list):
-        raise ValueError(f"--saap-splits takes comma-separated counts >= 0 (0: the planner's) and --saap-block-n "
-                         f"0 (the planner's), 16, 32, 64 or 128; got {splits!r} and {block_n!r}")
-    return split_list, block_list
 
 
 def _clustered_set(i, B, Hq, Hkv, D, N, centroids, rope, dtype, gen):
@@ -201,6 +158,8 @@ def run(args) -> dict[str, Any]:
     fuse_list = fuse_choices(getattr(args, "saap_fuse", "both"))
     stream_list = window_stream_choices(getattr(args, "saap_window_stream", "off"))
     warps_list = select_warps_choices(getattr(args, "saap_select_warps", "0"))
+    stages_list = stages_choices(getattr(args, "saap_stages", "0"))
+    window_list = window_splits_choices(getattr(args, "saap_window_splits", "0"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     reads = read_bandwidth_TBps()
     results = results_header("saap", commit=args.commit, read_bw_TBps=round(reads["best"], 4), dtype=str(dtype)[6:],
@@ -283,21 +242,26 @@ def run(args) -> dict[str, Any]:
                         print(f"    selection alone by warps: {by_warps['selection_us_by_warps']} µs", flush=True)
                     except Exception as exc:  # noqa: BLE001 - an extra measurement must not lose the rows
                         by_warps = {"selection_by_warps_error": f"{type(exc).__name__}: {exc}"[:200]}
-                for fuse, splits, block_n, apart, warps in [
-                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w) for f in fuse_list for sp in split_list
-                        for bn in block_list for ws in stream_list for w in warps_list]:
+                for fuse, splits, block_n, apart, warps, stages, wsplits in [
+                        (f, sp or proto.num_splits, bn or proto.block_n, ws, w, st, wn) for f in fuse_list
+                        for sp in split_list for bn in block_list for ws in stream_list for w in warps_list
+                        for st in stages_list for wn in window_list]:
                     (fused_select, fused_merge), suffix = FUSE_CHOICES[fuse]
                     (window_stream, window_late), window_suffix = WINDOW_CHOICES[apart]
-                    suffix += window_suffix + (f"-sw{warps}" if warps else "")
+                    suffix += window_suffix + (f"-sw{warps}" if warps else "") + (f"-st{stages}" if stages else "") \
+                        + (f"-w{wsplits}" if wsplits else "")
                     plans = [SaapPlan(index=str(path), probes=probes, sink=SINK, window=window, layer=layer,
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
                                       fused_merge=fused_merge, window_stream=window_stream,
-                                      window_after_scoring=window_late, select_warps=warps) for layer in layers]
+                                      window_after_scoring=window_late, select_warps=warps,
+                                      num_stages=stages or proto.num_stages, window_splits=wsplits)
+                             for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),
                                 {"peer": False, "target": target, "window": window, "probes": probes, "sink": SINK,
                                  "selectivity": sel, "read_bytes": sel * kv_bytes, "fuse": fuse, "splits": splits,
-                                 "block_n": block_n, "plan": plans[0].describe(), **by_warps})
+                                 "block_n": block_n, "num_stages": plans[0].num_stages, "plan": plans[0].describe(),
+                                 **by_warps})
                     if "us" in row:
                         try:
                             row.update(launch_breakdown(cycle(calls)))
@@ -307,7 +271,8 @@ def run(args) -> dict[str, Any]:
                                                            for plan, s in zip(plans, sets)]), "graph")
                         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
                             row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
-                        print(f"    fuse {fuse}, splits {splits}, block_n {block_n}: " + ", ".join(
+                        print(f"    fuse {fuse}, splits {splits}, block_n {block_n}, stages {plans[0].num_stages}: "
+                              + ", ".join(
                             f"{k[:-3]} {row[k]:.1f}" for k in STAGES if k in row)
                             + f" µs/call by launch; {row.get('kernels_per_call', 0):.0f} kernels; "
                             f"{row.get('between_kernels_us', float('nan')):.1f} µs of the graph's time between them; "
@@ -330,89 +295,6 @@ def run(args) -> dict[str, Any]:
     return results
 
 
-#: Breakdown fields of a SAAP row -> the kernel names (substrings) whose device time they sum; first match wins.
-STAGES = {"scoring_us": ("_saap_rows_kernel",), "selection_us": ("_saap_select_kernel",),
-          "attention_us": ("_saap_kernel",), "merge_us": ("_merge_states_kernel",), "other_us": ("",)}
-
-
-def stage_of(kernel: str) -> str:
-    """The ``STAGES`` field a kernel's device time goes to."""
-    return next(stage for stage, names in STAGES.items() if any(n in kernel for n in names))
-
-
-@contextlib.contextmanager
-def unchained():
-    """Launch without programmatic dependent launch for the duration (``ATTNOPT_PDL=0``)."""
-    saved = os.environ.get("ATTNOPT_PDL")
-    os.environ["ATTNOPT_PDL"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("ATTNOPT_PDL")
-        else:
-            os.environ["ATTNOPT_PDL"] = saved
-
-
-def kernel_times(fn, calls: int = 20) -> list[tuple[str, float]]:
-    """(kernel name, device µs) of every kernel that ``calls`` eager calls of ``fn`` launch, under torch.profiler
-    after three warm-up calls. The launches are not chained here (``ATTNOPT_PDL=0``), so each kernel's time is its
-    own work, not also its wait for the one before."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    # without programmatic dependent launch: a chained kernel starts early and its time would include its wait
-    with unchained():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-            if str(getattr(e, "device_type", "")).endswith("CUDA")]
-
-
-def launch_breakdown(fn, calls: int = 20) -> dict[str, float]:
-    """Device time per call of each SAAP launch (``STAGES``) over ``calls`` eager calls of ``fn``
-    (``kernel_times``), and the kernels per call."""
-    out = {stage: 0.0 for stage in STAGES}
-    times = kernel_times(fn, calls)
-    for name, us in times:
-        out[stage_of(name)] += us / calls
-    out["kernels_per_call"] = len(times) / calls
-    return out
-
-
-#: Widths of the selection launch timed once per case and target (``selection_us_by_warps``).
-SELECT_WARPS = (8, 16, 32)
-
-
-def selection_by_warps(index, layer: int, state, s: dict[str, Any], probes: int, scale: float, sink: int,
-                       warps: tuple[int, ...] = SELECT_WARPS, calls: int = 20) -> dict[str, float]:
-    """Device µs per call of the selection launch alone (its one program per head) at each width of ``warps``, on
-    one input set's query and clusters after its scoring launch (not counted): the width the selection should
-    take."""
-    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
-    from attnopt.runtime.saap.decode import kernel_scorer
-
-    q = s["q"]
-    B, Hq, L, _ = q.shape
-    Hkv = state.offsets.shape[1]
-    scorer = kernel_scorer(index, layer)
-    if state.centroids is not None:  # refined at prefill: what the op scores with
-        scorer = scorer._replace(centroids=state.centroids)
-    ws = select_workspace(B, Hkv, Hq // Hkv * L, scorer.clusters, scorer.hidden, q.device)
-    out = {}
-    for w in warps:
-        def call(w=w):
-            saap_select(q, state.offsets, state.ends, ws, probes=probes, scale=scale, n_keys=s["k"].shape[2],
-                        sink=sink, scorer=scorer, num_warps=w)
-        out[str(w)] = sum(us for name, us in kernel_times(call, calls) if "_saap_select_kernel" in name) / calls
-    return out
-
-
 def run_cli(args) -> int:
     import torch
 
@@ -422,13 +304,16 @@ def run_cli(args) -> int:
     fuse_choices(args.saap_fuse)
     window_stream_choices(args.saap_window_stream)
     select_warps_choices(args.saap_select_warps)
+    stages_choices(args.saap_stages)
+    window_splits_choices(args.saap_window_splits)
     if not torch.cuda.is_available():
         raise ValueError("attnopt bench saap needs a CUDA GPU")
     results = run(args)
     out = args.out or f"benchmarks/results/saap-{results['device'].replace(' ', '-').lower()}.json"
     write_results(out, results)
     print(format_table(results["rows"], [("case", "case", ""), ("method", "method", ""), ("target", "target", ".2f"),
-                                         ("selectivity", "sel", ".3f"), ("splits", "S", ""), ("us", "µs", ".1f"),
+                                         ("selectivity", "sel", ".3f"), ("splits", "S", ""), ("block_n", "BN", ""),
+                                         ("num_stages", "st", ""), ("us", "µs", ".1f"),
                                          ("us_pdl", "µs PDL", ".1f"),
                                          ("speedup_vs_sdpa-cudnn", "x cuDNN", ".2f"),
                                          ("speedup_vs_dense-best", "x best dense", ".2f"),

@@ -16,6 +16,26 @@ DEFAULT_KV_LEN = 4096
 MAX_BLOCK_M = 64
 
 
+def head_chunk_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """How the kernels cut the head dims (``runtime/kernels/common.py``: head_dim_split): (width of the first
+    chunk, width of the second), both powers of two, or (0, 0) for one chunk padded to a power of two. The first
+    chunk is the largest power of two <= D, the second covers the rest, padded to a power of two of at least 32
+    (a 16-wide chunk spilled registers; ptxas sm_90); cut only where that pads less than one chunk and D == Dv:
+    72, 80, 96 (64 + 32), 160 (128 + 32), 192 (128 + 64)."""
+    if head_dim != head_dim_v or head_dim < 1:
+        return 0, 0
+    lo = 1 << (int(head_dim).bit_length() - 1)
+    hi = max(32, _next_pow2(head_dim - lo)) if head_dim > lo else 0
+    return (lo, hi) if hi and lo + hi < _next_pow2(head_dim) else (0, 0)
+
+
+def padded_head_dim(head_dim: int, head_dim_v: int | None = None) -> int:
+    """Columns of Q/K the kernels hold per row (shared memory, MMA work): the two chunks' widths where
+    ``head_chunk_widths`` cuts the head dim, else the next power of two (at least 16)."""
+    lo, hi = head_chunk_widths(head_dim, head_dim if head_dim_v is None else head_dim_v)
+    return lo + hi if lo else max(16, _next_pow2(head_dim))
+
+
 def _kv_len(site: AttentionSite) -> int:
     n = site.effective_kv_len
     return int(n) if n is not None else DEFAULT_KV_LEN

@@ -1,19 +1,14 @@
-"""Pieces shared by the decode kernels: the packed GQA query tile, the KV-tile loop with masks, the stores.
+"""Pieces shared by the decode kernels on the host (launch geometry, masks, TMA descriptors) and on the device
+(the merges of partial states and the stores); the KV-tile loop itself is in ``attend.py``.
 
-Conventions (the same as ``runtime/reference.py``):
+Conventions (the same as ``runtime/reference.py``; ``attend.py`` states how scores are rounded):
 
 * Q is (B, Hq, L, D); K is (B, Hkv, N, D); V is (B, Hkv, N, Dv); Hq = G * Hkv and query head ``h`` reads KV
   head ``h // G``.
 * The G * L query rows of one KV head are packed into one tile: packed row ``r = g * L + i`` is query head
   ``kvh * G + g`` at query position ``i``. Rows are cut into blocks of ``BLOCK_M`` (a power of two >= 16 so
   that ``tl.dot`` can run on them); padding rows are masked.
-* Scores, row maxima and LSEs are in natural-log units, rounded as the original rounds them: the scaled score
-  ``fl(qk * scale)``, plus the bias ``fl(s + bias)``. Only differences from the row max are scaled by log2(e) for
-  ``exp2``. (Base-2 scores, ``qk * scale * log2(e) + bias * log2(e)``, round a large bias differently: a row that a
-  finite bias such as -1e9 hides whole ties keys the original tells apart, and the output moved by up to 1.8.)
-  Every difference is taken between rounded values before any scaling: a scaled value minus a rounded maximum is
-  contracted into one FMA by the compiler, whose residual (up to 1e31 next to finfo.min) gave inf weights and NaN
-  on the H100 while the interpreter was exact. Empty rows (no visible key) give o = 0 and lse = -inf.
+* States are (o, lse) with natural-log LSEs in fp32. Empty rows (no visible key) give o = 0 and lse = -inf.
 * All memory offsets are int64.
 """
 from __future__ import annotations
@@ -29,7 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from attnopt.cost.traffic import head_chunk_widths
+
 from . import interpreting
+# the KV-tile loop's pieces, imported from here by kernels that predate attend.py (saap.py)
+from .attend import (_attend, _attend_tile, _load_q, _row_coords, _softmax_update,  # noqa: F401
+                     _split_share)
 
 #: Largest packed query block (G * q_len rows); more rows are cut into several M blocks.
 MAX_BLOCK_M = 64
@@ -159,10 +159,15 @@ def tma_as_captured():
         _AS_CAPTURED.on = before
 
 
-def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, split: tuple[int, int] = (0, 0)):
     """Tensor descriptors for bulk (TMA) copies of (1, 1, block_n, padded D) K/V tiles, or None when this input
     cannot take them: not Hopper or newer (nor the interpreter), a Triton without descriptors, a last dim that is
-    not contiguous, or strides and base not 16-byte aligned (the copy engine's rules)."""
+    not contiguous, or strides and base not 16-byte aligned (the copy engine's rules).
+
+    ``split`` = (d_lo, d_hi) with d_lo > 0 (:func:`head_dim_split`): four descriptors, K and V columns [0, d_lo) in
+    (1, 1, block_n, d_lo) boxes, then K[..., d_lo:] and V[..., d_lo:] in (1, 1, block_n, d_hi) boxes (the columns
+    past D arrive as zeros)."""
+    d_lo, d_hi = split
     if k.device.type == "cuda":
         if device_major(k.device.index) < 9:
             return None
@@ -170,14 +175,29 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
         return None
     if _tensor_descriptor_cls() is None:
         return None
+    parts = [(k, d_lo), (v, d_lo)]
+    if d_lo:
+        parts += [(k[..., d_lo:], d_hi), (v[..., d_lo:], d_hi)]
     descs = []
-    for t in (k, v):
+    for t, width in parts:
         item = t.element_size()
         if (t.dim() != 4 or t.stride(-1) != 1 or t.data_ptr() % 16 or min(t.shape) == 0
                 or any((s * item) % 16 for s in t.stride()[:-1])):
             return None
-        descs.append(_descriptor(t, [1, 1, block_n, block_d_for(t.shape[-1])]))
+        descs.append(_descriptor(t, [1, 1, block_n, width or block_d_for(t.shape[-1])]))
     return tuple(descs)
+
+
+def head_dim_split(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """How the kernels cut the head dims: (width of the first chunk, width of the second), both powers of two, or
+    (0, 0) to run them in one chunk padded to a power of two (``attnopt.cost.traffic.head_chunk_widths``: 72, 80
+    and 96 as 64 + 32, the columns past D masked; 160, 192). Padded to 128, D=80 spends 37 % of Q.K's and P.V's MMA
+    work, shared memory and TMA box on zeros (ptxas, sm_90, bf16, 128-key tiles, 3 stages, TMA: 139 KB of shared
+    memory, one program per SM; as 64 + 32: 105 KB, two). A 16-wide second chunk (80 = 64 + 16 exactly) spilled 784
+    bytes there where the 32-wide one spills none. ``ATTNOPT_HEAD_CHUNKS=0`` turns cutting off (for comparisons)."""
+    if os.environ.get("ATTNOPT_HEAD_CHUNKS", "1") == "0":
+        return 0, 0
+    return head_chunk_widths(head_dim, head_dim_v)
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -234,211 +254,36 @@ def arrival_counters(geo: DecodeGeometry, device: torch.device) -> torch.Tensor:
 
 def decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                   valid_len: torch.Tensor | None, geo: DecodeGeometry, block_n: int, tma: bool,
-                  key_start: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None):
+                  key_start: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                  split: tuple[int, int] | None = None):
     """The inputs both decode kernels take first, and how to read them.
 
     Returns
     -------
     pointers : (q, k, v, K tiles, V tiles, mask, valid_len, key_start, alibi_slopes): the tiles are TMA descriptors
         when ``tma`` is asked for and applies to this launch (``tma_now``), else K and V again; an absent mask,
-        valid length, key start or slopes tensor is q (never read).
+        valid length, key start or slopes tensor is q (never read). With ``split`` given (the head split
+        (d_lo, d_hi) of :func:`head_dim_split`; (0, 0) for none) the V tiles are followed by the second chunk's K
+        and V tiles (descriptors of K[..., d_lo:] and V[..., d_lo:] where d_lo > 0 and the tiles are descriptors,
+        else K and V again).
     mask_strides, mask_kind : from :func:`mask_args`.
     use_tma : whether the tiles are descriptors.
     """
     mask, mask_strides, mask_kind = mask_args(attn_mask, geo.B, geo.Hq, geo.L, geo.N)
-    descs = kv_descriptors(k, v, block_n) if tma and tma_now(q.device) else None
+    descs = kv_descriptors(k, v, block_n, split or (0, 0)) if tma and tma_now(q.device) else None
+    tiles = descs if descs is not None else (k, v)
+    if split is not None and len(tiles) == 2:
+        tiles = tiles + tiles
     if key_start is not None and tuple(key_start.shape) != (geo.B,):
         raise ValueError(f"key_start must have shape (B,) = ({geo.B},); got {tuple(key_start.shape)}")
     if alibi_slopes is not None and (tuple(alibi_slopes.shape) != (geo.Hq,) or alibi_slopes.stride(0) != 1
                                      or not alibi_slopes.dtype.is_floating_point):
         raise ValueError(f"alibi_slopes must be a contiguous float tensor of shape (Hq,) = ({geo.Hq},); got "
                          f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
-    pointers = (q, k, v, *(descs if descs is not None else (k, v)), mask if mask is not None else q,
+    pointers = (q, k, v, *tiles, mask if mask is not None else q,
                 valid_len if valid_len is not None else q, key_start if key_start is not None else q,
                 alibi_slopes if alibi_slopes is not None else q)
     return pointers, mask_strides, mask_kind, descs is not None
-
-
-@triton.jit
-def _row_coords(mb, L, G, BLOCK_M: tl.constexpr):
-    """Packed rows of M block ``mb``: (row index within the KV head, g, i, row valid)."""
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = g * L + i
-    g = rows // L  # query head within the group
-    i = rows % L  # query position
-    return rows, g, i, rows < G * L
-
-
-@triton.jit
-def _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D,
-            UPCAST: tl.constexpr):
-    """The packed query tile (BLOCK_M, BLOCK_D) of KV head ``kvh`` in batch row ``b``."""
-    h = kvh * G + g
-    ptrs = (q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64)[:, None] * stride_qh
-            + i.to(tl.int64)[:, None] * stride_ql + offs_d.to(tl.int64)[None, :] * stride_qd)
-    q = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    return q
-
-
-@triton.jit
-def _attend(q, acc, m_i, l_i, lo, hi, kv_len,
-            k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_dv,
-            stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_mb, stride_mh, stride_ml, stride_mn,
-            sm_scale, G, D, DV,
-            BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
-            kv_first=0, softcap=0.0, HAS_START: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-            alibi_ptr=0, ALIBI: tl.constexpr = False):
-    """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
-    masked). Updates and returns (acc (BLOCK_M, BLOCK_DV) fp32, m_i (BLOCK_M,) natural-log max, l_i (BLOCK_M,) sum).
-
-    USE_TMA: K/V tiles come through the tensor descriptors ``k_desc``/``v_desc`` (4-D, block (1, 1, BLOCK_N,
-    BLOCK_D)) as bulk copies; rows past the tensor and padded dims arrive as zeros. Else through pointers.
-
-    A bulk copy reads a tile's rows past ``kv_len`` from the tensor as they are (a sharded cache's spare capacity,
-    a static cache's unused tail: any bits, NaN included), and a masked key's zero weight times a NaN value is
-    NaN. So with TMA only the whole tiles below ``kv_len`` go through the copy engine; the one tile that crosses it
-    (the only one past it with a visible key) is read with masked pointer loads.
-
-    HAS_START: keys before ``kv_first`` do not exist (a sliding window's first key; ``lo`` may be a tile below
-    it). SOFTCAP: the scores are ``softcap * tanh(qk * sm_scale)`` (see :func:`_scores`). ALIBI: the scores get
-    ``slope[h] * j`` for key position j, slopes (Hq,) at ``alibi_ptr`` (after the cap, before the mask)."""
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    h64 = (kvh * G + g).to(tl.int64)
-    i64 = i.to(tl.int64)
-    # ALiBi's slope of each query row, loaded once for all tiles (it was loaded again in every tile of the KV loop)
-    slope = i.to(tl.float32) * 0.0
-    if ALIBI:
-        slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32)
-    if USE_TMA:
-        end = tl.minimum(hi, kv_len)
-        full_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
-        for start_n in range(lo, full_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, True,
-                kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI)
-        tail = full_end < end
-    else:
-        full_end = lo
-        tail = False
-        for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-                row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
-                kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI)
-    if tail:
-        # the tile that crosses kv_len, by masked pointer loads: straight-line code, so it adds no pipeline buffers
-        # (a second pipelined loop doubled the shared memory); tiles wholly past kv_len hold no visible key
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, full_end, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-            row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-            stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, False,
-            kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
-                 k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv,
-                 stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                 sm_scale, D, DV,
-                 BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                 kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope,
-                 ALIBI: tl.constexpr, MASK_ROW: tl.constexpr = False):
-    """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
-    head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64; ``slope``: ALiBi's slope
-    of each query row (BLOCK_M,) fp32). MASK_ROW: the mask is one row per batch row (broadcast over heads and
-    queries): one (BLOCK_N,) load, not a (BLOCK_M, BLOCK_N) tile of pointers (registers)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < kv_len
-    n64 = offs_n.to(tl.int64)
-    if USE_TMA:
-        k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_d.shape[0])
-        v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, offs_dv.shape[0])
-    else:
-        # K/V are read once: evict_first keeps them from pushing the (reused) Q, mask and partials out of L2
-        k = tl.load(k_base + n64[:, None] * stride_kn + offs_d.to(tl.int64)[None, :] * stride_kd,
-                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0, eviction_policy="evict_first")
-        v = tl.load(v_base + n64[:, None] * stride_vn + offs_dv.to(tl.int64)[None, :] * stride_vd,
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0, eviction_policy="evict_first")
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), sm_scale, softcap, SOFTCAP)
-    if ALIBI:  # a per-head slope times the key position, rounded as the original's fp32 ``slopes * arange``
-        s = s + slope[:, None] * offs_n.to(tl.float32)[None, :]
-    if HAS_START:
-        n_ok = n_ok & (offs_n >= kv_first)
-    visible = n_ok[None, :] & row_ok[:, None]
-    if IS_CAUSAL:
-        visible = visible & (offs_n[None, :] <= i[:, None])  # top-left: query i sees keys j <= i
-    if MASK_KIND == 1 and MASK_ROW:
-        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + n64 * stride_mn, mask=n_ok, other=0)
-        visible = visible & (mv != 0)[None, :]
-    elif MASK_KIND == 1:
-        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
-                     + n64[None, :] * stride_mn, mask=visible, other=0)
-        visible = visible & (mv != 0)
-    if MASK_KIND == 2 and MASK_ROW:
-        s = s + tl.load(mask_ptr + b.to(tl.int64) * stride_mb + n64 * stride_mn, mask=n_ok, other=0.0).to(
-            tl.float32)[None, :]
-    elif MASK_KIND == 2:
-        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
-                     + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
-        # natural units, rounded as the original's ``scores + mask`` (see the module docstring); finfo.min absorbs
-        # the scores (a row it hides whole ties every key: the mean of V, as the original)
-        s = s + mv
-    return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
-
-
-@triton.jit
-def _scores(qk, sm_scale, softcap, SOFTCAP: tl.constexpr):
-    """Scores (natural units) of the dot products ``qk``: ``qk * sm_scale``; SOFTCAP: ``softcap * tanh(qk *
-    sm_scale)``. tanh is written with exp2, stable for any x (libdevice's tanh does not run in the interpreter):
-    tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|)."""
-    x = qk * sm_scale
-    if SOFTCAP:
-        e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|) = 2^(-2 log2(e) |x|)
-        t = (1.0 - e) / (1.0 + e)
-        x = tl.where(x < 0, -t, t) * softcap
-    return x
-
-
-@triton.jit
-def _split_share(split, n, num_splits, BLOCK_N: tl.constexpr):
-    """Keys [lo, hi) of split ``split`` of ``n`` keys: tiles [s * T // S, (s + 1) * T // S) of the T tiles. Shares
-    differ by at most one tile (equal ceil(T / S) shares left the last splits short or empty)."""
-    n_tiles = tl.cdiv(n, BLOCK_N)
-    lo = (split.to(tl.int64) * n_tiles // num_splits).to(tl.int32) * BLOCK_N
-    hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // num_splits).to(tl.int32) * BLOCK_N, n)
-    return lo, hi
-
-
-@triton.jit
-def _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step: fold the tile's natural-log scores ``s`` (BLOCK_M, BLOCK_N), hidden where ``visible``
-    is False, and its values ``v`` (BLOCK_N, BLOCK_DV) into (acc, m_i, l_i). Returns the new (acc, m_i, l_i).
-    Differences from the max are taken in natural units, then scaled by log2(e) for ``exp2``."""
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty rows so far: no NaN from -inf - -inf
-    alpha = tl.exp2((m_i - m_use) * 1.4426950408889634)
-    p = tl.exp2((s - m_use[:, None]) * 1.4426950408889634)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if UPCAST:
-        pv = tl.dot(p, v, input_precision=PRECISION)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
 
 
 @triton.jit

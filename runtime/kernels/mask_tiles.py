@@ -15,14 +15,16 @@ of the result.
   them: a mask broadcast over the heads is read once per query position, one broadcast over the queries too
   once), and keeps the tiles with a visible key, compacted (``tl.cumsum`` ranks): a hidden tile costs its share
   of one vector load and nothing in the KV loop.
-* A kept tile is attended with the mask per key, and K/V by pointer loads that stop at the tile's last visible key
-  (rows after it are never read: a static cache's unused tail may hold anything, and a hidden key's zero weight
-  times NaN is NaN), as the valid-length path attends its last tile. Where the launch takes copy-engine (TMA)
-  tiles, a chunk's leading run of whole tiles (every key visible for a bool mask of one row per batch row, which is
-  then not read in them; else the last key visible, the mask applied per key) comes through it in a pipelined loop
-  whose tile positions follow from the loop index, as the valid-length loop's do: over a prefix that is every kept
-  tile but the boundary one, over a full cache every tile. The other kept tiles follow by pointer loads
-  (``split_kv_decode(mask_tiles=True)``: all by pointers; ``benchmarks/static_mask.py`` times both). On the H100
+* A kept tile is attended with the mask per key up to the tile's last visible key: K/V rows after it do not count
+  (a static cache's unused tail may hold anything, and a hidden key's zero weight times NaN is NaN), as the
+  valid-length path attends its last tile. Where the launch takes copy-engine (TMA) tiles, a chunk's leading run of
+  whole tiles (every key visible for a bool mask of one row per batch row, which is then not read in them; else
+  the last key visible, the mask applied per key) comes through it in a pipelined loop whose tile positions follow
+  from the loop index, as the valid-length loop's do: over a prefix that is every kept tile but the boundary one,
+  over a full cache every tile. The other kept tiles follow one by one, by the copy engine too with their V rows
+  past the last visible key zeroed (by pointer loads that stop there, these spilled registers: ptxas sm_90 bf16
+  D=128 128-key tiles 1648 bytes, now none), or all by pointer loads without TMA (``split_kv_decode(mask_tiles=True)``:
+  all by pointers; ``benchmarks/static_mask.py`` times both). On the H100
   (4k of a 32k cache, S=16, 128-key tiles, CUDA graphs, L2 rotated): 11.38 µs (27b1fd3), where compacting the TMA
   loop's tiles too ran 11.94 (a53b723), all tiles by pointers 14.09, the valid-length scan ahead of contiguous
   shares 17.33, the kernel given the length and no mask 10.65, and SDPA's cuDNN over the whole cache 59.22.
@@ -36,7 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _attend_tile, cdiv, next_pow2
+from .attend import _attend_step
+from .common import cdiv, next_pow2
 
 #: Mask elements a program classifies per chunk of its tiles (registers: the chunk's mask values are live while
 #: the accumulators are). Each chunk restarts the KV loop's pipeline (a full 128k cache over 25 splits of 64-key
@@ -113,31 +116,34 @@ def _pick(sel, rank, j, values):
 
 
 @triton.jit
-def _attend_picked(q, acc, m_i, l_i, sel, tiles, hi, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-                   row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+def _attend_picked(q, q_hi, acc, acc_hi, m_i, l_i, sel, tiles, hi, k_base, v_base, k_desc, v_desc, k_hi_desc,
+                   v_hi_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi,
+                   stride_kn, stride_kd, stride_vn, stride_vd,
                    stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV,
                    BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
                    PRECISION: tl.constexpr, USE_TMA: tl.constexpr, STAGES: tl.constexpr, softcap,
-                   SOFTCAP: tl.constexpr, slope, ALIBI: tl.constexpr, MASK_ROW: tl.constexpr):
+                   SOFTCAP: tl.constexpr, slope, ALIBI: tl.constexpr, MASK_ROW: tl.constexpr, D_LO: tl.constexpr):
     """Attend to the tiles ``tiles`` where ``sel`` (CHUNK_T,) is set, compacted, each up to its ``hi`` (one past
-    its last visible key), the mask applied per key: K/V by the copy engine (USE_TMA: whole tiles, for tiles whose
-    last key is visible) or by pointer loads stopping at ``hi``. STAGES: the loop's pipeline depth (None: the
-    launch's). MASK_ROW: one mask row per batch row (``common._attend_tile``)."""
+    its last visible key), the mask applied per key: K/V by the copy engine (USE_TMA: whole tiles, V's rows from
+    ``hi`` on zeroed) or by pointer loads stopping at ``hi``. STAGES: the loop's pipeline depth (None: the
+    launch's). MASK_ROW: one mask row per batch row (``attend._attend_tile``). The state and the head chunks (D_LO)
+    as in ``attend._attend_chunks``; returns (acc, acc_hi, m_i, l_i)."""
     rank = tl.cumsum(sel.to(tl.int32), axis=0)
     for jj in tl.range(0, tl.sum(sel.to(tl.int32), axis=0), num_stages=STAGES):
         start_n = _pick(sel, rank, jj, tiles) * BLOCK_N
         tile_end = _pick(sel, rank, jj, hi)
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start_n, tile_end, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
-            row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-            stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-            0, softcap, False, SOFTCAP, slope, ALIBI, MASK_ROW)
-    return acc, m_i, l_i
+        acc, acc_hi, m_i, l_i = _attend_step(
+            q, q_hi, acc, acc_hi, m_i, l_i, start_n, tile_end, k_base, v_base, k_desc, v_desc, k_hi_desc, v_hi_desc,
+            mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd, stride_vn,
+            stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL,
+            UPCAST, PRECISION, USE_TMA, 0, softcap, False, SOFTCAP, slope, ALIBI, D_LO, MASK_ROW, USE_TMA)
+    return acc, acc_hi, m_i, l_i
 
 
 @triton.jit
-def _attend_visible(q, acc, m_i, l_i, split, num_splits, kv_len,
-                    k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, mb, i, row_ok, offs_d, offs_dv,
+def _attend_visible(q, q_hi, acc, acc_hi, m_i, l_i, split, num_splits, kv_len,
+                    k_ptr, v_ptr, k_desc, v_desc, k_hi_desc, v_hi_desc, mask_ptr, b, kvh, mb, i, row_ok, offs_d,
+                    offs_dv, offs_hi,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
                     stride_mb, stride_mh, stride_ml, stride_mn,
@@ -145,11 +151,12 @@ def _attend_visible(q, acc, m_i, l_i, split, num_splits, kv_len,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_T: tl.constexpr, MASK_KIND: tl.constexpr,
                     HEAD_BCAST: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
                     PRECISION: tl.constexpr, softcap=0.0, SOFTCAP: tl.constexpr = False, alibi_ptr=0,
-                    ALIBI: tl.constexpr = False, USE_TMA: tl.constexpr = False, ONE_CHUNK: tl.constexpr = False):
+                    ALIBI: tl.constexpr = False, USE_TMA: tl.constexpr = False, ONE_CHUNK: tl.constexpr = False,
+                    D_LO: tl.constexpr = 0):
     """Online softmax of the query tile over the visible tiles among split ``split``'s strided share of keys
-    [0, kv_len) (see the module docstring). Same state and arguments as ``common._attend`` (the descriptors read
-    only with USE_TMA); ``i``: the query rows' positions; ``n_scan``: the query positions to scan with HEAD_BCAST;
-    ONE_CHUNK: CHUNK_T covers every split's tiles."""
+    [0, kv_len) (see the module docstring). Same state, head chunks and arguments as ``attend._attend_chunks`` (the
+    descriptors read only with USE_TMA), and returns (acc, acc_hi, m_i, l_i); ``i``: the query rows' positions;
+    ``n_scan``: the query positions to scan with HEAD_BCAST; ONE_CHUNK: CHUNK_T covers every split's tiles."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     g = (mb * BLOCK_M + tl.arange(0, BLOCK_M)) // L
@@ -179,18 +186,18 @@ def _attend_visible(q, acc, m_i, l_i, split, num_splits, kv_len,
             run = tl.min(tl.where(whole, CHUNK_T, offs_c), axis=0)
             for jj in range(0, run):
                 start_n = (split + (c0 + jj) * num_splits) * BLOCK_N
-                acc, m_i, l_i = _attend_tile(
-                    q, acc, m_i, l_i, start_n, start_n + BLOCK_N, k_base, v_base, k_desc, v_desc, mask_ptr, b,
-                    kvh, h64, i, i64, row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb,
-                    stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, WHOLE_KIND, IS_CAUSAL, UPCAST,
-                    PRECISION, True, 0, softcap, False, SOFTCAP, slope, ALIBI, MASK_ROW)
+                acc, acc_hi, m_i, l_i = _attend_step(
+                    q, q_hi, acc, acc_hi, m_i, l_i, start_n, start_n + BLOCK_N, k_base, v_base, k_desc, v_desc,
+                    k_hi_desc, v_hi_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn,
+                    stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV,
+                    BLOCK_N, WHOLE_KIND, IS_CAUSAL, UPCAST, PRECISION, True, 0, softcap, False, SOFTCAP, slope, ALIBI,
+                    D_LO, MASK_ROW)
             some = some & (offs_c >= run)
-        # the (other) kept tiles, compacted, by pointer loads up to their last visible key; after a TMA loop not
-        # pipelined, so that it adds no shared-memory buffers
-        acc, m_i, l_i = _attend_picked(q, acc, m_i, l_i, some, tiles, hi, k_base, v_base, k_desc, v_desc,
-                                       mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, stride_kn,
-                                       stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                                       stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST,
-                                       PRECISION, False, 1 if USE_TMA else None, softcap, SOFTCAP, slope, ALIBI,
-                                       MASK_ROW)
-    return acc, m_i, l_i
+        # the (other) kept tiles, compacted, each up to its last visible key; after a TMA loop not pipelined, so
+        # that it adds no shared-memory buffers
+        acc, acc_hi, m_i, l_i = _attend_picked(
+            q, q_hi, acc, acc_hi, m_i, l_i, some, tiles, hi, k_base, v_base, k_desc, v_desc, k_hi_desc, v_hi_desc,
+            mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd, stride_vn,
+            stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL,
+            UPCAST, PRECISION, USE_TMA, 1 if USE_TMA else None, softcap, SOFTCAP, slope, ALIBI, MASK_ROW, D_LO)
+    return acc, acc_hi, m_i, l_i

@@ -1,7 +1,7 @@
 """SAAP sparse decode: scoring and top-l selection (``saap_select``: one or two scoring launches and one selection
 launch), the attention launch over the sink, the recent window and the chosen clusters, and the shared merge. Fused
 (``fused_select``, ``fused_merge``), the same work takes two launches: the scoring launch's last program per head
-selects, and the attention launch's last split per tile merges (``common._arrive_and_merge``).
+selects, and the attention launch's last splits merge (two levels of arrival: ``saap_merge``).
 
 The selection leaves a compact work list per (batch row, KV head): the chosen non-empty clusters in cluster order,
 their inclusive key prefix and their shift into the cluster-sorted ``perm``. The attention launch's first W splits
@@ -32,10 +32,11 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_launch_dependents = gdc_wait = None
 
 from . import interpreting
-from .common import _arrive_and_merge, _finish_parts, _load_q, _row_coords, _softmax_update, _split_share, _store_lse, \
-    _store_rows, arrival_counters, backend_has_option, decode_geometry, dot_flags, pdl_supported, softmax_scale
+from .common import _finish_parts, _load_q, _row_coords, _softmax_update, _split_share, _store_lse, \
+    _store_rows, backend_has_option, decode_geometry, dot_flags, pdl_supported, softmax_scale
 from .launch import KernelLauncher
 from .merge import merge_states
+from .saap_merge import _arrive_and_merge_grouped, merge_counter_count, merge_group_size
 from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_workspace
 
 
@@ -137,7 +138,7 @@ def _saap_kernel(
     lse_ptr,  # (2, S, B, Hq, L) fp32 partial row maxima (plane 0) and log l (plane 1), natural log
     out_ptr,  # FUSED: the final (B, Hq, L, Dv) output the last split to arrive merges into (else unused)
     lse_out_ptr,  # FUSED: the final (B, Hq, L) fp32 LSE (written when WRITE_LSE_OUT)
-    counter_ptr,  # FUSED: (B * HKV * NUM_M,) int32 arrival counters, zero before and after every launch
+    counter_ptr,  # FUSED: the two-level merge's int32 arrival counters (saap_merge), zero before and after every launch
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides
     stride_kb, stride_kh, stride_kn, stride_kd,  # K strides
     stride_vb, stride_vh, stride_vn, stride_vd,  # V strides
@@ -174,12 +175,15 @@ def _saap_kernel(
     FUSED: tl.constexpr = False,  # the last split to finish a tile merges the partials (no merge launch)
     WRITE_LSE_OUT: tl.constexpr = False,  # FUSED: whether to store the final LSE
     BLOCK_R: tl.constexpr = 16,  # FUSED: rows merged per tile
-    MERGE_P: tl.constexpr = 2,  # FUSED: partials loaded per merge step
+    MERGE_GROUP: tl.constexpr = 2,  # FUSED: splits per first-level merge group (saap_merge)
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
-    split = tl.program_id(0) + SPLIT_BASE
-    tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
+    # the tile is the grid's first axis, so that blocks start split-major: every tile's window splits (the first W)
+    # before any cluster split. Chained by PDL, they then take the SMs that the scoring frees while its last
+    # programs select, and the cluster splits, which wait for the selection, come after them.
+    tile = tl.program_id(0)  # (b * HKV + kvh) * NUM_M + mb
+    split = tl.program_id(1) + SPLIT_BASE
     mb = tile % NUM_M
     bh = tile // NUM_M
     kvh = bh % HKV
@@ -253,11 +257,12 @@ def _saap_kernel(
                 stride_lb, stride_lh, stride_ll, G, DV, True)
     _store_lse(log_l, lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls, b, kvh, g, i, row_ok, stride_lb,
                stride_lh, stride_ll, G)
-    if FUSED:  # the last split to arrive at the tile merges all NUM_SPLITS partials
-        _arrive_and_merge(counter_ptr, tile, NUM_SPLITS, o_ptr, lse_ptr, out_ptr, lse_out_ptr, mb, b, kvh, offs_dv,
-                          stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls, stride_lb, stride_lh,
-                          stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl, stride_fd, stride_gb, stride_gh,
-                          stride_gl, NUM_SPLITS, L, G, DV, BLOCK_M, BLOCK_R, MERGE_P, WRITE_LSE_OUT)
+    if FUSED:  # the last split of a group merges the group, the last group the tile (saap_merge)
+        _arrive_and_merge_grouped(counter_ptr, tile, tl.num_programs(0), split, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+                                  mb, b, kvh, offs_dv, stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls,
+                                  stride_lb, stride_lh, stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl,
+                                  stride_fd, stride_gb, stride_gh, stride_gl, NUM_SPLITS, L, G, DV, BLOCK_M, BLOCK_R,
+                                  MERGE_GROUP, WRITE_LSE_OUT)
 
 
 _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
@@ -283,7 +288,7 @@ class SaapWorkspace(NamedTuple):
     o: torch.Tensor  # (S, B, Hq, L, Dv) fp32 partial outputs
     lse: torch.Tensor  # (2, S, B, Hq, L) fp32 partial row maxima and log l (natural log)
     select: SelectWorkspace
-    counters: torch.Tensor  # (B * Hkv * num_m,) int32 arrival counters of the fused merge, zeroed
+    counters: torch.Tensor  # int32 arrival counters of the fused merge (``saap_merge.merge_counter_count``), zeroed
     side: torch.cuda.Stream | None = None  # CUDA, made for ``window_stream``: the stream of the window's launch
 
     @property
@@ -302,7 +307,8 @@ def saap_workspace(num_splits: int, q: torch.Tensor, v: torch.Tensor, hkv: int, 
     return SaapWorkspace(torch.empty((num_splits, B, Hq, L, v.shape[-1]), **f32),
                          torch.empty((2, num_splits, B, Hq, L), **f32),
                          select_workspace(B, hkv, (Hq // hkv) * L, clusters, hidden, q.device),
-                         arrival_counters(geo, q.device),
+                         torch.zeros((merge_counter_count(B * hkv * geo.num_m, num_splits),), device=q.device,
+                                     dtype=torch.int32),
                          torch.cuda.Stream(q.device) if window_stream and q.is_cuda else None)
 
 
@@ -365,7 +371,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
                                      window_splits, block_n, num_warps, num_stages, fused_merge, geo)
 
     def launch_window():
-        window_grid = (window_splits, B * Hkv * geo.num_m)
+        window_grid = (B * Hkv * geo.num_m, window_splits)
         if side is not None:  # fork: the window's launch waits for what came before it, nothing else
             side.wait_stream(torch.cuda.current_stream(q.device))
             with torch.cuda.stream(side):
@@ -382,7 +388,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     fused = bool(fused_merge) and S > 1
     extra = {"launch_pdl": True} if pdl else {}
     first = window_splits if apart else 0  # the splits this launch runs: from ``first`` on
-    _SAAP_LAUNCH((S - first, B * Hkv * geo.num_m), *args, first, **consts, WAIT_PRIOR=pdl,
+    _SAAP_LAUNCH((B * Hkv * geo.num_m, S - first), *args, first, **consts, WAIT_PRIOR=pdl,
                  LAUNCH_DEPENDENTS=pdl and not fused, **extra)
     if side is not None:  # join: the merge reads the window's partials (so it is not chained past the join)
         torch.cuda.current_stream(q.device).wait_stream(side)
@@ -417,5 +423,6 @@ def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace
     consts = dict(D=D, DV=geo.Dv, BLOCK_M=geo.block_m, BLOCK_N=block_n, BLOCK_D=geo.block_d, BLOCK_DV=geo.block_dv,
                   BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(FIRST_CHUNK, sel.incl.shape[1]), HAS_VALID=has_valid,
                   UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
-                  MERGE_P=max(1, geo.merge_p // 2), num_warps=num_warps, num_stages=num_stages, **extra)
+                  MERGE_GROUP=merge_group_size(S, geo.block_r, geo.block_dv), num_warps=num_warps,
+                  num_stages=num_stages, **extra)
     return args, consts

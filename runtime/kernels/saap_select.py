@@ -6,17 +6,9 @@ two fused: then the last of a head's logit programs to finish, counted by an arr
    the rotated queries it first removes RoPE itself (the positions come from the valid length on the device). Its
    epilogue is either the MLP's hidden layer (bias, eval BatchNorm, ReLU) or the cluster logits, stored with each
    chunk's row maximum and sum of exponentials so that the selection can normalise every row's softmax.
-2. ``_saap_select_kernel``, one program per (batch row, KV head): the group-summed cluster distribution
-   (``sum over rows of exp(logit - lse_row)``, the reference's ``softmax(...).sum``), the threshold of the
-   top ``probes`` scores by a radix select on the scores' bits (up to 8 rounds of 4 bits up to 2048 clusters, each
-   one ``tl.histogram`` of the next digit: no sort and no compare per candidate digit; it stops once the keys at or
-   above the threshold so far are exactly ``probes``),
-   and the work list the attention launch reads: the chosen non-empty clusters in cluster order, compacted, with
-   their inclusive key prefix (padding: INT32_MAX) and ``perm`` shift, plus the number of keys they hold. It also
-   adds the call's selectivity to a device-side accumulator.
+2. ``saap_topl._saap_select_kernel``, one program per (batch row, KV head): the group's cluster scores, the
+   threshold of the top ``probes`` and the work list the attention launch reads (see ``saap_topl``).
 
-Ties at the l-th score select every tied cluster: the set is ``scores >= the probes-th largest score``
-(:func:`runtime.saap.decode.threshold_clusters` is the same rule in PyTorch), a superset of ``torch.topk``'s pick.
 The scores match the PyTorch ``SaapIndex.cluster_scores`` to fp32 rounding (the de-roping's cosines go through a
 float64 range reduction, so they stay accurate at positions of 500k); the sparse set is then exactly the one the
 rule picks from the scores the kernel wrote.
@@ -37,6 +29,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 from . import interpreting
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
+from .saap_topl import _saap_select_kernel, _select_head, block_c_for, radix_bits, select_warps
 
 #: Outputs per scoring program: the hidden layer's units, the clusters' logits (from D- or H-long rows).
 BLOCK_HIDDEN = 64
@@ -216,173 +209,8 @@ def _saap_rows_kernel(
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-@triton.jit
-def _add_pair(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr,
-                 stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK, PROBES, SINK,
-                 inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
-                 RADIX_BITS: tl.constexpr, FROM_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr,
-                 HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr):
-    """The selection of one (batch row, KV head) ``bh``: see ``_saap_select_kernel`` for the arguments. The logits and
-    their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
-    launch."""
-    b = bh // HKV
-    kvh = bh % HKV
-    b64 = b.to(tl.int64)
-    kvh64 = kvh.to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
-    # the cluster sizes first: their loads overlap the scores' arithmetic
-    f_base = offsets_ptr + b64 * stride_fb + kvh64 * stride_fh
-    c_start = tl.load(f_base + offs_c.to(tl.int64) * stride_fc, mask=c_ok, other=0)
-    c_end = tl.load(f_base + (offs_c + 1).to(tl.int64) * stride_fc, mask=c_ok, other=0)
-    if HAS_STATS:  # the lengths too (inputs, not the scoring's): loaded at the end, they held the program's exit
-        kv_len = N
-        if HAS_VALID:
-            kv_len = tl.maximum(tl.minimum(tl.load(valid_ptr + b).to(tl.int32), N), 0)
-        window_keys = tl.maximum(kv_len - tl.load(end_ptr + b), 0)
-    if WAIT_PRIOR:
-        gdc_wait()  # the offsets come from the prefill; the logits from the scoring launch, complete from here on
-    if FROM_LOGITS:
-        offs_ch = tl.arange(0, BLOCK_CH)
-        score = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for m0 in range(0, M, ROWS):  # ROWS rows at a time: their loads are in flight together
-            offs_m = m0 + tl.arange(0, ROWS)
-            m_ok = offs_m < M
-            row = bh.to(tl.int64) * M + offs_m
-            stat = stat_ptr + (row[:, None] * NCHUNK + offs_ch[None, :]) * 2
-            s_ok = m_ok[:, None] & (offs_ch[None, :] < NCHUNK)
-            # the logits load with the statistics, before the normaliser's reductions (their barriers would keep
-            # sm_90 from issuing them early: two L2 round trips in a row)
-            logit = tl.load(score_ptr + row[:, None] * C + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                            other=float("-inf"), cache_modifier=".cg")
-            cmax = tl.load(stat, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-            csum = tl.load(stat + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
-            mx = tl.where(m_ok, tl.max(cmax, axis=1), 0.0)
-            lse = mx + tl.log(tl.where(m_ok, tl.sum(csum * tl.exp(cmax - mx[:, None]), axis=1), 1.0))
-            score += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
-    else:
-        score = tl.load(score_ptr + b64 * stride_sb + kvh64 * stride_sh + offs_c.to(tl.int64) * stride_sc,
-                        mask=c_ok, other=0.0)
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
-    # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
-    # flipped), then the largest threshold with at least PROBES keys at or above it, RADIX_BITS per round: one
-    # histogram of the keys' next digit (keys whose higher bits already differ from the threshold's go to two
-    # extra bins) gives the count at or above every candidate digit at once. Padding is key 0, below every float
-    # but NaN: it never reaches the threshold, which is above -inf's key.
-    bits = score.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
-    key = tl.where(c_ok, key, 0)
-    NB: tl.constexpr = 1 << RADIX_BITS
-    bins = tl.arange(0, 2 * NB)
-    thr = tl.zeros([1], dtype=tl.uint32).sum(axis=0)
-    # Early exit: once the keys at or above the threshold so far number exactly PROBES, the remaining rounds would
-    # only raise it to the least of those keys, which selects the same set; typical scores settle in 2 or 3 rounds
-    # of 8, and a round is a chain of reductions on one SM.
-    open_rounds = tl.zeros([1], dtype=tl.int32).sum(axis=0) + 1
-    for rnd in tl.static_range(32 // RADIX_BITS):
-        if open_rounds != 0:
-            shift = 32 - RADIX_BITS * (rnd + 1)
-            digit = ((key >> shift) & (NB - 1)).to(tl.int32)
-            if rnd > 0:  # keys whose higher bits are above the threshold's so far count in bin NB, below in NB + 1
-                higher = key >> (shift + RADIX_BITS)
-                prefix = thr >> (shift + RADIX_BITS)
-                digit = tl.where(higher == prefix, digit, tl.where(higher > prefix, NB, NB + 1))
-            hist = tl.histogram(digit, 2 * NB)
-            above = tl.sum(tl.where(bins == NB, hist, 0), axis=0)
-            same = tl.where(bins < NB, hist, 0)
-            at_least = above + tl.sum(same, axis=0) - tl.cumsum(same, 0) + same  # keys >= thr + (bin << shift)
-            # the largest digit with at least PROBES keys at or above it, and that count, in one reduction:
-            # (count, digit) packed so that the least packed value is the least count at the largest digit
-            packed = tl.min(tl.where((bins < NB) & (at_least >= PROBES), at_least * (2 * NB) + (2 * NB - 1 - bins),
-                                     2147483647), axis=0)
-            thr = thr + ((2 * NB - 1 - packed % (2 * NB)).to(tl.uint32) << shift)
-            open_rounds = (packed // (2 * NB) != PROBES).to(tl.int32)
-    chosen = c_ok & (key >= thr)
-    size = c_end - c_start
-    picked = chosen & (size > 0)
-    size = tl.where(picked, size, 0)
-    # the key prefix and the list slot in one scan, the key and cluster counts in one reduction (each cross-warp
-    # step is a barrier on the head's one SM)
-    incl, count = tl.associative_scan((size, picked.to(tl.int32)), 0, _add_pair)
-    slot = count - 1
-    total, n_picked = tl.reduce((size, picked.to(tl.int32)), 0, _add_pair)
-    out = bh.to(tl.int64) * BLOCK_C
-    tl.store(incl_ptr + out + slot, incl, mask=picked)
-    tl.store(shift_ptr + out + slot, c_start - (incl - size), mask=picked)
-    tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
-    tl.store(total_ptr + bh, total)
-    if HAS_STATS:
-        attended = SINK + total + window_keys
-        share = attended.to(tl.float64) / tl.maximum(kv_len, 1).to(tl.float64) * inv_heads
-        tl.atomic_add(stats_ptr, share)
-        tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
-
-
-@triton.jit
-def _saap_select_kernel(
-    score_ptr,  # FROM_LOGITS: logits (B, Hkv, M, C) fp32 contiguous; else scores (B, Hkv, C) fp32, any strides
-    stat_ptr,  # FROM_LOGITS: (B, Hkv, M, NCHUNK, 2) fp32 chunk statistics of the logits
-    offsets_ptr,  # (B, Hkv, C + 1) int32 CSR offsets into perm
-    end_ptr,  # (B,) int32 indexed_end (stats)
-    valid_ptr,  # (B,) int valid lengths (HAS_VALID)
-    incl_ptr,  # out (B * Hkv, BLOCK_C) int32: inclusive key prefix of the chosen non-empty clusters, INT32_MAX after
-    shift_ptr,  # out (B * Hkv, BLOCK_C) int32: perm index minus virtual index of each of those clusters
-    total_ptr,  # out (B * Hkv,) int32: keys in the chosen clusters
-    stats_ptr,  # (2,) fp64 accumulators [sum of mean selectivity, calls] (HAS_STATS)
-    stride_sb, stride_sh, stride_sc,  # scores strides (not FROM_LOGITS)
-    stride_fb, stride_fh, stride_fc,  # offsets strides
-    N,  # keys in the cache
-    HKV,  # KV heads
-    M,  # query rows per KV head (G * L)
-    C,  # clusters
-    NCHUNK,  # logit chunks per row (FROM_LOGITS)
-    PROBES,  # clusters to pick (1 <= PROBES <= C)
-    SINK,  # always-attended leading keys (stats)
-    inv_heads,  # 1 / (B * Hkv): each program's share of the mean selectivity
-    BLOCK_C: tl.constexpr,  # padded C (power of two)
-    BLOCK_CH: tl.constexpr,  # padded NCHUNK
-    ROWS: tl.constexpr,  # FROM_LOGITS: query rows summed per step
-    RADIX_BITS: tl.constexpr,  # threshold bits found per round (1, 2 or 4: 2^bits x BLOCK_C compares at once)
-    FROM_LOGITS: tl.constexpr,  # scores are the group sum of the rows' softmax of the logits
-    HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
-    HAS_STATS: tl.constexpr,  # accumulate the selectivity
-    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the scoring grid first
-    LAUNCH_DEPENDENTS: tl.constexpr,  # let the attention launch become resident now
-):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
-    _select_head(tl.program_id(0), score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
-                 stats_ptr, stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK,
-                 PROBES, SINK, inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, FROM_LOGITS, HAS_VALID, HAS_STATS,
-                 WAIT_PRIOR)
-
-
 _ROWS_LAUNCH = KernelLauncher(_saap_rows_kernel)
 _SELECT_LAUNCH = KernelLauncher(_saap_select_kernel)
-
-
-def block_c_for(clusters: int) -> int:
-    """The padded cluster count of the selection tables (a power of two >= 16)."""
-    return max(16, next_pow2(clusters))
-
-
-def radix_bits(block_c: int) -> int:
-    """Threshold bits the selection finds per round (a histogram of 2^(bits + 1) bins each): narrower past 2048
-    clusters, where the wider rounds' registers spill."""
-    return 4 if block_c <= 2048 else 2 if block_c <= 8192 else 1
-
-
-def select_warps(block_c: int) -> int:
-    """Warps of the selection's one program per head. Its work (the softmax sums, 32 / RADIX_BITS histogram rounds
-    with their reductions, two scans) runs on one SM per head and is latency-bound: compiled for sm_90 at 2048
-    clusters, 16 warps run 2.0k instructions each (60 registers) against 3.1k at 8, and hide the reductions' latency
-    behind 4 warps per scheduler rather than 2."""
-    return max(4, min(16, block_c // 128))
 
 
 def fused_select_warps(block_c: int, hidden: int = 0) -> int:

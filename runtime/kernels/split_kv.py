@@ -18,9 +18,9 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = None
 
-from .common import (_arrive_and_merge, _attend, _finish_parts, _load_q, _row_coords, _split_share, _store_rows,
-                     arrival_counters, decode_geometry, decode_inputs, dot_flags, pdl_supported,
-                     softmax_scale)
+from .attend import _attend_chunks, _load_q, _row_coords, _split_share
+from .common import (_arrive_and_merge, _finish_parts, _store_rows, arrival_counters, decode_geometry, decode_inputs,
+                     dot_flags, head_dim_split, pdl_supported, softmax_scale)
 from .launch import KernelLauncher
 from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
@@ -29,7 +29,9 @@ from .merge import merge_states
 @triton.jit
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr,  # Q (B, Hq, L, D); K (B, Hkv, N, D); V (B, Hkv, N, Dv): any strides
-    k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D)); else K/V again
+    k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D or D_LO)); else K/V again
+    k_hi_desc, v_hi_desc,  # USE_TMA and D_LO > 0: descriptors of K[..., D_LO:] and V[..., D_LO:] (block (1, 1,
+    # BLOCK_N, D_HI)); else K/V again
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     start_ptr,  # (B,) int32/int64 first keys (a sliding window's start), or a dummy when HAS_START is False
@@ -85,6 +87,8 @@ def _split_kv_kernel(
     HEAD_BCAST: tl.constexpr = False,  # MASK_SKIP: the mask is broadcast over the heads (scanned per query position)
     N_SCAN: tl.constexpr = 0,  # MASK_SKIP with HEAD_BCAST: query positions to scan (1 when broadcast over them)
     ONE_CHUNK: tl.constexpr = False,  # MASK_SKIP: CHUNK_T covers every split's tiles
+    D_LO: tl.constexpr = 0,  # > 0: the head dims (D == DV) run in two power-of-two chunks, [0, D_LO) and D_HI
+    D_HI: tl.constexpr = 0,  # columns from D_LO, those past D masked (common.head_dim_split)
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -117,34 +121,51 @@ def _split_kv_kernel(
     hi += first_tile
 
     rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)  # the padded columns of V (the fused merge's)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if D_LO > 0:  # two chunks of the head dim: [0, D_LO) in q / acc, [D_LO, D_LO + D_HI) in q_hi / acc_hi
+        offs_d = tl.arange(0, D_LO)
+        offs_o = offs_d
+        offs_hi = D_LO + tl.arange(0, D_HI)
+        q_hi = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_hi, stride_qb, stride_qh, stride_ql, stride_qd, G, D,
+                       UPCAST)
+        acc = tl.zeros([BLOCK_M, D_LO], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
+    else:  # one chunk padded to a power of two; the hi state is a stand-in, never read
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_o = offs_dv
+        offs_hi = offs_d
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
+    if D_LO == 0:
+        q_hi = q
+        acc_hi = acc
     if MASK_SKIP:
-        acc, m_i, l_i = _attend_visible(q, acc, m_i, l_i, split, NUM_SPLITS, kv_len, k_ptr, v_ptr, k_desc, v_desc,
-                                        mask_ptr, b, kvh, mb, i, row_ok, offs_d, offs_dv,
-                                        stride_kb, stride_kh, stride_kn, stride_kd,
-                                        stride_vb, stride_vh, stride_vn, stride_vd,
-                                        stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, L, G, D, DV, N_SCAN,
-                                        BLOCK_M, BLOCK_N, CHUNK_T, MASK_KIND, HEAD_BCAST, IS_CAUSAL, UPCAST,
-                                        PRECISION, softcap, SOFTCAP, alibi_ptr, ALIBI, USE_TMA, ONE_CHUNK)
+        acc, acc_hi, m_i, l_i = _attend_visible(
+            q, q_hi, acc, acc_hi, m_i, l_i, split, NUM_SPLITS, kv_len, k_ptr, v_ptr, k_desc, v_desc, k_hi_desc,
+            v_hi_desc, mask_ptr, b, kvh, mb, i, row_ok, offs_d, offs_o, offs_hi, stride_kb, stride_kh, stride_kn,
+            stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
+            sm_scale, L, G, D, DV, N_SCAN, BLOCK_M, BLOCK_N, CHUNK_T, MASK_KIND, HEAD_BCAST, IS_CAUSAL, UPCAST,
+            PRECISION, softcap, SOFTCAP, alibi_ptr, ALIBI, USE_TMA, ONE_CHUNK, D_LO)
     else:
-        acc, m_i, l_i = _attend(q, acc, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, k_desc, v_desc, mask_ptr, b, kvh, g,
-                                i, row_ok,
-                                offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
-                                stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn,
-                                sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-                                first, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+        acc, acc_hi, m_i, l_i = _attend_chunks(
+            q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len, k_ptr, v_ptr, k_desc, v_desc, k_hi_desc, v_hi_desc,
+            mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_o, offs_hi, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, G, D,
+            DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA, first, softcap, HAS_START, SOFTCAP,
+            alibi_ptr, ALIBI, D_LO)
+    if D_LO > 0:
+        o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i)
+        _store_rows(o_hi, m_i, o_ptr + split.to(tl.int64) * stride_os, lse_ptr, b, kvh, g, i, row_ok, offs_hi,
+                    stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, False)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)
     if LSE_PLANES:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
     else:
         lse = m_part + log_l
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
-                b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
+                b, kvh, g, i, row_ok, offs_o, stride_ob, stride_oh, stride_ol, stride_od,
                 stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
     if LSE_PLANES:
         ll_ptrs = (lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
@@ -172,7 +193,8 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
-                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None):
+                    tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None,
+                    head_chunks=False):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -202,6 +224,9 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         ``tma`` applies), True all by pointer loads; None = "tma" with ``tma``, else True. False takes contiguous
         shares of [0, valid_len) instead, the mask read in every tile (the path before it; for comparisons). Exact
         each way.
+    head_chunks : True: where ``common.head_dim_split`` cuts the head dim in two power-of-two chunks (D=80 and 96:
+        64 + 32), Q.K and P.V run over the two chunks instead of one padded to a power of two (128); False: one
+        padded chunk. Exact either way (a plan's ``head_chunks``, chosen by measurement).
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
@@ -214,8 +239,9 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         raise ValueError(f"split_kv_decode: mask_tiles must be None, True, False or 'tma'; got {mask_tiles!r}")
     skip = attn_mask is not None and key_start is None and mask_tiles is not False
     tma = tma and (not skip or mask_tiles in (None, "tma"))
+    split = head_dim_split(geo.D, geo.Dv) if head_chunks else (0, 0)
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
-                                                       alibi_slopes)
+                                                       alibi_slopes, split)
     upcast, precision = dot_flags(q.dtype)
     planes = lse is not None and lse.dim() == 4
     if planes and (lse.shape[0] != 2 or tuple(lse.shape[1:]) != tuple(q.shape[:3])):
@@ -255,7 +281,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
-        MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan,
+        MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan, D_LO=split[0],
+        D_HI=split[1],
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

@@ -19,16 +19,19 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import (_attend, _finish, _finish_parts, _load_q, _merge_step, _merged_rows, _row_coords, _store_lse,
-                     _store_rows, arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags,
-                     next_pow2, softmax_scale)
+from .attend import _attend_chunks, _load_q, _row_coords
+from .common import (_finish, _finish_parts, _merge_step, _merged_rows, _store_lse, _store_rows, arrival_counters,
+                     backend_has_option, decode_geometry, decode_inputs, dot_flags, head_dim_split, next_pow2,
+                     softmax_scale)
 from .launch import KernelLauncher
 
 
 @triton.jit
 def _stream_k_kernel(
     q_ptr, k_ptr, v_ptr,  # Q (B, Hq, L, D); K (B, Hkv, N, D); V (B, Hkv, N, Dv): any strides
-    k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D)); else K/V again
+    k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D or D_LO)); else K/V again
+    k_hi_desc, v_hi_desc,  # USE_TMA and D_LO > 0: descriptors of K[..., D_LO:] and V[..., D_LO:] (block (1, 1,
+    # BLOCK_N, D_HI)); else K/V again
     mask_ptr,  # mask broadcast to (B, Hq, L, N) (uint8 for bool, float for additive), or a dummy
     valid_ptr,  # (B,) int32/int64 valid lengths, or a dummy when HAS_VALID is False
     start_ptr,  # (B,) int32/int64 first keys (a sliding window's start), or a dummy when HAS_START is False
@@ -77,6 +80,8 @@ def _stream_k_kernel(
     HAS_START: tl.constexpr = False,  # whether start_ptr holds per-row first keys (keys before do not exist)
     SOFTCAP: tl.constexpr = False,  # logit softcapping of the scaled scores
     ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
+    D_LO: tl.constexpr = 0,  # > 0: the head dims (D == DV) run in two power-of-two chunks, [0, D_LO) and D_HI
+    D_HI: tl.constexpr = 0,  # columns from D_LO, those past D masked (common.head_dim_split)
 ):
     pid = tl.program_id(0)
     # ---- the iteration space, from the valid lengths on device
@@ -106,8 +111,15 @@ def _stream_k_kernel(
     it = range_start
     it_end = tl.minimum(range_start + share, total)
 
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_DV)  # the padded columns of V (the merge's)
+    if D_LO > 0:  # two chunks of the head dim: [0, D_LO) in q / acc, [D_LO, D_LO + D_HI) in q_hi / acc_hi
+        offs_d = tl.arange(0, D_LO)
+        offs_o = offs_d
+        offs_hi = D_LO + tl.arange(0, D_HI)
+    else:  # one chunk padded to a power of two; the hi state is a stand-in, never read
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_o = offs_dv
+        offs_hi = offs_d
     offs_m = tl.arange(0, BLOCK_M)
     # Tiles this program arrived at last (at most two: the partial that starts its share and the one that ends
     # it). They are merged after the loop, so the merge's registers do not weigh on the KV loop.
@@ -131,30 +143,44 @@ def _stream_k_kernel(
 
         rows, g, i, row_ok = _row_coords(mb, L, G, BLOCK_M)
         q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        if D_LO > 0:
+            q_hi = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_hi, stride_qb, stride_qh, stride_ql, stride_qd, G, D,
+                           UPCAST)
+            acc = tl.zeros([BLOCK_M, D_LO], dtype=tl.float32)
+            acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
+        else:
+            q_hi = q
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            acc_hi = acc
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _attend(q, acc, m_i, l_i, first + blk0 * BLOCK_N, first + blk1 * BLOCK_N, kv_len, k_ptr,
-                                v_ptr, k_desc,
-                                v_desc, mask_ptr,
-                                b, kvh, g, i, row_ok, offs_d, offs_dv, stride_kb, stride_kh, stride_kn, stride_kd,
-                                stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
-                                stride_mn, sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
-                                USE_TMA, start, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI)
+        acc, acc_hi, m_i, l_i = _attend_chunks(
+            q, q_hi, acc, acc_hi, m_i, l_i, first + blk0 * BLOCK_N, first + blk1 * BLOCK_N, kv_len, k_ptr, v_ptr,
+            k_desc, v_desc, k_hi_desc, v_hi_desc, mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_o, offs_hi,
+            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+            stride_mh, stride_ml, stride_mn, sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
+            USE_TMA, start, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI, D_LO)
+        o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i)  # the second chunk's columns (D_LO > 0)
         o, m_part, log_l = _finish_parts(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
             # the whole tile is ours: write it out
             lse = m_part if LSE_PLANES else m_part + log_l
-            _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol,
+            _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_o, stride_ob, stride_oh, stride_ol,
                         stride_od, stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+            if D_LO > 0:
+                _store_rows(o_hi, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_hi, stride_ob, stride_oh,
+                            stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, False)
             if LSE_PLANES:
                 _store_lse(log_l, lse_ptr + stride_lplane, b, kvh, g, i, row_ok, stride_lb, stride_lh, stride_ll, G)
         else:
             # a partial: park it in our slot, then count our arrival at the tile
             # (the workspace is small: int32 offsets keep the register count down)
             slot = pid * 2 + (it != range_start).to(tl.int32)
-            tl.store(ws_o_ptr + slot * stride_ws + offs_m[:, None] * stride_wm + offs_dv[None, :] * stride_wd, o,
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+            tl.store(ws_o_ptr + slot * stride_ws + offs_m[:, None] * stride_wm + offs_o[None, :] * stride_wd, o,
+                     mask=row_ok[:, None] & (offs_o[None, :] < DV))
+            if D_LO > 0:
+                tl.store(ws_o_ptr + slot * stride_ws + offs_m[:, None] * stride_wm + offs_hi[None, :] * stride_wd,
+                         o_hi, mask=row_ok[:, None] & (offs_hi[None, :] < DV))
             # m and log l kept apart for the merge (see _merge_step)
             tl.store(ws_lse_ptr + slot * stride_wls + offs_m * stride_wlm, m_part, mask=row_ok)
             tl.store(ws_lse_ptr + stride_wlpart + slot * stride_wls + offs_m * stride_wlm, log_l, mask=row_ok)
@@ -236,7 +262,7 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2, tma=False, key_start=None,
-                    softcap=0.0, alibi_slopes=None):
+                    softcap=0.0, alibi_slopes=None, head_chunks=False):
     """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch.
 
     Parameters
@@ -255,6 +281,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     grid : programs in the persistent grid (more programs than iterations just leaves some idle).
     tma : read K/V tiles with the copy engine (Hopper tensor descriptors) when the strides allow it and the launch
         is being captured into a CUDA graph (``tma_now``, as for split-KV); pointer loads otherwise.
+    head_chunks : as for ``split_kv_decode``: True cuts the head dim in two power-of-two chunks where
+        ``common.head_dim_split`` does; False keeps one padded chunk.
     """
     if grid < 1:
         raise ValueError(f"stream_k_decode: grid must be >= 1; got {grid}")
@@ -262,8 +290,9 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     if workspace is None:
         workspace = stream_k_workspace(grid, q, k, v)
     ws_o, ws_lse, counters = workspace
+    split = head_dim_split(geo.D, geo.Dv) if head_chunks else (0, 0)
     pointers, mstr, mask_kind, use_tma = decode_inputs(q, k, v, attn_mask, valid_len, geo, block_n, tma, key_start,
-                                                       alibi_slopes)
+                                                       alibi_slopes, split)
     upcast, precision = dot_flags(q.dtype)
     planes = lse is not None and lse.dim() == 4
     if planes and (lse.shape[0] != 2 or tuple(lse.shape[1:]) != tuple(q.shape[:3])):
@@ -285,8 +314,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         BLOCK_DV=geo.block_dv, HAS_VALID=valid_len is not None, MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=planes,
-        HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
-        num_warps=num_warps, num_stages=num_stages,
-        **extra,
+        HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None, D_LO=split[0],
+        D_HI=split[1], num_warps=num_warps, num_stages=num_stages, **extra,
     )
     return out, lse

@@ -164,10 +164,10 @@ class Saap(Strategy[SaapPlan]):
             saap_decode_kernel(q, k, v, clusters_state.offsets, clusters_state.perm, clusters_state.ends, out,
                                probes=plan.probes, sink=plan.sink, scale=scale, scorer=scorer,
                                valid_len=valid_len, stats=state.stats, block_n=plan.block_n,
-                               workspace=state.workspace, fused_select=plan.fused_select,
+                               num_stages=plan.num_stages, workspace=state.workspace, fused_select=plan.fused_select,
                                fused_merge=plan.fused_merge, pdl=plan.pdl, window_stream=plan.window_stream,
                                window_after_scoring=plan.window_after_scoring, select_warps=plan.select_warps or None,
-                               window_splits=window_split_count(
+                               window_splits=plan.window_splits or window_split_count(
                                    plan.num_splits, plan.sink + plan.window,
                                    plan.probes * clusters_state.perm.shape[-1] / clusters_state.num_clusters))
             return out

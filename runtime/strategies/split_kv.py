@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from attnopt.cost import kernel as kernel_cost
+from attnopt.cost.traffic import padded_head_dim
 from attnopt.hardware import HardwareProfile
 from attnopt.plan import SplitKVPlan
 from attnopt.site import AttentionSite
@@ -60,6 +61,11 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
     (``benchmarks/results/experiments/kernel-headroom-*``); they come last so that equal estimates plan the others."""
     if head_dim > 128:
         return ((32, 4, 3), (64, 8, 2), (64, 4, 3))
+    if 64 < head_dim <= 96:
+        # (128, 4, 3) last: at D=80/96 it was the fastest config in 3 of 5 trailing dynamic shapes (H100 at a5cad6d,
+        # benchmarks/head_chunks.py: B64 8/8 N2432 S1 139.6 µs, B1 14/2 512k S66 122.2, B3 12/4 N5000 S11 15.9, each
+        # ahead of every listed config) and was a candidate only when the cost model picked it
+        return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 4, 3), (128, 4, 3))
     if head_dim <= 96:
         return ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 4, 3))
     # (128, 4, 3) before (128, 8, 3): an uncalibrated cost model cannot tell them apart, the first of equal
@@ -77,28 +83,33 @@ MAX_SMALL_PROGRAMS_PER_SM = 32
 SMEM_BUDGET = 200 * 1024
 
 
+def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False) -> int:
+    """Shared memory of one program: K and V tiles per buffered pipeline stage (head dims padded to a power of two,
+    or with ``head_chunks`` as the kernels cut them, ``attnopt.cost.traffic.padded_head_dim``), plus about 8 KB
+    (matches the compiled kernels within a few KB)."""
+    dv = site.v_head_dim or site.head_dim
+    if head_chunks:
+        width = padded_head_dim(site.head_dim, dv) + padded_head_dim(dv, site.head_dim)
+    else:
+        width = _pow2(site.head_dim) + _pow2(dv)
+    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + 8192
+
+
 def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def smem_bytes(site: AttentionSite, block_n: int, num_stages: int) -> int:
-    """Shared memory of one program: K and V tiles (padded head dims) per buffered pipeline stage, plus about
-    8 KB (matches the compiled kernels within a few KB)."""
-    dv = site.v_head_dim or site.head_dim
-    return max(1, num_stages - 1) * block_n * (_pow2(site.head_dim) + _pow2(dv)) * site.dtype_bytes + 8192
-
-
-def fit_stages(site: AttentionSite, block_n: int, num_stages: int) -> int | None:
+def fit_stages(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False) -> int | None:
     """The deepest pipeline <= ``num_stages`` whose tiles fit the shared-memory budget (None if none does)."""
-    while num_stages > 1 and smem_bytes(site, block_n, num_stages) > SMEM_BUDGET:
+    while num_stages > 1 and smem_bytes(site, block_n, num_stages, head_chunks) > SMEM_BUDGET:
         num_stages -= 1
-    return num_stages if smem_bytes(site, block_n, num_stages) <= SMEM_BUDGET else None
+    return num_stages if smem_bytes(site, block_n, num_stages, head_chunks) <= SMEM_BUDGET else None
 
 
-def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int) -> int:
+def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int, head_chunks: bool = False) -> int:
     """Rough resident programs per SM for one config: the tighter of shared memory (Hopper's 227 KB) and
     registers (about 128 per thread for wide tiles, 96 otherwise)."""
-    smem = smem_bytes(site, block_n, num_stages)
+    smem = smem_bytes(site, block_n, num_stages, head_chunks)
     regs = 128 if (num_warps >= 8 or block_n * site.head_dim >= 128 * 128) else 96
     return max(1, min((227 * 1024) // smem, 65536 // (regs * 32 * num_warps)))
 
@@ -116,12 +127,28 @@ def rows_per_tile(site: AttentionSite) -> tuple[int, int]:
     return block_m, -(-rows // block_m)
 
 
-def fitting_configs(site: AttentionSite) -> Iterable[tuple[int, int, int]]:
+def fitting_configs(site: AttentionSite, head_chunks: bool = False) -> Iterable[tuple[int, int, int]]:
     """``kernel_configs`` whose tiles fit the shared-memory budget, with their pipeline depth fitted."""
     for block_n, warps, stages in kernel_configs(site.head_dim):
-        stages = fit_stages(site, block_n, stages)
+        stages = fit_stages(site, block_n, stages, head_chunks)
         if stages is not None:
             yield block_n, warps, stages
+
+
+#: Tiles at least this wide get a head-chunked twin where the kernels cut the head dim (``SplitKVPlan.head_chunks``):
+#: every config. H100 at a5cad6d (``benchmarks/head_chunks.py``, D=80/96 as 64 + 32, against one padded chunk):
+#: B8 4/2 D80 N2048 S32/bn64 10.76 µs against 12.02 (1.019x cuDNN, the fastest row), B64 8/8 D80 N2432 S1/bn64 143.6
+#: against 164.8, B7 4/2 D96 N3264 S18/bn64 13.36 against 13.59; at B3 12/4 D96 N5000 3-5 % slower at 64-key tiles
+#: and 11 splits; at 128-key tiles up to 15 % faster with many splits (padded, 139 KB of shared memory holds one
+#: program per SM; chunked, 105 KB, two). Neither wins everywhere, so measurement chooses.
+CHUNK_MIN_BLOCK_N = 64
+#: A head-chunked plan's estimate is its padded twin's times (1 + this): the untuned choice stays padded.
+CHUNK_ESTIMATE_PENALTY = 0.01
+
+
+def chunk_twins(site: AttentionSite) -> bool:
+    """Whether the candidates include head-chunked twins: the kernels cut this head dim (D == Dv, 72-96, 160, 192)."""
+    return padded_head_dim(site.head_dim, site.v_head_dim or site.head_dim) < _pow2(site.head_dim)
 
 
 def output_tiles(site: AttentionSite) -> int:
@@ -219,31 +246,40 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         than KV tiles. Also small splits of TILES_PER_SMALL_SPLIT tiles (at most MAX_SMALL_PROGRAMS_PER_SM programs
         per SM): the block scheduler then balances many short programs as they finish. For a symbolic length
         the trace-time hint sizes the splits; the share of each split then follows the length at run time. K/V
-        tiles go through TMA where the GPU and strides allow it."""
+        tiles go through TMA where the GPU and strides allow it. Where the kernels cut the head dim in two chunks
+        (D=80/96), the configs of tiles >= CHUNK_MIN_BLOCK_N come again with ``head_chunks`` (sized by their own
+        shared memory), each estimated just behind its padded twin, for measurement to choose."""
         n = planned_len(site)
         base = output_tiles(site)
         seen = set()
-        for block_n, warps, stages in fitting_configs(site):
-            slots = hw.sm_count * occupancy(site, block_n, warps, stages)
-            max_splits = max(1, -(-n // block_n))
-            many = min(max_splits // TILES_PER_SMALL_SPLIT, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))
-            for target in (hw.sm_count, slots / 2, slots, 2 * slots, max(1, many) * base):
-                splits = max(1, min(max_splits, round(target / base)))
-                key = (splits, block_n, warps, stages)
-                if key not in seen:
-                    seen.add(key)
-                    # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
-                    # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
-                    yield SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, tma=True)
+        for chunks in (False, True) if chunk_twins(site) else (False,):
+            for block_n, warps, stages in fitting_configs(site, chunks):
+                if chunks and block_n < CHUNK_MIN_BLOCK_N:
+                    continue
+                slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks)
+                max_splits = max(1, -(-n // block_n))
+                many = min(max_splits // TILES_PER_SMALL_SPLIT, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))
+                for target in (hw.sm_count, slots / 2, slots, 2 * slots, max(1, many) * base):
+                    splits = max(1, min(max_splits, round(target / base)))
+                    key = (splits, block_n, warps, stages, chunks)
+                    if key not in seen:
+                        seen.add(key)
+                        # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
+                        # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
+                        yield SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
+                                          tma=True, head_chunks=chunks)
         pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
-            if (c.grid, c.block_n, c.num_warps, stages) not in seen:
+            if (c.grid, c.block_n, c.num_warps, stages, False) not in seen:
                 yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages,
                                   tma=True)
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
-        return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
+        us = kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
+        # the model does not see what the head chunks change (measured from 16 % faster to 8 % slower): a chunked
+        # plan ranks just behind its padded twin, so that only a measurement chooses one
+        return us * (1 + CHUNK_ESTIMATE_PENALTY) if plan.head_chunks and chunk_twins(site) else us
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         if plan.num_splits < 1:
@@ -262,4 +298,5 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         split_kv_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, num_splits=plan.num_splits, block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
-                        tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
+                        tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes,
+                        head_chunks=plan.head_chunks)

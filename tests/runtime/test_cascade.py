@@ -83,14 +83,15 @@ def interpret(monkeypatch):
     attnopt.runtime.ops.reset_runtime_state()
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,L,P,S,dtype,mask", [
-    (3, 4, 2, 1, 70, 5, torch.float16, None),     # G = 2, the prefix over several tiles and splits
-    (3, 3, 1, 2, 33, 9, torch.float32, "bool"),   # L > 1: the (Hq, B, L) workspace layout; row 0 fully hidden
-    (2, 6, 2, 1, 40, 0, torch.float16, "min"),    # no suffix yet; finfo.min row
-    (2, 4, 4, 1, 0, 7, torch.float32, "neginf"),  # no prefix
+@pytest.mark.parametrize("B,Hq,Hkv,L,P,S,dtype,mask,D", [
+    (3, 4, 2, 1, 70, 5, torch.float16, None, 64),     # G = 2, the prefix over several tiles and splits
+    (3, 3, 1, 2, 33, 9, torch.float32, "bool", 64),   # L > 1: the (Hq, B, L) workspace layout; row 0 fully hidden
+    (2, 6, 2, 1, 40, 0, torch.float16, "min", 64),    # no suffix yet; finfo.min row
+    (2, 4, 4, 1, 0, 7, torch.float32, "neginf", 64),  # no prefix
+    (3, 4, 2, 1, 70, 5, torch.float16, "bool", 80),   # a head dim that is not a power of two
 ])
-def test_kernel_cascade_matches_oracle_and_plain_split_kv(interpret, B, Hq, Hkv, L, P, S, dtype, mask):
-    q, parts, k, v, m = _inputs(B, Hq, Hkv, L, P, S, 64, dtype=dtype, mask=mask)
+def test_kernel_cascade_matches_oracle_and_plain_split_kv(interpret, B, Hq, Hkv, L, P, S, dtype, mask, D):
+    q, parts, k, v, m = _inputs(B, Hq, Hkv, L, P, S, D, dtype=dtype, mask=mask)
     valid_len = reference.valid_len_from_mask(m, B) if m is not None else None
     # TMA tiles (tensor descriptors; the interpreter runs them) on the permuted prefix and suffix views
     out = _op(q, parts, m, valid_len, 0.15, plan=CascadePlan(prefix_splits=3, suffix_splits=2, block_n=16, tma=True))

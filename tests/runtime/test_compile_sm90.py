@@ -92,6 +92,15 @@ def _launches(monkeypatch) -> list[dict]:
                             num_splits=splits, block_n=64, num_warps=4, num_stages=3)
         stream_k_decode(q, k, v, torch.empty(B, Hq, L, D), torch.empty(2, B, Hq, L), attn_mask=mask, scale=0.125,
                         grid=8, block_n=64, num_warps=4, num_stages=3)
+        # the head dim in two chunks (D=80: 64 + 16): one split, four with the fused merge, the mask-tile path
+        q80, k80, v80 = (torch.randn(B, h, n, 80, dtype=dtype) for h, n in ((Hq, L), (Hkv, N), (Hkv, N)))
+        for splits, fused, m in ((1, False, None), (4, True, None), (4, False, mask)):
+            split_kv_decode(q80, k80, v80, torch.empty(B, Hq, L, 80, dtype=dtype), torch.empty(B, Hq, L),
+                            valid_len=torch.tensor([250], dtype=torch.int32), attn_mask=m, num_splits=splits,
+                            block_n=64, num_warps=4, num_stages=3, fused_merge=fused, head_chunks=True)
+        stream_k_decode(q80, k80, v80, torch.empty(B, Hq, L, 80, dtype=dtype), torch.empty(B, Hq, L),
+                        workspace=stream_k_workspace(8, q80, k80, v80), grid=8, block_n=64, num_warps=4, num_stages=3,
+                        head_chunks=True)
         for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
             _saap_launch(q, k, v, clusters, probes)
         _variant_launches(q, k, v, mask)
@@ -187,6 +196,9 @@ def test_kernels_compile_for_sm90(monkeypatch):
     assert any(j["consts"].get("ATOMIC") and j["consts"].get("FIRST") for j in jobs), names
     variants = {(j["name"], j["consts"].get("HAS_START"), j["consts"].get("SOFTCAP"), j["consts"].get("ALIBI"))
                 for j in jobs}
+    assert {n for n in ("_split_kv_kernel", "_stream_k_kernel")
+            if any(j["name"] == n and j["consts"].get("D_LO") == 64 for j in jobs)} == {"_split_kv_kernel",
+                                                                                        "_stream_k_kernel"}
     assert {(n, *v) for n in ("_split_kv_kernel", "_stream_k_kernel")
             for v in ((True, False, False), (False, True, False), (True, True, True), (False, False, True))} <= variants
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}

@@ -6,8 +6,10 @@ import os
 import pytest
 import torch
 
-from attnopt.bench.saap import SELECT_WARPS, STAGES, budget, fuse_choices, saap_geometries, select_warps_choices, \
-    speed_verdict, stage_of, unchained, window_stream_choices
+from attnopt.bench.saap import budget, speed_verdict
+from attnopt.bench.saap_breakdown import SELECT_WARPS, STAGES, stage_of, unchained
+from attnopt.bench.saap_options import fuse_choices, saap_geometries, select_warps_choices, stages_choices, \
+    window_splits_choices, window_stream_choices
 from attnopt.cli import build_parser
 
 
@@ -80,13 +82,17 @@ def test_window_stream_option():
     assert window_stream_choices(args.saap_window_stream) == ["off"]
 
 
-def test_select_warps_option():
-    assert select_warps_choices("0,8,8,16") == [0, 8, 16] and select_warps_choices("") == [0]
-    for bad in ("3", "x", ",", "64"):
-        with pytest.raises(ValueError, match="--saap-select-warps takes a comma-separated list of 0"):
-            select_warps_choices(bad)
+@pytest.mark.parametrize("parse,option,given,want,bad", [
+    (select_warps_choices, "--saap-select-warps", "0,8,8,16", [0, 8, 16], ("3", "x", ",", "64")),
+    (stages_choices, "--saap-stages", "0,3,3,2", [0, 3, 2], ("1", "x", ",", "4")),
+    (window_splits_choices, "--saap-window-splits", "0,8,12,8", [0, 8, 12], ("-1", "x", ","))])
+def test_integer_list_options(parse, option, given, want, bad):
+    assert parse(given) == want and parse("") == [0]
+    for text in bad:
+        with pytest.raises(ValueError, match=f"{option} takes a comma-separated list of 0"):
+            parse(text)
     args = build_parser().parse_args(["bench", "saap"])
-    assert select_warps_choices(args.saap_select_warps) == [0]
+    assert parse(getattr(args, option[2:].replace("-", "_"))) == [0]
 
 
 def test_bench_saap_is_registered():

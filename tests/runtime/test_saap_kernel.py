@@ -82,6 +82,18 @@ def test_kernel_matches_reference_on_the_same_sparse_set(B, Hq, Hkv, N, D, L, C,
         assert float(keep.float().mean()) < 0.9  # really sparse
 
 
+@pytest.mark.parametrize("splits,block_r,group,groups", [(16, 4, 4, 4), (24, 16, 4, 6), (7, 4, 4, 2)])
+def test_fused_merge_in_two_levels_of_arrival(splits, block_r, group, groups):
+    # the last split of each group merges its group into the group's first slot, the last group the tile: even
+    # groups, a second level wider than one load (6 groups of 4: two steps), an uneven last group (7 = 4 + 3)
+    from attnopt.runtime.kernels.saap_merge import merge_group_size
+
+    assert merge_group_size(splits, block_r, 64) == group and -(-splits // group) == groups
+    hq, L = (16, 2) if block_r == 16 else (8, 1)
+    run_case(1, hq, 2, 300, 64, L, 16, 5, sink=1, window=20, prompt=297, dtype=torch.float32, splits=splits,
+             block_n=16, fused=True)
+
+
 def test_kernel_balances_a_large_cluster_over_many_splits():
     # one giant chosen cluster: 16 splits of 16-key tiles must share it and still give the exact answer
     run_case(1, 2, 1, 180, 64, 1, 4, 1, sink=1, window=8, prompt=180, dtype=torch.float32, splits=16, block_n=16)
@@ -347,12 +359,15 @@ def test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(seed):
 def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats():
     """The selection stops its radix rounds once the keys at or above the threshold so far are exactly the probes:
     over random floats (distinct, or sharing all but their last bits, so that some heads need every round) the
-    chosen clusters are still exactly ``threshold_clusters``'."""
+    chosen clusters are still exactly ``threshold_clusters``'; all equal (every cluster ties) and -inf to +inf as
+    well."""
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
 
     g = torch.Generator().manual_seed(4)
-    B, Hkv, C = 1, 4, 300
+    B, Hkv, C = 1, 6, 300
     scores = torch.rand(B, Hkv, C, generator=g)
+    scores[0, 4] = 0.25
+    scores[0, 5, :3], scores[0, 5, 3:6] = float("inf"), float("-inf")
     near = torch.tensor(0.7).view(torch.int32) + torch.randint(0, 4, (C,), generator=g, dtype=torch.int32)
     scores[0, 1] = near.view(torch.float32)  # ties and one-ulp neighbours: the last rounds decide
     scores[0, 2] = -scores[0, 2] * 1e-30  # tiny negatives

@@ -111,8 +111,9 @@ def test_unset_probes_sink_and_window_come_from_the_index(tmp_path, index_path):
     assert (registry.saap_cache(path, sink=2, window=9).saap_window) == 9
 
 
-def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1):
-    plan = SaapPlan(index=index_path, probes=probes, sink=1, window=8, layer=layer, num_splits=3, block_n=16)
+def _run(index_path, probes, q, k, v, prompt, valid_len=None, layer=1, **plan_fields):
+    plan = SaapPlan(index=index_path, probes=probes, sink=1, window=8, layer=layer, num_splits=3, block_n=16,
+                    **plan_fields)
     index = registry.get_index(index_path)
     n = k.shape[2] if valid_len is None else int(valid_len[0])
     registry.set_state(index_path, layer, build_clusters(index, layer, k[:, :, :n], prompt, 1, 8))
@@ -164,11 +165,31 @@ def test_kernel_path_in_the_interpreter_matches_the_reference_path(which, reques
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("fused,window_stream,late,warps", [
-    (False, False, False, 0), (True, False, False, 0), (False, True, False, 0), (False, True, True, 0),
-    (True, True, True, 0), (False, False, False, 8), (True, False, False, 8)])
+@pytest.mark.parametrize("window_splits", [0, 2])
+def test_plan_window_splits_reach_the_kernel(index_path, monkeypatch, window_splits):
+    # 0: the rule (in proportion to the keys: 1 of 3 splits here); a count: that many, same output as the reference
+    pytest.importorskip("triton")
+    from attnopt.runtime.kernels import saap as kernels, triton_usable
+
+    if not triton_usable("cpu"):
+        pytest.skip("the Triton interpreter is not on")
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
+    _, ref = _run(index_path, 3, q, k, v, prompt=70)
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    given = []
+    launch = kernels.saap_decode_kernel
+    monkeypatch.setattr(kernels, "saap_decode_kernel", lambda *a, **kw: given.append(kw["window_splits"]) or launch(
+        *a, **kw))
+    _, out = _run(index_path, 3, q, k, v, prompt=70, window_splits=window_splits)
+    assert given == [window_splits or 1]  # the rule: 9 always-attended keys against 3 clusters of about 5
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fused,window_stream,late,warps,stages", [
+    (False, False, False, 0, 2), (True, False, False, 0, 3), (False, True, False, 0, 2), (False, True, True, 0, 2),
+    (True, True, True, 0, 2), (False, False, False, 8, 2), (True, False, False, 8, 2)])
 def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path, monkeypatch, fused, window_stream,
-                                                                      late, warps):
+                                                                      late, warps, stages):
     """The run of a prepared plan: scoring, selection, attention and merge launches (fused: scoring with the selection,
     attention with the merge; window_stream: the window's attention launch apart, first, or after the scoring when
     ``late`` and not fused), the output's allocation, and nothing else (before, scoring and statistics were some 40 small torch launches); the selectivity counter
@@ -185,15 +206,16 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
     plan = SaapPlan(index=index_path, probes=3, sink=1, window=8, layer=1, num_splits=3, block_n=16,
                     fused_select=fused, fused_merge=fused, window_stream=window_stream, window_after_scoring=late,
-                    select_warps=warps)
+                    select_warps=warps, num_stages=stages)
     registry.set_state(index_path, 1, build_clusters(registry.get_index(index_path), 1, k, 85, 1, 8))
     state = SAAP.prepare(plan, q, k, v)
-    launches, ops, widths = [], [], {}
+    launches, ops, widths, depths = [], [], {}, {}
     original = KernelLauncher.__call__
 
     def counting(self, grid, *args, **kwargs):
         launches.append(self.fn.__name__)
         widths[self.fn.__name__] = kwargs.get("num_warps")
+        depths[self.fn.__name__] = kwargs.get("num_stages")
         with _Paused(recorder):
             return original(self, grid, *args, **kwargs)
 
@@ -214,6 +236,7 @@ def test_kernel_path_is_four_launches_and_no_torch_op_but_the_output(index_path,
     assert launches == want, launches
     if warps:  # the plan's selection width reaches the launch that selects
         assert widths["_saap_rows_kernel" if fused else "_saap_select_kernel"] == warps, widths
+    assert depths["_saap_kernel"] == stages, depths  # the plan's pipeline depth reaches the attention launch
     views = (".view.", ".select.")  # views (the LSE planes of the partials among them) launch nothing
     assert [op for op in ops if not any(v in op for v in views)] == ["aten.empty.memory_format"], ops
     assert registry.measured_selectivity(plan.runtime_key())[1] == 1

@@ -1,0 +1,117 @@
+"""The planner bench's results: one case's summary against its best peer, the overall figures over the cases, the
+printed table, and the join of several ``--part`` runs' files (``attnopt bench planner --merge``)."""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .planner_grid import STATIC_CHECK_CASE, STATIC_CHECK_MIN, geomean
+from .planner_timing import growing_us
+
+#: Relative error above which a row does not count (bf16 outputs land near 3e-3).
+REL_ERR_OK = 2e-2
+
+
+def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case's summary: our rows against the best peer (ratio = best peer µs / ours; >= 1 is faster)."""
+    ok = [r for r in rows if r.get("us") and r.get("rel_err", 1.0) < REL_ERR_OK]
+    peers = [r for r in ok if r["peer"]]
+    ours = {r["method"]: r for r in rows if not r["peer"]}
+    planner = ours.get("attnopt:planner", {})
+    s = {"case": case_name, "cache": case[6], "plan": planner.get("plan"), "choice": planner.get("choice"),
+         "compile_s": planner.get("compile_s"), "tune_s": planner.get("tune_s"), "attnopt_us": planner.get("us"),
+         "frac_of_roofline": planner.get("frac_of_roofline"), "error": planner.get("error")}
+    if not peers:
+        return s
+    best = min(peers, key=lambda r: r["us"])
+    s.update(best_peer=best["method"], best_peer_us=best["us"])
+    for r in rows:
+        if r.get("us"):
+            r["ratio_to_best_peer"] = best["us"] / r["us"]
+    for method, key in (("attnopt:planner", "ratio_to_best_peer"), ("attnopt:model", "model_ratio_to_best_peer")):
+        r = ours.get(method)
+        if r and r in ok:
+            s[key] = best["us"] / r["us"]
+    if "attnopt:model" in ours:
+        s.update(model_plan=ours["attnopt:model"].get("plan"), model_us=ours["attnopt:model"].get("us"),
+                 model_compile_s=ours["attnopt:model"].get("compile_s"))
+    # per step of a growing cache: a peer that builds something per length (cuDNN) pays it every step
+    growing = [r for r in peers if growing_us(r)]
+    if planner in ok and growing:
+        best_growing = min(growing, key=growing_us)
+        s.update(best_growing_peer=best_growing["method"],
+                 growing_ratio_to_best_peer=growing_us(best_growing) / growing_us(planner))
+    sdpa = [r for r in peers if r["method"].startswith("sdpa")]
+    if case[6] == "static" and sdpa and planner in ok:  # a nearly full cache (static-full) has nothing to skip
+        s["speedup_vs_sdpa_full_cache"] = min(r["us"] for r in sdpa) / planner["us"]
+    return s
+
+
+def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the cases with a ratio: min, geometric mean, the count >= 0.99 and the worst case, for the tuned pick
+    and the model's (``model_*``); the static-cache check; first-call seconds."""
+    out: dict[str, Any] = {"cases": len(summaries)}
+    for key, prefix in (("ratio_to_best_peer", ""), ("model_ratio_to_best_peer", "model_"),
+                        ("growing_ratio_to_best_peer", "growing_")):
+        ratios = {s["case"]: s[key] for s in summaries if s.get(key)}
+        if not ratios:
+            continue
+        worst = min(ratios, key=ratios.get)
+        out.update({f"{prefix}with_ratio": len(ratios), f"{prefix}min_ratio": ratios[worst],
+                    f"{prefix}worst_case": worst, f"{prefix}geomean_ratio": geomean(ratios.values()),
+                    f"{prefix}at_least_0_99": sum(r >= 0.99 for r in ratios.values())})
+    static = [s for s in summaries if s.get("speedup_vs_sdpa_full_cache")]
+    if static:
+        out["static_speedup_vs_sdpa_full_cache_min"] = min(s["speedup_vs_sdpa_full_cache"] for s in static)
+    check = next((s for s in summaries if s["case"] == STATIC_CHECK_CASE), None)
+    if check is not None and check.get("speedup_vs_sdpa_full_cache"):
+        out["static_check"] = {"case": STATIC_CHECK_CASE, "speedup": check["speedup_vs_sdpa_full_cache"],
+                               "pass": check["speedup_vs_sdpa_full_cache"] >= STATIC_CHECK_MIN}
+    for key in ("compile_s", "tune_s"):
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        if values:
+            out.update({f"{key}_median": statistics.median(values), f"{key}_max": max(values)})
+    return out
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    """The per-case table (ratio = best peer µs / ours: >= 1 is faster) and the overall line."""
+    from .common import format_table
+
+    print("\nsummary (ratio = best peer / attnopt; model = the cost model's pick alone; roof = floor / attnopt)")
+    print(format_table(results.get("summary", []), [
+        ("case", "case", ""), ("best_peer", "best peer", ""), ("best_peer_us", "peer µs", ".1f"),
+        ("attnopt_us", "tuned µs", ".1f"), ("ratio_to_best_peer", "ratio", ".3f"), ("model_us", "model µs", ".1f"),
+        ("model_ratio_to_best_peer", "model ratio", ".3f"), ("growing_ratio_to_best_peer", "growing", ".3f"),
+        ("frac_of_roofline", "roof", ".2f"),
+        ("compile_s", "first s", ".1f"), ("tune_s", "tune s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"),
+        ("choice", "choice", ""),
+        ("plan", "plan", ""), ("error", "error", "")]))
+    print("\noverall:", results.get("overall"), "skipped:", len(results.get("skipped_cases", [])))
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``"I/K"`` -> (I, K) with 0 <= I < K; a clear error otherwise."""
+    try:
+        i, k = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--part {text!r}: expected I/K such as 0/2") from None
+    if not 0 <= i < k:
+        raise ValueError(f"--part {text!r}: need 0 <= I < K")
+    return i, k
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One results dict from the files of several ``--part`` runs: the first file's header, every file's rows,
+    summaries and skipped cases, the overall recomputed, and each part's commit and elapsed seconds."""
+    import json
+
+    parts = [json.loads(open(p).read()) for p in paths]
+    out = {k: v for k, v in parts[0].items() if k not in ("rows", "summary", "overall", "skipped_cases", "elapsed_s")}
+    out["parts"] = [{"file": p, "commit": d.get("commit"), "device": d.get("device"), "elapsed_s": d.get("elapsed_s"),
+                     "cases": len(d.get("summary", []))} for p, d in zip(paths, parts)]
+    out["rows"] = [r for d in parts for r in d.get("rows", [])]
+    out["summary"] = [s for d in parts for s in d.get("summary", [])]
+    out["skipped_cases"] = [c for d in parts for c in d.get("skipped_cases", [])]
+    out["overall"] = overall(out["summary"])
+    return out
