@@ -321,8 +321,8 @@ class CudaGraphs:
         # of another pool (a tuner's timing graph, its input sets), whose release may call cudaFree from this very
         # thread and invalidate the capture. The suspect (not proven) of an intermittent failure on the H100:
         # cudaErrorStreamCaptureInvalidated in generate()'s recording with no other thread of ours alive and
-        # capture_error_mode="thread_local" (8936801). Collect first instead.
-        gc.collect()
+        # capture_error_mode="thread_local" (8936801); none in the next run with this (e052280). No gc.collect()
+        # first: it took 0.6-0.8 s a recording there (in a cProfile of generate()); the garbage can wait.
         collecting = gc.isenabled()
         gc.disable()
         try:
