@@ -198,12 +198,16 @@ def split_counts(site: AttentionSite, hw: HardwareProfile, block_n: int, warps: 
     split), and the small splits keep their tiles (``tiles_per_split=TILES_PER_SMALL_SPLIT``). So a plan tuned at one
     length of a growing cache runs as the candidate planned at another would: on the H100 (e052280) the bucket
     (1024, 2048] of B=8, 4/2 heads, D=80 tuned 12 splits of one 128-key tile at 1472 keys and ran 16 tiles at 2048 in
-    12 splits, 4 of them of two tiles (11.14 µs against cuDNN's 10.46). A sliding window's band does not grow with
-    the cache: its grids stay fixed (``tiles_per_split=0``)."""
+    12 splits, 4 of them of two tiles (11.14 µs against cuDNN's 10.46). Wave-sized grids come largest first, so that
+    of those the tiles cap alike at the planned length the one that keeps one tile per split furthest is planned.
+
+    Only where the site has no mask: a sliding window's band does not grow with the cache, and a static cache's
+    keys are its valid ones, which the tuner times as a shorter cache (a grid sized by the length would differ
+    there from the run's); their grids stay fixed (``tiles_per_split=0``) and capped by the tiles."""
     base = output_tiles(site)
     slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks)
-    adapt = site.window is None
-    waves = sorted({max(1, round(t / base)) for t in (hw.sm_count, slots / 2, slots, 2 * slots)})
+    adapt = site.window is None and site.mask_kind == "none"
+    waves = sorted({max(1, round(t / base)) for t in (hw.sm_count, slots / 2, slots, 2 * slots)}, reverse=True)
     out = [(s, 1 if adapt and s > 1 else 0) for s in waves]
     max_splits = max(1, -(-planned_len(site) // block_n))
     cap = max(1, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))

@@ -69,20 +69,24 @@ def test_a_bucket_runs_at_each_length_as_the_candidates_planned_there(site):
 
 def test_the_one_tile_grid_of_lhs33_keeps_one_tile_per_split():
     """The H100 case (e052280): tuned at 1472 keys, run at 2048 with 12 splits of 128 keys, 4 of them two tiles.
-    Some 128-key candidates have one tile per split at 1472 and still at 2048 (16 splits), where no fixed grid of the
-    middle's candidates could (12 was the most); the bucket's tie-break times them at its ends. A grid of 12 that
-    is one wave at 2048 stays 12 there, as the candidates planned at 2048 have it."""
+    The 128-key candidates of one tile per split at 1472 keep one at 2048 (16 splits), where no fixed grid of the
+    middle's candidates could (12 was the most): of the wave-sized grids that 12 tiles cap alike (12, 25 and 50 for
+    4 warps and 2 stages), the largest is planned."""
     plans = [p for p in get_strategy("split_kv").candidates(LHS33, H100, CUDA_CTX) if p.block_n == 128]
     widest = [p for p in plans if p.splits_at(1472) == 12]
-    assert any(p.splits_at(2048) == 16 for p in widest) and all(p.splits_at(2048) >= 12 for p in widest)
+    assert widest and all(p.splits_at(2048) == 16 for p in widest)
     assert all(p.num_splits <= 12 for p in plans if p.tiles_per_split == 0)  # (the cost model's own, fixed)
 
 
-def test_a_window_keeps_fixed_grids():
-    site = AttentionSite.canonical(kv_len=65536, window=4096)
+@pytest.mark.parametrize("kw,keys", [({"window": 4096}, 4096), ({"mask_kind": "valid_length"}, 32768),
+                                     ({"mask_kind": "arbitrary"}, 32768)], ids=["window", "static", "mask"])
+def test_masked_sites_keep_fixed_grids(kw, keys):
+    """A window's band does not grow with the cache; a static cache's valid keys are timed as a shorter cache (its
+    low fill), where a grid sized by the length would not be the run's: fixed grids, capped by the tiles."""
+    site = AttentionSite.canonical(kv_len=32768, **kw)
     plans = list(get_strategy("split_kv").candidates(site, H100, CUDA_CTX))
     assert plans and all(p.tiles_per_split == 0 for p in plans)
-    assert all(p.num_splits <= -(-4096 // p.block_n) for p in plans)
+    assert all(p.num_splits <= -(-keys // p.block_n) for p in plans)
 
 
 def test_estimates_count_the_grid_of_the_length():
