@@ -79,6 +79,10 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
 TILES_PER_SMALL_SPLIT = 4
 MAX_SMALL_PROGRAMS_PER_SM = 32
 
+#: A split-KV grid that follows the cache's length (``split_counts``) grows to at most this many times the tiles
+#: (or small splits) of the planned length.
+FOLLOW_RANGE = 2
+
 #: Shared memory a config may plan for (Hopper has 227 KB per block; leave room for Triton's own buffers).
 SMEM_BUDGET = 200 * 1024
 
@@ -208,11 +212,14 @@ def split_counts(site: AttentionSite, hw: HardwareProfile, block_n: int, warps: 
     slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks)
     adapt = site.window is None and site.mask_kind == "none"
     waves = sorted({max(1, round(t / base)) for t in (hw.sm_count, slots / 2, slots, 2 * slots)}, reverse=True)
-    out = [(s, 1 if adapt and s > 1 else 0) for s in waves]
     max_splits = max(1, -(-planned_len(site) // block_n))
+    # a grid follows the length up to FOLLOW_RANGE times the planned one (a bucket spans sqrt(2) either side of its
+    # middle): the workspace, sized for the most splits, stays within that of the planned grid times FOLLOW_RANGE
+    out = [(min(s, FOLLOW_RANGE * max_splits), 1) if adapt and s > 1 else (s, 0) for s in waves]
+    out = [(s, m if s > 1 else 0) for s, m in out]
     cap = max(1, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))
     if adapt and cap > 1:
-        out.append((cap, TILES_PER_SMALL_SPLIT))
+        out.append((max(2, min(cap, FOLLOW_RANGE * (max_splits // TILES_PER_SMALL_SPLIT))), TILES_PER_SMALL_SPLIT))
     else:
         out.append((max(1, min(max_splits, max_splits // TILES_PER_SMALL_SPLIT, cap)), 0))
     if not adapt:  # fixed grids: never more splits than tiles at the planned length
