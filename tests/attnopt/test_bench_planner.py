@@ -83,6 +83,10 @@ def test_wrong_answers_are_reported_not_only_left_without_a_ratio(capsys):
     assert out["wrong_answers"] == 1 and out["wrong"] == {"lhs07 attnopt:planner": s["wrong_answer"]["attnopt:planner"]}
     print_summary({"summary": [s], "overall": out})
     assert "WRONG ANSWER lhs07 attnopt:planner: rel err 1.04" in capsys.readouterr().out
+    # right on the first (eager) call, wrong in the variant the timing replays: wrong too
+    rows = [_row("attnopt:planner", 10.0, False, err=2e-3, rel_err_captured=0.7), _row("sdpa-cudnn", 60.0, True)]
+    s = summarize("x", case, rows)
+    assert s["wrong_answer"]["attnopt:planner"]["rel_err"] == 0.7 and "ratio_to_best_peer" not in s
 
 
 def test_needs_a_gpu_without_smoke(monkeypatch, capsys):
