@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
