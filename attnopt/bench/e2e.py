@@ -7,7 +7,8 @@ For each context and method, it
 3. decodes ``steps`` greedy tokens one forward at a time, each synced; the first ``warmup`` calls (compile,
    CUDA-graph recording) are timed apart as the first-call cost, the median of the rest is the step time;
 4. compares its greedy tokens with HF eager's from the same prefill;
-5. with ``--generate``, times ``generate()`` at two lengths and reports ms per token from their difference, and
+5. with ``--generate``, times ``generate()`` at two lengths, in ``--generate-repeats`` interleaved pairs, and reports
+   ms per token as the median of the pairs' differences (with their min and max: one noisy pair cannot decide), and
    the host time of one decode forward call inside it (``generate_forward_host_ms``: guards, wrappers, the
    CUDA-graph replay's launch; ``turns.DecodeCallTimer``), where HF's path and attnopt's differ on the host.
 
@@ -23,11 +24,12 @@ Methods:
 
 ``--isolate`` runs every (context, method) in a subprocess, so a crash becomes a row with its exit signal instead of
 ending the suite; ``--parallel N`` runs N of them at a time, which take turns so that no timed section runs beside
-another run's compile (``turns``). ``--profile`` adds, per attnopt method, a torch.profiler breakdown of a few
+anything another run does (its imports, model build, compile, prefill, profile or exit: ``turns``). ``--profile`` adds, per attnopt method, a torch.profiler breakdown of a few
 steps: graphs run per step, host time of the attnopt ops, GPU time of the attention kernels.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -42,7 +44,7 @@ import torch
 from .common import format_table, results_header, write_results
 from .e2e_profile import (attention_in_step, host_profile, profile_steps, standalone_attention_us,
                           tuning_records)
-from .turns import LOCK_ENV, DecodeCallTimer, compile_turn, gpu_turn
+from .turns import LOCK_ENV, WORKER_BOOT, DecodeCallTimer, compile_turn, gpu_turn, spread
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -166,6 +168,7 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
         for _ in range(args.warmup):
             one_step()
     with gpu_turn():
+        gc.collect()  # (no collection of the warm-up's garbage inside the timed steps)
         for _ in range(args.steps):
             one_step()
     steady = times[args.warmup:]
@@ -218,6 +221,7 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=args.device)
     short, long = 8, 8 + args.generate_tokens
+    repeats = getattr(args, "generate_repeats", 6)
     # the long call first: generate() keeps its static cache while a later call fits in it, so every timed call
     # runs over the same cache (same shapes and addresses: no recompilation, no new CUDA-graph recording)
     with compile_turn():
@@ -228,7 +232,8 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     timer = DecodeCallTimer(owner, hf_compiles=method == "hf-compiled")
     times: dict[int, list[float]] = {}
     with gpu_turn():
-        for n in (short, long) * 4:  # interleaved repeats: per-token is the difference of the minima
+        gc.collect()
+        for n in (short, long) * repeats:  # interleaved repeats
             _sync(args.device)
             t0 = time.perf_counter()
             with timer.record():
@@ -236,9 +241,16 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
             _sync(args.device)
             times.setdefault(n, []).append(time.perf_counter() - t0)
     timer.remove()
-    per_token = (min(times[long]) - min(times[short])) / (long - short)
-    row = {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": 1e3 * per_token,
+    # per token: each repeat's long call minus its short call (the prefill cancels out); the median of the repeats
+    # decides, so one noisy repeat cannot, and the spread is reported
+    per_token = [1e3 * (b - a) / (long - short) for a, b in zip(times[short], times[long])]
+    ms = spread(per_token)
+    row = {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": ms["median"],
+           "generate_ms_per_token_min": ms["min"], "generate_ms_per_token_max": ms["max"],
+           "generate_ms_per_token_repeats": per_token,
+           "generate_ms_per_token_of_minima": 1e3 * (min(times[long]) - min(times[short])) / (long - short),
            "generate_first_call_s": first, "generate_forward_host_ms": timer.median_ms(),
+           "generate_forward_host_ms_min": 1e3 * min(timer.seconds) if timer.seconds else None,
            "generate_forward_calls": len(timer.seconds)}
     from attnopt.api import _STEP_GRAPHS_ATTR
 
@@ -282,11 +294,12 @@ def _isolated(args, context: int, method: str) -> list[dict[str, Any]]:
 
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as fh:
         out = fh.name
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "attnopt.cli", "bench", "e2e", "--model", args.model,
+    # the boot takes the shared turn before the worker imports anything (``turns``)
+    cmd = [sys.executable, "-X", "faulthandler", "-c", WORKER_BOOT, "bench", "e2e", "--model", args.model,
            "--contexts", str(context), "--methods", method, "--dtype", args.dtype, "--cache", args.cache,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
            "--prefill-chunk", str(args.prefill_chunk), "--generate-tokens", str(args.generate_tokens),
-           "--rows-out", out]
+           "--generate-repeats", str(args.generate_repeats), "--rows-out", out]
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--generate"] if args.generate else []
     cmd += ["--profile"] if args.profile else []
@@ -338,6 +351,7 @@ def run(args) -> int:
                               ("warmup_s", "warm-up s", ".1f"), ("tuning_wall_s", "tuning s", ".1f"),
                               ("first_call_waited_s", "waited s", ".1f"),
                               ("generate_ms_per_token", "generate ms/tok", ".3f"),
+                              ("generate_ms_per_token_min", "min", ".3f"),
                               ("generate_forward_host_ms", "fwd host ms", ".3f"),
                               ("tokens_identical", "tokens ==", ""), ("rewritten", "rewritten", ""),
                               ("calls_without_attnopt", "eager calls", ""), ("error", "error", "")]))
@@ -407,6 +421,8 @@ def register(suites) -> None:
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--generate", action="store_true", help="also time generate() ms per token")
     p.add_argument("--generate-tokens", type=int, default=32)
+    p.add_argument("--generate-repeats", type=int, default=6,
+                   help="generate() pairs (short, long) timed; ms per token is the median of the pairs' differences")
     p.add_argument("--profile", action="store_true", help="profile a few steps of the attnopt methods")
     p.add_argument("--isolate", action="store_true", help="one subprocess per (context, method): a crash is a row")
     p.add_argument("--timeout", type=float, default=900, help="seconds per isolated run")
