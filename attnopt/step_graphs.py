@@ -24,8 +24,9 @@ recording's flat template and the model with the recording's flat lists of conta
 (``attnopt.step_graphs_entry``); any other call builds its full signature as before.
 
 A call that differs in any of these runs the compiled forward as before and, once its own signature has been seen
-``WARM_CALLS`` times, is recorded too; a new cache object under a recorded signature (``generate()`` makes one per
-call) is recorded after one compiled call. A recording lives as long as its cache object (it pins the cache's
+``WARM_CALLS`` times, is recorded too; a new cache object under a known signature (``generate()`` makes one per
+call) is recorded at its first call when its Python state (sizes, flags) is one a compiled call of that signature
+ran over and left unchanged, else after one compiled call. A recording lives as long as its cache object (it pins the cache's
 tensors), and at most ``MAX_RECORDED`` are kept. A call whose forward mutated one of its input tensors, or changed a
 cache's Python state, is never recorded (a copy of the input would take the mutation instead), nor is an argument
 that shares memory with the cache or the parameters replayed; those calls, and a signature whose recording failed
@@ -88,6 +89,7 @@ class StepGraphs:
         self.replays = 0
         self.fallbacks: Counter[str] = Counter()       # calls not replayed, by reason (diagnostics)
         self._hot: RecordedStep | None = None          # the recording replayed last: the fast path's candidate
+        self._verified: dict[tuple, list] = {}         # per signature: caches' Python state a compiled call kept
         self._call_counts: Counter | None = None       # runtime.ops.CALL_COUNTS, once a recording imported it
         self._warned = False
         self._hook_dicts = hook_dicts(model)           # again after a submodule is swapped in, and at each recording
@@ -129,8 +131,8 @@ class StepGraphs:
     # -- calls ---------------------------------------------------------------------------------------------
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """One forward call. A signature is recorded after ``WARM_CALLS`` compiled calls; a new cache object of a
-        recorded signature (``generate()`` makes one per call) after one; a graph whose model or cache moved is
-        dropped and recorded again after one."""
+        known signature (``generate()`` makes one per call) at once if a compiled call saw its state, else after one;
+        a graph whose model or cache moved is dropped and recorded again after one."""
         hot = self._hot
         if hot is not None:  # the fast path: the recording replayed last, its flat template and lists
             matched = hot.match(args, kwargs)
@@ -153,10 +155,11 @@ class StepGraphs:
                 return self._replay(entry, tensors, caches)
             self._drop(full)  # a cache re-allocated, a parameter replaced, a hook added: one call, then again
             self.seen[full] = 0
+            self._verified.pop(key, None)  # (dynamo may recompile for what changed: never inside a recording)
             self._hook_dicts = hook_dicts(self.model)  # (a swapped-in module brings hook dicts of its own)
         if any(self._hook_dicts):
             return self._fall_back("a forward hook is registered (a replay would skip it)", args, kwargs)
-        warm = self.seen[key] >= WARM_CALLS and self.seen[full] >= 1
+        warm = self.seen[key] >= WARM_CALLS and (self.seen[full] >= 1 or self._known_state(key, caches))
         if not warm:
             self.seen[key] += 1
             self.seen[full] += 1
@@ -177,7 +180,16 @@ class StepGraphs:
         elif any(_python_state(c) != b for c, b in zip(caches, before)):
             self._refuse(key, f"the cache ({type(caches[0]).__name__}) keeps Python-side state that a replay "
                               "would not advance")
+        else:
+            self._verified[key] = before
         return out
+
+    def _known_state(self, key: tuple, caches: list[Any]) -> bool:
+        """Whether a compiled call of this signature ran over caches in exactly this Python state (sizes, flags) and
+        left it unchanged: a new cache object in that state (``generate()`` makes one per call) is recorded at its
+        first call, without a compiled call of its own first."""
+        verified = self._verified.get(key)
+        return verified is not None and [_python_state(c) for c in caches] == verified
 
     def _refuse(self, key: tuple, reason: str) -> None:
         self.refused.add(key)
