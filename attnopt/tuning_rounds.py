@@ -58,6 +58,11 @@ class TimingRounds:
         extra: dict[str, Any] = {"warm_up_s": round(time.perf_counter() - started, 3)}
         if errors:
             extra["warm_up_errors"] = dict(errors)
+        procs = getattr(self.timer, "last_warm_up", None)
+        if procs:  # the share compiled in worker processes (``attnopt.tuning_procs``)
+            extra.update(compile_procs=procs["procs"], compile_procs_s=procs["procs_s"])
+            if procs["errors"]:
+                extra["compile_procs_errors"] = dict(procs["errors"])
         return extra
 
     def _fresh_length_charge(self, plans: Sequence[Plan], site: AttentionSite,

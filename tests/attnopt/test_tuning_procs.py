@@ -1,0 +1,112 @@
+"""attnopt.tuning_procs: a background tuning's warm-up compiles its candidates' kernels in worker processes (on the
+CPU: the plumbing for real, in subprocesses that run the CPU path of the same first calls; the wiring with stand-ins)."""
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from attnopt import timer as T
+from attnopt import tuning, tuning_defer, tuning_procs
+from attnopt.plan import DensePlan, SplitKVPlan
+from attnopt.site import AttentionSite
+from attnopt.tuning import Tuner
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_tuning_cost import SMOL_1K  # noqa: E402
+from test_tuning_method import ENV, _ranked, cache  # noqa: E402,F401
+from test_tuning_warm import Warmed, clock, cuda_stand_ins  # noqa: E402,F401
+
+SITE = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=16, kv_len=96, dtype="float32",
+                               mask_kind="valid_length")
+
+
+def test_plans_are_dealt_round_robin_into_at_most_procs_groups():
+    plans = [SplitKVPlan(num_splits=s, block_n=64) for s in range(1, 8)]
+    groups = tuning_procs.split(plans, 3)
+    assert [len(g) for g in groups] == [3, 2, 2] and sorted(sum(groups, []), key=plans.index) == plans
+    assert tuning_procs.split(plans[:2], 3) == [[plans[0]], [plans[1]]] and tuning_procs.split(plans, 1) == [plans]
+
+
+def test_the_first_calls_run_in_worker_processes_and_report_their_errors():
+    """Two real worker processes, each making its plans' first calls (the CPU path here) on the site's input set; a
+    plan whose first call fails there is reported by its key, the others not at all."""
+    class Unknown:  # a plan the worker cannot make: its first call fails there
+        def runtime_key(self):
+            return '{"data": {}, "kind": "no-such-kind", "version": 1}'
+
+    good, bad = SplitKVPlan(num_splits=2, block_n=64), Unknown()
+    got = tuning_procs.first_calls_in_processes([good, bad], SITE, procs=2, timeout_s=300)
+    assert got["procs"] == 2 and got["procs_s"] > 0
+    assert set(got["errors"]) == {bad.runtime_key()} and got["errors"][bad.runtime_key()].startswith("error: ")
+
+
+def test_a_worker_that_fails_as_a_whole_fails_its_plans_only(monkeypatch):
+    """A worker that cannot even start its calls (here: a payload it cannot read) gives each of its plans the error,
+    and the call returns; nothing raises."""
+    monkeypatch.setattr(tuning_procs.AttentionSite, "to_dict", lambda self: {"not": "a site"})
+    plans = [SplitKVPlan(num_splits=2, block_n=64)]
+    got = tuning_procs.first_calls_in_processes(plans, SITE, procs=1, timeout_s=300)
+    assert list(got["errors"]) == [plans[0].runtime_key()]
+    assert got["errors"][plans[0].runtime_key()].startswith("error: compile worker:")
+
+
+def test_the_procs_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
+    assert tuning_procs.compile_procs() == tuning_procs.BACKGROUND_COMPILE_PROCS and tuning_procs.compile_procs(0) == 0
+    monkeypatch.setenv(tuning_procs.PROCS_ENV, "2")
+    assert tuning_procs.compile_procs(0) == 2
+    monkeypatch.setenv(tuning_procs.PROCS_ENV, "some")
+    with pytest.raises(ValueError, match="ATTNOPT_TUNE_COMPILE_PROCS='some'.*whole number"):
+        tuning_procs.compile_procs()
+
+
+def _warm_up_with_stand_ins(monkeypatch, background: bool):
+    """``GpuTimer.warm_up`` with CUDA and the first calls stood in: (what went to worker processes, the plans whose
+    first call ran in this process)."""
+    cuda_stand_ins(monkeypatch)
+    here, sent = [], []
+    monkeypatch.setattr(T, "site_call", lambda plan, site, s, state=None: lambda: here.append(plan.kind))
+    monkeypatch.setattr(tuning_procs, "first_calls_in_processes", lambda plans, site, **kw: sent.append(
+        ([p.runtime_key() for p in plans], kw["device"])) or {"procs": 2, "procs_s": 1.5, "errors": {}})
+    plans = [SplitKVPlan(num_splits=2, block_n=64), DensePlan(backend="cudnn"), SplitKVPlan(num_splits=4, block_n=64)]
+    timer = T.GpuTimer()
+    result = {}
+
+    def run():
+        tuning_defer._BACKGROUND.on = background
+        result["errors"] = timer.warm_up(plans, SITE)
+
+    thread = threading.Thread(target=run)  # (the background flag is per thread)
+    thread.start()
+    thread.join()
+    assert result["errors"] == {}
+    return sent, sorted(here), timer.last_warm_up, plans
+
+
+def test_a_background_warm_up_compiles_the_kernel_plans_in_processes_first(monkeypatch):
+    monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
+    sent, here, last, plans = _warm_up_with_stand_ins(monkeypatch, background=True)
+    # the kernel plans went to the workers (on this device), the dense one not (cuDNN's graphs are per thread);
+    # every first call still runs here afterwards (loading what the workers compiled)
+    assert sent == [([plans[0].runtime_key(), plans[2].runtime_key()], 0)]
+    assert here == ["dense", "split_kv", "split_kv"] and last["procs"] == 2
+
+
+def test_a_warm_up_on_the_callers_thread_or_with_no_procs_compiles_here(monkeypatch):
+    monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
+    sent, here, last, _ = _warm_up_with_stand_ins(monkeypatch, background=False)
+    assert sent == [] and len(here) == 3 and last == {}
+    monkeypatch.setenv(tuning_procs.PROCS_ENV, "0")
+    sent, here, last, _ = _warm_up_with_stand_ins(monkeypatch, background=True)
+    assert sent == [] and len(here) == 3 and last == {}
+
+
+def test_the_tuning_record_says_what_the_workers_did(cache, clock):
+    timer = Warmed(clock)
+    timer.last_warm_up = {"procs": 3, "procs_s": 4.25, "errors": {"k": "error: X: y"}}
+    Tuner(timer, cache, env=ENV, budget_s=4.0).choose(SMOL_1K, _ranked(SMOL_1K))
+    record = cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))
+    assert record["compile_procs"] == 3 and record["compile_procs_s"] == 4.25
+    assert record["compile_procs_errors"] == {"k": "error: X: y"}
