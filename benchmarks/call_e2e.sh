@@ -19,7 +19,7 @@ echo "llama rc=$? $(( $(date +%s) - t0 )) s"
 # the step graphs' CUDA tests in the time left (RUN_TESTS=0 skips them)
 left=$(( 575 - ($(date +%s) - t0) ))
 if [ "${RUN_TESTS:-1}" = 1 ] && [ $left -gt 60 ]; then
-  (cd $REPO && TESTS="tests/models/test_cuda_graphs.py" TEST_TIMEOUT=$left SUITE_TIMEOUT=$left bash benchmarks/gpu.sh tests \
+  (cd $REPO && TESTS="tests/models/test_cuda_graphs.py tests/attnopt/test_tuning_procs.py" TEST_TIMEOUT=$left SUITE_TIMEOUT=$left bash benchmarks/gpu.sh tests \
     > $OUT/tests.log 2>&1; tail -3 $OUT/tests.log)
 fi
 echo "elapsed $(( $(date +%s) - t0 )) s"

@@ -110,3 +110,35 @@ def test_the_tuning_record_says_what_the_workers_did(cache, clock):
     record = cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))
     assert record["compile_procs"] == 3 and record["compile_procs_s"] == 4.25
     assert record["compile_procs_errors"] == {"k": "error: X: y"}
+
+
+# ---------------------------------------------------------------------------------------- on a GPU
+@pytest.mark.cuda
+def test_after_the_workers_this_process_compiles_nothing(monkeypatch, tmp_path):
+    """On the GPU, in a fresh process (the GPU suite runs one per test) with an empty Triton cache: the compile
+    workers make SmolLM2's 1k static site's kernel plans' first calls, then the same first calls here build no
+    Triton IR at all (``ASTSource.make_ir`` is where a compile starts; a cache hit never gets there): the work moved
+    out of this process."""
+    import dataclasses
+
+    from triton.compiler.compiler import ASTSource
+
+    from attnopt.runtime.kernels.common import tma_as_captured
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    site = dataclasses.replace(SMOL_1K, dtype="bfloat16")
+    plans = [p for p in tuning.to_time(_ranked(site), tuning.DEFAULT_TOP_K) if not T._warmed_here(p)]
+    assert plans
+    got = tuning_procs.first_calls_in_processes(plans, site, device=torch.cuda.current_device(), procs=2)
+    assert got["errors"] == {} and got["procs"] == 2
+    assert any((tmp_path / "triton").iterdir())  # the workers' compiles are on disk
+    built = []
+    real = ASTSource.make_ir
+    monkeypatch.setattr(ASTSource, "make_ir", lambda self, *a, **k: built.append(self.name) or real(self, *a, **k))
+    warm_set = T.synthetic_inputs(site, 0, reduce=False)
+    with torch.no_grad():
+        for plan in plans:
+            with tma_as_captured():
+                T.site_call(plan, site, warm_set)()
+        torch.cuda.synchronize()
+    assert built == []
