@@ -17,7 +17,8 @@ A replay skips dynamo's guards, so what the graph baked in is checked at every c
 * the model's modules, parameters and buffers (the objects and their addresses), its training flag, grad mode,
   autocast and its configuration's attributes (a change there records again, as dynamo would recompile);
 * no forward hooks on its modules, and no global ones: a hook is Python that a replay would skip, so a call while
-  one is registered runs ``fallback``.
+  one is registered runs ``fallback`` (Hugging Face's output-capturing hooks excepted, in calls that ask for no
+  attentions or hidden states: they do nothing there; ``step_graphs_entry.blocking_hook``).
 
 The call that replays the same recording as the last one takes a fast path: its arguments are compared with the
 recording's flat template and the model with the recording's flat lists of containers and objects, C-level passes
@@ -46,7 +47,8 @@ from typing import Any, Callable
 import torch
 
 from .step_graphs_cuda import CudaGraphs
-from .step_graphs_entry import PLAIN, RecordedStep, cloned, global_state, hook_dicts, without_caches
+from .step_graphs_entry import (PLAIN, RecordedStep, blocking_hook, cloned, global_state, hook_dicts,
+                                 without_caches)
 
 __all__ = ["StepGraphs", "CudaGraphs", "WARM_CALLS", "RECORD_ATTEMPTS", "MAX_RECORDED"]
 
@@ -157,7 +159,7 @@ class StepGraphs:
             self.seen[full] = 0
             self._verified.pop(key, None)  # (dynamo may recompile for what changed: never inside a recording)
             self._hook_dicts = hook_dicts(self.model)  # (a swapped-in module brings hook dicts of its own)
-        if any(self._hook_dicts):
+        if blocking_hook(self._hook_dicts, kwargs, getattr(self.model, "config", None)):
             return self._fall_back("a forward hook is registered (a replay would skip it)", args, kwargs)
         warm = self.seen[key] >= WARM_CALLS and (self.seen[full] >= 1 or self._known_state(key, caches))
         if not warm:
@@ -222,7 +224,7 @@ class StepGraphs:
 
         self._call_counts = CALL_COUNTS
         self._hook_dicts = hook_dicts(self.model)
-        if any(self._hook_dicts):
+        if blocking_hook(self._hook_dicts, kwargs, getattr(self.model, "config", None)):
             return self._fall_back("a forward hook is registered (a replay would skip it)", args, kwargs)
         inputs = [t.clone() for t in tensors]
         swap = dict(zip(map(id, tensors), inputs))

@@ -27,12 +27,30 @@ def global_state(model: torch.nn.Module) -> tuple:
 
 
 def hook_dicts(model: torch.nn.Module) -> list[dict]:
-    """The forward (pre-)hook dicts of ``model``'s modules and the global ones: a recording requires them empty, since
-    a hook is Python that a replay would skip."""
+    """The forward (pre-)hook dicts of ``model``'s modules and the global ones: a hook is Python that a replay would
+    skip, so a recording requires every hook in them to be inert (``blocking_hook``)."""
     from torch.nn.modules import module as nn_module
 
     return [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
             *(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks))]
+
+
+#: Outputs whose request activates Hugging Face's output-capturing hooks.
+CAPTURED_OUTPUTS = ("output_attentions", "output_hidden_states")
+
+
+def blocking_hook(dicts: list[dict], kwargs: dict, config: Any) -> bool:
+    """Whether a hook in ``dicts`` would do something that a replay of a call with ``kwargs`` skips. Hugging Face
+    installs output-capturing hooks on a model's modules for good at the first call that asks for attentions or hidden
+    states (``transformers.utils.output_capturing``); they return at once in a call that asks for neither (in the
+    keywords or the config), so they do not block such a call. Any other hook does."""
+    hooks = [h for d in dicts if d for h in d.values()]
+    if not hooks:
+        return False
+    if any(kwargs.get(name) or getattr(config, name, False) for name in CAPTURED_OUTPUTS):
+        return True
+    return not all(getattr(h, "__module__", None) == "transformers.utils.output_capturing"
+                   and getattr(h, "__qualname__", "").endswith("output_capturing_hook") for h in hooks)
 
 
 class RecordedStep:
@@ -83,6 +101,7 @@ class RecordedStep:
         self.pinned_indices = list(range(len(self.tensors)))
         self.pinned_storages = {t.untyped_storage().data_ptr() for t in self.tensors}
         self.hook_dicts = hook_dicts(model)
+        self.hook_counts = list(map(len, self.hook_dicts))  # (inert hooks only: ``blocking_hook`` said so)
 
     # -- before a replay -------------------------------------------------------------------------------------
     def match(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[Any]] | None:
@@ -121,7 +140,7 @@ class RecordedStep:
                 return False
         except (KeyError, IndexError):  # a parameter, buffer or cache tensor deleted since
             return False
-        if any(self.hook_dicts):
+        if list(map(len, self.hook_dicts)) != self.hook_counts:
             return False
         if self.config is not None and not _same_vars(self.config, self.config_vars):
             return False

@@ -499,3 +499,25 @@ def test_a_registered_hook_is_never_recorded(model):
         for i in range(9, 12):  # without the hook: compiled once (the recording went), recorded, replayed
             steps((), _step_kw(tok, cache, i))
     assert steps.graphs.recordings == 2 and steps.replays == 4
+
+
+def test_hugging_faces_output_capturing_hooks_block_only_calls_that_ask_for_outputs(model):
+    """After one call with output_hidden_states=True, transformers keeps its output-capturing hooks on the modules for
+    good; in a call that asks for no attentions or hidden states they return at once, so such calls still replay.
+    A call that asks for hidden states runs the forward (the hooks collect them), with the model's own answer."""
+    import copy
+
+    from transformers.utils import output_capturing
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m(input_ids=torch.ones(1, 3, dtype=torch.long), output_hidden_states=True)
+    hooks = [h for mod in m.modules() for h in mod._forward_hooks.values()]
+    if not hooks or not all(h.__module__ == output_capturing.__name__ for h in hooks):
+        pytest.skip("this transformers installs no output-capturing hooks")
+    steps, tok, cache = _recorded_steps(m)
+    assert steps.graphs.recordings == 1 and not steps.fallbacks
+    with torch.no_grad():
+        out = steps((), dict(_step_kw(tok, cache, 4), output_hidden_states=True))
+    assert steps.replays == 2 and out.hidden_states is not None and len(out.hidden_states) > 1
+    assert steps.fallbacks == {"a forward hook is registered (a replay would skip it)": 1}
