@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnopt
-from attnopt.bench import e2e, turns
+from attnopt.bench import e2e, e2e_parallel, turns
 
 
 def _holds(turn, started: threading.Event, release: threading.Event) -> threading.Thread:
@@ -131,9 +131,9 @@ def test_parallel_runs_start_a_contexts_methods_together(monkeypatch):
             running.discard((context, method))
         return [{"method": method, "context": context}]
 
-    monkeypatch.setattr(e2e, "_isolated", isolated)
+    monkeypatch.setattr(e2e_parallel, "isolated", isolated)
     args = types.SimpleNamespace(parallel=2)
-    rows = e2e._run_parallel(args, [1, 2, 3], ["hf-compiled", "attnopt-ro"])
+    rows = e2e_parallel.run_parallel(args, [1, 2, 3], ["hf-compiled", "attnopt-ro"])
     assert [(r["context"], r["method"]) for r in rows] == [(c, m) for c in (1, 2, 3)
                                                            for m in ("hf-compiled", "attnopt-ro")]
     assert all(len({c for c, _ in now}) == 1 and len(now) <= 2 for now in seen)  # one context at a time
