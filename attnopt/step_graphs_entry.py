@@ -79,8 +79,9 @@ class RecordedStep:
         # module dicts compared whole (values by identity: a submodule swapped in, or one added); parameters,
         # buffers, the caches' layer lists, layers and tensors by identity at their (container, key); then the
         # tensors' addresses (a ``.data =`` assignment keeps the object and moves its memory)
-        self.child_dicts = [m._modules for m in modules]
+        self.child_dicts = [m._modules for m in modules if m._modules]
         self.children = [dict(d) for d in self.child_dicts]
+        self.leaf_dicts = [m._modules for m in modules if not m._modules]  # (must stay empty: a truth test each)
         slots = [(d, name) for m in modules for d in (m._parameters, m._buffers) for name, t in d.items()
                  if t is not None]
         self.layer_lists, self.layers = [], []  # the caches' layer containers, and what they held
@@ -102,6 +103,7 @@ class RecordedStep:
         self.pinned_storages = {t.untyped_storage().data_ptr() for t in self.tensors}
         self.hook_dicts = hook_dicts(model)
         self.hook_counts = list(map(len, self.hook_dicts))  # (inert hooks only: ``blocking_hook`` said so)
+        self.hooked = any(self.hook_counts)
 
     # -- before a replay -------------------------------------------------------------------------------------
     def match(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[Any]] | None:
@@ -131,7 +133,7 @@ class RecordedStep:
     def unchanged(self) -> bool:
         """Whether the model's modules, parameters and buffers, the caches' layers and tensors, the config and the
         hooks are as the graph baked them in. Runs at every replay."""
-        if not all(map(operator.eq, self.child_dicts, self.children)):  # Module has no __eq__: identity
+        if not all(map(operator.eq, self.child_dicts, self.children)) or any(self.leaf_dicts):  # (identity)
             return False
         if not all(map(operator.eq, self.layer_lists, self.layers)):
             return False
@@ -140,7 +142,7 @@ class RecordedStep:
                 return False
         except (KeyError, IndexError):  # a parameter, buffer or cache tensor deleted since
             return False
-        if list(map(len, self.hook_dicts)) != self.hook_counts:
+        if any(self.hook_dicts) if not self.hooked else list(map(len, self.hook_dicts)) != self.hook_counts:
             return False
         if self.config is not None and not _same_vars(self.config, self.config_vars):
             return False

@@ -466,12 +466,20 @@ def test_a_config_change_or_a_moved_parameter_is_not_replayed(model):
         steps((), _step_kw(tok, cache, 6))  # the config changed back: again
         steps((), _step_kw(tok, cache, 7))
         assert steps.graphs.recordings == 3
+        model.model.norm.probe = torch.nn.Identity()  # a child added to a leaf module: again
+        try:
+            steps((), _step_kw(tok, cache, 8))
+            assert steps.graphs.recordings == 3 and steps.replays == 4  # ran compiled
+        finally:
+            del model.model.norm.probe
         weight = model.model.norm.weight
         old = weight.data
         try:
+            steps((), _step_kw(tok, cache, 9))  # (the leaf's dict as recorded: recorded again, replayed)
+            assert steps.graphs.recordings == 4 and steps.replays == 5
             weight.data = old.clone()
-            steps((), _step_kw(tok, cache, 8))
-            assert steps.replays == 4  # ran compiled
+            steps((), _step_kw(tok, cache, 10))
+            assert steps.replays == 5  # ran compiled
         finally:
             weight.data = old
 
