@@ -11,6 +11,7 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -122,7 +123,7 @@ def main() -> int:
                 walls.setdefault(m, []).append(time.perf_counter() - t)
             # each pair's difference; the median decides (one noisy pair cannot), the spread is reported
             pairs = sorted(1e3 * (b - a) / (n - 8) for a, b in zip(walls[8], walls[n]))
-            per_token_ms = pairs[len(pairs) // 2] if len(pairs) % 2 else sum(pairs[len(pairs) // 2 - 1:][:2]) / 2
+            per_token_ms = statistics.median(pairs)
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=acts) as prof:
                 owner.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
