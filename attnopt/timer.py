@@ -215,7 +215,21 @@ class GpuTimer:
         pooled = {"input sets": input_sets, **{p.runtime_key(): first_call(p) for p in plans if not _warmed_here(p)}}
         if warm_set["mask"] is not None and any(uses_valid_len(p, site) for p in plans):
             pooled["mask reduction"] = mask_reduction_call
-        return run_concurrently(pooled, here, workers)
+        cpu: list[float] = []  # each call's own thread's CPU seconds: what the warm-up takes from the GIL at most
+
+        def counted(call: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                start = time.thread_time()
+                try:
+                    call()
+                finally:
+                    cpu.append(time.thread_time() - start)
+            return run
+
+        errors = run_concurrently({k: counted(c) for k, c in pooled.items()}, {k: counted(c) for k, c in here.items()},
+                                  workers)
+        self.last_warm_up = {**self.last_warm_up, "calls_cpu_s": round(sum(cpu), 3)}
+        return errors
 
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
         """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the

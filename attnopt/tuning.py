@@ -189,7 +189,7 @@ class Tuner(TimingRounds):
             return known
         if not self.enabled or self.capturing():
             return Choice(ranked[0], "model")
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()  # (this thread's CPU: what it takes from others)
         plans = to_time(ranked, self.top_k)
         late = deadline is not None and start > deadline
         if late:  # compile nothing new: time what earlier buckets compiled, the SDPA backends and the two always timed
@@ -255,7 +255,7 @@ class Tuner(TimingRounds):
                 "winner": by_key[best].to_dict(), "measured_us": measured[best], "timings": timings,
                 "samples": samples, **extra,
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
-                "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                "tune_s": round(tune_s, 3), "tune_cpu_s": round(time.thread_time() - cpu_start, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return choice
 
     def cached(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False, valid_len_sharing: int = 1,

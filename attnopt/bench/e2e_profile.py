@@ -163,6 +163,7 @@ def tuning_records() -> list[dict[str, Any]]:
         out.append({"tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
                     "measure_s": record.get("measure_s"), "rounds": record.get("rounds"),
                     "tie_break_s": record.get("tie_break_s"), "tie_warm_up_s": record.get("tie_warm_up_s"),
+                    "tune_cpu_s": record.get("tune_cpu_s"), "warm_up_calls_cpu_s": record.get("warm_up_calls_cpu_s"),
                     "compile_procs": record.get("compile_procs"), "compile_procs_s": record.get("compile_procs_s"),
                     "compile_procs_errors": record.get("compile_procs_errors"),
                     "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),

@@ -92,24 +92,26 @@ def test_a_background_warm_up_compiles_the_kernel_plans_in_processes_first(monke
     # every first call still runs here afterwards (loading what the workers compiled)
     assert sent == [([plans[0].runtime_key(), plans[2].runtime_key()], 0)]
     assert here == ["dense", "split_kv", "split_kv"] and last["procs"] == 2
+    assert last["calls_cpu_s"] >= 0  # the CPU its first calls here took, on every thread
 
 
 def test_a_warm_up_on_the_callers_thread_or_with_no_procs_compiles_here(monkeypatch):
     monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
     sent, here, last, _ = _warm_up_with_stand_ins(monkeypatch, background=False)
-    assert sent == [] and len(here) == 3 and last == {}
+    assert sent == [] and len(here) == 3 and set(last) == {"calls_cpu_s"}
     monkeypatch.setenv(tuning_procs.PROCS_ENV, "0")
     sent, here, last, _ = _warm_up_with_stand_ins(monkeypatch, background=True)
-    assert sent == [] and len(here) == 3 and last == {}
+    assert sent == [] and len(here) == 3 and set(last) == {"calls_cpu_s"}
 
 
 def test_the_tuning_record_says_what_the_workers_did(cache, clock):
     timer = Warmed(clock)
-    timer.last_warm_up = {"procs": 3, "procs_s": 4.25, "errors": {"k": "error: X: y"}}
+    timer.last_warm_up = {"procs": 3, "procs_s": 4.25, "errors": {"k": "error: X: y"}, "calls_cpu_s": 0.5}
     Tuner(timer, cache, env=ENV, budget_s=4.0).choose(SMOL_1K, _ranked(SMOL_1K))
     record = cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))
     assert record["compile_procs"] == 3 and record["compile_procs_s"] == 4.25
-    assert record["compile_procs_errors"] == {"k": "error: X: y"}
+    assert record["compile_procs_errors"] == {"k": "error: X: y"} and record["warm_up_calls_cpu_s"] == 0.5
+    assert record["tune_cpu_s"] >= 0  # the tuner thread's own CPU seconds
 
 
 # ---------------------------------------------------------------------------------------- on a GPU
