@@ -141,14 +141,39 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-@torch.no_grad()
+def two_phases(phases) -> dict[str, Any]:
+    """Run a ``*_phases`` generator: its preparation (compiles: the shared turn) then its timing (the exclusive turn);
+    returns its row."""
+    with compile_turn():
+        next(phases)
+    with gpu_turn():
+        return finish(phases)
+
+
+def finish(phases) -> dict[str, Any]:
+    """The second phase of a prepared ``*_phases`` generator (timing, profiles): its row."""
+    try:
+        next(phases)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a phases generator yielded twice")
+
+
 def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     """Time ``args.steps`` decode steps of ``method`` after a prefill of ``context`` tokens."""
+    return two_phases(decode_phases(args, model, method, context))
+
+
+@torch.no_grad()  # (on a generator: at each resume)
+def decode_phases(args, model, method: str, context: int):
+    """``decode_row`` in two phases (a generator): the prefill and the warm-up steps (compiles), then, resumed, the
+    timed steps and the profile; its return value is the row. Workers of ``--parallel`` prepare every part of a row
+    first and time all of it in one exclusive turn (``run_one``)."""
     device = args.device
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     cache = make_cache(model, args.cache, context + args.steps + args.warmup + 16)
-    with gpu_turn():  # a long prefill is seconds of GPU work: never beside another run's timed steps
+    with compile_turn():  # GPU work: never beside another run's timed sections
         tok = prefill(model, cache, ids, args.prefill_chunk)
     step, opt = make_step(method, model)
     times, tokens = [], [int(tok)]
@@ -165,6 +190,7 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     with compile_turn():
         for _ in range(args.warmup):
             one_step()
+    yield
     with gpu_turn():
         gc.collect()  # (no collection of the warm-up's garbage inside the timed steps)
         for _ in range(args.steps):
@@ -199,9 +225,15 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     return row
 
 
-@torch.no_grad()
 def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     """ms per token of ``generate()`` from the difference of two lengths (the prefill cancels out)."""
+    return two_phases(generate_phases(args, model, method, context))
+
+
+@torch.no_grad()
+def generate_phases(args, model, method: str, context: int):
+    """``generate_row`` in two phases (a generator, as ``decode_phases``): the compiling first calls, then the timed
+    calls and the host profile."""
     import attnopt
 
     kw: dict[str, Any] = {"do_sample": False, "cache_implementation": args.cache}
@@ -227,6 +259,7 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
         owner.generate(ids, max_new_tokens=long, min_new_tokens=long, **kw)
         first = time.perf_counter() - t0
         owner.generate(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape seen
+    yield
     timer = DecodeCallTimer(owner, hf_compiles=method == "hf-compiled")
     times: dict[int, list[float]] = {}
     with gpu_turn():
@@ -275,15 +308,25 @@ def overlap_row(backend) -> dict[str, Any]:
 
 
 def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
-    """The rows of one (context, method) in this process."""
-    model, _ = build_model(args.model, layers=args.layers, dtype=_DTYPES[args.dtype], device=args.device,
-                           max_positions=context + 1024)
-    rows = [decode_row(args, model, method, context)]
+    """The rows of one (context, method) in this process: everything that compiles or builds first (the shared turn),
+    then everything timed in one exclusive turn. Under ``--parallel`` every worker compiles beside the others, and
+    each one's timed sections follow in turn, once no worker compiles any more (``turns``)."""
+    with compile_turn():
+        model, _ = build_model(args.model, layers=args.layers, dtype=_DTYPES[args.dtype], device=args.device,
+                               max_positions=context + 1024)
+        decode = decode_phases(args, model, method, context)
+        next(decode)
+        generate = None
+        if args.generate and method != "attnopt-cg":
+            generate = generate_phases(args, model, method, context)
+            next(generate)
+    with gpu_turn():
+        row = finish(decode)
+        if generate is not None:
+            row.update(finish(generate))
     if method in OPTIMIZE_OPTIONS:
-        rows[0]["tuning"] = tuning_records()
-    if args.generate and method != "attnopt-cg":
-        rows[0].update(generate_row(args, model, method, context))
-    return rows
+        row["tuning"] = tuning_records()
+    return [row]
 
 
 def run(args) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +61,20 @@ def run_parallel(args, contexts: list[int], methods: list[str]) -> list[dict[str
     per_group = min(len(methods), args.parallel)
     groups = max(1, args.parallel // per_group)
 
+    concurrent = per_group * min(groups, len(contexts))
+    printing = threading.Lock()
+
+    def one(context: int, method: str) -> list[dict[str, Any]]:
+        got = isolated(args, context, method)
+        with printing:  # each row as its worker ends (a suite stopped by a timeout still shows the finished ones)
+            for r in got:
+                r["concurrent_compiles"] = concurrent
+                print_row(r)
+        return got
+
     def group(context: int) -> list[list[dict[str, Any]]]:
         with ThreadPoolExecutor(per_group) as inner:
-            return list(inner.map(lambda method: isolated(args, context, method), methods))
+            return list(inner.map(lambda method: one(context, method), methods))
 
     with ThreadPoolExecutor(groups) as pool:
-        results = [got for ran in pool.map(group, contexts) for got in ran]
-    rows = []
-    for got in results:
-        for r in got:
-            r["concurrent_compiles"] = per_group * min(groups, len(contexts))
-            print_row(r)
-        rows += got
-    return rows
+        return [r for ran in pool.map(group, contexts) for got in ran for r in got]

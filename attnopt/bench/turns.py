@@ -7,12 +7,15 @@ launch work), so a timed section beside another run's CPU work (imports, buildin
 inductor's compile and its worker processes, the plan tuner's kernel compiles and GPU timings, a profile, the
 interpreter's exit) measures the contention. An ``flock`` on one file orders them:
 
-* ``gpu_turn()``, around timed sections, long prefills and profiles: exclusive;
-* ``compile_turn()``, around the first (compiling) calls: shared, so compiles overlap each other but never a timed
-  section. A compile that waits for its turn does so before its clock starts.
+* ``gpu_turn()``, around timed sections and profiles: exclusive;
+* ``compile_turn()``, around the first (compiling) calls and prefills: shared, so compiles overlap each other but
+  never a timed section. A compile that waits for its turn does so before its clock starts.
 * a worker of ``--isolate`` holds the shared turn for its whole life, from before its first import to its exit
   (``WORKER_BOOT`` takes it; ``gpu_turn`` converts it to the exclusive one and back): whatever a run does outside
-  its timed sections, no other run's timed section runs beside it.
+  its timed sections, no other run's timed section runs beside it. So a worker's timed sections wait for every
+  other worker's compiles: ``e2e.run_one`` prepares all of a row first (prefill, compiles, ``generate()``'s first
+  calls) and times all of it in one exclusive turn, so the workers compile together and then time one after
+  another (a prefill under the exclusive turn, before the compile, had serialised the compiles: H100, 3f41936).
 
 Turns nest (an inner turn that the held one covers is a no-op) and are per thread (the tests stand threads in for
 processes). All are no-ops unless ``$ATTNOPT_BENCH_GPU_LOCK`` names the lock file (``--parallel`` sets it).

@@ -256,3 +256,67 @@ def test_standalone_attention_goes_round_every_layers_cache(monkeypatch):
     layers = [layer.keys.data_ptr() for layer in cache.layers]
     assert got["layers_rotated"] == len(layers) > 1
     assert seen == layers + layers
+
+
+def test_parallel_workers_compile_together_and_time_one_after_another(fresh_turns):
+    """Three worker processes booted as ``--parallel`` boots them, each preparing (1 s, shared) then timing (0.3 s,
+    exclusive), as ``e2e.run_one`` does: their preparations overlap (not one after another, which made the H100 suite
+    time out at 3f41936), and every timed section runs alone, after every preparation has ended."""
+    import json
+    import subprocess
+    import sys
+
+    worker = turns.WORKER_BOOT.split("from attnopt.cli")[0] + (
+        "import json, time\n"
+        "from attnopt.bench import turns\n"
+        "t = {'c0': time.time()}\n"
+        "with turns.compile_turn():\n"
+        "    time.sleep(1.0)\n"
+        "t['c1'] = time.time()\n"
+        "with turns.gpu_turn():\n"
+        "    t['g0'] = time.time()\n"
+        "    time.sleep(0.3)\n"
+        "    t['g1'] = time.time()\n"
+        "print(json.dumps(t))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    runs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    prepared_by = max(r["c1"] for r in runs)
+    assert all(r["g0"] >= prepared_by - 0.05 for r in runs)  # no timed section beside a preparation
+    timed = sorted((r["g0"], r["g1"]) for r in runs)
+    assert all(a[1] <= b[0] + 0.05 for a, b in zip(timed, timed[1:]))  # nor beside another timed section
+    overlaps = sum(1 for r in runs for o in runs if o is not r and r["c0"] < o["c1"] and o["c0"] < r["c1"])
+    assert overlaps > 0  # the preparations ran side by side
+
+
+def test_a_worker_prepares_all_of_its_row_before_its_one_timed_turn(monkeypatch):
+    """``run_one``: the model, the decode steps' prefill and compile and generate()'s compiling calls all come before
+    the one exclusive turn, in which every timed part runs (a timed turn between two compiles would wait for every
+    other worker's compiles, twice)."""
+    import contextlib
+
+    events = []
+
+    @contextlib.contextmanager
+    def turn(name):
+        events.append(f"{name} in")
+        yield
+        events.append(f"{name} out")
+
+    def phases(kind):
+        def gen(args, model, method, context):
+            events.append(f"{kind} prepare")
+            yield
+            events.append(f"{kind} time")
+            return {f"{kind}_row": True}
+        return gen
+
+    monkeypatch.setattr(e2e, "gpu_turn", lambda: turn("gpu"))
+    monkeypatch.setattr(e2e, "compile_turn", lambda: turn("compile"))
+    monkeypatch.setattr(e2e, "build_model", lambda *a, **k: events.append("build") or (None, ""))
+    monkeypatch.setattr(e2e, "decode_phases", phases("decode"))
+    monkeypatch.setattr(e2e, "generate_phases", phases("generate"))
+    args = types.SimpleNamespace(model="tiny", layers=None, dtype="float32", device="cpu", generate=True)
+    rows = e2e.run_one(args, 64, "hf-eager")
+    assert rows == [{"decode_row": True, "generate_row": True}]
+    assert events == ["compile in", "build", "decode prepare", "generate prepare", "compile out",
+                      "gpu in", "decode time", "generate time", "gpu out"]
