@@ -18,9 +18,11 @@ the tuner's own first calls compile what is missing and report their own errors,
 """
 from __future__ import annotations
 
+import atexit
 import json
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -53,47 +55,153 @@ def split(plans: list[Plan], procs: int) -> list[list[Plan]]:
 
 def first_calls_in_processes(plans: list[Plan], site: AttentionSite, *, eager: bool = False, device: Any = None,
                              procs: int = BACKGROUND_COMPILE_PROCS, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
-    """Make ``plans``' warm-up first calls in up to ``procs`` worker processes at once and wait for them.
+    """Make ``plans``' warm-up first calls in up to ``procs`` worker processes at once and wait for them (workers that
+    ``prestart`` started, where some are idle, else new ones; they go back to the pool after).
 
-    Returns ``{"procs": n, "procs_s": wall seconds, "errors": {runtime key: error text}}``: a plan's error is its
-    first call's in the worker; a worker that failed as a whole gives each of its plans its error."""
+    Returns ``{"procs": n, "procs_s": wall seconds, "errors": {runtime key: error text}, "pids": the workers'}``: a
+    plan's error is its first call's in the worker; a worker that failed as a whole gives each of its plans its
+    error."""
     started = time.perf_counter()
     groups = split(list(plans), procs)
-    workers = []
-    for group in groups:
-        payload = json.dumps({"site": site.to_dict(), "plans": [p.runtime_key() for p in group], "eager": eager,
-                              "device": device})
-        proc = subprocess.Popen([sys.executable, "-m", "attnopt.tuning_procs", payload], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        workers.append((group, proc))
+    workers = _take(len(groups))
+    for group, worker in zip(groups, workers):
+        worker.send({"site": site.to_dict(), "plans": [p.runtime_key() for p in group], "eager": eager,
+                     "device": device})
     errors: dict[str, str] = {}
     deadline = started + timeout_s
-    for group, proc in workers:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            errors.update({p.runtime_key(): f"error: the compile worker took over {timeout_s:.0f} s" for p in group})
-            continue
-        got = _result(out)
-        if proc.returncode != 0 or got is None:
-            tail = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-            errors.update({p.runtime_key(): f"error: compile worker: {tail[0][:160]}" for p in group})
+    for group, worker in zip(groups, workers):
+        got = worker.receive(deadline)
+        if got is None or "job" in got:  # (it died, timed out, or could not read the job)
+            problem = worker.problem() if got is None else got["job"]
+            errors.update({p.runtime_key(): f"error: compile worker: {problem[:160]}" for p in group})
         else:
             errors.update({k: v for k, v in got.items() if v})
-    return {"procs": len(groups), "procs_s": round(time.perf_counter() - started, 3), "errors": errors}
+    _give_back(workers)
+    return {"procs": len(groups), "procs_s": round(time.perf_counter() - started, 3), "errors": errors,
+            "pids": [w.proc.pid for w in workers]}
 
 
-def _result(stdout: str) -> dict[str, str] | None:
-    """The worker's answer: its last stdout line, a JSON object (None when there is none)."""
-    for line in reversed((stdout or "").strip().splitlines()):
+class _Worker:
+    """One compile worker process (``python -m attnopt.tuning_procs --serve``): a JSON line in (a site, its plans),
+    a JSON line out (each plan's error, "" where its first call ran); it exits at the end of its input or after
+    ``IDLE_S`` seconds without a job."""
+
+    def __init__(self):
+        import tempfile
+
+        self.log = tempfile.TemporaryFile("w+")  # its stderr (a pipe nobody reads could fill and block it)
+        self.proc = subprocess.Popen([sys.executable, "-m", "attnopt.tuning_procs", "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self.timed_out = False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self.timed_out
+
+    def send(self, payload: dict[str, Any]) -> None:
         try:
-            got = json.loads(line)
-        except ValueError:
-            continue
-        return got if isinstance(got, dict) else None
-    return None
+            self.proc.stdin.write(json.dumps(payload) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it has exited: ``receive`` says so
+            pass
+
+    def receive(self, deadline: float) -> dict[str, str] | None:
+        """Its answer, or None (it exited, answered nonsense, or the deadline passed: then it is ended)."""
+        import select
+
+        ready = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.perf_counter()))[0]
+        if not ready:
+            self.timed_out = True
+            self.close()
+            return None
+        return _result(self.proc.stdout.readline())
+
+    def problem(self) -> str:
+        if self.timed_out:
+            return f"no answer within {TIMEOUT_S:.0f} s"
+        self.log.seek(0)
+        tail = self.log.read().strip().splitlines()[-1:]
+        return tail[0] if tail else f"exit {self.proc.poll()}"
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+#: Seconds an idle worker waits for a job before it exits (the tunings of one first call come within seconds).
+IDLE_S = 180.0
+_idle: list[_Worker] = []
+_pool_lock = threading.Lock()
+
+
+def prestart(n: int | None = None) -> int:
+    """Start ``n`` (default ``compile_procs()``) compile workers now, so that a background tuning finds them ready:
+    their interpreter, torch and CUDA context (about 2 s) start beside dynamo's tracing instead of after it.
+    ``attnopt.optimize(model, mode="reduce-overhead")`` calls it on a GPU. Returns the number of idle workers."""
+    n = compile_procs() if n is None else n
+    with _pool_lock:
+        _idle[:] = [w for w in _idle if w.alive()]
+        while len(_idle) < n:
+            _idle.append(_Worker())
+        return len(_idle)
+
+
+def prestart_for_tuning(mode: str | None) -> None:
+    """``prestart`` where a background tuning may follow: ``mode="reduce-overhead"`` on a GPU with Triton compiling
+    (not interpreting) and tuning on (``ATTNOPT_TUNE``). Never raises: without workers the warm-up starts its own."""
+    import os
+
+    if mode != "reduce-overhead" or os.environ.get("ATTNOPT_TUNE", "").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    try:
+        import torch
+
+        if torch.cuda.is_available() and compile_procs() > 0:
+            prestart()
+    except (OSError, ValueError):  # (a bad ATTNOPT_TUNE_COMPILE_PROCS is reported where the tuning reads it)
+        pass
+
+
+def _take(n: int) -> list[_Worker]:
+    with _pool_lock:
+        ready = [w for w in _idle if w.alive()]
+        taken, _idle[:] = ready[:n], ready[n:]
+    return taken + [_Worker() for _ in range(n - len(taken))]
+
+
+def _give_back(workers: list[_Worker]) -> None:
+    with _pool_lock:
+        for w in workers:
+            (_idle.append(w) if w.alive() else w.close())
+
+
+def shutdown() -> None:
+    """End the idle workers (at exit, and where a caller knows no tuning follows)."""
+    with _pool_lock:
+        workers, _idle[:] = list(_idle), []
+    for w in workers:
+        w.close()
+
+
+atexit.register(shutdown)
+
+
+def _result(line: str) -> dict[str, str] | None:
+    """A worker's answer: one JSON object on one line (None when there is none)."""
+    try:
+        got = json.loads(line or "")
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def run_first_calls(payload: dict[str, Any]) -> dict[str, str]:
@@ -128,11 +236,34 @@ def run_first_calls(payload: dict[str, Any]) -> dict[str, str]:
     return errors
 
 
-def main() -> int:
-    payload = json.loads(sys.argv[1])
-    print(json.dumps(run_first_calls(payload)), flush=True)
-    return 0
+def serve() -> int:
+    """The worker: the imports and the CUDA context first (while its parent traces), then one job per input line."""
+    import os
+    import select
+
+    answers = os.fdopen(os.dup(1), "w")  # the answers' channel; anything else printed goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import torch
+
+    from . import timer  # noqa: F401  (and the runtime, at the first job)
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    while True:
+        if not select.select([sys.stdin], [], [], IDLE_S)[0]:
+            return 0  # nobody needed it
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        try:
+            answer = run_first_calls(json.loads(line))
+        except Exception as exc:  # noqa: BLE001 - a job it cannot read: every plan of it fails with the reason
+            from .timer import error_text
+
+            answer = {"job": error_text(exc)}
+        print(json.dumps(answer), file=answers, flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve())

@@ -52,6 +52,32 @@ def test_a_worker_that_fails_as_a_whole_fails_its_plans_only(monkeypatch):
     assert got["errors"][plans[0].runtime_key()].startswith("error: compile worker:")
 
 
+def test_started_workers_serve_later_warm_ups_and_end_at_shutdown():
+    """``prestart`` starts the workers before any tuning (beside dynamo's tracing); the warm-ups use them, one job
+    after another, and hand them back; ``shutdown`` ends them."""
+    tuning_procs.shutdown()
+    try:
+        assert tuning_procs.prestart(2) == 2
+        started = {w.proc.pid for w in tuning_procs._idle}
+        plans = [SplitKVPlan(num_splits=2, block_n=64), SplitKVPlan(num_splits=4, block_n=64)]
+        first = tuning_procs.first_calls_in_processes(plans, SITE, procs=2, timeout_s=300)
+        again = tuning_procs.first_calls_in_processes(plans[:1], SITE, procs=2, timeout_s=300)
+        assert first["errors"] == {} == again["errors"]
+        assert set(first["pids"]) == started and set(again["pids"]) <= started  # no new process
+        workers = list(tuning_procs._idle)
+        assert len(workers) == 2 and all(w.alive() for w in workers)
+    finally:
+        tuning_procs.shutdown()
+    assert tuning_procs._idle == [] and all(w.proc.poll() is not None for w in workers)
+
+
+def test_no_workers_start_without_a_gpu_or_a_background_tuning(monkeypatch):
+    tuning_procs.shutdown()
+    tuning_procs.prestart_for_tuning("reduce-overhead")  # no CUDA here
+    tuning_procs.prestart_for_tuning(None)
+    assert tuning_procs._idle == []
+
+
 def test_the_procs_come_from_the_environment(monkeypatch):
     monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
     assert tuning_procs.compile_procs() == tuning_procs.BACKGROUND_COMPILE_PROCS and tuning_procs.compile_procs(0) == 0
