@@ -231,6 +231,17 @@ class GpuTimer:
         self.last_warm_up = {**self.last_warm_up, "calls_cpu_s": round(sum(cpu), 3)}
         return errors
 
+    def after_choice(self, plan: Plan, site: AttentionSite) -> None:
+        """The tuner chose ``plan`` for ``site``. In a background tuning, a kernel plan's eager variant (the model's
+        first calls run outside a capture) compiles in a compile worker meanwhile (``tuning_procs``)."""
+        from . import tuning_procs
+        from .tuning_defer import in_background
+
+        if in_background() and not _warmed_here(plan) and tuning_procs.compile_procs() > 0:
+            import torch
+
+            tuning_procs.compile_eager_variant(plan, site, torch.cuda.current_device())
+
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
         """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the
         ``key_range_from_mask`` that gives its start too: ``mask_reduction``), timed like a plan (``eager``: the

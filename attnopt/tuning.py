@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -63,6 +64,8 @@ from .tuning_rounds import (FRESH_LENGTH_SLACK_US, PRUNE, STATIC_DENSE_TIE, STAT
 from .tuning_buckets import BUCKETS, bucket_length, bucket_of, bucket_span  # noqa: F401  (re-exported)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
+
+log = logging.getLogger("attnopt.tuning")
 
 #: ``0`` turns tuning off (the cost model alone plans, and cached measurements are not used).
 TUNE_ENV = "ATTNOPT_TUNE"
@@ -255,7 +258,14 @@ class Tuner(TimingRounds):
                 "winner": by_key[best].to_dict(), "measured_us": measured[best], "timings": timings,
                 "samples": samples, **extra,
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
-                "tune_s": round(tune_s, 3), "tune_cpu_s": round(time.thread_time() - cpu_start, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                "tune_s": round(tune_s, 3), "tune_cpu_s": round(time.thread_time() - cpu_start, 3),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        after = getattr(self.timer, "after_choice", None)
+        if after is not None:  # (the GPU timer: the winner's eager variant compiled meanwhile, elsewhere)
+            try:
+                after(by_key[best], site)
+            except Exception as exc:  # noqa: BLE001 - the choice stands; the first call compiles what is missing
+                log.info("attnopt: after the choice: %s", _error_text(exc))
         return choice
 
     def cached(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False, valid_len_sharing: int = 1,
