@@ -70,7 +70,6 @@ class RecordedStep:
         self.output = output
         self.count_items = list(call_counts.items())
         self.call_counts = call_counts
-        self.cache_ids = tuple(map(id, caches))  # (the entry goes with its caches: an id cannot be reused meanwhile)
         self.state = global_state(model)
         self.config = getattr(model, "config", None)
         self.config_vars = dict(vars(self.config)) if self.config is not None else None
