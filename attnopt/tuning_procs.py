@@ -176,13 +176,19 @@ def prestart(n: int | None = None) -> int:
 
 
 def prestart_for_tuning(mode: str | None) -> None:
-    """``prestart`` where a background tuning may follow: ``mode="reduce-overhead"`` on a GPU with Triton compiling
-    (not interpreting) and tuning on (``ATTNOPT_TUNE``). Never raises: without workers the warm-up starts its own."""
+    """``prestart`` where a background tuning is likely to follow: ``mode="reduce-overhead"`` on a GPU with Triton
+    compiling (not interpreting), tuning on (``ATTNOPT_TUNE``) and no tuning cache file yet (a first run on this
+    machine: with one, the shapes are most likely measured already, and a miss starts its workers at its warm-up).
+    Never raises: without workers the warm-up starts its own."""
     import os
 
     if mode != "reduce-overhead" or os.environ.get("ATTNOPT_TUNE", "").strip().lower() in ("0", "false", "no", "off"):
         return
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    from .tuning_cache import cache_path
+
+    if cache_path().exists():
         return
     try:
         import torch

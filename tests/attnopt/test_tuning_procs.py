@@ -207,3 +207,27 @@ def test_the_tuner_tells_the_timer_its_choice(cache, clock):
     timer.after_choice = lambda plan, site: told.append((plan.runtime_key(), site.kv_len))
     choice = Tuner(timer, cache, env=ENV, budget_s=4.0).choose(SMOL_1K, _ranked(SMOL_1K))
     assert told == [(choice.plan.runtime_key(), SMOL_1K.kv_len)]
+
+
+def test_workers_start_at_optimize_on_a_first_run_with_a_background_tuning_ahead(monkeypatch, tmp_path):
+    """``prestart_for_tuning`` (what ``optimize`` calls): with a GPU, Triton compiling, tuning on and no tuning cache
+    file yet; not for another mode, with tuning off, or once the cache file exists (the shapes are likely measured)."""
+    from attnopt.tuning_cache import cache_path
+
+    started = []
+    monkeypatch.setattr(tuning_procs, "prestart", lambda n=None: started.append(1) or 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNOPT_TUNE", raising=False)
+    monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
+    tuning_procs.prestart_for_tuning("reduce-overhead")
+    assert started == [1]
+    tuning_procs.prestart_for_tuning(None)
+    monkeypatch.setenv("ATTNOPT_TUNE", "0")
+    tuning_procs.prestart_for_tuning("reduce-overhead")
+    monkeypatch.delenv("ATTNOPT_TUNE")
+    cache_path().parent.mkdir(parents=True, exist_ok=True)
+    cache_path().write_text("{}")
+    tuning_procs.prestart_for_tuning("reduce-overhead")
+    assert started == [1]
