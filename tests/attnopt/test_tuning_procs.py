@@ -154,6 +154,7 @@ def test_after_the_workers_this_process_compiles_nothing(monkeypatch, tmp_path):
     from attnopt.runtime.kernels.common import tma_as_captured
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    tuning_procs.shutdown()  # (workers started earlier would not see this cache directory)
     site = dataclasses.replace(SMOL_1K, dtype="bfloat16")
     plans = [p for p in tuning.to_time(_ranked(site), tuning.DEFAULT_TOP_K) if not T._warmed_here(p)]
     assert plans
