@@ -60,6 +60,9 @@ def optimize(model: M, config: OptimizeConfig | dict | None = None, *, process_g
         if found:
             cfg = cfg.replace(sliding_windows=cfg.sliding_windows + found)
     backend = Backend(cfg, process_group=process_group, mode=mode)
+    from .tuning_procs import prestart_for_tuning
+
+    prestart_for_tuning(mode)  # a background tuning's compile workers start now, beside dynamo's tracing
     if isinstance(model, torch.nn.Module):
         optimized = copy.copy(model)
         gen_cfg = getattr(model, "generation_config", None)

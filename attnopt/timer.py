@@ -23,23 +23,14 @@ Nothing here runs at import time; torch and the runtime are imported by the call
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
 from .plan import Plan, uses_valid_len  # noqa: F401  (re-exported)
 from .site import AttentionSite
+from .timer_calls import (L2_FACTOR, MAX_SETS, STATIC_FILL, WARM_WORKERS, count_from_env, error_text,  # noqa: F401
+                          mask_reduction, run_concurrently, set_count, site_call, synthetic_inputs, variant_of)
 
-#: The fill a static cache (valid-length mask) is timed at: full. Its valid length is a device tensor, unknown at
-#: compile time, and one plan serves every fill (choosing by it would sync). A step is longest near full, and a
-#: Hugging Face StaticCache sized to the prompt plus the new tokens runs there (the e2e caches: 94-99 % full).
-#: Tuning version 3 timed half-full caches and kept SmolLM2's 1k site on S=5/256/8/2 (10 µs in the e2e step), where
-#: a forced sweep found S=16/64/4/3 at 6.2 µs (H100, c761f67): how many keys each split gets changes the ranking.
-STATIC_FILL = 1.0
-#: The input sets of one timing span this many L2 sizes.
-L2_FACTOR = 4
-#: At most this many input sets (small shapes need many to span the L2; each is a few hundred kB there).
-MAX_SETS = 256
 #: Eager calls of the first candidate of a shape before any timing, in ms: clocks ramp up after idle.
 WARM_MS = 20.0
 #: Host timing: calls issued per repeat (few enough that the launch queue never fills and blocks the host).
@@ -52,10 +43,6 @@ REPLAYS = 5
 #: In a background tuning the timed replays wait behind this many ms of GPU sleep (``bench.common.replayed_us``):
 #: the host pauses up to a GIL switch interval (5 ms) at each replay beside the inner compile's Python.
 BACKGROUND_PREROLL_MS = 20.0
-#: Threads that make a shape's candidates' first calls at once before any is timed (``GpuTimer.warm_up``). A cold
-#: Triton compile takes about a second per configuration on the H100 machine's host, mostly in MLIR/LLVM passes and
-#: ptxas, which do not hold the GIL (a separate process).
-WARM_WORKERS = 16
 #: The same threads for a tuning in the background (``attnopt.tuning_defer``), beside the inner backend's compile on
 #: the main thread: each thread's Python share of a Triton compile (its front end) takes the GIL from that compile.
 #: On the H100 (batch 6805859) SmolLM2's inductor compile ran 28.4 -> 32.6 s at 1k and 26.8 -> 35.7 s at 32k beside
@@ -66,131 +53,6 @@ FRESH_LENGTHS = 3
 #: Overrides ``WARM_WORKERS`` (read at each warm-up): ``1`` compiles the candidates one after another, still before
 #: timing; ``0`` skips the warm-up (each candidate compiles when it is first timed, as before it existed).
 WARM_WORKERS_ENV = "ATTNOPT_TUNE_WARM_WORKERS"
-
-
-def synthetic_inputs(site: AttentionSite, index: int, device: str = "cuda", reduce: bool = True) -> dict[str, Any]:
-    """One input set of ``site``'s shape: q (B, Hq, L, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv) in its dtype; for a
-    valid-length or arbitrary mask a bool mask (B, 1, L, N) keeping the first ``STATIC_FILL * N`` keys and the
-    (B,) int32 ``valid_len`` that ``attnopt::valid_len_from_mask`` makes of it (computed here, once). A sliding
-    window's mask keeps only the last ``window`` of those keys, with its ``key_start`` (also computed once).
-    ``reduce=False``: the same two written down, not computed (equal, and no kernel launched: the timer's sets,
-    whose mask reduction would otherwise compile anew for each length timed)."""
-    import torch
-
-    dtype = getattr(torch, site.dtype)
-    b, L, n = int(site.batch), int(site.q_len), int(site.kv_len)
-    g = torch.Generator(device=device).manual_seed(4321 + index)
-    s = {"q": torch.randn(b, site.q_heads, L, site.head_dim, device=device, dtype=dtype, generator=g),
-         "k": torch.randn(b, site.kv_heads, n, site.head_dim, device=device, dtype=dtype, generator=g),
-         "v": torch.randn(b, site.kv_heads, n, site.v_head_dim or site.head_dim, device=device, dtype=dtype,
-                          generator=g),
-         "mask": None, "valid_len": None}
-    if site.mask_kind in ("valid_length", "arbitrary"):
-        keep = max(1, int(n * STATIC_FILL))
-        cols = torch.arange(n, device=device)
-        band = cols < keep
-        if site.window is not None:  # a sliding window's band: the last ``window`` keys before ``keep``
-            band &= cols >= keep - site.window
-        s["mask"] = band[None, None, None, :].expand(b, 1, L, n).contiguous()
-        if not reduce:  # the mask's valid range written down, as the reduction computes it (no kernel launched)
-            s["valid_len"] = torch.full((b,), keep, device=device, dtype=torch.int32)
-            if site.window is not None:
-                s["key_start"] = torch.full((b,), max(0, keep - site.window), device=device, dtype=torch.int32)
-            return s
-        from attnopt.runtime import ops  # noqa: F401  (registers torch.ops.attnopt.*)
-
-        if site.window is not None:  # as the lowered graph computes both ends of a window site's keys
-            s["key_start"], s["valid_len"] = torch.ops.attnopt.key_range_from_mask(s["mask"], b)
-        else:
-            s["valid_len"] = torch.ops.attnopt.valid_len_from_mask(s["mask"], b)
-    return s
-
-
-def mask_reduction(site: AttentionSite) -> str:
-    """The op the lowered graph runs over a masked site's mask for a kernel plan: ``key_range_from_mask`` at a
-    sliding window (its start and valid length), else ``valid_len_from_mask``."""
-    return "key_range_from_mask" if site.window is not None else "valid_len_from_mask"
-
-
-def site_call(plan: Plan, site: AttentionSite, s: dict[str, Any], state: Any = None) -> Callable[[], Any]:
-    """A call of ``plan`` on input set ``s`` as the lowered op runs it: ``strategy.run`` only, with the set's mask
-    and, for a plan that reads one, its precomputed valid length, its output in the op's layout (``fake_layout``).
-    ``state``: the strategy's prepared state (prepared here, before the call is made, when ``None``)."""
-    from attnopt.runtime.strategies import get_strategy
-
-    strategy = get_strategy(plan.kind)
-    if state is None:
-        state = strategy.prepare(plan, s["q"], s["k"], s["v"])
-    scale = site.scale if site.scale is not None else site.head_dim ** -0.5
-    if hasattr(strategy, "timed_call"):  # a plan whose op takes other inputs than (q, k, v): the cascade
-        return strategy.timed_call(plan, site, s, state, scale)
-    q, k, v, mask = s["q"], s["k"], s["v"], s["mask"]
-    valid_len = s.get("valid_len") if uses_valid_len(plan, site) else None
-    if uses_valid_len(plan, site) and valid_len is None and mask is not None:
-        raise ValueError("site_call: the input set has a mask but no precomputed valid_len (synthetic_inputs "
-                         "makes one)")
-
-    # the layout the op hands back (its fake's): a dense plan at q_len > 1 pays a copy of SDPA's transposed output
-    from attnopt.runtime.ops import fake_layout
-
-    variant = _variant(strategy, site, s)
-    if variant:
-        def call_variant():
-            return fake_layout(strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal, **variant))
-        return call_variant
-
-    def call():
-        return fake_layout(strategy.run(state, plan, q, k, v, mask, valid_len, scale, site.is_causal))
-    return call
-
-
-def _variant(strategy, site: AttentionSite, s: dict[str, Any]) -> dict[str, Any]:
-    """The variant keywords the lowered op gives ``strategy`` at ``site``: the set's window start, the cap, and for
-    ALiBi Bloom's slopes for the site's heads (the kernels' time does not depend on their values)."""
-    import torch
-
-    from attnopt.runtime.strategies.base import variant_kwargs
-
-    slopes = (torch.tensor([2.0 ** -(8 * (h + 1) / site.q_heads) for h in range(site.q_heads)], device=s["q"].device)
-              if site.alibi else None)
-    return variant_kwargs(strategy, s.get("key_start"), site.softcap or 0.0, slopes)
-
-
-def error_text(exc: BaseException) -> str:
-    """One line naming an exception: ``error: Type: first line of its message`` (at most 160 characters of it)."""
-    text = str(exc).splitlines()[0][:160] if str(exc) else ""
-    return f"error: {type(exc).__name__}: {text}"
-
-
-def run_concurrently(pooled: dict[str, Callable[[], Any]], here: dict[str, Callable[[], Any]] | None = None,
-                     workers: int = WARM_WORKERS) -> dict[str, str]:
-    """Run the ``pooled`` calls on up to ``workers`` threads while the ``here`` calls run, one after another, on
-    the calling thread (for state that is kept per thread, as PyTorch keeps cuDNN's graphs); wait for all. Returns
-    the error text (``error_text``) of each call that raised, by key; the others' results are dropped."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    errors: dict[str, str] = {}
-    with ThreadPoolExecutor(max(1, min(workers, len(pooled))), thread_name_prefix="attnopt-warm") as pool:
-        futures = {key: pool.submit(call) for key, call in pooled.items()}
-        for key, call in (here or {}).items():
-            try:
-                call()
-            except Exception as exc:  # noqa: BLE001 - reported by key, like the pooled calls' errors
-                errors[key] = error_text(exc)
-    for key, future in futures.items():
-        if future.exception() is not None:
-            errors[key] = error_text(future.exception())
-    return errors
-
-
-def set_count(set_bytes: int, l2_bytes: int | None, free_bytes: int) -> int:
-    """Input sets for one timing: enough to span ``L2_FACTOR`` L2 sizes, at most ``MAX_SETS`` and at most what
-    half the free memory holds. ``MemoryError`` when not even one set fits there."""
-    if set_bytes > free_bytes // 2:
-        raise MemoryError(f"one input set needs {set_bytes / 1e9:.2f} GB, {free_bytes / 1e9:.1f} GB free")
-    l2 = l2_bytes or (50 << 20)
-    want = -(-L2_FACTOR * l2 // max(set_bytes, 1))
-    return int(max(1, min(MAX_SETS, want, free_bytes // 2 // max(set_bytes, 1))))
 
 
 class GpuTimer:
@@ -210,6 +72,8 @@ class GpuTimer:
         #: tuner's later rounds instead of captured again (a capture is the host's work: a launch per input set,
         #: which beside a background tuning's inner compile competes for the GIL).
         self._graphs: dict[str, tuple[Any, int, Any]] = {}
+        #: What the last warm-up's compile workers did (``attnopt.tuning_procs``): procs, procs_s, errors; or empty.
+        self.last_warm_up: dict[str, Any] = {}
 
     def release(self) -> None:
         """Drop the input sets and hand their memory back to the driver (they can take GBs at long contexts, and
@@ -293,9 +157,14 @@ class GpuTimer:
         on a thread of its own (``run_concurrently``), while other threads make the timing's input sets and compile
         the mask reduction (``valid_len_us``) and this one makes the dense and distributed plans' first calls
         (``_warmed_here``). Returns the error text of each first call that failed, by runtime key: such a
-        candidate is still timed, and fails there if the error is its own."""
+        candidate is still timed, and fails there if the error is its own. In a background tuning the kernel plans'
+        first calls run in worker processes first (``attnopt.tuning_procs``: Triton's compiles leave this process's
+        GIL to the inner compile), and the first calls here load what they compiled; ``last_warm_up`` says how
+        that went."""
         from .tuning_defer import in_background
+        from . import tuning_procs
 
+        self.last_warm_up = {}
         workers = warm_workers(min(self.warm_workers, BACKGROUND_WARM_WORKERS) if in_background() else self.warm_workers)
         if workers == 0:
             return {}
@@ -334,11 +203,44 @@ class GpuTimer:
                 getattr(torch.ops.attnopt, mask_reduction(site))(warm_set["mask"], int(site.batch))
                 torch.cuda.synchronize()
 
+        procs = tuning_procs.compile_procs(tuning_procs.BACKGROUND_COMPILE_PROCS if in_background() else 0)
+        kernel_plans = [p for p in plans if not _warmed_here(p)]
+        if procs and kernel_plans:  # their Triton compiles in worker processes: below, the first calls load them
+            try:
+                self.last_warm_up = tuning_procs.first_calls_in_processes(kernel_plans, site, eager=eager,
+                                                                          device=device, procs=procs)
+            except OSError as exc:  # (no process could start: the first calls below compile, as before)
+                self.last_warm_up = {"procs": 0, "procs_s": 0.0, "errors": {"compile workers": error_text(exc)}}
         here = {p.runtime_key(): first_call(p) for p in plans if _warmed_here(p)}
         pooled = {"input sets": input_sets, **{p.runtime_key(): first_call(p) for p in plans if not _warmed_here(p)}}
         if warm_set["mask"] is not None and any(uses_valid_len(p, site) for p in plans):
             pooled["mask reduction"] = mask_reduction_call
-        return run_concurrently(pooled, here, workers)
+        cpu: list[float] = []  # each call's own thread's CPU seconds: what the warm-up takes from the GIL at most
+
+        def counted(call: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                start = time.thread_time()
+                try:
+                    call()
+                finally:
+                    cpu.append(time.thread_time() - start)
+            return run
+
+        errors = run_concurrently({k: counted(c) for k, c in pooled.items()}, {k: counted(c) for k, c in here.items()},
+                                  workers)
+        self.last_warm_up = {**self.last_warm_up, "calls_cpu_s": round(sum(cpu), 3)}
+        return errors
+
+    def after_choice(self, plan: Plan, site: AttentionSite) -> None:
+        """The tuner chose ``plan`` for ``site``. In a background tuning, a kernel plan's eager variant (the model's
+        first calls run outside a capture) compiles in a compile worker meanwhile (``tuning_procs``)."""
+        from . import tuning_procs
+        from .tuning_defer import in_background
+
+        if in_background() and not _warmed_here(plan) and tuning_procs.compile_procs() > 0:
+            import torch
+
+            tuning_procs.compile_eager_variant(plan, site, torch.cuda.current_device())
 
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
         """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the
@@ -377,7 +279,7 @@ class GpuTimer:
             key, scale = plan.runtime_key(), site.scale if site.scale is not None else site.head_dim ** -0.5
             op = torch.ops.attnopt.decode_attention
             # the variant keywords too: their paths through the op (the key start, the slopes) cost host time
-            return self._host([lambda s=s, kw=_variant(strategy, site, s): op(
+            return self._host([lambda s=s, kw=variant_of(strategy, site, s): op(
                 s["q"], s["k"], s["v"], s["mask"], s["valid_len"] if uses_valid_len(plan, site) else None, scale,
                 site.is_causal, key, TUNING_SITE, **kw) for s in sets])
 
@@ -421,13 +323,8 @@ class GpuTimer:
 
 def warm_workers(default: int = WARM_WORKERS) -> int:
     """The warm-up's threads: ``$ATTNOPT_TUNE_WARM_WORKERS`` where set, else ``default``; 0 = no warm-up."""
-    text = os.environ.get(WARM_WORKERS_ENV, "").strip()
-    if not text:
-        return default
-    if not text.isdigit():
-        raise ValueError(f"{WARM_WORKERS_ENV}={text!r}: expected a whole number of threads >= 0 (0: no warm-up, 1: "
-                         f"the candidates compiled one after another before timing)")
-    return int(text)
+    return count_from_env(WARM_WORKERS_ENV, default, "threads >= 0 (0: no warm-up, 1: the candidates compiled one "
+                                                     "after another before timing)")
 
 
 def _warmed_here(plan: Plan) -> bool:

@@ -43,9 +43,9 @@ This module imports nothing from ``runtime/`` at import time; the GPU timer does
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -61,8 +61,11 @@ from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WIT
                                 to_time)  # (re-exported for the tuner's users)
 from .tuning_rounds import (FRESH_LENGTH_SLACK_US, PRUNE, STATIC_DENSE_TIE, STATIC_READERS, TIE,  # noqa: F401
                             TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
+from .tuning_buckets import BUCKETS, bucket_length, bucket_of, bucket_span  # noqa: F401  (re-exported)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
+
+log = logging.getLogger("attnopt.tuning")
 
 #: ``0`` turns tuning off (the cost model alone plans, and cached measurements are not used).
 TUNE_ENV = "ATTNOPT_TUNE"
@@ -71,8 +74,6 @@ TUNE_BY_DEFAULT = True
 #: Seconds one site shape may spend being timed after its warm-up (new candidates stop starting after it).
 BUDGET_ENV = "ATTNOPT_TUNE_BUDGET_S"
 DEFAULT_BUDGET_S = 4.0  # a cap: a timing takes 0.05-0.3 s; the cold compiles (about a second each) run before it
-#: Upper edges of the KV-length buckets of a symbolic length; longer lengths take the last bucket.
-BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(10, 20))
 #: A symbolic length's buckets together may compile new kernels for this many times the per-shape budget; the
 #: buckets nearest the trace-time hint go first, and once it is spent the rest compile nothing new: they time the
 #: candidates whose kernels earlier buckets compiled (``compile_key``), the SDPA backends and the model's pick. The
@@ -89,35 +90,6 @@ STATIC_LOW_FILL = 1 / 8
 
 #: ``timer(plan, site) -> µs`` of one call of ``plan`` on ``site``'s shape (``site.kv_len`` is set).
 Timer = Callable[[Plan, AttentionSite], float]
-
-
-def bucket_length(bound: int, bounds: Sequence[int] = BUCKETS) -> int:
-    """The KV length a bucket is timed at: the geometric middle of (previous bound, ``bound``] (of (bound / 2, bound]
-    for the first), rounded to 64 keys. Every length of a bucket runs its plan, and the middle is within sqrt(2) of
-    each of them, where the upper edge is 2x from the lower: on the H100 the bucket (2048, 4096] timed at 4096 chose
-    split-KV for B=64 8/8 heads D=80, 2% slower than cuDNN at 2432 (planner part 0 of 2, lhs08, at 18ffcc3)."""
-    i = list(bounds).index(bound)
-    low = bounds[i - 1] if i > 0 else bound // 2
-    middle = math.sqrt(low * bound)
-    n = int(round(middle / 64)) * 64 if middle >= 64 else int(round(middle))
-    return min(bound, max(low + 1, n))
-
-
-def bucket_span(bound: int, bounds: Sequence[int] = BUCKETS) -> tuple[int, int]:
-    """The shortest and longest KV length a bucket's plan is tuned for: just above the previous bound (half the
-    first bound for the first bucket) and ``bound``. "Just above" is 64 keys above where the bound is a multiple of
-    64: Triton specializes a kernel on whether an integer argument is a multiple of 16, and an odd length would
-    compile every candidate again."""
-    i = list(bounds).index(bound)
-    low = bounds[i - 1] if i > 0 else bound // 2
-    return min(bound, low + (64 if low >= 64 and low % 64 == 0 else 1)), bound
-
-
-def bucket_of(n: int, bounds: Sequence[int] = BUCKETS) -> int:
-    """The bucket (its upper edge) holding KV length ``n``: the first bound >= n, else the last bound."""
-    if n < 1:
-        raise ValueError(f"a KV length must be >= 1, got {n}")
-    return bounds[min(bisect.bisect_left(bounds, n), len(bounds) - 1)]
 
 
 def tunable_reason(site: AttentionSite) -> str | None:
@@ -220,7 +192,7 @@ class Tuner(TimingRounds):
             return known
         if not self.enabled or self.capturing():
             return Choice(ranked[0], "model")
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()  # (this thread's CPU: what it takes from others)
         plans = to_time(ranked, self.top_k)
         late = deadline is not None and start > deadline
         if late:  # compile nothing new: time what earlier buckets compiled, the SDPA backends and the two always timed
@@ -286,7 +258,14 @@ class Tuner(TimingRounds):
                 "winner": by_key[best].to_dict(), "measured_us": measured[best], "timings": timings,
                 "samples": samples, **extra,
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
-                "tune_s": round(tune_s, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                "tune_s": round(tune_s, 3), "tune_cpu_s": round(time.thread_time() - cpu_start, 3),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        after = getattr(self.timer, "after_choice", None)
+        if after is not None:  # (the GPU timer: the winner's eager variant compiled meanwhile, elsewhere)
+            try:
+                after(by_key[best], site)
+            except Exception as exc:  # noqa: BLE001 - the choice stands; the first call compiles what is missing
+                log.info("attnopt: after the choice: %s", _error_text(exc))
         return choice
 
     def cached(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False, valid_len_sharing: int = 1,

@@ -58,6 +58,13 @@ class TimingRounds:
         extra: dict[str, Any] = {"warm_up_s": round(time.perf_counter() - started, 3)}
         if errors:
             extra["warm_up_errors"] = dict(errors)
+        procs = getattr(self.timer, "last_warm_up", None) or {}
+        if "calls_cpu_s" in procs:  # the CPU seconds of its first calls in this process, on every thread
+            extra["warm_up_calls_cpu_s"] = procs["calls_cpu_s"]
+        if procs.get("procs"):  # the share compiled in worker processes (``attnopt.tuning_procs``)
+            extra.update(compile_procs=procs["procs"], compile_procs_s=procs["procs_s"])
+            if procs["errors"]:
+                extra["compile_procs_errors"] = dict(procs["errors"])
         return extra
 
     def _fresh_length_charge(self, plans: Sequence[Plan], site: AttentionSite,

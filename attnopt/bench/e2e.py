@@ -7,7 +7,8 @@ For each context and method, it
 3. decodes ``steps`` greedy tokens one forward at a time, each synced; the first ``warmup`` calls (compile,
    CUDA-graph recording) are timed apart as the first-call cost, the median of the rest is the step time;
 4. compares its greedy tokens with HF eager's from the same prefill;
-5. with ``--generate``, times ``generate()`` at two lengths and reports ms per token from their difference, and
+5. with ``--generate``, times ``generate()`` at two lengths, in ``--generate-repeats`` interleaved pairs, and reports
+   ms per token as the median of the pairs' differences (with their min and max: one noisy pair cannot decide), and
    the host time of one decode forward call inside it (``generate_forward_host_ms``: guards, wrappers, the
    CUDA-graph replay's launch; ``turns.DecodeCallTimer``), where HF's path and attnopt's differ on the host.
 
@@ -23,16 +24,14 @@ Methods:
 
 ``--isolate`` runs every (context, method) in a subprocess, so a crash becomes a row with its exit signal instead of
 ending the suite; ``--parallel N`` runs N of them at a time, which take turns so that no timed section runs beside
-another run's compile (``turns``). ``--profile`` adds, per attnopt method, a torch.profiler breakdown of a few
+anything another run does (its imports, model build, compile, prefill, profile or exit: ``turns``). ``--profile`` adds, per attnopt method, a torch.profiler breakdown of a few
 steps: graphs run per step, host time of the attnopt ops, GPU time of the attention kernels.
 """
 from __future__ import annotations
 
+import gc
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,8 @@ import torch
 from .common import format_table, results_header, write_results
 from .e2e_profile import (attention_in_step, host_profile, profile_steps, standalone_attention_us,
                           tuning_records)
-from .turns import LOCK_ENV, DecodeCallTimer, compile_turn, gpu_turn
+from .e2e_parallel import isolated, print_row, run_parallel
+from .turns import DecodeCallTimer, compile_turn, gpu_turn, spread
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -141,14 +141,39 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-@torch.no_grad()
+def two_phases(phases) -> dict[str, Any]:
+    """Run a ``*_phases`` generator: its preparation (compiles: the shared turn) then its timing (the exclusive turn);
+    returns its row."""
+    with compile_turn():
+        next(phases)
+    with gpu_turn():
+        return finish(phases)
+
+
+def finish(phases) -> dict[str, Any]:
+    """The second phase of a prepared ``*_phases`` generator (timing, profiles): its row."""
+    try:
+        next(phases)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a phases generator yielded twice")
+
+
 def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     """Time ``args.steps`` decode steps of ``method`` after a prefill of ``context`` tokens."""
+    return two_phases(decode_phases(args, model, method, context))
+
+
+@torch.no_grad()  # (on a generator: at each resume)
+def decode_phases(args, model, method: str, context: int):
+    """``decode_row`` in two phases (a generator): the prefill and the warm-up steps (compiles), then, resumed, the
+    timed steps and the profile; its return value is the row. Workers of ``--parallel`` prepare every part of a row
+    first and time all of it in one exclusive turn (``run_one``)."""
     device = args.device
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     cache = make_cache(model, args.cache, context + args.steps + args.warmup + 16)
-    with gpu_turn():  # a long prefill is seconds of GPU work: never beside another run's timed steps
+    with compile_turn():  # GPU work: never beside another run's timed sections
         tok = prefill(model, cache, ids, args.prefill_chunk)
     step, opt = make_step(method, model)
     times, tokens = [], [int(tok)]
@@ -165,7 +190,9 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     with compile_turn():
         for _ in range(args.warmup):
             one_step()
+    yield
     with gpu_turn():
+        gc.collect()  # (no collection of the warm-up's garbage inside the timed steps)
         for _ in range(args.steps):
             one_step()
     steady = times[args.warmup:]
@@ -198,9 +225,15 @@ def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     return row
 
 
-@torch.no_grad()
 def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     """ms per token of ``generate()`` from the difference of two lengths (the prefill cancels out)."""
+    return two_phases(generate_phases(args, model, method, context))
+
+
+@torch.no_grad()
+def generate_phases(args, model, method: str, context: int):
+    """``generate_row`` in two phases (a generator, as ``decode_phases``): the compiling first calls, then the timed
+    calls and the host profile."""
     import attnopt
 
     kw: dict[str, Any] = {"do_sample": False, "cache_implementation": args.cache}
@@ -218,6 +251,7 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=args.device)
     short, long = 8, 8 + args.generate_tokens
+    repeats = getattr(args, "generate_repeats", 6)
     # the long call first: generate() keeps its static cache while a later call fits in it, so every timed call
     # runs over the same cache (same shapes and addresses: no recompilation, no new CUDA-graph recording)
     with compile_turn():
@@ -225,10 +259,12 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
         owner.generate(ids, max_new_tokens=long, min_new_tokens=long, **kw)
         first = time.perf_counter() - t0
         owner.generate(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape seen
+    yield
     timer = DecodeCallTimer(owner, hf_compiles=method == "hf-compiled")
     times: dict[int, list[float]] = {}
     with gpu_turn():
-        for n in (short, long) * 4:  # interleaved repeats: per-token is the difference of the minima
+        gc.collect()
+        for n in (short, long) * repeats:  # interleaved repeats
             _sync(args.device)
             t0 = time.perf_counter()
             with timer.record():
@@ -236,9 +272,16 @@ def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
             _sync(args.device)
             times.setdefault(n, []).append(time.perf_counter() - t0)
     timer.remove()
-    per_token = (min(times[long]) - min(times[short])) / (long - short)
-    row = {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": 1e3 * per_token,
+    # per token: each repeat's long call minus its short call (the prefill cancels out); the median of the repeats
+    # decides, so one noisy repeat cannot, and the spread is reported
+    per_token = [1e3 * (b - a) / (long - short) for a, b in zip(times[short], times[long])]
+    ms = spread(per_token)
+    row = {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": ms["median"],
+           "generate_ms_per_token_min": ms["min"], "generate_ms_per_token_max": ms["max"],
+           "generate_ms_per_token_repeats": per_token,
+           "generate_ms_per_token_of_minima": 1e3 * (min(times[long]) - min(times[short])) / (long - short),
            "generate_first_call_s": first, "generate_forward_host_ms": timer.median_ms(),
+           "generate_forward_host_ms_min": 1e3 * min(timer.seconds) if timer.seconds else None,
            "generate_forward_calls": len(timer.seconds)}
     from attnopt.api import _STEP_GRAPHS_ATTR
 
@@ -265,45 +308,25 @@ def overlap_row(backend) -> dict[str, Any]:
 
 
 def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
-    """The rows of one (context, method) in this process."""
-    model, _ = build_model(args.model, layers=args.layers, dtype=_DTYPES[args.dtype], device=args.device,
-                           max_positions=context + 1024)
-    rows = [decode_row(args, model, method, context)]
+    """The rows of one (context, method) in this process: everything that compiles or builds first (the shared turn),
+    then everything timed in one exclusive turn. Under ``--parallel`` every worker compiles beside the others, and
+    each one's timed sections follow in turn, once no worker compiles any more (``turns``)."""
+    with compile_turn():
+        model, _ = build_model(args.model, layers=args.layers, dtype=_DTYPES[args.dtype], device=args.device,
+                               max_positions=context + 1024)
+        decode = decode_phases(args, model, method, context)
+        next(decode)
+        generate = None
+        if args.generate and method != "attnopt-cg":
+            generate = generate_phases(args, model, method, context)
+            next(generate)
+    with gpu_turn():
+        row = finish(decode)
+        if generate is not None:
+            row.update(finish(generate))
     if method in OPTIMIZE_OPTIONS:
-        rows[0]["tuning"] = tuning_records()
-    if args.generate and method != "attnopt-cg":
-        rows[0].update(generate_row(args, model, method, context))
-    return rows
-
-
-def _isolated(args, context: int, method: str) -> list[dict[str, Any]]:
-    """``run_one`` in a subprocess: a crash (a signal, an exception) becomes a row that says so."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as fh:
-        out = fh.name
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "attnopt.cli", "bench", "e2e", "--model", args.model,
-           "--contexts", str(context), "--methods", method, "--dtype", args.dtype, "--cache", args.cache,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-           "--prefill-chunk", str(args.prefill_chunk), "--generate-tokens", str(args.generate_tokens),
-           "--rows-out", out]
-    cmd += ["--layers", str(args.layers)] if args.layers else []
-    cmd += ["--generate"] if args.generate else []
-    cmd += ["--profile"] if args.profile else []
-    # an empty attnopt cache per run: its first call tunes as a new user's does (no measurements from another run)
-    env = dict(os.environ, ATTNOPT_CACHE_DIR=tempfile.mkdtemp(prefix="attnopt-e2e-"))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-3000:]
-        return [{"method": method, "context": context, "cache": args.cache, "error": f"timeout after {args.timeout} s",
-                 "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}]
-    if proc.returncode == 0:
-        return json.loads(Path(out).read_text())
-    sig = -proc.returncode if proc.returncode < 0 else None
-    return [{"method": method, "context": context, "cache": args.cache, "error":
-             f"exit {proc.returncode}" + (f" (signal {sig})" if sig else ""),
-             "stderr_tail": proc.stderr[-3000:]}]
+        row["tuning"] = tuning_records()
+    return [row]
 
 
 def run(args) -> int:
@@ -319,12 +342,12 @@ def run(args) -> int:
         Path(args.rows_out).write_text(json.dumps(run_one(args, contexts[0], methods[0])))
         return 0
     if args.parallel > 1:
-        rows = _run_parallel(args, contexts, methods)
+        rows = run_parallel(args, contexts, methods)
     for context in contexts if args.parallel <= 1 else ():
         for method in methods:
-            got = _isolated(args, context, method) if args.isolate else run_one(args, context, method)
+            got = isolated(args, context, method) if args.isolate else run_one(args, context, method)
             for r in got:
-                _print_row(r)
+                print_row(r)
             rows += got
     _compare_tokens(rows)
     _add_ratios(rows)
@@ -338,41 +361,11 @@ def run(args) -> int:
                               ("warmup_s", "warm-up s", ".1f"), ("tuning_wall_s", "tuning s", ".1f"),
                               ("first_call_waited_s", "waited s", ".1f"),
                               ("generate_ms_per_token", "generate ms/tok", ".3f"),
+                              ("generate_ms_per_token_min", "min", ".3f"),
                               ("generate_forward_host_ms", "fwd host ms", ".3f"),
                               ("tokens_identical", "tokens ==", ""), ("rewritten", "rewritten", ""),
                               ("calls_without_attnopt", "eager calls", ""), ("error", "error", "")]))
     return 0
-
-
-def _print_row(r: dict[str, Any]) -> None:
-    print(json.dumps({k: v for k, v in r.items() if k not in ("tokens", "profile", "stderr_tail")}), flush=True)
-
-
-def _run_parallel(args, contexts: list[int], methods: list[str]) -> list[dict[str, Any]]:
-    """Isolated runs, up to ``args.parallel`` at a time: they compile concurrently and time in turn (``turns``).
-
-    The methods of one context run as a group that starts together, so HF's compile and attnopt's run beside the same
-    load and their first-call times compare; a context's group starts when an earlier one ends."""
-    import tempfile
-    from concurrent.futures import ThreadPoolExecutor
-
-    os.environ.setdefault(LOCK_ENV, tempfile.NamedTemporaryFile(suffix=".lock", delete=False).name)
-    per_group = min(len(methods), args.parallel)
-    groups = max(1, args.parallel // per_group)
-
-    def group(context: int) -> list[list[dict[str, Any]]]:
-        with ThreadPoolExecutor(per_group) as inner:
-            return list(inner.map(lambda method: _isolated(args, context, method), methods))
-
-    with ThreadPoolExecutor(groups) as pool:
-        results = [got for ran in pool.map(group, contexts) for got in ran]
-    rows = []
-    for got in results:
-        for r in got:
-            r["concurrent_compiles"] = per_group * min(groups, len(contexts))
-            _print_row(r)
-        rows += got
-    return rows
 
 
 def _compare_tokens(rows: list[dict[str, Any]]) -> None:
@@ -407,6 +400,8 @@ def register(suites) -> None:
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--generate", action="store_true", help="also time generate() ms per token")
     p.add_argument("--generate-tokens", type=int, default=32)
+    p.add_argument("--generate-repeats", type=int, default=6,
+                   help="generate() pairs (short, long) timed; ms per token is the median of the pairs' differences")
     p.add_argument("--profile", action="store_true", help="profile a few steps of the attnopt methods")
     p.add_argument("--isolate", action="store_true", help="one subprocess per (context, method): a crash is a row")
     p.add_argument("--timeout", type=float, default=900, help="seconds per isolated run")

@@ -151,8 +151,8 @@ def host_profile(call, tokens: int, top: int = 14) -> dict[str, list[dict[str, A
 
 
 def tuning_records() -> list[dict[str, Any]]:
-    """What the tuner measured in this process's tuning cache file: per shape its seconds, the warm-up's share, the
-    rounds' and the tie-break's (with the tie-break's own warm-up at the other length) and the number of candidates
+    """What the tuner measured in this process's tuning cache file: per shape its seconds, the warm-up's share (and of
+    that, the compile workers' seconds: ``attnopt.tuning_procs``), the rounds' and the tie-break's (with the tie-break's own warm-up at the other length) and the number of candidates
     timed (with ``--isolate`` each run starts from an empty cache, so these are first-call
     costs)."""
     from attnopt.tuning_cache import TuningCache
@@ -163,6 +163,9 @@ def tuning_records() -> list[dict[str, Any]]:
         out.append({"tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
                     "measure_s": record.get("measure_s"), "rounds": record.get("rounds"),
                     "tie_break_s": record.get("tie_break_s"), "tie_warm_up_s": record.get("tie_warm_up_s"),
+                    "tune_cpu_s": record.get("tune_cpu_s"), "warm_up_calls_cpu_s": record.get("warm_up_calls_cpu_s"),
+                    "compile_procs": record.get("compile_procs"), "compile_procs_s": record.get("compile_procs_s"),
+                    "compile_procs_errors": record.get("compile_procs_errors"),
                     "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),
                     "measured_us": record.get("measured_us")})
     return out

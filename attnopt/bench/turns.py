@@ -3,25 +3,64 @@
 
 Parallel runs compile at the same time, and each run's timed sections must have the machine to itself: a decode
 step and ``generate()`` are bound by host time (about half of a ``generate()`` token is Python and CUDA-graph
-launch work), so a timed section beside another run's compile (inductor's worker processes, the plan tuner's
-kernel compiles and GPU timings) measures the contention. An ``flock`` on one file orders them:
+launch work), so a timed section beside another run's CPU work (imports, building a random-init model, a prefill,
+inductor's compile and its worker processes, the plan tuner's kernel compiles and GPU timings, a profile, the
+interpreter's exit) measures the contention. An ``flock`` on one file orders them:
 
-* ``gpu_turn()``, around timed sections and long prefills: exclusive;
-* ``compile_turn()``, around the first (compiling) calls: shared, so compiles overlap each other but never a timed
-  section. A compile that waits for its turn does so before its clock starts.
+* ``gpu_turn()``, around timed sections and profiles: exclusive;
+* ``compile_turn()``, around the first (compiling) calls and prefills: shared, so compiles overlap each other but
+  never a timed section. A compile that waits for its turn does so before its clock starts.
+* a worker of ``--isolate`` holds the shared turn for its whole life, from before its first import to its exit
+  (``WORKER_BOOT`` takes it; ``gpu_turn`` converts it to the exclusive one and back): whatever a run does outside
+  its timed sections, no other run's timed section runs beside it. So a worker's timed sections wait for every
+  other worker's compiles: ``e2e.run_one`` prepares all of a row first (prefill, compiles, ``generate()``'s first
+  calls) and times all of it in one exclusive turn, so the workers compile together and then time one after
+  another (a prefill under the exclusive turn, before the compile, had serialised the compiles: H100, 3f41936).
 
-Both are no-ops unless ``$ATTNOPT_BENCH_GPU_LOCK`` names the lock file (``--parallel`` sets it).
+Turns nest (an inner turn that the held one covers is a no-op) and are per thread (the tests stand threads in for
+processes). All are no-ops unless ``$ATTNOPT_BENCH_GPU_LOCK`` names the lock file (``--parallel`` sets it).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import statistics
+import threading
 import time
 from typing import Any, Callable, Iterator
 
 #: The lock file shared by the isolated runs of one ``--parallel`` suite.
 LOCK_ENV = "ATTNOPT_BENCH_GPU_LOCK"
+#: The descriptor on which ``WORKER_BOOT`` took the shared turn before the worker's imports.
+BOOT_FD_ENV = "ATTNOPT_BENCH_BOOT_FD"
+#: ``python -c`` program of an isolated worker: the shared turn first, then ``attnopt.cli`` with the arguments.
+WORKER_BOOT = (
+    "import os, sys\n"
+    f"path = os.environ.get({LOCK_ENV!r})\n"
+    "if path:\n"
+    "    import fcntl\n"
+    "    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)\n"
+    "    fcntl.flock(fd, fcntl.LOCK_SH)\n"
+    f"    os.environ[{BOOT_FD_ENV!r}] = str(fd)\n"
+    "from attnopt.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n")
+
+_held = threading.local()  # per thread: fd (the lock file's descriptor), mode (0, LOCK_SH or LOCK_EX)
+#: The boot's descriptor, taken out of the environment at import (no child process inherits the variable).
+_BOOT_FD = os.environ.pop(BOOT_FD_ENV, None)
+
+
+def _state(path: str) -> Any:
+    global _BOOT_FD
+    if getattr(_held, "path", None) != path:  # (another lock file: a test's; the old one is not held)
+        if _BOOT_FD is not None and threading.current_thread() is threading.main_thread():
+            import fcntl  # the worker's boot took the shared turn: the main thread holds it from now on
+
+            _held.fd, _held.mode, _BOOT_FD = int(_BOOT_FD), fcntl.LOCK_SH, None
+        else:
+            _held.fd, _held.mode = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 0
+        _held.path = path
+    return _held
 
 
 @contextlib.contextmanager
@@ -32,12 +71,19 @@ def _turn(exclusive: bool) -> Iterator[None]:
         return
     import fcntl
 
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    held = _state(path)
+    want = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    before = held.mode
+    if before in (want, fcntl.LOCK_EX):  # already covered
+        yield
+        return
+    fcntl.flock(held.fd, want)  # (from shared: flock drops it, then waits for the exclusive turn)
+    held.mode = want
+    try:
+        yield
+    finally:
+        fcntl.flock(held.fd, before or fcntl.LOCK_UN)
+        held.mode = before
 
 
 def gpu_turn():
@@ -48,6 +94,11 @@ def gpu_turn():
 def compile_turn():
     """Compile beside other compiles, never beside a timed section (shared)."""
     return _turn(False)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """min, median and max of repeated measurements (one noisy repeat moves the median by at most one rank)."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 class DecodeCallTimer:

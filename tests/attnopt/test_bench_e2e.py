@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnopt
-from attnopt.bench import e2e, turns
+from attnopt.bench import e2e, e2e_parallel, turns
 
 
 def _holds(turn, started: threading.Event, release: threading.Event) -> threading.Thread:
@@ -41,6 +41,84 @@ def test_compiles_share_their_turn_and_a_timed_section_waits_for_them(tmp_path, 
     assert not blocked.wait(0.3)  # and a compile waits while the timed section runs
 
 
+@pytest.fixture
+def fresh_turns(tmp_path, monkeypatch):
+    """The lock file set, and no turn held by this thread from an earlier test."""
+    import threading
+
+    monkeypatch.setenv(turns.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    monkeypatch.setattr(turns, "_held", threading.local())
+    monkeypatch.setattr(turns, "_BOOT_FD", None)
+    return tmp_path / "gpu.lock"
+
+
+def test_turns_nest_and_a_timed_section_inside_a_shared_turn_excludes_the_others(fresh_turns):
+    other, release = threading.Event(), threading.Event()
+    with turns.compile_turn():
+        with turns.compile_turn():  # covered: a no-op, not a second lock of this thread's own
+            pass
+        with turns.gpu_turn():  # the shared turn becomes the exclusive one ...
+            _holds(turns.compile_turn, other, release)
+            assert not other.wait(0.3)  # ... and another run's compile waits for it
+        assert other.wait(5)  # back to shared: compiles run side by side again
+    release.set()
+
+
+def test_a_worker_holds_the_shared_turn_from_its_boot_to_its_exit(fresh_turns):
+    """The boot of an isolated worker takes the shared turn before anything else (its imports are CPU work beside
+    which no timed section may run), and keeps it until the process ends, unless a timed section converts it."""
+    import subprocess
+    import sys
+
+    boot = turns.WORKER_BOOT.split("from attnopt.cli")[0] + "print('booted', flush=True)\nsys.stdin.read()\n"
+    env = dict(__import__("os").environ)
+    timed, release = threading.Event(), threading.Event()
+    _holds(turns.gpu_turn, timed, release)
+    assert timed.wait(5)
+    proc = subprocess.Popen([sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        time.sleep(0.5)
+        assert proc.poll() is None and not _ready(proc)  # waiting for the timed section before its boot goes on
+        release.set()
+        assert proc.stdout.readline().strip() == "booted"
+        mine = threading.Event()
+        _holds(turns.gpu_turn, mine, threading.Event())
+        assert not mine.wait(0.5)  # the worker lives, holding the shared turn: no timed section
+        proc.stdin.close()
+        proc.wait(10)
+        assert mine.wait(5)  # it exited: the turn is free
+    finally:
+        proc.kill()
+
+
+def _ready(proc) -> bool:
+    import select
+
+    return bool(select.select([proc.stdout], [], [], 0)[0])
+
+
+def test_the_boot_descriptor_is_the_main_threads_shared_turn(fresh_turns, monkeypatch):
+    """In the worker, ``turns`` adopts the boot's descriptor: the main thread already holds the shared turn, a timed
+    section converts it, and the shared turn is held again afterwards."""
+    import fcntl
+    import os
+
+    fd = os.open(fresh_turns, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    monkeypatch.setattr(turns, "_BOOT_FD", str(fd))
+    blocked, release = threading.Event(), threading.Event()
+    with turns.compile_turn():  # adopts the boot's descriptor, already shared
+        assert turns._held.fd == fd and turns._held.mode == fcntl.LOCK_SH
+    _holds(turns.gpu_turn, blocked, release)
+    assert not blocked.wait(0.3)  # the main thread still holds the shared turn between turns
+    with turns.compile_turn():
+        pass
+    release.set()
+    os.close(fd)
+    assert blocked.wait(5)
+
+
 def test_parallel_runs_start_a_contexts_methods_together(monkeypatch):
     running, seen, lock = set(), [], threading.Lock()
 
@@ -53,9 +131,9 @@ def test_parallel_runs_start_a_contexts_methods_together(monkeypatch):
             running.discard((context, method))
         return [{"method": method, "context": context}]
 
-    monkeypatch.setattr(e2e, "_isolated", isolated)
+    monkeypatch.setattr(e2e_parallel, "isolated", isolated)
     args = types.SimpleNamespace(parallel=2)
-    rows = e2e._run_parallel(args, [1, 2, 3], ["hf-compiled", "attnopt-ro"])
+    rows = e2e_parallel.run_parallel(args, [1, 2, 3], ["hf-compiled", "attnopt-ro"])
     assert [(r["context"], r["method"]) for r in rows] == [(c, m) for c in (1, 2, 3)
                                                            for m in ("hf-compiled", "attnopt-ro")]
     assert all(len({c for c, _ in now}) == 1 and len(now) <= 2 for now in seen)  # one context at a time
@@ -70,9 +148,14 @@ def test_generate_row_reports_the_host_time_of_each_decode_call(monkeypatch, met
     model is left as it was."""
     monkeypatch.setitem(e2e.OPTIMIZE_OPTIONS, "attnopt-ro", {"mode": "reduce-overhead", "inner_backend": "eager"})
     model, _ = e2e.build_model("tiny", layers=None, dtype=torch.float32, device="cpu", max_positions=256)
-    args = types.SimpleNamespace(device="cpu", cache="static", generate_tokens=4, profile=True)
+    args = types.SimpleNamespace(device="cpu", cache="static", generate_tokens=4, generate_repeats=3, profile=True)
     row = e2e.generate_row(args, model, method, 24)
-    assert row["generate_forward_calls"] == 4 * ((8 - 1) + (12 - 1))
+    assert row["generate_forward_calls"] == 3 * ((8 - 1) + (12 - 1))
+    # the median of three pairs decides, and the spread is reported
+    pairs = row["generate_ms_per_token_repeats"]
+    assert len(pairs) == 3 and row["generate_ms_per_token"] == sorted(pairs)[1]
+    assert row["generate_ms_per_token_min"] == min(pairs) and row["generate_ms_per_token_max"] == max(pairs)
+    assert 0 < row["generate_forward_host_ms_min"] <= row["generate_forward_host_ms"]
     assert 0 < row["generate_forward_host_ms"] < 1e3 * row["generate_first_call_s"]
     assert "__call__" not in vars(model)
     # the host profile of one more generate() call: HF's sampling loop is in it; attnopt's forward where it runs
@@ -173,3 +256,67 @@ def test_standalone_attention_goes_round_every_layers_cache(monkeypatch):
     layers = [layer.keys.data_ptr() for layer in cache.layers]
     assert got["layers_rotated"] == len(layers) > 1
     assert seen == layers + layers
+
+
+def test_parallel_workers_compile_together_and_time_one_after_another(fresh_turns):
+    """Three worker processes booted as ``--parallel`` boots them, each preparing (1 s, shared) then timing (0.3 s,
+    exclusive), as ``e2e.run_one`` does: their preparations overlap (not one after another, which made the H100 suite
+    time out at 3f41936), and every timed section runs alone, after every preparation has ended."""
+    import json
+    import subprocess
+    import sys
+
+    worker = turns.WORKER_BOOT.split("from attnopt.cli")[0] + (
+        "import json, time\n"
+        "from attnopt.bench import turns\n"
+        "t = {'c0': time.time()}\n"
+        "with turns.compile_turn():\n"
+        "    time.sleep(1.0)\n"
+        "t['c1'] = time.time()\n"
+        "with turns.gpu_turn():\n"
+        "    t['g0'] = time.time()\n"
+        "    time.sleep(0.3)\n"
+        "    t['g1'] = time.time()\n"
+        "print(json.dumps(t))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    runs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    prepared_by = max(r["c1"] for r in runs)
+    assert all(r["g0"] >= prepared_by - 0.05 for r in runs)  # no timed section beside a preparation
+    timed = sorted((r["g0"], r["g1"]) for r in runs)
+    assert all(a[1] <= b[0] + 0.05 for a, b in zip(timed, timed[1:]))  # nor beside another timed section
+    overlaps = sum(1 for r in runs for o in runs if o is not r and r["c0"] < o["c1"] and o["c0"] < r["c1"])
+    assert overlaps > 0  # the preparations ran side by side
+
+
+def test_a_worker_prepares_all_of_its_row_before_its_one_timed_turn(monkeypatch):
+    """``run_one``: the model, the decode steps' prefill and compile and generate()'s compiling calls all come before
+    the one exclusive turn, in which every timed part runs (a timed turn between two compiles would wait for every
+    other worker's compiles, twice)."""
+    import contextlib
+
+    events = []
+
+    @contextlib.contextmanager
+    def turn(name):
+        events.append(f"{name} in")
+        yield
+        events.append(f"{name} out")
+
+    def phases(kind):
+        def gen(args, model, method, context):
+            events.append(f"{kind} prepare")
+            yield
+            events.append(f"{kind} time")
+            return {f"{kind}_row": True}
+        return gen
+
+    monkeypatch.setattr(e2e, "gpu_turn", lambda: turn("gpu"))
+    monkeypatch.setattr(e2e, "compile_turn", lambda: turn("compile"))
+    monkeypatch.setattr(e2e, "build_model", lambda *a, **k: events.append("build") or (None, ""))
+    monkeypatch.setattr(e2e, "decode_phases", phases("decode"))
+    monkeypatch.setattr(e2e, "generate_phases", phases("generate"))
+    args = types.SimpleNamespace(model="tiny", layers=None, dtype="float32", device="cpu", generate=True)
+    rows = e2e.run_one(args, 64, "hf-eager")
+    assert rows == [{"decode_row": True, "generate_row": True}]
+    assert events == ["compile in", "build", "decode prepare", "generate prepare", "compile out",
+                      "gpu in", "decode time", "generate time", "gpu out"]

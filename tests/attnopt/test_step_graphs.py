@@ -291,9 +291,10 @@ def test_a_forward_hook_added_after_recording_is_not_skipped(model):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_each_new_cache_is_recorded_after_one_call_and_forgotten_with_its_cache(model):
-    """generate() makes a StaticCache per call: a known signature records a new cache after one compiled call (not
-    two), and a recording goes when its cache does (it pins the cache's tensors: they would stay allocated)."""
+def test_each_new_cache_is_recorded_at_its_first_call_and_forgotten_with_its_cache(model):
+    """generate() makes a StaticCache per call: a new cache in a Python state (sizes, flags) that a compiled call of
+    the signature ran over and kept is recorded at its first call; one of another size takes a compiled call first.
+    A recording goes when its cache does (it pins the cache's tensors: they would stay allocated)."""
     import gc
 
     calls = []
@@ -314,10 +315,12 @@ def test_each_new_cache_is_recorded_after_one_call_and_forgotten_with_its_cache(
     for seed in range(3):
         _decode(model, lambda **kw: steps((), kw), steps=5, seed=seed)
     assert steps.graphs.recordings == 3
-    # of 15 calls: 2 compiled for the first cache and 1 for each later one (the stand-in's recording runs the forward
-    # once more, a real one does not); the other 11 are replays, each recording's first one included
-    assert len(calls) - steps.graphs.recordings == 2 + 1 + 1
-    assert steps.replays == 15 - 4
+    # of 15 calls: 2 compiled for the first cache and none for the later ones (the stand-in's recording runs the
+    # forward once more, a real one does not); the other 13 are replays, each recording's first one included
+    assert len(calls) - steps.graphs.recordings == 2
+    assert steps.replays == 15 - 2
+    _decode(model, lambda **kw: steps((), kw), steps=5, prompt=28)  # a longer cache: its state was never seen
+    assert steps.graphs.recordings == 4 and len(calls) - steps.graphs.recordings == 2 + 1
     gc.collect()
     assert steps.recorded == {}  # the three caches are gone, and so are their recordings
 
@@ -386,3 +389,143 @@ def test_a_failed_capture_ends_its_pool_routing_and_later_recordings_take_a_new_
     assert graphs.record(lambda: 2)[1] == 2 and graphs.record(lambda: 3)[1] == 3
     assert captures == [("pool", 0), ("pool", 1), ("pool", 1)]  # a new pool after the failure, then shared
     assert gc.isenabled()  # collection is back on after a failed capture and after good ones
+
+
+def _step_kw(tok, cache, i):
+    return dict(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([12 + i]), use_cache=True)
+
+
+def _recorded_steps(model, forward=None):
+    """StepGraphs over a fresh cache after four calls (two warm, the recording, one fast-path replay)."""
+    steps = StepGraphs(forward or model.forward, model, lambda: None, graphs=FakeGraphs())
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = make_cache(model, "static", 48)
+    with torch.no_grad():
+        tok = prefill(model, cache, ids, chunk=64)
+        for i in range(4):
+            steps((), _step_kw(tok, cache, i))
+    assert steps.replays == 2 and steps._hot is not None
+    return steps, tok, cache
+
+
+def test_generate_replays_every_decode_token_after_the_warm_calls(model):
+    """generate() through optimize() with the recording stood in: the signature of its decode calls (the 4D mask, the
+    cache, the flags) holds from token to token, so every decode call after the two warm ones replays, on the fast
+    path, and the tokens are the model's own."""
+    import attnopt
+
+    opt = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead")
+    steps = opt._attnopt_step_graphs
+    steps.graphs = FakeGraphs()
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")
+    assert torch.equal(opt.generate(ids, **kw), model.generate(ids, **kw))
+    assert steps.graphs.recordings == 1 and steps.replays == 11 - 2 and not steps.fallbacks
+    before = steps.replays
+    assert torch.equal(opt.generate(ids, **kw), model.generate(ids, **kw))
+    # a new cache object of the same size (this transformers makes one per call) is recorded at its first call: every
+    # decode call of the second generate() replays
+    assert steps.graphs.recordings in (1, 2) and steps.replays - before == 11 and not steps.fallbacks
+
+
+def test_the_fast_path_replays_only_the_same_signature(model):
+    """The fast path compares the call with the last replayed recording: another shape, dtype, plain value, argument
+    name or cache runs through the full signature (and compiled, until recorded in turn), never the wrong graph."""
+    calls = []
+
+    def forward(**kw):
+        calls.append(1)
+        return model.forward(**kw)
+
+    steps, tok, cache = _recorded_steps(model, forward)
+    n = len(calls)
+    with torch.no_grad():
+        variants = [dict(_step_kw(tok, cache, 4), use_cache=False),                 # a plain value
+                    dict(_step_kw(tok, cache, 4), cache_position=torch.tensor([16], dtype=torch.int32)),  # a dtype
+                    dict(_step_kw(tok.repeat(1, 2), cache, 4), cache_position=torch.tensor([16, 17])),   # a shape
+                    {k: v for k, v in reversed(_step_kw(tok, cache, 4).items())},    # the names' order
+                    dict(_step_kw(tok, cache, 4), past_key_values=make_cache(model, "static", 48))]  # a cache
+        for kw in variants:
+            steps((), kw)
+    assert steps.replays == 2 and len(calls) == n + len(variants)
+
+
+def test_a_config_change_or_a_moved_parameter_is_not_replayed(model):
+    """What dynamo would guard on and a replay skips: a config attribute changed after the recording, or a parameter
+    whose memory moved under the same object (``.data =``), records again instead of replaying the stale graph."""
+    steps, tok, cache = _recorded_steps(model)
+    with torch.no_grad():
+        model.config.rope_theta_probe = 1.0  # any attribute of the config: the forward may read it
+        try:
+            steps((), _step_kw(tok, cache, 4))
+            assert steps.replays == 2
+            steps((), _step_kw(tok, cache, 5))  # recorded again, with the config as it is now
+            assert steps.graphs.recordings == 2 and steps.replays == 3
+        finally:
+            del model.config.rope_theta_probe
+        steps((), _step_kw(tok, cache, 6))  # the config changed back: again
+        steps((), _step_kw(tok, cache, 7))
+        assert steps.graphs.recordings == 3
+        model.model.norm.probe = torch.nn.Identity()  # a child added to a leaf module: again
+        try:
+            steps((), _step_kw(tok, cache, 8))
+            assert steps.graphs.recordings == 3 and steps.replays == 4  # ran compiled
+        finally:
+            del model.model.norm.probe
+        weight = model.model.norm.weight
+        old = weight.data
+        try:
+            steps((), _step_kw(tok, cache, 9))  # (the leaf's dict as recorded: recorded again, replayed)
+            assert steps.graphs.recordings == 4 and steps.replays == 5
+            weight.data = old.clone()
+            steps((), _step_kw(tok, cache, 10))
+            assert steps.replays == 5  # ran compiled
+        finally:
+            weight.data = old
+
+
+def test_a_registered_hook_is_never_recorded(model):
+    """A forward hook is Python a replay would skip: while one is registered the calls run the fallback, and once it
+    is removed the signature is recorded again."""
+    fallback_calls = []
+
+    def fallback(**kw):
+        fallback_calls.append(1)
+        return model.forward(**kw)
+
+    steps, tok, cache = _recorded_steps(model)
+    steps.fallback = fallback
+    seen = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(1))
+    with torch.no_grad():
+        try:
+            for i in range(4, 9):
+                steps((), _step_kw(tok, cache, i))
+        finally:
+            handle.remove()
+        assert steps.replays == 2 and len(seen) == 5 and len(fallback_calls) == 5  # never replayed nor recorded
+        for i in range(9, 12):  # without the hook: compiled once (the recording went), recorded, replayed
+            steps((), _step_kw(tok, cache, i))
+    assert steps.graphs.recordings == 2 and steps.replays == 4
+
+
+def test_hugging_faces_output_capturing_hooks_block_only_calls_that_ask_for_outputs(model):
+    """After one call with output_hidden_states=True, transformers keeps its output-capturing hooks on the modules for
+    good; in a call that asks for no attentions or hidden states they return at once, so such calls still replay.
+    A call that asks for hidden states runs the forward (the hooks collect them), with the model's own answer."""
+    import copy
+
+    from transformers.utils import output_capturing
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m(input_ids=torch.ones(1, 3, dtype=torch.long), output_hidden_states=True)
+    hooks = [h for mod in m.modules() for h in mod._forward_hooks.values()]
+    if not hooks or not all(h.__module__ == output_capturing.__name__ for h in hooks):
+        pytest.skip("this transformers installs no output-capturing hooks")
+    steps, tok, cache = _recorded_steps(m)
+    assert steps.graphs.recordings == 1 and not steps.fallbacks
+    with torch.no_grad():
+        out = steps((), dict(_step_kw(tok, cache, 4), output_hidden_states=True))
+    assert steps.replays == 2 and out.hidden_states is not None and len(out.hidden_states) > 1
+    assert steps.fallbacks == {"a forward hook is registered (a replay would skip it)": 1}

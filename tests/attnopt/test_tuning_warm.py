@@ -227,11 +227,8 @@ def test_the_timers_input_sets_launch_no_mask_reduction(monkeypatch):
         assert window is None or all(s["key_start"].tolist() == [156] for s in sets)
 
 
-def test_distributed_and_dense_plans_are_warmed_here_in_order(monkeypatch):
-    """A distributed plan's first call issues collectives, which every rank must issue in one order: the warm-up
-    makes those (and the dense plans') on the calling thread, one after another in the candidates' order."""
-    from attnopt.plan import DensePlan, RingPlan, SplitKVPlan, TreePlan
-
+def cuda_stand_ins(monkeypatch):
+    """``GpuTimer.warm_up`` on the CPU: CUDA's device calls, the input sets and Triton's driver stood in."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -239,6 +236,14 @@ def test_distributed_and_dense_plans_are_warmed_here_in_order(monkeypatch):
     monkeypatch.setattr(T, "synthetic_inputs", lambda site, i, device="cuda", reduce=True: real(site, i, "cpu", reduce))
     monkeypatch.setattr(T, "_start_triton_driver", lambda: None)
     monkeypatch.setattr(T.GpuTimer, "_input_sets", lambda self, site: None)
+
+
+def test_distributed_and_dense_plans_are_warmed_here_in_order(monkeypatch):
+    """A distributed plan's first call issues collectives, which every rank must issue in one order: the warm-up
+    makes those (and the dense plans') on the calling thread, one after another in the candidates' order."""
+    from attnopt.plan import DensePlan, RingPlan, SplitKVPlan, TreePlan
+
+    cuda_stand_ins(monkeypatch)
     me, calls = threading.get_ident(), []
     monkeypatch.setattr(T, "site_call", lambda plan, site, s, state=None:
                         lambda: calls.append((plan.kind, threading.get_ident() == me)))
