@@ -100,22 +100,22 @@ def budget(target: float, n: int, clusters: int) -> tuple[int, int]:
     return window, min(probes, clusters)
 
 
-def _clustered_set(i, B, Hq, Hkv, D, N, centroids, rope, dtype, gen):
+def _clustered_set(i, B, Hq, Hkv, D, N, centroids, rope, dtype, gen, device="cuda"):
     import torch
 
     from attnopt.runtime.saap.rope import apply_rope
 
     C = centroids.shape[1]
-    weights = torch.exp(torch.randn(Hkv, C, device="cuda", generator=gen))  # log-normal cluster sizes
+    weights = torch.exp(torch.randn(Hkv, C, device=device, generator=gen))  # log-normal cluster sizes
     assign = torch.multinomial(weights, N, replacement=True, generator=gen)  # (Hkv, N)
     keys = centroids.gather(1, assign[..., None].expand(-1, -1, D)) + 0.35 * torch.randn(
-        Hkv, N, D, device="cuda", generator=gen)
-    k = apply_rope(keys[None], torch.arange(N, device="cuda"), rope).to(dtype)
-    v = torch.randn(B, Hkv, N, D, device="cuda", generator=gen).to(dtype)
-    target = torch.randint(0, C, (Hkv,), device="cuda", generator=gen)
-    qd = (centroids[torch.arange(Hkv, device="cuda"), target][:, None, :].expand(Hkv, Hq // Hkv, D).reshape(Hq, D)
-          + 0.5 * torch.randn(Hq, D, device="cuda", generator=gen))
-    q = apply_rope(qd[None, :, None, :], torch.tensor([N - 1], device="cuda"), rope).to(dtype)
+        Hkv, N, D, device=device, generator=gen)
+    k = apply_rope(keys[None], torch.arange(N, device=device), rope).to(dtype)
+    v = torch.randn(B, Hkv, N, D, device=device, generator=gen).to(dtype)
+    target = torch.randint(0, C, (Hkv,), device=device, generator=gen)
+    qd = (centroids[torch.arange(Hkv, device=device), target][:, None, :].expand(Hkv, Hq // Hkv, D).reshape(Hq, D)
+          + 0.5 * torch.randn(Hq, D, device=device, generator=gen))
+    q = apply_rope(qd[None, :, None, :], torch.tensor([N - 1], device=device), rope).to(dtype)
     return {"q": q, "k": k.expand(B, -1, -1, -1).contiguous(), "v": v, "mask": None, "valid": None}
 
 

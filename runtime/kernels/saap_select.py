@@ -263,7 +263,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
-                after_scoring=None) -> SelectWorkspace:
+                after_scoring=None, launches: str = "all", precision: str | None = None,
+                radix: int | None = None, skip: int = 0) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -282,9 +283,17 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
+    launches, precision, radix, skip : for timing the pieces apart (``benchmarks/saap_pieces.py``), never a plan's:
+        ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the selection) or
+        "selection" (the selection launch alone, over the logits a scoring call left in the workspace); the
+        scoring products' ``tl.dot`` precision (None: "tf32x3" on the GPU); the selection's bits a radix round
+        (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
+    if launches not in ("all", "scoring", "selection") or radix not in (None, 1, 2, 4, 8) or skip not in (0, 1, 2):
+        raise ValueError(f"saap_select: launches must be all, scoring or selection, radix None, 1, 2, 4 or 8 and skip "
+                         f"0, 1 or 2; got {launches!r}, {radix!r}, {skip!r}")
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
     C = offsets.shape[-1] - 1
@@ -298,7 +307,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     nchunk = ws.chunk_stats.shape[3]
     has_stats = stats is not None
     block_c = ws.incl.shape[1]
-    fused = bool(fused) and scores is None
+    fused = bool(fused) and scores is None and launches != "selection"
+    select_too = launches != "scoring"  # fused, with launches="scoring": the fused geometry without the selection
     fused_warps = (num_warps or fused_select_warps(block_c, scorer.hidden)) if fused and scorer is not None else 0
     # the fused centroid launch at 16 warps or more takes wider chunks (one program an SM): its statistics then fill
     # the workspace's first chunks of a row
@@ -307,12 +317,14 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
-                         ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix_bits(block_c),
-                         HAS_STATS=has_stats)
+                         ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix or radix_bits(block_c),
+                         HAS_STATS=has_stats, **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
-    if scores is None:
+    if scores is None and launches == "selection":  # over the logits of an earlier (unfused) scoring call
+        score_src, sstrides = ws.logits, (0, 0, 0)
+    elif scores is None:
         if scorer is None:
             raise ValueError("saap_select needs a scorer or scores")
         if ws.logits.shape != (B, Hkv, M, C) or (ws.hidden is None) != (scorer.mlp is None) or (
@@ -325,15 +337,16 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         inv_freq = scorer.inv_freq if derope else scorer.centroids
         # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and
         # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
-        precision = "ieee" if interpreting() else "tf32x3"
+        precision = "ieee" if interpreting() else precision or "tf32x3"
         common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, PRECISION=precision,
                       LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
         # the selection's pointers (after the scoring's) and scalars (after the scoring's), or placeholders
         no_select = ((ws.counters,) * 7, (0, 0, 0, probes, int(sink), inv_heads))
         with_select = ((ws.counters, *select_args), (*offsets.stride(), probes, int(sink), inv_heads))
-        sel_ptrs, sel_scalars = with_select if fused else no_select
-        logits_select = dict(SELECT=True, num_warps=fused_warps, **select_consts) if fused else dict(num_warps=4)
+        sel_ptrs, sel_scalars = with_select if fused and select_too else no_select
+        logits_select = (dict(num_warps=4) if not fused else dict(num_warps=fused_warps) if not select_too
+                         else dict(SELECT=True, num_warps=fused_warps, **select_consts))
         if fused and after_scoring is not None:  # no launch between the scoring and the selection: before both
             after_scoring()
         if scorer.mlp is None:
@@ -354,7 +367,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                          *sel_ptrs, 0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, *sel_scalars,
                          BLOCK_O=BLOCK_LOGITS_H, BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False,
                          HAS_BIAS=True, **common, **dependent, **logits_select)
-        if fused:
+        if fused or not select_too:
             return ws
         score_src, sstrides = ws.logits, (0, 0, 0)
     else:

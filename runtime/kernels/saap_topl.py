@@ -35,10 +35,11 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
                  stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK, PROBES, SINK,
                  inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
                  RADIX_BITS: tl.constexpr, FROM_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr,
-                 HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr):
+                 HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr, SKIP: tl.constexpr = 0):
     """The selection of one (batch row, KV head) ``bh``: see ``_saap_select_kernel`` for the arguments. The logits and
     their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
-    launch."""
+    launch. SKIP (the piece microbenchmark's ablations, never a plan's): 1 leaves out the threshold rounds (every
+    non-empty cluster is chosen), 2 also the compaction (only the key total is stored)."""
     b = bh // HKV
     kvh = bh % HKV
     b64 = b.to(tl.int64)
@@ -93,6 +94,8 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     # only raise it to the least of those keys, which selects the same set; typical scores settle in 2 or 3 rounds
     # of 8, and a round is a chain of reductions on one SM.
     open_rounds = tl.zeros([1], dtype=tl.int32).sum(axis=0) + 1
+    if SKIP > 0:
+        open_rounds = open_rounds * 0
     for rnd in tl.static_range(32 // RADIX_BITS):
         if open_rounds != 0:
             shift = 32 - RADIX_BITS * (rnd + 1)
@@ -117,13 +120,14 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     size = tl.where(picked, size, 0)
     # the key prefix and the list slot in one scan, the key and cluster counts in one reduction (each cross-warp
     # step is a barrier on the head's one SM)
-    incl, count = tl.associative_scan((size, picked.to(tl.int32)), 0, _add_pair)
-    slot = count - 1
     total, n_picked = tl.reduce((size, picked.to(tl.int32)), 0, _add_pair)
-    out = bh.to(tl.int64) * BLOCK_C
-    tl.store(incl_ptr + out + slot, incl, mask=picked)
-    tl.store(shift_ptr + out + slot, c_start - (incl - size), mask=picked)
-    tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
+    if SKIP < 2:
+        incl, count = tl.associative_scan((size, picked.to(tl.int32)), 0, _add_pair)
+        slot = count - 1
+        out = bh.to(tl.int64) * BLOCK_C
+        tl.store(incl_ptr + out + slot, incl, mask=picked)
+        tl.store(shift_ptr + out + slot, c_start - (incl - size), mask=picked)
+        tl.store(incl_ptr + out + offs_c, tl.full([BLOCK_C], 2147483647, tl.int32), mask=offs_c >= n_picked)
     tl.store(total_ptr + bh, total)
     if HAS_STATS:
         attended = SINK + total + window_keys
@@ -156,19 +160,20 @@ def _saap_select_kernel(
     BLOCK_C: tl.constexpr,  # padded C (power of two)
     BLOCK_CH: tl.constexpr,  # padded NCHUNK
     ROWS: tl.constexpr,  # FROM_LOGITS: query rows summed per step
-    RADIX_BITS: tl.constexpr,  # threshold bits found per round (1, 2 or 4: 2^bits x BLOCK_C compares at once)
+    RADIX_BITS: tl.constexpr,  # threshold bits found per round (1, 2, 4 or 8: a histogram of 2^(bits + 1) bins)
     FROM_LOGITS: tl.constexpr,  # scores are the group sum of the rows' softmax of the logits
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
     HAS_STATS: tl.constexpr,  # accumulate the selectivity
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the scoring grid first
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the attention launch become resident now
+    SKIP: tl.constexpr = 0,  # the piece microbenchmark's ablations (``_select_head``); 0 in every plan
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     _select_head(tl.program_id(0), score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                  stats_ptr, stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK,
                  PROBES, SINK, inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, FROM_LOGITS, HAS_VALID, HAS_STATS,
-                 WAIT_PRIOR)
+                 WAIT_PRIOR, SKIP)
 
 
 def block_c_for(clusters: int) -> int:

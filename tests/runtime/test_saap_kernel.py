@@ -454,3 +454,37 @@ def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clust
     assert torch.equal(total, total_f) and torch.equal(incl, incl_f)
     picked = incl != 2147483647
     assert torch.equal(shift[picked], shift_f[picked]) and 0 < int(picked.sum(-1).min())
+
+
+def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_list():
+    """The piece microbenchmark's launches (``launches="scoring"`` then ``"selection"`` over the logits it left)
+    and the selection at 2 and 8 bits a radix round leave the plan's work list; the ablations (``skip``) keep the
+    key total of every non-empty cluster; bad knobs are refused naming the choices."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    B, Hq, Hkv, D, C = 1, 4, 2, 32, 300
+    torch.manual_seed(5)
+    scorer = kernel_scorer(random_index(Hkv, Hq, D, C).to(DEVICE), 1)
+    q = torch.randn(B, Hq, 1, D, device=DEVICE) * 3
+    sizes = torch.randint(0, 5, (B, Hkv, C), dtype=torch.int32)
+    offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1, dtype=torch.int32)], -1)
+    end = torch.full((B,), int(offsets.max()) + 1, dtype=torch.int32, device=DEVICE)
+    ws = select_workspace(B, Hkv, Hq // Hkv, C, 0, DEVICE)
+
+    def select(**kw):
+        saap_select(q, offsets.to(DEVICE), end, ws, probes=29, scale=0.125, n_keys=int(end[0]) + 9, sink=1,
+                    scorer=scorer, **kw)
+        return ws.incl.cpu().clone(), ws.total.cpu().clone()
+
+    want = select()
+    ws.incl.zero_()
+    select(launches="scoring")
+    assert int(ws.incl.abs().sum()) == 0  # the scoring alone chooses nothing
+    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}):
+        got = select(launches="selection", **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
+    for skip in (1, 2):
+        assert select(launches="selection", skip=skip)[1].tolist() == sizes.sum(-1).flatten().tolist()
+    with pytest.raises(ValueError, match="launches must be all, scoring or selection, radix None, 1, 2, 4 or 8"):
+        select(radix=3)
