@@ -7,18 +7,20 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
 * ``full``, ``full-unfused``: the whole op as the plan runs it (fused selection; four launches apart);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
-  ``-ieee`` FMA products instead of three TF32 ones, ``-noderope`` without removing RoPE from the queries;
-* ``score+select-fused16``: the plan's fused scoring-and-selection launch;
+  ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
+  unpadded), ``-noderope`` without removing RoPE from the queries;
+* ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products);
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
   bits a radix round, ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
   ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window);
-* ``merge``: the merge launch alone; ``empty-x1``, ``empty-x3``: empty launches of the same grids, the floor of a
+* ``merge``: the merge launch alone (``-S32``: of attn-S32's partials); ``score-fused16-l2``: one input set over and
+  over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty launches of the same grids, the floor of a
   launch in a graph.
 
-Every ``select`` variant that chooses a real set is checked to leave the same work list as the plan's selection
-(``same_list``). Run on a GPU: ``python benchmarks/saap_pieces.py`` (about a minute on an H100); the JSON goes to
+Every ``select`` and ``score+select`` variant that chooses a real set is checked to leave the same work list as the
+plan's selection (``same_list``). Run on a GPU: ``python benchmarks/saap_pieces.py`` (about a minute on an H100); the JSON goes to
 ``benchmarks/results/saap-pieces-<device>.json``.
 """
 from __future__ import annotations
@@ -148,8 +150,10 @@ def main(argv=None) -> int:
     def attention(c, splits=None, warps=4, part="all"):
         ws = c["ws"]
         if splits is not None and splits != S:
-            ws = c.setdefault(f"ws{splits}", saap_workspace(splits, c["s"]["q"], c["s"]["v"], Hkv,
-                                                            c["scorer"].clusters)._replace(select=ws.select))
+            if f"ws{splits}" not in c:
+                c[f"ws{splits}"] = saap_workspace(splits, c["s"]["q"], c["s"]["v"], Hkv,
+                                                  c["scorer"].clusters)._replace(select=ws.select)
+            ws = c[f"ws{splits}"]
         n = ws.num_splits
         W = window_split_count(n, sink + info["window"], probes * c["st"].perm.shape[-1] / c["st"].num_clusters)
         s = c["s"]
@@ -187,11 +191,15 @@ def main(argv=None) -> int:
         ("score-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring")),
         ("score-fused16-ieee", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring",
                                                          precision="ieee")),
+        ("score-fused16-fma", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring",
+                                                        precision="fma")),
+        ("score+select-fused16-fma", lambda c, i: lambda: select(c, fused=True, num_warps=16, precision="fma")),
         ("score-fused16-noderope", lambda c, i: lambda: select(noderope(c), fused=True, num_warps=16,
                                                              launches="scoring")),
         ("score-fused8", lambda c, i: lambda: select(c, fused=True, num_warps=8, launches="scoring")),
         ("score-own", lambda c, i: lambda: select(c, launches="scoring")),
         ("score-own-ieee", lambda c, i: lambda: select(c, launches="scoring", precision="ieee")),
+        ("score-own-fma", lambda c, i: lambda: select(c, launches="scoring", precision="fma")),
         ("score-own-noderope", lambda c, i: lambda: select(noderope(c), launches="scoring")),
         # the selection rows read the logits the unfused scoring left: restore them first (the fused rows above
         # wrote their chunk statistics in the fused launch's layout)
@@ -213,6 +221,9 @@ def main(argv=None) -> int:
         ("attn-nw2", lambda c, i: attention(c, warps=2)),
         ("attn-nw8", lambda c, i: attention(c, warps=8)),
         ("merge", lambda c, i: merge(c)),
+        ("merge-S32", lambda c, i: merge(dict(c, ws=c["ws32"]))),  # the partials attn-S32 left
+        # one input set over and over: the centroids stay in L2 (what the rotation's HBM reads cost the scoring)
+        ("score-fused16-l2", lambda c, i: lambda: select(ctx[0], fused=True, num_warps=16, launches="scoring")),
     ]
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     want, _, sel = saap_decode(index, layers[0], registry.get_state(path, layers[0]), sets[0]["q"], sets[0]["k"],
@@ -233,7 +244,7 @@ def main(argv=None) -> int:
             sync()
             if name.startswith("full"):
                 row["rel_err"] = rel_err(res.float(), want.float())
-            if name.startswith("select") and "skip" not in name:
+            if name.startswith(("select", "score+select")) and "skip" not in name:
                 for call in calls[1:]:
                     call()
                 row["same_list"] = same_list()

@@ -105,6 +105,17 @@ def _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_d, L, D, DEROPE: tl.const
 
 
 @triton.jit
+def _rows_product(x, w, acc, PRECISION: tl.constexpr):
+    """``acc + x @ w^T`` for rows x (BLOCK_R, BLOCK_K) and weights w (BLOCK_O, BLOCK_K): ``tl.dot`` at PRECISION, or
+    ("fma") fp32 products summed in registers, exact fp32 with the rows unpadded (no tensor-core operand
+    layouts: w stays in the registers it was loaded into)."""
+    if PRECISION == "fma":
+        return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    else:
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _saap_rows_kernel(
     x_ptr,  # SRC_Q: Q (B, Hq, L, D) rotated queries, any strides; else hidden rows (B, Hkv, M, K) fp32 contiguous
     inv_freq_ptr,  # (D / 2,) fp32 RoPE inverse frequencies (read when DEROPE)
@@ -129,7 +140,7 @@ def _saap_rows_kernel(
     stride_fb, stride_fh, stride_fc,  # SELECT: offsets strides
     PROBES, SINK, inv_heads,  # SELECT: as ``_saap_select_kernel``'s
     D: tl.constexpr,  # head dim (SRC_Q)
-    BLOCK_R: tl.constexpr,  # padded rows (>= G * L, >= 16)
+    BLOCK_R: tl.constexpr,  # padded rows (>= G * L; >= 16 for tl.dot)
     BLOCK_O: tl.constexpr,  # outputs per program
     BLOCK_K: tl.constexpr,  # inner-dim chunk (SRC_Q: >= D, one chunk)
     SRC_Q: tl.constexpr,  # rows are the queries (else the hidden rows)
@@ -137,7 +148,7 @@ def _saap_rows_kernel(
     HIDDEN: tl.constexpr,  # epilogue: bias, BatchNorm, ReLU (else logits with chunk statistics)
     HAS_BIAS: tl.constexpr,  # logits get bias_ptr added
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
-    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"
+    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"; "fma": no dot
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the grid before it first
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next launch (a programmatic dependent) become resident now
     SELECT: tl.constexpr = False,  # logits: the last chunk of a head to arrive runs the selection (no own launch)
@@ -169,14 +180,14 @@ def _saap_rows_kernel(
                                            stride_ql, stride_qd, L, G, D, DEROPE)
         w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         x = _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_k, L, D, DEROPE)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _rows_product(x, w, acc, PRECISION)
     else:
         x_base = x_ptr + bh.to(tl.int64) * M * K + offs_r.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             x = tl.load(x_base + kk[None, :], mask=(offs_r[:, None] < M) & (kk[None, :] < K), other=0.0)
             w = tl.load(w_base + kk[None, :], mask=o_ok[:, None] & (kk[None, :] < K), other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = _rows_product(x, w, acc, PRECISION)
     vec = kvh.to(tl.int64) * NOUT + offs_o
     out_ptrs = out_ptr + bh.to(tl.int64) * M * NOUT + offs_r.to(tl.int64)[:, None] * NOUT + offs_o[None, :]
     ok = (offs_r[:, None] < M) & o_ok[None, :]
@@ -224,9 +235,9 @@ def fused_select_warps(block_c: int, hidden: int = 0) -> int:
     return min(8, select_warps(block_c)) if hidden else select_warps(block_c)
 
 
-def block_rows_for(rows: int) -> int:
-    """Padded query rows of the scoring product (a power of two >= 16, for ``tl.dot``)."""
-    return max(16, next_pow2(rows))
+def block_rows_for(rows: int, precision: str = "tf32x3") -> int:
+    """Padded query rows of the scoring product: a power of two, >= 16 for ``tl.dot`` (not for "fma")."""
+    return next_pow2(rows) if precision == "fma" else max(16, next_pow2(rows))
 
 
 class SelectWorkspace(NamedTuple):
@@ -286,14 +297,17 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     launches, precision, radix, skip : for timing the pieces apart (``benchmarks/saap_pieces.py``), never a plan's:
         ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the selection) or
         "selection" (the selection launch alone, over the logits a scoring call left in the workspace); the
-        scoring products' ``tl.dot`` precision (None: "tf32x3" on the GPU); the selection's bits a radix round
+        scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None: "tf32x3" on the GPU,
+        "ieee" in the interpreter); the selection's bits a radix round
         (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
-    if launches not in ("all", "scoring", "selection") or radix not in (None, 1, 2, 4, 8) or skip not in (0, 1, 2):
-        raise ValueError(f"saap_select: launches must be all, scoring or selection, radix None, 1, 2, 4 or 8 and skip "
-                         f"0, 1 or 2; got {launches!r}, {radix!r}, {skip!r}")
+    if launches not in ("all", "scoring", "selection") or radix not in (None, 1, 2, 4, 8) or skip not in (0, 1, 2) \
+            or precision not in (None, "tf32x3", "ieee", "fma"):
+        raise ValueError(f"saap_select: launches must be all, scoring or selection, radix None, 1, 2, 4 or 8, skip "
+                         f"0, 1 or 2 and precision None, tf32x3, ieee or fma; got {launches!r}, {radix!r}, {skip!r}, "
+                         f"{precision!r}")
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
     C = offsets.shape[-1] - 1
@@ -337,8 +351,9 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         inv_freq = scorer.inv_freq if derope else scorer.centroids
         # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and
         # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
-        precision = "ieee" if interpreting() else precision or "tf32x3"
-        common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, PRECISION=precision,
+        if precision is None or (interpreting() and precision != "fma"):  # the interpreter: plain fp32 products
+            precision = "ieee" if interpreting() else "tf32x3"
+        common = dict(D=D, BLOCK_R=block_rows_for(M, precision), HAS_VALID=has_valid, PRECISION=precision,
                       LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
         # the selection's pointers (after the scoring's) and scalars (after the scoring's), or placeholders

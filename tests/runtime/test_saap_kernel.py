@@ -458,8 +458,8 @@ def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clust
 
 def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_list():
     """The piece microbenchmark's launches (``launches="scoring"`` then ``"selection"`` over the logits it left)
-    and the selection at 2 and 8 bits a radix round leave the plan's work list; the ablations (``skip``) keep the
-    key total of every non-empty cluster; bad knobs are refused naming the choices."""
+    the selection at 2 and 8 bits a radix round, and the logits as "fma" products leave the plan's work list; the
+    ablations (``skip``) keep the key total of every non-empty cluster; bad knobs are refused naming the choices."""
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
 
@@ -486,5 +486,8 @@ def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
     for skip in (1, 2):
         assert select(launches="selection", skip=skip)[1].tolist() == sizes.sum(-1).flatten().tolist()
+    for fused in (False, True):  # the logits as fp32 products summed in registers (no tl.dot): the same pick
+        got = select(precision="fma", fused=fused)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fused
     with pytest.raises(ValueError, match="launches must be all, scoring or selection, radix None, 1, 2, 4 or 8"):
         select(radix=3)
