@@ -206,7 +206,6 @@ def main(argv=None) -> int:
         ("select-w4", lambda c, i: lambda: select(c, launches="selection", num_warps=4)),
         ("select-w8", lambda c, i: lambda: select(c, launches="selection", num_warps=8)),
         ("select-w16", lambda c, i: lambda: select(c, launches="selection", num_warps=16)),
-        ("select-w32", lambda c, i: lambda: select(c, launches="selection", num_warps=32)),
         ("select-w16-r2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=2)),
         ("select-w16-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=8)),
         ("select-w8-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=8, radix=8)),
@@ -219,7 +218,6 @@ def main(argv=None) -> int:
         ("attn-S32", lambda c, i: attention(c, splits=32)),
         ("attn-S128", lambda c, i: attention(c, splits=128)),
         ("attn-nw2", lambda c, i: attention(c, warps=2)),
-        ("attn-nw8", lambda c, i: attention(c, warps=8)),
         ("merge", lambda c, i: merge(c)),
         ("merge-S32", lambda c, i: merge(dict(c, ws=c["ws32"]))),  # the partials attn-S32 left
         # one input set over and over: the centroids stay in L2 (what the rotation's HBM reads cost the scoring)
