@@ -109,8 +109,12 @@ def _rows_product(x, w, acc, PRECISION: tl.constexpr):
     """``acc + x @ w^T`` for rows x (BLOCK_R, BLOCK_K) and weights w (BLOCK_O, BLOCK_K): ``tl.dot`` at PRECISION, or
     ("fma") fp32 products summed in registers, exact fp32 with the rows unpadded (no tensor-core operand
     layouts: w stays in the registers it was loaded into)."""
-    if PRECISION == "fma":
-        return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if PRECISION == "fma":  # row by row: each product reduces along w's rows as loaded (in-thread, then the lanes)
+        rows = tl.arange(0, x.shape[0])
+        for r in tl.static_range(x.shape[0]):
+            xr = tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
+            acc += tl.where(rows[:, None] == r, tl.sum(w * xr[None, :], axis=1)[None, :], 0.0)
+        return acc
     else:
         return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
