@@ -279,7 +279,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
                 after_scoring=None, launches: str = "all", precision: str | None = None,
-                radix: int | None = None, skip: int = 0) -> SelectWorkspace:
+                radix: int | None = None, skip: int = 0, sums_round: bool = False) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -298,12 +298,12 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
-    launches, precision, radix, skip : for timing the pieces apart (``benchmarks/saap_pieces.py``), never a plan's:
+    launches, precision, radix, skip, sums_round : for timing the pieces apart (``benchmarks/saap_pieces.py``), never a plan's:
         ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the selection) or
         "selection" (the selection launch alone, over the logits a scoring call left in the workspace); the
         scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None: "tf32x3" on the GPU,
         "ieee" in the interpreter); the selection's bits a radix round
-        (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP).
+        (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); its older round (SUMS_ROUND).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -336,7 +336,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix or radix_bits(block_c),
-                         HAS_STATS=has_stats, **({"SKIP": skip} if skip else {}))
+                         HAS_STATS=has_stats, **({"SKIP": skip} if skip else {}),
+                         **({"SUMS_ROUND": True} if sums_round else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
