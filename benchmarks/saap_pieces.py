@@ -16,7 +16,7 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window);
-* ``merge``: the merge launch alone (``-S32``: of attn-S32's partials); ``score-fused16-l2``: one input set over and
+* ``merge``: the merge launch alone (``-S32``, ``-S128``: of the partials attn-S32 / attn-S128 left); ``score-fused16-l2``: one input set over and
   over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty launches of the same grids, the floor of a
   launch in a graph.
 
@@ -220,8 +220,10 @@ def main(argv=None) -> int:
         ("attn-S32", lambda c, i: attention(c, splits=32)),
         ("attn-S128", lambda c, i: attention(c, splits=128)),
         ("attn-nw2", lambda c, i: attention(c, warps=2)),
+        ("attn-S128-nw2", lambda c, i: attention(c, splits=128, warps=2)),  # one wave at 8 programs an SM
         ("merge", lambda c, i: merge(c)),
         ("merge-S32", lambda c, i: merge(dict(c, ws=c["ws32"]))),  # the partials attn-S32 left
+        ("merge-S128", lambda c, i: merge(dict(c, ws=c["ws128"]))),
         # one input set over and over: the centroids stay in L2 (what the rotation's HBM reads cost the scoring)
         ("score-fused16-l2", lambda c, i: lambda: select(ctx[0], fused=True, num_warps=16, launches="scoring")),
     ]
