@@ -16,13 +16,13 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window);
-* ``merge``: the merge launch alone (``-S32``, ``-S128``: of the partials attn-S32 / attn-S128 left); ``score-fused16-l2``: one input set over and
-  over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty launches of the same grids, the floor of a
-  launch in a graph.
+* ``merge``: the merge launch alone (``-S32``, ``-S128``: of the partials attn-S32 / attn-S128 left);
+  ``score-fused16-l2``: one input set over and over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty
+  launches of the same grids, the floor of a launch in a graph.
 
 Every ``select`` and ``score+select`` variant that chooses a real set is checked to leave the same work list as the
-plan's selection (``same_list``). Run on a GPU: ``python benchmarks/saap_pieces.py`` (about a minute on an H100); the JSON goes to
-``benchmarks/results/saap-pieces-<device>.json``.
+plan's selection (``same_list``). Run on a GPU: ``python benchmarks/saap_pieces.py`` (about two minutes on an
+H100); the JSON goes to ``benchmarks/results/saap-pieces-<device>.json``.
 """
 from __future__ import annotations
 

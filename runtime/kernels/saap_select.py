@@ -298,12 +298,12 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
-    launches, precision, radix, skip, sums_round : for timing the pieces apart (``benchmarks/saap_pieces.py``), never a plan's:
-        ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the selection) or
-        "selection" (the selection launch alone, over the logits a scoring call left in the workspace); the
-        scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None: "tf32x3" on the GPU,
-        "ieee" in the interpreter); the selection's bits a radix round
-        (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); its older round (SUMS_ROUND).
+    launches, precision, radix, skip, sums_round : for timing the pieces apart (``benchmarks/saap_pieces.py``),
+        never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
+        selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
+        workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
+        "tf32x3" on the GPU, "ieee" in the interpreter); the selection's bits a radix round (None: ``radix_bits``;
+        1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); its older round (SUMS_ROUND).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")

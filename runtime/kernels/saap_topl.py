@@ -6,9 +6,10 @@ tail of the fused scoring launch (``saap_select._saap_rows_kernel``, its last ch
 the group-summed cluster distribution (``sum over rows of exp(logit - lse_row)``, the reference's
 ``softmax(...).sum``), the threshold of the top ``probes`` scores by a radix select on the scores' bits (rounds of
 RADIX_BITS bits, each one ``tl.histogram`` of the next digit and one reverse scan of it: no sort and no compare per
-candidate digit; it stops once the keys at or above the threshold so far are exactly ``probes``), and the work list: the chosen non-empty
-clusters in cluster order, compacted, with their inclusive key prefix (padding: INT32_MAX) and ``perm`` shift,
-plus the number of keys they hold. It also adds the call's selectivity to a device-side accumulator.
+candidate digit; it stops once the keys at or above the threshold so far are exactly ``probes``), and the work
+list: the chosen non-empty clusters in cluster order, compacted, with their inclusive key prefix (padding:
+INT32_MAX) and ``perm`` shift, plus the number of keys they hold. It also adds the call's selectivity to a
+device-side accumulator.
 
 Ties at the l-th score select every tied cluster: the set is ``scores >= the probes-th largest score``
 (:func:`runtime.saap.decode.threshold_clusters` is the same rule in PyTorch), a superset of ``torch.topk``'s pick.
