@@ -40,6 +40,9 @@ BLOCK_LOGITS_Q_FUSED = 128
 BLOCK_LOGITS_H = 32
 #: Inner-dim chunk of the hidden-to-logits product.
 BLOCK_K_HIDDEN = 128
+#: Centroid scoring of at most this many padded query rows a KV head takes the "fma" products (``_rows_product``) on
+#: the GPU, more rows (and the query MLP) three TF32 tensor-core products ("tf32x3"); 0: "tf32x3" always.
+FMA_MAX_ROWS = 0
 
 
 class SaapScorer(NamedTuple):
@@ -239,6 +242,11 @@ def fused_select_warps(block_c: int, hidden: int = 0) -> int:
     return min(8, select_warps(block_c)) if hidden else select_warps(block_c)
 
 
+def scoring_precision(rows: int, hidden: int = 0) -> str:
+    """The scoring products' precision on the GPU for ``rows`` query rows a KV head (``FMA_MAX_ROWS``)."""
+    return "fma" if not hidden and next_pow2(rows) <= FMA_MAX_ROWS else "tf32x3"
+
+
 def block_rows_for(rows: int, precision: str = "tf32x3") -> int:
     """Padded query rows of the scoring product: a power of two, >= 16 for ``tl.dot`` (not for "fma")."""
     return next_pow2(rows) if precision == "fma" else max(16, next_pow2(rows))
@@ -302,8 +310,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
         selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
         workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
-        "tf32x3" on the GPU, "ieee" in the interpreter); the selection's bits a radix round (None: ``radix_bits``;
-        1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); its older round (SUMS_ROUND).
+        ``scoring_precision`` on the GPU, "ieee" in the interpreter); the selection's bits a radix round (None:
+        ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); its older round (SUMS_ROUND).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -357,7 +365,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and
         # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
         if precision is None or (interpreting() and precision != "fma"):  # the interpreter: plain fp32 products
-            precision = "ieee" if interpreting() else "tf32x3"
+            precision = "ieee" if interpreting() else scoring_precision(M, scorer.hidden)
         common = dict(D=D, BLOCK_R=block_rows_for(M, precision), HAS_VALID=has_valid, PRECISION=precision,
                       LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
