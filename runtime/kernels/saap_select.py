@@ -41,8 +41,11 @@ BLOCK_LOGITS_H = 32
 #: Inner-dim chunk of the hidden-to-logits product.
 BLOCK_K_HIDDEN = 128
 #: Centroid scoring of at most this many padded query rows a KV head takes the "fma" products (``_rows_product``) on
-#: the GPU, more rows (and the query MLP) three TF32 tensor-core products ("tf32x3"); 0: "tf32x3" always.
-FMA_MAX_ROWS = 0
+#: the GPU, more rows (and the query MLP, unmeasured) three TF32 tensor-core products ("tf32x3"). On the H100
+#: (d1a0aac, llama3-8b 128k 5 %, 4 rows) the fused scoring-and-selection launch took 17.43 µs with "fma" against 18.65
+#: with "tf32x3" (the scoring alone 8.41 against 9.34; Triton's FMA dot, "ieee", 23.9), and it holds 90 registers a
+#: thread and 16 KB of shared memory against 128 and 64 KB. Its rows are unrolled, hence the bound.
+FMA_MAX_ROWS = 8
 
 
 class SaapScorer(NamedTuple):
@@ -287,7 +290,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
                 after_scoring=None, launches: str = "all", precision: str | None = None,
-                radix: int | None = None, skip: int = 0, sums_round: bool = False) -> SelectWorkspace:
+                radix: int | None = None, skip: int = 0) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -306,12 +309,12 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
-    launches, precision, radix, skip, sums_round : for timing the pieces apart (``benchmarks/saap_pieces.py``),
+    launches, precision, radix, skip : for timing the pieces apart (``benchmarks/saap_pieces.py``),
         never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
         selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
         workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
         ``scoring_precision`` on the GPU, "ieee" in the interpreter); the selection's bits a radix round (None:
-        ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); its older round (SUMS_ROUND).
+        ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -344,8 +347,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix or radix_bits(block_c),
-                         HAS_STATS=has_stats, **({"SKIP": skip} if skip else {}),
-                         **({"SUMS_ROUND": True} if sums_round else {}))
+                         HAS_STATS=has_stats, **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")

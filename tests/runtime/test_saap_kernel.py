@@ -481,7 +481,7 @@ def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_
     ws.incl.zero_()
     select(launches="scoring")
     assert int(ws.incl.abs().sum()) == 0  # the scoring alone chooses nothing
-    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}, {"sums_round": True}):
+    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}):
         got = select(launches="selection", **kw)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
     for skip in (1, 2):
@@ -491,3 +491,12 @@ def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fused
     with pytest.raises(ValueError, match="launches must be all, scoring or selection, radix None, 1, 2, 4 or 8"):
         select(radix=3)
+
+
+def test_scoring_precision_rule_takes_fma_for_few_centroid_rows():
+    from attnopt.runtime.kernels.saap_select import FMA_MAX_ROWS, block_rows_for, scoring_precision
+
+    assert FMA_MAX_ROWS >= 4  # llama3-8b decode: 4 query heads a KV head, one token
+    assert scoring_precision(4) == scoring_precision(3) == "fma" and block_rows_for(3, "fma") == 4
+    assert scoring_precision(4 * FMA_MAX_ROWS) == "tf32x3" and block_rows_for(3, "tf32x3") == 16
+    assert scoring_precision(4, hidden=1024) == "tf32x3"  # the query MLP keeps the tensor cores
