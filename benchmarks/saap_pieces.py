@@ -15,7 +15,8 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
-  ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's);
+  ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,
+  ``-ahead2`` with the cluster tiles' lookups two tiles ahead, not one (``-cap``: at most 128 registers a thread));
 * ``merge``: the merge launch alone (``-S32``, ``-S128``: of the partials attn-S32 / attn-S128 left);
   ``score-fused16-l2``: one input set over and over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty
   launches of the same grids, the floor of a launch in a graph.
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
         return all(torch.equal(c["ws"].select.incl, i) and torch.equal(c["ws"].select.total, t)
                    for c, (i, t) in zip(ctx, plan_lists))
 
-    def attention(c, splits=None, warps=4, part="all", late_list=False):
+    def attention(c, splits=None, warps=4, part="all", late_list=False, **extra):
         ws = c["ws"]
         if splits is not None and splits != S:
             if f"ws{splits}" not in c:
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
         geo = decode_geometry(s["q"], s["k"], s["v"])
         a, consts = _attention_launch(s["q"], s["k"], s["v"], c["st"].perm, c["st"].ends, None, c["out"], None, ws,
                                       scale, sink, W, proto.block_n, warps, proto.num_stages, False, geo)
+        consts = {**consts, **extra}
         first, count = {"all": (0, n), "clusters": (W, n - W), "window": (0, W)}[part]
         grid = (B * Hkv * geo.num_m, count)
         # late_list: the list's loads after phase 1 as when chained (the wait is a no-op in an unchained launch)
@@ -217,6 +219,8 @@ def main(argv=None) -> int:
         # the attention and merge rows read the plan's work list, restored before them
         ("attn", lambda c, i: attention(c)),
         ("attn-late-list", lambda c, i: attention(c, late_list=True)),
+        ("attn-ahead2", lambda c, i: attention(c, LOOKAHEAD=2)),
+        ("attn-ahead2-cap", lambda c, i: attention(c, LOOKAHEAD=2, maxnreg=128)),
         ("attn-clusters", lambda c, i: attention(c, part="clusters")),
         ("attn-window", lambda c, i: attention(c, part="window")),
         ("attn-S32", lambda c, i: attention(c, splits=32)),

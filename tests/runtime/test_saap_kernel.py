@@ -500,3 +500,15 @@ def test_scoring_precision_rule_takes_fma_for_few_centroid_rows():
     assert scoring_precision(4) == scoring_precision(3) == "fma" and block_rows_for(3, "fma") == 4
     assert scoring_precision(4 * FMA_MAX_ROWS) == "tf32x3" and block_rows_for(3, "tf32x3") == 16
     assert scoring_precision(4, hidden=1024) == "tf32x3"  # the query MLP keeps the tensor cores
+
+
+@pytest.mark.parametrize("valid", [None, 140])
+def test_cluster_lookups_two_tiles_ahead_give_the_same_answer(monkeypatch, valid):
+    """``LOOKAHEAD=2`` (saap_pieces' variant: each cluster tile's list and perm lookups two tiles before its K/V
+    read): several 16-key tiles per cluster split, with and without a valid length that clips cluster keys."""
+    import attnopt.runtime.kernels.saap as attn
+
+    launch = attn._SAAP_LAUNCH
+    monkeypatch.setattr(attn, "_SAAP_LAUNCH", lambda grid, *a, **kw: launch(grid, *a, **kw, LOOKAHEAD=2))
+    run_case(1, 4, 2, 170, 64, 1, 12, 5, sink=3, window=20, prompt=130, dtype=torch.float32, splits=2, block_n=16,
+             window_splits=1, valid=valid)
