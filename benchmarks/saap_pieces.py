@@ -4,7 +4,8 @@ input sets rotated so that the reads miss in L2): which piece to cut, and by whi
 
 Rows (µs a call, the median over graph replays of back-to-back calls):
 
-* ``full``, ``full-unfused``: the whole op as the plan runs it (fused selection; four launches apart);
+* ``full``, ``full-unfused``, ``full-pdl``: the whole op as the plan runs it (fused selection; four launches apart;
+  the launches chained by programmatic dependent launch);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=0.05)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     p.add_argument("--out", default=None)
-    p.add_argument("--only", default="", help="comma-separated row-name prefixes to time (default: all)")
+    p.add_argument("--only", default="", help="comma-separated row names to time, a trailing * for a prefix "
+                   "(default: all)")
     p.add_argument("--dry", action="store_true", help="each piece called once on the CPU, not timed (run it under "
                    "TRITON_INTERPRET=1 with --case tiny-4k --dtype fp16: a check of this script without a GPU)")
     args = p.parse_args(argv)
@@ -190,6 +192,7 @@ def main(argv=None) -> int:
     rows_spec = [
         ("full", lambda c, i: plan_call(plans[i], c["s"], scale)),
         ("full-unfused", lambda c, i: plan_call(replace(plans[i], fused_select=False), c["s"], scale)),
+        ("full-pdl", lambda c, i: plan_call(replace(plans[i], pdl=True), c["s"], scale)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
     info["selectivity"] = float(sel)
     restored = {"select": False, "attn": False}
     for name, make in rows_spec:
-        if only and not any(name.startswith(o) for o in only):
+        if only and not any(name == o or (o.endswith("*") and name.startswith(o[:-1])) for o in only):
             continue
         row = {"piece": name}
         try:
