@@ -12,7 +12,8 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   unpadded), ``-noderope`` without removing RoPE from the queries;
 * ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products);
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
-  bits a radix round, ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
+  bits a radix round, ``-noguess`` with the first radix round always run (not its digit from one count),
+  ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
   ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
         ("select-w16-r2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=2)),
         ("select-w16-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=8)),
         ("select-w8-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=8, radix=8)),
+        ("select-w16-noguess", lambda c, i: lambda: select(c, launches="selection", num_warps=16, guess_top=False)),
         ("select-w16-skip1", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=1)),
         ("select-w16-skip2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=2)),
         # the attention and merge rows read the plan's work list, restored before them

@@ -164,6 +164,7 @@ def _saap_rows_kernel(
     SELECT: tl.constexpr = False,  # logits: the last chunk of a head to arrive runs the selection (no own launch)
     BLOCK_C: tl.constexpr = 16, BLOCK_CH: tl.constexpr = 2, ROWS: tl.constexpr = 1,  # SELECT: as the selection's
     RADIX_BITS: tl.constexpr = 4, HAS_STATS: tl.constexpr = False,  # SELECT: as the selection's
+    GUESS_TOP: tl.constexpr = False,  # SELECT: as the selection's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -226,7 +227,8 @@ def _saap_rows_kernel(
             if arrived == NCHUNK - 1:
                 _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                              stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
-                             inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False)
+                             inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False, 0,
+                             GUESS_TOP)
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -290,7 +292,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
                 after_scoring=None, launches: str = "all", precision: str | None = None,
-                radix: int | None = None, skip: int = 0) -> SelectWorkspace:
+                radix: int | None = None, skip: int = 0, guess_top: bool | None = None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -309,12 +311,13 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
-    launches, precision, radix, skip : for timing the pieces apart (``benchmarks/saap_pieces.py``),
+    launches, precision, radix, skip, guess_top : for timing the pieces apart (``benchmarks/saap_pieces.py``),
         never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
         selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
         workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
         ``scoring_precision`` on the GPU, "ieee" in the interpreter); the selection's bits a radix round (None:
-        ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP).
+        ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first round's digit
+        comes from one count (``_select_head``'s GUESS_TOP; None: wherever a round takes 4 bits).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -345,9 +348,11 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     launch_chunks = cdiv(C, logit_block) if logit_block else nchunk
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
+    bits = radix or radix_bits(block_c)
+    guess_top = bits == 4 if guess_top is None else bool(guess_top) and bits == 4
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
-                         ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix or radix_bits(block_c),
-                         HAS_STATS=has_stats, **({"SKIP": skip} if skip else {}))
+                         ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
+                         GUESS_TOP=guess_top, **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")

@@ -35,11 +35,13 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
                  stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK, PROBES, SINK,
                  inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
                  RADIX_BITS: tl.constexpr, FROM_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr,
-                 HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr, SKIP: tl.constexpr = 0):
+                 HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr, SKIP: tl.constexpr = 0,
+                 GUESS_TOP: tl.constexpr = False):
     """The selection of one (batch row, KV head) ``bh``: see ``_saap_select_kernel`` for the arguments. The logits and
     their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
     launch. SKIP (the piece microbenchmark's ablations, never a plan's): 1 leaves out the threshold rounds (every
-    non-empty cluster is chosen), 2 also the compaction (only the key total is stored)."""
+    non-empty cluster is chosen), 2 also the compaction (only the key total is stored). GUESS_TOP (RADIX_BITS 4):
+    the first round's digit from one packed count where every score is in [0, 2)."""
     b = bh // HKV
     kvh = bh % HKV
     b64 = b.to(tl.int64)
@@ -94,10 +96,29 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     # only raise it to the least of those keys, which selects the same set; typical scores settle in 2 or 3 rounds
     # of 8, and a round is a chain of reductions on one SM.
     open_rounds = tl.zeros([1], dtype=tl.int32).sum(axis=0) + 1
+    first_round = open_rounds
+    if GUESS_TOP:
+        # Non-negative scores below 2 (every softmax sum of one row) all have the top digit 0b1011 (the sign bit
+        # flipped, the exponent below 128), so the first 4-bit round almost never tells them apart: one packed
+        # count of the keys at or above 0b1100 and 0b1011 (then fewer and at least PROBES) picks its digit in its
+        # stead, with the same outcome; otherwise the round runs.
+        n_high = (key >= 0xC0000000).to(tl.int32)
+        n_top = (key >= 0xB0000000).to(tl.int32)
+        counts = tl.sum(n_high * (BLOCK_C + 1) + n_top, axis=0)
+        n_high = counts // (BLOCK_C + 1)
+        n_top = counts % (BLOCK_C + 1)
+        guessed = (n_high < PROBES) & (n_top >= PROBES)
+        thr = tl.where(guessed, 0xB0000000, thr).to(tl.uint32)
+        open_rounds = tl.where(guessed, (n_top != PROBES).to(tl.int32), open_rounds)
+        first_round = tl.where(guessed, 0, 1)
     if SKIP > 0:
         open_rounds = open_rounds * 0
+        first_round = first_round * 0
     for rnd in tl.static_range(32 // RADIX_BITS):
-        if open_rounds != 0:
+        run = open_rounds
+        if rnd == 0:
+            run = first_round
+        if run != 0:
             shift = 32 - RADIX_BITS * (rnd + 1)
             # digit d in bin d + 1; keys whose higher bits are above the threshold's so far in bin NB + 1, below in
             # bin 0
@@ -172,13 +193,14 @@ def _saap_select_kernel(
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the scoring grid first
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the attention launch become resident now
     SKIP: tl.constexpr = 0,  # the piece microbenchmark's ablations (``_select_head``); 0 in every plan
+    GUESS_TOP: tl.constexpr = False,  # the first round's digit from one count (``_select_head``; RADIX_BITS 4)
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     _select_head(tl.program_id(0), score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                  stats_ptr, stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK,
                  PROBES, SINK, inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, FROM_LOGITS, HAS_VALID, HAS_STATS,
-                 WAIT_PRIOR, SKIP)
+                 WAIT_PRIOR, SKIP, GUESS_TOP)
 
 
 def block_c_for(clusters: int) -> int:

@@ -481,7 +481,7 @@ def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_
     ws.incl.zero_()
     select(launches="scoring")
     assert int(ws.incl.abs().sum()) == 0  # the scoring alone chooses nothing
-    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}):
+    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}, {"guess_top": False}):
         got = select(launches="selection", **kw)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
     for skip in (1, 2):
