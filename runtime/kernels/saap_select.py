@@ -315,9 +315,9 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
         selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
         workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
-        ``scoring_precision`` on the GPU, "ieee" in the interpreter); the selection's bits a radix round (None:
-        ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first round's digit
-        comes from one count (``_select_head``'s GUESS_TOP; None: wherever a round takes 4 bits).
+        ``scoring_precision``; "ieee" in the interpreter for a tensor-core one); the selection's bits a radix
+        round (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first
+        round's digit comes from one count (``_select_head``'s GUESS_TOP; None: wherever a round takes 4 bits).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -371,8 +371,9 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         inv_freq = scorer.inv_freq if derope else scorer.centroids
         # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and
         # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
-        if precision is None or (interpreting() and precision != "fma"):  # the interpreter: plain fp32 products
-            precision = "ieee" if interpreting() else scoring_precision(M, scorer.hidden)
+        precision = precision or scoring_precision(M, scorer.hidden)
+        if interpreting() and precision != "fma":  # the interpreter: plain fp32 products for the tensor cores'
+            precision = "ieee"
         common = dict(D=D, BLOCK_R=block_rows_for(M, precision), HAS_VALID=has_valid, PRECISION=precision,
                       LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
