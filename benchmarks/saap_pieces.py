@@ -4,21 +4,20 @@ input sets rotated so that the reads miss in L2): which piece to cut, and by whi
 
 Rows (µs a call, the median over graph replays of back-to-back calls):
 
-* ``full``, ``full-unfused``, ``full-pdl``: the whole op as the plan runs it (fused selection; four launches apart;
-  the launches chained by programmatic dependent launch);
+* ``full``, ``full-unfused``, ``full-unchained``: the whole op as the plan runs it (fused selection, the launches
+  chained by programmatic dependent launch; four launches apart; not chained);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
   unpadded), ``-noderope`` without removing RoPE from the queries;
 * ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products);
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
-  bits a radix round, ``-noguess`` with the first radix round always run (not its digit from one count),
+  bits a radix round, ``-guess`` with the first round's digit from one packed count where it can (not the round),
   ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
   ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
-  ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,
-  ``-ahead2`` with the cluster tiles' lookups two tiles ahead, not one (``-cap``: at most 128 registers a thread));
+  ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's);
 * ``merge``: the merge launch alone (``-S32``, ``-S128``: of the partials attn-S32 / attn-S128 left);
   ``score-fused16-l2``: one input set over and over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty
   launches of the same grids, the floor of a launch in a graph.
@@ -193,7 +192,7 @@ def main(argv=None) -> int:
     rows_spec = [
         ("full", lambda c, i: plan_call(plans[i], c["s"], scale)),
         ("full-unfused", lambda c, i: plan_call(replace(plans[i], fused_select=False), c["s"], scale)),
-        ("full-pdl", lambda c, i: plan_call(replace(plans[i], pdl=True), c["s"], scale)),
+        ("full-unchained", lambda c, i: plan_call(replace(plans[i], pdl=False), c["s"], scale)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
@@ -218,14 +217,12 @@ def main(argv=None) -> int:
         ("select-w16-r2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=2)),
         ("select-w16-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=8)),
         ("select-w8-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=8, radix=8)),
-        ("select-w16-noguess", lambda c, i: lambda: select(c, launches="selection", num_warps=16, guess_top=False)),
+        ("select-w16-guess", lambda c, i: lambda: select(c, launches="selection", num_warps=16, guess_top=True)),
         ("select-w16-skip1", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=1)),
         ("select-w16-skip2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=2)),
         # the attention and merge rows read the plan's work list, restored before them
         ("attn", lambda c, i: attention(c)),
         ("attn-late-list", lambda c, i: attention(c, late_list=True)),
-        ("attn-ahead2", lambda c, i: attention(c, LOOKAHEAD=2)),
-        ("attn-ahead2-cap", lambda c, i: attention(c, LOOKAHEAD=2, maxnreg=128)),
         ("attn-clusters", lambda c, i: attention(c, part="clusters")),
         ("attn-window", lambda c, i: attention(c, part="window")),
         ("attn-S32", lambda c, i: attention(c, splits=32)),

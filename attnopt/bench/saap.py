@@ -21,7 +21,7 @@ kernels' own device time per call, launched unchained): ``scoring_us`` (de-ropin
 the MLP), ``selection_us`` (group softmax sums, top-l, work list), ``attention_us``, ``merge_us``, ``other_us`` (any
 other kernel), ``kernels_per_call``; ``between_kernels_us``: ``us`` minus their sum, what the graph spends between
 kernels; ``us_pdl``: the graph timing with the launches chained by programmatic dependent launch (the plan's ``pdl``;
-``us`` is the plan's default, unchained).
+``us`` is the planner's choice: chained for centroid scoring with its selection fused, ``PDL_CENTROID_SCORING``).
 
 ``--saap-fuse`` (default ``none,merge``) times the four-launch path (the plan's default; method
 ``attnopt:saap-unfused``) beside fused ones in the same run: ``both`` (two launches: the scoring launch also
@@ -254,7 +254,8 @@ def run(args) -> dict[str, Any]:
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
                                       fused_merge=fused_merge, window_stream=window_stream,
                                       window_after_scoring=window_late, select_warps=warps,
-                                      num_stages=stages or proto.num_stages, window_splits=wsplits)
+                                      num_stages=stages or proto.num_stages, window_splits=wsplits,
+                                      pdl=proto.pdl and fused_select)
                              for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),

@@ -104,38 +104,26 @@ def _cluster_tile(start_u, hi, first, kv_len, incl_base, shift_base, p_base, str
 def _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, k_base, v_base,
                      row_ok, row_pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV,
                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                     CLIP: tl.constexpr, LOOKAHEAD: tl.constexpr = 1):
+                     CLIP: tl.constexpr):
     """Fold the chosen clusters' keys [lo, hi) (virtual indices; key lo in list entry ``first``) into the state.
 
-    Software-pipelined: each step issues its K/V loads, then the lookups (list, then perm) of the tile LOOKAHEAD
-    tiles on, then the math. One tile ahead, a step waits for the next tile's two dependent lookups (an L2 and a
-    perm round trip) whenever they outlast its own K/V read; two ahead, they have two steps. CLIP: some cluster key
-    may lie at or past a query row (a valid length at or below the indexed end); without it the masks read no
-    position, so the compiler does not load ``perm`` again in the math's layout."""
+    Software-pipelined: each step issues its K/V loads, then the next tile's list and perm lookups, then the math,
+    so the lookups' latency hides under the K/V reads instead of adding to them. Two tiles ahead took 145 registers a
+    thread (3 programs an SM) and 23.9 µs a launch on the H100 (fd1e61d, llama3-8b 128k 5 %; 20.75 capped at 128
+    registers) against 19.56. CLIP: some cluster key may lie at or past a query row (a valid length at or below the
+    indexed end); without it the masks read no position, so the compiler does not load ``perm`` again in the math's
+    layout."""
     pos, key_ok, first = _cluster_tile(lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N,
                                        BLOCK_C, CLIP)
-    if LOOKAHEAD == 2:
-        pos1, ok1, first = _cluster_tile(lo + BLOCK_N, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn,
-                                         BLOCK_N, BLOCK_C, CLIP)
-        for start_u in range(lo, hi, BLOCK_N):
-            k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                            D, DV)
-            pos2, ok2, first = _cluster_tile(start_u + 2 * BLOCK_N, hi, first, kv_len, incl_base, shift_base, p_base,
-                                             stride_pn, BLOCK_N, BLOCK_C, CLIP)
-            acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST,
-                                       PRECISION, CLIP)
-            pos, key_ok = pos1, ok1
-            pos1, ok1 = pos2, ok2
-    else:
-        for start_u in range(lo, hi, BLOCK_N):
-            k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                            D, DV)
-            pos_next, ok_next, first = _cluster_tile(start_u + BLOCK_N, hi, first, kv_len, incl_base, shift_base,
-                                                     p_base, stride_pn, BLOCK_N, BLOCK_C, CLIP)
-            acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST,
-                                       PRECISION, CLIP)
-            pos = pos_next
-            key_ok = ok_next
+    for start_u in range(lo, hi, BLOCK_N):
+        k, v = _load_kv(pos, key_ok, k_base, v_base, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D,
+                        DV)
+        pos_next, ok_next, first = _cluster_tile(start_u + BLOCK_N, hi, first, kv_len, incl_base, shift_base, p_base,
+                                                 stride_pn, BLOCK_N, BLOCK_C, CLIP)
+        acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST, PRECISION,
+                                   CLIP)
+        pos = pos_next
+        key_ok = ok_next
     return acc, m_i, l_i
 
 
@@ -190,9 +178,6 @@ def _saap_kernel(
     WRITE_LSE_OUT: tl.constexpr = False,  # FUSED: whether to store the final LSE
     BLOCK_R: tl.constexpr = 16,  # FUSED: rows merged per tile
     MERGE_GROUP: tl.constexpr = 2,  # FUSED: splits per first-level merge group (saap_merge)
-    # cluster tiles whose lookups run ahead of the K/V reads (``_attend_clusters``): 1; 2 takes 145 registers a
-    # thread (sm_90, bench shape), so 3 programs an SM, not PROGRAMS_PER_SM (timed by saap_pieces, capped and not)
-    LOOKAHEAD: tl.constexpr = 1,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -229,7 +214,8 @@ def _saap_kernel(
     offs_c = tl.arange(0, FIRST_CHUNK)
     if not WAIT_PRIOR:
         # unchained, the work list is complete at launch: a cluster split's key count and the list's first prefixes
-        # load with the query, not after phase 1's bounds (which wait for the lengths: one round trip more)
+        # load with the query, not after phase 1's bounds, which wait for the lengths (H100, 0d2d7ed, llama3-8b
+        # 128k 5 %: 19.56 µs a launch against 19.82)
         clusters_split = split >= WINDOW_SPLITS
         total = tl.load(total_ptr + bh, mask=clusters_split, other=0)
         prefixes = tl.load(incl_base + offs_c, mask=clusters_split & (offs_c < FIRST_CHUNK), other=0)
@@ -268,12 +254,12 @@ def _saap_kernel(
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, True, LOOKAHEAD)
+                                             UPCAST, PRECISION, True)
         else:
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, False, LOOKAHEAD)
+                                             UPCAST, PRECISION, False)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)  # m and log l kept apart for the merge (see _merge_step)
     _store_rows(o, m_part, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,

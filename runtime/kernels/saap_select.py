@@ -317,7 +317,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
         ``scoring_precision``; "ieee" in the interpreter for a tensor-core one); the selection's bits a radix
         round (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first
-        round's digit comes from one count (``_select_head``'s GUESS_TOP; None: wherever a round takes 4 bits).
+        round's digit comes from one count (``_select_head``'s GUESS_TOP, where a round takes 4 bits; None: no).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -349,7 +349,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
     bits = radix or radix_bits(block_c)
-    guess_top = bits == 4 if guess_top is None else bool(guess_top) and bits == 4
+    guess_top = bool(guess_top) and bits == 4  # off until timed on a GPU (saap_pieces: select-w16-guess)
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
                          GUESS_TOP=guess_top, **({"SKIP": skip} if skip else {}))

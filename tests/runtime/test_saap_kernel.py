@@ -373,11 +373,13 @@ def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats
     scores[0, 2] = -scores[0, 2] * 1e-30  # tiny negatives
     sizes = torch.ones(B, Hkv, C, dtype=torch.int32)
     offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1).int()], dim=-1)
-    for probes in (1, 7, 150, 299, 300):
+    for probes, guess in ((1, False), (7, True), (150, False), (150, True), (299, True), (300, False)):
+        # guess: the first round's digit from one count where fewer than the probes score >= 2 and enough >= 0
+        # (every head here but the negative one, which takes the round)
         ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
         saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE),
                     torch.zeros(B, dtype=torch.int32, device=DEVICE), ws, probes=probes, scale=1.0, n_keys=0,
-                    scores=scores.to(DEVICE))
+                    scores=scores.to(DEVICE), guess_top=guess)
         want = threshold_clusters(scores, probes)
         for h in range(Hkv):
             n = int(want[0, h].sum())
@@ -481,7 +483,7 @@ def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_
     ws.incl.zero_()
     select(launches="scoring")
     assert int(ws.incl.abs().sum()) == 0  # the scoring alone chooses nothing
-    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}, {"guess_top": False}):
+    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}, {"guess_top": True}):
         got = select(launches="selection", **kw)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
     for skip in (1, 2):
@@ -501,14 +503,3 @@ def test_scoring_precision_rule_takes_fma_for_few_centroid_rows():
     assert scoring_precision(4 * FMA_MAX_ROWS) == "tf32x3" and block_rows_for(3, "tf32x3") == 16
     assert scoring_precision(4, hidden=1024) == "tf32x3"  # the query MLP keeps the tensor cores
 
-
-@pytest.mark.parametrize("valid", [None, 140])
-def test_cluster_lookups_two_tiles_ahead_give_the_same_answer(monkeypatch, valid):
-    """``LOOKAHEAD=2`` (saap_pieces' variant: each cluster tile's list and perm lookups two tiles before its K/V
-    read): several 16-key tiles per cluster split, with and without a valid length that clips cluster keys."""
-    import attnopt.runtime.kernels.saap as attn
-
-    launch = attn._SAAP_LAUNCH
-    monkeypatch.setattr(attn, "_SAAP_LAUNCH", lambda grid, *a, **kw: launch(grid, *a, **kw, LOOKAHEAD=2))
-    run_case(1, 4, 2, 170, 64, 1, 12, 5, sink=3, window=20, prompt=130, dtype=torch.float32, splits=2, block_n=16,
-             window_splits=1, valid=valid)
