@@ -21,7 +21,7 @@ kernels' own device time per call, launched unchained): ``scoring_us`` (de-ropin
 the MLP), ``selection_us`` (group softmax sums, top-l, work list), ``attention_us``, ``merge_us``, ``other_us`` (any
 other kernel), ``kernels_per_call``; ``between_kernels_us``: ``us`` minus their sum, what the graph spends between
 kernels; ``us_pdl``: the graph timing with the launches chained by programmatic dependent launch (the plan's ``pdl``;
-``us`` is the plan's default, unchained).
+``us`` is the planner's choice: chained for centroid scoring with its selection fused, ``PDL_CENTROID_SCORING``).
 
 ``--saap-fuse`` (default ``none,merge``) times the four-launch path (the plan's default; method
 ``attnopt:saap-unfused``) beside fused ones in the same run: ``both`` (two launches: the scoring launch also
@@ -100,22 +100,22 @@ def budget(target: float, n: int, clusters: int) -> tuple[int, int]:
     return window, min(probes, clusters)
 
 
-def _clustered_set(i, B, Hq, Hkv, D, N, centroids, rope, dtype, gen):
+def _clustered_set(i, B, Hq, Hkv, D, N, centroids, rope, dtype, gen, device="cuda"):
     import torch
 
     from attnopt.runtime.saap.rope import apply_rope
 
     C = centroids.shape[1]
-    weights = torch.exp(torch.randn(Hkv, C, device="cuda", generator=gen))  # log-normal cluster sizes
+    weights = torch.exp(torch.randn(Hkv, C, device=device, generator=gen))  # log-normal cluster sizes
     assign = torch.multinomial(weights, N, replacement=True, generator=gen)  # (Hkv, N)
     keys = centroids.gather(1, assign[..., None].expand(-1, -1, D)) + 0.35 * torch.randn(
-        Hkv, N, D, device="cuda", generator=gen)
-    k = apply_rope(keys[None], torch.arange(N, device="cuda"), rope).to(dtype)
-    v = torch.randn(B, Hkv, N, D, device="cuda", generator=gen).to(dtype)
-    target = torch.randint(0, C, (Hkv,), device="cuda", generator=gen)
-    qd = (centroids[torch.arange(Hkv, device="cuda"), target][:, None, :].expand(Hkv, Hq // Hkv, D).reshape(Hq, D)
-          + 0.5 * torch.randn(Hq, D, device="cuda", generator=gen))
-    q = apply_rope(qd[None, :, None, :], torch.tensor([N - 1], device="cuda"), rope).to(dtype)
+        Hkv, N, D, device=device, generator=gen)
+    k = apply_rope(keys[None], torch.arange(N, device=device), rope).to(dtype)
+    v = torch.randn(B, Hkv, N, D, device=device, generator=gen).to(dtype)
+    target = torch.randint(0, C, (Hkv,), device=device, generator=gen)
+    qd = (centroids[torch.arange(Hkv, device=device), target][:, None, :].expand(Hkv, Hq // Hkv, D).reshape(Hq, D)
+          + 0.5 * torch.randn(Hq, D, device=device, generator=gen))
+    q = apply_rope(qd[None, :, None, :], torch.tensor([N - 1], device=device), rope).to(dtype)
     return {"q": q, "k": k.expand(B, -1, -1, -1).contiguous(), "v": v, "mask": None, "valid": None}
 
 
@@ -254,7 +254,8 @@ def run(args) -> dict[str, Any]:
                                       num_splits=splits, block_n=block_n, fused_select=fused_select,
                                       fused_merge=fused_merge, window_stream=window_stream,
                                       window_after_scoring=window_late, select_warps=warps,
-                                      num_stages=stages or proto.num_stages, window_splits=wsplits)
+                                      num_stages=stages or proto.num_stages, window_splits=wsplits,
+                                      pdl=proto.pdl and fused_select)
                              for layer in layers]
                     calls = [plan_call(plan, s, scale) for plan, s in zip(plans, sets)]
                     row = timed(f"attnopt:{variant}{suffix}", calls, want.float(),

@@ -108,9 +108,11 @@ def _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_b
     """Fold the chosen clusters' keys [lo, hi) (virtual indices; key lo in list entry ``first``) into the state.
 
     Software-pipelined: each step issues its K/V loads, then the next tile's list and perm lookups, then the math,
-    so the lookups' latency hides under the K/V reads instead of adding to them. CLIP: some cluster key may lie at
-    or past a query row (a valid length at or below the indexed end); without it the masks read no position, so
-    the compiler does not load ``perm`` again in the math's layout."""
+    so the lookups' latency hides under the K/V reads instead of adding to them. Two tiles ahead took 145 registers a
+    thread (3 programs an SM) and 23.9 µs a launch on the H100 (fd1e61d, llama3-8b 128k 5 %; 20.75 capped at 128
+    registers) against 19.56. CLIP: some cluster key may lie at or past a query row (a valid length at or below the
+    indexed end); without it the masks read no position, so the compiler does not load ``perm`` again in the math's
+    layout."""
     pos, key_ok, first = _cluster_tile(lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N,
                                        BLOCK_C, CLIP)
     for start_u in range(lo, hi, BLOCK_N):
@@ -208,6 +210,15 @@ def _saap_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = k_ptr + b64 * stride_kb + kvh64 * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh64 * stride_vh
+    incl_base = incl_ptr + bh.to(tl.int64) * BLOCK_C
+    offs_c = tl.arange(0, FIRST_CHUNK)
+    if not WAIT_PRIOR:
+        # unchained, the work list is complete at launch: a cluster split's key count and the list's first prefixes
+        # load with the query, not after phase 1's bounds, which wait for the lengths (H100, 0d2d7ed, llama3-8b
+        # 128k 5 %: 19.56 µs a launch against 19.82)
+        clusters_split = split >= WINDOW_SPLITS
+        total = tl.load(total_ptr + bh, mask=clusters_split, other=0)
+        prefixes = tl.load(incl_base + offs_c, mask=clusters_split & (offs_c < FIRST_CHUNK), other=0)
 
     # phase 1, without the selection (so, chained, it runs while the scoring and the selection do): this split's
     # share of the always-attended keys, the sink [0, sink) then the window [indexed_end, kv_len)
@@ -226,14 +237,12 @@ def _saap_kernel(
     if split >= WINDOW_SPLITS:
         if WAIT_PRIOR:
             gdc_wait()  # the selection's work list is complete and visible from here on
-        total = tl.load(total_ptr + bh)
-        incl_base = incl_ptr + bh.to(tl.int64) * BLOCK_C
+            # the list's first prefixes load with the key count, before the share that needs it: one round trip
+            # (the share's integer divisions would otherwise keep the compiler from issuing them early)
+            total = tl.load(total_ptr + bh)
+            prefixes = tl.load(incl_base + offs_c)
         shift_base = shift_ptr + bh.to(tl.int64) * BLOCK_C
         p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
-        # the list's first prefixes load with the key count, before the share that needs it: one round trip (the
-        # share's integer divisions would otherwise keep the compiler from issuing them early)
-        offs_c = tl.arange(0, FIRST_CHUNK)
-        prefixes = tl.load(incl_base + offs_c)
         lo, hi = _split_share(split - WINDOW_SPLITS, total, NUM_SPLITS - WINDOW_SPLITS, BLOCK_N)
         # the list entry of the cluster holding key lo: the count of prefixes at or below it
         first = tl.sum((prefixes <= lo).to(tl.int32), axis=0)

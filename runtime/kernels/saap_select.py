@@ -40,6 +40,12 @@ BLOCK_LOGITS_Q_FUSED = 128
 BLOCK_LOGITS_H = 32
 #: Inner-dim chunk of the hidden-to-logits product.
 BLOCK_K_HIDDEN = 128
+#: Centroid scoring of at most this many padded query rows a KV head takes the "fma" products (``_rows_product``) on
+#: the GPU, more rows (and the query MLP, unmeasured) three TF32 tensor-core products ("tf32x3"). On the H100
+#: (d1a0aac, llama3-8b 128k 5 %, 4 rows) the fused scoring-and-selection launch took 17.43 µs with "fma" against 18.65
+#: with "tf32x3" (the scoring alone 8.41 against 9.34; Triton's FMA dot, "ieee", 23.9), and it holds 90 registers a
+#: thread and 16 KB of shared memory against 128 and 64 KB. Its rows are unrolled, hence the bound.
+FMA_MAX_ROWS = 8
 
 
 class SaapScorer(NamedTuple):
@@ -105,6 +111,21 @@ def _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_d, L, D, DEROPE: tl.const
 
 
 @triton.jit
+def _rows_product(x, w, acc, PRECISION: tl.constexpr):
+    """``acc + x @ w^T`` for rows x (BLOCK_R, BLOCK_K) and weights w (BLOCK_O, BLOCK_K): ``tl.dot`` at PRECISION, or
+    ("fma") fp32 products summed in registers, exact fp32 with the rows unpadded (no tensor-core operand
+    layouts: w stays in the registers it was loaded into)."""
+    if PRECISION == "fma":  # row by row: each product reduces along w's rows as loaded (in-thread, then the lanes)
+        rows = tl.arange(0, x.shape[0])
+        for r in tl.static_range(x.shape[0]):
+            xr = tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
+            acc += tl.where(rows[:, None] == r, tl.sum(w * xr[None, :], axis=1)[None, :], 0.0)
+        return acc
+    else:
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _saap_rows_kernel(
     x_ptr,  # SRC_Q: Q (B, Hq, L, D) rotated queries, any strides; else hidden rows (B, Hkv, M, K) fp32 contiguous
     inv_freq_ptr,  # (D / 2,) fp32 RoPE inverse frequencies (read when DEROPE)
@@ -129,7 +150,7 @@ def _saap_rows_kernel(
     stride_fb, stride_fh, stride_fc,  # SELECT: offsets strides
     PROBES, SINK, inv_heads,  # SELECT: as ``_saap_select_kernel``'s
     D: tl.constexpr,  # head dim (SRC_Q)
-    BLOCK_R: tl.constexpr,  # padded rows (>= G * L, >= 16)
+    BLOCK_R: tl.constexpr,  # padded rows (>= G * L; >= 16 for tl.dot)
     BLOCK_O: tl.constexpr,  # outputs per program
     BLOCK_K: tl.constexpr,  # inner-dim chunk (SRC_Q: >= D, one chunk)
     SRC_Q: tl.constexpr,  # rows are the queries (else the hidden rows)
@@ -137,12 +158,13 @@ def _saap_rows_kernel(
     HIDDEN: tl.constexpr,  # epilogue: bias, BatchNorm, ReLU (else logits with chunk statistics)
     HAS_BIAS: tl.constexpr,  # logits get bias_ptr added
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
-    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"
+    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"; "fma": no dot
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the grid before it first
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next launch (a programmatic dependent) become resident now
     SELECT: tl.constexpr = False,  # logits: the last chunk of a head to arrive runs the selection (no own launch)
     BLOCK_C: tl.constexpr = 16, BLOCK_CH: tl.constexpr = 2, ROWS: tl.constexpr = 1,  # SELECT: as the selection's
     RADIX_BITS: tl.constexpr = 4, HAS_STATS: tl.constexpr = False,  # SELECT: as the selection's
+    GUESS_TOP: tl.constexpr = False,  # SELECT: as the selection's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -169,14 +191,14 @@ def _saap_rows_kernel(
                                            stride_ql, stride_qd, L, G, D, DEROPE)
         w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         x = _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_k, L, D, DEROPE)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _rows_product(x, w, acc, PRECISION)
     else:
         x_base = x_ptr + bh.to(tl.int64) * M * K + offs_r.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             x = tl.load(x_base + kk[None, :], mask=(offs_r[:, None] < M) & (kk[None, :] < K), other=0.0)
             w = tl.load(w_base + kk[None, :], mask=o_ok[:, None] & (kk[None, :] < K), other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = _rows_product(x, w, acc, PRECISION)
     vec = kvh.to(tl.int64) * NOUT + offs_o
     out_ptrs = out_ptr + bh.to(tl.int64) * M * NOUT + offs_r.to(tl.int64)[:, None] * NOUT + offs_o[None, :]
     ok = (offs_r[:, None] < M) & o_ok[None, :]
@@ -205,7 +227,8 @@ def _saap_rows_kernel(
             if arrived == NCHUNK - 1:
                 _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                              stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
-                             inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False)
+                             inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False, 0,
+                             GUESS_TOP)
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -224,9 +247,14 @@ def fused_select_warps(block_c: int, hidden: int = 0) -> int:
     return min(8, select_warps(block_c)) if hidden else select_warps(block_c)
 
 
-def block_rows_for(rows: int) -> int:
-    """Padded query rows of the scoring product (a power of two >= 16, for ``tl.dot``)."""
-    return max(16, next_pow2(rows))
+def scoring_precision(rows: int, hidden: int = 0) -> str:
+    """The scoring products' precision on the GPU for ``rows`` query rows a KV head (``FMA_MAX_ROWS``)."""
+    return "fma" if not hidden and next_pow2(rows) <= FMA_MAX_ROWS else "tf32x3"
+
+
+def block_rows_for(rows: int, precision: str = "tf32x3") -> int:
+    """Padded query rows of the scoring product: a power of two, >= 16 for ``tl.dot`` (not for "fma")."""
+    return next_pow2(rows) if precision == "fma" else max(16, next_pow2(rows))
 
 
 class SelectWorkspace(NamedTuple):
@@ -263,7 +291,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 sink: int = 0, scorer: SaapScorer | None = None, scores: torch.Tensor | None = None,
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
-                after_scoring=None) -> SelectWorkspace:
+                after_scoring=None, launches: str = "all", precision: str | None = None,
+                radix: int | None = None, skip: int = 0, guess_top: bool | None = None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -282,9 +311,21 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
+    launches, precision, radix, skip, guess_top : for timing the pieces apart (``benchmarks/saap_pieces.py``),
+        never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
+        selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
+        workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
+        ``scoring_precision``; "ieee" in the interpreter for a tensor-core one); the selection's bits a radix
+        round (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first
+        round's digit comes from one count (``_select_head``'s GUESS_TOP, where a round takes 4 bits; None: no).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
+    if launches not in ("all", "scoring", "selection") or radix not in (None, 1, 2, 4, 8) or skip not in (0, 1, 2) \
+            or precision not in (None, "tf32x3", "ieee", "fma"):
+        raise ValueError(f"saap_select: launches must be all, scoring or selection, radix None, 1, 2, 4 or 8, skip "
+                         f"0, 1 or 2 and precision None, tf32x3, ieee or fma; got {launches!r}, {radix!r}, {skip!r}, "
+                         f"{precision!r}")
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
     C = offsets.shape[-1] - 1
@@ -298,7 +339,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     nchunk = ws.chunk_stats.shape[3]
     has_stats = stats is not None
     block_c = ws.incl.shape[1]
-    fused = bool(fused) and scores is None
+    fused = bool(fused) and scores is None and launches != "selection"
+    select_too = launches != "scoring"  # fused, with launches="scoring": the fused geometry without the selection
     fused_warps = (num_warps or fused_select_warps(block_c, scorer.hidden)) if fused and scorer is not None else 0
     # the fused centroid launch at 16 warps or more takes wider chunks (one program an SM): its statistics then fill
     # the workspace's first chunks of a row
@@ -306,13 +348,17 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     launch_chunks = cdiv(C, logit_block) if logit_block else nchunk
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
     select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
+    bits = radix or radix_bits(block_c)
+    guess_top = bool(guess_top) and bits == 4  # off until timed on a GPU (saap_pieces: select-w16-guess)
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
-                         ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=radix_bits(block_c),
-                         HAS_STATS=has_stats)
+                         ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
+                         GUESS_TOP=guess_top, **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
-    if scores is None:
+    if scores is None and launches == "selection":  # over the logits of an earlier (unfused) scoring call
+        score_src, sstrides = ws.logits, (0, 0, 0)
+    elif scores is None:
         if scorer is None:
             raise ValueError("saap_select needs a scorer or scores")
         if ws.logits.shape != (B, Hkv, M, C) or (ws.hidden is None) != (scorer.mlp is None) or (
@@ -325,15 +371,18 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         inv_freq = scorer.inv_freq if derope else scorer.centroids
         # fp32 products to fp32 accuracy: three TF32 tensor-core products on the GPU (the rows are padded to 16, and
         # FMA products of the padding cost as much as the MLP's 64 MB weight read); plain fp32 in the interpreter
-        precision = "ieee" if interpreting() else "tf32x3"
-        common = dict(D=D, BLOCK_R=block_rows_for(M), HAS_VALID=has_valid, PRECISION=precision,
+        precision = precision or scoring_precision(M, scorer.hidden)
+        if interpreting() and precision != "fma":  # the interpreter: plain fp32 products for the tensor cores'
+            precision = "ieee"
+        common = dict(D=D, BLOCK_R=block_rows_for(M, precision), HAS_VALID=has_valid, PRECISION=precision,
                       LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
         # the selection's pointers (after the scoring's) and scalars (after the scoring's), or placeholders
         no_select = ((ws.counters,) * 7, (0, 0, 0, probes, int(sink), inv_heads))
         with_select = ((ws.counters, *select_args), (*offsets.stride(), probes, int(sink), inv_heads))
-        sel_ptrs, sel_scalars = with_select if fused else no_select
-        logits_select = dict(SELECT=True, num_warps=fused_warps, **select_consts) if fused else dict(num_warps=4)
+        sel_ptrs, sel_scalars = with_select if fused and select_too else no_select
+        logits_select = (dict(num_warps=4) if not fused else dict(num_warps=fused_warps) if not select_too
+                         else dict(SELECT=True, num_warps=fused_warps, **select_consts))
         if fused and after_scoring is not None:  # no launch between the scoring and the selection: before both
             after_scoring()
         if scorer.mlp is None:
@@ -354,7 +403,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                          *sel_ptrs, 0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, *sel_scalars,
                          BLOCK_O=BLOCK_LOGITS_H, BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False,
                          HAS_BIAS=True, **common, **dependent, **logits_select)
-        if fused:
+        if fused or not select_too:
             return ws
         score_src, sstrides = ws.logits, (0, 0, 0)
     else:

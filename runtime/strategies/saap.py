@@ -49,6 +49,12 @@ PROGRAMS_PER_SM = 4
 SELECT_PROGRAM_ROOM = 2
 #: Tiles per attention program the split count aims at (fewer: more partial states to merge).
 TILES_PER_SPLIT = 2
+#: Centroid scoring chains its launches by programmatic dependent launch (the plan's ``pdl``; where the GPU and Triton
+#: have it): on the H100 (0d2d7ed, llama3-8b 128k 5 %) 40.63 µs a call against 41.58 unchained. The fused scoring
+#: launch's "fma" products leave room for attention programs beside its programs (90 registers a thread, not 128,
+#: the whole register file at 16 warps); the older 3-12 µs cost was measured at 128 (74b717f, dbfa5c3). The query
+#: MLP's chain is unmeasured: off.
+PDL_CENTROID_SCORING = True
 
 
 def site_layer(site: AttentionSite) -> int | None:
@@ -101,9 +107,10 @@ class Saap(Strategy[SaapPlan]):
         probes, sink, window = int(opts["probes"]), int(opts["sink"]), int(opts["window"])
         index = get_index(opts["index"])
         layer = index.layers.get(site_layer(site))
+        centroid = layer is not None and layer.mlp is None
         yield SaapPlan(index=opts["index"], probes=probes, sink=sink, window=window, layer=site_layer(site),
                        num_splits=split_count(site, hw, probes, sink, window, index.num_clusters), block_n=BLOCK_N,
-                       fused_select=layer is not None and layer.mlp is None)
+                       fused_select=centroid, pdl=centroid and PDL_CENTROID_SCORING)
 
     def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         """Roofline of the attended keys (sink + window + probes clusters of average size, read once) and of the

@@ -373,11 +373,13 @@ def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats
     scores[0, 2] = -scores[0, 2] * 1e-30  # tiny negatives
     sizes = torch.ones(B, Hkv, C, dtype=torch.int32)
     offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1).int()], dim=-1)
-    for probes in (1, 7, 150, 299, 300):
+    for probes, guess in ((1, False), (7, True), (150, False), (150, True), (299, True), (300, False)):
+        # guess: the first round's digit from one count where fewer than the probes score >= 2 and enough >= 0
+        # (every head here but the negative one, which takes the round)
         ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
         saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE),
                     torch.zeros(B, dtype=torch.int32, device=DEVICE), ws, probes=probes, scale=1.0, n_keys=0,
-                    scores=scores.to(DEVICE))
+                    scores=scores.to(DEVICE), guess_top=guess)
         want = threshold_clusters(scores, probes)
         for h in range(Hkv):
             n = int(want[0, h].sum())
@@ -454,3 +456,50 @@ def test_fused_scoring_and_selection_leave_the_selection_launchs_work_list(clust
     assert torch.equal(total, total_f) and torch.equal(incl, incl_f)
     picked = incl != 2147483647
     assert torch.equal(shift[picked], shift_f[picked]) and 0 < int(picked.sum(-1).min())
+
+
+def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_list():
+    """The piece microbenchmark's launches (``launches="scoring"`` then ``"selection"`` over the logits it left)
+    the selection at 2 and 8 bits a radix round, and the logits as "fma" products leave the plan's work list; the
+    ablations (``skip``) keep the key total of every non-empty cluster; bad knobs are refused naming the choices."""
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    B, Hq, Hkv, D, C = 1, 4, 2, 32, 300
+    torch.manual_seed(5)
+    scorer = kernel_scorer(random_index(Hkv, Hq, D, C).to(DEVICE), 1)
+    q = torch.randn(B, Hq, 1, D, device=DEVICE) * 3
+    sizes = torch.randint(0, 5, (B, Hkv, C), dtype=torch.int32)
+    offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1, dtype=torch.int32)], -1)
+    end = torch.full((B,), int(offsets.max()) + 1, dtype=torch.int32, device=DEVICE)
+    ws = select_workspace(B, Hkv, Hq // Hkv, C, 0, DEVICE)
+
+    def select(**kw):
+        saap_select(q, offsets.to(DEVICE), end, ws, probes=29, scale=0.125, n_keys=int(end[0]) + 9, sink=1,
+                    scorer=scorer, **kw)
+        return ws.incl.cpu().clone(), ws.total.cpu().clone()
+
+    want = select()
+    ws.incl.zero_()
+    select(launches="scoring")
+    assert int(ws.incl.abs().sum()) == 0  # the scoring alone chooses nothing
+    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}, {"guess_top": True}):
+        got = select(launches="selection", **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
+    for skip in (1, 2):
+        assert select(launches="selection", skip=skip)[1].tolist() == sizes.sum(-1).flatten().tolist()
+    for fused in (False, True):  # the logits as fp32 products summed in registers (no tl.dot): the same pick
+        got = select(precision="fma", fused=fused)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fused
+    with pytest.raises(ValueError, match="launches must be all, scoring or selection, radix None, 1, 2, 4 or 8"):
+        select(radix=3)
+
+
+def test_scoring_precision_rule_takes_fma_for_few_centroid_rows():
+    from attnopt.runtime.kernels.saap_select import FMA_MAX_ROWS, block_rows_for, scoring_precision
+
+    assert FMA_MAX_ROWS >= 4  # llama3-8b decode: 4 query heads a KV head, one token
+    assert scoring_precision(4) == scoring_precision(3) == "fma" and block_rows_for(3, "fma") == 4
+    assert scoring_precision(4 * FMA_MAX_ROWS) == "tf32x3" and block_rows_for(3, "tf32x3") == 16
+    assert scoring_precision(4, hidden=1024) == "tf32x3"  # the query MLP keeps the tensor cores
+

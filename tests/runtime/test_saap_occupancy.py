@@ -97,7 +97,10 @@ def _record(monkeypatch, block_n: int, fused: bool = False) -> list[dict]:
         jobs[0]["options"]["maxnreg"] = 128
     for job in jobs[1:]:
         if job["name"] == "_saap_rows_kernel":  # the GPU's scoring products (the interpreter ran "ieee")
-            job["consts"].update(PRECISION="tf32x3")
+            from attnopt.runtime.kernels.saap_select import block_rows_for, scoring_precision
+
+            precision = scoring_precision(Hq // Hkv)
+            job["consts"].update(PRECISION=precision, BLOCK_R=block_rows_for(Hq // Hkv, precision))
     return jobs
 
 

@@ -64,11 +64,13 @@ def test_never_planned_without_the_index_and_layer_zero_stays_dense(index_path):
 
 
 def test_centroid_scoring_selects_in_its_scoring_launch_and_the_mlp_does_not(tmp_path, index_path):
-    # the plan's fused_select as the H100 measured it: faster with centroid scoring, far slower with the MLP
+    # the plan's fused_select and pdl as the H100 measured them: faster with centroid scoring (fused: far slower
+    # with the MLP; its chained launches are unmeasured)
     from attnopt.runtime.saap.index import LayerIndex
 
     hw = builtin_profile("cpu")
-    assert next(iter(SAAP.candidates(_site(), hw, _ctx(index_path)))).fused_select
+    plan = next(iter(SAAP.candidates(_site(), hw, _ctx(index_path))))
+    assert plan.fused_select and plan.pdl
     index = synthetic_index(6, 2, 64, clusters=8, layers=(1,), num_layers=3)
     g = torch.Generator().manual_seed(0)
     mlp = {"w1": torch.randn(2, 16, 64, generator=g), "b1": torch.zeros(2, 16), "bn_mean": torch.zeros(2, 16),
@@ -77,7 +79,8 @@ def test_centroid_scoring_selects_in_its_scoring_launch_and_the_mlp_does_not(tmp
     index.layers[1] = LayerIndex(index.layers[1].centroids, mlp)
     path = str(tmp_path / "mlp.safetensors")
     index.save(path)
-    assert not next(iter(SAAP.candidates(_site(), hw, _ctx(path)))).fused_select
+    plan = next(iter(SAAP.candidates(_site(), hw, _ctx(path))))
+    assert not plan.fused_select and not plan.pdl
 
 
 def test_config_fields_validate_early(tmp_path, index_path):
