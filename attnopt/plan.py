@@ -233,8 +233,10 @@ class SaapPlan(Plan):
     #: 128k, 5 %) the attention launch took 29.5 µs with it against 19.1 + a 3.4 µs merge launch without (every
     #: program's release fence and arrival atomic, then two merges, sit on the launch's tail).
     fused_merge: bool = False
-    #: Chain the launches by programmatic dependent launch. Off by default: on the H100 it cost 3-12 µs a call at
-    #: 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
+    #: Chain the launches by programmatic dependent launch. Off here; the planner turns it on for centroid scoring
+    #: with its selection fused (``runtime.strategies.saap.PDL_CENTROID_SCORING``; H100, llama3-8b, 5 %: 40.63 µs
+    #: against 41.58 unchained at 128k (8cb7926), 78.2 against 80.1 at 512k (94ca2cf)). Elsewhere it cost 3-12 µs a
+    #: call at 74b717f and dbfa5c3 (co-resident waiting programs push attention programs into a second wave).
     pdl: bool = False
     #: The sink-and-window splits as a launch of their own on a side stream, beside the scoring and the selection (in
     #: a captured graph: a parallel branch, joined before the merge); the attention launch after the selection then
