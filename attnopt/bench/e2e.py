@@ -8,8 +8,8 @@ For each context and method, it
    CUDA-graph recording) are timed apart as the first-call cost, the median of the rest is the step time;
 4. compares its greedy tokens with HF eager's from the same prefill;
 5. with ``--generate``, times ``generate()`` at two lengths, in ``--generate-repeats`` interleaved pairs, and reports
-   ms per token as the median of the pairs' differences (with their min and max: one noisy pair cannot decide), and
-   the host time of one decode forward call inside it (``generate_forward_host_ms``: guards, wrappers, the
+   ms per token as the median period from one decode forward call to the next inside them (with its min, max and
+   deciles; the pairs' differences beside it), and the host time of one decode forward call inside it (``generate_forward_host_ms``: guards, wrappers, the
    CUDA-graph replay's launch; ``turns.DecodeCallTimer``), where HF's path and attnopt's differ on the host.
 
 Methods:
@@ -272,13 +272,17 @@ def generate_phases(args, model, method: str, context: int):
             _sync(args.device)
             times.setdefault(n, []).append(time.perf_counter() - t0)
     timer.remove()
-    # per token: each repeat's long call minus its short call (the prefill cancels out); the median of the repeats
-    # decides, so one noisy repeat cannot, and the spread is reported
+    # per token: the median period from one decode forward call to the next inside the timed calls (every token of
+    # every call: hundreds of periods, each spanning a token's whole work, so none can be shorter than it); beside
+    # it each repeat's long call minus its short call (the prefill cancels out), which two noisy calls could bring
+    # below a token's own GPU time (H100, 4bab739: 0.57 ms for HF at 1k, whose step is 2.1 ms)
+    periods = [1e3 * t for t in timer.token_seconds()]
     per_token = [1e3 * (b - a) / (long - short) for a, b in zip(times[short], times[long])]
-    ms = spread(per_token)
+    ms, pairs = spread(periods), spread(per_token)
     row = {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": ms["median"],
            "generate_ms_per_token_min": ms["min"], "generate_ms_per_token_max": ms["max"],
-           "generate_ms_per_token_repeats": per_token,
+           "generate_ms_per_token_p10_p90": _deciles(periods), "generate_token_periods": len(periods),
+           "generate_ms_per_token_pairs": per_token, "generate_ms_per_token_pairs_median": pairs["median"],
            "generate_ms_per_token_of_minima": 1e3 * (min(times[long]) - min(times[short])) / (long - short),
            "generate_first_call_s": first, "generate_forward_host_ms": timer.median_ms(),
            "generate_forward_host_ms_min": 1e3 * min(timer.seconds) if timer.seconds else None,
@@ -294,6 +298,14 @@ def generate_phases(args, model, method: str, context: int):
             row["generate_host_profile"] = host_profile(lambda: owner.generate(ids, max_new_tokens=long,
                                                                               min_new_tokens=long, **kw), long)
     return row
+
+
+def _deciles(values: list[float]) -> list[float] | None:
+    """The 10th and 90th percentiles of ``values``."""
+    if len(values) < 2:
+        return None
+    cuts = statistics.quantiles(values, n=10)
+    return [cuts[0], cuts[-1]]
 
 
 def overlap_row(backend) -> dict[str, Any]:
