@@ -130,8 +130,11 @@ class SplitKVPlan(Plan):
     """FlashDecoding: ``num_splits`` programs per (batch, KV head), each over an equal share of the valid
     keys in ``block_n`` tiles, then a merge of (o, lse).
 
-    The grid is fixed; the share of each split follows the valid length at run time, so a captured CUDA
-    graph stays correct as the cache grows.
+    The share of each split follows the valid length at run time, so a captured CUDA graph stays correct as the
+    cache grows. ``tiles_per_split`` > 0 also sizes the grid by the cache's length (``splits_at``), a host integer
+    (``k.shape[2]``), so it costs no sync: a plan tuned at one length of a growing cache keeps its tiles per split
+    at the others rather than its split count (which a length of a few more tiles leaves with splits of two tiles
+    beside splits of one).
     """
 
     kind: ClassVar[str] = "split_kv"
@@ -146,6 +149,23 @@ class SplitKVPlan(Plan):
     #: The head dim in two power-of-two chunks where the kernels cut it (D=80/96 as 64 + 32, not padded to 128: less
     #: shared memory, more programs per SM; ``runtime/kernels/common.py`` head_dim_split); ignored elsewhere.
     head_chunks: bool = False
+    #: 0: ``num_splits`` programs per (batch row, KV head) at every length. m > 0: ``splits_at(n)`` of them, so that
+    #: the grid follows the cache's length with at most ``num_splits`` (the workspace's size).
+    tiles_per_split: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tiles_per_split < 0:
+            raise ValueError(f"split_kv: tiles_per_split must be >= 0 (0: a fixed split count); got "
+                             f"{self.tiles_per_split}")
+
+    def splits_at(self, n_keys: int) -> int:
+        """Programs per (batch row, KV head) over a cache of ``n_keys`` keys: ``num_splits``, or with
+        ``tiles_per_split`` m > 0, one per m of its ``block_n``-key tiles, within [2, ``num_splits``] (never 1 where
+        ``num_splits`` is not: one split skips the merge and compiles another kernel)."""
+        if self.tiles_per_split <= 0 or self.num_splits <= 1:
+            return self.num_splits
+        tiles = -(-max(int(n_keys), 1) // max(self.block_n, 1))
+        return max(2, min(self.num_splits, tiles // self.tiles_per_split))
 
 
 @register_plan_kind

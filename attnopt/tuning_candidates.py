@@ -36,7 +36,8 @@ DEFAULT_EXTRA_FAMILIES = 4
 EXTRA_WITHIN = 2.0
 
 
-def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EXTRA_FAMILIES) -> list[Plan]:
+def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EXTRA_FAMILIES, *,
+            n_keys: int | None = None) -> list[Plan]:
     """The candidates worth timing, in the order they are timed.
 
     Which: the model's pick; every explicit SDPA backend (cuDNN first: the fastest on Hopper; ``auto`` only when no
@@ -48,7 +49,8 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
 
     Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, then one plan of each
     configuration before a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
-    (about a second) where a second grid of it costs only its timing, so the configurations come first."""
+    (about a second) where a second grid of it costs only its timing, so the configurations come first.
+    ``n_keys``: the KV length they are timed at (a grid that follows the length is counted there)."""
     if not ranked:
         return []
     explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
@@ -66,7 +68,7 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
             families.add(_family(p))
             kernels.append(p)
             extra_families -= 1
-    widest = most_parallel(ranked_kernels)
+    widest = most_parallel(ranked_kernels, n_keys)
     # the best-estimated head-chunked plan (D=80/96), timed early: the model ranks each just behind its padded twin
     # and cannot tell which runs faster (H100: from 16 % faster to 8 % slower), so only a measurement picks one
     chunked = next((p for p in ranked_kernels if getattr(p, "head_chunks", False)), None)
@@ -83,15 +85,23 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     return out
 
 
-def most_parallel(kernels: Sequence[Plan]) -> Plan | None:
+def most_parallel(kernels: Sequence[Plan], n_keys: int | None = None) -> Plan | None:
     """The split-KV plan with the smallest tiles and, among those, the most splits (the best estimate of equals):
     on a short KV (a few tiles per (batch row, KV head)) one tile per split fills the GPU where the model's wave
     sizing does not. At SmolLM2's 1k static site (9/3 heads, D=64) that is S=17/64/4/3; a forced H100 sweep found
-    S=16/64/4/3 at 6.2 µs against 10 µs for the model's S=5/256/8/2 (c761f67). ``None`` without a split-KV plan."""
+    S=16/64/4/3 at 6.2 µs against 10 µs for the model's S=5/256/8/2 (c761f67). ``None`` without a split-KV plan.
+    ``n_keys``: the KV length, where a plan's grid follows it (``SplitKVPlan.splits_at``); without it, the plans
+    whose grids follow the length as one split per tile come first (those of several tiles per split are the
+    small-split family, sized for long caches)."""
     splits = [p for p in kernels if p.kind == "split_kv"]
     if not splits:
         return None
-    return min(splits, key=lambda p: (p.block_n, -p.num_splits, p.est_us if math.isfinite(p.est_us) else math.inf))
+
+    def order(p: Plan) -> tuple:
+        count = (0, -p.splits_at(n_keys)) if n_keys else (p.tiles_per_split > 1, -p.num_splits)
+        return (p.block_n, *count, p.est_us if math.isfinite(p.est_us) else math.inf)
+
+    return min(splits, key=order)
 
 
 def _family(plan: Plan) -> tuple:
@@ -101,14 +111,16 @@ def _family(plan: Plan) -> tuple:
 
 
 def compile_key(plan: Plan) -> str:
-    """What a kernel plan compiles apart from its grid: its runtime key without the split count or the grid, with
-    whether the split count is 1 and a multiple of 16 (Triton specializes an integer argument on both). Plans of one
-    key share their kernels at one site shape, so a bucket may time any of them once another bucket compiled one."""
+    """What a kernel plan compiles apart from its grid: its runtime key without the split count, the grid or the
+    tiles per split, with whether the split count is 1 (one split writes the output itself and skips the merge; the
+    split count is otherwise not specialised, ``runtime/kernels/split_kv.py``). Plans of one key share their kernels
+    at one site shape, so a bucket may time any of them once another bucket compiled one."""
     data = dict(json.loads(plan.runtime_key())["data"])
     splits = data.pop("num_splits", None)
     data.pop("grid", None)
+    data.pop("tiles_per_split", None)
     if splits is not None:
-        data["splits_1_16"] = (splits == 1, splits % 16 == 0)
+        data["one_split"] = splits == 1
     return json.dumps({"kind": plan.kind, "data": data}, sort_keys=True)
 
 

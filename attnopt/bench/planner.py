@@ -41,15 +41,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
 from typing import Any, Callable
 
 from .planner_grid import STATIC_KINDS, all_cases, valid_len_of
-from .planner_summary import REL_ERR_OK, merge, overall, parse_part, print_summary, summarize
-from .planner_timing import cudnn_call, fresh_length_us, growing_us, retime  # noqa: F401 (growing_us: the tests')
+from .planner_summary import (REL_ERR_OK, merge, overall, parse_part, print_summary, summarize,  # noqa: F401
+                              tuning_records)  # (tuning_records: re-exported, the tests')
+from .planner_timing import (Clock, _error, cudnn_call, fresh_length_us, growing_us,  # noqa: F401
+                             retime)  # (growing_us: the tests')
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Input sets per case at most (small shapes need many to span the L2).
@@ -137,40 +138,6 @@ def _args_of(s, cache):
     return (s["q"], s["k"], s["v"]) + ((s["mask"],) if cache in STATIC_KINDS else ())
 
 
-class Clock:
-    """How this run times a call: CUDA-graph replay on a GPU (``bench.common.time_us``), host time on the CPU.
-    A call that cannot be captured in a graph is timed eagerly (``do_bench``'s median) and ``last`` says so."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.last = "graph" if device == "cuda" else "host"
-
-    def time(self, fn: Callable[[], Any], calls: int) -> float:
-        from .common import host_us, time_us
-
-        if self.device != "cuda":
-            return host_us(fn, iters=max(2, calls), repeats=3, warmup=1, sync=lambda: None)
-        try:
-            self.last = "graph"
-            return time_us(fn, "graph", min_calls=calls)
-        except RuntimeError as exc:
-            import torch
-
-            torch.cuda.synchronize()
-            self.last = f"eager (graph capture failed: {_error(exc)[:120]})"
-            return time_us(fn, "eager")
-
-    def sync(self) -> None:
-        if self.device == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-
-
-def _error(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-
-
 def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: str,
                    inner: str | None = None, keep: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
     """``optimize(_attend)`` with ``ATTNOPT_TUNE=tune`` (inner backend ``inner``, default ``--inner-backend``):
@@ -204,6 +171,13 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
             row["tuning"] = tuning_records(before, TuningCache().load())
             row["tune_s"] = round(sum(r.get("tune_s") or 0.0 for r in row["tuning"]), 3)
         row["rel_err"] = rel_err(out.float(), ref)
+        if clock.device == "cuda":
+            # the first call ran eagerly (pointer tiles); the timing replays what a captured graph runs (TMA tiles):
+            # that variant's output is checked too (a wrong kernel that only the timed variant reached went unseen)
+            from attnopt.runtime.kernels.common import tma_as_captured
+
+            with tma_as_captured():
+                row["rel_err_captured"] = rel_err(opt(*_args_of(sets[0], case[6])).float(), ref)
         report = attnopt.last_plans(opt)
         site = report.rewritten[0] if report.rewritten else (report.sites[0] if report.sites else None)
         if site is not None:
@@ -221,47 +195,6 @@ def _optimized_row(base, method, sets, case, ref, clock, args, hw_name, tune: st
     except Exception as exc:  # report and go on: one failing case must not lose the run
         row["error"] = _error(exc)
     return row
-
-
-def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
-    """The measurements a case added to the tuning cache (``after`` less ``before``, two ``TuningCache.load()``), in
-    short: the timed KV length, whether it stands for a bucket, the winner and each candidate's µs (or why it has
-    none) by ``describe()``, the near-tied candidates' µs at other lengths (a bucket's ends, a static cache's low
-    fill), the rounds, the seconds it took and of those the warm-up's (the compiles), whether it was a bucket past
-    the compile deadline (``late``: only what was compiled timed), and a growing cache's cuDNN call at a new length
-    against a known one (``fresh_length_us``: [new µs, known µs]). Sorted by length."""
-    import json
-
-    from attnopt.plan import plan_from_dict, plan_from_json
-
-    def name(key: str) -> str:
-        try:
-            return plan_from_json(key).describe()
-        except (TypeError, ValueError):
-            return key
-
-    out = []
-    for key, record in after.items():
-        if key in before:
-            continue
-        shape = json.loads(key).get("shape", {})
-        timings = record.get("timings", {})
-        out.append({"kv_len": shape.get("kv_len"), "bucketed": shape.get("bucketed"),
-                    "winner": plan_from_dict(record["winner"]).describe() if "winner" in record else None,
-                    "measured_us": record.get("measured_us"), "rounds": record.get("rounds"),
-                    "tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
-                    "late": bool(record.get("late")),
-                    "fresh_length_us": {name(k): v for k, v in (record.get("fresh_length_us") or {}).items()},
-                    "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)},
-                    "near_tie_us": {n: {name(k): v for k, v in by.items()}
-                                    for n, by in (record.get("span_us") or {}).items()}})
-    return sorted(out, key=lambda r: (r["kv_len"] or 0))
-
-
-def _fastest_first(item: tuple[str, Any]) -> tuple[bool, float]:
-    value = item[1]
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return (not number, float(value) if number else 0.0)
 
 
 def _peer_rows(base, case, sets, ref, scale, clock, args,

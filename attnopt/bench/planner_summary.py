@@ -12,15 +12,26 @@ from .planner_timing import growing_us
 REL_ERR_OK = 2e-2
 
 
+def row_error(row: dict[str, Any]) -> float | None:
+    """A row's relative error: the worse of its first call's (``rel_err``) and, where measured, that of the variant
+    the timing replays (``rel_err_captured``); None when not measured."""
+    errors = [row[k] for k in ("rel_err", "rel_err_captured") if row.get(k) is not None]
+    return max(errors) if errors else None
+
+
 def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One case's summary: our rows against the best peer (ratio = best peer µs / ours; >= 1 is faster)."""
-    ok = [r for r in rows if r.get("us") and r.get("rel_err", 1.0) < REL_ERR_OK]
+    ok = [r for r in rows if r.get("us") and (row_error(r) if row_error(r) is not None else 1.0) < REL_ERR_OK]
     peers = [r for r in ok if r["peer"]]
     ours = {r["method"]: r for r in rows if not r["peer"]}
     planner = ours.get("attnopt:planner", {})
     s = {"case": case_name, "cache": case[6], "plan": planner.get("plan"), "choice": planner.get("choice"),
          "compile_s": planner.get("compile_s"), "tune_s": planner.get("tune_s"), "attnopt_us": planner.get("us"),
          "frac_of_roofline": planner.get("frac_of_roofline"), "error": planner.get("error")}
+    # an attnopt row whose output is off: the worst result this bench can show, never only a missing ratio
+    wrong = {m: row_error(r) for m, r in ours.items() if row_error(r) is not None and not row_error(r) < REL_ERR_OK}
+    if wrong:
+        s["wrong_answer"] = {m: {"rel_err": e, "plan": ours[m].get("plan")} for m, e in wrong.items()}
     if not peers:
         return s
     best = min(peers, key=lambda r: r["us"])
@@ -49,7 +60,8 @@ def summarize(case_name: str, case, rows: list[dict[str, Any]]) -> dict[str, Any
 
 def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Over the cases with a ratio: min, geometric mean, the count >= 0.99 and the worst case, for the tuned pick
-    and the model's (``model_*``); the static-cache check; first-call seconds."""
+    and the model's (``model_*``); the attnopt rows whose output is off (``wrong_answers``, ``wrong``: case and
+    method -> rel err and plan); the static-cache check; first-call seconds."""
     out: dict[str, Any] = {"cases": len(summaries)}
     for key, prefix in (("ratio_to_best_peer", ""), ("model_ratio_to_best_peer", "model_"),
                         ("growing_ratio_to_best_peer", "growing_")):
@@ -60,6 +72,10 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         out.update({f"{prefix}with_ratio": len(ratios), f"{prefix}min_ratio": ratios[worst],
                     f"{prefix}worst_case": worst, f"{prefix}geomean_ratio": geomean(ratios.values()),
                     f"{prefix}at_least_0_99": sum(r >= 0.99 for r in ratios.values())})
+    wrong = {f"{s['case']} {m}": w for s in summaries for m, w in (s.get("wrong_answer") or {}).items()}
+    out["wrong_answers"] = len(wrong)
+    if wrong:
+        out["wrong"] = wrong
     static = [s for s in summaries if s.get("speedup_vs_sdpa_full_cache")]
     if static:
         out["static_speedup_vs_sdpa_full_cache_min"] = min(s["speedup_vs_sdpa_full_cache"] for s in static)
@@ -87,6 +103,8 @@ def print_summary(results: dict[str, Any]) -> None:
         ("compile_s", "first s", ".1f"), ("tune_s", "tune s", ".1f"), ("speedup_vs_sdpa_full_cache", "vs full", ".1f"),
         ("choice", "choice", ""),
         ("plan", "plan", ""), ("error", "error", "")]))
+    for name, w in ((results.get("overall") or {}).get("wrong") or {}).items():
+        print(f"WRONG ANSWER {name}: rel err {w['rel_err']:.3g} (over {REL_ERR_OK:g}), plan {w.get('plan')}")
     print("\noverall:", results.get("overall"), "skipped:", len(results.get("skipped_cases", [])))
 
 
@@ -115,3 +133,44 @@ def merge(paths: list[str]) -> dict[str, Any]:
     out["skipped_cases"] = [c for d in parts for c in d.get("skipped_cases", [])]
     out["overall"] = overall(out["summary"])
     return out
+
+
+def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measurements a case added to the tuning cache (``after`` less ``before``, two ``TuningCache.load()``), in
+    short: the timed KV length, whether it stands for a bucket, the winner and each candidate's µs (or why it has
+    none) by ``describe()``, the near-tied candidates' µs at other lengths (a bucket's ends, a static cache's low
+    fill), the rounds, the seconds it took and of those the warm-up's (the compiles), whether it was a bucket past
+    the compile deadline (``late``: only what was compiled timed), and a growing cache's cuDNN call at a new length
+    against a known one (``fresh_length_us``: [new µs, known µs]). Sorted by length."""
+    import json
+
+    from attnopt.plan import plan_from_dict, plan_from_json
+
+    def name(key: str) -> str:
+        try:
+            return plan_from_json(key).describe()
+        except (TypeError, ValueError):
+            return key
+
+    out = []
+    for key, record in after.items():
+        if key in before:
+            continue
+        shape = json.loads(key).get("shape", {})
+        timings = record.get("timings", {})
+        out.append({"kv_len": shape.get("kv_len"), "bucketed": shape.get("bucketed"),
+                    "winner": plan_from_dict(record["winner"]).describe() if "winner" in record else None,
+                    "measured_us": record.get("measured_us"), "rounds": record.get("rounds"),
+                    "tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
+                    "late": bool(record.get("late")),
+                    "fresh_length_us": {name(k): v for k, v in (record.get("fresh_length_us") or {}).items()},
+                    "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)},
+                    "near_tie_us": {n: {name(k): v for k, v in by.items()}
+                                    for n, by in (record.get("span_us") or {}).items()}})
+    return sorted(out, key=lambda r: (r["kv_len"] or 0))
+
+
+def _fastest_first(item: tuple[str, Any]) -> tuple[bool, float]:
+    value = item[1]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (not number, float(value) if number else 0.0)

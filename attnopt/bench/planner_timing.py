@@ -1,11 +1,45 @@
-"""How ``attnopt bench planner`` times what one measurement cannot settle: the pick and the closest peers timed again
-in alternating order (``retime``), and a growing cache's cost per step where a backend builds something per KV length
-(``fresh_length_us``, ``growing_us``)."""
+"""How ``attnopt bench planner`` times: a call by CUDA-graph replay (``Clock``), what one measurement cannot settle: the
+pick and the closest peers timed again in alternating order (``retime``), and a growing cache's cost per step where a
+backend builds something per KV length (``fresh_length_us``, ``growing_us``)."""
 from __future__ import annotations
 
 import statistics
 import time
 from typing import Any, Callable
+
+
+class Clock:
+    """How this run times a call: CUDA-graph replay on a GPU (``bench.common.time_us``), host time on the CPU.
+    A call that cannot be captured in a graph is timed eagerly (``do_bench``'s median) and ``last`` says so."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.last = "graph" if device == "cuda" else "host"
+
+    def time(self, fn: Callable[[], Any], calls: int) -> float:
+        from .common import host_us, time_us
+
+        if self.device != "cuda":
+            return host_us(fn, iters=max(2, calls), repeats=3, warmup=1, sync=lambda: None)
+        try:
+            self.last = "graph"
+            return time_us(fn, "graph", min_calls=calls)
+        except RuntimeError as exc:
+            import torch
+
+            torch.cuda.synchronize()
+            self.last = f"eager (graph capture failed: {_error(exc)[:120]})"
+            return time_us(fn, "eager")
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 def fresh_length_us(call_on: Callable[[dict[str, Any]], Callable[[], Any]], s: dict[str, Any],

@@ -24,10 +24,12 @@ def predict_us(site: AttentionSite, plan: Plan, hw: HardwareProfile, valid_len: 
     slot and masks; the attnopt kernels read only the valid prefix, so they are predicted at ``valid_len``."""
     if isinstance(plan, DensePlan):
         return kernel_cost.dense_us(site, hw)
+    # the grid of a split-KV plan that follows the cache's length is sized by its slots, not by the valid keys
+    splits = plan.splits_at(site.effective_kv_len or 1) if isinstance(plan, SplitKVPlan) else 0
     if valid_len is not None:
         site = dataclasses.replace(site, kv_len=int(valid_len))
     if isinstance(plan, SplitKVPlan):
-        return kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
+        return kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages)
     if isinstance(plan, StreamKPlan):
         return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps, plan.num_stages)
     raise ValueError(f"the kernel cost model has no formula for plan kind {plan.kind!r}; "

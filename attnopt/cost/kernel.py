@@ -19,9 +19,11 @@ wider dtype is never predicted faster (``tests/attnopt/test_cost.py``).
 
 **Runtime rule for symbolic lengths.** A plan fixes the grid (``num_splits`` or ``grid``) and ``block_n``;
 the kernel derives each program's share from the valid length on the device (split ``s`` covers tiles
-``[s * ceil(T / S), (s + 1) * ceil(T / S))`` of ``T = ceil(valid_len / block_n)``; stream-K program ``p``
+``[s * T // S, (s + 1) * T // S)`` of ``T = ceil(valid_len / block_n)``; stream-K program ``p``
 covers work units ``[p * ceil(U / P), ...)``). This costs nothing on the host and stays correct under
-CUDA-graph replay as the cache grows. ``best_split_kv`` and ``best_stream_k`` pick the grid that is best
+CUDA-graph replay as the cache grows. A split-KV plan with ``tiles_per_split`` sizes its grid by the cache's
+length, a host integer, at each call (``SplitKVPlan.splits_at``); the estimates take the grid of the length.
+``best_split_kv`` and ``best_stream_k`` pick the grid that is best
 over the range of lengths a symbolic site is expected to see (``planning_lengths``).
 
 The byte counts (K/V, mask, query and output, softmax states, one tile) and the roofline are in ``traffic``.

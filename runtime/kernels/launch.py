@@ -13,7 +13,12 @@ compilation exactly:
 * level 2: the same with each scalar replaced by its Triton specialisation (an int equal to 1 is a constant;
   other ints are 32- or 64-bit by range and flagged when divisible by 16; floats and bools are not
   specialised). A dynamic cache, whose length and strides change every step, lands here: no recompilation
-  and no binder, only the specialisation of the scalars.
+  and no binder, only the specialisation of the scalars. A ``tl.constexpr`` parameter passed by position (the
+  decode kernels' head dims ``D`` and ``DV``) is compiled into the kernel: it keys by its value at both levels.
+  (Keyed by its specialisation, D=80, 96 and 128, all multiples of 16, shared the kernel compiled first for any
+  of them where the launch was otherwise alike (the same padded BLOCK_D): on the H100 the planner bench, one
+  process over many shapes, returned rel err 1.04 at D=96 and 0.68 at D=80, and a sweep every D=128 launch wrong
+  after the D=80 ones, main 6c52fb6.)
 
 Only a miss at both levels goes through ``kernel[grid](...)``, which compiles (or finds) the kernel and
 launches it. Launches go straight to the compiled kernel's launcher on the current device's current stream,
@@ -64,6 +69,19 @@ def _ptr_key(a: Any):
     raise TypeError(f"not a pointer argument: {type(a).__name__}")
 
 
+def constexpr_positions(fn) -> tuple[int, ...]:
+    """Indices of ``fn``'s ``tl.constexpr`` parameters: from Triton's parameters where it has them, else (the
+    interpreter's function) from the annotations of the Python function (strings under postponed evaluation)."""
+    params = getattr(fn, "params", None)
+    if params:
+        return tuple(i for i, p in enumerate(params) if getattr(p, "is_constexpr", False))
+    import inspect
+
+    py = getattr(fn, "fn", fn)
+    return tuple(i for i, p in enumerate(inspect.signature(py).parameters.values())
+                 if "constexpr" in str(p.annotation))
+
+
 def _hooks_active() -> bool:
     try:
         from triton import knobs
@@ -93,6 +111,8 @@ class KernelLauncher:
         self.n_ptr = next((i for i, n in enumerate(names) if not n.endswith(("_ptr", "_desc"))), len(names))
         params = getattr(fn, "params", None) or []
         self._defaults = {p.name: p.default for p in params if getattr(p, "has_default", False)}
+        #: Positions (among the scalars, after the pointers) of the ``tl.constexpr`` parameters: keyed by value.
+        self.constexpr_scalars = tuple(i - self.n_ptr for i in constexpr_positions(fn) if i >= self.n_ptr)
         self._exact: dict = {}
         self._by_spec: dict = {}
         self.direct = 0  # launches through a remembered kernel (either level)
@@ -112,7 +132,7 @@ class KernelLauncher:
         key1 = (device, grid3, meta, ptrs, scalars)
         entry = self._exact.get(key1)
         if entry is None:
-            spec = tuple([scalar_spec(x) for x in scalars])
+            spec = self.scalar_key(scalars)
             if None in spec:  # an argument this launcher cannot key: Triton's path, nothing remembered
                 self.jit += 1
                 return self.fn[grid](*args, **kwargs)
@@ -133,6 +153,15 @@ class KernelLauncher:
         self.direct += 1
         run(grid3[0], grid3[1], grid3[2], _current_stream(device), function, packed, None, None, None, *args, *rest)
         return compiled
+
+    def scalar_key(self, scalars: tuple) -> tuple:
+        """The level-2 key of the scalar arguments: Triton's specialisation of each (``scalar_spec``; None where it
+        has none), a positional constexpr's own value."""
+        spec = [scalar_spec(x) for x in scalars]
+        for i in self.constexpr_scalars:
+            if i < len(spec) and spec[i] is not None:
+                spec[i] = ("constexpr", scalars[i])
+        return tuple(spec)
 
     def _remember(self, key1: tuple, entry: tuple) -> None:
         if len(self._exact) >= MAX_EXACT:

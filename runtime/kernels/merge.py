@@ -18,7 +18,9 @@ from .common import next_pow2, pdl_supported
 from .launch import KernelLauncher
 
 
-@triton.jit
+# P unspecialised: a split-KV grid that follows the cache's length merges a different count at a new length, which
+# must not compile another kernel in the middle of a generation (a count divisible by 16 would)
+@triton.jit(do_not_specialize=["P"])
 def _merge_states_kernel(
     o_parts_ptr,  # (P, R, Dv) fp32 partial outputs (normalised within each partition)
     lse_parts_ptr,  # (P, R) fp32 partial natural-log LSEs (HAS_LOG_L: row maxima); -inf marks an empty partition
@@ -88,7 +90,7 @@ _MERGE_LAUNCH = KernelLauncher(_merge_states_kernel)
 
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
                  lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None, pdl: bool = False,
-                 log_l_parts: torch.Tensor | None = None):
+                 log_l_parts: torch.Tensor | None = None, max_parts: int | None = None):
     """Merge P softmax states along dim 0.
 
     Parameters
@@ -103,6 +105,9 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
         ``gdc_launch_dependents``); ignored where unsupported.
     log_l_parts : (P, ...) fp32 natural ``log l`` of each partition, with ``lse_parts`` then holding the row
         maxima ``m`` (lse = m + log l); see ``reference.merge_states``.
+    max_parts : the most partitions this call site ever merges (default P): the kernel's partitions per step are
+        sized by it, so that a count varying below it (a split-KV grid that follows the cache's length) launches
+        the same compiled kernel.
 
     Returns
     -------
@@ -130,7 +135,7 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
         return out, (lse_out if write_lse else None)
     block_dv = max(16, next_pow2(Dv))
     # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
-    block_p = max(2, min(next_pow2(P), max(2, 8192 // block_dv)))
+    block_p = max(2, min(next_pow2(max(P, max_parts or P)), max(2, 8192 // block_dv)))
     _MERGE_LAUNCH(
         (R,), o3, l2, ll2, out2, l_out, *o3.stride(), *l2.stride(), *ll2.stride(), *out2.stride(),
         l_out.stride(0) if write_lse else 0, lse_out.stride(0) if planes else 0,

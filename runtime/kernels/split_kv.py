@@ -26,7 +26,9 @@ from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
 
 
-@triton.jit
+# NUM_SPLITS unspecialised: a plan whose grid follows the cache's length (SplitKVPlan.tiles_per_split) changes it
+# between steps, and a split count divisible by 16 would otherwise compile another kernel in the middle of a generation
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr,  # Q (B, Hq, L, D); K (B, Hkv, N, D); V (B, Hkv, N, Dv): any strides
     k_desc, v_desc,  # USE_TMA: tensor descriptors of K and V (block (1, 1, BLOCK_N, BLOCK_D or D_LO)); else K/V again
@@ -205,7 +207,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         fp32 tensor instead receives the row max (plane 0) and log l (plane 1) apart, natural log (-inf for a row
         with no visible key), for a later merge that must keep them apart (``merge.merge_states``'s
         ``log_l_parts``); the merge then runs as a second launch (``fused_merge`` is ignored).
-    workspace : the triple from ``split_kv_workspace``; needed when S > 1 (allocated here when None).
+    workspace : the triple from ``split_kv_workspace``; needed when S > 1 (allocated here when None). It may hold
+        more splits than ``num_splits`` (a grid that follows the cache's length): the first S are used.
     attn_mask : bool (True = attend) or additive, broadcastable to (B, Hq, L, N); valid_len : (B,) int tensor.
     key_start : (B,) int tensor or None: keys before ``key_start[b]`` do not exist for row b (a sliding window);
         the splits share only the keys [key_start, valid_len), read on device, so a captured graph follows it.
@@ -253,6 +256,11 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         if workspace is None:
             workspace = split_kv_workspace(num_splits, q, k, v)
         ws_o, ws_lse, counters = workspace
+        rows = ws_o.shape[0]
+        if rows < num_splits:
+            raise ValueError(f"split_kv_decode: the workspace holds {rows} splits, fewer than num_splits="
+                             f"{num_splits}")
+        ws_o, ws_lse = ws_o[:num_splits], ws_lse[:, :num_splits]  # views: no allocation, graph-safe
         if fused and ws_o.numel() >= 2**31:
             raise ValueError("fused split-KV merge needs a workspace under 2**31 elements")
         o_t, l_t = ws_o, ws_lse
@@ -287,5 +295,5 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     )
     if two_launches:
         merge_states(ws_o, ws_lse[0], out=out, lse_out=lse if lse is not None else False, pdl=pdl,
-                     log_l_parts=ws_lse[1])
+                     log_l_parts=ws_lse[1], max_parts=rows)
     return out, lse

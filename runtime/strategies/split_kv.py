@@ -79,6 +79,10 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
 TILES_PER_SMALL_SPLIT = 4
 MAX_SMALL_PROGRAMS_PER_SM = 32
 
+#: A split-KV grid that follows the cache's length (``split_counts``) grows to at most this many times the tiles
+#: (or small splits) of the planned length.
+FOLLOW_RANGE = 2
+
 #: Shared memory a config may plan for (Hopper has 227 KB per block; leave room for Triton's own buffers).
 SMEM_BUDGET = 200 * 1024
 
@@ -186,6 +190,43 @@ class SplitKVState:
     workspace: tuple[Tensor, Tensor, Tensor] | None
 
 
+def split_counts(site: AttentionSite, hw: HardwareProfile, block_n: int, warps: int, stages: int,
+                 chunks: bool = False) -> list[tuple[int, int]]:
+    """(``num_splits``, ``tiles_per_split``) of the split-KV candidates of one kernel config, in the order they are
+    planned: grids of one program per SM and of half a wave, a wave and two waves of resident programs (one split
+    when the batch and heads alone fill it), then small splits of ``TILES_PER_SMALL_SPLIT`` tiles (at most
+    ``MAX_SMALL_PROGRAMS_PER_SM`` programs per SM).
+
+    The grid follows the cache's length at run time (``SplitKVPlan.splits_at``) where that is how the candidate is
+    sized: never more splits than KV tiles (``tiles_per_split=1``: a wave-sized grid over fewer tiles gets one per
+    split), and the small splits keep their tiles (``tiles_per_split=TILES_PER_SMALL_SPLIT``). So a plan tuned at one
+    length of a growing cache runs as the candidate planned at another would: on the H100 (e052280) the bucket
+    (1024, 2048] of B=8, 4/2 heads, D=80 tuned 12 splits of one 128-key tile at 1472 keys and ran 16 tiles at 2048 in
+    12 splits, 4 of them of two tiles (11.14 µs against cuDNN's 10.46). Wave-sized grids come largest first, so that
+    of those the tiles cap alike at the planned length the one that keeps one tile per split furthest is planned.
+
+    Only where the site has no mask: a sliding window's band does not grow with the cache, and a static cache's
+    keys are its valid ones, which the tuner times as a shorter cache (a grid sized by the length would differ
+    there from the run's); their grids stay fixed (``tiles_per_split=0``) and capped by the tiles."""
+    base = output_tiles(site)
+    slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks)
+    adapt = site.window is None and site.mask_kind == "none"
+    waves = sorted({max(1, round(t / base)) for t in (hw.sm_count, slots / 2, slots, 2 * slots)}, reverse=True)
+    max_splits = max(1, -(-planned_len(site) // block_n))
+    # a grid follows the length up to FOLLOW_RANGE times the planned one (a bucket spans sqrt(2) either side of its
+    # middle): the workspace, sized for the most splits, stays within that of the planned grid times FOLLOW_RANGE
+    out = [(min(s, FOLLOW_RANGE * max_splits), 1) if adapt and s > 1 else (s, 0) for s in waves]
+    out = [(s, m if s > 1 else 0) for s, m in out]
+    cap = max(1, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))
+    if adapt and cap > 1:
+        out.append((max(2, min(cap, FOLLOW_RANGE * (max_splits // TILES_PER_SMALL_SPLIT))), TILES_PER_SMALL_SPLIT))
+    else:
+        out.append((max(1, min(max_splits, max_splits // TILES_PER_SMALL_SPLIT, cap)), 0))
+    if not adapt:  # fixed grids: never more splits than tiles at the planned length
+        out = [(max(1, min(max_splits, s)), 0) for s, _ in out]
+    return out
+
+
 class KernelStrategy(Strategy[P]):
     """What the split-KV and stream-K strategies share: the applicability check, and ``run`` / ``run_states``,
     which on tensors the kernels do not take (``use_triton``) run the reference's partition-and-merge over
@@ -197,7 +238,8 @@ class KernelStrategy(Strategy[P]):
     def check(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> str | None:
         return kernel_check(site, ctx)
 
-    def cpu_partitions(self, plan: P) -> int:
+    def cpu_partitions(self, plan: P, n_keys: int) -> int:
+        """Partitions the CPU reference cuts ``n_keys`` keys into (the kernel's split count there)."""
         raise NotImplementedError
 
     def _launch(self, state, plan: P, q, k, v, attn_mask, valid_len, scale, is_causal, out, lse, *, key_start=None,
@@ -212,7 +254,7 @@ class KernelStrategy(Strategy[P]):
             from ..reference import decode_attention
 
             return decode_attention(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                    is_causal=is_causal, num_partitions=self.cpu_partitions(plan),
+                                    is_causal=is_causal, num_partitions=self.cpu_partitions(plan, k.shape[2]),
                                     key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes)
         out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
         self._launch(state, plan, q, k, v, attn_mask, valid_len, scale, is_causal, out, None, key_start=key_start,
@@ -225,7 +267,7 @@ class KernelStrategy(Strategy[P]):
             from ..reference import decode_attention_states
 
             return decode_attention_states(q, k, v, attn_mask=attn_mask, valid_len=valid_len, scale=scale,
-                                           is_causal=is_causal, num_partitions=self.cpu_partitions(plan),
+                                           is_causal=is_causal, num_partitions=self.cpu_partitions(plan, k.shape[2]),
                                            split_lse=split_lse, key_start=key_start, softcap=softcap,
                                            alibi_slopes=alibi_slopes)
         out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=torch.float32)
@@ -237,8 +279,8 @@ class KernelStrategy(Strategy[P]):
 
 @register_strategy(SplitKVPlan)
 class SplitKV(KernelStrategy[SplitKVPlan]):
-    def cpu_partitions(self, plan: SplitKVPlan) -> int:
-        return plan.num_splits
+    def cpu_partitions(self, plan: SplitKVPlan, n_keys: int) -> int:
+        return plan.splits_at(n_keys)
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[SplitKVPlan]:
         """Split counts that give one program per SM, and half a wave, one wave and two waves of resident
@@ -250,24 +292,20 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         (D=80/96), the configs of tiles >= CHUNK_MIN_BLOCK_N come again with ``head_chunks`` (sized by their own
         shared memory), each estimated just behind its padded twin, for measurement to choose."""
         n = planned_len(site)
-        base = output_tiles(site)
         seen = set()
         for chunks in (False, True) if chunk_twins(site) else (False,):
             for block_n, warps, stages in fitting_configs(site, chunks):
                 if chunks and block_n < CHUNK_MIN_BLOCK_N:
                     continue
-                slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks)
-                max_splits = max(1, -(-n // block_n))
-                many = min(max_splits // TILES_PER_SMALL_SPLIT, round(MAX_SMALL_PROGRAMS_PER_SM * hw.sm_count / base))
-                for target in (hw.sm_count, slots / 2, slots, 2 * slots, max(1, many) * base):
-                    splits = max(1, min(max_splits, round(target / base)))
-                    key = (splits, block_n, warps, stages, chunks)
-                    if key not in seen:
+                for splits, per_split in split_counts(site, hw, block_n, warps, stages, chunks):
+                    # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
+                    # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
+                    plan = SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
+                                       tma=True, head_chunks=chunks, tiles_per_split=per_split)
+                    key = (plan.splits_at(n), block_n, warps, stages, chunks)
+                    if key not in seen:  # plans that run alike at the planned length are timed once
                         seen.add(key)
-                        # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
-                        # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
-                        yield SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
-                                          tma=True, head_chunks=chunks)
+                        yield plan
         pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
@@ -276,7 +314,8 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                                   tma=True)
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
-        us = kernel_cost.split_kv_us(site, hw, plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages)
+        splits = plan.splits_at(planned_len(site))
+        us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages)
         # the model does not see what the head chunks change (measured from 16 % faster to 8 % slower): a chunked
         # plan ranks just behind its padded twin, so that only a measurement chooses one
         return us * (1 + CHUNK_ESTIMATE_PENALTY) if plan.head_chunks and chunk_twins(site) else us
@@ -296,7 +335,7 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
 
         workspace = state.workspace if state is not None else None
         split_kv_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
-                        scale=scale, is_causal=is_causal, num_splits=plan.num_splits, block_n=plan.block_n,
+                        scale=scale, is_causal=is_causal, num_splits=plan.splits_at(k.shape[2]), block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
                         tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes,
                         head_chunks=plan.head_chunks)

@@ -27,7 +27,7 @@ class StreamKState:
 
 @register_strategy(StreamKPlan)
 class StreamK(KernelStrategy[StreamKPlan]):
-    def cpu_partitions(self, plan: StreamKPlan) -> int:
+    def cpu_partitions(self, plan: StreamKPlan, n_keys: int) -> int:
         return CPU_PARTITIONS
 
     def candidates(self, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> Iterable[StreamKPlan]:

@@ -65,6 +65,28 @@ def test_summary_ratios_roofline_and_the_static_check():
     assert out["model_with_ratio"] == 1 and out["static_check"] == {"case": "static-4k-of-32k",
                                                                     "speedup": pytest.approx(5.5), "pass": True}
     assert out["compile_s_max"] == 3.0
+    assert out["wrong_answers"] == 0 and "wrong" not in out
+
+
+def test_wrong_answers_are_reported_not_only_left_without_a_ratio(capsys):
+    """The H100 grid at 6c52fb6 had two attnopt rows with rel err 1.04 and 0.68: their cases only lost a ratio. They
+    are now in the case's summary, counted overall, and printed."""
+    from attnopt.bench.planner import print_summary
+
+    case = G.NAMED["static-4k-of-32k"]
+    rows = [_row("attnopt:planner", 10.0, False, err=1.04, plan="split_kv(S8)"),
+            _row("attnopt:model", 12.0, False, err=2e-3, plan="split_kv(S4)"), _row("sdpa-cudnn", 60.0, True)]
+    s = summarize("lhs07", case, rows)
+    assert s["wrong_answer"] == {"attnopt:planner": {"rel_err": 1.04, "plan": "split_kv(S8)"}}
+    assert "ratio_to_best_peer" not in s and s["model_ratio_to_best_peer"] == pytest.approx(5.0)
+    out = overall([s])
+    assert out["wrong_answers"] == 1 and out["wrong"] == {"lhs07 attnopt:planner": s["wrong_answer"]["attnopt:planner"]}
+    print_summary({"summary": [s], "overall": out})
+    assert "WRONG ANSWER lhs07 attnopt:planner: rel err 1.04" in capsys.readouterr().out
+    # right on the first (eager) call, wrong in the variant the timing replays: wrong too
+    rows = [_row("attnopt:planner", 10.0, False, err=2e-3, rel_err_captured=0.7), _row("sdpa-cudnn", 60.0, True)]
+    s = summarize("x", case, rows)
+    assert s["wrong_answer"]["attnopt:planner"]["rel_err"] == 0.7 and "ratio_to_best_peer" not in s
 
 
 def test_needs_a_gpu_without_smoke(monkeypatch, capsys):

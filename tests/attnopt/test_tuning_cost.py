@@ -56,13 +56,13 @@ def test_the_most_parallel_split_kv_plan_is_always_a_candidate():
     """At a short KV the one-tile-per-split plan (SmolLM2's 1k site: 17 splits of one 64-key tile) is timed even when
     the top estimates and the further families leave it out."""
     ranked = _ranked(SMOL_1K)
-    widest = tuning.most_parallel([p for p in ranked if p.kind != "dense"])
-    assert isinstance(widest, SplitKVPlan) and (widest.num_splits, widest.block_n) == (17, 64)
+    widest = tuning.most_parallel([p for p in ranked if p.kind != "dense"], SMOL_1K.kv_len)
+    assert isinstance(widest, SplitKVPlan) and (widest.splits_at(SMOL_1K.kv_len), widest.block_n) == (17, 64)
     assert widest.runtime_key() != ranked[0].runtime_key()
     for top_k, extra in ((tuning.DEFAULT_TOP_K, tuning.DEFAULT_EXTRA_FAMILIES), (1, 0)):
-        keys = [p.runtime_key() for p in tuning.to_time(ranked, top_k, extra)]
+        keys = [p.runtime_key() for p in tuning.to_time(ranked, top_k, extra, n_keys=SMOL_1K.kv_len)]
         assert widest.runtime_key() in keys and len(keys) == len(set(keys))
-    assert len(tuning.to_time(ranked, 1, 0)) == 3  # the model's pick, cuDNN, the most parallel plan
+    assert len(tuning.to_time(ranked, 1, 0, n_keys=SMOL_1K.kv_len)) == 3  # the model's pick, cuDNN, the widest
     assert tuning.most_parallel([p for p in ranked if p.kind == "dense"]) is None
 
 
@@ -71,10 +71,10 @@ def test_configurations_come_before_second_grids(site):
     """Timing order: the model's pick, SDPA, the most parallel plan, one plan per configuration, then further grids
     of a configuration already timed (no new configuration after the first repeat)."""
     ranked = _ranked(site)
-    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
+    plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K, n_keys=site.kv_len)
     dense = [p for p in plans if p.kind == "dense"]
     assert plans[0].runtime_key() == ranked[0].runtime_key() and all(p.kind == "dense" for p in plans[1:1 + len(dense)])
-    widest = tuning.most_parallel([p for p in ranked if p.kind != "dense"])
+    widest = tuning.most_parallel([p for p in ranked if p.kind != "dense"], site.kv_len)
     assert plans[1 + len(dense)].runtime_key() == widest.runtime_key()
     families = [tuning._family(p) for p in plans if p.kind != "dense"]
     repeats = [i for i, f in enumerate(families) if f in families[:i]]
@@ -93,7 +93,7 @@ def test_the_budget_reaches_the_most_parallel_plan(cache, monkeypatch):
     timer = Clocked(lambda p, s: 5.0, now, cost_s=1.0)
     choice = Tuner(timer, cache, env=ENV, budget_s=4.0).choose(SMOL_1K, ranked)
     timed = [k for k, _ in timer.calls]
-    assert plans[2].runtime_key() in timed and (plans[2].num_splits, plans[2].block_n) == (17, 64)
+    assert plans[2].runtime_key() in timed and (plans[2].splits_at(SMOL_1K.kv_len), plans[2].block_n) == (17, 64)
     by_estimate = [p.runtime_key() for p in ranked if p.kind != "dense"]
     assert by_estimate.index(plans[2].runtime_key()) == 4
     assert len(set(timed)) == 5 and sum(str(v).startswith("skipped") for v in choice.timings.values()) == 2
@@ -180,11 +180,12 @@ def test_buckets_are_tuned_from_the_hint_outwards_within_one_shared_budget(cache
 
 
 def test_compile_keys_ignore_the_grid_but_not_what_triton_specializes():
-    """Split counts apart from 1 and multiples of 16 share kernels; block size, warps, stages, TMA do not."""
+    """Split counts apart from 1 share kernels (the split count is not specialised: a grid that follows the cache's
+    length changes it between steps), as do grids that follow the length; block size, warps, stages, TMA do not."""
     def key(**kw):
         return tuning.compile_key(SplitKVPlan(**{"num_splits": 5, "block_n": 64, **kw}))
-    assert key(num_splits=5) == key(num_splits=7) != key(num_splits=1)
-    assert key(num_splits=16) == key(num_splits=32) != key(num_splits=5)
+    assert key(num_splits=5) == key(num_splits=7) == key(num_splits=16) != key(num_splits=1)
+    assert key(tiles_per_split=1) == key(tiles_per_split=4) == key()
     assert len({key(), key(block_n=128), key(num_warps=8), key(num_stages=3), key(tma=True)}) == 5
     from attnopt.plan import StreamKPlan
 

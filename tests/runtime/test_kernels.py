@@ -438,6 +438,40 @@ def test_launcher_pointer_keys():
         _ptr_key(object())
 
 
+def test_launcher_keys_positional_constexprs_by_value():
+    """A ``tl.constexpr`` passed by position (the decode kernels' ``D``, ``DV``) is compiled into the kernel: the
+    level-2 key holds its value. Keyed by Triton's specialisation of an int, D=80, 96 and 128 (multiples of 16)
+    shared one compiled kernel where the rest of the launch matched (the same padded BLOCK_D): wrong outputs on the
+    H100 (main 6c52fb6: planner bench rel err 1.04 at D=96, 0.68 at D=80; every D=128 launch of a sweep after its
+    D=80 ones)."""
+    import inspect
+
+    from attnopt.runtime.kernels import merge, split_kv, stream_k
+    from attnopt.runtime.kernels.launch import KernelLauncher, constexpr_positions
+
+    for launcher in (split_kv._SPLIT_KV_LAUNCH, stream_k._STREAM_K_LAUNCH, merge._MERGE_LAUNCH):
+        fn = launcher.fn
+        names = list(inspect.signature(getattr(fn, "fn", fn)).parameters)
+        wanted = [i for i, n in enumerate(names) if "constexpr" in str(
+            inspect.signature(getattr(fn, "fn", fn)).parameters[n].annotation)]
+        assert list(constexpr_positions(fn)) == wanted
+    ks = split_kv._SPLIT_KV_LAUNCH
+    names = list(inspect.signature(getattr(ks.fn, "fn", ks.fn)).parameters)[ks.n_ptr:]
+    d, dv = names.index("D"), names.index("DV")
+    assert {d, dv} <= set(ks.constexpr_scalars) and names.index("N") not in ks.constexpr_scalars
+    scalars = [7] * len(names)
+    keys = set()
+    for head_dim in (80, 96, 128):
+        scalars[d] = scalars[dv] = head_dim
+        keys.add(ks.scalar_key(tuple(scalars)))
+    assert len(keys) == 3, "head dims 80/96/128 must not share a compiled kernel"
+    scalars[names.index("N")] = 4160  # a runtime int keys by its specialisation only
+    same = ks.scalar_key(tuple(scalars))
+    scalars[names.index("N")] = 4176
+    assert ks.scalar_key(tuple(scalars)) == same
+    assert isinstance(KernelLauncher(merge._merge_states_kernel).constexpr_scalars, tuple)
+
+
 @pytest.mark.cuda
 def test_direct_launches_are_exact():
     """The direct path serves repeated launches (level 1), new buffers and new lengths (level 2), and always
