@@ -8,8 +8,8 @@ For each context and method, it
    CUDA-graph recording) are timed apart as the first-call cost, the median of the rest is the step time;
 4. compares its greedy tokens with HF eager's from the same prefill;
 5. with ``--generate``, times ``generate()`` at two lengths, in ``--generate-repeats`` interleaved pairs, and reports
-   ms per token as the median of the pairs' differences (with their min and max: one noisy pair cannot decide), and
-   the host time of one decode forward call inside it (``generate_forward_host_ms``: guards, wrappers, the
+   ms per token as the median period from one decode forward call to the next inside them (with its min, max and
+   deciles; the pairs' differences beside it), and the host time of one decode forward call inside it (``generate_forward_host_ms``: guards, wrappers, the
    CUDA-graph replay's launch; ``turns.DecodeCallTimer``), where HF's path and attnopt's differ on the host.
 
 Methods:
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from .common import format_table, results_header, write_results
-from .e2e_profile import (attention_in_step, host_profile, profile_steps, standalone_attention_us,
-                          tuning_records)
+from .e2e_generate import OPTIMIZE_OPTIONS, _sync, finish, generate_phases, generate_row, two_phases  # noqa: F401
 from .e2e_parallel import isolated, print_row, run_parallel
-from .turns import DecodeCallTimer, compile_turn, gpu_turn, spread
+from .e2e_profile import attention_in_step, profile_steps, standalone_attention_us, tuning_records
+from .turns import compile_turn, gpu_turn
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -55,9 +55,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, head_dim=16, vocab_size=256, rope_theta=10000.0),
 }
 METHODS = ("hf-eager", "hf-compiled", "attnopt", "attnopt-ro", "attnopt-cg")
-#: ``attnopt.optimize`` options of the attnopt methods.
-OPTIMIZE_OPTIONS: dict[str, dict[str, Any]] = {"attnopt": {}, "attnopt-ro": {"mode": "reduce-overhead"},
-                                               "attnopt-cg": {"inner_backend": "cudagraphs"}}
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
 
@@ -136,29 +133,6 @@ def make_step(method: str, model):
     return step, opt
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def two_phases(phases) -> dict[str, Any]:
-    """Run a ``*_phases`` generator: its preparation (compiles: the shared turn) then its timing (the exclusive turn);
-    returns its row."""
-    with compile_turn():
-        next(phases)
-    with gpu_turn():
-        return finish(phases)
-
-
-def finish(phases) -> dict[str, Any]:
-    """The second phase of a prepared ``*_phases`` generator (timing, profiles): its row."""
-    try:
-        next(phases)
-    except StopIteration as done:
-        return done.value
-    raise RuntimeError("a phases generator yielded twice")
-
-
 def decode_row(args, model, method: str, context: int) -> dict[str, Any]:
     """Time ``args.steps`` decode steps of ``method`` after a prefill of ``context`` tokens."""
     return two_phases(decode_phases(args, model, method, context))
@@ -222,77 +196,6 @@ def decode_phases(args, model, method: str, context: int):
                 row.update(attention_in_step(row["profile"], len(report.rewritten), row["standalone_attention"]))
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timed row
                 row["profile"] = {"error": repr(e)[:500], "ops": {}, "kernels_per_step": None, "gpu_us_per_step": None}
-    return row
-
-
-def generate_row(args, model, method: str, context: int) -> dict[str, Any]:
-    """ms per token of ``generate()`` from the difference of two lengths (the prefill cancels out)."""
-    return two_phases(generate_phases(args, model, method, context))
-
-
-@torch.no_grad()
-def generate_phases(args, model, method: str, context: int):
-    """``generate_row`` in two phases (a generator, as ``decode_phases``): the compiling first calls, then the timed
-    calls and the host profile."""
-    import attnopt
-
-    kw: dict[str, Any] = {"do_sample": False, "cache_implementation": args.cache}
-    owner = model
-    if method == "hf-compiled":
-        from transformers import CompileConfig
-
-        kw["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
-        if args.device == "cpu":  # HF skips compiling on the CPU otherwise
-            kw["compile_config"]._compile_all_devices = True
-    elif method == "hf-eager":
-        kw["disable_compile"] = True
-    else:
-        owner = attnopt.optimize(model, **OPTIMIZE_OPTIONS[method])
-    torch.manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (1, context), device=args.device)
-    short, long = 8, 8 + args.generate_tokens
-    repeats = getattr(args, "generate_repeats", 6)
-    # the long call first: generate() keeps its static cache while a later call fits in it, so every timed call
-    # runs over the same cache (same shapes and addresses: no recompilation, no new CUDA-graph recording)
-    with compile_turn():
-        t0 = time.perf_counter()
-        owner.generate(ids, max_new_tokens=long, min_new_tokens=long, **kw)
-        first = time.perf_counter() - t0
-        owner.generate(ids, max_new_tokens=short, min_new_tokens=short, **kw)  # warm: every shape seen
-    yield
-    timer = DecodeCallTimer(owner, hf_compiles=method == "hf-compiled")
-    times: dict[int, list[float]] = {}
-    with gpu_turn():
-        gc.collect()
-        for n in (short, long) * repeats:  # interleaved repeats
-            _sync(args.device)
-            t0 = time.perf_counter()
-            with timer.record():
-                owner.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-            _sync(args.device)
-            times.setdefault(n, []).append(time.perf_counter() - t0)
-    timer.remove()
-    # per token: each repeat's long call minus its short call (the prefill cancels out); the median of the repeats
-    # decides, so one noisy repeat cannot, and the spread is reported
-    per_token = [1e3 * (b - a) / (long - short) for a, b in zip(times[short], times[long])]
-    ms = spread(per_token)
-    row = {"method": method, "context": context, "cache": args.cache, "generate_ms_per_token": ms["median"],
-           "generate_ms_per_token_min": ms["min"], "generate_ms_per_token_max": ms["max"],
-           "generate_ms_per_token_repeats": per_token,
-           "generate_ms_per_token_of_minima": 1e3 * (min(times[long]) - min(times[short])) / (long - short),
-           "generate_first_call_s": first, "generate_forward_host_ms": timer.median_ms(),
-           "generate_forward_host_ms_min": 1e3 * min(timer.seconds) if timer.seconds else None,
-           "generate_forward_calls": len(timer.seconds)}
-    from attnopt.api import _STEP_GRAPHS_ATTR
-
-    steps = getattr(owner, _STEP_GRAPHS_ATTR, None)
-    if steps is not None:  # how the timed calls' decode steps ran: replays, and what fell back and why
-        row["generate_step_graphs"] = {"replays": steps.replays, "recorded": len(steps.recorded),
-                                       "fallbacks": dict(steps.fallbacks)}
-    if getattr(args, "profile", False):
-        with gpu_turn():
-            row["generate_host_profile"] = host_profile(lambda: owner.generate(ids, max_new_tokens=long,
-                                                                              min_new_tokens=long, **kw), long)
     return row
 
 

@@ -151,10 +151,15 @@ def test_generate_row_reports_the_host_time_of_each_decode_call(monkeypatch, met
     args = types.SimpleNamespace(device="cpu", cache="static", generate_tokens=4, generate_repeats=3, profile=True)
     row = e2e.generate_row(args, model, method, 24)
     assert row["generate_forward_calls"] == 3 * ((8 - 1) + (12 - 1))
-    # the median of three pairs decides, and the spread is reported
-    pairs = row["generate_ms_per_token_repeats"]
-    assert len(pairs) == 3 and row["generate_ms_per_token"] == sorted(pairs)[1]
-    assert row["generate_ms_per_token_min"] == min(pairs) and row["generate_ms_per_token_max"] == max(pairs)
+    # ms/token: the periods between consecutive decode calls of each timed generate() (one fewer than its calls);
+    # each spans a whole decode call, so none is shorter than the shortest call; the pairs' differences beside them
+    assert row["generate_token_periods"] == 3 * ((8 - 2) + (12 - 2))
+    assert row["generate_ms_per_token_min"] <= row["generate_ms_per_token"] <= row["generate_ms_per_token_max"]
+    assert row["generate_ms_per_token_min"] >= row["generate_forward_host_ms_min"]
+    low, high = row["generate_ms_per_token_p10_p90"]
+    assert row["generate_ms_per_token_min"] <= low <= high <= row["generate_ms_per_token_max"]
+    pairs = row["generate_ms_per_token_pairs"]
+    assert len(pairs) == 3 and row["generate_ms_per_token_pairs_median"] == sorted(pairs)[1]
     assert 0 < row["generate_forward_host_ms_min"] <= row["generate_forward_host_ms"]
     assert 0 < row["generate_forward_host_ms"] < 1e3 * row["generate_first_call_s"]
     assert "__call__" not in vars(model)
@@ -165,6 +170,23 @@ def test_generate_row_reports_the_host_time_of_each_decode_call(monkeypatch, met
     assert any(n.startswith("forward (attnopt/api.py") for n in names) == (method == "attnopt-ro")
     if method == "attnopt-ro":  # on the CPU the step graphs run their fallback (CUDA tensors only), and say why
         assert row["generate_step_graphs"]["fallbacks"] and row["generate_step_graphs"]["replays"] == 0
+
+
+def test_token_periods_run_from_one_decode_call_to_the_next_within_each_generate_call():
+    class Model:
+        def __call__(self, work_s):
+            time.sleep(work_s)
+
+    model = Model()
+    timer = turns.DecodeCallTimer(model, hf_compiles=False)
+    for calls in (4, 3):  # two generate() calls: no period spans the gap between them
+        with timer.record():
+            for _ in range(calls):
+                model.__call__(0.002)
+        time.sleep(0.05)
+    periods = timer.token_seconds()
+    assert len(periods) == 3 + 2 and all(0.002 <= p < 0.05 for p in periods)
+    timer.remove()
 
 
 def test_decode_call_timer_needs_hfs_compiled_call_where_hf_compiles():
