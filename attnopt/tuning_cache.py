@@ -33,7 +33,11 @@ from .site import AttentionSite
 #: changed.
 #: 8: that conversion is gone again (on the H100 its -inf rows made cuDNN's and SDPA's auto output differ from SDPA
 #: with the bool mask on a row with no visible key): dense timings with a mask are SDPA's own again.
-TUNING_VERSION = 8
+#: 9: the direct launcher keyed a positional ``tl.constexpr`` (the kernels' head dims) by Triton's int specialisation
+#: before 68981a5, so in a process that had run another head dim of the same padded width (80, 96, 128) a candidate
+#: could be timed with a kernel compiled for the other head dim; split-KV grids may follow the cache's length
+#: (``SplitKVPlan.tiles_per_split``). Records from before are dropped.
+TUNING_VERSION = 9
 
 log = logging.getLogger("attnopt.tuning")
 
