@@ -23,7 +23,7 @@ Each row has ``us`` (median per step), ``rel_err`` against an fp32 single-device
 timing mode, ``model_pick`` / ``measured_best`` among the planner's candidates (tree x 3, ring x 2). The
 summary gives ring over tree in each mode and the model's predicted / measured ratios. Results are written after every case, so a run cut short still leaves its rows.
 
-The step timers are in ``multigpu_timing``.
+The step timers are in ``multigpu_timing``, the summary of the rows in ``multigpu_summary``.
 """
 from __future__ import annotations
 
@@ -36,13 +36,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from .multigpu_summary import RING, TREE, summarize
 from .multigpu_timing import eager_us, graph_us, local_eager_us
 
 #: name -> (B, Hq, Hkv, D)
 SHAPES = {"llama3-8b": (1, 32, 8, 128), "mha16": (1, 16, 16, 128)}
 LENGTHS = {"32k": 32768, "128k": 131072, "512k": 524288, "1M": 1048576, "2M": 2097152}
-TREE = ("all_gather", "all_reduce", "all_reduce3")
-RING = ("pass_kv", "pass_q")
 REL_ERR_OK = 2e-2
 
 
@@ -297,62 +296,6 @@ def run_case(args, g, shape_name: str, n_total: int, hw, topo, cuda: bool, log,
 
 
 # --------------------------------------------------------------------------------------------- driver
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per case: tree overhead over local attention, ring/tree ratio, whether the model picked right."""
-    out = {}
-    for case in dict.fromkeys(r["case"] for r in rows):
-        rs = [r for r in rows if r["case"] == case and r["us"] is not None]
-
-        def get(method, mode):
-            return next((r["us"] for r in rs if r["method"] == method and r["mode"] == mode), None)
-
-        s: dict[str, Any] = {}
-        for mode in ("eager", "graph"):
-            # tree time minus the local attention it runs (flash, or split_kv for the @split_kv row)
-            pairs = [(f"tree:{c}", "local:flash") for c in TREE] + [("tree:symm_mem", "local:flash"),
-                                                                    ("tree:all_gather@split_kv", "local:split_kv")]
-            over = {t: get(t, mode) - get(lk, mode) for t, lk in pairs
-                    if get(t, mode) is not None and get(lk, mode) is not None}
-            trees = {t: get(t, mode) for t, _ in pairs if get(t, mode) is not None}
-            if trees:
-                best = min(trees, key=trees.get)
-                s[f"best_tree_{mode}"] = best
-                s[f"best_tree_us_{mode}"] = trees[best]
-            if over:
-                least = min(over, key=over.get)
-                s[f"tree_overhead_us_{mode}"] = round(over[least], 2)
-                s[f"tree_overhead_method_{mode}"] = least
-            # the stricter reading: the fastest tree against the fastest local attention of any kind, so that a
-            # tree whose own local kernel is slow (host-bound) cannot look cheap against that kernel
-            locals_ = [get(lk, mode) for _, lk in pairs if get(lk, mode) is not None]
-            if trees and locals_:
-                s[f"tree_over_best_local_us_{mode}"] = round(min(trees.values()) - min(locals_), 2)
-        for mode in ("eager", "graph"):
-            rings = [t for t in (get(f"ring:{v}", mode) for v in RING) if t is not None]
-            trees_mode = [t for t in (get(f"tree:{c}", mode) for c in TREE + ("symm_mem",)) if t is not None]
-            if rings and trees_mode:
-                s[f"ring_over_tree_{mode}"] = round(min(rings) / min(trees_mode), 2)
-        s["ring_over_tree"] = s.get("ring_over_tree_graph", s.get("ring_over_tree_eager"))
-        trees_all = [r["us"] for r in rs if r["method"].startswith("tree:")]
-        # The cost model's error on the planner's candidates: predicted / measured per row.
-        ratios = [r["est_us"] / r["us"] for r in rs if r.get("est_us") and r["us"]
-                  and r["method"].split(":")[0] in ("tree", "ring") and "@" not in r["method"]]
-        if ratios:
-            errs = sorted(abs(math.log(x)) for x in ratios)
-            s["est_over_measured_min"] = round(min(ratios), 3)
-            s["est_over_measured_max"] = round(max(ratios), 3)
-            s["est_abs_log_err_median"] = round(errs[len(errs) // 2], 3)
-        single = get("single:flash", "graph") or get("single:flash", "eager")
-        if single and trees_all:
-            s["single_over_tree"] = round(single / min(trees_all), 2)
-        picks = [r.get("model_pick_ok") for r in rs if "model_pick_ok" in r]
-        if picks:
-            s["model_pick_ok"] = all(picks)
-        s["max_rel_err"] = max((r["rel_err"] for r in rs if r["rel_err"] is not None), default=None)
-        out[case] = s
-    return out
-
-
 def run_cli(args) -> int:
     import torch
     import torch.distributed as dist

@@ -500,7 +500,7 @@ def test_multigpu_bench_case_runs_on_gloo():
 def test_bench_summary_measures_the_tree_against_the_fastest_local_attention():
     """``tree_overhead_us`` pairs each tree with its own local kernel; ``tree_over_best_local_us`` takes the
     fastest tree against the fastest local kernel, so a slow local kernel cannot flatter a tree."""
-    from attnopt.bench.multigpu import summarize
+    from attnopt.bench.multigpu_summary import summarize
 
     def row(method, us):
         return {"case": "c", "method": method, "mode": "eager", "us": us, "rel_err": 0.0, "est_us": None}
