@@ -1,5 +1,6 @@
 """The SAAP quality harness and the ``attnopt saap`` CLI on a tiny random Llama (CPU, seconds)."""
 import math
+import sys
 import types
 
 import pytest
@@ -350,6 +351,8 @@ def test_gpu_quality_script_runs_the_curve_with_layer_0_sparse_and_merges_two_ru
     monkeypatch.setattr(script, "load_model", lambda gguf, device: (model, _CharTokenizer()))
     # 3 layers: layer 0 dense is a third of the keys, so 0.3 is out of reach but for an index over every layer
     monkeypatch.setattr(script, "CURVE_TARGETS", (0.3, 0.6))
+    # and in its sibling, whose summary and passkey points read them
+    monkeypatch.setattr(sys.modules["saap_quality_summary"], "CURVE_TARGETS", (0.3, 0.6))
     monkeypatch.setattr(script, "STREAMING_TARGETS", (0.3, 0.6))
     monkeypatch.setattr(script, "SWEEP", {1 / 16: (0.1, 0.3), 1 / 8: (0.2, 0.5)})
     monkeypatch.setattr(script, "TOPK_SWEEP", {1 / 16: (0.1, 0.2, 0.4)})
