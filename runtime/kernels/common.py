@@ -1,5 +1,5 @@
-"""Pieces shared by the decode kernels on the host (launch geometry, masks, TMA descriptors) and on the device
-(the merges of partial states and the stores); the KV-tile loop itself is in ``attend.py``.
+"""Pieces shared by the decode kernels on the host (launch geometry, masks, TMA descriptors); on the device, the
+KV-tile loop is in ``attend.py`` and the merges of partial states and the stores are in ``partials.py``.
 
 Conventions (the same as ``runtime/reference.py``; ``attend.py`` states how scores are rounded):
 
@@ -21,8 +21,6 @@ import threading
 from typing import Any, NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from attnopt.cost.traffic import head_chunk_widths
 
@@ -284,134 +282,3 @@ def decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
                 valid_len if valid_len is not None else q, key_start if key_start is not None else q,
                 alibi_slopes if alibi_slopes is not None else q)
     return pointers, mask_strides, mask_kind, descs is not None
-
-
-@triton.jit
-def _merged_rows(mb, L, G, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The real packed rows of M block ``mb`` for an in-kernel merge, BLOCK_R (>= the real rows) at a time:
-    (r (row within the block), g, i, row valid)."""
-    r = tl.arange(0, BLOCK_R)
-    rows = mb * BLOCK_M + r
-    return r, rows // L, rows % L, (r < BLOCK_M) & (rows < G * L)
-
-
-@triton.jit
-def _merge_step(mm, den, acc, pl, po, pll):
-    """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) natural-log row maxima (-inf: empty or
-    padding), ``pll`` (MERGE_P, R) their natural ``log l`` (lse = pl + pll; pass 0 when ``pl`` holds whole LSEs),
-    ``po`` (MERGE_P, R, BLOCK_DV) normalised outputs; (mm, den, acc) as in :func:`_attend`'s state.
-
-    The maximum and ``log l`` stay apart because next to a maximum near -3.4e38 (a row that ``finfo.min`` hides,
-    whose keys tie) ``pl + pll`` would round to ``pl``: the partials would then weigh the same instead of by their
-    key counts, and the merge would not give the original's mean of V."""
-    m_new = tl.maximum(mm, tl.max(pl, axis=0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2((mm - m_use) * 1.4426950408889634)
-    w = tl.exp2(((pl - m_use[None, :]) + pll) * 1.4426950408889634)  # 0 for empty partials and padding
-    den = den * alpha + tl.sum(w, axis=0)
-    acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * po, axis=0)
-    return m_new, den, acc
-
-
-@triton.jit
-def _load_partials(o_ptr, lse_ptr, sp, NUM_PARTS, o_row, l_row, ok_c, offs_dv, stride_os, stride_od, stride_ls,
-                   stride_lpart, DV):
-    """Partials ``sp`` (MERGE_P,) of a merge, read past L1 (other programs of this launch wrote them): row maxima and
-    log l (MERGE_P, BLOCK_R), -inf where absent, and outputs (MERGE_P, BLOCK_R, BLOCK_DV)."""
-    ok = (sp < NUM_PARTS)[:, None] & ok_c[None, :]
-    pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-    pll = tl.load(lse_ptr + stride_lpart + sp[:, None] * stride_ls + l_row[None, :], mask=ok, other=float("-inf"),
-                  cache_modifier=".cg")
-    po = tl.load(o_ptr + sp[:, None, None] * stride_os + o_row[None, :, None] + offs_dv[None, None, :] * stride_od,
-                 mask=ok[:, :, None] & (offs_dv[None, None, :] < DV), other=0.0, cache_modifier=".cg")
-    return pl, pll, po
-
-
-@triton.jit
-def _arrive_and_merge(counter_ptr, tile, arrivals, o_ptr, lse_ptr, out_ptr, lse_out_ptr, mb, b, kvh, offs_dv,
-                      stride_os, stride_ob, stride_oh, stride_ol, stride_od, stride_ls, stride_lb, stride_lh,
-                      stride_ll, stride_lpart, stride_fb, stride_fh, stride_fl, stride_fd, stride_gb, stride_gh,
-                      stride_gl, NUM_PARTS, L, G, DV, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                      MERGE_P: tl.constexpr, WRITE_LSE_OUT: tl.constexpr):
-    """The in-launch merge of a split decode: count this program's arrival at output ``tile`` (its partial is stored);
-    the ``arrivals``-th program to arrive merges the tile's NUM_PARTS partials, (S, B, Hq, L, Dv) outputs at ``o_ptr``
-    and (row max, log l) planes at ``lse_ptr`` / ``lse_ptr + stride_lpart`` (int32 offsets: the workspace is small),
-    over the tile's real rows, into the final (B, Hq, L, Dv) ``out_ptr`` and (B, Hq, L) ``lse_out_ptr``, then resets
-    the counter (zero before and after every launch)."""
-    tl.debug_barrier()  # every thread's partial is stored before the release below
-    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == arrivals - 1:
-        tl.debug_barrier()
-        r, gc, ic, ok_c = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
-        hc = kvh * G + gc
-        o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
-        l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
-        offs_p = tl.arange(0, MERGE_P)
-        # The common maximum first (the row-max plane only: MERGE_P partials a load, all loads independent), so that
-        # each step's weights need nothing from the step before; the steps then run software-pipelined, the next
-        # step's partials loaded before this step's sums, and the tail costs about one L2 round trip, not one a step.
-        mm = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        for s0 in range(0, NUM_PARTS, MERGE_P):
-            sp = s0 + offs_p
-            pl = tl.load(lse_ptr + sp[:, None] * stride_ls + l_row[None, :],
-                         mask=(sp < NUM_PARTS)[:, None] & ok_c[None, :], other=float("-inf"), cache_modifier=".cg")
-            mm = tl.maximum(mm, tl.max(pl, axis=0))
-        m_use = tl.where(mm == float("-inf"), 0.0, mm)  # rows empty in every partial: weights 0, no NaN
-        den = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_R, offs_dv.shape[0]], dtype=tl.float32)
-        pl, pll, po = _load_partials(o_ptr, lse_ptr, offs_p, NUM_PARTS, o_row, l_row, ok_c, offs_dv, stride_os,
-                                     stride_od, stride_ls, stride_lpart, DV)
-        for s0 in range(0, NUM_PARTS, MERGE_P):
-            pl_next, pll_next, po_next = _load_partials(o_ptr, lse_ptr, s0 + MERGE_P + offs_p, NUM_PARTS, o_row, l_row,
-                                                        ok_c, offs_dv, stride_os, stride_od, stride_ls, stride_lpart,
-                                                        DV)
-            w = tl.exp2(((pl - m_use[None, :]) + pll) * 1.4426950408889634)  # 0 for empty partials and padding
-            den += tl.sum(w, axis=0)
-            acc += tl.sum(w[:, :, None] * po, axis=0)
-            pl, pll, po = pl_next, pll_next, po_next
-        o2, lse2 = _finish(acc, mm, den)
-        _store_rows(o2, lse2, out_ptr, lse_out_ptr, b, kvh, gc, ic, ok_c, offs_dv, stride_fb, stride_fh, stride_fl,
-                    stride_fd, stride_gb, stride_gh, stride_gl, G, DV, WRITE_LSE_OUT)
-        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
-@triton.jit
-def _finish(acc, m_i, l_i):
-    """Normalise a state: (o (BLOCK_M, BLOCK_DV) fp32, lse (BLOCK_M,) natural log); empty rows -> (0, -inf)."""
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    return o, lse
-
-
-@triton.jit
-def _finish_parts(acc, m_i, l_i):
-    """A partial state for a later merge: (o (BLOCK_M, BLOCK_DV) fp32, m, log l (BLOCK_M,) natural log); empty
-    rows -> (0, -inf, -inf). See :func:`_merge_step` for why ``m`` and ``log l`` are kept apart."""
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    m = tl.where(empty, float("-inf"), m_i)
-    log_l = tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, l_i)))
-    return o, m, log_l
-
-
-@triton.jit
-def _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv,
-                stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV,
-                WRITE_LSE: tl.constexpr):
-    """Store a finished tile into a (B, Hq, L, Dv) output (any strides, any float dtype) and (B, Hq, L) lse."""
-    h64 = (kvh * G + g).to(tl.int64)
-    i64 = i.to(tl.int64)
-    b64 = b.to(tl.int64)
-    ptrs = (o_ptr + b64 * stride_ob + h64[:, None] * stride_oh + i64[:, None] * stride_ol
-            + offs_dv.to(tl.int64)[None, :] * stride_od)
-    tl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    if WRITE_LSE:
-        tl.store(lse_ptr + b64 * stride_lb + h64 * stride_lh + i64 * stride_ll, lse, mask=row_ok)
-
-
-@triton.jit
-def _store_lse(lse, lse_ptr, b, kvh, g, i, row_ok, stride_lb, stride_lh, stride_ll, G):
-    """Store a (BLOCK_M,) per-row value (an LSE, or the log l plane of a split state) into a (B, Hq, L) plane."""
-    h64 = (kvh * G + g).to(tl.int64)
-    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h64 * stride_lh + i.to(tl.int64) * stride_ll, lse, mask=row_ok)

@@ -32,10 +32,11 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_launch_dependents = gdc_wait = None
 
 from . import interpreting
-from .common import _finish_parts, _load_q, _row_coords, _split_share, _store_lse, _store_rows, \
-    backend_has_option, decode_geometry, dot_flags, pdl_supported, softmax_scale
+from .common import _load_q, _row_coords, _split_share, backend_has_option, decode_geometry, dot_flags, \
+    pdl_supported, softmax_scale
 from .launch import KernelLauncher
 from .merge import merge_states
+from .partials import _finish_parts, _store_lse, _store_rows
 from .saap_merge import _arrive_and_merge_grouped, merge_counter_count, merge_group_size
 from .saap_select import SaapScorer, SelectWorkspace, saap_select, select_workspace
 from .saap_tiles import _attend_clusters, _attend_keys

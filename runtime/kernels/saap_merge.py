@@ -6,7 +6,7 @@ slot of the group's first split, then arrives at the tile's counter; the last gr
 partials into the output. Every counter is reset by the program that found it complete, so a launch leaves them all
 at zero (CUDA-graph replays). Merging states is associative, so the result is the merge of all the tile's partials.
 
-Why two levels: one program merging all S partials (``common._arrive_and_merge``) reads them MERGE_P at a time, one
+Why two levels: one program merging all S partials (``partials._arrive_and_merge``) reads them MERGE_P at a time, one
 L2 round trip a step, on the launch's critical path (S = 64 at llama3-8b 128k: 8 steps, the tail longer than the
 separate merge launch it saves); here the tail is two merges of about sqrt(S) partials, each loaded at once.
 """
@@ -17,7 +17,7 @@ import math
 import triton
 import triton.language as tl
 
-from .common import _finish, _finish_parts, _load_partials, _merge_step, _merged_rows, _store_lse, _store_rows
+from .partials import _finish, _finish_parts, _load_partials, _merge_step, _merged_rows, _store_lse, _store_rows
 
 #: fp32 values a merging program holds per load (GROUP x rows x Dv): 32 registers a thread at 4 warps.
 MERGE_ELEMENTS = 4096

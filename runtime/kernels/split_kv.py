@@ -19,11 +19,12 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_launch_dependents = None
 
 from .attend import _attend_chunks, _load_q, _row_coords, _split_share
-from .common import (_arrive_and_merge, _finish_parts, _store_rows, arrival_counters, decode_geometry, decode_inputs,
-                     dot_flags, head_dim_split, pdl_supported, softmax_scale)
+from .common import arrival_counters, decode_geometry, decode_inputs, dot_flags, head_dim_split, pdl_supported, \
+    softmax_scale
 from .launch import KernelLauncher
 from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
+from .partials import _arrive_and_merge, _finish_parts, _store_rows
 
 
 # NUM_SPLITS unspecialised: a plan whose grid follows the cache's length (SplitKVPlan.tiles_per_split) changes it

@@ -20,10 +20,10 @@ import triton.language as tl
 
 from . import interpreting
 from .attend import _attend_chunks, _load_q, _row_coords
-from .common import (_finish, _finish_parts, _merge_step, _merged_rows, _store_lse, _store_rows, arrival_counters,
-                     backend_has_option, decode_geometry, decode_inputs, dot_flags, head_dim_split, next_pow2,
-                     softmax_scale)
+from .common import arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags, head_dim_split, \
+    next_pow2, softmax_scale
 from .launch import KernelLauncher
+from .partials import _finish, _finish_parts, _merge_step, _merged_rows, _store_lse, _store_rows
 
 
 @triton.jit
