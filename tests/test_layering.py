@@ -11,8 +11,9 @@ layers below it, never from one above:
    which time candidates through ``runtime/``: they sit beside ``passes/``, above ``runtime/``.)
 2. ``runtime/`` (the order inside it is ``RUNTIME_LAYERS`` below):
 
-   a. ``reference`` (the pure-PyTorch oracle) and ``kernels/`` (Triton kernels, one launcher each);
-      then ``saap/`` (the SAAP index: training, the build at prefill, its reference decode, the run-time registry);
+   a. ``reference`` (the pure-PyTorch oracle; ``reference_cascade``, its shared-prefix cascade) and ``kernels/``
+      (Triton kernels, one launcher each); then ``saap/`` (the SAAP index: training, the build at prefill, its
+      reference decode, the run-time registry);
    b. the single-device plan kinds: ``strategies.base`` (the contract and registry), ``dense``, ``split_kv``,
       ``stream_k``;
    c. the distributed algorithms, ``distributed.*`` (groups, checks, watchdog, local, graphs, tree, ring,
@@ -48,7 +49,7 @@ RT = "attnopt.runtime"
 #: Layers inside runtime/, lowest first: (name, module-name prefixes). A module belongs to the layer of its longest
 #: matching prefix; a runtime module that matches none fails ``test_every_runtime_module_has_a_layer``.
 RUNTIME_LAYERS = (
-    ("reference and kernels", (f"{RT}.reference", f"{RT}.kernels")),
+    ("reference and kernels", (f"{RT}.reference", f"{RT}.reference_cascade", f"{RT}.kernels")),
     ("SAAP index", (f"{RT}.saap",)),
     ("single-device plan kinds", (f"{RT}.strategies.base", f"{RT}.strategies.dense", f"{RT}.strategies.split_kv",
                                   f"{RT}.strategies.stream_k", f"{RT}.strategies.cascade")),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import prefix_mask_parts, stack_rows
+from ..reference_cascade import prefix_mask_parts, stack_rows
 from .merge import merge_states
 from .split_kv import split_kv_decode
 

@@ -8,7 +8,7 @@ query tile), each suffix per row, and the states merged exactly (``runtime/kerne
 
 The lowered op is ``attnopt::cascade_attention`` (it takes the prefix and suffixes apart, so the plain
 ``run(q, k, v)`` of the strategy contract does not apply: ``run_cascade`` does). On CPU tensors it runs the
-reference's cascade (``reference.cascade_attention_states``), unless the interpreter is asked for
+reference's cascade (``reference_cascade.cascade_attention_states``), unless the interpreter is asked for
 (``ATTNOPT_CPU_KERNELS=interpret``).
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Cascade(Strategy[CascadePlan]):
         then k_suffix (B, Hkv, S, D) / v_suffix (B, Hkv, S, Dv) per row -> (B, Hq, L, Dv) in q's dtype. No allocation
         beyond the output, no host sync."""
         if state is None or state.workspace is None:
-            from ..reference import cascade_attention_states
+            from ..reference_cascade import cascade_attention_states
 
             compute = torch.float64 if q.dtype == torch.float64 else torch.float32
             o, _ = cascade_attention_states(q, k_prefix, v_prefix, k_suffix, v_suffix, attn_mask=attn_mask,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import attnopt.runtime.ops  # noqa: F401  (registers torch.ops.attnopt.*)
 from attnopt.hardware import builtin_profile
 from attnopt.plan import CascadePlan, SplitKVPlan
-from attnopt.runtime import reference
+from attnopt.runtime import reference, reference_cascade
 from attnopt.runtime.strategies import PlanContext, get_strategy
 from attnopt.site import AttentionSite
 
@@ -54,7 +54,7 @@ def test_reference_cascade_equals_attention_over_the_concatenation(B, Hq, Hkv, L
     if P + S == 0:
         pytest.skip("no keys")
     valid_len = reference.valid_len_from_mask(m, B) if m is not None else None
-    o, lse = reference.cascade_attention_states(q, *parts, attn_mask=m, valid_len=valid_len, scale=0.2)
+    o, lse = reference_cascade.cascade_attention_states(q, *parts, attn_mask=m, valid_len=valid_len, scale=0.2)
     torch.testing.assert_close(o.double(), _oracle(q, k, v, m, 0.2), atol=2e-6, rtol=2e-6)
     _, lse_plain = reference.attention_states(q, k, v, attn_mask=m, scale=0.2)
     torch.testing.assert_close(lse, lse_plain, atol=1e-4, rtol=1e-5)
@@ -65,7 +65,7 @@ def test_finfo_min_row_is_the_mean_of_v_weighted_by_key_counts():
     prefix by P and the suffix by S (row max and log l kept apart), not equally."""
     q, parts, k, v, _ = _inputs(2, 2, 1, 1, 40, 3, 64)
     m = torch.full((2, 1, 1, 43), torch.finfo(torch.float32).min)
-    o, _ = reference.cascade_attention_states(q, *parts, attn_mask=m, scale=0.1)
+    o, _ = reference_cascade.cascade_attention_states(q, *parts, attn_mask=m, scale=0.1)
     mean_v = v.double().mean(dim=2, keepdim=True).expand(2, 2, 1, 64)
     torch.testing.assert_close(o.double(), mean_v, atol=1e-5, rtol=1e-5)
 
