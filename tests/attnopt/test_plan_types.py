@@ -8,7 +8,8 @@ import torch
 from attnopt import AttentionSite, PlanReport, SiteReport
 from attnopt.hardware import builtin_profile
 from attnopt.plan import PLAN_KINDS, DensePlan, SplitKVPlan, StreamKPlan, plan_from_dict, plan_from_json
-from attnopt.report import Rejection, compact_paths
+from attnopt.report import Rejection
+from attnopt.report_table import compact_paths
 from attnopt.runtime import reference
 from attnopt.runtime.strategies import STRATEGIES, PlanContext
 
