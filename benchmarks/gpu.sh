@@ -65,12 +65,21 @@ t0=$(date +%s)
 
 # One pytest process per collected test id, JOBS at a time. Usage: parallel_pytest RC_FILE PYTEST_ARGS...
 # Writes "exit-code test-id" lines to RC_FILE, prints the count of each exit code, copies the logs of failures to
-# $OUT/tests/ (exit 5: the id selected no test).
+# $OUT/tests/ (exit 5: the id selected no test). A collection that fails (a path not found, an import error: pytest
+# then lists no id at all) is reported with its log and fails the suite.
 parallel_pytest() {
   local rc_file=$1; shift
   local ids=/tmp/gpu-test-ids.txt logs=/tmp/gpu-test-logs
-  python -m pytest -q --collect-only -p no:cacheprovider "$@" 2>/dev/null | grep "::" | sed "s#^#$REPO/#" > "$ids"
+  python -m pytest -q --collect-only -p no:cacheprovider "$@" > /tmp/gpu-test-collect.txt 2>&1
+  local collect_rc=$?
+  grep "::" /tmp/gpu-test-collect.txt | sed "s#^#$REPO/#" > "$ids"
   echo "$(wc -l < "$ids") test ids"
+  if [ $collect_rc -ne 0 ] && [ $collect_rc -ne 5 ]; then  # a path not found, an import error: say so, run nothing
+    mkdir -p "$OUT/tests" && cp /tmp/gpu-test-collect.txt "$OUT/tests/collect.log"
+    echo "collection failed (pytest exit $collect_rc, $OUT/tests/collect.log):"
+    grep -i -m 5 "error\|not found" /tmp/gpu-test-collect.txt
+    return 1
+  fi
   rm -rf "$logs" && mkdir -p "$logs" "$OUT/tests"
   local jobs=${JOBS:-$(nproc)}
   [ "$jobs" -gt 14 ] && jobs=14
