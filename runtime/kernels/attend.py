@@ -104,31 +104,25 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
     slope = i.to(tl.float32) * 0.0
     if ALIBI:
         slope = tl.load(alibi_ptr + h64, mask=row_ok, other=0.0).to(tl.float32)
+    # TMA reads whole tiles: its loop stops before the tile that crosses kv_len, which runs once after it
+    loop_end = hi
+    tail = False
     if USE_TMA:
         end = tl.minimum(hi, kv_len)
-        full_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
-        for start_n in range(lo, full_end, BLOCK_N):
-            acc, acc_hi, m_i, l_i = _attend_step(
-                q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc,
-                v_hi_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd,
-                stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND,
-                IS_CAUSAL, UPCAST, PRECISION, True, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO)
-        tail = full_end < end
-    else:
-        full_end = lo
-        tail = False
-        for start_n in range(lo, hi, BLOCK_N):
-            acc, acc_hi, m_i, l_i = _attend_step(
-                q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc,
-                v_hi_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd,
-                stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND,
-                IS_CAUSAL, UPCAST, PRECISION, False, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO)
+        loop_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
+        tail = loop_end < end
+    for start_n in range(lo, loop_end, BLOCK_N):
+        acc, acc_hi, m_i, l_i = _attend_step(
+            q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc,
+            v_hi_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd,
+            stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND,
+            IS_CAUSAL, UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO)
     if tail:
         # the tile that crosses kv_len (its V rows past kv_len zeroed where they come by the copy engine):
         # straight-line code, so it adds no pipeline buffers (a second pipelined loop doubled the shared memory);
         # tiles wholly past kv_len hold no visible key
         acc, acc_hi, m_i, l_i = _attend_step(
-            q, q_hi, acc, acc_hi, m_i, l_i, full_end, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc, v_hi_desc,
+            q, q_hi, acc, acc_hi, m_i, l_i, loop_end, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc, v_hi_desc,
             mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd, stride_vn,
             stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL,
             UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO, False, USE_TMA)
