@@ -168,7 +168,7 @@ def _hf_forward(compiled: Callable, original: Callable, max_decode_q_len: int, b
             return original(*args, **kwargs)
         grows = False
         if growing_cache is not None:
-            cache = kwargs.get("past_key_values")
+            cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers >= 5.24 names it ``cache``
             ref = last_cache[0]
             if cache is None or ref is None or ref() is not cache:
                 last_cache[:] = [_weak(cache), getattr(cache, "is_compileable", True) is False]

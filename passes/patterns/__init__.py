@@ -75,7 +75,8 @@ from .prefix import find_shared_prefix  # noqa: F401
 
 # ============================================================================================ module path
 _MOD_RE = [
-    (re.compile(r"^L\['[^']+'\]\.?"), ""),
+    # the traced callable's module: L['self'], or (transformers >= 5.24 wraps forward) the wrapper's L['args'][0]
+    (re.compile(r"^L\['[^']+'\](\[\d+\])?\.?"), ""),
     (re.compile(r"^L__self___"), ""),
     (re.compile(r"\[(\d+)\]"), r".\1"),
     (re.compile(r"\['([^']+)'\]"), r".\1"),
@@ -90,7 +91,8 @@ def module_path(node: fx.Node) -> str:
         return ""
     last = list(stack.values())[-1]
     path = last[0] if isinstance(last, tuple) else str(last)
-    # dynamo: "L['self'].model.layers[0].self_attn" or getattr(L['self'].model.layers, '0').self_attn
+    # dynamo: "L['self'].model.layers[0].self_attn", getattr(L['self'].model.layers, '0').self_attn, or
+    # "L['args'][0].model.layers.0.self_attn" where the module is the first argument of a traced wrapper
     path = re.sub(r"getattr\(([^,]+),\s*'([^']+)'\)", r"\1.\2", path)
     for rx, rep in _MOD_RE:
         path = rx.sub(rep, path)
