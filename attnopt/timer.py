@@ -40,8 +40,9 @@ TUNING_SITE = "attnopt-tuning"
 #: CUDA-graph timing: about this many ms of calls per graph, the median over this many replays.
 TARGET_MS = 2.0
 REPLAYS = 5
-#: In a background tuning the timed replays wait behind this many ms of GPU sleep (``bench.common.replayed_us``):
-#: the host pauses up to a GIL switch interval (5 ms) at each replay beside the inner compile's Python.
+#: The timed replays always wait behind a GPU sleep (``bench.common.REPLAY_PREROLL_MS``: each replay's time is the
+#: GPU's, whatever the candidate's host time per call); in a background tuning behind this many ms: the host pauses
+#: up to a GIL switch interval (5 ms) at each replay beside the inner compile's Python.
 BACKGROUND_PREROLL_MS = 20.0
 #: The same threads for a tuning in the background (``attnopt.tuning_defer``), beside the inner backend's compile on
 #: the main thread: each thread's Python share of a Triton compile (its front end) takes the GIL from that compile.
@@ -111,10 +112,10 @@ class GpuTimer:
         return self._replayed(graph, n)
 
     def _replayed(self, graph: Any, n: int) -> float:
-        from .bench.common import replayed_us
+        from .bench.common import REPLAY_PREROLL_MS, replayed_us
         from .tuning_defer import in_background
 
-        return replayed_us(graph, n, self.replays, BACKGROUND_PREROLL_MS if in_background() else 0.0)
+        return replayed_us(graph, n, self.replays, BACKGROUND_PREROLL_MS if in_background() else REPLAY_PREROLL_MS)
 
     def _capture(self, calls: list[Callable[[], Any]]) -> tuple[Any, int]:
         import torch

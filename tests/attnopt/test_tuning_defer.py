@@ -342,7 +342,7 @@ def test_background_replays_are_enqueued_behind_a_gpu_wait(monkeypatch, caught_u
     assert last == [("sleep", last[0][1]), "event"] + ["replay", "event"] * 3 + ["sync"]  # no sync in between
 
 
-def test_the_gpu_timer_prerolls_only_in_a_background_tuning(monkeypatch):
+def test_the_gpu_timer_prerolls_longer_in_a_background_tuning(monkeypatch):
     from attnopt import timer as T
     from attnopt.bench import common
 
@@ -357,7 +357,21 @@ def test_the_gpu_timer_prerolls_only_in_a_background_tuning(monkeypatch):
     thread = threading.Thread(target=in_a_background_tuning)
     thread.start()
     thread.join()
-    assert seen == [0.0, T.BACKGROUND_PREROLL_MS] and T.BACKGROUND_PREROLL_MS >= 10
+    assert seen == [common.REPLAY_PREROLL_MS, T.BACKGROUND_PREROLL_MS] and T.BACKGROUND_PREROLL_MS >= 10
+    assert common.REPLAY_PREROLL_MS > 0  # a replay's time is the GPU's alone (not the host's launch of it)
+
+
+def test_the_bench_times_graph_replays_behind_a_gpu_wait(monkeypatch):
+    """``time_us`` (every method of the benches, peers included) times replays enqueued behind a GPU sleep, as the
+    tuner does: a graph's launch latency on the host is not a call's time, whatever the calls per graph."""
+    from attnopt.bench import common
+
+    seen = []
+    monkeypatch.setattr(common, "captured_calls", lambda fn, **kw: ("graph", 7))
+    monkeypatch.setattr(common, "replayed_us", lambda graph, n, replays, preroll_ms=0.0: seen.append((n, preroll_ms))
+                        or 1.0)
+    assert common.time_us(lambda: None, "graph") == 1.0
+    assert seen == [(7, common.REPLAY_PREROLL_MS)]
 
 
 @pytest.mark.parametrize("fail", [False, True])

@@ -234,7 +234,7 @@ def test_gpu_timer_times_run_only_over_every_set_with_the_valid_length_precomput
         return "graph", min_calls
 
     def fake_replay(graph, calls, replays, preroll_ms=0.0):
-        assert preroll_ms == 0.0  # (a tuning in the plan pass: no other thread to pause the host)
+        assert preroll_ms == common.REPLAY_PREROLL_MS  # (in the plan pass: no other thread to pause the host longer)
         seen.setdefault("replays", []).append((graph, calls))
         return 7.5
     monkeypatch.setattr(common, "captured_calls", fake_capture)
