@@ -164,7 +164,7 @@ CHUNK_ESTIMATE_PENALTY = 0.01
 #: two) is estimated at its two-launch twin's cost model times (1 + this). Every split-KV candidate of more than one
 #: split has such a twin; the tuner times the twins of its widest and best-estimated plans
 #: (``attnopt.tuning_candidates.to_time``). Once the in-launch merge kept its registers to the loop's
-#: (``runtime/kernels/common.py`` MERGE_ELEMS) it is a real contender where the second launch's latency is a large
+#: (``runtime/kernels/common.py`` MERGE_ROWS) it is a real contender where the second launch's latency is a large
 #: part of the call (one-tile splits of a short cache), but it was never timed beside the two-launch path on a GPU, so
 #: the untuned choice stays two launches until a measurement (or a calibrated ``fused_merge_tail_us``) says otherwise.
 FUSED_ESTIMATE_PENALTY = 0.005

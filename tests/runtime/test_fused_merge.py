@@ -30,8 +30,8 @@ def _rows_without_keys(B, Hq, L, N, device):
 @pytest.mark.parametrize("masked", [False, True], ids=["valid-len", "mask-tiles"])
 def test_one_launch_through_one_workspace(kernel_device, monkeypatch, masked):
     """Lengths of 1 to ``num_splits`` + 2 tiles through one workspace: grids of 2 to 5 splits (the merge then loads
-    its partials over several steps: 8 rows of 64 columns take 4 partials a step), each run twice."""
-    from attnopt.runtime.kernels.common import MERGE_ELEMS, decode_geometry
+    its partials over several steps: 8 rows take 4 partials a step), each run twice."""
+    from attnopt.runtime.kernels.common import MERGE_ROWS, decode_geometry
 
     dev = kernel_device
     monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
@@ -46,7 +46,7 @@ def test_one_launch_through_one_workspace(kernel_device, monkeypatch, masked):
     k_all = torch.randn(B, Hkv, n_max, D, device=dev, dtype=dtype)
     v_all = torch.randn(B, Hkv, n_max, D, device=dev, dtype=dtype)
     geo = decode_geometry(q, k_all, v_all)
-    assert geo.merge_p * geo.block_r * geo.block_dv <= MERGE_ELEMS and geo.merge_p < plan.num_splits
+    assert geo.merge_p * geo.block_r <= MERGE_ROWS and geo.merge_p < plan.num_splits
     state = strategy.prepare(plan, q, k_all[:, :, :bn], v_all[:, :, :bn])
     o_ws, lse_ws, counters = state.workspace
     o_ws.fill_(math.nan)  # a row the merge read but no split wrote would show
