@@ -39,7 +39,7 @@ from .site import AttentionSite
 #: (``SplitKVPlan.tiles_per_split``). Records from before are dropped.
 #: 10: every timed replay waits behind a GPU sleep (``bench.common.REPLAY_PREROLL_MS``); before, a replay timed after
 #: a sync also counted the host's launch of the graph per call, more for candidates with more host time per call (a
-#: graph of fewer calls); and split-KV candidates have one-launch (fused-merge) twins.
+#: graph of fewer calls).
 TUNING_VERSION = 10
 
 log = logging.getLogger("attnopt.tuning")

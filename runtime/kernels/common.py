@@ -211,18 +211,6 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-#: Partial rows (one partial's (row max, log l, Dv outputs) of one query row) an in-launch merge (split-KV's fused
-#: merge, stream-K's fix-up) loads a step: MERGE_ROWS // BLOCK_R partials; its software pipeline holds two steps.
-#: The merge runs after the KV loop, in the same kernel, so its registers add to the loop's only where it needs more
-#: than the loop. Compiled for sm_90 here (Triton 3.7's ptxas; bf16, TMA tiles, 4 warps, 3 stages, 64-key tiles),
-#: 8192 fp32 a step (the rule before) took the fused kernels from the unfused ones' 188 to 255 registers at D=128, 168
-#: to 186 at D=80 (as 64 + 32) and 125 to 145 at D=64, one resident program per SM fewer each; 32 rows a step (4096
-#: fp32 at a padded width of 128, 2048 at 64) take 223, 164 and 128: the unfused kernels' programs per SM. A merge of
-#: S partials takes ceil(S / merge_p) steps, each loading the next step's partials before it sums its own (the
-#: steps are what a short cache's one-launch split waits for at its end: fewer rows a step would mean more of them).
-MERGE_ROWS = 32
-
-
 class DecodeGeometry(NamedTuple):
     """The launch geometry that the split-KV and stream-K launchers derive alike from q, k and v (see the module
     docstring for the packed query tile)."""
@@ -240,7 +228,7 @@ class DecodeGeometry(NamedTuple):
     block_r: int  # rows a merge reads per tile: the tile's real rows, up to a power of two
     block_d: int  # padded head dim of Q and K
     block_dv: int  # padded head dim of V
-    merge_p: int  # partials an in-launch merge loads per step (``MERGE_ROWS`` partial rows a step)
+    merge_p: int  # partials a merge loads per step (about 8192 fp32 elements in flight)
 
 
 def decode_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> DecodeGeometry:
@@ -253,7 +241,7 @@ def decode_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Decode
     block_r = next_pow2(min(G * L, block_m))
     block_dv = block_d_for(Dv)
     return DecodeGeometry(B, Hq, L, D, Hkv, N, Dv, G, block_m, cdiv(G * L, block_m), block_r, block_d_for(D),
-                          block_dv, max(1, min(32, MERGE_ROWS // block_r)))
+                          block_dv, max(1, min(32, 8192 // (block_r * block_dv))))
 
 
 def arrival_counters(geo: DecodeGeometry, device: torch.device) -> torch.Tensor:

@@ -7,7 +7,6 @@ interpreter is asked for with ``ATTNOPT_CPU_KERNELS=interpret`` together with ``
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -160,14 +159,6 @@ def fitting_configs(site: AttentionSite, head_chunks: bool = False) -> Iterable[
 CHUNK_MIN_BLOCK_N = 64
 #: A head-chunked plan's estimate is its padded twin's times (1 + this): the untuned choice stays padded.
 CHUNK_ESTIMATE_PENALTY = 0.01
-#: A fused-merge plan (``SplitKVPlan.fused_merge``: the last split to finish a tile merges it, one launch instead of
-#: two) is estimated at its two-launch twin's cost model times (1 + this). Every split-KV candidate of more than one
-#: split has such a twin; the tuner times the twins of its widest and best-estimated plans
-#: (``attnopt.tuning_candidates.to_time``). Once the in-launch merge kept its registers to the loop's
-#: (``runtime/kernels/common.py`` MERGE_ROWS) it is a real contender where the second launch's latency is a large
-#: part of the call (one-tile splits of a short cache), but it was never timed beside the two-launch path on a GPU, so
-#: the untuned choice stays two launches until a measurement (or a calibrated ``fused_merge_tail_us``) says otherwise.
-FUSED_ESTIMATE_PENALTY = 0.005
 
 
 def chunk_twins(site: AttentionSite) -> bool:
@@ -318,14 +309,17 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                 if chunks and block_n < CHUNK_MIN_BLOCK_N:
                     continue
                 for splits, per_split in split_counts(site, hw, block_n, warps, stages, chunks):
+                    # fused_merge stays False: the in-launch merge costs more than the second launch (chained by
+                    # programmatic dependent launch). H200 (benchmarks/results/kernels-nvidia-h200.json): about 0.6 µs
+                    # per split of a tile. H100, timed as twins by the tuner (batch bf50495, 2048 fp32 a merge step):
+                    # 2.3-3.3 µs more at 6-22 splits (lhs04 704 keys S22/64: 9.81 against 7.46; static 4k of 32k
+                    # S16/128: 55.47 against 52.26), 10-80 µs more at 66-440 splits; a tie only at 9 splits of 185k+.
                     plan = SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
                                        tma=True, head_chunks=chunks, tiles_per_split=per_split)
                     key = (plan.splits_at(n), block_n, warps, stages, chunks)
                     if key not in seen:  # plans that run alike at the planned length are timed once
                         seen.add(key)
                         yield plan
-                        if plan.splits_at(n) > 1:  # its one-launch twin (see FUSED_ESTIMATE_PENALTY)
-                            yield dataclasses.replace(plan, fused_merge=True)
         pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
@@ -335,13 +329,10 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         splits = plan.splits_at(planned_len(site))
-        fused = plan.fused_merge and splits > 1
-        us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages, fused)
+        us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages)
         # the model does not see what the head chunks change (measured from 16 % faster to 8 % slower): a chunked
         # plan ranks just behind its padded twin, so that only a measurement chooses one
-        if plan.head_chunks and chunk_twins(site):
-            us *= 1 + CHUNK_ESTIMATE_PENALTY
-        return us * (1 + FUSED_ESTIMATE_PENALTY) if fused else us
+        return us * (1 + CHUNK_ESTIMATE_PENALTY) if plan.head_chunks and chunk_twins(site) else us
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         if plan.num_splits < 1:

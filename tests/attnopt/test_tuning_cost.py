@@ -62,36 +62,8 @@ def test_the_most_parallel_split_kv_plan_is_always_a_candidate():
     for top_k, extra in ((tuning.DEFAULT_TOP_K, tuning.DEFAULT_EXTRA_FAMILIES), (1, 0)):
         keys = [p.runtime_key() for p in tuning.to_time(ranked, top_k, extra, n_keys=SMOL_1K.kv_len)]
         assert widest.runtime_key() in keys and len(keys) == len(set(keys))
-    # the model's pick, cuDNN, the widest and its one-launch twin, the best split-KV plan's (the pick's) twin
-    timed = tuning.to_time(ranked, 1, 0, n_keys=SMOL_1K.kv_len)
-    fused = lambda p: dataclasses.replace(p, fused_merge=True).runtime_key()  # noqa: E731
-    assert [p.runtime_key() for p in timed] == [ranked[0].runtime_key(), timed[1].runtime_key(),
-                                                widest.runtime_key(), fused(widest), fused(ranked[0])]
-    assert timed[1].kind == "dense"
+    assert len(tuning.to_time(ranked, 1, 0, n_keys=SMOL_1K.kv_len)) == 3  # the model's pick, cuDNN, the widest
     assert tuning.most_parallel([p for p in ranked if p.kind == "dense"]) is None
-
-
-def test_one_launch_twins_are_timed_beside_their_plans_only():
-    """Every split-KV candidate of more than one split has a fused-merge twin, estimated just behind it (uncalibrated,
-    the model cannot price the in-launch merge against the second launch); the tuner times the twins of the widest
-    and the best split-KV plans and no other, so they never take the places of other configurations."""
-    ranked = _ranked(SMOL_1K)
-    kernels = [p for p in ranked if p.kind == "split_kv"]
-    twins = [p for p in kernels if p.fused_merge]
-    plain = {p.runtime_key(): p for p in kernels if not p.fused_merge}
-    assert twins and all(p.splits_at(SMOL_1K.kv_len) > 1 for p in twins)
-    for t in twins:
-        base = plain[dataclasses.replace(t, fused_merge=False).runtime_key()]
-        assert base.est_us < t.est_us <= base.est_us * 1.01
-    assert not ranked[0].fused_merge
-    wide = tuning.to_time(ranked, tuning.DEFAULT_TOP_K, tuning.DEFAULT_EXTRA_FAMILIES, n_keys=SMOL_1K.kv_len)
-    narrow = tuning.to_time(ranked, 1, 0, n_keys=SMOL_1K.kv_len)
-    assert [p for p in wide if getattr(p, "fused_merge", False)] == [p for p in narrow if getattr(p, "fused_merge",
-                                                                                                  False)]
-    without = tuning.to_time([p for p in ranked if not getattr(p, "fused_merge", False)], tuning.DEFAULT_TOP_K,
-                             tuning.DEFAULT_EXTRA_FAMILIES, n_keys=SMOL_1K.kv_len)
-    assert [p.runtime_key() for p in wide if not getattr(p, "fused_merge", False)] == [p.runtime_key()
-                                                                                          for p in without]
 
 
 @pytest.mark.parametrize("site", [SMOL_1K, AttentionSite.canonical()], ids=["smollm2-1k-static", "canonical"])
@@ -124,11 +96,7 @@ def test_the_budget_reaches_the_most_parallel_plan(cache, monkeypatch):
     assert plans[2].runtime_key() in timed and (plans[2].splits_at(SMOL_1K.kv_len), plans[2].block_n) == (17, 64)
     by_estimate = [p.runtime_key() for p in ranked if p.kind != "dense"]
     assert by_estimate.index(plans[2].runtime_key()) == 4
-    # the widest plan's one-launch twin comes right after it and takes one of the five; the best plan's twin, after
-    # the configurations, is skipped with them
-    assert plans[3].runtime_key() == dataclasses.replace(plans[2], fused_merge=True).runtime_key()
-    assert len(set(timed)) == 5 and plans[3].runtime_key() in timed
-    assert sum(str(v).startswith("skipped") for v in choice.timings.values()) == 4
+    assert len(set(timed)) == 5 and sum(str(v).startswith("skipped") for v in choice.timings.values()) == 2
 
 
 def test_rounds_stop_once_one_candidate_is_clearly_ahead(cache):

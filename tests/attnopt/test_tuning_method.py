@@ -540,8 +540,7 @@ def test_one_plan_of_each_further_kernel_configuration_is_timed():
     configurations against each other poorly. Families estimated further behind (stream-K here, 3x) are not."""
     site = dataclasses.replace(STATIC, kv_len=1088)
     ranked = _ranked(site)
-    # (the one-launch twins are timed beside their plans only: test_tuning_cost's)
-    kernels = [p for p in ranked if p.kind != "dense" and not getattr(p, "fused_merge", False)]
+    kernels = [p for p in ranked if p.kind != "dense"]
     families = []
     for p in kernels:
         if tuning._family(p) not in families:

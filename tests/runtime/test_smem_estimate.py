@@ -50,12 +50,11 @@ def test_estimate_grows_with_the_packed_query_rows(d):
 
 
 def _configs(kind: str, site: AttentionSite) -> list:
-    """One candidate per distinct compiled config (tile, warps, stages, head chunks, the merge in the same launch;
-    the split count changes no shared memory)."""
+    """One candidate per distinct compiled config (tile, warps, stages, head chunks; the split count changes no
+    shared memory)."""
     seen, plans = set(), []
     for p in get_strategy(kind).candidates(site, H100, CUDA_CTX):
-        key = (p.block_n, p.num_warps, p.num_stages, getattr(p, "head_chunks", False), getattr(p, "num_splits", 0) > 1,
-               getattr(p, "fused_merge", False))
+        key = (p.block_n, p.num_warps, p.num_stages, getattr(p, "head_chunks", False), getattr(p, "num_splits", 0) > 1)
         if key not in seen:
             seen.add(key)
             plans.append(p)
