@@ -83,20 +83,31 @@ MAX_SMALL_PROGRAMS_PER_SM = 32
 #: (or small splits) of the planned length.
 FOLLOW_RANGE = 2
 
-#: Shared memory a config may plan for (Hopper has 227 KB per block; leave room for Triton's own buffers).
-SMEM_BUDGET = 200 * 1024
+#: Shared memory a config may plan for: Hopper's 227 KB per block less 5 KB, the margin for what ``smem_bytes``
+#: does not count (``tests/runtime/test_smem_estimate.py`` checks the estimate against the compiled kernels).
+SMEM_BUDGET = 222 * 1024
 
 
 def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False) -> int:
-    """Shared memory of one program: K and V tiles per buffered pipeline stage (head dims padded to a power of two,
-    or with ``head_chunks`` as the kernels cut them, ``attnopt.cost.traffic.padded_head_dim``), plus about 8 KB
-    (matches the compiled kernels within a few KB)."""
+    """Shared memory of one program (bytes): the K and V tiles of each buffered pipeline stage, the query tile, and
+    the fp32 score tile that Triton stages through shared memory between the two MMAs, plus 1 KB of barriers.
+
+    Head dims are padded to a power of two, or with ``head_chunks`` cut as the kernels cut them
+    (``attnopt.cost.traffic.padded_head_dim``). The query and score tiles grow with the packed query rows
+    (``rows_per_tile``): an estimate without them (a flat 8 KB) planned B1 5/1 heads D=80 q_len 4 (32 rows) at
+    256-key tiles, 3 stages, head-chunked, at 200 KB, which the H100 compiled to 235,520 bytes = 2 x 256 x 192 x 2
+    (K/V) + 32 x 256 x 4 (scores) + 32 x 96 x 2 (queries), over the 227 KB limit: a crash at the first launch
+    (CUDA suite at d1dae87, ``tests/runtime/test_one_process_fuzz.py``)."""
     dv = site.v_head_dim or site.head_dim
     if head_chunks:
-        width = padded_head_dim(site.head_dim, dv) + padded_head_dim(dv, site.head_dim)
+        qk_width = padded_head_dim(site.head_dim, dv)
+        width = qk_width + padded_head_dim(dv, site.head_dim)
     else:
-        width = _pow2(site.head_dim) + _pow2(dv)
-    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + 8192
+        qk_width = _pow2(site.head_dim)
+        width = qk_width + _pow2(dv)
+    block_m = rows_per_tile(site)[0]
+    kv_tiles = max(1, num_stages - 1) * block_n * width * site.dtype_bytes
+    return kv_tiles + block_m * block_n * 4 + block_m * qk_width * site.dtype_bytes + 1024
 
 
 def _pow2(x: int) -> int:

@@ -1,0 +1,124 @@
+"""The shared-memory estimate that filters the kernel configs (``runtime/strategies/split_kv.py: smem_bytes``) is an
+upper bound of what the compiled kernels use, so no candidate the planner offers fails at its first launch.
+
+The CUDA suite at d1dae87 found one that did: B1, 5/1 heads, D=80, q_len 4 (32 packed query rows), 256-key tiles,
+3 stages, head-chunked, estimated at 200 KB and compiled to 235,520 bytes, over the H100's 227 KB
+(``triton.runtime.errors.OutOfResources`` in ``tests/runtime/test_one_process_fuzz.py``). The estimate then
+counted the K/V tiles only; the query and fp32 score tiles grow with the packed rows.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnopt.hardware import builtin_profile
+from attnopt.runtime.strategies import PlanContext, get_strategy
+from attnopt.runtime.strategies.split_kv import SMEM_BUDGET, smem_bytes
+from attnopt.site import AttentionSite
+
+H100 = builtin_profile("h100-sxm")
+CUDA_CTX = PlanContext(device_type="cuda", triton_available=True)
+#: An H100's shared memory per block (bytes), as Triton's OutOfResources reports it.
+H100_BLOCK_SHARED = 232448
+KINDS = ("split_kv", "stream_k")
+
+
+def _site(d: int, g: int, q_len: int, mask_kind: str = "none", n: int = 2048, dtype: str = "bfloat16"):
+    return AttentionSite.canonical(batch=1, q_heads=g, kv_heads=1, head_dim=d, q_len=q_len, kv_len=n, dtype=dtype,
+                                   mask_kind=mask_kind, gqa_source="enable_gqa" if g > 1 else "mha")
+
+
+def test_the_measured_overflow_is_estimated_and_no_longer_a_candidate():
+    site = _site(80, 5, 4, "valid_length", n=65)
+    measured = 235520  # the H100's compiled kernel, d1dae87
+    assert smem_bytes(site, 256, 3, True) >= measured
+    for kind in KINDS:
+        for p in get_strategy(kind).candidates(site, H100, CUDA_CTX):
+            assert smem_bytes(site, p.block_n, p.num_stages, getattr(p, "head_chunks", False)) <= SMEM_BUDGET
+            assert (p.block_n, p.num_stages, getattr(p, "head_chunks", False)) != (256, 3, True), p.describe()
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_estimate_grows_with_the_packed_query_rows(d):
+    """More query rows per tile (GQA group x q_len) never shrink the estimate, and 64 rows cost more than 16."""
+    small, large = _site(d, 1, 1), _site(d, 8, 8)
+    for block_n in (32, 64, 128, 256):
+        for stages in (1, 2, 3):
+            assert smem_bytes(large, block_n, stages) > smem_bytes(small, block_n, stages)
+
+
+def _configs(kind: str, site: AttentionSite) -> list:
+    """One candidate per distinct compiled config (tile, warps, stages, head chunks; the split count changes no
+    shared memory)."""
+    seen, plans = set(), []
+    for p in get_strategy(kind).candidates(site, H100, CUDA_CTX):
+        key = (p.block_n, p.num_warps, p.num_stages, getattr(p, "head_chunks", False), getattr(p, "num_splits", 0) > 1)
+        if key not in seen:
+            seen.add(key)
+            plans.append(p)
+    return plans
+
+
+def _compiled_shared() -> int:
+    """The largest shared memory of the kernels the decode launchers compiled since they were last emptied."""
+    from attnopt.runtime.kernels import split_kv as split_kv_kernels, stream_k as stream_k_kernels
+
+    launchers = (split_kv_kernels._SPLIT_KV_LAUNCH, stream_k_kernels._STREAM_K_LAUNCH)
+    return max((entry[0].metadata.shared for launcher in launchers for entry in launcher._by_spec.values()),
+               default=-1)
+
+
+def _empty_launchers() -> None:
+    from attnopt.runtime.kernels import split_kv as split_kv_kernels, stream_k as stream_k_kernels
+
+    for launcher in (split_kv_kernels._SPLIT_KV_LAUNCH, stream_k_kernels._STREAM_K_LAUNCH):
+        launcher._by_spec.clear()
+        launcher._exact.clear()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_candidate_compiles_within_its_estimate(kind, d):
+    """Each distinct config of the candidates, at 16, 32 and 64 packed query rows, with and without a mask, in the
+    pointer and the TMA (captured) variants: it launches, and its compiled shared memory is at most the estimate."""
+    from attnopt.runtime.kernels.common import tma_as_captured
+
+    problems, checked = [], 0
+    for g, q_len, mask_kind in ((1, 1, "none"), (5, 4, "none"), (8, 8, "none"), (5, 4, "arbitrary")):
+        site = _site(d, g, q_len, mask_kind)
+        gen = torch.Generator(device="cuda").manual_seed(d * 100 + g)
+        q = torch.randn(1, g, q_len, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(1, 1, site.kv_len, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        mask = None
+        if mask_kind == "arbitrary":
+            mask = torch.rand(1, 1, q_len, site.kv_len, device="cuda", generator=gen) > 0.3
+            mask[..., 0] = True
+        strategy = get_strategy(kind)
+        if strategy.check(site, H100, CUDA_CTX) is not None:
+            continue
+        for plan in _configs(kind, site):
+            estimate = smem_bytes(site, plan.block_n, plan.num_stages, getattr(plan, "head_chunks", False))
+            for variant in ("pointer", "tma"):
+                _empty_launchers()
+                state = strategy.prepare(plan, q, k, v)
+                try:
+                    if variant == "tma":
+                        with tma_as_captured():
+                            strategy.run(state, plan, q, k, v, mask, None, 1.0 / math.sqrt(d), False)
+                    else:
+                        strategy.run(state, plan, q, k, v, mask, None, 1.0 / math.sqrt(d), False)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 -- every config is reported, not the first failure only
+                    problems.append(f"{plan.describe()} G{g} L{q_len} {mask_kind} {variant}: {type(e).__name__} {e}")
+                    continue
+                shared = _compiled_shared()
+                checked += 1
+                if shared > estimate or shared > H100_BLOCK_SHARED:
+                    problems.append(f"{plan.describe()} G{g} L{q_len} {mask_kind} {variant}: compiled {shared} "
+                                    f"bytes, estimated {estimate}")
+    assert checked, "no config was checked"
+    assert not problems, f"{len(problems)} of {checked}:\n" + "\n".join(problems)
