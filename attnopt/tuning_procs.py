@@ -81,28 +81,6 @@ def first_calls_in_processes(plans: list[Plan], site: AttentionSite, *, eager: b
             "pids": [w.proc.pid for w in workers]}
 
 
-def compile_eager_variant(plan: Plan, site: AttentionSite, device: Any = None) -> threading.Thread:
-    """Compile ``plan``'s eager variant (its call outside a CUDA-graph capture) in a worker process, without waiting:
-    returns the thread that waits for the answer (``thread.answer``, None if it never came).
-
-    The tuner compiles and times the variant a captured graph replays (``tma_as_captured``: TMA tiles), but the
-    model's first calls run outside a capture (step graphs record at the third), where a TMA winner takes pointer
-    tiles: another kernel, which compiled cold on the first call's critical path. Started when the choice is made,
-    it is usually in Triton's cache before the inner compile ends."""
-    worker = _take(1)[0]
-    worker.send({"site": site.to_dict(), "plans": [plan.runtime_key()], "eager": True, "captured": False,
-                 "device": device})
-
-    def wait() -> None:
-        thread.answer = worker.receive(time.perf_counter() + TIMEOUT_S)
-        _give_back([worker])
-
-    thread = threading.Thread(target=wait, name="attnopt-eager-variant", daemon=True)
-    thread.answer = None
-    thread.start()
-    return thread
-
-
 class _Worker:
     """One compile worker process (``python -m attnopt.tuning_procs --serve``): a JSON line in (a site, its plans),
     a JSON line out (each plan's error, "" where its first call ran); it exits at the end of its input or after
