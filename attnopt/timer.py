@@ -191,7 +191,8 @@ class GpuTimer:
             torch.cuda.synchronize()
             return self._time([site_call(plan, site, s, state) for s in sets])
 
-    def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False) -> dict[str, str]:
+    def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False,
+                procs: int | None = None) -> dict[str, str]:
         """Compile every candidate of ``site``'s shape at once, before any is timed: each kernel plan's first call
         (prepare and run on one input set, in the variant a captured graph runs; ``eager``: the eager variant too)
         on a thread of its own (``run_concurrently``), while other threads make the timing's input sets and compile
@@ -200,7 +201,8 @@ class GpuTimer:
         candidate is still timed, and fails there if the error is its own. In a background tuning the kernel plans'
         first calls run in worker processes first (``attnopt.tuning_procs``: Triton's compiles leave this process's
         GIL to the inner compile), and the first calls here load what they compiled; ``last_warm_up`` says how
-        that went."""
+        that went. ``procs``: the compile workers to use (default: ``tuning_procs.compile_procs()`` in a background
+        tuning, else none)."""
         from .tuning_defer import in_background
         from . import tuning_procs
 
@@ -243,7 +245,8 @@ class GpuTimer:
                 getattr(torch.ops.attnopt, mask_reduction(site))(warm_set["mask"], int(site.batch))
                 torch.cuda.synchronize()
 
-        procs = tuning_procs.compile_procs(tuning_procs.BACKGROUND_COMPILE_PROCS if in_background() else 0)
+        if procs is None:
+            procs = tuning_procs.compile_procs(tuning_procs.BACKGROUND_COMPILE_PROCS if in_background() else 0)
         kernel_plans = [p for p in plans if not _warmed_here(p)]
         if procs and kernel_plans:  # their Triton compiles in worker processes: below, the first calls load them
             try:

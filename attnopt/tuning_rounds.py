@@ -59,8 +59,10 @@ class TimingRounds:
         if errors:
             extra["warm_up_errors"] = dict(errors)
         procs = getattr(self.timer, "last_warm_up", None) or {}
-        if "calls_cpu_s" in procs:  # the CPU seconds of its first calls in this process, on every thread
+        if "calls_cpu_s" in procs:  # the CPU seconds of its first calls (in the timing process), on every thread
             extra["warm_up_calls_cpu_s"] = procs["calls_cpu_s"]
+        if "timer" in procs:  # where the timing ran (``attnopt.timer_proc``)
+            extra["timer"] = procs["timer"]
         if procs.get("procs"):  # the share compiled in worker processes (``attnopt.tuning_procs``)
             extra.update(compile_procs=procs["procs"], compile_procs_s=procs["procs_s"])
             if procs["errors"]:
