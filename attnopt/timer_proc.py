@@ -47,6 +47,16 @@ class ProcessTimer:
         self._worker: Any = None
         self.failed = ""  # why the worker was given up (then every call is ``local``'s)
         self.last_warm_up: dict[str, Any] = {}
+        self._connect()  # now: a worker that must start boots while the compile workers compile
+
+    def _connect(self) -> None:
+        if not self.failed and self._worker is None:
+            from . import tuning_procs
+
+            try:
+                self._worker = tuning_procs._take(1)[0]
+            except OSError as exc:
+                self.failed = f"no timing worker: {exc}"
 
     # ------------------------------------------------------------------------------------- the calls
     def __call__(self, plan: Plan, site: AttentionSite) -> float:
@@ -105,13 +115,7 @@ class ProcessTimer:
     # ------------------------------------------------------------------------------------- the channel
     def _ask(self, what: str, local_call, **payload: Any) -> Any:
         """The worker's answer to one call, or ``local_call()`` once the worker has failed as a whole."""
-        if not self.failed and self._worker is None:
-            from . import tuning_procs
-
-            try:
-                self._worker = tuning_procs._take(1)[0]
-            except OSError as exc:
-                self.failed = f"no timing worker: {exc}"
+        self._connect()
         if self.failed:
             return local_call()
         self._worker.send({"timer": what, "device": self.device, **payload})

@@ -144,6 +144,8 @@ def test_only_the_process_gpu_timer_on_a_gpu_with_workers_on_moves_to_a_worker(m
     monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
     released = []
     monkeypatch.setattr(timer_proc.ProcessTimer, "release", lambda self: released.append(1))
+    monkeypatch.setattr(tuning_procs, "_take", lambda n: [InProcessWorker(FakeGpuTimer(rule))])
+    monkeypatch.setattr(tuning_procs, "_give_back", lambda workers: None)
     tuner = Tuner(env=ENV)
     assert tuner.timer is T.gpu_timer
     with timer_proc.timing_in_worker(tuner, 0):
