@@ -172,11 +172,12 @@ def test_on_a_gpu_the_choice_times_in_a_worker_and_this_thread_stays_idle(cache)
     site = AttentionSite.canonical(q_heads=9, kv_heads=3, head_dim=64, kv_len=1088, mask_kind="valid_length",
                                    dtype="bfloat16")
     tuner = Tuner(cache=cache, env=tuning.environment_key())
+    ranked = _ranked(site)
     cpu = time.thread_time()
     _BACKGROUND.on = True
     try:
         with timer_proc.timing_in_worker(tuner, torch.cuda.current_device()):
-            choice = tuner.choose(site, _ranked(site), valid_len_sharing=30)
+            choice = tuner.choose(site, ranked, valid_len_sharing=30)
     finally:
         _BACKGROUND.on = False
     cpu = time.thread_time() - cpu
