@@ -121,6 +121,41 @@ def test_a_worker_that_dies_hands_the_rest_of_the_job_to_this_process(cache, mon
     assert record["timer"].startswith("this process (the timing worker stopped answering")
 
 
+class FakeTimerWorker(tuning_procs._Worker):
+    """A real worker process (``tuning_procs.serve`` over its pipes) whose GPU timer is a ``FakeGpuTimer``."""
+
+    def __init__(self):
+        import subprocess
+        import tempfile
+
+        program = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+                   "import test_timer_proc as t\nfrom attnopt import timer, tuning_procs\n"
+                   "timer.gpu_timer = t.FakeGpuTimer(t.rule)\nsys.exit(tuning_procs.serve())\n")
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
+        self.timed_out = False
+
+
+def test_a_whole_choice_over_a_real_worker_process_is_the_timers_choice(cache, monkeypatch, no_compile_procs):
+    """Every call of a whole choice (warm-up, timings, the tie-break's fill, release) as JSON lines through a real
+    worker process: the choice and the timings, errors included, are those of the same timer called here."""
+    worker = FakeTimerWorker()
+    monkeypatch.setattr(tuning_procs, "_take", lambda n: [worker])
+    proxy = timer_proc.ProcessTimer(FakeGpuTimer(rule), None)
+    try:
+        through = Tuner(proxy, cache, env=ENV, budget_s=30.0).choose(SMOL_1K, _ranked(SMOL_1K), valid_len_sharing=30)
+        assert not proxy.failed and worker.alive()
+    finally:
+        worker.close()
+    direct = Tuner(FakeGpuTimer(rule), None, env=ENV, budget_s=30.0).choose(SMOL_1K, _ranked(SMOL_1K),
+                                                                           valid_len_sharing=30)
+    assert through.plan.runtime_key() == direct.plan.runtime_key() and through.timings == direct.timings
+    assert "error: ValueError: no such launch" in through.timings.values()
+    record = cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, SMOL_1K.kv_len, False, 30))
+    assert record["timer"] == "worker" and record["span_us"] and "tie_warm_up_s" not in record  # (a fill: no compile)
+
+
 def test_a_real_worker_process_answers_and_its_errors_keep_their_text():
     """A real worker (``python -m attnopt.tuning_procs --serve``): a call that fails there (no CUDA on this machine:
     the GPU timer cannot make its input sets) raises here with the worker's error text, and the worker stays."""
