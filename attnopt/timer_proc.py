@@ -167,7 +167,10 @@ def serve_timer_call(payload: dict[str, Any], gpu_timer: Any) -> dict[str, Any]:
     from .timer import error_text
     from .tuning_defer import _BACKGROUND
 
-    _BACKGROUND.on = True  # (GpuTimer: preroll before timed replays, fewer warm-up threads)
+    # timed as a background tuning (GpuTimer: a longer preroll before timed replays, fewer warm-up threads), for
+    # this call only: served in-process (tests, a fallback) the caller's thread must not stay marked as background
+    was_background = getattr(_BACKGROUND, "on", False)
+    _BACKGROUND.on = True
     what = payload["timer"]
     try:
         if payload.get("device") is not None:
@@ -197,4 +200,6 @@ def serve_timer_call(payload: dict[str, Any], gpu_timer: Any) -> dict[str, Any]:
             raise ValueError(f"unknown timer call {what!r}")
     except Exception as exc:  # noqa: BLE001 - the tuner sees the call fail with this text
         return {"error": error_text(exc)}
+    finally:
+        _BACKGROUND.on = was_background
     return {"value": value}
