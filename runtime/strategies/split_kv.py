@@ -7,6 +7,7 @@ interpreter is asked for with ``ATTNOPT_CPU_KERNELS=interpret`` together with ``
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -172,6 +173,14 @@ def fitting_configs(site: AttentionSite, head_chunks: bool = False) -> Iterable[
 CHUNK_MIN_BLOCK_N = 64
 #: A head-chunked plan's estimate is its padded twin's times (1 + this): the untuned choice stays padded.
 CHUNK_ESTIMATE_PENALTY = 0.01
+#: A fused-merge plan (``SplitKVPlan.fused_merge``: the last split to finish a tile merges it, one launch instead of
+#: two) is estimated at its two-launch twin's cost model times (1 + this). Every split-KV candidate of more than one
+#: split has such a twin; the tuner times the twins of its widest and best-estimated plans
+#: (``attnopt.tuning_candidates.to_time``). Once the in-launch merge kept its registers to the loop's
+#: (``runtime/kernels/common.py`` MERGE_ELEMS) it is a real contender where the second launch's latency is a large
+#: part of the call (one-tile splits of a short cache), but it was never timed beside the two-launch path on a GPU, so
+#: the untuned choice stays two launches until a measurement (or a calibrated ``fused_merge_tail_us``) says otherwise.
+FUSED_ESTIMATE_PENALTY = 0.005
 
 
 def chunk_twins(site: AttentionSite) -> bool:
@@ -322,14 +331,14 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                 if chunks and block_n < CHUNK_MIN_BLOCK_N:
                     continue
                 for splits, per_split in split_counts(site, hw, block_n, warps, stages, chunks):
-                    # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
-                    # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
                     plan = SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
                                        tma=True, head_chunks=chunks, tiles_per_split=per_split)
                     key = (plan.splits_at(n), block_n, warps, stages, chunks)
                     if key not in seen:  # plans that run alike at the planned length are timed once
                         seen.add(key)
                         yield plan
+                        if plan.splits_at(n) > 1:  # its one-launch twin (see FUSED_ESTIMATE_PENALTY)
+                            yield dataclasses.replace(plan, fused_merge=True)
         pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
@@ -339,10 +348,13 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         splits = plan.splits_at(planned_len(site))
-        us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages)
+        fused = plan.fused_merge and splits > 1
+        us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages, fused)
         # the model does not see what the head chunks change (measured from 16 % faster to 8 % slower): a chunked
         # plan ranks just behind its padded twin, so that only a measurement chooses one
-        return us * (1 + CHUNK_ESTIMATE_PENALTY) if plan.head_chunks and chunk_twins(site) else us
+        if plan.head_chunks and chunk_twins(site):
+            us *= 1 + CHUNK_ESTIMATE_PENALTY
+        return us * (1 + FUSED_ESTIMATE_PENALTY) if fused else us
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         if plan.num_splits < 1:

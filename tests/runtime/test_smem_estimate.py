@@ -65,11 +65,12 @@ def test_estimate_covers_the_compiled_kernels(d, g, q_len, block_n, stages, comp
 
 
 def _configs(kind: str, site: AttentionSite) -> list:
-    """One candidate per distinct compiled config (tile, warps, stages, head chunks; the split count changes no
-    shared memory)."""
+    """One candidate per distinct compiled config (tile, warps, stages, head chunks, the merge in the same launch;
+    the split count changes no shared memory)."""
     seen, plans = set(), []
     for p in get_strategy(kind).candidates(site, H100, CUDA_CTX):
-        key = (p.block_n, p.num_warps, p.num_stages, getattr(p, "head_chunks", False), getattr(p, "num_splits", 0) > 1)
+        key = (p.block_n, p.num_warps, p.num_stages, getattr(p, "head_chunks", False), getattr(p, "num_splits", 0) > 1,
+               getattr(p, "fused_merge", False))
         if key not in seen:
             seen.add(key)
             plans.append(p)
