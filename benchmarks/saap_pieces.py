@@ -5,22 +5,30 @@ input sets rotated so that the reads miss in L2): which piece to cut, and by whi
 Rows (µs a call, the median over graph replays of back-to-back calls):
 
 * ``full``, ``full-unfused``, ``full-unchained``: the whole op as the plan runs it (fused selection, the launches
-  chained by programmatic dependent launch; four launches apart; not chained);
+  chained by programmatic dependent launch; four launches apart; not chained); ``full-count`` with the selection's
+  radix rounds by comparison (``saap_select.COUNT_ROUNDS``), ``full-merge-dv4`` with four merge programs a row
+  (``saap.MERGE_DV_SPLIT``), ``full-count-merge-dv4`` both, ``full-fused-merge(-count)`` the merge in the attention
+  launch (the plan's ``fused_merge``);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
   unpadded), ``-noderope`` without removing RoPE from the queries;
-* ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products);
+* ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products,
+  ``-count``: its radix rounds by comparison);
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
   bits a radix round, ``-guess`` with the first round's digit from one packed count where it can (not the round),
+  ``-count`` with every round counting the keys at or above each candidate digit by comparison (no histogram),
   ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
   ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
-  ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's);
-* ``merge``: the merge launch alone (``-S32``, ``-S128``: of the partials attn-S32 / attn-S128 left);
+  ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,
+  ``-fused-merge`` with the merge in it);
+* ``merge``: the merge launch alone (``-dv<n>``: n programs a row, each over Dv / n; ``-S32``, ``-S128``: of the
+  partials attn-S32 / attn-S128 left);
   ``score-fused16-l2``: one input set over and over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty
-  launches of the same grids, the floor of a launch in a graph.
+  launches of the same grids, the floor of a launch in a graph; ``sdpa-cudnn``: dense SDPA on cuDNN over the same
+  sets (the issue's peer: ``full`` against it gives the speedup of one run).
 
 Every ``select`` and ``score+select`` variant that chooses a real set is checked to leave the same work list as the
 plan's selection (``same_list``). Run on a GPU: ``python benchmarks/saap_pieces.py`` (about two minutes on an
@@ -94,6 +102,8 @@ def main(argv=None) -> int:
     from attnopt.runtime.kernels.merge import merge_states
     from attnopt.runtime.kernels.saap import _SAAP_LAUNCH, _attention_launch, saap_workspace, window_split_count
     from attnopt.runtime.kernels.saap_select import saap_select
+    import attnopt.runtime.kernels.saap as saap_module
+    import attnopt.runtime.kernels.saap_select as saap_select_module
     from attnopt.runtime.kernels.common import decode_geometry
     from attnopt.runtime.saap import registry, saap_decode
     from attnopt.runtime.saap.decode import kernel_scorer
@@ -151,7 +161,7 @@ def main(argv=None) -> int:
         return all(torch.equal(c["ws"].select.incl, i) and torch.equal(c["ws"].select.total, t)
                    for c, (i, t) in zip(ctx, plan_lists))
 
-    def attention(c, splits=None, warps=4, part="all", late_list=False, **extra):
+    def attention(c, splits=None, warps=4, part="all", late_list=False, fused_merge=False, **extra):
         ws = c["ws"]
         if splits is not None and splits != S:
             if f"ws{splits}" not in c:
@@ -163,7 +173,7 @@ def main(argv=None) -> int:
         s = c["s"]
         geo = decode_geometry(s["q"], s["k"], s["v"])
         a, consts = _attention_launch(s["q"], s["k"], s["v"], c["st"].perm, c["st"].ends, None, c["out"], None, ws,
-                                      scale, sink, W, proto.block_n, warps, proto.num_stages, False, geo)
+                                      scale, sink, W, proto.block_n, warps, proto.num_stages, fused_merge, geo)
         consts = {**consts, **extra}
         first, count = {"all": (0, n), "clusters": (W, n - W), "window": (0, W)}[part]
         grid = (B * Hkv * geo.num_m, count)
@@ -171,9 +181,38 @@ def main(argv=None) -> int:
         return lambda: _SAAP_LAUNCH(grid, *a, first, **consts, WAIT_PRIOR=late_list and device == "cuda",
                                     LAUNCH_DEPENDENTS=False)
 
-    def merge(c):
+    def merge(c, dv_split=1):
         ws = c["ws"]
-        return lambda: merge_states(ws.o, ws.lse[0], out=c["out"], lse_out=False, log_l_parts=ws.lse[1])
+        return lambda: merge_states(ws.o, ws.lse[0], out=c["out"], lse_out=False, log_l_parts=ws.lse[1],
+                                    dv_split=dv_split)
+
+    def flagged(call, **flags):
+        """``call`` with module defaults set while it runs (``module.NAME``: value), so that a plan's whole call
+        takes a variant that no plan field names."""
+        def run():
+            old = {key: getattr(modules[key.split(".")[0]], key.split(".")[1]) for key in flags}
+            for key, value in flags.items():
+                setattr(modules[key.split(".")[0]], key.split(".")[1], value)
+            try:
+                return call()
+            finally:
+                for key, value in old.items():
+                    setattr(modules[key.split(".")[0]], key.split(".")[1], value)
+        return run
+
+    def cudnn(c):
+        import argparse as ap
+
+        from attnopt.bench.kernels import _peer_methods
+
+        method = next(m for m in _peer_methods(B, Hq, Hkv, info["D"], N, None, scale,
+                                               ap.Namespace(no_flex=True, no_eager_peer=True))
+                      if m.name == "sdpa-cudnn")
+        return method.make(dict(c["s"], mask=None))
+
+    modules = {"select": saap_select_module, "saap": saap_module}
+    count = {"select.COUNT_ROUNDS": True}
+    dv4 = {"saap.MERGE_DV_SPLIT": 4}
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -193,6 +232,12 @@ def main(argv=None) -> int:
         ("full", lambda c, i: plan_call(plans[i], c["s"], scale)),
         ("full-unfused", lambda c, i: plan_call(replace(plans[i], fused_select=False), c["s"], scale)),
         ("full-unchained", lambda c, i: plan_call(replace(plans[i], pdl=False), c["s"], scale)),
+        ("full-count", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count)),
+        ("full-merge-dv4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv4)),
+        ("full-count-merge-dv4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count, **dv4)),
+        ("full-fused-merge", lambda c, i: plan_call(replace(plans[i], fused_merge=True), c["s"], scale)),
+        ("full-fused-merge-count", lambda c, i: flagged(plan_call(replace(plans[i], fused_merge=True), c["s"],
+                                                                  scale), **count)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
@@ -202,6 +247,7 @@ def main(argv=None) -> int:
         ("score-fused16-fma", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring",
                                                         precision="fma")),
         ("score+select-fused16-fma", lambda c, i: lambda: select(c, fused=True, num_warps=16, precision="fma")),
+        ("score+select-fused16-count", lambda c, i: lambda: select(c, fused=True, num_warps=16, count_rounds=True)),
         ("score-fused16-noderope", lambda c, i: lambda: select(noderope(c), fused=True, num_warps=16,
                                                              launches="scoring")),
         ("score-fused8", lambda c, i: lambda: select(c, fused=True, num_warps=8, launches="scoring")),
@@ -218,11 +264,16 @@ def main(argv=None) -> int:
         ("select-w16-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=8)),
         ("select-w8-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=8, radix=8)),
         ("select-w16-guess", lambda c, i: lambda: select(c, launches="selection", num_warps=16, guess_top=True)),
+        ("select-w16-count", lambda c, i: lambda: select(c, launches="selection", num_warps=16, count_rounds=True)),
+        ("select-w16-count-guess", lambda c, i: lambda: select(c, launches="selection", num_warps=16,
+                                                              count_rounds=True, guess_top=True)),
+        ("select-w8-count", lambda c, i: lambda: select(c, launches="selection", num_warps=8, count_rounds=True)),
         ("select-w16-skip1", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=1)),
         ("select-w16-skip2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=2)),
         # the attention and merge rows read the plan's work list, restored before them
         ("attn", lambda c, i: attention(c)),
         ("attn-late-list", lambda c, i: attention(c, late_list=True)),
+        ("attn-fused-merge", lambda c, i: attention(c, fused_merge=True)),
         ("attn-clusters", lambda c, i: attention(c, part="clusters")),
         ("attn-window", lambda c, i: attention(c, part="window")),
         ("attn-S32", lambda c, i: attention(c, splits=32)),
@@ -230,8 +281,12 @@ def main(argv=None) -> int:
         ("attn-nw2", lambda c, i: attention(c, warps=2)),
         ("attn-S128-nw2", lambda c, i: attention(c, splits=128, warps=2)),  # one wave at 8 programs an SM
         ("merge", lambda c, i: merge(c)),
+        ("merge-dv2", lambda c, i: merge(c, dv_split=2)),
+        ("merge-dv4", lambda c, i: merge(c, dv_split=4)),
+        ("merge-dv8", lambda c, i: merge(c, dv_split=8)),
         ("merge-S32", lambda c, i: merge(dict(c, ws=c["ws32"]))),  # the partials attn-S32 left
         ("merge-S128", lambda c, i: merge(dict(c, ws=c["ws128"]))),
+        ("sdpa-cudnn", lambda c, i: cudnn(c)),  # the dense peer the issue's targets are against, same sets
         # one input set over and over: the centroids stay in L2 (what the rotation's HBM reads cost the scoring)
         ("score-fused16-l2", lambda c, i: lambda: select(ctx[0], fused=True, num_warps=16, launches="scoring")),
     ]

@@ -36,7 +36,7 @@ def _merge_states_kernel(
     P,  # number of partitions
     DV: tl.constexpr,  # head dim of the output (constexpr: keeps loads vectorised)
     BLOCK_P: tl.constexpr,  # partitions handled per step
-    BLOCK_DV: tl.constexpr,  # padded Dv
+    BLOCK_DV: tl.constexpr,  # output dims a program merges (the padded Dv, or a share of it: the grid's second axis)
     WRITE_LSE: tl.constexpr,  # whether to store the merged LSE
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the producer grid first
     HAS_LOG_L: tl.constexpr,  # the partials' maxima and log l come apart (exact weights next to a huge maximum)
@@ -46,7 +46,7 @@ def _merge_states_kernel(
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs_p = tl.arange(0, BLOCK_P)
-    offs_d = tl.arange(0, BLOCK_DV)
+    offs_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     d_ok = offs_d < DV
     # The maxima stay in natural-log units and only their differences are scaled by log2(e): the partials may come
     # from the reference (a row that finfo.min hides has m = -3.4e38, which times log2(e) overflows to -inf and
@@ -77,12 +77,13 @@ def _merge_states_kernel(
     tl.store(o_ptr + row * stride_outr + offs_d.to(tl.int64) * stride_outd, out.to(o_ptr.dtype.element_ty),
              mask=d_ok)
     if WRITE_LSE:
-        log_den = tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, den)))
-        if LSE_PLANES:  # for a later merge (a multi-GPU combine); an empty row gets -inf in both planes
-            tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), tl.where(empty, float("-inf"), m))
-            tl.store(lse_ptr + stride_lse_plane + row * stride_lse_out + tl.arange(0, 1), log_den)
-        else:
-            tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), m + log_den)
+        if tl.program_id(1) == 0:  # one program of the row's Dv shares writes its LSE
+            log_den = tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, den)))
+            if LSE_PLANES:  # for a later merge (a multi-GPU combine); an empty row gets -inf in both planes
+                tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), tl.where(empty, float("-inf"), m))
+                tl.store(lse_ptr + stride_lse_plane + row * stride_lse_out + tl.arange(0, 1), log_den)
+            else:
+                tl.store(lse_ptr + row * stride_lse_out + tl.arange(0, 1), m + log_den)
 
 
 _MERGE_LAUNCH = KernelLauncher(_merge_states_kernel)
@@ -90,7 +91,7 @@ _MERGE_LAUNCH = KernelLauncher(_merge_states_kernel)
 
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
                  lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None, pdl: bool = False,
-                 log_l_parts: torch.Tensor | None = None, max_parts: int | None = None):
+                 log_l_parts: torch.Tensor | None = None, max_parts: int | None = None, dv_split: int = 1):
     """Merge P softmax states along dim 0.
 
     Parameters
@@ -108,6 +109,8 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     max_parts : the most partitions this call site ever merges (default P): the kernel's partitions per step are
         sized by it, so that a count varying below it (a split-KV grid that follows the cache's length) launches
         the same compiled kernel.
+    dv_split : programs per row, each merging an equal share of the padded Dv (a power of two): more programs in
+        flight for few rows; each reads every partition's LSE.
 
     Returns
     -------
@@ -133,11 +136,15 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     l_out = (lse_out[0] if planes else lse_out).view(-1) if write_lse else out2
     if R == 0:
         return out, (lse_out if write_lse else None)
+    if dv_split < 1 or dv_split & (dv_split - 1):
+        raise ValueError(f"merge_states: dv_split must be a power of two >= 1; got {dv_split!r}")
     block_dv = max(16, next_pow2(Dv))
     # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
     block_p = max(2, min(next_pow2(max(P, max_parts or P)), max(2, 8192 // block_dv)))
+    dv_split = min(dv_split, block_dv // 16)
+    block_dv //= dv_split
     _MERGE_LAUNCH(
-        (R,), o3, l2, ll2, out2, l_out, *o3.stride(), *l2.stride(), *ll2.stride(), *out2.stride(),
+        (R, dv_split), o3, l2, ll2, out2, l_out, *o3.stride(), *l2.stride(), *ll2.stride(), *out2.stride(),
         l_out.stride(0) if write_lse else 0, lse_out.stride(0) if planes else 0,
         P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse, WAIT_PRIOR=pdl,
         HAS_LOG_L=log_l_parts is not None, LSE_PLANES=planes,

@@ -193,6 +193,10 @@ _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
 #: List entries a cluster split reads at once to find its first cluster: the whole list up to 2048 clusters (compiled
 #: for sm_90 at the bench shape, the same 128 registers as 1024 at a time, and one load and one reduction, not two).
 FIRST_CHUNK = 2048
+#: Programs per output row of the merge launch, each over a share of Dv (``merge_states``' dv_split): at llama3-8b's
+#: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. Unmeasured: 1 until timed
+#: (``benchmarks/saap_pieces.py``: merge-dv4 against merge).
+MERGE_DV_SPLIT = 1
 
 
 def window_split_count(num_splits: int, always_keys: float, cluster_keys: float) -> int:
@@ -318,7 +322,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         torch.cuda.current_stream(q.device).wait_stream(side)
     if not fused:
         merge_states(workspace.o, workspace.lse[0], out=out, lse_out=lse if lse is not None else False,
-                     pdl=pdl and side is None, log_l_parts=workspace.lse[1])
+                     pdl=pdl and side is None, log_l_parts=workspace.lse[1], dv_split=MERGE_DV_SPLIT)
     return out, lse
 
 

@@ -89,15 +89,20 @@ SMEM_BUDGET = 222 * 1024
 
 
 def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False) -> int:
-    """Shared memory of one program (bytes): the K and V tiles of each buffered pipeline stage, the query tile, and
-    the fp32 score tile that Triton stages through shared memory between the two MMAs, plus 1 KB of barriers.
+    """Shared memory of one program (bytes), as Triton lays out the decode kernels on Hopper, plus 1 KB of barriers.
 
     Head dims are padded to a power of two, or with ``head_chunks`` cut as the kernels cut them
-    (``attnopt.cost.traffic.padded_head_dim``). The query and score tiles grow with the packed query rows
-    (``rows_per_tile``): an estimate without them (a flat 8 KB) planned B1 5/1 heads D=80 q_len 4 (32 rows) at
-    256-key tiles, 3 stages, head-chunked, at 200 KB, which the H100 compiled to 235,520 bytes = 2 x 256 x 192 x 2
-    (K/V) + 32 x 256 x 4 (scores) + 32 x 96 x 2 (queries), over the 227 KB limit: a crash at the first launch
-    (CUDA suite at d1dae87, ``tests/runtime/test_one_process_fuzz.py``)."""
+    (``attnopt.cost.traffic.padded_head_dim``); the query tile has ``rows_per_tile`` rows:
+
+    * 64 rows (wgmma, one warpgroup's M): the query tile and ``num_stages`` K/V buffers;
+    * 16 or 32 rows (mma): the query tile, ``num_stages - 1`` K/V buffers and the fp32 score tile, staged
+      through shared memory between the two products.
+
+    Every split-KV and stream-K config compiled on the H100 at D=64-256, 32 and 64 rows, matched this to the
+    byte (less the barriers) or stayed under it (``tests/runtime/test_smem_estimate.py``, bf50495); e.g. 5/1
+    heads, D=80, q_len 4, 256-key tiles, 3 stages, head-chunked: 2 x 256 x 192 x 2 (K/V) + 32 x 256 x 4 (scores)
+    + 32 x 96 x 2 (queries) = 235,520 bytes, over the 227 KB limit, where a flat 8 KB for everything but the
+    K/V tiles had planned 200 KB (a crash at the first launch, the CUDA suite at d1dae87)."""
     dv = site.v_head_dim or site.head_dim
     if head_chunks:
         qk_width = padded_head_dim(site.head_dim, dv)
@@ -106,8 +111,16 @@ def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: 
         qk_width = _pow2(site.head_dim)
         width = qk_width + _pow2(dv)
     block_m = rows_per_tile(site)[0]
-    kv_tiles = max(1, num_stages - 1) * block_n * width * site.dtype_bytes
-    return kv_tiles + block_m * block_n * 4 + block_m * qk_width * site.dtype_bytes + 1024
+    queries = block_m * qk_width * site.dtype_bytes
+    if block_m >= WGMMA_ROWS:
+        return max(1, num_stages) * block_n * width * site.dtype_bytes + queries + 1024
+    scores = block_m * block_n * 4
+    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + scores + queries + 1024
+
+
+#: Query rows from which the kernels' products compile to Hopper's wgmma (one warpgroup's M): its operands stay in
+#: shared memory through the pipeline, one K/V buffer more than below it, and no score tile staged.
+WGMMA_ROWS = 64
 
 
 def _pow2(x: int) -> int:

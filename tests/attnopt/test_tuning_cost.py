@@ -250,6 +250,23 @@ def test_smollm2_static_pick_is_no_slower_than_the_forced_sweeps_best(cache):
                                                     choice.timings, choice.tune_s)
 
 
+@pytest.mark.cuda
+def test_the_gpu_timer_times_a_low_fill_in_the_measured_cache():
+    """``GpuTimer.at_fill``: a split-KV plan over an eighth of a 32k static cache's slots runs in the cache timed full,
+    faster than full (it reads only the valid keys), on its own sets (the full timing's sets keep their mask)."""
+    site = dataclasses.replace(SMOL_1K, kv_len=32832, dtype="bfloat16")
+    plan = SplitKVPlan(num_splits=16, block_n=64, num_warps=4, num_stages=3, tma=True)
+    timer = T.GpuTimer()
+    try:
+        full = timer(plan, site)
+        low = timer.at_fill(plan, site, 4096)
+        assert 0 < low < full, (low, full)
+        assert bool(timer._input_sets(site)[0]["mask"].all()) and int(timer._fill[1][0]["valid_len"][0]) == 4096
+        assert len(timer._fill[1]) >= len(timer._input_sets(site))
+    finally:
+        timer.release()
+
+
 def test_a_cached_shape_is_read_from_the_file_once_per_process(cache, monkeypatch):
     """30 layers of a shape measured by another process: the file is read for the first site only."""
     site = AttentionSite.canonical()
@@ -357,6 +374,34 @@ def test_a_static_near_tie_is_decided_at_a_low_fill(cache):
     assert choice.plan.runtime_key() == b and choice.measured_us == 10.2
     low = [(k, n) for k, n in timer.calls if n != 8256]
     assert sorted(low) == sorted([(a, 1024), (b, 1024)]) and tuning.STATIC_LOW_FILL == 1 / 8
+
+
+def test_a_timer_with_at_fill_times_the_low_fill_in_the_measured_cache_without_a_warm_up(cache):
+    """A timer that can time a fill of the cache the graph runs (``at_fill``: the GPU timer) is asked for the pair's
+    times over 1024 valid keys of the 8256-slot cache, and the tie-break warms nothing up at another length (the
+    kernels compiled for 8256 slots are the ones the model runs at any fill). The choice is the one the fill gives."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    a, b = [p.runtime_key() for p in tuning.to_time(ranked, tuning.DEFAULT_TOP_K) if p.kind != "dense"][:2]
+
+    class Filled(Clocked):
+        def __init__(self, rule):
+            super().__init__(rule)
+            self.fills, self.warmed = [], []
+
+        def at_fill(self, plan, at, keys):
+            self.fills.append((plan.runtime_key(), at.kv_len, keys))
+            return {a: 5.0, b: 3.0}[plan.runtime_key()]
+
+        def warm_up(self, plans, at, eager=False):
+            self.warmed.append(at.kv_len)
+            return {}
+
+    timer = Filled(lambda p, s: {a: 10.0, b: 10.2}.get(p.runtime_key(), 30.0))
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30)
+    assert choice.plan.runtime_key() == b
+    assert sorted(timer.fills) == sorted([(a, 8256, 1024), (b, 8256, 1024)])
+    assert {n for _, n in timer.calls} == {8256} and timer.warmed == [8256]
 
 
 def test_a_dense_plan_keeps_its_full_time_at_a_low_fill(cache):

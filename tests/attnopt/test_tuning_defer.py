@@ -391,3 +391,28 @@ def test_the_timers_inputs_and_graphs_are_freed_on_the_worker_at_the_end_of_the_
     with tuning.use_tuner(tuner):
         opt(*inputs())
     assert released and released[-1].startswith("attnopt-tune")
+
+
+def test_calls_of_a_graphed_graph_launch_the_captured_variant_outside_a_capture(cache, monkeypatch):
+    """A graph that replays as CUDA graphs (step graphs record it; inductor's trees replay it): its calls before the
+    recording run the kernels' captured variant (``tma_as_captured``), the one the tuner compiled, instead of
+    compiling the pointer variant cold on the first call. A graph run eagerly at every call keeps pointer tiles."""
+    from attnopt.runtime.kernels import common
+
+    seen = []
+
+    def inner(name, gm, example_inputs, mode):
+        def run(*args):
+            seen.append(getattr(common._AS_CAPTURED, "on", False))
+            return gm.forward(*args)
+        return run
+
+    monkeypatch.setattr(backend_mod, "_compile_inner", inner)
+    q, k, v, mask = inputs()
+    for graphed in (True, False):
+        backend = Backend(OptimizeConfig(inner_backend="eager"))
+        torch._dynamo.reset()
+        with tuning.use_tuner(Tuner(lambda p, s: 1.0, cache, env=ENV)):
+            opt = torch.compile(attend, backend=backend.with_mode(None, graphed=graphed), dynamic=False)
+            torch.testing.assert_close(opt(q, k, v, mask), attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        assert seen.pop() is graphed and not getattr(common._AS_CAPTURED, "on", False)

@@ -345,6 +345,13 @@ def test_merge_states_kernel(device):
     torch.testing.assert_close(mo, ro, atol=1e-5, rtol=1e-5)
     assert torch.isneginf(ml[0, 2]) and bool((mo[0, 2] == 0).all())
     torch.testing.assert_close(ml, rl, atol=1e-5, rtol=1e-5)
+    for split in (2, 4):  # programs per row over shares of the padded Dv (128 here: 80 real, the last share padding)
+        out2 = torch.full((3, R, Dv), float("nan"), device=dev)
+        lout2 = torch.full((3, R), float("nan"), device=dev)
+        merge_states(o, lse, out2, lout2, dv_split=split)
+        assert torch.equal(out2, mo) and torch.equal(lout2, ml), split
+    with pytest.raises(ValueError, match="dv_split must be a power of two"):
+        merge_states(o, lse, dv_split=3)
     # allocated outputs, P=1, lower-precision output dtype
     mo2, ml2 = merge_states(o[:1], lse[:1], out_dtype=torch.float16)
     assert mo2.dtype == torch.float16
@@ -543,3 +550,7 @@ def test_merge_states_kernel_keeps_log_l_apart():
     want = (o * torch.tensor([1.0, 5.0, 10.0], device=dev)[:, None, None]).sum(0) / 16.0
     torch.testing.assert_close(ro, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mo, want, atol=1e-5, rtol=1e-5)
+    planes = torch.empty(2, 4, device=dev)  # Dv in four programs a row; the row max and log l planes from one
+    mo4, _ = merge_states(o, m, lse_out=planes, log_l_parts=log_l, dv_split=4)
+    assert torch.equal(mo4, mo)
+    torch.testing.assert_close(planes[0] + planes[1], torch.logsumexp(m + log_l, 0), atol=1e-5, rtol=1e-5)
