@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from typing import Any, Sequence
 
@@ -26,6 +27,12 @@ TIE = 0.03
 STATIC_DENSE_TIE = 0.25
 #: At most this many near-tied candidates are timed again.
 TIE_MAX = 3
+#: Worst ratios of a near tie (``TimingRounds._tie_break``) within this fraction of the lowest count as equal, the
+#: timing's noise; the lowest mean ratio over the lengths judged then decides. On the H100 (batch bf50495, B=7 4/2
+#: heads D=96, bucket (2048, 4096]) S=8/128 and S=38/128 one-tile splits had worst ratios of 1.1239 and 1.1236 (the
+#: first at 2112 keys, the second at 4096) and means of 1.04 and 1.08; the smaller worst ratio by 0.03 % chose S=38,
+#: which ran 13.43 µs at 3264 keys where S=8 would take about 12.9 (cuDNN 13.13).
+WORST_TIE = 0.01
 #: A static cache's dense winner is judged at ``STATIC_LOW_FILL`` against this many plans that read only the valid
 #: keys (those within ``STATIC_DENSE_TIE`` of it full, fastest first): the fastest of them full need not be the fastest
 #: over an eighth of the keys, where more splits fill the GPU (4k of a 32k cache: the model's S=16/128 ran 16.9 µs,
@@ -126,6 +133,7 @@ class TimingRounds:
         if len(pair) < 2:
             return prefer_peer(best, measured, by_key), {}
         worst = {k: measured[k] / measured[best] for k in pair}
+        ratios = {k: [worst[k]] for k in pair}  # at each length judged, to the fastest of the pair there
         at_ends: dict[str, dict[str, float]] = {}
         # a static cache's fill is timed in the cache the graph runs (``timer.at_fill``: the kernels compiled and
         # captured already, only the device valid length lower), where the timer can
@@ -156,10 +164,15 @@ class TimingRounds:
                 fastest = min(times.values())
                 for k in pair:
                     worst[k] = max(worst[k], times[k] / fastest)
+                    ratios[k].append(times[k] / fastest)
                 at_ends[str(n)] = times
-        # a kernel plan must beat the dense plans by PEER_MARGIN in the worst case to be chosen over them
+        # a kernel plan must beat the dense plans by PEER_MARGIN in the worst case to be chosen over them; worst
+        # ratios within WORST_TIE of the lowest are one (the timing's noise), and of those the lowest mean ratio over
+        # the lengths judged wins: a bucket's lengths are spread over it, not at its worst end
         weight = {k: 1.0 if by_key[k].kind == "dense" else 1.0 + PEER_MARGIN for k in pair}
-        return min(pair, key=lambda k: (worst[k] * weight[k], measured[k])), at_ends
+        lowest = min(worst[k] * weight[k] for k in pair)
+        close = [k for k in pair if worst[k] * weight[k] <= (1 + WORST_TIE) * lowest]
+        return min(close, key=lambda k: (statistics.fmean(ratios[k]) * weight[k], measured[k])), at_ends
 
     def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
                  charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
@@ -219,6 +232,4 @@ def _fresh_key(plan: Plan, site: AttentionSite) -> tuple:
 
 
 def _median(xs: Sequence[float]) -> float:
-    import statistics
-
     return float(statistics.median(xs))
