@@ -31,7 +31,8 @@ TIE_MAX = 3
 #: timing's noise; the lowest mean ratio over the lengths judged then decides. On the H100 (batch bf50495, B=7 4/2
 #: heads D=96, bucket (2048, 4096]) S=8/128 and S=38/128 one-tile splits had worst ratios of 1.1239 and 1.1236 (the
 #: first at 2112 keys, the second at 4096) and means of 1.04 and 1.08; the smaller worst ratio by 0.03 % chose S=38,
-#: which ran 13.43 µs at 3264 keys where S=8 would take about 12.9 (cuDNN 13.13).
+#: which ran 13.43 µs at 3264 keys (cuDNN 13.13), where S=8's times at 2880 and 4096 keys (12.57, 13.31) put it near
+#: 12.8 (interpolated, not measured).
 WORST_TIE = 0.01
 #: A static cache's dense winner is judged at ``STATIC_LOW_FILL`` against this many plans that read only the valid
 #: keys (those within ``STATIC_DENSE_TIE`` of it full, fastest first): the fastest of them full need not be the fastest
