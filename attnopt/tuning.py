@@ -60,7 +60,7 @@ from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WIT
                                 PEER_SPAN, _family, compile_key, most_parallel, near_peer, prefer_peer,
                                 to_time)  # (re-exported for the tuner's users)
 from .tuning_rounds import (FRESH_LENGTH_SLACK_US, PRUNE, STATIC_DENSE_TIE, STATIC_READERS, TIE,  # noqa: F401
-                            TIE_MAX, WORST_TIE, TimingRounds, _median)  # (re-exported: the timing's constants)
+                            TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
 from .tuning_buckets import BUCKETS, bucket_length, bucket_of, bucket_span  # noqa: F401  (re-exported)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)

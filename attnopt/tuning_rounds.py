@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 from typing import Any, Sequence
 
@@ -27,13 +26,6 @@ TIE = 0.03
 STATIC_DENSE_TIE = 0.25
 #: At most this many near-tied candidates are timed again.
 TIE_MAX = 3
-#: Worst ratios of a near tie (``TimingRounds._tie_break``) within this fraction of the lowest count as equal, the
-#: timing's noise; the lowest mean ratio over the lengths judged then decides. On the H100 (batch bf50495, B=7 4/2
-#: heads D=96, bucket (2048, 4096]) S=8/128 and S=38/128 one-tile splits had worst ratios of 1.1239 and 1.1236 (the
-#: first at 2112 keys, the second at 4096) and means of 1.04 and 1.08; the smaller worst ratio by 0.03 % chose S=38,
-#: which ran 13.43 µs at 3264 keys (cuDNN 13.13), where S=8's times at 2880 and 4096 keys (12.57, 13.31) put it near
-#: 12.8 (interpolated, not measured).
-WORST_TIE = 0.01
 #: A static cache's dense winner is judged at ``STATIC_LOW_FILL`` against this many plans that read only the valid
 #: keys (those within ``STATIC_DENSE_TIE`` of it full, fastest first): the fastest of them full need not be the fastest
 #: over an eighth of the keys, where more splits fill the GPU (4k of a 32k cache: the model's S=16/128 ran 16.9 µs,
@@ -121,7 +113,12 @@ class TimingRounds:
         A bucket's plan runs at every length of it, and two candidates that close swap places inside it (on the
         H100, B=64 8/8 heads D=80: split-KV measured faster at 4096 keys, cuDNN 2% faster at 2432). ``static``: the
         lengths stand for fills of a static cache (a kernel plan timed over that many keys, a dense plan keeping its
-        full time). Returns the winner and the µs at each length ``{length: {key: µs}}``."""
+        full time). Returns the winner and the µs at each length ``{length: {key: µs}}``.
+
+        Deciding worst ratios within 1 % by the mean over the lengths instead was tried and lost (H100, batch
+        b6fd6fb): lhs04's bucket (2048, 4096] then took S=8/128 (12.47 / 12.50 / 13.29 µs at 2112 / 2880 / 4096 keys)
+        over S=38/128, and S=8 ran 14.03 µs at the case's 3264 keys, where S=38 had run 13.43 (cuDNN 13.15): a plan's
+        time between the lengths judged is not their interpolation."""
         pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
         pair = pair[:TIE_MAX]
         peer = near_peer(best, measured, by_key)
@@ -134,7 +131,6 @@ class TimingRounds:
         if len(pair) < 2:
             return prefer_peer(best, measured, by_key), {}
         worst = {k: measured[k] / measured[best] for k in pair}
-        ratios = {k: [worst[k]] for k in pair}  # at each length judged, to the fastest of the pair there
         at_ends: dict[str, dict[str, float]] = {}
         # a static cache's fill is timed in the cache the graph runs (``timer.at_fill``: the kernels compiled and
         # captured already, only the device valid length lower), where the timer can
@@ -165,15 +161,10 @@ class TimingRounds:
                 fastest = min(times.values())
                 for k in pair:
                     worst[k] = max(worst[k], times[k] / fastest)
-                    ratios[k].append(times[k] / fastest)
                 at_ends[str(n)] = times
-        # a kernel plan must beat the dense plans by PEER_MARGIN in the worst case to be chosen over them; worst
-        # ratios within WORST_TIE of the lowest are one (the timing's noise), and of those the lowest mean ratio over
-        # the lengths judged wins: a bucket's lengths are spread over it, not at its worst end
+        # a kernel plan must beat the dense plans by PEER_MARGIN in the worst case to be chosen over them
         weight = {k: 1.0 if by_key[k].kind == "dense" else 1.0 + PEER_MARGIN for k in pair}
-        lowest = min(worst[k] * weight[k] for k in pair)
-        close = [k for k in pair if worst[k] * weight[k] <= (1 + WORST_TIE) * lowest]
-        return min(close, key=lambda k: (statistics.fmean(ratios[k]) * weight[k], measured[k])), at_ends
+        return min(pair, key=lambda k: (worst[k] * weight[k], measured[k])), at_ends
 
     def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
                  charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
@@ -233,4 +224,6 @@ def _fresh_key(plan: Plan, site: AttentionSite) -> tuple:
 
 
 def _median(xs: Sequence[float]) -> float:
+    import statistics
+
     return float(statistics.median(xs))

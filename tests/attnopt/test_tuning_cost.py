@@ -323,32 +323,6 @@ def test_no_tie_no_ends_and_the_faster_keeps_a_tie_that_holds(cache):
     assert {n for _, n in steady.calls} == {2880, 2112, 4096} and choice.plan.kind != "dense"
 
 
-def test_equal_worst_ratios_are_decided_by_the_mean_over_the_bucket(cache):
-    """The H100's lhs04 bucket (B=7 4/2 heads D=96, (2048, 4096], batch bf50495): three kernel plans within TIE at
-    2880 keys; the worst ratios of the first two differ by 0.03 % (noise), one at each end, so the one ahead over the
-    bucket (mean ratio 1.04 against 1.08) wins; the third's worst (1.21) is out of the tie."""
-    site = AttentionSite.canonical(batch=7, q_heads=4, kv_heads=2, head_dim=96, kv_len=tuning.bucket_length(4096))
-    span = tuning.bucket_span(4096)
-    kernels = [p for p in _ranked(site) if p.kind == "split_kv"][:3]
-    a, b, c = (p.runtime_key() for p in kernels)
-    us = {a: {2880: 12.57, 2112: 12.495, 4096: 13.312}, b: {2880: 12.75, 2112: 12.229, 4096: 14.957},
-          c: {2880: 12.79, 2112: 11.117, 4096: 16.147}}
-    timer = Clocked(lambda p, s: us[p.runtime_key()][s.kv_len] if p.runtime_key() in us else 30.0)
-    choice = Tuner(timer, cache, env=ENV).choose(site, _ranked(site), bucketed=True, span=span)
-    assert choice.plan.runtime_key() == a and tuning.WORST_TIE == 0.01
-    ends = {(k, n) for k, n in timer.calls if n != 2880}
-    assert ends == {(k, n) for k in (a, b, c) for n in span}
-    # with the mean out of it (one length only), the smaller worst ratio decides as before
-    worst_first = dict(us, **{a: {2880: 12.57, 2112: 12.8, 4096: 13.312}})
-    site2 = dataclasses.replace(site, batch=8)
-    kernels2 = [p.runtime_key() for p in _ranked(site2) if p.kind == "split_kv"][:3]
-    rename = dict(zip((a, b, c), kernels2))
-    timer2 = Clocked(lambda p, s: {rename[k]: v for k, v in worst_first.items()}.get(p.runtime_key(), {})
-                     .get(s.kv_len, 30.0))
-    assert Tuner(timer2, cache, env=ENV).choose(site2, _ranked(site2), bucketed=True,
-                                               span=span).plan.runtime_key() == rename[b]
-
-
 def test_a_kernel_winner_is_judged_against_a_close_dense_plan_at_the_bucket_ends(cache):
     """5 % apart at the middle is no near tie of two kernel plans, but cuDNN (within PEER_SPAN) is timed with the
     kernel winner at the bucket's ends: 10 % faster at the short end, it wins the worst ratio (1.05 vs 1.11)."""
