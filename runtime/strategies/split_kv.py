@@ -96,7 +96,8 @@ def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: 
 
     * 64 rows (wgmma, one warpgroup's M): the query tile and ``num_stages`` K/V buffers;
     * 16 or 32 rows (mma): the query tile, ``num_stages - 1`` K/V buffers and the fp32 score tile, staged
-      through shared memory between the two products.
+      through shared memory between the two products; in fp32 a K-sized tile instead of the scores (the TMA
+      variant at b6fd6fb: D=128, 128-key tiles, 2 stages, 213,000 bytes = 131,072 K/V + 65,536 + 16,384 queries).
 
     Every split-KV and stream-K config compiled on the H100 at D=64-256, 32 and 64 rows, matched this to the
     byte (less the barriers) or stayed under it (``tests/runtime/test_smem_estimate.py``, bf50495); e.g. 5/1
@@ -114,8 +115,11 @@ def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: 
     queries = block_m * qk_width * site.dtype_bytes
     if block_m >= WGMMA_ROWS:
         return max(1, num_stages) * block_n * width * site.dtype_bytes + queries + 1024
-    scores = block_m * block_n * 4
-    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + scores + queries + 1024
+    if site.dtype_bytes == 4:  # fp32 (tf32 products): a K-sized tile, the operand laid out again, and no scores
+        staged = block_n * qk_width * 4
+    else:
+        staged = block_m * block_n * 4
+    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + staged + queries + 1024
 
 
 #: Query rows from which the kernels' products compile to Hopper's wgmma (one warpgroup's M): its operands stay in
