@@ -228,13 +228,23 @@ def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
         # cause is not proven, and idle processes are not needed there)
         ended = end_helper_processes()
     with gpu_turn():
+        load = _load_average()  # (the machine's run queue as the timed turn starts: others' work beside it)
         row = finish(decode)
         if generate is not None:
             row.update(finish(generate))
-    row["helpers_ended"] = ended
+    row.update(helpers_ended=ended, load_average_at_timing=load)
     if method in OPTIMIZE_OPTIONS:
         row["tuning"] = tuning_records()
     return [row]
+
+
+def _load_average() -> list[float] | None:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def run(args) -> int:
