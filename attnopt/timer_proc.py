@@ -144,20 +144,53 @@ class ProcessTimer:
 def timing_in_worker(tuner: Any, device: int | None) -> Iterator[None]:
     """Within this block ``tuner`` (its lock held by the caller) times through a ``ProcessTimer`` when its timer is
     the process's ``GpuTimer`` on a GPU and the compile workers are on (``$ATTNOPT_TUNE_COMPILE_PROCS`` not 0);
-    otherwise as it is."""
+    otherwise as it is. Yields the ``ProcessTimer`` or ``None``."""
     from . import timer, tuning_procs
 
     if device is None or getattr(tuner, "timer", None) is not timer.gpu_timer or tuning_procs.compile_procs() == 0:
-        yield
+        yield None
         return
     proxy = ProcessTimer(timer.gpu_timer, device)
     tuner.timer = proxy
     try:
-        yield
+        yield proxy
     finally:
         tuner.timer = timer.gpu_timer
         proxy.release()
         proxy.close()
+
+
+def first_call_here(plan: Plan | None, site: AttentionSite, device: str = "cuda") -> float:
+    """The winner's first call in this process, on a synthetic input set of ``site``'s shape, in the variant the
+    model's graph launches (``tma_as_captured``: ``backend._counted``); returns its seconds (0 where none is made).
+    With the timing in a worker, this process has loaded no kernel of the candidates; the model's first call would
+    load the winner's (Triton's key of the kernel and its helpers, the binary from its disk cache) after the inner
+    compile, on its critical path. Made here, in the background tuning before its choice resolves, it overlaps the
+    inner compile. Not for dense or distributed plans (cuDNN's graphs are per thread; collectives need every rank) nor
+    a bucketed one (a length per bucket). Never raises: the model's first call makes what failed here."""
+    if plan is None or getattr(plan, "kind", "bucketed") == "bucketed":
+        return 0.0
+    from .timer import _warmed_here, error_text, site_call, synthetic_inputs
+
+    start = time.perf_counter()
+    try:
+        if _warmed_here(plan):
+            return 0.0
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from attnopt.runtime.kernels.common import tma_as_captured
+
+        with unset_fake_temporarily(), torch.no_grad(), tma_as_captured():
+            inputs = synthetic_inputs(site, 0, device=device, reduce=False)
+            site_call(plan, site, inputs)()
+            if device == "cuda":
+                torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - only time is at stake
+        import logging
+
+        logging.getLogger("attnopt.tuning").info("attnopt: the winner's first call here failed: %s", error_text(exc))
+    return time.perf_counter() - start
 
 
 def serve_timer_call(payload: dict[str, Any], gpu_timer: Any) -> dict[str, Any]:

@@ -83,8 +83,8 @@ def first_calls_in_processes(plans: list[Plan], site: AttentionSite, *, eager: b
 
 class _Worker:
     """One compile worker process (``python -m attnopt.tuning_procs --serve``): a JSON line in (a site, its plans),
-    a JSON line out (each plan's error, "" where its first call ran); it exits at the end of its input or after
-    ``IDLE_S`` seconds without a job."""
+    a JSON line out (each plan's error, "" where its first call ran); it exits at the end of its input, after
+    ``IDLE_S`` seconds without a first job, or ``AFTER_JOB_IDLE_S`` without a next one."""
 
     def __init__(self):
         import tempfile
@@ -135,8 +135,11 @@ class _Worker:
         self.log.close()
 
 
-#: Seconds an idle worker waits for a job before it exits (the tunings of one first call come within seconds).
+#: Seconds a started worker waits for its first job before it exits (a prestarted one waits out dynamo's tracing).
 IDLE_S = 180.0
+#: Seconds a worker waits for its next job once it has served one: the tunings of one first call come within seconds,
+#: and an idle worker holds a CUDA context (and some of the GPU's memory) beside the model.
+AFTER_JOB_IDLE_S = 60.0
 _idle: list[_Worker] = []
 _pool_lock = threading.Lock()
 
@@ -192,12 +195,13 @@ def _give_back(workers: list[_Worker]) -> None:
             (_idle.append(w) if w.alive() else w.close())
 
 
-def shutdown() -> None:
-    """End the idle workers (at exit, and where a caller knows no tuning follows)."""
+def shutdown() -> int:
+    """End the idle workers (at exit, and where a caller knows no tuning follows); returns how many there were."""
     with _pool_lock:
         workers, _idle[:] = list(_idle), []
     for w in workers:
         w.close()
+    return len(workers)
 
 
 atexit.register(shutdown)
@@ -266,9 +270,11 @@ def serve() -> int:
         from attnopt.runtime import ops, strategies  # noqa: F401
     except Exception:  # noqa: BLE001
         pass
+    idle_s = IDLE_S
     while True:
-        if not select.select([sys.stdin], [], [], IDLE_S)[0]:
-            return 0  # nobody needed it
+        if not select.select([sys.stdin], [], [], idle_s)[0]:
+            return 0  # nobody needed it (any more)
+        idle_s = AFTER_JOB_IDLE_S
         line = sys.stdin.readline()
         if not line:
             return 0

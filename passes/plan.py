@@ -166,16 +166,17 @@ def _choose_in_background(report, site, hw, plan_ctx, config, tuner, valid_len_s
         def work():
             return tuner.choose_bucketed(site, lambda at: without_valid_len(
                 rank_candidates(at, hw, plan_ctx, config)[0], at), valid_len_sharing=valid_len_sharing, graphed=graphed)
-    pending = tuning_defer.submit(job, timed[0], _in_worker(work, plan_ctx, tuner))
+    pending = tuning_defer.submit(job, timed[0], _in_worker(work, plan_ctx, tuner, site if site.kv_len else None))
     report.chosen, report.pending_key = timed[0], pending.key
     pending.attach(report)
 
 
-def _in_worker(work, plan_ctx, tuner):
+def _in_worker(work, plan_ctx, tuner, site=None):
     """``work`` as the worker thread runs it: on this thread's current CUDA device (a new thread starts on device 0),
-    timing in a worker process where it can (``attnopt.timer_proc``: off the inner compile's GIL), and with the
-    timer's input sets and captured graphs freed at its end, failed or not, on that thread (nothing of the timing is
-    left for a later garbage collection, which could run on a thread that is capturing a CUDA graph)."""
+    timing in a worker process where it can (``attnopt.timer_proc``: off the inner compile's GIL; then the winner's
+    first call at ``site``, a fixed shape, is made here too, before the choice resolves: ``first_call_here``), and
+    with the timer's input sets and captured graphs freed at its end, failed or not, on that thread (nothing of the
+    timing is left for a later garbage collection, which could run on a thread that is capturing a CUDA graph)."""
     device = None
     if plan_ctx.device_type == "cuda":
         import torch
@@ -187,11 +188,14 @@ def _in_worker(work, plan_ctx, tuner):
             import torch
 
             torch.cuda.set_device(device)
-        from attnopt.timer_proc import timing_in_worker
+        from attnopt.timer_proc import first_call_here, timing_in_worker
 
         try:
-            with timing_in_worker(tuner, device):
-                return work()
+            with timing_in_worker(tuner, device) as moved:
+                choice = work()
+            if moved and site is not None:
+                first_call_here(getattr(choice, "plan", None), site)
+            return choice
         finally:
             release = getattr(getattr(tuner, "timer", None), "release", None)
             if release is not None:

@@ -42,7 +42,7 @@ from .common import format_table, results_header, write_results
 from .e2e_generate import OPTIMIZE_OPTIONS, _sync, finish, generate_phases, generate_row, two_phases  # noqa: F401
 from .e2e_parallel import isolated, print_row, run_parallel
 from .e2e_profile import attention_in_step, profile_steps, standalone_attention_us, tuning_records
-from .turns import compile_turn, gpu_turn
+from .turns import compile_turn, end_helper_processes, gpu_turn
 
 #: Named model shapes: transformers ``LlamaConfig`` fields (random weights).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -223,13 +223,28 @@ def run_one(args, context: int, method: str) -> list[dict[str, Any]]:
         if args.generate and method != "attnopt-cg":
             generate = generate_phases(args, model, method, context)
             next(generate)
+        # nothing of this run's but the timed work beside its timed sections (H100, bf50495: two of the three attnopt
+        # rows ran every host function 1.6-2x slower than at 4bab739, their idle workers and other rows' alive; the
+        # cause is not proven, and idle processes are not needed there)
+        ended = end_helper_processes()
     with gpu_turn():
+        load = _load_average()  # (the machine's run queue as the timed turn starts: others' work beside it)
         row = finish(decode)
         if generate is not None:
             row.update(finish(generate))
+    row.update(helpers_ended=ended, load_average_at_timing=load)
     if method in OPTIMIZE_OPTIONS:
         row["tuning"] = tuning_records()
     return [row]
+
+
+def _load_average() -> list[float] | None:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def run(args) -> int:

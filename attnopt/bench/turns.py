@@ -96,6 +96,25 @@ def compile_turn():
     return _turn(False)
 
 
+def end_helper_processes() -> dict[str, Any]:
+    """End the helper processes a prepared run leaves idle, before its timed sections: attnopt's compile and timing
+    workers (``attnopt.tuning_procs``; each holds a CUDA context) and inductor's compile worker pool (HF's rows have
+    one too). Whatever a later compile needs starts again. Returns what was ended (for the row)."""
+    from attnopt import tuning_procs
+
+    ended: dict[str, Any] = {"attnopt_workers": tuning_procs.shutdown()}
+    try:
+        from torch._inductor import async_compile
+
+        stop = getattr(async_compile, "shutdown_compile_workers", None)
+        if stop is not None:
+            stop()
+            ended["inductor_compile_workers"] = True
+    except Exception as exc:  # noqa: BLE001 - the row is still timed; say why the pool stayed
+        ended["inductor_compile_workers"] = f"{type(exc).__name__}: {exc}"[:160]
+    return ended
+
+
 def spread(values: list[float]) -> dict[str, float]:
     """min, median and max of repeated measurements (one noisy repeat moves the median by at most one rank)."""
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}

@@ -337,8 +337,24 @@ def test_a_worker_prepares_all_of_its_row_before_its_one_timed_turn(monkeypatch)
     monkeypatch.setattr(e2e, "build_model", lambda *a, **k: events.append("build") or (None, ""))
     monkeypatch.setattr(e2e, "decode_phases", phases("decode"))
     monkeypatch.setattr(e2e, "generate_phases", phases("generate"))
+    monkeypatch.setattr(e2e, "end_helper_processes", lambda: events.append("end helpers") or {"attnopt_workers": 0})
     args = types.SimpleNamespace(model="tiny", layers=None, dtype="float32", device="cpu", generate=True)
     rows = e2e.run_one(args, 64, "hf-eager")
-    assert rows == [{"decode_row": True, "generate_row": True}]
-    assert events == ["compile in", "build", "decode prepare", "generate prepare", "compile out",
+    load = rows[0].pop("load_average_at_timing")
+    assert load is None or len(load) == 3
+    assert rows == [{"decode_row": True, "generate_row": True, "helpers_ended": {"attnopt_workers": 0}}]
+    assert events == ["compile in", "build", "decode prepare", "generate prepare", "end helpers", "compile out",
                       "gpu in", "decode time", "generate time", "gpu out"]
+
+
+def test_the_helper_processes_end_before_the_timed_turn():
+    """attnopt's idle workers (a real one here) and inductor's compile pool end; later compiles start them again."""
+    from attnopt import tuning_procs
+    from attnopt.bench.turns import end_helper_processes
+
+    tuning_procs.shutdown()
+    tuning_procs.prestart(1)
+    worker = tuning_procs._idle[0]
+    ended = end_helper_processes()
+    assert ended["attnopt_workers"] == 1 and worker.proc.poll() is not None and not tuning_procs._idle
+    assert ended["inductor_compile_workers"] is True

@@ -224,3 +224,38 @@ def test_on_a_gpu_the_choice_times_in_a_worker_and_this_thread_stays_idle(cache)
     record = cache.get(tuning.environment_key(), tuning.ShapeKey.of(site, site.kv_len, False, 30))
     assert choice.choice == "measured" and record["timer"] == "worker", record
     assert cpu < 0.5 * record["tune_s"], (cpu, record["tune_s"])
+
+
+def test_the_winners_first_call_is_made_here_for_a_kernel_plan_only():
+    """``first_call_here`` (the Triton interpreter here): a split-KV winner runs once on the site's shape; a dense, a
+    bucketed or no plan makes no call; a plan that fails does not raise (the model's first call makes it)."""
+    from attnopt.plan import BucketedPlan, DensePlan
+
+    site = AttentionSite.canonical(q_heads=4, kv_heads=2, head_dim=16, kv_len=96, dtype="float32",
+                                   mask_kind="valid_length")
+    assert timer_proc.first_call_here(SplitKVPlan(num_splits=2, block_n=64), site, device="cpu") > 0
+    assert timer_proc.first_call_here(DensePlan(backend="math"), site, device="cpu") == 0.0
+    bucketed = BucketedPlan(bounds=(32, 128), plans=(SplitKVPlan(num_splits=2, block_n=64).runtime_key(),) * 2)
+    assert timer_proc.first_call_here(bucketed, site, device="cpu") == 0.0
+    assert timer_proc.first_call_here(None, site, device="cpu") == 0.0
+    assert timer_proc.first_call_here(SplitKVPlan(num_splits=2, block_n=64), site, device="no-such-device") >= 0
+
+
+def test_a_background_choice_timed_in_a_worker_makes_the_winners_first_call_here(monkeypatch):
+    """``passes.plan._in_worker``: with the timing moved to a worker (``timing_in_worker`` yields its proxy), the
+    winner's first call follows the choice, at the site's fixed shape; without the move, or for a symbolic length
+    (no site), none."""
+    import contextlib
+    import importlib
+
+    plan_pass = importlib.import_module("attnopt.passes.plan")
+
+    calls = []
+    monkeypatch.setattr(timer_proc, "first_call_here", lambda plan, site: calls.append((plan, site)))
+    choice = type("Choice", (), {"plan": "the winner"})()
+    ctx = type("Ctx", (), {"device_type": "cpu"})()
+    for moved, site in ((object(), SMOL_1K), (None, SMOL_1K), (object(), None)):
+        monkeypatch.setattr(timer_proc, "timing_in_worker",
+                            lambda tuner, device, moved=moved: contextlib.nullcontext(moved))
+        assert plan_pass._in_worker(lambda: choice, ctx, Tuner(env=ENV), site)() is choice
+    assert calls == [("the winner", SMOL_1K)]

@@ -195,3 +195,28 @@ def test_workers_start_at_optimize_on_a_first_run_with_a_background_tuning_ahead
     cache_path().write_text("{}")
     tuning_procs.prestart_for_tuning("reduce-overhead")
     assert started == [1]
+
+
+def test_a_worker_that_served_a_job_exits_after_the_shorter_idle_time():
+    """Before its first job a worker waits ``IDLE_S`` (a prestarted one waits out dynamo's tracing); once it served one,
+    only ``AFTER_JOB_IDLE_S`` (an idle worker holds a CUDA context beside the model): a real worker with that set to
+    half a second exits by itself after one job, its input still open."""
+    import json
+    import subprocess
+    import time
+
+    program = ("import sys\nfrom attnopt import tuning_procs\ntuning_procs.AFTER_JOB_IDLE_S = 0.5\n"
+               "sys.exit(tuning_procs.serve())\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, bufsize=1)
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None and tuning_procs.IDLE_S >= 60  # (no job yet: it waits)
+        proc.stdin.write(json.dumps({"timer": "release"}) + "\n")
+        proc.stdin.flush()
+        assert "value" in json.loads(proc.stdout.readline())
+        proc.wait(timeout=60)
+        assert proc.returncode == 0 and tuning_procs.AFTER_JOB_IDLE_S == 60.0
+    finally:
+        proc.kill()
+        proc.wait()
