@@ -23,7 +23,10 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
   ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,
-  ``-fused-merge`` with the merge in it);
+  ``-fused-merge`` with the merge in it, ``-prefetch<n>`` with each cluster split asking L2 for n lines of perm
+  per list entry first (``saap.PREFETCH_LINES``; ``full-prefetch4``, ``full-count-merge-dv4-prefetch4``: the whole
+  op with it), ``-clusters-nolookup`` the cluster splits at hashed positions without the list and perm reads
+  (an ablation: what the lookups cost);
 * ``merge``: the merge launch alone (``-dv<n>``: n programs a row, each over Dv / n; ``-S32``, ``-S128``: of the
   partials attn-S32 / attn-S128 left);
   ``score-fused16-l2``: one input set over and over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty
@@ -213,6 +216,7 @@ def main(argv=None) -> int:
     modules = {"select": saap_select_module, "saap": saap_module}
     count = {"select.COUNT_ROUNDS": True}
     dv4 = {"saap.MERGE_DV_SPLIT": 4}
+    prefetch = {"saap.PREFETCH_LINES": 4}
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -235,6 +239,9 @@ def main(argv=None) -> int:
         ("full-count", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count)),
         ("full-merge-dv4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv4)),
         ("full-count-merge-dv4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count, **dv4)),
+        ("full-prefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **prefetch)),
+        ("full-count-merge-dv4-prefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count, **dv4,
+                                                                **prefetch)),
         ("full-fused-merge", lambda c, i: plan_call(replace(plans[i], fused_merge=True), c["s"], scale)),
         ("full-fused-merge-count", lambda c, i: flagged(plan_call(replace(plans[i], fused_merge=True), c["s"],
                                                                   scale), **count)),
@@ -274,6 +281,10 @@ def main(argv=None) -> int:
         ("attn", lambda c, i: attention(c)),
         ("attn-late-list", lambda c, i: attention(c, late_list=True)),
         ("attn-fused-merge", lambda c, i: attention(c, fused_merge=True)),
+        ("attn-prefetch2", lambda c, i: attention(c, PREFETCH_LINES=2)),
+        ("attn-prefetch4", lambda c, i: attention(c, PREFETCH_LINES=4)),
+        ("attn-clusters-prefetch4", lambda c, i: attention(c, part="clusters", PREFETCH_LINES=4)),
+        ("attn-clusters-nolookup", lambda c, i: attention(c, part="clusters", NO_LOOKUP=True)),
         ("attn-clusters", lambda c, i: attention(c, part="clusters")),
         ("attn-window", lambda c, i: attention(c, part="window")),
         ("attn-S32", lambda c, i: attention(c, splits=32)),

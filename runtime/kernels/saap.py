@@ -93,6 +93,8 @@ def _saap_kernel(
     WRITE_LSE_OUT: tl.constexpr = False,  # FUSED: whether to store the final LSE
     BLOCK_R: tl.constexpr = 16,  # FUSED: rows merged per tile
     MERGE_GROUP: tl.constexpr = 2,  # FUSED: splits per first-level merge group (saap_merge)
+    PREFETCH_LINES: tl.constexpr = 0,  # > 0: a cluster split asks L2 for its keys' perm lines (saap_tiles)
+    NO_LOOKUP: tl.constexpr = False,  # the piece microbenchmark's ablation (saap_tiles._cluster_tile); never a plan's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -169,12 +171,12 @@ def _saap_kernel(
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, True)
+                                             UPCAST, PRECISION, True, PREFETCH_LINES, NO_LOOKUP)
         else:
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, False)
+                                             UPCAST, PRECISION, False, PREFETCH_LINES, NO_LOOKUP)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)  # m and log l kept apart for the merge (see _merge_step)
     _store_rows(o, m_part, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
@@ -197,6 +199,11 @@ FIRST_CHUNK = 2048
 #: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. Unmeasured: 1 until timed
 #: (``benchmarks/saap_pieces.py``: merge-dv4 against merge).
 MERGE_DV_SPLIT = 1
+#: 128-byte lines of ``perm`` per list entry that a cluster split asks L2 for after its first tile's lookups (0:
+#: none), so that its later tiles' perm reads, a dependent read between the list's and the K/V rows', hit L2. A hint
+#: in PTX: compiled code only (the interpreter runs without it). Unmeasured: 0 until timed
+#: (``benchmarks/saap_pieces.py``: attn-prefetch4).
+PREFETCH_LINES = 0
 
 
 def window_split_count(num_splits: int, always_keys: float, cluster_keys: float) -> int:
@@ -352,5 +359,5 @@ def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace
                   BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(FIRST_CHUNK, sel.incl.shape[1]), HAS_VALID=has_valid,
                   UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
                   MERGE_GROUP=merge_group_size(S, geo.block_r, geo.block_dv), num_warps=num_warps,
-                  num_stages=num_stages, **extra)
+                  num_stages=num_stages, PREFETCH_LINES=0 if interpreting() else PREFETCH_LINES, **extra)
     return args, consts
