@@ -26,7 +26,8 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   ``-fused-merge`` with the merge in it, ``-prefetch<n>`` with each cluster split asking L2 for n lines of perm
   per list entry first (``saap.PREFETCH_LINES``; ``full-prefetch4``, ``full-count-merge-dv4-prefetch4``: the whole
   op with it), ``-clusters-nolookup`` the cluster splits at hashed positions without the list and perm reads
-  (an ablation: what the lookups cost);
+  (an ablation: what the lookups cost), ``-kv`` with the next tile's K/V rows prefetched into L2 once their
+  positions are known (``saap.PREFETCH_KV``);
 * ``merge``: the merge launch alone (``-dv<n>``: n programs a row, each over Dv / n; ``-S32``, ``-S128``: of the
   partials attn-S32 / attn-S128 left);
   ``score-fused16-l2``: one input set over and over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
     count = {"select.COUNT_ROUNDS": True}
     dv4 = {"saap.MERGE_DV_SPLIT": 4}
     prefetch = {"saap.PREFETCH_LINES": 4}
+    kv_lines = saap_module.kv_prefetch_lines(info["D"], sets[0]["k"].element_size())
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -242,6 +244,8 @@ def main(argv=None) -> int:
         ("full-prefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **prefetch)),
         ("full-count-merge-dv4-prefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count, **dv4,
                                                                 **prefetch)),
+        ("full-count-merge-dv4-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count,
+                                                                   **dv4, **prefetch, **{"saap.PREFETCH_KV": True})),
         ("full-fused-merge", lambda c, i: plan_call(replace(plans[i], fused_merge=True), c["s"], scale)),
         ("full-fused-merge-count", lambda c, i: flagged(plan_call(replace(plans[i], fused_merge=True), c["s"],
                                                                   scale), **count)),
@@ -285,6 +289,10 @@ def main(argv=None) -> int:
         ("attn-prefetch4", lambda c, i: attention(c, PREFETCH_LINES=4)),
         ("attn-clusters-prefetch4", lambda c, i: attention(c, part="clusters", PREFETCH_LINES=4)),
         ("attn-clusters-nolookup", lambda c, i: attention(c, part="clusters", NO_LOOKUP=True)),
+        ("attn-prefetch4-kv", lambda c, i: attention(c, PREFETCH_LINES=4, KV_LINES=kv_lines)),
+        ("attn-prefetch0-kv", lambda c, i: attention(c, KV_LINES=kv_lines)),
+        ("attn-clusters-prefetch4-kv", lambda c, i: attention(c, part="clusters", PREFETCH_LINES=4,
+                                                               KV_LINES=kv_lines)),
         ("attn-clusters", lambda c, i: attention(c, part="clusters")),
         ("attn-window", lambda c, i: attention(c, part="window")),
         ("attn-S32", lambda c, i: attention(c, splits=32)),

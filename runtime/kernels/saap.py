@@ -95,6 +95,8 @@ def _saap_kernel(
     MERGE_GROUP: tl.constexpr = 2,  # FUSED: splits per first-level merge group (saap_merge)
     PREFETCH_LINES: tl.constexpr = 0,  # > 0: a cluster split asks L2 for its keys' perm lines (saap_tiles)
     NO_LOOKUP: tl.constexpr = False,  # the piece microbenchmark's ablation (saap_tiles._cluster_tile); never a plan's
+    KV_LINES: tl.constexpr = 0,  # > 0: a cluster split prefetches the next tile's K/V rows, KV_LINES lines a row
+    KV_LINE_ELEMS: tl.constexpr = 64,  # elements of K/V in a 128-byte line
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -171,12 +173,14 @@ def _saap_kernel(
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, True, PREFETCH_LINES, NO_LOOKUP)
+                                             UPCAST, PRECISION, True, PREFETCH_LINES, NO_LOOKUP, KV_LINES,
+                                             KV_LINE_ELEMS)
         else:
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, False, PREFETCH_LINES, NO_LOOKUP)
+                                             UPCAST, PRECISION, False, PREFETCH_LINES, NO_LOOKUP, KV_LINES,
+                                             KV_LINE_ELEMS)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)  # m and log l kept apart for the merge (see _merge_step)
     _store_rows(o, m_part, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
@@ -204,6 +208,16 @@ MERGE_DV_SPLIT = 1
 #: in PTX: compiled code only (the interpreter runs without it). Unmeasured: 0 until timed
 #: (``benchmarks/saap_pieces.py``: attn-prefetch4).
 PREFETCH_LINES = 0
+#: A cluster split prefetches into L2 the next tile's K/V rows as soon as its lookups return, before folding this
+#: tile, so that two tiles' reads are in flight at the cost of one tile's registers. PTX only, like PREFETCH_LINES.
+#: Unmeasured: off until timed (``benchmarks/saap_pieces.py``: attn-prefetch4-kv).
+PREFETCH_KV = False
+
+
+def kv_prefetch_lines(head_dim: int, element_size: int) -> int:
+    """128-byte lines a K/V row of ``head_dim`` elements spans, up to a power of two (the prefetch's line axis;
+    lines past the row are masked off)."""
+    return triton.next_power_of_2(max(1, -(-head_dim * element_size // 128)))
 
 
 def window_split_count(num_splits: int, always_keys: float, cluster_keys: float) -> int:
@@ -359,5 +373,7 @@ def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace
                   BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(FIRST_CHUNK, sel.incl.shape[1]), HAS_VALID=has_valid,
                   UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
                   MERGE_GROUP=merge_group_size(S, geo.block_r, geo.block_dv), num_warps=num_warps,
-                  num_stages=num_stages, PREFETCH_LINES=0 if interpreting() else PREFETCH_LINES, **extra)
+                  num_stages=num_stages, PREFETCH_LINES=0 if interpreting() else PREFETCH_LINES,
+                  KV_LINES=kv_prefetch_lines(max(D, geo.Dv), k.element_size()) if PREFETCH_KV and not interpreting()
+                  else 0, KV_LINE_ELEMS=128 // k.element_size(), **extra)
     return args, consts

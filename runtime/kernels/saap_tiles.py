@@ -75,6 +75,18 @@ def _prefetch_perm(lo, hi, first, incl_base, shift_base, p_base, stride_pn, BLOC
 
 
 @triton.jit
+def _prefetch_rows(pos, ok, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, D, DV,
+                   LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """Ask L2 for the K and V rows at positions ``pos`` (BLOCK_N,) where ``ok``: LINES lines of LINE_ELEMS elements
+    (128 bytes) each, those that start inside the row."""
+    line = tl.arange(0, LINES) * LINE_ELEMS
+    pos64 = pos.to(tl.int64)[:, None]
+    line64 = line.to(tl.int64)[None, :]
+    _prefetch_l2(k_base + pos64 * stride_kn + line64 * stride_kd, ok[:, None] & (line < D)[None, :])
+    _prefetch_l2(v_base + pos64 * stride_vn + line64 * stride_vd, ok[:, None] & (line < DV)[None, :])
+
+
+@triton.jit
 def _cluster_tile(start_u, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N: tl.constexpr,
                   BLOCK_C: tl.constexpr, CLIP: tl.constexpr, NO_LOOKUP: tl.constexpr = False):
     """The key positions of the chosen clusters' keys [start_u, start_u + BLOCK_N) (virtual indices below ``hi``),
@@ -108,7 +120,8 @@ def _cluster_tile(start_u, hi, first, kv_len, incl_base, shift_base, p_base, str
 def _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, k_base, v_base,
                      row_ok, row_pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV,
                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                     CLIP: tl.constexpr, PREFETCH_LINES: tl.constexpr = 0, NO_LOOKUP: tl.constexpr = False):
+                     CLIP: tl.constexpr, PREFETCH_LINES: tl.constexpr = 0, NO_LOOKUP: tl.constexpr = False,
+                     KV_LINES: tl.constexpr = 0, KV_LINE_ELEMS: tl.constexpr = 64):
     """Fold the chosen clusters' keys [lo, hi) (virtual indices; key lo in list entry ``first``) into the state.
 
     Software-pipelined: each step issues its K/V loads, then the next tile's list and perm lookups, then the math,
@@ -116,7 +129,8 @@ def _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_b
     thread (3 programs an SM) and 23.9 µs a launch on the H100 (fd1e61d, llama3-8b 128k 5 %; 20.75 capped at 128
     registers) against 19.56. CLIP: some cluster key may lie at or past a query row (a valid length at or below the
     indexed end); without it the masks read no position, so the compiler does not load ``perm`` again in the math's
-    layout."""
+    layout. KV_LINES > 0 (compiled code only): the next tile's K/V rows are prefetched into L2 as soon as their
+    positions are known, so that two tiles' reads are in flight without a second tile's registers."""
     first_entry = first
     pos, key_ok, first = _cluster_tile(lo, hi, first, kv_len, incl_base, shift_base, p_base, stride_pn, BLOCK_N,
                                        BLOCK_C, CLIP, NO_LOOKUP)
@@ -128,6 +142,9 @@ def _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_b
                         DV)
         pos_next, ok_next, first = _cluster_tile(start_u + BLOCK_N, hi, first, kv_len, incl_base, shift_base, p_base,
                                                  stride_pn, BLOCK_N, BLOCK_C, CLIP, NO_LOOKUP)
+        if KV_LINES > 0:  # the next tile's rows start for L2 now, while this tile's are folded: two tiles in flight
+            _prefetch_rows(pos_next, ok_next, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, D, DV,
+                           KV_LINES, KV_LINE_ELEMS)
         acc, m_i, l_i = _fold_keys(q, acc, m_i, l_i, k, v, pos, key_ok, row_ok, row_pos, sm_scale, UPCAST, PRECISION,
                                    CLIP)
         pos = pos_next

@@ -423,6 +423,13 @@ def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monk
              block_n=64)
 
 
+def test_kv_prefetch_spans_each_rows_lines_up_to_a_power_of_two():
+    from attnopt.runtime.kernels.saap import kv_prefetch_lines
+
+    assert [kv_prefetch_lines(d, 2) for d in (64, 80, 96, 128, 256)] == [1, 2, 2, 2, 4]
+    assert kv_prefetch_lines(128, 4) == 4 and kv_prefetch_lines(8, 2) == 1
+
+
 def test_select_warps_outside_the_choices_are_refused():
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
 

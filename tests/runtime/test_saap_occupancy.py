@@ -137,20 +137,21 @@ def test_attention_fits_its_programs_per_sm_and_the_selection_does_not_spill(mon
 
 
 @pytest.mark.slow
-def test_perm_prefetch_compiles_to_l2_prefetches_within_the_programs_per_sm(monkeypatch):
-    """``saap.PREFETCH_LINES`` (the interpreter runs without it: PTX only) compiles to L2 prefetches and keeps the
-    attention within the registers and shared memory of PROGRAMS_PER_SM programs an SM, without a spill."""
+def test_perm_and_kv_prefetches_compile_to_l2_prefetches_within_the_programs_per_sm(monkeypatch):
+    """``saap.PREFETCH_LINES`` and ``PREFETCH_KV`` (the interpreter runs without them: PTX only) compile to L2
+    prefetches and keep the attention within the registers and shared memory of PROGRAMS_PER_SM programs an SM,
+    without a spill."""
     if torch.cuda.is_available():
         pytest.skip("the CUDA tests run the kernels on this machine's GPU")
     from attnopt.runtime.strategies.saap import BLOCK_N, PROGRAMS_PER_SM
 
     job = _record(monkeypatch, BLOCK_N)[0]
-    job["consts"].update(PREFETCH_LINES=4, WAIT_PRIOR=True)  # as the plan launches it, chained
+    job["consts"].update(PREFETCH_LINES=4, KV_LINES=2, KV_LINE_ELEMS=64, WAIT_PRIOR=True)  # bf16 rows, chained
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps([job], default=str), text=True,
                           capture_output=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     attn = json.loads(proc.stdout.strip().splitlines()[-1])["_saap_kernel"]
-    assert attn["prefetches"] >= 4 and attn["stack"] == 0, attn
+    assert attn["prefetches"] >= 4 + 2 * 2 and attn["stack"] == 0, attn  # perm lines, then K and V lines
     assert PROGRAMS_PER_SM * -(-attn["regs"] // 8) * 8 * attn["threads"] <= SM_REGISTERS, attn
     assert PROGRAMS_PER_SM * (attn["shared"] + 1024) <= SM_SHARED, attn
