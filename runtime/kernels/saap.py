@@ -200,8 +200,9 @@ _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
 #: for sm_90 at the bench shape, the same 128 registers as 1024 at a time, and one load and one reduction, not two).
 FIRST_CHUNK = 2048
 #: Programs per output row of the merge launch, each over a share of Dv (``merge_states``' dv_split): at llama3-8b's
-#: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. Unmeasured: 1 until timed
-#: (``benchmarks/saap_pieces.py``: merge-dv4 against merge).
+#: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. Alone the merge took 2.24 µs at
+#: 2, 2.32 at 4, 2.54 at 8 against 3.43 (H100, 80da12a, 128k 5 %), but the whole chained op 40.58 at 4 against
+#: 40.00: 1 until a whole-op row at 2 says otherwise (``benchmarks/saap_pieces.py``: full-merge-dv2).
 MERGE_DV_SPLIT = 1
 #: 128-byte lines of ``perm`` per list entry that a cluster split asks L2 for after its first tile's lookups (0:
 #: none), so that its later tiles' perm reads, a dependent read between the list's and the K/V rows', hit L2. A hint

@@ -47,10 +47,6 @@ BLOCK_K_HIDDEN = 128
 #: with "tf32x3" (the scoring alone 8.41 against 9.34; Triton's FMA dot, "ieee", 23.9), and it holds 90 registers a
 #: thread and 16 KB of shared memory against 128 and 64 KB. Its rows are unrolled, hence the bound.
 FMA_MAX_ROWS = 8
-#: The selection's radix rounds count the keys at or above each candidate digit by comparison (one reduction of a
-#: (clusters, 16) table) instead of a histogram, two sums, a scan and a minimum: the same counts, fewer chains of
-#: cross-warp steps on the head's one SM. Off until timed on a GPU (``benchmarks/saap_pieces.py``: select-w16-count).
-COUNT_ROUNDS = False
 
 
 class SaapScorer(NamedTuple):
@@ -115,7 +111,6 @@ def _saap_rows_kernel(
     BLOCK_C: tl.constexpr = 16, BLOCK_CH: tl.constexpr = 2, ROWS: tl.constexpr = 1,  # SELECT: as the selection's
     RADIX_BITS: tl.constexpr = 4, HAS_STATS: tl.constexpr = False,  # SELECT: as the selection's
     GUESS_TOP: tl.constexpr = False,  # SELECT: as the selection's
-    COUNT_ROUNDS: tl.constexpr = False,  # SELECT: as the selection's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -179,7 +174,7 @@ def _saap_rows_kernel(
                 _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                              stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
                              inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False, 0,
-                             GUESS_TOP, COUNT_ROUNDS)
+                             GUESS_TOP)
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -243,8 +238,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
                 after_scoring=None, launches: str = "all", precision: str | None = None,
-                radix: int | None = None, skip: int = 0, guess_top: bool | None = None,
-                count_rounds: bool | None = None) -> SelectWorkspace:
+                radix: int | None = None, skip: int = 0, guess_top: bool | None = None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -270,8 +264,6 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         ``scoring_precision``; "ieee" in the interpreter for a tensor-core one); the selection's bits a radix
         round (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first
         round's digit comes from one count (``_select_head``'s GUESS_TOP, where a round takes 4 bits; None: no).
-    count_rounds : the selection's radix rounds count by comparison rather than by histogram (``_select_head``'s
-        COUNT_ROUNDS; the same threshold); None: ``COUNT_ROUNDS``.
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -306,8 +298,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     guess_top = bool(guess_top) and bits == 4  # off until timed on a GPU (saap_pieces: select-w16-guess)
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
-                         GUESS_TOP=guess_top, COUNT_ROUNDS=COUNT_ROUNDS if count_rounds is None else bool(count_rounds),
-                         **({"SKIP": skip} if skip else {}))
+                         GUESS_TOP=guess_top, **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
