@@ -107,11 +107,12 @@ class Backend:
             world_size = distributed.register_group(self.process_group).world
             topology = self.config.topology
         t0 = time.perf_counter()
+        if graphed is None:
+            graphed = replays_as_cuda_graphs(self.config.inner_backend, mode)
         # the returned callable waits for pending choices before its first call: measuring may overlap the inner
         # compile (multi-GPU plans are never measured)
         ctx = make_context(self.config, example_inputs, world_size=world_size, topology=topology,
-                           graphed=replays_as_cuda_graphs(self.config.inner_backend, mode) if graphed is None
-                           else graphed, defer_tuning=world_size == 1)
+                           graphed=graphed, defer_tuning=world_size == 1)
         gm, report = run_passes(gm, example_inputs, ctx=ctx)
         self.pass_seconds += time.perf_counter() - t0
         self.reports.append(report)
@@ -125,7 +126,7 @@ class Backend:
         t0 = time.perf_counter()
         compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
         self.inner_compile_seconds += time.perf_counter() - t0
-        return self._counted(compiled, report if pending else None)
+        return self._counted(compiled, report if pending else None, graphed)
 
     def _log_report(self, report: PlanReport) -> None:
         path = self.config.resolved_plan_log()
@@ -142,19 +143,32 @@ class Backend:
         self.tune_wait_seconds += waited
         return waited
 
-    def _counted(self, compiled: Callable, pending_report: PlanReport | None = None) -> Callable:
+    def _counted(self, compiled: Callable, pending_report: PlanReport | None = None, graphed: bool = False) -> Callable:
         """``compiled``, counting its calls in ``graph_calls`` (one attribute increment per call). With
         ``pending_report`` (a report whose choices run in the background), the first call first waits for every
         pending choice of the process, so that no tuning runs beside the model's kernels or a CUDA-graph capture
-        (which the first call's own warm-up precedes), then writes the resolved report to the plan log."""
+        (which the first call's own warm-up precedes), then writes the resolved report to the plan log.
+
+        ``graphed`` (the graph replays as CUDA graphs): its calls outside a capture, the warm-up calls before a
+        recording, launch the kernels' captured variant (``tma_as_captured``: TMA tiles), the one the tuner compiled
+        and timed. Eager calls otherwise take pointer tiles (less host time per launch), another kernel that the first
+        call compiled cold on its critical path, for two calls (H100, llama3's layers: first call minus inner compile
+        4.2-6.7 s at 3f41936 and 4bab739)."""
         unresolved = [pending_report] if pending_report is not None else []
+        as_captured = _as_captured_flag() if graphed else None
 
         def run(*args: Any) -> Any:
             if unresolved:
                 self.join_tuning()
                 self._log_report(unresolved.pop())
             self.graph_calls += 1
-            return compiled(*args)
+            if as_captured is None or getattr(as_captured, "on", False):
+                return compiled(*args)
+            as_captured.on = True
+            try:
+                return compiled(*args)
+            finally:
+                as_captured.on = False
 
         if getattr(compiled, "_boxed_call", False):
             run._boxed_call = True  # type: ignore[attr-defined]
@@ -187,6 +201,16 @@ class Backend:
 
     def reset(self) -> None:
         self.reports.clear()
+
+
+def _as_captured_flag() -> Any:
+    """The runtime's per-thread flag that ``tma_as_captured`` sets (``None`` where the kernels cannot be imported:
+    then nothing launches them either)."""
+    try:
+        from attnopt.runtime.kernels import common
+    except ImportError:
+        return None
+    return common._AS_CAPTURED
 
 
 def pending_choices(report: PlanReport) -> list[Any]:

@@ -40,8 +40,9 @@ TUNING_SITE = "attnopt-tuning"
 #: CUDA-graph timing: about this many ms of calls per graph, the median over this many replays.
 TARGET_MS = 2.0
 REPLAYS = 5
-#: In a background tuning the timed replays wait behind this many ms of GPU sleep (``bench.common.replayed_us``):
-#: the host pauses up to a GIL switch interval (5 ms) at each replay beside the inner compile's Python.
+#: The timed replays always wait behind a GPU sleep (``bench.common.REPLAY_PREROLL_MS``: each replay's time is the
+#: GPU's, whatever the candidate's host time per call); in a background tuning behind this many ms: the host pauses
+#: up to a GIL switch interval (5 ms) at each replay beside the inner compile's Python.
 BACKGROUND_PREROLL_MS = 20.0
 #: The same threads for a tuning in the background (``attnopt.tuning_defer``), beside the inner backend's compile on
 #: the main thread: each thread's Python share of a Triton compile (its front end) takes the GIL from that compile.
@@ -72,6 +73,8 @@ class GpuTimer:
         #: tuner's later rounds instead of captured again (a capture is the host's work: a launch per input set,
         #: which beside a background tuning's inner compile competes for the GIL).
         self._graphs: dict[str, tuple[Any, int, Any]] = {}
+        #: (valid keys, the sets at that fill) of the current shape (``at_fill``).
+        self._fill: tuple[int, list[dict[str, Any]]] | None = None
         #: What the last warm-up's compile workers did (``attnopt.tuning_procs``): procs, procs_s, errors; or empty.
         self.last_warm_up: dict[str, Any] = {}
 
@@ -79,7 +82,7 @@ class GpuTimer:
         """Drop the input sets and hand their memory back to the driver (they can take GBs at long contexts, and
         the model being compiled needs its memory next)."""
         had_sets = bool(self._sets)
-        self._shape, self._sets, self._warm, self._graphs = None, [], False, {}
+        self._shape, self._sets, self._warm, self._graphs, self._fill = None, [], False, {}, None
         if had_sets:
             import torch
 
@@ -95,26 +98,44 @@ class GpuTimer:
         if shape == self._shape:
             return self._sets
         self.release()
-        item = getattr(torch, site.dtype).itemsize
-        set_bytes = int(site.batch) * site.kv_heads * int(site.kv_len) * (
-            site.head_dim + (site.v_head_dim or site.head_dim)) * item
+        set_bytes, l2 = _set_bytes(site), _l2_bytes()
         free, _ = torch.cuda.mem_get_info()
-        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
         count = set_count(set_bytes, l2, free)
         # the valid ranges written down, not computed: a static cache's low fill (``tuning.STATIC_LOW_FILL``) would
         # otherwise cold-compile the mask reduction for its length (its tile is the length's power of two)
         self._shape, self._sets = shape, [synthetic_inputs(site, i, reduce=False) for i in range(count)]
         return self._sets
 
+    def _fill_sets(self, site: AttentionSite, keys: int) -> list[dict[str, Any]]:
+        """The input sets of ``site``'s shape holding ``keys`` valid keys each (one mask and valid length for all of
+        them, as the layers of a model share one), with more sets of that shape where the keys read no longer span
+        ``L2_FACTOR`` L2 sizes (within ``MAX_SETS`` and half the free memory)."""
+        import torch
+
+        sets = self._input_sets(site)
+        if self._fill is not None and self._fill[0] == keys:
+            return self._fill[1]
+        b, L, n = int(site.batch), int(site.q_len), int(site.kv_len)
+        set_bytes = _set_bytes(site)
+        free, _ = torch.cuda.mem_get_info()
+        want = set_count(max(1, set_bytes * keys // n), _l2_bytes(), free)
+        more = max(0, min(want, len(sets) + free // 2 // max(set_bytes, 1)) - len(sets))
+        sets = sets + [synthetic_inputs(site, len(sets) + i, reduce=False) for i in range(more)]
+        device = sets[0]["k"].device
+        mask = (torch.arange(n, device=device) < keys)[None, None, None, :].expand(b, 1, L, n).contiguous()
+        valid = torch.full((b,), keys, device=device, dtype=torch.int32)
+        self._fill = (keys, [dict(s, mask=mask, valid_len=valid) for s in sets])
+        return self._fill[1]
+
     def _time(self, calls: list[Callable[[], Any]]) -> float:
         graph, n = self._capture(calls)
         return self._replayed(graph, n)
 
     def _replayed(self, graph: Any, n: int) -> float:
-        from .bench.common import replayed_us
+        from .bench.common import REPLAY_PREROLL_MS, replayed_us
         from .tuning_defer import in_background
 
-        return replayed_us(graph, n, self.replays, BACKGROUND_PREROLL_MS if in_background() else 0.0)
+        return replayed_us(graph, n, self.replays, BACKGROUND_PREROLL_MS if in_background() else REPLAY_PREROLL_MS)
 
     def _capture(self, calls: list[Callable[[], Any]]) -> tuple[Any, int]:
         import torch
@@ -151,7 +172,28 @@ class GpuTimer:
                 kept = self._graphs[key] = (*self._capture([site_call(plan, site, s, state) for s in sets]), state)
             return self._replayed(kept[0], kept[1])
 
-    def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False) -> dict[str, str]:
+    def at_fill(self, plan: Plan, site: AttentionSite, keys: int) -> float:
+        """µs of one ``run()`` of ``plan`` over ``site``'s static cache (``site.kv_len`` slots) holding ``keys`` valid
+        keys (``plan`` reads only the valid ones): the call the compiled graph makes at that fill, so the kernel that
+        the measured length compiled, with the same cache shape and specialisation (only the device valid length
+        differs), and no new compile (a smaller cache timed full compiled anew: split-KV's mask-tile chunking is a
+        compile-time constant of the cache length; 4.4-5.9 s of tie-break warm-up at llama3's 32k/128k, H100 4bab739)."""
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from attnopt.runtime.kernels.common import tma_as_captured
+        from attnopt.runtime.strategies import get_strategy
+
+        with unset_fake_temporarily(), torch.no_grad(), tma_as_captured():
+            sets = self._fill_sets(site, keys)
+            kept = self._graphs.get(plan.runtime_key())
+            state = kept[2] if kept is not None else get_strategy(plan.kind).prepare(
+                plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+            torch.cuda.synchronize()
+            return self._time([site_call(plan, site, s, state) for s in sets])
+
+    def warm_up(self, plans: list[Plan], site: AttentionSite, eager: bool = False,
+                procs: int | None = None) -> dict[str, str]:
         """Compile every candidate of ``site``'s shape at once, before any is timed: each kernel plan's first call
         (prepare and run on one input set, in the variant a captured graph runs; ``eager``: the eager variant too)
         on a thread of its own (``run_concurrently``), while other threads make the timing's input sets and compile
@@ -160,7 +202,8 @@ class GpuTimer:
         candidate is still timed, and fails there if the error is its own. In a background tuning the kernel plans'
         first calls run in worker processes first (``attnopt.tuning_procs``: Triton's compiles leave this process's
         GIL to the inner compile), and the first calls here load what they compiled; ``last_warm_up`` says how
-        that went."""
+        that went. ``procs``: the compile workers to use (default: ``tuning_procs.compile_procs()`` in a background
+        tuning, else none)."""
         from .tuning_defer import in_background
         from . import tuning_procs
 
@@ -203,7 +246,8 @@ class GpuTimer:
                 getattr(torch.ops.attnopt, mask_reduction(site))(warm_set["mask"], int(site.batch))
                 torch.cuda.synchronize()
 
-        procs = tuning_procs.compile_procs(tuning_procs.BACKGROUND_COMPILE_PROCS if in_background() else 0)
+        if procs is None:
+            procs = tuning_procs.compile_procs(tuning_procs.BACKGROUND_COMPILE_PROCS if in_background() else 0)
         kernel_plans = [p for p in plans if not _warmed_here(p)]
         if procs and kernel_plans:  # their Triton compiles in worker processes: below, the first calls load them
             try:
@@ -230,17 +274,6 @@ class GpuTimer:
                                   workers)
         self.last_warm_up = {**self.last_warm_up, "calls_cpu_s": round(sum(cpu), 3)}
         return errors
-
-    def after_choice(self, plan: Plan, site: AttentionSite) -> None:
-        """The tuner chose ``plan`` for ``site``. In a background tuning, a kernel plan's eager variant (the model's
-        first calls run outside a capture) compiles in a compile worker meanwhile (``tuning_procs``)."""
-        from . import tuning_procs
-        from .tuning_defer import in_background
-
-        if in_background() and not _warmed_here(plan) and tuning_procs.compile_procs() > 0:
-            import torch
-
-            tuning_procs.compile_eager_variant(plan, site, torch.cuda.current_device())
 
     def valid_len_us(self, site: AttentionSite, eager: bool = False) -> float:
         """µs of one ``attnopt::valid_len_from_mask`` over the site's mask (at a sliding window the
@@ -319,6 +352,20 @@ class GpuTimer:
         from .bench.common import cycle, host_us
 
         return host_us(cycle(calls), iters=max(HOST_CALLS, len(calls)), repeats=3, warmup=max(5, len(calls)))
+
+
+def _set_bytes(site: AttentionSite) -> int:
+    """Bytes of K and V in one input set of ``site``'s shape."""
+    import torch
+
+    item = getattr(torch, site.dtype).itemsize
+    return int(site.batch) * site.kv_heads * int(site.kv_len) * (site.head_dim + (site.v_head_dim or site.head_dim)) * item
+
+
+def _l2_bytes() -> int | None:
+    import torch
+
+    return getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
 
 
 def warm_workers(default: int = WARM_WORKERS) -> int:

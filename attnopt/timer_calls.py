@@ -113,7 +113,10 @@ def variant_of(strategy, site: AttentionSite, s: dict[str, Any]) -> dict[str, An
 
 
 def error_text(exc: BaseException) -> str:
-    """One line naming an exception: ``error: Type: first line of its message`` (at most 160 characters of it)."""
+    """One line naming an exception: ``error: Type: first line of its message`` (at most 160 characters of it); an
+    error raised in a worker process (``timer_proc.WorkerTimerError``) keeps the text it had there."""
+    if isinstance(getattr(exc, "worker_text", None), str):
+        return exc.worker_text
     text = str(exc).splitlines()[0][:160] if str(exc) else ""
     return f"error: {type(exc).__name__}: {text}"
 

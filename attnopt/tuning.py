@@ -260,12 +260,6 @@ class Tuner(TimingRounds):
                 "predicted_us": {k: by_key[k].est_us for k in timings if not math.isnan(by_key[k].est_us)},
                 "tune_s": round(tune_s, 3), "tune_cpu_s": round(time.thread_time() - cpu_start, 3),
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        after = getattr(self.timer, "after_choice", None)
-        if after is not None:  # (the GPU timer: the winner's eager variant compiled meanwhile, elsewhere)
-            try:
-                after(by_key[best], site)
-            except Exception as exc:  # noqa: BLE001 - the choice stands; the first call compiles what is missing
-                log.info("attnopt: after the choice: %s", _error_text(exc))
         return choice
 
     def cached(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False, valid_len_sharing: int = 1,

@@ -37,7 +37,10 @@ from .site import AttentionSite
 #: before 68981a5, so in a process that had run another head dim of the same padded width (80, 96, 128) a candidate
 #: could be timed with a kernel compiled for the other head dim; split-KV grids may follow the cache's length
 #: (``SplitKVPlan.tiles_per_split``). Records from before are dropped.
-TUNING_VERSION = 9
+#: 10: every timed replay waits behind a GPU sleep (``bench.common.REPLAY_PREROLL_MS``); before, a replay timed after
+#: a sync also counted the host's launch of the graph per call, more for candidates with more host time per call (a
+#: graph of fewer calls); and split-KV candidates have one-launch (fused-merge) twins.
+TUNING_VERSION = 10
 
 log = logging.getLogger("attnopt.tuning")
 

@@ -9,6 +9,7 @@ compiled).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Sequence
@@ -47,16 +48,24 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     configurations (kind, block_n, num_warps, num_stages, head chunks) estimated within ``EXTRA_WITHIN`` of the best (the model
     ranks the grids of one configuration well and configurations against each other poorly).
 
-    Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, then one plan of each
-    configuration before a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
-    (about a second) where a second grid of it costs only its timing, so the configurations come first.
+    A split-KV plan's one-launch twin (``fused_merge``: the last split to finish a tile merges it) is timed only for
+    the most parallel plan and the best-estimated split-KV plan: where the second launch's latency is a large part
+    of the call (one-tile splits of a short cache) the twin may win, and the model cannot tell.
+
+    Order: the model's pick, the SDPA backends, the most parallel plan and its twin, the head-chunked one, then one
+    plan of each configuration, the best split-KV plan's twin, then the second grids. The budget stops new
+    candidates, and a configuration's first plan pays its cold compile (about a second) where a second grid of it
+    costs only its timing, so the configurations come first.
     ``n_keys``: the KV length they are timed at (a grid that follows the length is counted there)."""
     if not ranked:
         return []
     explicit = [p for p in ranked if p.kind == "dense" and getattr(p, "backend", "auto") != "auto"]
     order = {"cudnn": 0, "flash": 1, "efficient": 2, "math": 3}
     dense = sorted(explicit, key=lambda p: order.get(p.backend, 9)) or [p for p in ranked if p.kind == "dense"][:1]
-    ranked_kernels = [p for p in ranked if p.kind != "dense"]
+    # one-launch (fused-merge) twins are timed beside their widest and best plans only (below), never in the places
+    # of other configurations
+    twins = {p.runtime_key(): p for p in ranked if getattr(p, "fused_merge", False)}
+    ranked_kernels = [p for p in ranked if p.kind != "dense" and p.runtime_key() not in twins]
     kernels = ranked_kernels[:top_k]
     families = {_family(p) for p in [ranked[0]] + kernels}
     estimates = [p.est_us for p in kernels if math.isfinite(p.est_us)]
@@ -78,11 +87,20 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
         (seconds if _family(p) in seen_families else firsts).append(p)
         seen_families.add(_family(p))
     out: list[Plan] = [ranked[0]]
-    early = [p for p in (widest, chunked) if p is not None]
-    for p in dense + early + firsts + seconds:
+    best_split = next((p for p in ranked_kernels if p.kind == "split_kv"), None)
+    early = [p for p in (widest, _fused_twin(widest, twins), chunked) if p is not None]
+    late = [p for p in (_fused_twin(best_split, twins),) if p is not None]
+    for p in dense + early + firsts + late + seconds:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
     return out
+
+
+def _fused_twin(plan: Plan | None, twins: dict[str, Plan]) -> Plan | None:
+    """The ranked one-launch twin of split-KV ``plan`` (the same plan with ``fused_merge``), or None."""
+    if plan is None or plan.kind != "split_kv" or getattr(plan, "fused_merge", True):
+        return None
+    return twins.get(dataclasses.replace(plan, fused_merge=True).runtime_key())
 
 
 def most_parallel(kernels: Sequence[Plan], n_keys: int | None = None) -> Plan | None:
@@ -105,9 +123,10 @@ def most_parallel(kernels: Sequence[Plan], n_keys: int | None = None) -> Plan | 
 
 
 def _family(plan: Plan) -> tuple:
-    """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages, head chunks)."""
+    """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages, head chunks, fused
+    merge)."""
     return (plan.kind, getattr(plan, "block_n", None), getattr(plan, "num_warps", None),
-            getattr(plan, "num_stages", None), getattr(plan, "head_chunks", False))
+            getattr(plan, "num_stages", None), getattr(plan, "head_chunks", False), getattr(plan, "fused_merge", False))
 
 
 def compile_key(plan: Plan) -> str:

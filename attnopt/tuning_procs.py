@@ -81,28 +81,6 @@ def first_calls_in_processes(plans: list[Plan], site: AttentionSite, *, eager: b
             "pids": [w.proc.pid for w in workers]}
 
 
-def compile_eager_variant(plan: Plan, site: AttentionSite, device: Any = None) -> threading.Thread:
-    """Compile ``plan``'s eager variant (its call outside a CUDA-graph capture) in a worker process, without waiting:
-    returns the thread that waits for the answer (``thread.answer``, None if it never came).
-
-    The tuner compiles and times the variant a captured graph replays (``tma_as_captured``: TMA tiles), but the
-    model's first calls run outside a capture (step graphs record at the third), where a TMA winner takes pointer
-    tiles: another kernel, which compiled cold on the first call's critical path. Started when the choice is made,
-    it is usually in Triton's cache before the inner compile ends."""
-    worker = _take(1)[0]
-    worker.send({"site": site.to_dict(), "plans": [plan.runtime_key()], "eager": True, "captured": False,
-                 "device": device})
-
-    def wait() -> None:
-        thread.answer = worker.receive(time.perf_counter() + TIMEOUT_S)
-        _give_back([worker])
-
-    thread = threading.Thread(target=wait, name="attnopt-eager-variant", daemon=True)
-    thread.answer = None
-    thread.start()
-    return thread
-
-
 class _Worker:
     """One compile worker process (``python -m attnopt.tuning_procs --serve``): a JSON line in (a site, its plans),
     a JSON line out (each plan's error, "" where its first call ran); it exits at the end of its input or after
@@ -164,10 +142,12 @@ _pool_lock = threading.Lock()
 
 
 def prestart(n: int | None = None) -> int:
-    """Start ``n`` (default ``compile_procs()``) compile workers now, so that a background tuning finds them ready:
-    their interpreter, torch and CUDA context (about 2 s) start beside dynamo's tracing instead of after it.
-    ``attnopt.optimize(model, mode="reduce-overhead")`` calls it on a GPU. Returns the number of idle workers."""
-    n = compile_procs() if n is None else n
+    """Start ``n`` (default ``compile_procs()`` and one more, the timing worker of ``timer_proc``; none when that is 0)
+    workers now, so that a background tuning finds them ready: their interpreter, torch and CUDA context (about 2 s)
+    start beside dynamo's tracing instead of after it. ``attnopt.optimize(model, mode="reduce-overhead")`` calls it on
+    a GPU. Returns the number of idle workers."""
+    if n is None:
+        n = compile_procs() + 1 if compile_procs() else 0
     with _pool_lock:
         _idle[:] = [w for w in _idle if w.alive()]
         while len(_idle) < n:
@@ -267,7 +247,8 @@ def run_first_calls(payload: dict[str, Any]) -> dict[str, str]:
 
 
 def serve() -> int:
-    """The worker: the imports and the CUDA context first (while its parent traces), then one job per input line."""
+    """The worker: the imports and the CUDA context first (while its parent traces), then one job per input line: a
+    site's first calls (``run_first_calls``) or one call of a ``timer_proc.ProcessTimer`` (a line with ``"timer"``)."""
     import os
     import select
 
@@ -276,10 +257,15 @@ def serve() -> int:
     sys.stdout = sys.stderr
     import torch
 
-    from . import timer  # noqa: F401  (and the runtime, at the first job)
+    from . import timer
+    from .timer_proc import serve_timer_call
 
     if torch.cuda.is_available():
         torch.cuda.init()
+    try:  # the runtime too, before the first job (a failure shows in that job's answer)
+        from attnopt.runtime import ops, strategies  # noqa: F401
+    except Exception:  # noqa: BLE001
+        pass
     while True:
         if not select.select([sys.stdin], [], [], IDLE_S)[0]:
             return 0  # nobody needed it
@@ -287,7 +273,8 @@ def serve() -> int:
         if not line:
             return 0
         try:
-            answer = run_first_calls(json.loads(line))
+            job = json.loads(line)
+            answer = serve_timer_call(job, timer.gpu_timer) if "timer" in job else run_first_calls(job)
         except Exception as exc:  # noqa: BLE001 - a job it cannot read: every plan of it fails with the reason
             from .timer import error_text
 

@@ -59,8 +59,10 @@ class TimingRounds:
         if errors:
             extra["warm_up_errors"] = dict(errors)
         procs = getattr(self.timer, "last_warm_up", None) or {}
-        if "calls_cpu_s" in procs:  # the CPU seconds of its first calls in this process, on every thread
+        if "calls_cpu_s" in procs:  # the CPU seconds of its first calls (in the timing process), on every thread
             extra["warm_up_calls_cpu_s"] = procs["calls_cpu_s"]
+        if "timer" in procs:  # where the timing ran (``attnopt.timer_proc``)
+            extra["timer"] = procs["timer"]
         if procs.get("procs"):  # the share compiled in worker processes (``attnopt.tuning_procs``)
             extra.update(compile_procs=procs["procs"], compile_procs_s=procs["procs_s"])
             if procs["errors"]:
@@ -125,23 +127,28 @@ class TimingRounds:
             return prefer_peer(best, measured, by_key), {}
         worst = {k: measured[k] / measured[best] for k in pair}
         at_ends: dict[str, dict[str, float]] = {}
+        # a static cache's fill is timed in the cache the graph runs (``timer.at_fill``: the kernels compiled and
+        # captured already, only the device valid length lower), where the timer can
+        at_fill = getattr(self.timer, "at_fill", None) if static else None
         for n in dict.fromkeys(span):
             if n == site.kv_len:
                 continue
             at = dataclasses.replace(site, kv_len=int(n))
-            # the pair compiled at the measured length, not necessarily at this one (split-KV's mask-tile chunking
-            # is a compile-time constant of the key count): compiled at once, as the candidates were, not one by one
-            warmed = self._warm_up([by_key[k] for k in pair if not (static and not reads_valid_keys(by_key[k], site))],
-                                   at, False)
-            if extra is not None and "warm_up_s" in warmed:
-                extra["tie_warm_up_s"] = round(extra.get("tie_warm_up_s", 0.0) + warmed["warm_up_s"], 3)
+            if at_fill is None:
+                # the pair compiled at the measured length, not necessarily at this one (split-KV's mask-tile
+                # chunking is a compile-time constant of the key count): compiled at once, as the candidates were
+                warmed = self._warm_up([by_key[k] for k in pair
+                                        if not (static and not reads_valid_keys(by_key[k], site))], at, False)
+                if extra is not None and "warm_up_s" in warmed:
+                    extra["tie_warm_up_s"] = round(extra.get("tie_warm_up_s", 0.0) + warmed["warm_up_s"], 3)
             times = {}
             for k in pair:
                 if static and not reads_valid_keys(by_key[k], site):
                     times[k] = measured[k]
                     continue
                 try:
-                    times[k] = float(self.timer(by_key[k], at)) + charge.get(k, 0.0)
+                    us = at_fill(by_key[k], site, int(n)) if at_fill is not None else self.timer(by_key[k], at)
+                    times[k] = float(us) + charge.get(k, 0.0)
                 except Exception:  # noqa: BLE001 - an end that cannot be timed does not decide
                     times = {}
                     break

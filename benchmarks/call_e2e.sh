@@ -11,15 +11,17 @@ cd /tmp
 timeout ${SMOL_TIMEOUT:-320} python -m attnopt.cli bench e2e --out $OUT/e2e-smol.json --isolate --parallel 6 \
   --model smollm2-135m --contexts ${SMOL_CONTEXTS:-1k,8k,32k} --methods hf-compiled,attnopt-ro --generate --profile \
   --steps 30 --warmup 4 > $OUT/e2e-smol.log 2>&1
-echo "smol rc=$? $(( $(date +%s) - t0 )) s"
+echo "smol rc=$? $(( $(date +%s) - t0 )) s (commit $ATTNOPT_COMMIT)"
 timeout ${LLAMA_TIMEOUT:-150} python -m attnopt.cli bench e2e --out $OUT/e2e-llama.json --isolate --parallel 4 \
   --model llama3-8b --layers 4 --contexts 32k,128k --methods hf-compiled,attnopt-ro --profile --steps 20 \
   > $OUT/e2e-llama.log 2>&1
 echo "llama rc=$? $(( $(date +%s) - t0 )) s"
 # the step graphs' CUDA tests in the time left (RUN_TESTS=0 skips them)
-left=$(( 575 - ($(date +%s) - t0) ))
+left=$(( ${CALL_S:-560} - 5 - ($(date +%s) - t0) ))
 if [ "${RUN_TESTS:-1}" = 1 ] && [ $left -gt 60 ]; then
-  (cd $REPO && TESTS="tests/models/test_cuda_graphs.py tests/attnopt/test_tuning_procs.py" TEST_TIMEOUT=$left SUITE_TIMEOUT=$left bash benchmarks/gpu.sh tests \
+  (cd $REPO && TESTS="tests/models/test_cuda_graphs.py tests/attnopt/test_tuning_procs.py tests/attnopt/test_timer_proc.py tests/attnopt/test_tuning_defer.py
+   tests/attnopt/test_tuning_cost.py::test_the_gpu_timer_times_a_low_fill_in_the_measured_cache" \
+   TEST_TIMEOUT=$left SUITE_TIMEOUT=$left bash benchmarks/gpu.sh tests \
     > $OUT/tests.log 2>&1; tail -3 $OUT/tests.log)
 fi
 echo "elapsed $(( $(date +%s) - t0 )) s"

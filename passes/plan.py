@@ -173,8 +173,9 @@ def _choose_in_background(report, site, hw, plan_ctx, config, tuner, valid_len_s
 
 def _in_worker(work, plan_ctx, tuner):
     """``work`` as the worker thread runs it: on this thread's current CUDA device (a new thread starts on device 0),
-    and with the timer's input sets and captured graphs freed at its end, failed or not, on that thread (nothing of the
-    timing is left for a later garbage collection, which could run on a thread that is capturing a CUDA graph)."""
+    timing in a worker process where it can (``attnopt.timer_proc``: off the inner compile's GIL), and with the
+    timer's input sets and captured graphs freed at its end, failed or not, on that thread (nothing of the timing is
+    left for a later garbage collection, which could run on a thread that is capturing a CUDA graph)."""
     device = None
     if plan_ctx.device_type == "cuda":
         import torch
@@ -186,8 +187,11 @@ def _in_worker(work, plan_ctx, tuner):
             import torch
 
             torch.cuda.set_device(device)
+        from attnopt.timer_proc import timing_in_worker
+
         try:
-            return work()
+            with timing_in_worker(tuner, device):
+                return work()
         finally:
             release = getattr(getattr(tuner, "timer", None), "release", None)
             if release is not None:

@@ -54,12 +54,22 @@ def device_info(device: int = 0) -> dict[str, Any]:
     return info
 
 
+#: The timed replays of a graph wait behind this many ms of GPU sleep (``replayed_us``), so that each one's time is
+#: the GPU's alone. Timed one at a time after a sync, a replay's time also held the host's launch of the graph (the
+#: GPU idle from the start event until ``cudaGraphLaunch`` reached it), divided by the graph's calls; and
+#: ``captured_calls`` sizes a graph by the eager time per call, which host time decides at decode sizes: a route with
+#: more host time per call (optimize()'s compiled function, a kernel plan's Triton launches) got fewer calls per
+#: graph and so more of that latency per call than SDPA's own call beside it.
+REPLAY_PREROLL_MS = 2.0
+
+
 def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.0, replays: int = 11,
             min_calls: int = 4, capture_error_mode: str = "global") -> float:
     """Median time of one call of ``fn`` in µs.
 
     ``graph``: ``captured_calls`` (a warm-up, then ``n`` back-to-back calls in one CUDA graph), replayed ``replays``
-    times, the median per call (``replayed_us``). ``eager``: ``triton.testing.do_bench`` median.
+    times behind a GPU wait (``REPLAY_PREROLL_MS``), the median per call (``replayed_us``). ``eager``:
+    ``triton.testing.do_bench`` median.
     """
     if mode == "eager":
         import triton.testing
@@ -68,7 +78,7 @@ def time_us(fn: Callable[[], Any], mode: str = "graph", *, target_ms: float = 5.
     if mode != "graph":
         raise ValueError(f"unknown timing mode {mode!r}; valid: graph, eager")
     graph, n = captured_calls(fn, target_ms=target_ms, min_calls=min_calls, capture_error_mode=capture_error_mode)
-    return replayed_us(graph, n, replays)
+    return replayed_us(graph, n, replays, REPLAY_PREROLL_MS)
 
 
 def captured_calls(fn: Callable[[], Any], *, target_ms: float = 5.0, min_calls: int = 4,

@@ -165,7 +165,7 @@ def tuning_records() -> list[dict[str, Any]]:
                     "tie_break_s": record.get("tie_break_s"), "tie_warm_up_s": record.get("tie_warm_up_s"),
                     "tune_cpu_s": record.get("tune_cpu_s"), "warm_up_calls_cpu_s": record.get("warm_up_calls_cpu_s"),
                     "compile_procs": record.get("compile_procs"), "compile_procs_s": record.get("compile_procs_s"),
-                    "compile_procs_errors": record.get("compile_procs_errors"),
+                    "compile_procs_errors": record.get("compile_procs_errors"), "timer": record.get("timer"),
                     "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),
                     "measured_us": record.get("measured_us")})
     return out

@@ -50,6 +50,11 @@ WARP_CHOICES = (4, 8)
 #: 20-30 µs more than split-KV at 8k-32k on both cards (e.g. H200 llama3-8b-8k: 46.4 vs 15.1 µs), so the
 #: uncalibrated default is 25 µs; ``attnopt calibrate`` refits it per GPU.
 STREAM_K_FIXUP_US = 25.0
+#: Serial tail of split-KV's in-launch merge, in merge launches (``hw.launch_us``) until a calibration fits
+#: ``fused_merge_tail_us``: no measurement yet separates it from the merge launch it replaces (which programmatic
+#: dependent launch partly hides), so uncalibrated a fused plan is priced as its two-launch twin and only the measured
+#: choice (``attnopt.tuning``) tells them apart.
+FUSED_MERGE_TAIL_LAUNCHES = 1.0
 
 
 # --------------------------------------------------------------------------------------------- calibration
@@ -228,9 +233,12 @@ def _dense_model_us(site: AttentionSite, hw: HardwareProfile) -> float:
 
 # --------------------------------------------------------------------------------------------- split-KV
 def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block_n: int, num_warps: int = 4,
-                num_stages: int = 2) -> float:
+                num_stages: int = 2, fused_merge: bool = False) -> float:
     """Split-KV (FlashDecoding): grid (B x Hkv x M-blocks, num_splits); each split streams at most ``ceil(T/S)`` of
-    the ``T`` KV tiles and writes an fp32 (o, lse) partial; a second kernel merges the partials."""
+    the ``T`` KV tiles and writes an fp32 (o, lse) partial; a second kernel merges the partials, or with
+    ``fused_merge`` the last split to finish each tile merges them in the same launch: no merge launch, a serial tail
+    instead (``fused_merge_tail_us``: an atomic arrival and the partials read back from L2 by one program per tile;
+    ``FUSED_MERGE_TAIL_US`` until a calibration fits it)."""
     if num_splits < 1 or block_n < 1:
         raise ValueError(f"num_splits and block_n must be >= 1, got {num_splits}, {block_n}")
     b, hkv, g, L, d, dv, e = _dims(site)
@@ -243,7 +251,11 @@ def split_kv_us(site: AttentionSite, hw: HardwareProfile, num_splits: int, block
     if num_splits > 1:
         partials = state_bytes(site) * num_splits
         t += _stream_us(hw, partials)                        # the first kernel writes them
-        t += hw.launch_us + _stream_us(hw, partials + io_bytes(site) / 2)  # the merge reads them, writes o
+        if fused_merge:
+            t += hw.fitted.get("fused_merge_tail_us", hw.launch_us * FUSED_MERGE_TAIL_LAUNCHES)
+            t += _stream_us(hw, partials + io_bytes(site) / 2)
+        else:
+            t += hw.launch_us + _stream_us(hw, partials + io_bytes(site) / 2)  # the merge reads them, writes o
     return config_adjust(hw, f"split_kv/{block_n}/{num_warps}/{num_stages}", t * hw.emulation_slowdown)
 
 

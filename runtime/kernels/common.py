@@ -211,6 +211,16 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+#: fp32 partial elements an in-launch merge (split-KV's fused merge, stream-K's fix-up) loads a step; its software
+#: pipeline holds two steps. The merge runs after the KV loop, in the same kernel, so its registers add to the loop's
+#: only where it needs more than the loop: compiled for sm_90 here (bf16, TMA tiles, 4 warps, 3 stages; Triton 3.7's
+#: ptxas), 8192 elements a step took a 64-key D=128 split-KV program from 188 to 255 registers, D=80 as 64 + 32 from
+#: 168 to 186 and D=64 from 125 to 145, each one resident program per SM fewer than the unfused kernel; at 2048 the
+#: fused kernels take 223, 168 and 128 (the same programs per SM as unfused). A merge of S partials then takes
+#: ceil(S / merge_p) steps, each loading the next step's partials before it sums its own.
+MERGE_ELEMS = 2048
+
+
 class DecodeGeometry(NamedTuple):
     """The launch geometry that the split-KV and stream-K launchers derive alike from q, k and v (see the module
     docstring for the packed query tile)."""
@@ -228,7 +238,7 @@ class DecodeGeometry(NamedTuple):
     block_r: int  # rows a merge reads per tile: the tile's real rows, up to a power of two
     block_d: int  # padded head dim of Q and K
     block_dv: int  # padded head dim of V
-    merge_p: int  # partials a merge loads per step (about 8192 fp32 elements in flight)
+    merge_p: int  # partials an in-launch merge loads per step (``MERGE_ELEMS`` fp32 elements a step)
 
 
 def decode_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> DecodeGeometry:
@@ -241,7 +251,7 @@ def decode_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Decode
     block_r = next_pow2(min(G * L, block_m))
     block_dv = block_d_for(Dv)
     return DecodeGeometry(B, Hq, L, D, Hkv, N, Dv, G, block_m, cdiv(G * L, block_m), block_r, block_d_for(D),
-                          block_dv, max(1, min(32, 8192 // (block_r * block_dv))))
+                          block_dv, max(1, min(32, MERGE_ELEMS // (block_r * block_dv))))
 
 
 def arrival_counters(geo: DecodeGeometry, device: torch.device) -> torch.Tensor:

@@ -7,6 +7,7 @@ interpreter is asked for with ``ATTNOPT_CPU_KERNELS=interpret`` together with ``
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -89,15 +90,20 @@ SMEM_BUDGET = 222 * 1024
 
 
 def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False) -> int:
-    """Shared memory of one program (bytes): the K and V tiles of each buffered pipeline stage, the query tile, and
-    the fp32 score tile that Triton stages through shared memory between the two MMAs, plus 1 KB of barriers.
+    """Shared memory of one program (bytes), as Triton lays out the decode kernels on Hopper, plus 1 KB of barriers.
 
     Head dims are padded to a power of two, or with ``head_chunks`` cut as the kernels cut them
-    (``attnopt.cost.traffic.padded_head_dim``). The query and score tiles grow with the packed query rows
-    (``rows_per_tile``): an estimate without them (a flat 8 KB) planned B1 5/1 heads D=80 q_len 4 (32 rows) at
-    256-key tiles, 3 stages, head-chunked, at 200 KB, which the H100 compiled to 235,520 bytes = 2 x 256 x 192 x 2
-    (K/V) + 32 x 256 x 4 (scores) + 32 x 96 x 2 (queries), over the 227 KB limit: a crash at the first launch
-    (CUDA suite at d1dae87, ``tests/runtime/test_one_process_fuzz.py``)."""
+    (``attnopt.cost.traffic.padded_head_dim``); the query tile has ``rows_per_tile`` rows:
+
+    * 64 rows (wgmma, one warpgroup's M): the query tile and ``num_stages`` K/V buffers;
+    * 16 or 32 rows (mma): the query tile, ``num_stages - 1`` K/V buffers and the fp32 score tile, staged
+      through shared memory between the two products.
+
+    Every split-KV and stream-K config compiled on the H100 at D=64-256, 32 and 64 rows, matched this to the
+    byte (less the barriers) or stayed under it (``tests/runtime/test_smem_estimate.py``, bf50495); e.g. 5/1
+    heads, D=80, q_len 4, 256-key tiles, 3 stages, head-chunked: 2 x 256 x 192 x 2 (K/V) + 32 x 256 x 4 (scores)
+    + 32 x 96 x 2 (queries) = 235,520 bytes, over the 227 KB limit, where a flat 8 KB for everything but the
+    K/V tiles had planned 200 KB (a crash at the first launch, the CUDA suite at d1dae87)."""
     dv = site.v_head_dim or site.head_dim
     if head_chunks:
         qk_width = padded_head_dim(site.head_dim, dv)
@@ -106,8 +112,16 @@ def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: 
         qk_width = _pow2(site.head_dim)
         width = qk_width + _pow2(dv)
     block_m = rows_per_tile(site)[0]
-    kv_tiles = max(1, num_stages - 1) * block_n * width * site.dtype_bytes
-    return kv_tiles + block_m * block_n * 4 + block_m * qk_width * site.dtype_bytes + 1024
+    queries = block_m * qk_width * site.dtype_bytes
+    if block_m >= WGMMA_ROWS:
+        return max(1, num_stages) * block_n * width * site.dtype_bytes + queries + 1024
+    scores = block_m * block_n * 4
+    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + scores + queries + 1024
+
+
+#: Query rows from which the kernels' products compile to Hopper's wgmma (one warpgroup's M): its operands stay in
+#: shared memory through the pipeline, one K/V buffer more than below it, and no score tile staged.
+WGMMA_ROWS = 64
 
 
 def _pow2(x: int) -> int:
@@ -159,6 +173,14 @@ def fitting_configs(site: AttentionSite, head_chunks: bool = False) -> Iterable[
 CHUNK_MIN_BLOCK_N = 64
 #: A head-chunked plan's estimate is its padded twin's times (1 + this): the untuned choice stays padded.
 CHUNK_ESTIMATE_PENALTY = 0.01
+#: A fused-merge plan (``SplitKVPlan.fused_merge``: the last split to finish a tile merges it, one launch instead of
+#: two) is estimated at its two-launch twin's cost model times (1 + this). Every split-KV candidate of more than one
+#: split has such a twin; the tuner times the twins of its widest and best-estimated plans
+#: (``attnopt.tuning_candidates.to_time``). Once the in-launch merge kept its registers to the loop's
+#: (``runtime/kernels/common.py`` MERGE_ELEMS) it is a real contender where the second launch's latency is a large
+#: part of the call (one-tile splits of a short cache), but it was never timed beside the two-launch path on a GPU, so
+#: the untuned choice stays two launches until a measurement (or a calibrated ``fused_merge_tail_us``) says otherwise.
+FUSED_ESTIMATE_PENALTY = 0.005
 
 
 def chunk_twins(site: AttentionSite) -> bool:
@@ -309,14 +331,14 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                 if chunks and block_n < CHUNK_MIN_BLOCK_N:
                     continue
                 for splits, per_split in split_counts(site, hw, block_n, warps, stages, chunks):
-                    # fused_merge stays False: measured on an H200 (benchmarks/results/kernels-nvidia-h200.json)
-                    # the in-launch merge costs about 0.6 µs per split of a tile, more than the second launch.
                     plan = SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
                                        tma=True, head_chunks=chunks, tiles_per_split=per_split)
                     key = (plan.splits_at(n), block_n, warps, stages, chunks)
                     if key not in seen:  # plans that run alike at the planned length are timed once
                         seen.add(key)
                         yield plan
+                        if plan.splits_at(n) > 1:  # its one-launch twin (see FUSED_ESTIMATE_PENALTY)
+                            yield dataclasses.replace(plan, fused_merge=True)
         pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
@@ -326,10 +348,13 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         splits = plan.splits_at(planned_len(site))
-        us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages)
+        fused = plan.fused_merge and splits > 1
+        us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages, fused)
         # the model does not see what the head chunks change (measured from 16 % faster to 8 % slower): a chunked
         # plan ranks just behind its padded twin, so that only a measurement chooses one
-        return us * (1 + CHUNK_ESTIMATE_PENALTY) if plan.head_chunks and chunk_twins(site) else us
+        if plan.head_chunks and chunk_twins(site):
+            us *= 1 + CHUNK_ESTIMATE_PENALTY
+        return us * (1 + FUSED_ESTIMATE_PENALTY) if fused else us
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         if plan.num_splits < 1:

@@ -62,8 +62,36 @@ def test_the_most_parallel_split_kv_plan_is_always_a_candidate():
     for top_k, extra in ((tuning.DEFAULT_TOP_K, tuning.DEFAULT_EXTRA_FAMILIES), (1, 0)):
         keys = [p.runtime_key() for p in tuning.to_time(ranked, top_k, extra, n_keys=SMOL_1K.kv_len)]
         assert widest.runtime_key() in keys and len(keys) == len(set(keys))
-    assert len(tuning.to_time(ranked, 1, 0, n_keys=SMOL_1K.kv_len)) == 3  # the model's pick, cuDNN, the widest
+    # the model's pick, cuDNN, the widest and its one-launch twin, the best split-KV plan's (the pick's) twin
+    timed = tuning.to_time(ranked, 1, 0, n_keys=SMOL_1K.kv_len)
+    fused = lambda p: dataclasses.replace(p, fused_merge=True).runtime_key()  # noqa: E731
+    assert [p.runtime_key() for p in timed] == [ranked[0].runtime_key(), timed[1].runtime_key(),
+                                                widest.runtime_key(), fused(widest), fused(ranked[0])]
+    assert timed[1].kind == "dense"
     assert tuning.most_parallel([p for p in ranked if p.kind == "dense"]) is None
+
+
+def test_one_launch_twins_are_timed_beside_their_plans_only():
+    """Every split-KV candidate of more than one split has a fused-merge twin, estimated just behind it (uncalibrated,
+    the model cannot price the in-launch merge against the second launch); the tuner times the twins of the widest
+    and the best split-KV plans and no other, so they never take the places of other configurations."""
+    ranked = _ranked(SMOL_1K)
+    kernels = [p for p in ranked if p.kind == "split_kv"]
+    twins = [p for p in kernels if p.fused_merge]
+    plain = {p.runtime_key(): p for p in kernels if not p.fused_merge}
+    assert twins and all(p.splits_at(SMOL_1K.kv_len) > 1 for p in twins)
+    for t in twins:
+        base = plain[dataclasses.replace(t, fused_merge=False).runtime_key()]
+        assert base.est_us < t.est_us <= base.est_us * 1.01
+    assert not ranked[0].fused_merge
+    wide = tuning.to_time(ranked, tuning.DEFAULT_TOP_K, tuning.DEFAULT_EXTRA_FAMILIES, n_keys=SMOL_1K.kv_len)
+    narrow = tuning.to_time(ranked, 1, 0, n_keys=SMOL_1K.kv_len)
+    assert [p for p in wide if getattr(p, "fused_merge", False)] == [p for p in narrow if getattr(p, "fused_merge",
+                                                                                                  False)]
+    without = tuning.to_time([p for p in ranked if not getattr(p, "fused_merge", False)], tuning.DEFAULT_TOP_K,
+                             tuning.DEFAULT_EXTRA_FAMILIES, n_keys=SMOL_1K.kv_len)
+    assert [p.runtime_key() for p in wide if not getattr(p, "fused_merge", False)] == [p.runtime_key()
+                                                                                          for p in without]
 
 
 @pytest.mark.parametrize("site", [SMOL_1K, AttentionSite.canonical()], ids=["smollm2-1k-static", "canonical"])
@@ -96,7 +124,11 @@ def test_the_budget_reaches_the_most_parallel_plan(cache, monkeypatch):
     assert plans[2].runtime_key() in timed and (plans[2].splits_at(SMOL_1K.kv_len), plans[2].block_n) == (17, 64)
     by_estimate = [p.runtime_key() for p in ranked if p.kind != "dense"]
     assert by_estimate.index(plans[2].runtime_key()) == 4
-    assert len(set(timed)) == 5 and sum(str(v).startswith("skipped") for v in choice.timings.values()) == 2
+    # the widest plan's one-launch twin comes right after it and takes one of the five; the best plan's twin, after
+    # the configurations, is skipped with them
+    assert plans[3].runtime_key() == dataclasses.replace(plans[2], fused_merge=True).runtime_key()
+    assert len(set(timed)) == 5 and plans[3].runtime_key() in timed
+    assert sum(str(v).startswith("skipped") for v in choice.timings.values()) == 4
 
 
 def test_rounds_stop_once_one_candidate_is_clearly_ahead(cache):
@@ -250,6 +282,23 @@ def test_smollm2_static_pick_is_no_slower_than_the_forced_sweeps_best(cache):
                                                     choice.timings, choice.tune_s)
 
 
+@pytest.mark.cuda
+def test_the_gpu_timer_times_a_low_fill_in_the_measured_cache():
+    """``GpuTimer.at_fill``: a split-KV plan over an eighth of a 32k static cache's slots runs in the cache timed full,
+    faster than full (it reads only the valid keys), on its own sets (the full timing's sets keep their mask)."""
+    site = dataclasses.replace(SMOL_1K, kv_len=32832, dtype="bfloat16")
+    plan = SplitKVPlan(num_splits=16, block_n=64, num_warps=4, num_stages=3, tma=True)
+    timer = T.GpuTimer()
+    try:
+        full = timer(plan, site)
+        low = timer.at_fill(plan, site, 4096)
+        assert 0 < low < full, (low, full)
+        assert bool(timer._input_sets(site)[0]["mask"].all()) and int(timer._fill[1][0]["valid_len"][0]) == 4096
+        assert len(timer._fill[1]) >= len(timer._input_sets(site))
+    finally:
+        timer.release()
+
+
 def test_a_cached_shape_is_read_from_the_file_once_per_process(cache, monkeypatch):
     """30 layers of a shape measured by another process: the file is read for the first site only."""
     site = AttentionSite.canonical()
@@ -357,6 +406,34 @@ def test_a_static_near_tie_is_decided_at_a_low_fill(cache):
     assert choice.plan.runtime_key() == b and choice.measured_us == 10.2
     low = [(k, n) for k, n in timer.calls if n != 8256]
     assert sorted(low) == sorted([(a, 1024), (b, 1024)]) and tuning.STATIC_LOW_FILL == 1 / 8
+
+
+def test_a_timer_with_at_fill_times_the_low_fill_in_the_measured_cache_without_a_warm_up(cache):
+    """A timer that can time a fill of the cache the graph runs (``at_fill``: the GPU timer) is asked for the pair's
+    times over 1024 valid keys of the 8256-slot cache, and the tie-break warms nothing up at another length (the
+    kernels compiled for 8256 slots are the ones the model runs at any fill). The choice is the one the fill gives."""
+    site = dataclasses.replace(SMOL_1K, kv_len=8256)
+    ranked = _ranked(site)
+    a, b = [p.runtime_key() for p in tuning.to_time(ranked, tuning.DEFAULT_TOP_K) if p.kind != "dense"][:2]
+
+    class Filled(Clocked):
+        def __init__(self, rule):
+            super().__init__(rule)
+            self.fills, self.warmed = [], []
+
+        def at_fill(self, plan, at, keys):
+            self.fills.append((plan.runtime_key(), at.kv_len, keys))
+            return {a: 5.0, b: 3.0}[plan.runtime_key()]
+
+        def warm_up(self, plans, at, eager=False):
+            self.warmed.append(at.kv_len)
+            return {}
+
+    timer = Filled(lambda p, s: {a: 10.0, b: 10.2}.get(p.runtime_key(), 30.0))
+    choice = Tuner(timer, cache, env=ENV).choose(site, ranked, valid_len_sharing=30)
+    assert choice.plan.runtime_key() == b
+    assert sorted(timer.fills) == sorted([(a, 8256, 1024), (b, 8256, 1024)])
+    assert {n for _, n in timer.calls} == {8256} and timer.warmed == [8256]
 
 
 def test_a_dense_plan_keeps_its_full_time_at_a_low_fill(cache):

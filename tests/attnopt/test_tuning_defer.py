@@ -342,7 +342,7 @@ def test_background_replays_are_enqueued_behind_a_gpu_wait(monkeypatch, caught_u
     assert last == [("sleep", last[0][1]), "event"] + ["replay", "event"] * 3 + ["sync"]  # no sync in between
 
 
-def test_the_gpu_timer_prerolls_only_in_a_background_tuning(monkeypatch):
+def test_the_gpu_timer_prerolls_longer_in_a_background_tuning(monkeypatch):
     from attnopt import timer as T
     from attnopt.bench import common
 
@@ -357,7 +357,21 @@ def test_the_gpu_timer_prerolls_only_in_a_background_tuning(monkeypatch):
     thread = threading.Thread(target=in_a_background_tuning)
     thread.start()
     thread.join()
-    assert seen == [0.0, T.BACKGROUND_PREROLL_MS] and T.BACKGROUND_PREROLL_MS >= 10
+    assert seen == [common.REPLAY_PREROLL_MS, T.BACKGROUND_PREROLL_MS] and T.BACKGROUND_PREROLL_MS >= 10
+    assert common.REPLAY_PREROLL_MS > 0  # a replay's time is the GPU's alone (not the host's launch of it)
+
+
+def test_the_bench_times_graph_replays_behind_a_gpu_wait(monkeypatch):
+    """``time_us`` (every method of the benches, peers included) times replays enqueued behind a GPU sleep, as the
+    tuner does: a graph's launch latency on the host is not a call's time, whatever the calls per graph."""
+    from attnopt.bench import common
+
+    seen = []
+    monkeypatch.setattr(common, "captured_calls", lambda fn, **kw: ("graph", 7))
+    monkeypatch.setattr(common, "replayed_us", lambda graph, n, replays, preroll_ms=0.0: seen.append((n, preroll_ms))
+                        or 1.0)
+    assert common.time_us(lambda: None, "graph") == 1.0
+    assert seen == [(7, common.REPLAY_PREROLL_MS)]
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -377,3 +391,28 @@ def test_the_timers_inputs_and_graphs_are_freed_on_the_worker_at_the_end_of_the_
     with tuning.use_tuner(tuner):
         opt(*inputs())
     assert released and released[-1].startswith("attnopt-tune")
+
+
+def test_calls_of_a_graphed_graph_launch_the_captured_variant_outside_a_capture(cache, monkeypatch):
+    """A graph that replays as CUDA graphs (step graphs record it; inductor's trees replay it): its calls before the
+    recording run the kernels' captured variant (``tma_as_captured``), the one the tuner compiled, instead of
+    compiling the pointer variant cold on the first call. A graph run eagerly at every call keeps pointer tiles."""
+    from attnopt.runtime.kernels import common
+
+    seen = []
+
+    def inner(name, gm, example_inputs, mode):
+        def run(*args):
+            seen.append(getattr(common._AS_CAPTURED, "on", False))
+            return gm.forward(*args)
+        return run
+
+    monkeypatch.setattr(backend_mod, "_compile_inner", inner)
+    q, k, v, mask = inputs()
+    for graphed in (True, False):
+        backend = Backend(OptimizeConfig(inner_backend="eager"))
+        torch._dynamo.reset()
+        with tuning.use_tuner(Tuner(lambda p, s: 1.0, cache, env=ENV)):
+            opt = torch.compile(attend, backend=backend.with_mode(None, graphed=graphed), dynamic=False)
+            torch.testing.assert_close(opt(q, k, v, mask), attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        assert seen.pop() is graphed and not getattr(common._AS_CAPTURED, "on", False)

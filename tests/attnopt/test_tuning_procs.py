@@ -173,43 +173,6 @@ def test_after_the_workers_this_process_compiles_nothing(monkeypatch, tmp_path):
     assert built == []
 
 
-def test_the_winners_eager_variant_compiles_in_a_worker_without_waiting():
-    """After a background choice: the winner's call outside a capture (the model's first calls) runs in a compile
-    worker, the eager variant only; the caller gets the waiting thread back at once."""
-    plan = SplitKVPlan(num_splits=2, block_n=64)
-    thread = tuning_procs.compile_eager_variant(plan, SITE)
-    thread.join(300)
-    assert thread.answer == {plan.runtime_key(): ""}
-
-
-def test_the_gpu_timer_starts_the_winners_eager_variant_in_a_background_tuning_only(monkeypatch):
-    started = []
-    monkeypatch.setattr(tuning_procs, "compile_eager_variant", lambda plan, site, device: started.append(plan.kind))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.delenv(tuning_procs.PROCS_ENV, raising=False)
-
-    def after(plan, background):
-        def run():
-            tuning_defer._BACKGROUND.on = background
-            T.GpuTimer().after_choice(plan, SITE)
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join()
-
-    after(SplitKVPlan(num_splits=2, block_n=64), True)
-    after(DensePlan(backend="cudnn"), True)  # (cuDNN's graphs are per thread: nothing to carry over)
-    after(SplitKVPlan(num_splits=2, block_n=64), False)  # a synchronous choice: its first calls follow at once
-    assert started == ["split_kv"]
-
-
-def test_the_tuner_tells_the_timer_its_choice(cache, clock):
-    timer = Warmed(clock)
-    told = []
-    timer.after_choice = lambda plan, site: told.append((plan.runtime_key(), site.kv_len))
-    choice = Tuner(timer, cache, env=ENV, budget_s=4.0).choose(SMOL_1K, _ranked(SMOL_1K))
-    assert told == [(choice.plan.runtime_key(), SMOL_1K.kv_len)]
-
-
 def test_workers_start_at_optimize_on_a_first_run_with_a_background_tuning_ahead(monkeypatch, tmp_path):
     """``prestart_for_tuning`` (what ``optimize`` calls): with a GPU, Triton compiling, tuning on and no tuning cache
     file yet; not for another mode, with tuning off, or once the cache file exists (the shapes are likely measured)."""
