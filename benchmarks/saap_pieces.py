@@ -8,7 +8,9 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   chained by programmatic dependent launch; four launches apart; not chained); ``full-merge-dv<n>`` with n merge
   programs a row (``saap.MERGE_DV_SPLIT``), ``full-prefetch4`` / ``-prefetch0-kv`` / ``-prefetch4-kv`` with the
   attention's perm and K/V prefetches (``saap.PREFETCH_LINES``, ``saap.PREFETCH_KV``), ``full-S48-...`` at 48
-  splits, ``full-fused-merge`` the merge in the attention launch (the plan's ``fused_merge``);
+  splits, ``-selprefetch4`` with the selection asking L2 for each chosen cluster's first perm lines
+  (``saap_select.SELECT_PREFETCH_LINES``), ``full-fused-merge`` the merge in the attention launch (the plan's
+  ``fused_merge``);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
@@ -104,6 +106,7 @@ def main(argv=None) -> int:
     from attnopt.runtime.kernels.saap import _SAAP_LAUNCH, _attention_launch, saap_workspace, window_split_count
     from attnopt.runtime.kernels.saap_select import saap_select
     import attnopt.runtime.kernels.saap as saap_module
+    import attnopt.runtime.kernels.saap_select as saap_select_module
     from attnopt.runtime.kernels.common import decode_geometry
     from attnopt.runtime.saap import registry, saap_decode
     from attnopt.runtime.saap.decode import kernel_scorer
@@ -210,11 +213,12 @@ def main(argv=None) -> int:
                       if m.name == "sdpa-cudnn")
         return method.make(dict(c["s"], mask=None))
 
-    modules = {"saap": saap_module}
+    modules = {"saap": saap_module, "select": saap_select_module}
     dv2 = {"saap.MERGE_DV_SPLIT": 2}
     dv4 = {"saap.MERGE_DV_SPLIT": 4}
     prefetch = {"saap.PREFETCH_LINES": 4}
     kv = {"saap.PREFETCH_KV": True}
+    selpf = {"select.SELECT_PREFETCH_LINES": 4}
     kv_lines = saap_module.kv_prefetch_lines(info["D"], sets[0]["k"].element_size())
 
     dummy = torch.zeros(1, device=device)
@@ -242,6 +246,11 @@ def main(argv=None) -> int:
         ("full-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **prefetch, **kv)),
         ("full-merge-dv2-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv2, **prefetch,
                                                               **kv)),
+        ("full-selprefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **selpf)),
+        ("full-selprefetch4-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **selpf,
+                                                                 **prefetch, **kv)),
+        ("full-merge-dv2-selprefetch4-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv2,
+                                                                           **selpf, **prefetch, **kv)),
         ("full-S48-merge-dv2-prefetch4-kv", lambda c, i: flagged(plan_call(replace(plans[i], num_splits=48), c["s"],
                                                                            scale), **dv2, **prefetch, **kv)),
         ("full-fused-merge", lambda c, i: plan_call(replace(plans[i], fused_merge=True), c["s"], scale)),

@@ -334,7 +334,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         launch_window()
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
                       scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl and not late,
-                      fused=fused_select, after_scoring=launch_window if late else None, num_warps=select_warps)
+                      fused=fused_select, after_scoring=launch_window if late else None, num_warps=select_warps,
+                      perm=perm)
     fused = bool(fused_merge) and S > 1
     extra = {"launch_pdl": True} if pdl else {}
     first = window_splits if apart else 0  # the splits this launch runs: from ``first`` on

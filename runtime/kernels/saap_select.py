@@ -47,6 +47,10 @@ BLOCK_K_HIDDEN = 128
 #: with "tf32x3" (the scoring alone 8.41 against 9.34; Triton's FMA dot, "ieee", 23.9), and it holds 90 registers a
 #: thread and 16 KB of shared memory against 128 and 64 KB. Its rows are unrolled, hence the bound.
 FMA_MAX_ROWS = 8
+#: 128-byte lines of ``perm`` per chosen cluster that the selection asks L2 for once the set is known, before it
+#: writes the work list (the attention's first tiles read them next, from HBM otherwise). PTX only (the interpreter
+#: runs without it). Unmeasured: 0 until timed (``benchmarks/saap_pieces.py``: full-selprefetch4).
+SELECT_PREFETCH_LINES = 0
 
 
 class SaapScorer(NamedTuple):
@@ -82,7 +86,7 @@ def _saap_rows_kernel(
     out_ptr,  # (B, Hkv, M, NOUT) fp32 contiguous: hidden units or logits
     stat_ptr,  # logits: (B, Hkv, M, NCHUNK, 2) fp32 contiguous chunk row max and sum of exp(logit - max)
     counter_ptr,  # SELECT: (B * Hkv,) int32 arrival counters, zero before and after every launch
-    offsets_ptr, end_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr,  # SELECT: as ``_saap_select_kernel``'s
+    offsets_ptr, end_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr, perm_ptr,  # SELECT: as ``_saap_select_kernel``'s
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides (SRC_Q)
     scale,  # logits multiplier (the attention scale for centroid scoring, 1 for the MLP)
     eps,  # BatchNorm epsilon (HIDDEN)
@@ -94,6 +98,7 @@ def _saap_rows_kernel(
     NOUT,  # outputs per row: H (HIDDEN) or C
     NCHUNK,  # output chunks per row (the grid's second axis)
     stride_fb, stride_fh, stride_fc,  # SELECT: offsets strides
+    stride_pb, stride_ph, stride_pn,  # SELECT: perm strides (PERM_LINES)
     PROBES, SINK, inv_heads,  # SELECT: as ``_saap_select_kernel``'s
     D: tl.constexpr,  # head dim (SRC_Q)
     BLOCK_R: tl.constexpr,  # padded rows (>= G * L; >= 16 for tl.dot)
@@ -111,6 +116,7 @@ def _saap_rows_kernel(
     BLOCK_C: tl.constexpr = 16, BLOCK_CH: tl.constexpr = 2, ROWS: tl.constexpr = 1,  # SELECT: as the selection's
     RADIX_BITS: tl.constexpr = 4, HAS_STATS: tl.constexpr = False,  # SELECT: as the selection's
     GUESS_TOP: tl.constexpr = False,  # SELECT: as the selection's
+    PERM_LINES: tl.constexpr = 0,  # SELECT: as the selection's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -174,7 +180,7 @@ def _saap_rows_kernel(
                 _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                              stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
                              inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False, 0,
-                             GUESS_TOP)
+                             GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES)
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -238,7 +244,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 valid_len: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
                 after_scoring=None, launches: str = "all", precision: str | None = None,
-                radix: int | None = None, skip: int = 0, guess_top: bool | None = None) -> SelectWorkspace:
+                radix: int | None = None, skip: int = 0, guess_top: bool | None = None,
+                perm: torch.Tensor | None = None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -257,6 +264,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
+    perm : (B, Hkv, NP) int32 cluster-sorted key positions or None: with ``SELECT_PREFETCH_LINES`` > 0 (and compiled
+        code), the selection asks L2 for the chosen clusters' first lines of it, which the attention reads next.
     launches, precision, radix, skip, guess_top : for timing the pieces apart (``benchmarks/saap_pieces.py``),
         never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
         selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
@@ -293,12 +302,15 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     logit_block = BLOCK_LOGITS_Q_FUSED if fused_warps >= 16 and scorer.mlp is None else None
     launch_chunks = cdiv(C, logit_block) if logit_block else nchunk
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
-    select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
+    perm_lines = SELECT_PREFETCH_LINES if perm is not None and not interpreting() else 0
+    select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats,
+                   perm if perm_lines else ws.incl)
+    perm_strides = perm.stride() if perm_lines else (0, 0, 0)
     bits = radix or radix_bits(block_c)
     guess_top = bool(guess_top) and bits == 4  # off until timed on a GPU (saap_pieces: select-w16-guess)
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
-                         GUESS_TOP=guess_top, **({"SKIP": skip} if skip else {}))
+                         GUESS_TOP=guess_top, PERM_LINES=perm_lines, **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
@@ -324,8 +336,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                       LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
         # the selection's pointers (after the scoring's) and scalars (after the scoring's), or placeholders
-        no_select = ((ws.counters,) * 7, (0, 0, 0, probes, int(sink), inv_heads))
-        with_select = ((ws.counters, *select_args), (*offsets.stride(), probes, int(sink), inv_heads))
+        no_select = ((ws.counters,) * 8, (0, 0, 0, 0, 0, 0, probes, int(sink), inv_heads))
+        with_select = ((ws.counters, *select_args), (*offsets.stride(), *perm_strides, probes, int(sink), inv_heads))
         sel_ptrs, sel_scalars = with_select if fused and select_too else no_select
         logits_select = (dict(num_warps=4) if not fused else dict(num_warps=fused_warps) if not select_too
                          else dict(SELECT=True, num_warps=fused_warps, **select_consts))
@@ -358,7 +370,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         after_scoring()
     chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, *select_args[2:], *sstrides,
-                   *offsets.stride(), N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,
+                   *offsets.stride(), *perm_strides, N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,
                    HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl,
                    num_warps=num_warps or select_warps(block_c),
                    **select_consts, **({"launch_pdl": True} if chained else {}))

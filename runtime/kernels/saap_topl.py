@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_launch_dependents = gdc_wait = None
 
 from .common import next_pow2
+from .saap_tiles import _prefetch_l2
 
 @triton.jit
 def _add_pair(a0, a1, b0, b1):
@@ -36,12 +37,15 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
                  inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
                  RADIX_BITS: tl.constexpr, FROM_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr,
                  HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr, SKIP: tl.constexpr = 0,
-                 GUESS_TOP: tl.constexpr = False):
+                 GUESS_TOP: tl.constexpr = False, perm_ptr=None, stride_pb=0, stride_ph=0, stride_pn=0,
+                 PERM_LINES: tl.constexpr = 0):
     """The selection of one (batch row, KV head) ``bh``: see ``_saap_select_kernel`` for the arguments. The logits and
     their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
     launch. SKIP (the piece microbenchmark's ablations, never a plan's): 1 leaves out the threshold rounds (every
     non-empty cluster is chosen), 2 also the compaction (only the key total is stored). GUESS_TOP (RADIX_BITS 4):
-    the first round's digit from one packed count where every score is in [0, 2)."""
+    the first round's digit from one packed count where every score is in [0, 2). PERM_LINES > 0 (compiled code
+    only): once the set is known, ask L2 for the first PERM_LINES 128-byte lines of each chosen cluster's keys in
+    ``perm`` (int32; strides stride_pb/ph/pn), which the attention's first tiles read next."""
     b = bh // HKV
     kvh = bh % HKV
     b64 = b.to(tl.int64)
@@ -144,6 +148,11 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     chosen = c_ok & (key >= thr)
     size = c_end - c_start
     picked = chosen & (size > 0)
+    if PERM_LINES > 0:  # before the compaction: the lines are on their way while the list is written
+        p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
+        for j in tl.static_range(PERM_LINES):
+            idx = c_start + 32 * j
+            _prefetch_l2(p_base + idx.to(tl.int64) * stride_pn, picked & (idx < c_end))
     size = tl.where(picked, size, 0)
     # the key prefix and the list slot in one scan, the key and cluster counts in one reduction (each cross-warp
     # step is a barrier on the head's one SM)
@@ -174,8 +183,10 @@ def _saap_select_kernel(
     shift_ptr,  # out (B * Hkv, BLOCK_C) int32: perm index minus virtual index of each of those clusters
     total_ptr,  # out (B * Hkv,) int32: keys in the chosen clusters
     stats_ptr,  # (2,) fp64 accumulators [sum of mean selectivity, calls] (HAS_STATS)
+    perm_ptr,  # PERM_LINES: (B, Hkv, NP) int32 cluster-sorted key positions (else unused)
     stride_sb, stride_sh, stride_sc,  # scores strides (not FROM_LOGITS)
     stride_fb, stride_fh, stride_fc,  # offsets strides
+    stride_pb, stride_ph, stride_pn,  # perm strides (PERM_LINES)
     N,  # keys in the cache
     HKV,  # KV heads
     M,  # query rows per KV head (G * L)
@@ -195,13 +206,14 @@ def _saap_select_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the attention launch become resident now
     SKIP: tl.constexpr = 0,  # the piece microbenchmark's ablations (``_select_head``); 0 in every plan
     GUESS_TOP: tl.constexpr = False,  # the first round's digit from one count (``_select_head``; RADIX_BITS 4)
+    PERM_LINES: tl.constexpr = 0,  # > 0: prefetch the chosen clusters' perm lines into L2 (``_select_head``)
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     _select_head(tl.program_id(0), score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                  stats_ptr, stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK,
                  PROBES, SINK, inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, FROM_LOGITS, HAS_VALID, HAS_STATS,
-                 WAIT_PRIOR, SKIP, GUESS_TOP)
+                 WAIT_PRIOR, SKIP, GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES)
 
 
 def block_c_for(clusters: int) -> int:
