@@ -200,19 +200,23 @@ _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
 #: for sm_90 at the bench shape, the same 128 registers as 1024 at a time, and one load and one reduction, not two).
 FIRST_CHUNK = 2048
 #: Programs per output row of the merge launch, each over a share of Dv (``merge_states``' dv_split): at llama3-8b's
-#: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. Alone the merge took 2.24 µs at
-#: 2, 2.32 at 4, 2.54 at 8 against 3.43 (H100, 80da12a, 128k 5 %), but the whole chained op 40.58 at 4 against
-#: 40.00: 1 until a whole-op row at 2 says otherwise (``benchmarks/saap_pieces.py``: full-merge-dv2).
-MERGE_DV_SPLIT = 1
+#: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. H100 (65ec530, llama3-8b 128k
+#: 5 %): the merge alone 2.22 µs at 2 against 3.43 (2.32 at 4, 2.54 at 8 at 80da12a); the whole op 39.57 against
+#: 40.02, and 37.92 against 38.34 with both prefetches below.
+MERGE_DV_SPLIT = 2
 #: 128-byte lines of ``perm`` per list entry that a cluster split asks L2 for after its first tile's lookups (0:
 #: none), so that its later tiles' perm reads, a dependent read between the list's and the K/V rows', hit L2. A hint
-#: in PTX: compiled code only (the interpreter runs without it). Unmeasured: 0 until timed
-#: (``benchmarks/saap_pieces.py``: attn-prefetch4).
-PREFETCH_LINES = 0
-#: A cluster split prefetches into L2 the next tile's K/V rows as soon as its lookups return, before folding this
-#: tile, so that two tiles' reads are in flight at the cost of one tile's registers. PTX only, like PREFETCH_LINES.
-#: Unmeasured: off until timed (``benchmarks/saap_pieces.py``: attn-prefetch4-kv).
-PREFETCH_KV = False
+#: in PTX: compiled code only (the interpreter runs without it). H100 (65ec530, 128k 5 %): with PREFETCH_KV the whole
+#: op 38.34 µs at 4 against 38.57 at 0 (alone 40.40 against 40.02: within the noise); the cluster splits alone 16.68
+#: against 17.07. The list and perm reads are not what the cluster splits wait for: at hashed scattered positions
+#: without them (an ablation) they took 18.13, the K/V gather is.
+PREFETCH_LINES = 4
+#: A cluster split prefetches into L2 the next tile's K/V rows as soon as their lookups return, before folding this
+#: tile, so that two tiles' reads are in flight at the cost of one tile's registers (sm_90: 120 registers with both
+#: prefetches, no spill). PTX only, like PREFETCH_LINES. H100 (65ec530, llama3-8b 5 %): the whole op 38.57 µs against
+#: 40.02 at 128k (the attention launch 17.55 against 18.75), with the other two settings here 37.92 (4.75x cuDNN's
+#: 180.1) and 69.53 at 512k against 70.43 (9.98x cuDNN's 693.7).
+PREFETCH_KV = True
 
 
 def kv_prefetch_lines(head_dim: int, element_size: int) -> int:

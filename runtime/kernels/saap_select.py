@@ -49,7 +49,8 @@ BLOCK_K_HIDDEN = 128
 FMA_MAX_ROWS = 8
 #: 128-byte lines of ``perm`` per chosen cluster that the selection asks L2 for once the set is known, before it
 #: writes the work list (the attention's first tiles read them next, from HBM otherwise). PTX only (the interpreter
-#: runs without it). Unmeasured: 0 until timed (``benchmarks/saap_pieces.py``: full-selprefetch4).
+#: runs without it). Off: on the H100 (65ec530, llama3-8b 5 %, with the attention's prefetches and the merge at 2) 4
+#: lines took 37.72 µs against 37.92 at 128k (noise-level) but 70.24 against 69.53 at 512k.
 SELECT_PREFETCH_LINES = 0
 
 
@@ -307,7 +308,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                    perm if perm_lines else ws.incl)
     perm_strides = perm.stride() if perm_lines else (0, 0, 0)
     bits = radix or radix_bits(block_c)
-    guess_top = bool(guess_top) and bits == 4  # off until timed on a GPU (saap_pieces: select-w16-guess)
+    guess_top = bool(guess_top) and bits == 4  # off: H100 (80da12a) 7.68 µs a selection against 7.82, noise-level
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
                          GUESS_TOP=guess_top, PERM_LINES=perm_lines, **({"SKIP": skip} if skip else {}))
@@ -370,8 +371,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         after_scoring()
     chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, *select_args[2:], *sstrides,
-                   *offsets.stride(), *perm_strides, N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,
-                   HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl,
+                   *offsets.stride(), *perm_strides, N, Hkv, M, C, nchunk, probes, int(sink), inv_heads,
+                   FROM_LOGITS=scores is None, HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl,
                    num_warps=num_warps or select_warps(block_c),
                    **select_consts, **({"launch_pdl": True} if chained else {}))
     return ws
