@@ -5,25 +5,28 @@ input sets rotated so that the reads miss in L2): which piece to cut, and by whi
 Rows (µs a call, the median over graph replays of back-to-back calls):
 
 * ``full``, ``full-unfused``, ``full-unchained``: the whole op as the plan runs it (fused selection, the launches
-  chained by programmatic dependent launch; four launches apart; not chained); ``full-count`` with the selection's
-  radix rounds by comparison (``saap_select.COUNT_ROUNDS``), ``full-merge-dv4`` with four merge programs a row
-  (``saap.MERGE_DV_SPLIT``), ``full-count-merge-dv4`` both, ``full-fused-merge(-count)`` the merge in the attention
-  launch (the plan's ``fused_merge``);
+  chained by programmatic dependent launch; four launches apart; not chained); ``full-merge-dv<n>`` with n merge
+  programs a row (``saap.MERGE_DV_SPLIT``), ``full-prefetch4`` / ``-prefetch0-kv`` / ``-prefetch4-kv`` with the
+  attention's perm and K/V prefetches (``saap.PREFETCH_LINES``, ``saap.PREFETCH_KV``), ``full-S48-...`` at 48
+  splits, ``-selprefetch4`` with the selection asking L2 for each chosen cluster's first perm lines
+  (``saap_select.SELECT_PREFETCH_LINES``), ``full-fused-merge`` the merge in the attention launch (the plan's
+  ``fused_merge``);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
   unpadded), ``-noderope`` without removing RoPE from the queries;
-* ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products,
-  ``-count``: its radix rounds by comparison);
+* ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products);
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
   bits a radix round, ``-guess`` with the first round's digit from one packed count where it can (not the round),
-  ``-count`` with every round counting the keys at or above each candidate digit by comparison (no histogram),
   ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
   ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
   ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,
-  ``-fused-merge`` with the merge in it);
+  ``-fused-merge`` with the merge in it, ``-prefetch<n>`` with each cluster split asking L2 for n lines of perm
+  per list entry first (``saap.PREFETCH_LINES``), ``-clusters-nolookup`` the cluster splits at hashed positions without the list and perm reads
+  (an ablation: what the lookups cost), ``-kv`` with the next tile's K/V rows prefetched into L2 once their
+  positions are known (``saap.PREFETCH_KV``);
 * ``merge``: the merge launch alone (``-dv<n>``: n programs a row, each over Dv / n; ``-S32``, ``-S128``: of the
   partials attn-S32 / attn-S128 left);
   ``score-fused16-l2``: one input set over and over (its centroids stay in L2); ``empty-x1``, ``empty-x3``: empty
@@ -210,9 +213,13 @@ def main(argv=None) -> int:
                       if m.name == "sdpa-cudnn")
         return method.make(dict(c["s"], mask=None))
 
-    modules = {"select": saap_select_module, "saap": saap_module}
-    count = {"select.COUNT_ROUNDS": True}
+    modules = {"saap": saap_module, "select": saap_select_module}
+    dv2 = {"saap.MERGE_DV_SPLIT": 2}
     dv4 = {"saap.MERGE_DV_SPLIT": 4}
+    prefetch = {"saap.PREFETCH_LINES": 4}
+    kv = {"saap.PREFETCH_KV": True}
+    selpf = {"select.SELECT_PREFETCH_LINES": 4}
+    kv_lines = saap_module.kv_prefetch_lines(info["D"], sets[0]["k"].element_size())
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -232,12 +239,21 @@ def main(argv=None) -> int:
         ("full", lambda c, i: plan_call(plans[i], c["s"], scale)),
         ("full-unfused", lambda c, i: plan_call(replace(plans[i], fused_select=False), c["s"], scale)),
         ("full-unchained", lambda c, i: plan_call(replace(plans[i], pdl=False), c["s"], scale)),
-        ("full-count", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count)),
         ("full-merge-dv4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv4)),
-        ("full-count-merge-dv4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **count, **dv4)),
+        ("full-merge-dv2", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv2)),
+        ("full-prefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **prefetch)),
+        ("full-prefetch0-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **kv)),
+        ("full-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **prefetch, **kv)),
+        ("full-merge-dv2-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv2, **prefetch,
+                                                              **kv)),
+        ("full-selprefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **selpf)),
+        ("full-selprefetch4-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **selpf,
+                                                                 **prefetch, **kv)),
+        ("full-merge-dv2-selprefetch4-prefetch4-kv", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **dv2,
+                                                                           **selpf, **prefetch, **kv)),
+        ("full-S48-merge-dv2-prefetch4-kv", lambda c, i: flagged(plan_call(replace(plans[i], num_splits=48), c["s"],
+                                                                           scale), **dv2, **prefetch, **kv)),
         ("full-fused-merge", lambda c, i: plan_call(replace(plans[i], fused_merge=True), c["s"], scale)),
-        ("full-fused-merge-count", lambda c, i: flagged(plan_call(replace(plans[i], fused_merge=True), c["s"],
-                                                                  scale), **count)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
@@ -247,7 +263,6 @@ def main(argv=None) -> int:
         ("score-fused16-fma", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring",
                                                         precision="fma")),
         ("score+select-fused16-fma", lambda c, i: lambda: select(c, fused=True, num_warps=16, precision="fma")),
-        ("score+select-fused16-count", lambda c, i: lambda: select(c, fused=True, num_warps=16, count_rounds=True)),
         ("score-fused16-noderope", lambda c, i: lambda: select(noderope(c), fused=True, num_warps=16,
                                                              launches="scoring")),
         ("score-fused8", lambda c, i: lambda: select(c, fused=True, num_warps=8, launches="scoring")),
@@ -264,16 +279,21 @@ def main(argv=None) -> int:
         ("select-w16-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=8)),
         ("select-w8-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=8, radix=8)),
         ("select-w16-guess", lambda c, i: lambda: select(c, launches="selection", num_warps=16, guess_top=True)),
-        ("select-w16-count", lambda c, i: lambda: select(c, launches="selection", num_warps=16, count_rounds=True)),
-        ("select-w16-count-guess", lambda c, i: lambda: select(c, launches="selection", num_warps=16,
-                                                              count_rounds=True, guess_top=True)),
-        ("select-w8-count", lambda c, i: lambda: select(c, launches="selection", num_warps=8, count_rounds=True)),
         ("select-w16-skip1", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=1)),
         ("select-w16-skip2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=2)),
         # the attention and merge rows read the plan's work list, restored before them
         ("attn", lambda c, i: attention(c)),
         ("attn-late-list", lambda c, i: attention(c, late_list=True)),
         ("attn-fused-merge", lambda c, i: attention(c, fused_merge=True)),
+        ("attn-prefetch2", lambda c, i: attention(c, PREFETCH_LINES=2)),
+        ("attn-prefetch4", lambda c, i: attention(c, PREFETCH_LINES=4)),
+        ("attn-clusters-prefetch4", lambda c, i: attention(c, part="clusters", PREFETCH_LINES=4)),
+        ("attn-clusters-nolookup", lambda c, i: attention(c, part="clusters", NO_LOOKUP=True)),
+        ("attn-prefetch4-kv", lambda c, i: attention(c, PREFETCH_LINES=4, KV_LINES=kv_lines)),
+        ("attn-prefetch0-kv", lambda c, i: attention(c, KV_LINES=kv_lines)),
+        ("attn-clusters-prefetch4-kv", lambda c, i: attention(c, part="clusters", PREFETCH_LINES=4,
+                                                               KV_LINES=kv_lines)),
+        ("attn-S48-prefetch4-kv", lambda c, i: attention(c, splits=48, PREFETCH_LINES=4, KV_LINES=kv_lines)),
         ("attn-clusters", lambda c, i: attention(c, part="clusters")),
         ("attn-window", lambda c, i: attention(c, part="window")),
         ("attn-S32", lambda c, i: attention(c, splits=32)),

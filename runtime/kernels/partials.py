@@ -19,6 +19,18 @@ def _merged_rows(mb, L, G, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _merged_row_offsets(mb, b, kvh, L, G, stride_ob, stride_oh, stride_ol, stride_lb, stride_lh, stride_ll,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """:func:`_merged_rows` of M block ``mb`` of (batch row ``b``, KV head ``kvh``) with each row's offset into the
+    (S, B, Hq, L, Dv) partial outputs and the (S, B, Hq, L) partial LSE planes: (g, i, row valid, output row, LSE
+    row)."""
+    r, gc, ic, ok_c = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
+    hc = kvh * G + gc
+    o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
+    return gc, ic, ok_c, o_row, b * stride_lb + hc * stride_lh + ic * stride_ll
+
+
+@triton.jit
 def _merge_step(mm, den, acc, pl, po, pll):
     """Fold MERGE_P partial states into a running merge: ``pl`` (MERGE_P, R) natural-log row maxima (-inf: empty or
     padding), ``pll`` (MERGE_P, R) their natural ``log l`` (lse = pl + pll; pass 0 when ``pl`` holds whole LSEs),
@@ -65,10 +77,8 @@ def _arrive_and_merge(counter_ptr, tile, arrivals, o_ptr, lse_ptr, out_ptr, lse_
     arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if arrived == arrivals - 1:
         tl.debug_barrier()
-        r, gc, ic, ok_c = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
-        hc = kvh * G + gc
-        o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
-        l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
+        gc, ic, ok_c, o_row, l_row = _merged_row_offsets(mb, b, kvh, L, G, stride_ob, stride_oh, stride_ol, stride_lb,
+                                                         stride_lh, stride_ll, BLOCK_M, BLOCK_R)
         offs_p = tl.arange(0, MERGE_P)
         # The common maximum first (the row-max plane only: MERGE_P partials a load, all loads independent), so that
         # each step's weights need nothing from the step before; the steps then run software-pipelined, the next

@@ -93,6 +93,10 @@ def _saap_kernel(
     WRITE_LSE_OUT: tl.constexpr = False,  # FUSED: whether to store the final LSE
     BLOCK_R: tl.constexpr = 16,  # FUSED: rows merged per tile
     MERGE_GROUP: tl.constexpr = 2,  # FUSED: splits per first-level merge group (saap_merge)
+    PREFETCH_LINES: tl.constexpr = 0,  # > 0: a cluster split asks L2 for its keys' perm lines (saap_tiles)
+    NO_LOOKUP: tl.constexpr = False,  # the piece microbenchmark's ablation (saap_tiles._cluster_tile); never a plan's
+    KV_LINES: tl.constexpr = 0,  # > 0: a cluster split prefetches the next tile's K/V rows, KV_LINES lines a row
+    KV_LINE_ELEMS: tl.constexpr = 64,  # elements of K/V in a 128-byte line
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -169,12 +173,14 @@ def _saap_kernel(
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, True)
+                                             UPCAST, PRECISION, True, PREFETCH_LINES, NO_LOOKUP, KV_LINES,
+                                             KV_LINE_ELEMS)
         else:
             acc, m_i, l_i = _attend_clusters(q, acc, m_i, l_i, lo, hi, first, kv_len, incl_base, shift_base, p_base,
                                              stride_pn, k_base, v_base, row_ok, row_pos, offs_d, offs_dv, stride_kn,
                                              stride_kd, stride_vn, stride_vd, sm_scale, D, DV, BLOCK_N, BLOCK_C,
-                                             UPCAST, PRECISION, False)
+                                             UPCAST, PRECISION, False, PREFETCH_LINES, NO_LOOKUP, KV_LINES,
+                                             KV_LINE_ELEMS)
     o, m_part, log_l = _finish_parts(acc, m_i, l_i)  # m and log l kept apart for the merge (see _merge_step)
     _store_rows(o, m_part, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_dv, stride_ob, stride_oh, stride_ol, stride_od,
@@ -194,9 +200,29 @@ _SAAP_LAUNCH = KernelLauncher(_saap_kernel)
 #: for sm_90 at the bench shape, the same 128 registers as 1024 at a time, and one load and one reduction, not two).
 FIRST_CHUNK = 2048
 #: Programs per output row of the merge launch, each over a share of Dv (``merge_states``' dv_split): at llama3-8b's
-#: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. Unmeasured: 1 until timed
-#: (``benchmarks/saap_pieces.py``: merge-dv4 against merge).
-MERGE_DV_SPLIT = 1
+#: 32 rows, 1 leaves most SMs idle while each of 32 reads 64 partials of 128 values. H100 (65ec530, llama3-8b 128k
+#: 5 %): the merge alone 2.22 µs at 2 against 3.43 (2.32 at 4, 2.54 at 8 at 80da12a); the whole op 39.57 against
+#: 40.02, and 37.92 against 38.34 with both prefetches below.
+MERGE_DV_SPLIT = 2
+#: 128-byte lines of ``perm`` per list entry that a cluster split asks L2 for after its first tile's lookups (0:
+#: none), so that its later tiles' perm reads, a dependent read between the list's and the K/V rows', hit L2. A hint
+#: in PTX: compiled code only (the interpreter runs without it). H100 (65ec530, 128k 5 %): with PREFETCH_KV the whole
+#: op 38.34 µs at 4 against 38.57 at 0 (alone 40.40 against 40.02: within the noise); the cluster splits alone 16.68
+#: against 17.07. The list and perm reads are not what the cluster splits wait for: at hashed scattered positions
+#: without them (an ablation) they took 18.13, the K/V gather is.
+PREFETCH_LINES = 4
+#: A cluster split prefetches into L2 the next tile's K/V rows as soon as their lookups return, before folding this
+#: tile, so that two tiles' reads are in flight at the cost of one tile's registers (sm_90: 120 registers with both
+#: prefetches, no spill). PTX only, like PREFETCH_LINES. H100 (65ec530, llama3-8b 5 %): the whole op 38.57 µs against
+#: 40.02 at 128k (the attention launch 17.55 against 18.75), with the other two settings here 37.92 (4.75x cuDNN's
+#: 180.1) and 69.53 at 512k against 70.43 (9.98x cuDNN's 693.7).
+PREFETCH_KV = True
+
+
+def kv_prefetch_lines(head_dim: int, element_size: int) -> int:
+    """128-byte lines a K/V row of ``head_dim`` elements spans, up to a power of two (the prefetch's line axis;
+    lines past the row are masked off)."""
+    return triton.next_power_of_2(max(1, -(-head_dim * element_size // 128)))
 
 
 def window_split_count(num_splits: int, always_keys: float, cluster_keys: float) -> int:
@@ -312,7 +338,8 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         launch_window()
     sel = saap_select(q, offsets, indexed_end, workspace.select, probes=probes, scale=sm_scale, n_keys=N, sink=sink,
                       scorer=scorer, scores=scores, valid_len=valid_len, stats=stats, pdl=pdl and not late,
-                      fused=fused_select, after_scoring=launch_window if late else None, num_warps=select_warps)
+                      fused=fused_select, after_scoring=launch_window if late else None, num_warps=select_warps,
+                      perm=perm)
     fused = bool(fused_merge) and S > 1
     extra = {"launch_pdl": True} if pdl else {}
     first = window_splits if apart else 0  # the splits this launch runs: from ``first`` on
@@ -352,5 +379,7 @@ def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace
                   BLOCK_C=sel.incl.shape[1], FIRST_CHUNK=min(FIRST_CHUNK, sel.incl.shape[1]), HAS_VALID=has_valid,
                   UPCAST=upcast, PRECISION=precision, FUSED=fused, WRITE_LSE_OUT=lse is not None, BLOCK_R=geo.block_r,
                   MERGE_GROUP=merge_group_size(S, geo.block_r, geo.block_dv), num_warps=num_warps,
-                  num_stages=num_stages, **extra)
+                  num_stages=num_stages, PREFETCH_LINES=0 if interpreting() else PREFETCH_LINES,
+                  KV_LINES=kv_prefetch_lines(max(D, geo.Dv), k.element_size()) if PREFETCH_KV and not interpreting()
+                  else 0, KV_LINE_ELEMS=128 // k.element_size(), **extra)
     return args, consts

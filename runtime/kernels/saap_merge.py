@@ -17,7 +17,8 @@ import math
 import triton
 import triton.language as tl
 
-from .partials import _finish, _finish_parts, _load_partials, _merge_step, _merged_rows, _store_lse, _store_rows
+from .partials import _finish, _finish_parts, _load_partials, _merge_step, _merged_row_offsets, _store_lse, \
+    _store_rows
 
 #: fp32 values a merging program holds per load (GROUP x rows x Dv): 32 registers a thread at 4 warps.
 MERGE_ELEMENTS = 4096
@@ -72,10 +73,8 @@ def _arrive_and_merge_grouped(counter_ptr, tile, num_tiles, split, o_ptr, lse_pt
     arrived = tl.atomic_add(group_counter, 1, sem="acq_rel", scope="gpu")
     if arrived == size - 1:
         tl.debug_barrier()
-        r, gc, ic, ok_c = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
-        hc = kvh * G + gc
-        o_row = b * stride_ob + hc * stride_oh + ic * stride_ol
-        l_row = b * stride_lb + hc * stride_lh + ic * stride_ll
+        gc, ic, ok_c, o_row, l_row = _merged_row_offsets(mb, b, kvh, L, G, stride_ob, stride_oh, stride_ol, stride_lb,
+                                                         stride_lh, stride_ll, BLOCK_M, BLOCK_R)
         mm, den, acc = _merge_slots(o_ptr, lse_ptr, first, 1, size, o_row, l_row, ok_c, offs_dv, stride_os,
                                     stride_od, stride_ls, stride_lpart, DV, BLOCK_R, GROUP)
         tl.atomic_xchg(group_counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch

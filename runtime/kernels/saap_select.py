@@ -47,10 +47,11 @@ BLOCK_K_HIDDEN = 128
 #: with "tf32x3" (the scoring alone 8.41 against 9.34; Triton's FMA dot, "ieee", 23.9), and it holds 90 registers a
 #: thread and 16 KB of shared memory against 128 and 64 KB. Its rows are unrolled, hence the bound.
 FMA_MAX_ROWS = 8
-#: The selection's radix rounds count the keys at or above each candidate digit by comparison (one reduction of a
-#: (clusters, 16) table) instead of a histogram, two sums, a scan and a minimum: the same counts, fewer chains of
-#: cross-warp steps on the head's one SM. Off until timed on a GPU (``benchmarks/saap_pieces.py``: select-w16-count).
-COUNT_ROUNDS = False
+#: 128-byte lines of ``perm`` per chosen cluster that the selection asks L2 for once the set is known, before it
+#: writes the work list (the attention's first tiles read them next, from HBM otherwise). PTX only (the interpreter
+#: runs without it). Off: on the H100 (65ec530, llama3-8b 5 %, with the attention's prefetches and the merge at 2) 4
+#: lines took 37.72 µs against 37.92 at 128k (noise-level) but 70.24 against 69.53 at 512k.
+SELECT_PREFETCH_LINES = 0
 
 
 class SaapScorer(NamedTuple):
@@ -86,7 +87,7 @@ def _saap_rows_kernel(
     out_ptr,  # (B, Hkv, M, NOUT) fp32 contiguous: hidden units or logits
     stat_ptr,  # logits: (B, Hkv, M, NCHUNK, 2) fp32 contiguous chunk row max and sum of exp(logit - max)
     counter_ptr,  # SELECT: (B * Hkv,) int32 arrival counters, zero before and after every launch
-    offsets_ptr, end_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr,  # SELECT: as ``_saap_select_kernel``'s
+    offsets_ptr, end_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr, perm_ptr,  # SELECT: as ``_saap_select_kernel``'s
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides (SRC_Q)
     scale,  # logits multiplier (the attention scale for centroid scoring, 1 for the MLP)
     eps,  # BatchNorm epsilon (HIDDEN)
@@ -98,6 +99,7 @@ def _saap_rows_kernel(
     NOUT,  # outputs per row: H (HIDDEN) or C
     NCHUNK,  # output chunks per row (the grid's second axis)
     stride_fb, stride_fh, stride_fc,  # SELECT: offsets strides
+    stride_pb, stride_ph, stride_pn,  # SELECT: perm strides (PERM_LINES)
     PROBES, SINK, inv_heads,  # SELECT: as ``_saap_select_kernel``'s
     D: tl.constexpr,  # head dim (SRC_Q)
     BLOCK_R: tl.constexpr,  # padded rows (>= G * L; >= 16 for tl.dot)
@@ -115,7 +117,7 @@ def _saap_rows_kernel(
     BLOCK_C: tl.constexpr = 16, BLOCK_CH: tl.constexpr = 2, ROWS: tl.constexpr = 1,  # SELECT: as the selection's
     RADIX_BITS: tl.constexpr = 4, HAS_STATS: tl.constexpr = False,  # SELECT: as the selection's
     GUESS_TOP: tl.constexpr = False,  # SELECT: as the selection's
-    COUNT_ROUNDS: tl.constexpr = False,  # SELECT: as the selection's
+    PERM_LINES: tl.constexpr = 0,  # SELECT: as the selection's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -179,7 +181,7 @@ def _saap_rows_kernel(
                 _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                              stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
                              inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False, 0,
-                             GUESS_TOP, COUNT_ROUNDS)
+                             GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES)
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -244,7 +246,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
                 after_scoring=None, launches: str = "all", precision: str | None = None,
                 radix: int | None = None, skip: int = 0, guess_top: bool | None = None,
-                count_rounds: bool | None = None) -> SelectWorkspace:
+                perm: torch.Tensor | None = None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -263,6 +265,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
+    perm : (B, Hkv, NP) int32 cluster-sorted key positions or None: with ``SELECT_PREFETCH_LINES`` > 0 (and compiled
+        code), the selection asks L2 for the chosen clusters' first lines of it, which the attention reads next.
     launches, precision, radix, skip, guess_top : for timing the pieces apart (``benchmarks/saap_pieces.py``),
         never a plan's: ``launches`` "all", "scoring" (the scoring launches alone; fused: its geometry without the
         selection) or "selection" (the selection launch alone, over the logits a scoring call left in the
@@ -270,8 +274,6 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         ``scoring_precision``; "ieee" in the interpreter for a tensor-core one); the selection's bits a radix
         round (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first
         round's digit comes from one count (``_select_head``'s GUESS_TOP, where a round takes 4 bits; None: no).
-    count_rounds : the selection's radix rounds count by comparison rather than by histogram (``_select_head``'s
-        COUNT_ROUNDS; the same threshold); None: ``COUNT_ROUNDS``.
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
@@ -301,13 +303,15 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     logit_block = BLOCK_LOGITS_Q_FUSED if fused_warps >= 16 and scorer.mlp is None else None
     launch_chunks = cdiv(C, logit_block) if logit_block else nchunk
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
-    select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats)
+    perm_lines = SELECT_PREFETCH_LINES if perm is not None and not interpreting() else 0
+    select_args = (offsets, indexed_end, ws.incl, ws.shift, ws.total, stats if has_stats else ws.chunk_stats,
+                   perm if perm_lines else ws.incl)
+    perm_strides = perm.stride() if perm_lines else (0, 0, 0)
     bits = radix or radix_bits(block_c)
-    guess_top = bool(guess_top) and bits == 4  # off until timed on a GPU (saap_pieces: select-w16-guess)
+    guess_top = bool(guess_top) and bits == 4  # off: H100 (80da12a) 7.68 µs a selection against 7.82, noise-level
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
-                         GUESS_TOP=guess_top, COUNT_ROUNDS=COUNT_ROUNDS if count_rounds is None else bool(count_rounds),
-                         **({"SKIP": skip} if skip else {}))
+                         GUESS_TOP=guess_top, PERM_LINES=perm_lines, **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")
@@ -333,8 +337,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                       LAUNCH_DEPENDENTS=pdl)
         dependent = dict(WAIT_PRIOR=True, launch_pdl=True) if pdl else dict(WAIT_PRIOR=False)
         # the selection's pointers (after the scoring's) and scalars (after the scoring's), or placeholders
-        no_select = ((ws.counters,) * 7, (0, 0, 0, probes, int(sink), inv_heads))
-        with_select = ((ws.counters, *select_args), (*offsets.stride(), probes, int(sink), inv_heads))
+        no_select = ((ws.counters,) * 8, (0, 0, 0, 0, 0, 0, probes, int(sink), inv_heads))
+        with_select = ((ws.counters, *select_args), (*offsets.stride(), *perm_strides, probes, int(sink), inv_heads))
         sel_ptrs, sel_scalars = with_select if fused and select_too else no_select
         logits_select = (dict(num_warps=4) if not fused else dict(num_warps=fused_warps) if not select_too
                          else dict(SELECT=True, num_warps=fused_warps, **select_consts))
@@ -367,8 +371,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         after_scoring()
     chained = pdl and scores is None  # given scores: nothing of ours runs before the selection
     _SELECT_LAUNCH((B * Hkv,), score_src, ws.chunk_stats, offsets, indexed_end, valid, *select_args[2:], *sstrides,
-                   *offsets.stride(), N, Hkv, M, C, nchunk, probes, int(sink), inv_heads, FROM_LOGITS=scores is None,
-                   HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl,
+                   *offsets.stride(), *perm_strides, N, Hkv, M, C, nchunk, probes, int(sink), inv_heads,
+                   FROM_LOGITS=scores is None, HAS_VALID=has_valid, WAIT_PRIOR=chained, LAUNCH_DEPENDENTS=pdl,
                    num_warps=num_warps or select_warps(block_c),
                    **select_consts, **({"launch_pdl": True} if chained else {}))
     return ws

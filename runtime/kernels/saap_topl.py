@@ -24,38 +24,11 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
     gdc_launch_dependents = gdc_wait = None
 
 from .common import next_pow2
+from .saap_tiles import _prefetch_l2
 
 @triton.jit
 def _add_pair(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _count_round(key, thr, shift: tl.constexpr, PROBES, NB: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One radix round by comparison: the threshold's bits from ``shift`` down are 0, so thr + (d << shift) is the
-    threshold with digit d; the keys at or above each of the NB candidates in one reduction, then the largest digit
-    with at least PROBES of them (digit 0 always has: every round keeps that). Returns the new threshold and whether
-    the keys at or above it are not yet exactly PROBES. Up to 16384 keys the counts of digits d and d + NB / 2 share
-    an int32 (16 bits each): a (BLOCK_C, NB / 2) table, half the registers and half the cross-lane sums."""
-    HALF: tl.constexpr = NB // 2
-    if BLOCK_C <= 16384 and HALF > 0:  # a count of at most 2^14 keys, shifted by 16, keeps the sign bit clear
-        digits = tl.arange(0, HALF)
-        low = thr + (digits.to(tl.uint32) << shift)
-        high = thr + ((digits + HALF).to(tl.uint32) << shift)
-        both = tl.sum((key[:, None] >= low[None, :]).to(tl.int32)
-                      + ((key[:, None] >= high[None, :]).to(tl.int32) << 16), axis=0)
-        at_low = both & 0xFFFF
-        at_high = both >> 16
-        # (count, digit) packed so that the least packed value is the least count at the largest digit
-        packed = tl.minimum(
-            tl.min(tl.where(at_low >= PROBES, at_low * NB + (NB - 1 - digits), 2147483647), axis=0),
-            tl.min(tl.where(at_high >= PROBES, at_high * NB + (HALF - 1 - digits), 2147483647), axis=0))
-    else:
-        digits = tl.arange(0, NB)
-        cand = thr + (digits.to(tl.uint32) << shift)
-        at_least = tl.sum((key[:, None] >= cand[None, :]).to(tl.int32), axis=0)
-        packed = tl.min(tl.where(at_least >= PROBES, at_least * NB + (NB - 1 - digits), 2147483647), axis=0)
-    return thr + ((NB - 1 - packed % NB).to(tl.uint32) << shift), (packed // NB != PROBES).to(tl.int32)
 
 
 @triton.jit
@@ -64,14 +37,15 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
                  inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
                  RADIX_BITS: tl.constexpr, FROM_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr,
                  HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr, SKIP: tl.constexpr = 0,
-                 GUESS_TOP: tl.constexpr = False, COUNT_ROUNDS: tl.constexpr = False):
+                 GUESS_TOP: tl.constexpr = False, perm_ptr=None, stride_pb=0, stride_ph=0, stride_pn=0,
+                 PERM_LINES: tl.constexpr = 0):
     """The selection of one (batch row, KV head) ``bh``: see ``_saap_select_kernel`` for the arguments. The logits and
     their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
     launch. SKIP (the piece microbenchmark's ablations, never a plan's): 1 leaves out the threshold rounds (every
     non-empty cluster is chosen), 2 also the compaction (only the key total is stored). GUESS_TOP (RADIX_BITS 4):
-    the first round's digit from one packed count where every score is in [0, 2). COUNT_ROUNDS: each round counts
-    the keys at or above every candidate digit by comparison, in one (BLOCK_C, 2^RADIX_BITS) reduction, instead of
-    a histogram, two sums, a scan and a minimum (the same counts, so the same threshold)."""
+    the first round's digit from one packed count where every score is in [0, 2). PERM_LINES > 0 (compiled code
+    only): once the set is known, ask L2 for the first PERM_LINES 128-byte lines of each chosen cluster's keys in
+    ``perm`` (int32; strides stride_pb/ph/pn), which the attention's first tiles read next."""
     b = bh // HKV
     kvh = bh % HKV
     b64 = b.to(tl.int64)
@@ -148,11 +122,8 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
         run = open_rounds
         if rnd == 0:
             run = first_round
-        shift = 32 - RADIX_BITS * (rnd + 1)
-        if COUNT_ROUNDS:
-            if run != 0:
-                thr, open_rounds = _count_round(key, thr, shift, PROBES, NB, BLOCK_C)
-        elif run != 0:
+        if run != 0:
+            shift = 32 - RADIX_BITS * (rnd + 1)
             # digit d in bin d + 1; keys whose higher bits are above the threshold's so far in bin NB + 1, below in
             # bin 0
             digit = ((key >> shift) & (NB - 1)).to(tl.int32) + 1
@@ -163,7 +134,8 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
             hist = tl.histogram(digit, 2 * NB)
             # keys >= thr + ((bin - 1) << shift): two sums and a forward scan; one reverse scan of the histogram
             # counts the same but took 0.5 µs longer a selection on the H100 (54c807b, llama3-8b 128k 5 %: 8.42 µs
-            # alone against 7.88)
+            # alone against 7.88), and rounds by comparison (the keys at or above each candidate digit, one
+            # reduction of a (2048, 8) table of paired 16-bit counts) 1.3 µs longer (80da12a: 9.16 against 7.82)
             above = tl.sum(tl.where(bins == NB + 1, hist, 0), axis=0)
             same = tl.where((bins >= 1) & (bins <= NB), hist, 0)
             at_least = above + tl.sum(same, axis=0) - tl.cumsum(same, 0) + same
@@ -176,6 +148,11 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     chosen = c_ok & (key >= thr)
     size = c_end - c_start
     picked = chosen & (size > 0)
+    if PERM_LINES > 0:  # before the compaction: the lines are on their way while the list is written
+        p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
+        for j in tl.static_range(PERM_LINES):
+            idx = c_start + 32 * j
+            _prefetch_l2(p_base + idx.to(tl.int64) * stride_pn, picked & (idx < c_end))
     size = tl.where(picked, size, 0)
     # the key prefix and the list slot in one scan, the key and cluster counts in one reduction (each cross-warp
     # step is a barrier on the head's one SM)
@@ -206,8 +183,10 @@ def _saap_select_kernel(
     shift_ptr,  # out (B * Hkv, BLOCK_C) int32: perm index minus virtual index of each of those clusters
     total_ptr,  # out (B * Hkv,) int32: keys in the chosen clusters
     stats_ptr,  # (2,) fp64 accumulators [sum of mean selectivity, calls] (HAS_STATS)
+    perm_ptr,  # PERM_LINES: (B, Hkv, NP) int32 cluster-sorted key positions (else unused)
     stride_sb, stride_sh, stride_sc,  # scores strides (not FROM_LOGITS)
     stride_fb, stride_fh, stride_fc,  # offsets strides
+    stride_pb, stride_ph, stride_pn,  # perm strides (PERM_LINES)
     N,  # keys in the cache
     HKV,  # KV heads
     M,  # query rows per KV head (G * L)
@@ -227,14 +206,14 @@ def _saap_select_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the attention launch become resident now
     SKIP: tl.constexpr = 0,  # the piece microbenchmark's ablations (``_select_head``); 0 in every plan
     GUESS_TOP: tl.constexpr = False,  # the first round's digit from one count (``_select_head``; RADIX_BITS 4)
-    COUNT_ROUNDS: tl.constexpr = False,  # the rounds count by comparison, not by histogram (``_select_head``)
+    PERM_LINES: tl.constexpr = 0,  # > 0: prefetch the chosen clusters' perm lines into L2 (``_select_head``)
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     _select_head(tl.program_id(0), score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                  stats_ptr, stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK,
                  PROBES, SINK, inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, FROM_LOGITS, HAS_VALID, HAS_STATS,
-                 WAIT_PRIOR, SKIP, GUESS_TOP, COUNT_ROUNDS)
+                 WAIT_PRIOR, SKIP, GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES)
 
 
 def block_c_for(clusters: int) -> int:

@@ -373,40 +373,19 @@ def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats
     scores[0, 2] = -scores[0, 2] * 1e-30  # tiny negatives
     sizes = torch.ones(B, Hkv, C, dtype=torch.int32)
     offsets = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int32), sizes.cumsum(-1).int()], dim=-1)
-    for probes, guess, count in ((1, False, False), (7, True, False), (150, False, False), (150, True, False),
-                                 (299, True, False), (300, False, False), (1, False, True), (7, True, True),
-                                 (150, False, True), (299, False, True), (300, True, True)):
+    for probes, guess in ((1, False), (7, True), (150, False), (150, True), (299, True), (300, False)):
         # guess: the first round's digit from one count where fewer than the probes score >= 2 and enough >= 0
-        # (every head here but the negative one, which takes the round); count: the rounds count by comparison
+        # (every head here but the negative one, which takes the round)
         ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
         saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE),
                     torch.zeros(B, dtype=torch.int32, device=DEVICE), ws, probes=probes, scale=1.0, n_keys=0,
-                    scores=scores.to(DEVICE), guess_top=guess, count_rounds=count)
+                    scores=scores.to(DEVICE), guess_top=guess)
         want = threshold_clusters(scores, probes)
         for h in range(Hkv):
             n = int(want[0, h].sum())
             assert int(ws.total[h]) == n, (probes, h)
             assert ws.incl[h, :n].cpu().tolist() == list(range(1, n + 1))
             assert (ws.shift[h, :n].cpu() + torch.arange(n)).tolist() == torch.nonzero(want[0, h]).flatten().tolist()
-
-
-def test_count_rounds_past_16384_clusters_count_apart():
-    """Past 16384 clusters the rounds by comparison keep each candidate's count in an int32 of its own (a shared
-    int32 could overflow into the sign bit): over 20000 random scores the pick is still ``threshold_clusters``'."""
-    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
-
-    g = torch.Generator().manual_seed(9)
-    B, Hkv, C = 1, 2, 20000
-    scores = torch.rand(B, Hkv, C, generator=g)
-    offsets = torch.arange(C + 1, dtype=torch.int32).expand(B, Hkv, -1).contiguous()
-    ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
-    saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE),
-                torch.zeros(B, dtype=torch.int32, device=DEVICE), ws, probes=300, scale=1.0, n_keys=0,
-                scores=scores.to(DEVICE), count_rounds=True)
-    want = threshold_clusters(scores, 300)
-    for h in range(Hkv):
-        assert int(ws.total[h]) == int(want[0, h].sum()) == 300
-        assert (ws.shift[h, :300].cpu() + torch.arange(300)).tolist() == torch.nonzero(want[0, h]).flatten().tolist()
 
 
 def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monkeypatch):
@@ -421,6 +400,13 @@ def test_many_clusters_take_narrower_radix_rounds_and_chunked_first_entries(monk
         test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(2)
     run_case(1, 2, 1, 1200, 64, 1, 1100, 300, sink=1, window=20, prompt=1200, dtype=torch.float32, splits=3,
              block_n=64)
+
+
+def test_kv_prefetch_spans_each_rows_lines_up_to_a_power_of_two():
+    from attnopt.runtime.kernels.saap import kv_prefetch_lines
+
+    assert [kv_prefetch_lines(d, 2) for d in (64, 80, 96, 128, 256)] == [1, 2, 2, 2, 4]
+    assert kv_prefetch_lines(128, 4) == 4 and kv_prefetch_lines(8, 2) == 1
 
 
 def test_select_warps_outside_the_choices_are_refused():
@@ -504,9 +490,7 @@ def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_
     ws.incl.zero_()
     select(launches="scoring")
     assert int(ws.incl.abs().sum()) == 0  # the scoring alone chooses nothing
-    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}, {"guess_top": True},
-               {"count_rounds": True}, {"count_rounds": True, "radix": 2}, {"count_rounds": True, "radix": 1},
-               {"count_rounds": True, "guess_top": True}):
+    for kw in ({}, {"radix": 2}, {"radix": 8}, {"num_warps": 8, "radix": 8}, {"guess_top": True}):
         got = select(launches="selection", **kw)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
     for skip in (1, 2):
@@ -514,8 +498,6 @@ def test_scoring_and_selection_apart_and_other_radix_widths_leave_the_same_work_
     for fused in (False, True):  # the logits as fp32 products summed in registers (no tl.dot): the same pick
         got = select(precision="fma", fused=fused)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fused
-    got = select(fused=True, count_rounds=True)  # the fused launch's selection, its rounds by comparison
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="launches must be all, scoring or selection, radix None, 1, 2, 4 or 8"):
         select(radix=3)
 

@@ -45,7 +45,8 @@ _COMPILE = textwrap.dedent("""
             usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         regs, stack = (int(re.search(name + r":(\\d+)", usage).group(1)) for name in ("REG", "STACK"))
         out[job["name"]] = {"regs": regs, "stack": stack, "shared": ck.metadata.shared,
-                            "threads": 32 * job["options"]["num_warps"]}
+                            "threads": 32 * job["options"]["num_warps"],
+                            "prefetches": ck.asm["ptx"].count("prefetch.global.L2")}
     print(json.dumps(out))
 """)
 
@@ -133,3 +134,31 @@ def test_attention_fits_its_programs_per_sm_and_the_selection_does_not_spill(mon
         assert 132 * per_sm >= 8 * -(-2048 // BLOCK_LOGITS_Q_FUSED), usage
     assert PROGRAMS_PER_SM * per_program_regs <= SM_REGISTERS, usage
     assert PROGRAMS_PER_SM * (attn["shared"] + 1024) <= SM_SHARED, usage
+
+
+@pytest.mark.slow
+def test_perm_and_kv_prefetches_compile_to_l2_prefetches_within_the_programs_per_sm(monkeypatch):
+    """``saap.PREFETCH_LINES``, ``PREFETCH_KV`` and ``saap_select.SELECT_PREFETCH_LINES`` (the interpreter runs
+    without them: PTX only) compile to L2 prefetches; the attention stays within the registers and shared memory of
+    PROGRAMS_PER_SM programs an SM and the fused scoring launch leaves room for one beside each of its programs,
+    neither spilling."""
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA tests run the kernels on this machine's GPU")
+    from attnopt.runtime.strategies.saap import BLOCK_N, PROGRAMS_PER_SM
+
+    job, scoring = _record(monkeypatch, BLOCK_N, fused=True)
+    job["consts"].update(PREFETCH_LINES=4, KV_LINES=2, KV_LINE_ELEMS=64, WAIT_PRIOR=True, FUSED=False)  # bf16, chained
+    job["options"].pop("maxnreg")
+    scoring["consts"].update(PERM_LINES=4)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps([job, scoring], default=str), text=True,
+                          capture_output=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    attn, rows = usage["_saap_kernel"], usage["_saap_rows_kernel"]
+    assert attn["prefetches"] >= 4 + 2 * 2 and attn["stack"] == 0, attn  # perm lines, then K and V lines
+    assert rows["prefetches"] >= 4 and rows["stack"] <= 32, rows  # libdevice's trig array only (see above)
+    rows_regs = -(-rows["regs"] // 8) * 8 * rows["threads"]
+    assert rows_regs + -(-attn["regs"] // 8) * 8 * attn["threads"] <= SM_REGISTERS, usage
+    assert PROGRAMS_PER_SM * -(-attn["regs"] // 8) * 8 * attn["threads"] <= SM_REGISTERS, attn
+    assert PROGRAMS_PER_SM * (attn["shared"] + 1024) <= SM_SHARED, attn
