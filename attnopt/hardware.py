@@ -39,22 +39,24 @@ HOPPER_KERNEL_EFFICIENCY = 0.95
 #: H200's, which was measured on the lent machine (ENVIRONMENT.md: 4.17 TB/s read-only).
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile("h100-sxm", sm_count=132, hbm_read_gbps=3350 * 0.92, l2_bytes=50 * _MiB,
-                                launch_us=4.3, copy_gbps=3020.0, memory_bytes=80 * _GiB,
+                                launch_us=4.3, copy_gbps=3020.0, memory_bytes=80 * _GiB, smem_per_block_bytes=232448,
                                 kernel_efficiency=HOPPER_KERNEL_EFFICIENCY,
                                 source="datasheet 3.35 TB/s x 0.92; copy 3.02 TB/s and launch 4.3 us measured"),
     "h100-pcie": HardwareProfile("h100-pcie", sm_count=114, hbm_read_gbps=2000 * 0.9, l2_bytes=50 * _MiB,
-                                 launch_us=4.5, memory_bytes=80 * _GiB, source="datasheet 2.0 TB/s x 0.9"),
+                                 launch_us=4.5, memory_bytes=80 * _GiB, smem_per_block_bytes=232448,
+                                 source="datasheet 2.0 TB/s x 0.9"),
     "h200": HardwareProfile("h200", sm_count=132, hbm_read_gbps=4170, l2_bytes=50 * _MiB, launch_us=4.3,
-                            memory_bytes=141 * _GiB, kernel_efficiency=HOPPER_KERNEL_EFFICIENCY,
+                            memory_bytes=141 * _GiB, kernel_efficiency=HOPPER_KERNEL_EFFICIENCY, smem_per_block_bytes=232448,
                             source="datasheet 4.8 TB/s; read 4.17 TB/s measured here"),
     "a100-80gb": HardwareProfile("a100-80gb", sm_count=108, hbm_read_gbps=2039 * 0.9, l2_bytes=40 * _MiB,
                                  launch_us=5.0, occupancy={4: 3, 8: 2}, memory_bytes=80 * _GiB,
-                                 source="datasheet 2.04 TB/s x 0.9"),
+                                 smem_per_block_bytes=166912, source="datasheet 2.04 TB/s x 0.9"),
     "rtx-4090": HardwareProfile("rtx-4090", sm_count=128, hbm_read_gbps=1008 * 0.9, l2_bytes=72 * _MiB,
                                 launch_us=4.0, occupancy={4: 3, 8: 1}, memory_bytes=24 * _GiB,
-                                source="datasheet 1.01 TB/s x 0.9"),
+                                smem_per_block_bytes=101376, source="datasheet 1.01 TB/s x 0.9"),
     "mi300x": HardwareProfile("mi300x", sm_count=304, hbm_read_gbps=5300 * 0.8, l2_bytes=256 * _MiB,
                               launch_us=6.0, occupancy={4: 2, 8: 1}, mem_latency_us=1.2, memory_bytes=192 * _GiB,
+                              smem_per_block_bytes=65536,
                               source="datasheet 5.3 TB/s x 0.8 (256 MB Infinity Cache as L2)"),
     # No GPU: the kernel strategies run as a pure-PyTorch partition-and-merge (several eager ops per
     # partition), far slower than one fused SDPA call, so dense must win unless a plan is forced.
@@ -170,9 +172,9 @@ def load_cached_profile(device_name: str) -> HardwareProfile | None:
 
 # --------------------------------------------------------------------------------------------- detection
 def profile_for_device_name(device_name: str, sm_count: int | None = None, memory_bytes: int | None = None,
-                            l2_bytes: int | None = None) -> HardwareProfile:
-    """The built-in that matches a CUDA device name (SM count and memory taken from the device), or a generic
-    guess for an unknown GPU."""
+                            l2_bytes: int | None = None, smem_per_block_bytes: int | None = None) -> HardwareProfile:
+    """The built-in that matches a CUDA device name (SM count, memory and shared memory per block taken from the
+    device), or a generic guess for an unknown GPU."""
     lname = device_name.lower()
     for needle, key in _NAME_MATCH:
         if needle in lname:
@@ -184,9 +186,14 @@ def profile_for_device_name(device_name: str, sm_count: int | None = None, memor
                 changes["memory_bytes"] = int(memory_bytes)
             if l2_bytes:
                 changes["l2_bytes"] = int(l2_bytes)
+            if smem_per_block_bytes:
+                changes["smem_per_block_bytes"] = int(smem_per_block_bytes)
             return dataclasses.replace(base, **changes)
+    # an unknown GPU's tiles must fit its own shared memory: without the device's number, a pre-Hopper block's
+    # 48 KB (the most any CUDA GPU gives without opting in), not Hopper's 227 KB
     return HardwareProfile(_slug(device_name).lower(), sm_count=int(sm_count or 80), hbm_read_gbps=1000.0,
                            l2_bytes=int(l2_bytes or 40 * _MiB), launch_us=5.0, memory_bytes=int(memory_bytes or 0),
+                           smem_per_block_bytes=int(smem_per_block_bytes or 48 * 1024),
                            device_name=device_name, source="unknown GPU: generic guesses; run `attnopt calibrate`")
 
 
@@ -199,7 +206,8 @@ def detect_profile() -> HardwareProfile:
         return BUILTIN_PROFILES["cpu"]
     props = torch.cuda.get_device_properties(0)
     return profile_for_device_name(props.name, props.multi_processor_count, props.total_memory,
-                                   getattr(props, "L2_cache_size", None))
+                                   getattr(props, "L2_cache_size", None),
+                                   getattr(props, "shared_memory_per_block_optin", None))
 
 
 def local_device_name() -> str | None:

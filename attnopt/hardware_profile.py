@@ -71,6 +71,9 @@ class HardwareProfile:
     copy_gbps: float = 0.0
     #: Device memory in bytes.
     memory_bytes: int = 0
+    #: Shared memory one program may use, bytes (the device's opt-in maximum per block); 0 = Hopper's 232,448.
+    #: It bounds the Triton kernels' tile configurations (``runtime/strategies/split_kv.py: smem_budget``).
+    smem_per_block_bytes: int = 0
     #: How many times slower the Triton-kernel strategies (split-KV, stream-K) run than modelled, because
     #: they run as a pure-PyTorch partition-and-merge instead of a compiled kernel (the ``cpu`` profile).
     #: 1.0 where the kernels compile.
@@ -95,6 +98,8 @@ class HardwareProfile:
                      "mem_latency_us", "emulation_slowdown", "mma_tflops"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.smem_per_block_bytes < 0:
+            raise ValueError(f"hardware profile {self.name!r}: smem_per_block_bytes must be >= 0 (0 = Hopper's)")
         if self.per_tile_us < 0 or self.sm_read_gbps < 0 or self.l2_read_gbps < 0:
             raise ValueError(f"hardware profile {self.name!r}: per_tile_us, sm_read_gbps and l2_read_gbps must be >= 0")
         if not self.occupancy or any(int(k) <= 0 or int(v) <= 0 for k, v in self.occupancy.items()):

@@ -74,8 +74,8 @@ class Cascade(Strategy[CascadePlan]):
         pre_tiles = site.kv_heads * m_blocks(pre)
         suf_tiles = (site.batch or 1) * site.kv_heads * m_blocks(suf)
         seen = set()
-        for block_n, warps, stages in fitting_configs(site):
-            slots = hw.sm_count * occupancy(site, block_n, warps, stages)
+        for block_n, warps, stages in fitting_configs(site, hw=hw):
+            slots = hw.sm_count * occupancy(site, block_n, warps, stages, hw=hw)
             suffix = _splits(suf_tiles, slots / 2, suf.kv_len, block_n)
             for target in (hw.sm_count, slots):
                 key = (_splits(pre_tiles, target, pre.kv_len, block_n), suffix, block_n, warps, stages)

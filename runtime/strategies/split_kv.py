@@ -83,12 +83,29 @@ MAX_SMALL_PROGRAMS_PER_SM = 32
 #: (or small splits) of the planned length.
 FOLLOW_RANGE = 2
 
-#: Shared memory a config may plan for: Hopper's 227 KB per block less 5 KB, the margin for what ``smem_bytes``
-#: does not count (``tests/runtime/test_smem_estimate.py`` checks the estimate against the compiled kernels).
-SMEM_BUDGET = 222 * 1024
+#: Shared memory per block of Hopper (H100, H200), bytes: what a profile's ``smem_per_block_bytes`` of 0 means.
+HOPPER_SMEM_PER_BLOCK = 232448
+#: What ``smem_bytes`` may leave out: a config plans for the device's shared memory per block less this.
+SMEM_MARGIN = 5 * 1024
+#: Shared memory a config may plan for on Hopper (``tests/runtime/test_smem_estimate.py`` checks the estimate
+#: against the kernels compiled on an H100).
+SMEM_BUDGET = HOPPER_SMEM_PER_BLOCK - SMEM_MARGIN
 
 
-def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False) -> int:
+def smem_budget(hw: HardwareProfile | None) -> int:
+    """Shared memory one program may plan for on ``hw`` (Hopper's without a profile)."""
+    per_block = (hw.smem_per_block_bytes if hw is not None else 0) or HOPPER_SMEM_PER_BLOCK
+    return per_block - SMEM_MARGIN
+
+
+def on_hopper(hw: HardwareProfile | None) -> bool:
+    """Whether ``hw`` lays the kernels out as the H100 measurements of ``smem_bytes`` did (Hopper's shared
+    memory; wgmma at 64 rows)."""
+    return hw is None or hw.smem_per_block_bytes in (0, HOPPER_SMEM_PER_BLOCK)
+
+
+def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False,
+               hopper: bool = True) -> int:
     """Shared memory of one program (bytes), as Triton lays out the decode kernels on Hopper, plus 1 KB of barriers.
 
     Head dims are padded to a power of two, or with ``head_chunks`` cut as the kernels cut them
@@ -100,7 +117,8 @@ def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: 
       variant at b6fd6fb: D=128, 128-key tiles, 2 stages, 213,000 bytes = 131,072 K/V + 65,536 + 16,384 queries).
 
     Every split-KV and stream-K config compiled on the H100 at D=64-256, 32 and 64 rows, matched this to the
-    byte (less the barriers) or stayed under it (``tests/runtime/test_smem_estimate.py``, bf50495); e.g. 5/1
+    byte (less the barriers) or stayed under it (``tests/runtime/test_smem_estimate.py``, bf50495). Not
+    ``hopper`` (other GPUs, never measured): the larger of the two layouts, whatever the rows. E.g. 5/1
     heads, D=80, q_len 4, 256-key tiles, 3 stages, head-chunked: 2 x 256 x 192 x 2 (K/V) + 32 x 256 x 4 (scores)
     + 32 x 96 x 2 (queries) = 235,520 bytes, over the 227 KB limit, where a flat 8 KB for everything but the
     K/V tiles had planned 200 KB (a crash at the first launch, the CUDA suite at d1dae87)."""
@@ -113,13 +131,15 @@ def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: 
         width = qk_width + _pow2(dv)
     block_m = rows_per_tile(site)[0]
     queries = block_m * qk_width * site.dtype_bytes
-    if block_m >= WGMMA_ROWS:
-        return max(1, num_stages) * block_n * width * site.dtype_bytes + queries + 1024
+    wgmma = max(1, num_stages) * block_n * width * site.dtype_bytes + queries + 1024
     if site.dtype_bytes == 4:  # fp32 (tf32 products): a K-sized tile, the operand laid out again, and no scores
         staged = block_n * qk_width * 4
     else:
         staged = block_m * block_n * 4
-    return max(1, num_stages - 1) * block_n * width * site.dtype_bytes + staged + queries + 1024
+    mma = max(1, num_stages - 1) * block_n * width * site.dtype_bytes + staged + queries + 1024
+    if not hopper:  # measured on Hopper only: elsewhere the larger of both layouts, at any row count
+        return max(wgmma, mma)
+    return wgmma if block_m >= WGMMA_ROWS else mma
 
 
 #: Query rows from which the kernels' products compile to Hopper's wgmma (one warpgroup's M): its operands stay in
@@ -131,19 +151,22 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def fit_stages(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False) -> int | None:
-    """The deepest pipeline <= ``num_stages`` whose tiles fit the shared-memory budget (None if none does)."""
-    while num_stages > 1 and smem_bytes(site, block_n, num_stages, head_chunks) > SMEM_BUDGET:
+def fit_stages(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False,
+               hw: HardwareProfile | None = None) -> int | None:
+    """The deepest pipeline <= ``num_stages`` whose tiles fit ``hw``'s shared-memory budget (None if none does)."""
+    budget, hopper = smem_budget(hw), on_hopper(hw)
+    while num_stages > 1 and smem_bytes(site, block_n, num_stages, head_chunks, hopper) > budget:
         num_stages -= 1
-    return num_stages if smem_bytes(site, block_n, num_stages, head_chunks) <= SMEM_BUDGET else None
+    return num_stages if smem_bytes(site, block_n, num_stages, head_chunks, hopper) <= budget else None
 
 
-def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int, head_chunks: bool = False) -> int:
-    """Rough resident programs per SM for one config: the tighter of shared memory (Hopper's 227 KB) and
-    registers (about 128 per thread for wide tiles, 96 otherwise)."""
-    smem = smem_bytes(site, block_n, num_stages, head_chunks)
+def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int, head_chunks: bool = False,
+              hw: HardwareProfile | None = None) -> int:
+    """Rough resident programs per SM for one config: the tighter of shared memory (``hw``'s per block, about an
+    SM's) and registers (about 128 per thread for wide tiles, 96 otherwise)."""
+    smem = smem_bytes(site, block_n, num_stages, head_chunks, on_hopper(hw))
     regs = 128 if (num_warps >= 8 or block_n * site.head_dim >= 128 * 128) else 96
-    return max(1, min((227 * 1024) // smem, 65536 // (regs * 32 * num_warps)))
+    return max(1, min((smem_budget(hw) + SMEM_MARGIN) // smem, 65536 // (regs * 32 * num_warps)))
 
 
 def planned_len(site: AttentionSite) -> int:
@@ -159,10 +182,11 @@ def rows_per_tile(site: AttentionSite) -> tuple[int, int]:
     return block_m, -(-rows // block_m)
 
 
-def fitting_configs(site: AttentionSite, head_chunks: bool = False) -> Iterable[tuple[int, int, int]]:
-    """``kernel_configs`` whose tiles fit the shared-memory budget, with their pipeline depth fitted."""
+def fitting_configs(site: AttentionSite, head_chunks: bool = False,
+                    hw: HardwareProfile | None = None) -> Iterable[tuple[int, int, int]]:
+    """``kernel_configs`` whose tiles fit ``hw``'s shared-memory budget, with their pipeline depth fitted."""
     for block_n, warps, stages in kernel_configs(site.head_dim):
-        stages = fit_stages(site, block_n, stages, head_chunks)
+        stages = fit_stages(site, block_n, stages, head_chunks, hw)
         if stages is not None:
             yield block_n, warps, stages
 
@@ -195,7 +219,7 @@ def cost_model_pick(name: str, site: AttentionSite, hw: HardwareProfile):
     if best is None:
         return None
     c = best(site, hw)
-    stages = fit_stages(site, c.block_n, 3) if c.block_n >= 16 else None
+    stages = fit_stages(site, c.block_n, 3, hw=hw) if c.block_n >= 16 else None
     return None if stages is None else (c, stages)
 
 
@@ -237,7 +261,7 @@ def split_counts(site: AttentionSite, hw: HardwareProfile, block_n: int, warps: 
     keys are its valid ones, which the tuner times as a shorter cache (a grid sized by the length would differ
     there from the run's); their grids stay fixed (``tiles_per_split=0``) and capped by the tiles."""
     base = output_tiles(site)
-    slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks)
+    slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks, hw)
     adapt = site.window is None and site.mask_kind == "none"
     waves = sorted({max(1, round(t / base)) for t in (hw.sm_count, slots / 2, slots, 2 * slots)}, reverse=True)
     max_splits = max(1, -(-planned_len(site) // block_n))
@@ -322,7 +346,7 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         n = planned_len(site)
         seen = set()
         for chunks in (False, True) if chunk_twins(site) else (False,):
-            for block_n, warps, stages in fitting_configs(site, chunks):
+            for block_n, warps, stages in fitting_configs(site, chunks, hw):
                 if chunks and block_n < CHUNK_MIN_BLOCK_N:
                     continue
                 for splits, per_split in split_counts(site, hw, block_n, warps, stages, chunks):

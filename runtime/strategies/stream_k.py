@@ -43,7 +43,7 @@ class StreamK(KernelStrategy[StreamKPlan]):
         n = planned_len(site)
         base = output_tiles(site)
         seen = set()
-        for block_n, warps, stages in fitting_configs(site):
+        for block_n, warps, stages in fitting_configs(site, hw=hw):
             iterations = base * max(1, -(-n // block_n))
             grids = [hw.sm_count, 2 * hw.sm_count]
             if base <= hw.sm_count:

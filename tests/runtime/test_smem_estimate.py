@@ -161,3 +161,39 @@ def test_every_candidate_compiles_within_its_estimate(kind, d, rows):
                                     f"bytes, estimated {estimate}")
     assert checked, "no config was checked"
     assert not problems, f"{len(problems)} of {checked}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("profile", ["h100-sxm", "h200", "a100-80gb", "rtx-4090", "mi300x"])
+@pytest.mark.parametrize("rows", [(1, 1), (5, 4), (8, 8)])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_candidates_fit_each_devices_shared_memory(profile, rows, d):
+    """Every split-KV and stream-K candidate fits the shared memory of the device it is planned for (an RTX 4090
+    gives a block 99 KB, an A100 163 KB, Hopper 227 KB): a Hopper-sized tile would fail at its first launch
+    elsewhere. Off Hopper the estimate takes the larger of both layouts."""
+    from attnopt.runtime.strategies.split_kv import on_hopper, smem_budget
+
+    hw = builtin_profile(profile)
+    budget = smem_budget(hw)
+    assert budget == hw.smem_per_block_bytes - 5 * 1024
+    for dtype in ("bfloat16", "float32"):
+        site = _site(d, rows[0], rows[1], dtype=dtype)
+        for kind in KINDS:
+            if get_strategy(kind).check(site, hw, CUDA_CTX) is not None:
+                continue
+            for p in get_strategy(kind).candidates(site, hw, CUDA_CTX):
+                need = smem_bytes(site, p.block_n, p.num_stages, getattr(p, "head_chunks", False), on_hopper(hw))
+                assert need <= budget, (profile, dtype, p.describe(), need, budget)
+                if not on_hopper(hw):
+                    assert need >= smem_bytes(site, p.block_n, p.num_stages, getattr(p, "head_chunks", False))
+
+
+def test_an_unknown_gpu_plans_for_its_own_shared_memory():
+    from attnopt.hardware import profile_for_device_name
+    from attnopt.runtime.strategies.split_kv import smem_budget
+
+    told = profile_for_device_name("Some Future GPU", sm_count=60, smem_per_block_bytes=101376)
+    assert smem_budget(told) == 101376 - 5 * 1024
+    untold = profile_for_device_name("Some Future GPU", sm_count=60)
+    assert untold.smem_per_block_bytes == 48 * 1024
+    known = profile_for_device_name("NVIDIA A100-SXM4-80GB", sm_count=108, smem_per_block_bytes=166912)
+    assert known.smem_per_block_bytes == 166912 and known.name == "a100-80gb"
