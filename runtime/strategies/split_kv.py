@@ -92,16 +92,20 @@ SMEM_MARGIN = 5 * 1024
 SMEM_BUDGET = HOPPER_SMEM_PER_BLOCK - SMEM_MARGIN
 
 
+def smem_per_block(hw: HardwareProfile | None) -> int:
+    """``hw``'s shared memory per block, bytes (Hopper's without a profile or where the profile says 0)."""
+    return (hw.smem_per_block_bytes if hw is not None else 0) or HOPPER_SMEM_PER_BLOCK
+
+
 def smem_budget(hw: HardwareProfile | None) -> int:
-    """Shared memory one program may plan for on ``hw`` (Hopper's without a profile)."""
-    per_block = (hw.smem_per_block_bytes if hw is not None else 0) or HOPPER_SMEM_PER_BLOCK
-    return per_block - SMEM_MARGIN
+    """Shared memory one program may plan for on ``hw``."""
+    return smem_per_block(hw) - SMEM_MARGIN
 
 
 def on_hopper(hw: HardwareProfile | None) -> bool:
     """Whether ``hw`` lays the kernels out as the H100 measurements of ``smem_bytes`` did (Hopper's shared
     memory; wgmma at 64 rows)."""
-    return hw is None or hw.smem_per_block_bytes in (0, HOPPER_SMEM_PER_BLOCK)
+    return smem_per_block(hw) == HOPPER_SMEM_PER_BLOCK
 
 
 def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False,
@@ -166,7 +170,7 @@ def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int
     SM's) and registers (about 128 per thread for wide tiles, 96 otherwise)."""
     smem = smem_bytes(site, block_n, num_stages, head_chunks, on_hopper(hw))
     regs = 128 if (num_warps >= 8 or block_n * site.head_dim >= 128 * 128) else 96
-    return max(1, min((smem_budget(hw) + SMEM_MARGIN) // smem, 65536 // (regs * 32 * num_warps)))
+    return max(1, min(smem_per_block(hw) // smem, 65536 // (regs * 32 * num_warps)))
 
 
 def planned_len(site: AttentionSite) -> int:

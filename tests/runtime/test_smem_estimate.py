@@ -90,19 +90,21 @@ def _configs(kind: str, site: AttentionSite) -> list:
     return plans
 
 
-def _compiled_shared() -> int:
-    """The largest shared memory of the kernels the decode launchers compiled since they were last emptied."""
+def _launchers() -> tuple:
+    """The decode kernels' launchers (``runtime/kernels/launch.py``), which keep the kernels they compiled."""
     from attnopt.runtime.kernels import split_kv as split_kv_kernels, stream_k as stream_k_kernels
 
-    launchers = (split_kv_kernels._SPLIT_KV_LAUNCH, stream_k_kernels._STREAM_K_LAUNCH)
-    return max((entry[0].metadata.shared for launcher in launchers for entry in launcher._by_spec.values()),
+    return split_kv_kernels._SPLIT_KV_LAUNCH, stream_k_kernels._STREAM_K_LAUNCH
+
+
+def _compiled_shared() -> int:
+    """The largest shared memory of the kernels the decode launchers compiled since they were last emptied."""
+    return max((entry[0].metadata.shared for launcher in _launchers() for entry in launcher._by_spec.values()),
                default=-1)
 
 
 def _empty_launchers() -> None:
-    from attnopt.runtime.kernels import split_kv as split_kv_kernels, stream_k as stream_k_kernels
-
-    for launcher in (split_kv_kernels._SPLIT_KV_LAUNCH, stream_k_kernels._STREAM_K_LAUNCH):
+    for launcher in _launchers():
         launcher._by_spec.clear()
         launcher._exact.clear()
 
