@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
-    gdc_wait = None
+    gdc_launch_dependents = gdc_wait = None
 
 from .common import next_pow2, pdl_supported
 from .launch import KernelLauncher
@@ -41,7 +41,12 @@ def _merge_states_kernel(
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the producer grid first
     HAS_LOG_L: tl.constexpr,  # the partials' maxima and log l come apart (exact weights next to a huge maximum)
     LSE_PLANES: tl.constexpr,  # write the merged row max and log l apart (natural log) instead of their sum
+    LAUNCH_NEXT: tl.constexpr = False,  # let the next kernel launch now (a programmatic dependent that waits itself)
 ):
+    if LAUNCH_NEXT:
+        # a dependent launched with PDL (the next step's split-KV stage 1 with ``chain``) becomes resident while this
+        # grid merges and waits (griddepcontrol.wait) for it to finish before it reads anything
+        gdc_launch_dependents()
     if WAIT_PRIOR:
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -88,10 +93,28 @@ def _merge_states_kernel(
 
 _MERGE_LAUNCH = KernelLauncher(_merge_states_kernel)
 
+#: Elements of partial outputs one merge step loads per program (fp32): ``BLOCK_P * BLOCK_DV`` stays within it.
+STEP_ELEMENTS = 8192
+#: Fewer merged rows than this leave most SMs idle with one program per row (a decode step's B x Hq rows at small
+#: batch): ``auto_dv_split`` gives each row at least two programs. H100 (65ec530, SAAP at llama3-8b, 32 rows of 64
+#: partials of 128 values): the merge alone 2.22 µs at 2 programs per row against 3.43 at 1 (2.32 at 4, 2.54 at 8).
+FEW_ROWS = 256
+
+
+def auto_dv_split(rows: int, parts: int, block_dv: int) -> int:
+    """Programs per row for ``merge_states(dv_split="auto")``: the fewest (a power of two, at most ``block_dv //
+    16``) whose share of the padded Dv ``block_dv`` takes all ``parts`` partitions in one step, and at least 2 for
+    fewer than ``FEW_ROWS`` rows. A merge is latency-bound at decode sizes: each step is a round trip to L2."""
+    split = 2 if rows < FEW_ROWS else 1
+    while split < block_dv // 16 and next_pow2(parts) * (block_dv // split) > STEP_ELEMENTS:
+        split *= 2
+    return min(split, max(1, block_dv // 16))
+
 
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor | None = None,
                  lse_out: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None, pdl: bool = False,
-                 log_l_parts: torch.Tensor | None = None, max_parts: int | None = None, dv_split: int = 1):
+                 log_l_parts: torch.Tensor | None = None, max_parts: int | None = None, dv_split: int | str = 1,
+                 launch_next: bool = False):
     """Merge P softmax states along dim 0.
 
     Parameters
@@ -110,7 +133,10 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
         sized by it, so that a count varying below it (a split-KV grid that follows the cache's length) launches
         the same compiled kernel.
     dv_split : programs per row, each merging an equal share of the padded Dv (a power of two): more programs in
-        flight for few rows; each reads every partition's LSE.
+        flight for few rows; each reads every partition's LSE. "auto" (:func:`auto_dv_split`): the fewest, at
+        least 2 for fewer rows than ``FEW_ROWS``, whose share takes every partition in one step.
+    launch_next : (with ``pdl``) let the kernel after this one in the stream launch as soon as this grid is
+        resident (it must be launched with PDL and wait for this grid itself, as split-KV's ``chain`` does).
 
     Returns
     -------
@@ -136,18 +162,24 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
     l_out = (lse_out[0] if planes else lse_out).view(-1) if write_lse else out2
     if R == 0:
         return out, (lse_out if write_lse else None)
-    if dv_split < 1 or dv_split & (dv_split - 1):
-        raise ValueError(f"merge_states: dv_split must be a power of two >= 1; got {dv_split!r}")
     block_dv = max(16, next_pow2(Dv))
-    # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
-    block_p = max(2, min(next_pow2(max(P, max_parts or P)), max(2, 8192 // block_dv)))
+    parts = max(P, max_parts or P)
+    # "auto" sizes a step by the program's share of Dv (all partitions at once where that fits); a given count keeps
+    # the steps sized by the whole padded Dv, as measured with it (SAAP's MERGE_DV_SPLIT)
+    auto = dv_split == "auto"
+    if auto:
+        dv_split = auto_dv_split(R, parts, block_dv)
+    if not isinstance(dv_split, int) or dv_split < 1 or dv_split & (dv_split - 1):
+        raise ValueError(f"merge_states: dv_split must be a power of two >= 1 or 'auto'; got {dv_split!r}")
     dv_split = min(dv_split, block_dv // 16)
+    # As many partitions per step as fit in about 8K fp32 values: few, independent, wide loads per row.
+    block_p = max(2, min(next_pow2(parts), max(2, STEP_ELEMENTS * (dv_split if auto else 1) // block_dv)))
     block_dv //= dv_split
     _MERGE_LAUNCH(
         (R, dv_split), o3, l2, ll2, out2, l_out, *o3.stride(), *l2.stride(), *ll2.stride(), *out2.stride(),
         l_out.stride(0) if write_lse else 0, lse_out.stride(0) if planes else 0,
         P, DV=Dv, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=write_lse, WAIT_PRIOR=pdl,
-        HAS_LOG_L=log_l_parts is not None, LSE_PLANES=planes,
+        HAS_LOG_L=log_l_parts is not None, LSE_PLANES=planes, LAUNCH_NEXT=bool(launch_next and pdl),
         num_warps=8 if block_p * block_dv >= 8192 else 4, **({"launch_pdl": True} if pdl else {}),
     )
     return out, (lse_out if write_lse else None)

@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
-    gdc_launch_dependents = None
+    gdc_launch_dependents = gdc_wait = None
 
 from .attend import _attend_chunks, _load_q, _row_coords, _split_share
 from .common import arrival_counters, decode_geometry, decode_inputs, dot_flags, head_dim_split, pdl_supported, \
@@ -92,11 +92,16 @@ def _split_kv_kernel(
     ONE_CHUNK: tl.constexpr = False,  # MASK_SKIP: CHUNK_T covers every split's tiles
     D_LO: tl.constexpr = 0,  # > 0: the head dims (D == DV) run in two power-of-two chunks, [0, D_LO) and D_HI
     D_HI: tl.constexpr = 0,  # columns from D_LO, those past D masked (common.head_dim_split)
+    WAIT_PRIOR: tl.constexpr = False,  # launched as a programmatic dependent (``chain``): wait for the grid before
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
         # finish and its writes to be visible before they read a partial
         gdc_launch_dependents()
+    if WAIT_PRIOR:
+        # resident before the kernel ahead of it in the stream has finished (launch and scheduling overlap its
+        # tail); nothing is read or written before that grid is complete and its writes are visible
+        gdc_wait()
     split = tl.program_id(0)
     tile = tl.program_id(1)  # (b * HKV + kvh) * NUM_M + mb
     mb = tile % NUM_M
@@ -197,7 +202,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
                     tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None,
-                    head_chunks=False):
+                    head_chunks=False, chain=False, merge_dv_split=1):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -231,6 +236,12 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     head_chunks : True: where ``common.head_dim_split`` cuts the head dim in two power-of-two chunks (D=80 and 96:
         64 + 32), Q.K and P.V run over the two chunks instead of one padded to a power of two (128); False: one
         padded chunk. Exact either way (a plan's ``head_chunks``, chosen by measurement).
+    chain : launch stage 1 itself as a programmatic dependent of the kernel before it in the stream (where ``pdl``
+        applies), waiting for that grid before it reads anything, and let the merge launch whatever follows it
+        early (``merge_states``' ``launch_next``): back-to-back decode steps overlap each launch with the tail
+        of the kernel before. Exact either way.
+    merge_dv_split : the merge launch's programs per row (``merge_states``' ``dv_split``: a power of two, or
+        "auto").
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
@@ -280,7 +291,9 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     head_bcast, n_scan = scan_rows(mstr, geo.L) if skip else (False, 0)
     chunk, one_chunk = chunk_tiles(geo.N, num_splits, block_n) if skip else (1, False)
     two_launches = num_splits > 1 and not fused and merge
-    pdl = two_launches and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
+    pdl_ok = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
+    chain = bool(chain) and pdl_ok
+    pdl = two_launches and pdl_ok
     _SPLIT_KV_LAUNCH(
         grid, *pointers, o_t, l_t if l_t is not None else o_t, out, lse if lse is not None else out, counters,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr, lpart, *fstr, *gstr,
@@ -291,10 +304,10 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan, D_LO=split[0],
-        D_HI=split[1],
-        num_warps=num_warps, num_stages=num_stages,
+        D_HI=split[1], WAIT_PRIOR=chain,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if chain else {}),
     )
     if two_launches:
         merge_states(ws_o, ws_lse[0], out=out, lse_out=lse if lse is not None else False, pdl=pdl,
-                     log_l_parts=ws_lse[1], max_parts=rows)
+                     log_l_parts=ws_lse[1], max_parts=rows, dv_split=merge_dv_split, launch_next=chain)
     return out, lse

@@ -1,0 +1,178 @@
+"""Where split-KV loses to cuDNN at long contexts, on a GPU: forced split-KV variants beside cuDNN, one run.
+
+Issue 19, "kernels where they trail". H100 at 3fed422 (planner bench, CUDA-graph timing, L2 rotated, bf16), dynamic
+caches, the tuner's pick against cuDNN replayed at the one length: corner B1 14/2 D80 512k 123.3 µs against 117.8,
+lhs39 B2 24/8 D80 N144576 269.0 against 257.6, lhs25 B1 32/8 D128 N98368 142.0 against 137.3 (cuDNN at 97-100 % of
+the measured read bandwidth, split-KV at 92-97 %). Per case, each way timed as ``attnopt bench planner`` times (CUDA
+graph of back-to-back calls, one per rotating input set, interleaved rounds: ``static_mask.timed_rounds``), each
+output checked against ``runtime/reference.py`` first:
+
+* ``sdpa-cudnn``: SDPA's cuDNN backend at this one length (the peer);
+* ``base``: the tuner's pick at 3fed422 at this length, as a dynamic cache runs it (the grid at this N, no valid
+  length); ``stage1``: its first launch alone (``merge=False``: partials only; not checked), so ``base - stage1``
+  is what the merge launch costs in the stream; ``nopdl``: its merge without programmatic dependent launch;
+  ``fused``: the last split merging in the same launch;
+* ``dv=auto`` / ``dv=2``: the merge with more programs per row (``merge_dv_split``; ``merge.auto_dv_split``: every
+  partition in one step); ``chain``: stage 1 launched as a programmatic dependent of the kernel before it (the
+  previous call's merge, which lets it launch early) so that back-to-back steps overlap launch with the tail;
+  ``chain+auto``: both;
+* split counts around the GPU's size (one and two programs per SM, and counts that divide the tiles evenly) and the
+  other tile shapes (128/256 keys, chunked/padded head dim, 2-4 stages), each with ``chain+auto`` beside it.
+
+Also ``floor_us``: the K/V bytes over the device's measured read bandwidth (``read_bandwidth_TBps``). Writes
+JSON (medians, every round, max abs errors, failures: a config out of shared memory) to ``--out``.
+
+    python benchmarks/split_kv_long.py --out $OUT/split-kv-long.json [--cases NAME,...] [--rounds 3] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+#: (case name for ``planner_grid.case_of``, the tuner's pick at 3fed422 there: splits, block_n, warps, stages,
+#: head chunks).
+CASES = {
+    "corner-B1-g7-d80-512k-q1-dyn": (66, 256, 4, 3, True),
+    "lhs39-B2-24/8-d80-N144576-q1-dynamic": (33, 64, 4, 3, True),
+    "lhs25-B1-32/8-d128-N98368-q1-dynamic": (33, 128, 4, 3, False),
+}
+
+#: Launch variants of one config: name suffix -> split_kv_decode keyword arguments (and whether it is checked).
+LAUNCH_WAYS = {
+    "": {},
+    " dv=auto": {"merge_dv_split": "auto"},
+    " dv=2": {"merge_dv_split": 2},
+    " chain": {"chain": True},
+    " chain+auto": {"chain": True, "merge_dv_split": "auto"},
+    " nopdl": {"pdl": False},
+    " fused": {"fused_merge": True},
+    " stage1": {"merge": False},
+}
+
+
+def other_configs(case, base, sms: int) -> list[tuple[int, int, int, int, bool]]:
+    """Configs beside the tuner's pick: one and two programs per SM over the (batch row, KV head) tiles and split
+    counts dividing the KV tiles evenly near them, at 128- and (D <= 96) 256-key tiles, chunked and padded where the
+    head dim is cut, at 3 stages and the deepest pipeline up to 4 that fits (``fit_stages``)."""
+    from attnopt.runtime.strategies.split_kv import fit_stages
+    from attnopt.site import AttentionSite
+
+    B, Hq, Hkv, D, N, L, _ = case
+    site = AttentionSite(node="bench", module_path="", pattern="sdpa", batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+                         q_len=L, kv_len=N, dtype="bfloat16")
+    heads = B * Hkv
+    out = []
+    for block_n in ((128, 256) if D <= 96 else (64, 128)):
+        tiles = -(-N // block_n)
+        fill = max(1, round(sms / heads))
+        counts = {fill, 2 * fill, base[0]}
+        for s in (fill, 2 * fill):  # the nearest count at or below that divides the tiles (within 10 %)
+            even = next((c for c in range(s, max(1, int(s * 0.9)) - 1, -1) if tiles % c == 0), None)
+            if even:
+                counts.add(even)
+        for chunks in ((True, False) if D in (80, 96) else (False,)):
+            # the deepest pipeline that fits, and 3 stages (the tuner's usual) where that is shallower
+            deepest = fit_stages(site, block_n, 4, chunks)
+            for stages in sorted({st for st in (3, deepest) if st is not None and st <= (deepest or 0)}):
+                for s in sorted(counts):
+                    c = (min(s, tiles), block_n, 4, stages, chunks)
+                    if c != base and c not in out:
+                        out.append(c)
+    return out
+
+
+def _tag(c) -> str:
+    s, bn, w, st, chunks = c
+    return f"S{s}/bn{bn}/w{w}/st{st}/{'chunks' if chunks else 'padded'}"
+
+
+def run_case(name, base, rounds, sms, read_TBps, quick=False) -> dict:
+    import torch
+
+    from static_mask import _peer, timed_rounds  # this folder's (the script's own folder is on sys.path)
+
+    from attnopt.bench.common import Rotation
+    from attnopt.bench.planner import MAX_SETS, _make_set
+    from attnopt.bench.planner_grid import case_of
+    from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace
+    from attnopt.runtime.reference import decode_attention
+
+    case = case_of(name)
+    B, Hq, Hkv, D, N, L, _ = case
+    dtype = torch.bfloat16
+    scale = 1.0 / math.sqrt(D)
+    kv_bytes = B * Hkv * N * 2 * D * 2
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", None)
+    sets = Rotation(lambda i: _make_set(i, case, dtype, "cuda"), kv_bytes, l2, max_sets=MAX_SETS).sets
+    ref = decode_attention(sets[0]["q"].float(), sets[0]["k"], sets[0]["v"], scale=scale).float()
+
+    makers, unchecked = {"sdpa-cudnn": _peer(scale, Hq != Hkv)}, set()
+    configs = [(base, LAUNCH_WAYS if not quick else {k: LAUNCH_WAYS[k] for k in ("", " chain+auto", " stage1")})]
+    others = [] if quick else other_configs(case, base, sms)
+    configs += [(c, {"": {}, " chain+auto": LAUNCH_WAYS[" chain+auto"]}) for c in others]
+    for c, ways in configs:
+        splits, block_n, warps, stages, chunks = c
+        ws = split_kv_workspace(splits, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+        out = torch.empty_like(sets[0]["q"])
+        kw = dict(workspace=ws, scale=scale, num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
+                  tma=True, head_chunks=chunks)
+        for suffix, extra in ways.items():
+            way = ("base " if c == base else "") + _tag(c) + suffix
+            makers[way] = (lambda o_, kw_: lambda s: lambda: split_kv_decode(s["q"], s["k"], s["v"], o_, **kw_)[0])(
+                out, {**kw, **extra})
+            if not extra.get("merge", True):
+                unchecked.add(way)
+    res = {"case": name, "sets": len(sets), "kv_bytes": kv_bytes, "floor_us": kv_bytes / (read_TBps * 1e6),
+           "base": _tag(base), **timed_rounds(makers, sets, ref, rounds, frozenset(unchecked))}
+    p = res["median_us"].get("sdpa-cudnn")
+    res["ratio_to_sdpa_cudnn"] = {w: (p / v if p else None) for w, v in res["median_us"].items()}
+    res["frac_of_floor"] = {w: res["floor_us"] / v for w, v in res["median_us"].items()}
+    del sets
+    torch.cuda.empty_cache()
+    return res
+
+
+def _print(r: dict) -> None:
+    print(f"{r['case']} ({r['sets']} input sets, floor {r['floor_us']:.1f} µs)", flush=True)
+    for w, us in sorted(r["median_us"].items(), key=lambda kv: kv[1]):
+        err = r["max_abs_err"].get(w)
+        print(f"  {w:52s} {us:8.2f} µs  {r['ratio_to_sdpa_cudnn'][w]:5.3f}x cuDNN  {r['frac_of_floor'][w]:5.3f} "
+              f"floor  err {'-' if err is None else f'{err:.1e}'}", flush=True)
+    for w, why in r["failed"].items():
+        print(f"  {w:52s} FAILED {why}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="the tuner's pick only: base, chain+auto and stage 1")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from static_mask import cuda_ready  # this folder's (the script's own folder is on sys.path)
+
+    if not cuda_ready():
+        return 2
+    import torch
+
+    from attnopt.bench.common import read_bandwidth_TBps
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = read_bandwidth_TBps(1 << 30, "graph")
+    print(f"read bandwidth {bw['best']:.3f} TB/s", flush=True)
+    results = []
+    for name in (c.strip() for c in args.cases.split(",") if c.strip()):
+        if name not in CASES:
+            raise SystemExit(f"unknown case {name!r}; valid: {', '.join(CASES)}")
+        results.append(run_case(name, CASES[name], args.rounds, sms, bw["best"], args.quick))
+        _print(results[-1])
+        if args.out:  # after every case: a run cut short keeps what it measured
+            from attnopt.bench.common import results_header, write_results
+
+            write_results(args.out, results_header("split-kv-long", read_bw_TBps=bw, cases=results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

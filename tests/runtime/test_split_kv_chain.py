@@ -1,0 +1,129 @@
+"""Split-KV launch variants for long contexts: the merge's programs per row (``merge_dv_split``, ``dv_split="auto"``)
+and ``chain`` (stage 1 launched as a programmatic dependent of the kernel before it, the merge letting the next one
+launch early), against the float64 reference.
+
+In the interpreter ``chain`` has no grid-dependency instructions to run (``pdl_supported`` is False) and must leave
+the result as it is; on CUDA (``cuda`` marker) it runs captured in a CUDA graph, back-to-back calls replayed, each
+output checked.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnopt.runtime.reference import merge_states as ref_merge_states, sdpa_float64
+
+triton = pytest.importorskip("triton")
+
+from attnopt.runtime.kernels import interpreting  # noqa: E402
+from attnopt.runtime.kernels.merge import FEW_ROWS, STEP_ELEMENTS, auto_dv_split, merge_states  # noqa: E402
+from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _check(out, ref, dtype, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output"
+    err = (out.double() - ref).abs()
+    tol = TOL[dtype]
+    assert bool((err <= tol + tol * ref.abs()).all()), f"{what}: max abs error {err.max().item():.3e}"
+
+
+@pytest.mark.parametrize("rows, parts, block_dv, expected", [
+    (14, 66, 128, 2),  # B1 14 heads, 66 splits, D=80 padded to 128: two programs of 64 columns take all 128 slots
+    (14, 200, 128, 4),  # 256 partition slots: 32-column shares
+    (14, 2000, 128, 8),  # capped at 16 columns a program
+    (32, 33, 128, 2),  # few rows: at least two per row
+    (FEW_ROWS, 33, 128, 1),  # enough rows: one program each, 64 x 128 in one step
+    (FEW_ROWS, 100, 128, 2),
+    (8, 40, 16, 1),  # a 16-wide Dv cannot be cut
+])
+def test_auto_dv_split(rows, parts, block_dv, expected):
+    split = auto_dv_split(rows, parts, block_dv)
+    assert split == expected
+    if split < block_dv // 16:  # one step holds every partition
+        assert triton.next_power_of_2(parts) * block_dv // split <= STEP_ELEMENTS
+
+
+@pytest.mark.parametrize("P", [3, 70, 200])
+def test_merge_auto_dv_split_matches_reference(P):
+    if not interpreting():
+        pytest.skip("CPU kernel tests need the Triton interpreter (TRITON_INTERPRET=1)")
+    R, Dv = 5, 80
+    o = torch.randn(P, R, Dv)
+    lse = torch.randn(P, R) * 4
+    lse[1, :] = float("-inf")  # an empty partition
+    o[1] = 0.0
+    lse[:, 2] = float("-inf")  # a row empty everywhere
+    o[:, 2] = 0.0
+    ro, rl = ref_merge_states(o, lse)
+    out = torch.full((R, Dv), float("nan"))
+    lout = torch.full((R,), float("nan"))
+    merge_states(o, lse, out, lout, dv_split="auto", max_parts=P + 7)
+    torch.testing.assert_close(out, ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lout, rl, atol=1e-5, rtol=1e-5)
+    assert bool((out[2] == 0).all()) and torch.isneginf(lout[2])
+    with pytest.raises(ValueError, match="power of two >= 1 or 'auto'"):
+        merge_states(o, lse, dv_split="half")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("D, chunks", [(80, True), (64, False)])
+def test_split_kv_variants_match_reference(dtype, D, chunks):
+    """G=7 packed into 16 rows (the 512k corner's group), many splits of 16-key tiles, a tail tile: each way of
+    launching the merge and ``chain`` give the reference's output and LSE."""
+    if not interpreting():
+        pytest.skip("CPU kernel tests need the Triton interpreter (TRITON_INTERPRET=1)")
+    B, Hkv, G, N = 1, 2, 7, 16 * 9 + 5
+    q = torch.randn(B, Hkv * G, 1, D, dtype=dtype)
+    k = torch.randn(B, Hkv, N, D, dtype=dtype)
+    v = torch.randn(B, Hkv, N, D, dtype=dtype)
+    ref = sdpa_float64(q, k, v)
+    splits = 7
+    ws = split_kv_workspace(2 * splits, q, k, v)  # a grid that follows the length: more rows than splits
+    for chain, dv in ((False, "auto"), (True, 1), (True, "auto"), (False, 4)):
+        out = torch.full_like(q, float("nan"))
+        split_kv_decode(q, k, v, out, workspace=ws, num_splits=splits, block_n=16, tma=True, head_chunks=chunks,
+                        chain=chain, merge_dv_split=dv)
+        _check(out, ref, dtype, f"chain={chain} merge_dv_split={dv}")
+
+
+@pytest.mark.cuda
+def test_chain_back_to_back_in_a_cuda_graph(monkeypatch):
+    """Stage 1 launched as a programmatic dependent of the previous call's merge (and the merge launching the next
+    stage 1 early): three calls on different inputs captured back to back, replayed twice; every output is the
+    reference's. Compiled (bf16, TMA tiles, the D=80 head chunks), where the grid dependencies are real."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("ATTNOPT_TMA_EAGER", "1")
+    dev = torch.device("cuda")
+    B, Hkv, G, N, D = 1, 2, 7, 40000, 80
+    sets = [(torch.randn(B, Hkv * G, 1, D, device=dev, dtype=torch.bfloat16),
+             torch.randn(B, Hkv, N, D, device=dev, dtype=torch.bfloat16),
+             torch.randn(B, Hkv, N, D, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
+    ws = split_kv_workspace(66, *sets[0])
+    outs = [torch.empty_like(s[0]) for s in sets]
+
+    def calls():
+        for (q, k, v), o in zip(sets, outs):
+            split_kv_decode(q, k, v, o, workspace=ws, num_splits=66, block_n=128, num_warps=4, num_stages=3,
+                            tma=True, head_chunks=True, chain=True, merge_dv_split="auto",
+                            scale=1.0 / math.sqrt(D))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    for _ in range(2):
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for (q, k, v), o in zip(sets, outs):
+            _check(o, sdpa_float64(q, k, v), torch.bfloat16, "chained split-KV, graph replay")
