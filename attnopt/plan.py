@@ -152,11 +152,21 @@ class SplitKVPlan(Plan):
     #: 0: ``num_splits`` programs per (batch row, KV head) at every length. m > 0: ``splits_at(n)`` of them, so that
     #: the grid follows the cache's length with at most ``num_splits`` (the workspace's size).
     tiles_per_split: int = 0
+    #: Stage 1 launched as a programmatic dependent of the kernel before it (it waits for that grid before reading
+    #: anything), and the merge letting the next kernel launch early: back-to-back decode steps overlap each launch
+    #: with the tail of the kernel before (``split_kv_decode``'s ``chain``). Ignored where PDL is unsupported.
+    chain: bool = False
+    #: Programs per output row of the merge launch (a power of two); 0: as many as take every partial in one step
+    #: (``merge_states``' ``dv_split="auto"``).
+    merge_dv_split: int = 1
 
     def __post_init__(self) -> None:
         if self.tiles_per_split < 0:
             raise ValueError(f"split_kv: tiles_per_split must be >= 0 (0: a fixed split count); got "
                              f"{self.tiles_per_split}")
+        if self.merge_dv_split < 0 or self.merge_dv_split & (self.merge_dv_split - 1):
+            raise ValueError(f"split_kv: merge_dv_split must be 0 (auto) or a power of two; got "
+                             f"{self.merge_dv_split}")
 
     def splits_at(self, n_keys: int) -> int:
         """Programs per (batch row, KV head) over a cache of ``n_keys`` keys: ``num_splits``, or with

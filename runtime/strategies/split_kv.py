@@ -79,6 +79,11 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
 TILES_PER_SMALL_SPLIT = 4
 MAX_SMALL_PROGRAMS_PER_SM = 32
 
+#: How the planned split-KV candidates launch (``SplitKVPlan.chain``, ``merge_dv_split``): as at 3fed422 until the
+#: variants measure faster (``benchmarks/split_kv_long.py``); every candidate takes them, so the tuner's work stays
+#: the same.
+LAUNCH = {"chain": False, "merge_dv_split": 1}
+
 #: A split-KV grid that follows the cache's length (``split_counts``) grows to at most this many times the tiles
 #: (or small splits) of the planned length.
 FOLLOW_RANGE = 2
@@ -360,7 +365,7 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                     # 2.3-3.3 µs more at 6-22 splits (lhs04 704 keys S22/64: 9.81 against 7.46; static 4k of 32k
                     # S16/128: 55.47 against 52.26), 10-80 µs more at 66-440 splits; a tie only at 9 splits of 185k+.
                     plan = SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
-                                       tma=True, head_chunks=chunks, tiles_per_split=per_split)
+                                       tma=True, head_chunks=chunks, tiles_per_split=per_split, **LAUNCH)
                     key = (plan.splits_at(n), block_n, warps, stages, chunks)
                     if key not in seen:  # plans that run alike at the planned length are timed once
                         seen.add(key)
@@ -370,7 +375,7 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
             c, stages = pick
             if (c.grid, c.block_n, c.num_warps, stages, False) not in seen:
                 yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages,
-                                  tma=True)
+                                  tma=True, **LAUNCH)
 
     def estimate_us(self, plan: SplitKVPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         splits = plan.splits_at(planned_len(site))
@@ -397,4 +402,4 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                         scale=scale, is_causal=is_causal, num_splits=plan.splits_at(k.shape[2]), block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
                         tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes,
-                        head_chunks=plan.head_chunks)
+                        head_chunks=plan.head_chunks, chain=plan.chain, merge_dv_split=plan.merge_dv_split or "auto")

@@ -103,7 +103,8 @@ def _op_call(plan, q, k, v, mask=None, valid=None, causal=False, states=False):
 
 
 @pytest.mark.parametrize("plan", [SplitKVPlan(num_splits=3, block_n=16), StreamKPlan(grid=5, block_n=16),
-                                  SplitKVPlan(num_splits=4, block_n=16, fused_merge=True)],
+                                  SplitKVPlan(num_splits=4, block_n=16, fused_merge=True),
+                                  SplitKVPlan(num_splits=4, block_n=16, chain=True, merge_dv_split=0)],
                          ids=lambda p: p.describe())
 @pytest.mark.parametrize("mode", ["reference", "interpret"])
 def test_op_runs_strategy_on_cpu(plan, mode, monkeypatch):

@@ -90,6 +90,26 @@ def test_split_kv_variants_match_reference(dtype, D, chunks):
         _check(out, ref, dtype, f"chain={chain} merge_dv_split={dv}")
 
 
+def test_plan_fields_round_trip_and_reach_the_candidates(monkeypatch):
+    from attnopt.hardware import builtin_profile
+    from attnopt.plan import SplitKVPlan, plan_from_json
+    from attnopt.runtime.strategies import PlanContext, get_strategy
+    from attnopt.runtime.strategies import split_kv as skv
+    from attnopt.site import AttentionSite
+
+    plan = SplitKVPlan(num_splits=66, block_n=256, chain=True, merge_dv_split=0)
+    assert plan_from_json(plan.to_json()) == plan
+    assert plan_from_json(SplitKVPlan().to_json()).merge_dv_split == 1  # the default: one program per row
+    for bad in (-1, 3, 6):
+        with pytest.raises(ValueError, match="merge_dv_split must be 0 \\(auto\\) or a power of two"):
+            SplitKVPlan(merge_dv_split=bad)
+    site = AttentionSite.canonical(kv_len=524288, q_heads=14, kv_heads=2, head_dim=80)
+    ctx = PlanContext(device_type="cuda", triton_available=True)
+    monkeypatch.setattr(skv, "LAUNCH", {"chain": True, "merge_dv_split": 0})
+    plans = list(get_strategy("split_kv").candidates(site, builtin_profile("h100-sxm"), ctx))
+    assert plans and all(p.chain and p.merge_dv_split == 0 for p in plans)
+
+
 @pytest.mark.cuda
 def test_chain_back_to_back_in_a_cuda_graph(monkeypatch):
     """Stage 1 launched as a programmatic dependent of the previous call's merge (and the merge launching the next
