@@ -17,12 +17,16 @@ output checked against ``runtime/reference.py`` first:
   previous call's merge, which lets it launch early) so that back-to-back steps overlap launch with the tail;
   ``chain+auto``: both;
 * split counts around the GPU's size (one and two programs per SM, and counts that divide the tiles evenly) and the
-  other tile shapes (128/256 keys, chunked/padded head dim, 2-4 stages), each with ``chain+auto`` beside it.
+  other tile shapes (64/128/256 keys, chunked/padded head dim, 3 stages and the deepest that fits), each with
+  ``chain+auto`` beside it with ``--twins``.
 
-Also ``floor_us``: the K/V bytes over the device's measured read bandwidth (``read_bandwidth_TBps``). Writes
-JSON (medians, every round, max abs errors, failures: a config out of shared memory) to ``--out``.
+Also ``floor_us``: the K/V bytes over the device's measured read bandwidth (``read_bandwidth_TBps``), and with
+``--half`` (default 0.5) cuDNN and the pick again at half the length, for ``fit``: each one's fixed µs and streaming
+rate (the tuner's own timings at 3fed422 gave the pick 7-10 µs fixed and 2.87-2.97 TB/s at D=80, 3.08 at D=128).
+Writes JSON (medians, every round, max abs errors, failures: a config out of shared memory) to ``--out``.
 
     python benchmarks/split_kv_long.py --out $OUT/split-kv-long.json [--cases NAME,...] [--rounds 3] [--quick]
+                                       [--twins]
 """
 from __future__ import annotations
 
@@ -50,11 +54,16 @@ LAUNCH_WAYS = {
     " stage1": {"merge": False},
 }
 
+#: The deepest pipeline tried: at D=80 the tuner's timings at 3fed422 stream at 2.87-2.97 TB/s (the slope of its
+#: times over 185k and 371k keys) against 3.08 at D=128: fewer bytes a tile, so fewer in flight per SM.
+MAX_STAGES = 6
+
 
 def other_configs(case, base, sms: int) -> list[tuple[int, int, int, int, bool]]:
-    """Configs beside the tuner's pick: one and two programs per SM over the (batch row, KV head) tiles and split
-    counts dividing the KV tiles evenly near them, at 128- and (D <= 96) 256-key tiles, chunked and padded where the
-    head dim is cut, at 3 stages and the deepest pipeline up to 4 that fits (``fit_stages``)."""
+    """Configs beside the tuner's pick: its split count, one and two programs per SM over the (batch row, KV head)
+    tiles and split counts dividing the KV tiles evenly near them, at 64-, 128- and (D <= 96) 256-key tiles, chunked
+    and padded where the head dim is cut, at 3 stages and the deepest pipeline up to MAX_STAGES that fits
+    (``fit_stages``)."""
     from attnopt.runtime.strategies.split_kv import fit_stages
     from attnopt.site import AttentionSite
 
@@ -63,7 +72,7 @@ def other_configs(case, base, sms: int) -> list[tuple[int, int, int, int, bool]]
                          q_len=L, kv_len=N, dtype="bfloat16")
     heads = B * Hkv
     out = []
-    for block_n in ((128, 256) if D <= 96 else (64, 128)):
+    for block_n in ((64, 128, 256) if D <= 96 else (64, 128)):
         tiles = -(-N // block_n)
         fill = max(1, round(sms / heads))
         counts = {fill, 2 * fill, base[0]}
@@ -72,8 +81,8 @@ def other_configs(case, base, sms: int) -> list[tuple[int, int, int, int, bool]]
             if even:
                 counts.add(even)
         for chunks in ((True, False) if D in (80, 96) else (False,)):
-            # the deepest pipeline that fits, and 3 stages (the tuner's usual) where that is shallower
-            deepest = fit_stages(site, block_n, 4, chunks)
+            # 3 stages (the tuner's usual) and the deepest pipeline that fits: bytes in flight per SM
+            deepest = fit_stages(site, block_n, MAX_STAGES, chunks)
             for stages in sorted({st for st in (3, deepest) if st is not None and st <= (deepest or 0)}):
                 for s in sorted(counts):
                     c = (min(s, tiles), block_n, 4, stages, chunks)
@@ -87,7 +96,9 @@ def _tag(c) -> str:
     return f"S{s}/bn{bn}/w{w}/st{st}/{'chunks' if chunks else 'padded'}"
 
 
-def run_case(name, base, rounds, sms, read_TBps, quick=False) -> dict:
+def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_keys=None) -> dict:
+    """One case's ways (the module docstring), or with ``n_keys`` the case at that length with only cuDNN and the
+    tuner's pick plain and ``chain+auto`` (for ``fit``)."""
     import torch
 
     from static_mask import _peer, timed_rounds  # this folder's (the script's own folder is on sys.path)
@@ -99,6 +110,9 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False) -> dict:
     from attnopt.runtime.reference import decode_attention
 
     case = case_of(name)
+    if n_keys is not None:
+        case = case[:4] + (n_keys,) + case[5:]
+        quick = True
     B, Hq, Hkv, D, N, L, _ = case
     dtype = torch.bfloat16
     scale = 1.0 / math.sqrt(D)
@@ -108,9 +122,10 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False) -> dict:
     ref = decode_attention(sets[0]["q"].float(), sets[0]["k"], sets[0]["v"], scale=scale).float()
 
     makers, unchecked = {"sdpa-cudnn": _peer(scale, Hq != Hkv)}, set()
-    configs = [(base, LAUNCH_WAYS if not quick else {k: LAUNCH_WAYS[k] for k in ("", " chain+auto", " stage1")})]
+    short = ("", " chain+auto") if n_keys is not None else ("", " chain+auto", " stage1")
+    configs = [(base, LAUNCH_WAYS if not quick else {k: LAUNCH_WAYS[k] for k in short})]
     others = [] if quick else other_configs(case, base, sms)
-    configs += [(c, {"": {}, " chain+auto": LAUNCH_WAYS[" chain+auto"]}) for c in others]
+    configs += [(c, {"": {}, **({" chain+auto": LAUNCH_WAYS[" chain+auto"]} if twins else {})}) for c in others]
     for c, ways in configs:
         splits, block_n, warps, stages, chunks = c
         ws = split_kv_workspace(splits, sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -123,7 +138,7 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False) -> dict:
                 out, {**kw, **extra})
             if not extra.get("merge", True):
                 unchecked.add(way)
-    res = {"case": name, "sets": len(sets), "kv_bytes": kv_bytes, "floor_us": kv_bytes / (read_TBps * 1e6),
+    res = {"case": name, "n_keys": N, "sets": len(sets), "kv_bytes": kv_bytes, "floor_us": kv_bytes / (read_TBps * 1e6),
            "base": _tag(base), **timed_rounds(makers, sets, ref, rounds, frozenset(unchecked))}
     p = res["median_us"].get("sdpa-cudnn")
     res["ratio_to_sdpa_cudnn"] = {w: (p / v if p else None) for w, v in res["median_us"].items()}
@@ -133,14 +148,32 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False) -> dict:
     return res
 
 
+def fit(full: dict, part: dict) -> dict:
+    """Per way timed at both lengths: the line through (K/V bytes, µs), as fixed µs (the time at no keys: launches,
+    pipeline fill, tail, merge) and the streaming rate (TB/s of the slope). Where a way trails cuDNN, this says
+    whether its fixed part or its rate is why."""
+    out = {}
+    for w, us in full["median_us"].items():
+        other = part["median_us"].get(w)
+        if other is None or full["kv_bytes"] == part["kv_bytes"]:
+            continue
+        slope = (us - other) / (full["kv_bytes"] - part["kv_bytes"])  # µs per byte
+        out[w] = {"fixed_us": us - slope * full["kv_bytes"], "stream_TBps": 1e-6 / slope if slope > 0 else None}
+    return out
+
+
 def _print(r: dict) -> None:
-    print(f"{r['case']} ({r['sets']} input sets, floor {r['floor_us']:.1f} µs)", flush=True)
+    print(f"{r['case']} at N={r['n_keys']} ({r['sets']} input sets, floor {r['floor_us']:.1f} µs)", flush=True)
     for w, us in sorted(r["median_us"].items(), key=lambda kv: kv[1]):
         err = r["max_abs_err"].get(w)
         print(f"  {w:52s} {us:8.2f} µs  {r['ratio_to_sdpa_cudnn'][w]:5.3f}x cuDNN  {r['frac_of_floor'][w]:5.3f} "
               f"floor  err {'-' if err is None else f'{err:.1e}'}", flush=True)
     for w, why in r["failed"].items():
         print(f"  {w:52s} FAILED {why}", flush=True)
+    for w, f in r.get("fit", {}).items():
+        rate = f["stream_TBps"]
+        print(f"  fit {w:48s} fixed {f['fixed_us']:6.2f} µs  streaming {'-' if rate is None else f'{rate:.3f}'} TB/s",
+              flush=True)
 
 
 def main(argv=None) -> int:
@@ -148,6 +181,9 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the tuner's pick only: base, chain+auto and stage 1")
+    p.add_argument("--twins", action="store_true", help="every other config also with chain+auto")
+    p.add_argument("--half", type=float, default=0.5, help="also time cuDNN and the pick at this fraction of N, "
+                   "for the fit of fixed µs and streaming rate (0: no)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from static_mask import cuda_ready  # this folder's (the script's own folder is on sys.path)
@@ -157,6 +193,7 @@ def main(argv=None) -> int:
     import torch
 
     from attnopt.bench.common import read_bandwidth_TBps
+    from attnopt.bench.planner_grid import case_of
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = read_bandwidth_TBps(1 << 30, "graph")
@@ -165,8 +202,15 @@ def main(argv=None) -> int:
     for name in (c.strip() for c in args.cases.split(",") if c.strip()):
         if name not in CASES:
             raise SystemExit(f"unknown case {name!r}; valid: {', '.join(CASES)}")
-        results.append(run_case(name, CASES[name], args.rounds, sms, bw["best"], args.quick))
-        _print(results[-1])
+        r = run_case(name, CASES[name], args.rounds, sms, bw["best"], args.quick, args.twins)
+        if args.half > 0:
+            n = case_of(name)[4]
+            r["at_half"] = run_case(name, CASES[name], args.rounds, sms, bw["best"],
+                                    n_keys=max(256, int(n * args.half) // 256 * 256))
+            r["fit"] = fit(r, r["at_half"])
+            _print(r["at_half"])
+        results.append(r)
+        _print(r)
         if args.out:  # after every case: a run cut short keeps what it measured
             from attnopt.bench.common import results_header, write_results
 

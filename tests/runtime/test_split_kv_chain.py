@@ -147,3 +147,47 @@ def test_chain_back_to_back_in_a_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         for (q, k, v), o in zip(sets, outs):
             _check(o, sdpa_float64(q, k, v), torch.bfloat16, "chained split-KV, graph replay")
+
+
+def _bench_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).parents[2] / "benchmarks"
+    sys.path.insert(0, str(folder))  # the script imports static_mask from its own folder
+    try:
+        spec = importlib.util.spec_from_file_location("split_kv_long", folder / "split_kv_long.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(folder))
+    return mod
+
+
+def test_long_context_diagnostic_configs_and_fit():
+    """benchmarks/split_kv_long.py's pure parts: the configs beside each pick fit Hopper's shared memory, include
+    the pick's split count and (512k) a count dividing the KV tiles evenly, never the pick itself; the fit of two
+    lengths recovers a line's fixed µs and rate."""
+    from attnopt.bench.planner_grid import case_of
+    from attnopt.runtime.strategies.split_kv import SMEM_BUDGET, smem_bytes
+    from attnopt.site import AttentionSite
+
+    bench = _bench_module()
+    for name, base in bench.CASES.items():
+        case = case_of(name)
+        B, Hq, Hkv, D, N, L, _ = case
+        site = AttentionSite(node="t", module_path="", pattern="sdpa", batch=B, q_heads=Hq, kv_heads=Hkv,
+                             head_dim=D, q_len=L, kv_len=N, dtype="bfloat16")
+        configs = bench.other_configs(case, base, 132)
+        assert configs and base not in configs and len(set(configs)) == len(configs)
+        for s, bn, w, st, chunks in configs:
+            assert smem_bytes(site, bn, st, chunks) <= SMEM_BUDGET, (name, s, bn, st, chunks)
+        assert any(s == base[0] for s, *_ in configs)
+        if name.startswith("corner"):  # 2048 tiles of 256 keys: 64 splits (a count of 132 // 2 heads = 66 less 2)
+            assert (64, 256, 4, 3, True) in configs
+    full = {"median_us": {"a": 100.0, "b": 50.0}, "kv_bytes": 300e6}
+    part = {"median_us": {"a": 55.0}, "kv_bytes": 150e6}
+    f = bench.fit(full, part)
+    assert set(f) == {"a"}
+    assert f["a"]["fixed_us"] == pytest.approx(10.0) and f["a"]["stream_TBps"] == pytest.approx(150e6 / 45 / 1e6)
