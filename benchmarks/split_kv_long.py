@@ -31,6 +31,7 @@ Writes JSON (medians, every round, max abs errors, failures: a config out of sha
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
@@ -162,6 +163,30 @@ def fit(full: dict, part: dict) -> dict:
     return out
 
 
+def verdict(results: list[dict]) -> dict:
+    """What a run says to do: per case the fastest checked way against cuDNN and against the tuner's pick; per launch
+    variant of the pick (``LAUNCH_WAYS``) its time over the plain pick in every case, and whether it is faster in
+    all of them (then ``runtime/strategies/split_kv.LAUNCH`` may take it)."""
+    out: dict = {"cases": {}, "launch": {}}
+    for r in results:
+        med = r["median_us"]
+        ok = {w: us for w, us in med.items() if r["max_abs_err"].get(w) is not None}
+        base = next((w for w in med if w.startswith("base ") and w == "base " + r["base"]), None)
+        kernel = {w: us for w, us in ok.items() if w != "sdpa-cudnn"}
+        best = min(kernel, key=kernel.get) if kernel else None
+        out["cases"][r["case"]] = {
+            "cudnn_us": med.get("sdpa-cudnn"), "base_us": med.get(base), "best": best,
+            "best_us": kernel.get(best), "best_vs_cudnn": (med["sdpa-cudnn"] / kernel[best]
+                                                           if best and med.get("sdpa-cudnn") else None),
+            "merge_us": (med[base] - med[base + " stage1"]) if base and base + " stage1" in med else None}
+        for suffix in LAUNCH_WAYS:
+            if suffix and base and base + suffix in ok:
+                out["launch"].setdefault(suffix.strip(), {})[r["case"]] = ok[base + suffix] / med[base]
+    out["launch_wins_everywhere"] = sorted(k for k, v in out["launch"].items()
+                                           if len(v) == len(results) and all(x < 1.0 for x in v.values()))
+    return out
+
+
 def _print(r: dict) -> None:
     print(f"{r['case']} at N={r['n_keys']} ({r['sets']} input sets, floor {r['floor_us']:.1f} µs)", flush=True)
     for w, us in sorted(r["median_us"].items(), key=lambda kv: kv[1]):
@@ -214,7 +239,9 @@ def main(argv=None) -> int:
         if args.out:  # after every case: a run cut short keeps what it measured
             from attnopt.bench.common import results_header, write_results
 
-            write_results(args.out, results_header("split-kv-long", read_bw_TBps=bw, cases=results))
+            write_results(args.out, results_header("split-kv-long", read_bw_TBps=bw, cases=results,
+                                                   verdict=verdict(results)))
+    print(json.dumps(verdict(results), indent=1), flush=True)
     return 0
 
 

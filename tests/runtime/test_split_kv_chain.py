@@ -191,3 +191,22 @@ def test_long_context_diagnostic_configs_and_fit():
     f = bench.fit(full, part)
     assert set(f) == {"a"}
     assert f["a"]["fixed_us"] == pytest.approx(10.0) and f["a"]["stream_TBps"] == pytest.approx(150e6 / 45 / 1e6)
+
+
+def test_long_context_diagnostic_verdict():
+    """The verdict names a launch variant only where it beat the plain pick in every case, and skips unchecked
+    ways (stage 1 alone) as the fastest."""
+    bench = _bench_module()
+    base = "S66/bn256/w4/st3/chunks"
+
+    def case(name, plain, chain, stage1):
+        med = {"sdpa-cudnn": 100.0, f"base {base}": plain, f"base {base} chain+auto": chain,
+               f"base {base} stage1": stage1}
+        err = {w: (None if w.endswith("stage1") else 1e-3) for w in med}
+        return {"case": name, "base": base, "median_us": med, "max_abs_err": err}
+
+    v = bench.verdict([case("a", 104.0, 102.0, 90.0), case("b", 103.0, 102.5, 95.0)])
+    assert v["launch_wins_everywhere"] == ["chain+auto"]
+    assert v["cases"]["a"]["best"] == f"base {base} chain+auto" and v["cases"]["a"]["merge_us"] == 14.0
+    v = bench.verdict([case("a", 104.0, 102.0, 90.0), case("b", 103.0, 103.5, 95.0)])
+    assert v["launch_wins_everywhere"] == []
