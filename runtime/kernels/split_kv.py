@@ -92,7 +92,7 @@ def _split_kv_kernel(
     ONE_CHUNK: tl.constexpr = False,  # MASK_SKIP: CHUNK_T covers every split's tiles
     D_LO: tl.constexpr = 0,  # > 0: the head dims (D == DV) run in two power-of-two chunks, [0, D_LO) and D_HI
     D_HI: tl.constexpr = 0,  # columns from D_LO, those past D masked (common.head_dim_split)
-    WAIT_PRIOR: tl.constexpr = False,  # launched as a programmatic dependent (``chain``): wait for the grid before
+    WAIT_PRIOR: tl.constexpr = False,  # launched as a programmatic dependent (``chain``): wait for the prior grid first
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
