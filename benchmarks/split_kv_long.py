@@ -18,11 +18,13 @@ output checked against ``runtime/reference.py`` first:
   ``chain+auto``: both;
 * split counts around the GPU's size (one and two programs per SM, and counts that divide the tiles evenly) and the
   other tile shapes (64/128/256 keys, chunked/padded head dim, 3 stages and the deepest that fits), each with
-  ``chain+auto`` beside it with ``--twins``.
+  ``chain+auto`` beside it with ``--twins``;
+* ``stream_k``: the persistent grid (``STREAM_K``: one program per SM at 128-key tiles, two at 64).
 
 Also ``floor_us``: the K/V bytes over the device's measured read bandwidth (``read_bandwidth_TBps``), and with
-``--half`` (default 0.5) cuDNN and the pick again at half the length, for ``fit``: each one's fixed µs and streaming
-rate (the tuner's own timings at 3fed422 gave the pick 7-10 µs fixed and 2.87-2.97 TB/s at D=80, 3.08 at D=128).
+``--half`` (default 0.5) cuDNN, the pick and stream-K again at half the length, for ``fit``: each one's fixed µs and
+streaming rate (the tuner's own timings at 3fed422 gave the pick 7-10 µs fixed and 2.87-2.97 TB/s at D=80, 3.08 at
+D=128).
 Writes JSON (medians, every round, max abs errors, failures: a config out of shared memory) to ``--out``.
 
     python benchmarks/split_kv_long.py --out $OUT/split-kv-long.json [--cases NAME,...] [--rounds 3] [--quick]
@@ -54,6 +56,11 @@ LAUNCH_WAYS = {
     " fused": {"fused_merge": True},
     " stage1": {"merge": False},
 }
+
+#: Stream-K beside them, at both lengths (programs per SM, block_n; 3 stages, the pick's head chunks): in the tuner's
+#: timings at 3fed422 (lhs25, 185k and 371k keys) it streamed fastest (3.13-3.16 TB/s against split-KV's 3.08) with
+#: 19-27 µs of fixed cost against 7: the fit says whether its in-launch merge is what costs.
+STREAM_K = ((1, 128), (2, 64))
 
 #: The deepest pipeline tried: at D=80 the tuner's timings at 3fed422 stream at 2.87-2.97 TB/s (the slope of its
 #: times over 185k and 371k keys) against 3.08 at D=128: fewer bytes a tile, so fewer in flight per SM.
@@ -99,7 +106,7 @@ def _tag(c) -> str:
 
 def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_keys=None) -> dict:
     """One case's ways (the module docstring), or with ``n_keys`` the case at that length with only cuDNN and the
-    tuner's pick plain and ``chain+auto`` (for ``fit``)."""
+    tuner's pick plain and ``chain+auto`` and stream-K (for ``fit``)."""
     import torch
 
     from static_mask import _peer, timed_rounds  # this folder's (the script's own folder is on sys.path)
@@ -108,6 +115,7 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_key
     from attnopt.bench.planner import MAX_SETS, _make_set
     from attnopt.bench.planner_grid import case_of
     from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace
+    from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace
     from attnopt.runtime.reference import decode_attention
 
     case = case_of(name)
@@ -139,8 +147,17 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_key
                 out, {**kw, **extra})
             if not extra.get("merge", True):
                 unchecked.add(way)
-    res = {"case": name, "n_keys": N, "sets": len(sets), "kv_bytes": kv_bytes, "floor_us": kv_bytes / (read_TBps * 1e6),
-           "base": _tag(base), **timed_rounds(makers, sets, ref, rounds, frozenset(unchecked))}
+    for per_sm, block_n in STREAM_K:  # the persistent grid: balanced shares, its merge in the launch
+        grid = per_sm * sms
+        ws = stream_k_workspace(grid, sets[0]["q"], sets[0]["k"], sets[0]["v"])
+        out = torch.empty_like(sets[0]["q"])
+        kw = dict(workspace=ws, scale=scale, grid=grid, block_n=block_n, num_warps=4, num_stages=3, tma=True,
+                  head_chunks=base[4])
+        makers[f"stream_k G{grid}/bn{block_n}/w4/st3"] = (
+            lambda o_, kw_: lambda s: lambda: stream_k_decode(s["q"], s["k"], s["v"], o_, **kw_)[0])(out, kw)
+    res = {"case": name, "n_keys": N, "sets": len(sets), "kv_bytes": kv_bytes,
+           "floor_us": kv_bytes / (read_TBps * 1e6), "base": _tag(base),
+           **timed_rounds(makers, sets, ref, rounds, frozenset(unchecked))}
     p = res["median_us"].get("sdpa-cudnn")
     res["ratio_to_sdpa_cudnn"] = {w: (p / v if p else None) for w, v in res["median_us"].items()}
     res["frac_of_floor"] = {w: res["floor_us"] / v for w, v in res["median_us"].items()}
