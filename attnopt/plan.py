@@ -182,7 +182,8 @@ class SplitKVPlan(Plan):
 @dataclass(frozen=True)
 class StreamKPlan(Plan):
     """LeanAttention: a persistent grid of ``grid`` programs cutting (batch x KV head x KV tile) into
-    equal contiguous shares; the last program to finish an output tile merges it."""
+    equal contiguous shares; the last program to finish an output tile merges it (or, with ``merge_launch``, a
+    second launch)."""
 
     kind: ClassVar[str] = "stream_k"
     grid: int = 132
@@ -191,6 +192,9 @@ class StreamKPlan(Plan):
     num_stages: int = 2
     #: K/V tiles through the copy engine (TMA tensor descriptors) where the GPU and the strides allow it.
     tma: bool = False
+    #: The tiles split across programs are merged by a second launch (every tile at once) instead of by the last
+    #: program to arrive, after its own share (``stream_k_decode``'s ``merge_launch``).
+    merge_launch: bool = False
 
 
 @register_plan_kind

@@ -19,7 +19,8 @@ output checked against ``runtime/reference.py`` first:
 * split counts around the GPU's size (one and two programs per SM, and counts that divide the tiles evenly) and the
   other tile shapes (64/128/256 keys, chunked/padded head dim, 3 stages and the deepest that fits), each with
   ``chain+auto`` beside it with ``--twins``;
-* ``stream_k``: the persistent grid (``STREAM_K``: one program per SM at 128-key tiles, two at 64).
+* ``stream_k``: the persistent grid (``STREAM_K``: one program per SM at 128-key tiles, two at 64), its split tiles
+  merged in the launch, or `` merge-launch``: by a second launch (``runtime/kernels/stream_k_merge.py``).
 
 Also ``floor_us``: the K/V bytes over the device's measured read bandwidth (``read_bandwidth_TBps``), and with
 ``--half`` (default 0.5) cuDNN, the pick and stream-K again at half the length, for ``fit``: each one's fixed µs and
@@ -153,8 +154,10 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_key
         out = torch.empty_like(sets[0]["q"])
         kw = dict(workspace=ws, scale=scale, grid=grid, block_n=block_n, num_warps=4, num_stages=3, tma=True,
                   head_chunks=base[4])
-        makers[f"stream_k G{grid}/bn{block_n}/w4/st3"] = (
-            lambda o_, kw_: lambda s: lambda: stream_k_decode(s["q"], s["k"], s["v"], o_, **kw_)[0])(out, kw)
+        for suffix, extra in (("", {}), (" merge-launch", {"merge_launch": True})):
+            makers[f"stream_k G{grid}/bn{block_n}/w4/st3{suffix}"] = (
+                lambda o_, kw_: lambda s: lambda: stream_k_decode(s["q"], s["k"], s["v"], o_, **kw_)[0])(
+                    out, {**kw, **extra})
     res = {"case": name, "n_keys": N, "sets": len(sets), "kv_bytes": kv_bytes,
            "floor_us": kv_bytes / (read_TBps * 1e6), "base": _tag(base),
            **timed_rounds(makers, sets, ref, rounds, frozenset(unchecked))}

@@ -21,9 +21,15 @@ import triton.language as tl
 from . import interpreting
 from .attend import _attend_chunks, _load_q, _row_coords
 from .common import arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags, head_dim_split, \
-    next_pow2, softmax_scale
+    next_pow2, pdl_supported, softmax_scale
 from .launch import KernelLauncher
-from .partials import _finish, _finish_parts, _merge_step, _merged_rows, _store_lse, _store_rows
+from .partials import _finish, _finish_parts, _merged_rows, _store_lse, _store_rows
+from .stream_k_merge import _iteration_space, _merge_tile, stream_k_merge
+
+try:  # grid dependency control (programmatic dependent launch); absent from older Tritons
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
+    gdc_launch_dependents = None
 
 
 @triton.jit
@@ -82,31 +88,18 @@ def _stream_k_kernel(
     ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
     D_LO: tl.constexpr = 0,  # > 0: the head dims (D == DV) run in two power-of-two chunks, [0, D_LO) and D_HI
     D_HI: tl.constexpr = 0,  # columns from D_LO, those past D masked (common.head_dim_split)
+    SEPARATE_MERGE: tl.constexpr = False,  # partials stay in the slots for ``stream_k_merge`` (a second launch)
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # SEPARATE_MERGE: let the merge launch (PDL) right away
 ):
+    if LAUNCH_DEPENDENTS:
+        # SEPARATE_MERGE: the merge launch's programs may become resident now; they wait (griddepcontrol.wait) for
+        # this grid to finish and its writes to be visible before they read a partial
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     # ---- the iteration space, from the valid lengths on device
-    offs_b = tl.arange(0, BLOCK_B)
-    b_ok = offs_b < B
-    if HAS_VALID:
-        lens = tl.load(valid_ptr + offs_b, mask=b_ok, other=0).to(tl.int32)
-        lens = tl.minimum(tl.maximum(lens, 0), N)
-    else:
-        lens = tl.zeros([BLOCK_B], dtype=tl.int32) + N
-    if IS_CAUSAL:
-        lens = tl.minimum(lens, L)  # no query row sees a key at or past L
-    # A window's first key per row, rounded down to a tile (the keys below it are masked in _attend_tile): a row's
-    # iterations cover only [firsts, lens), the last W keys.
-    starts = lens * 0
-    if HAS_START:
-        starts = tl.minimum(tl.maximum(tl.load(start_ptr + offs_b, mask=b_ok, other=0).to(tl.int32), 0), lens)
-    firsts = starts // BLOCK_N * BLOCK_N
-    nblk = tl.maximum(tl.cdiv(lens - firsts, BLOCK_N), 1)  # an empty row still owns one (fully masked) iteration
     tiles_per_b = HKV * NUM_M
-    cnt = tl.where(b_ok, nblk * tiles_per_b, 0)
-    incl = tl.cumsum(cnt, axis=0)
-    excl = incl - cnt
-    total = tl.sum(cnt, axis=0)
-    share = tl.cdiv(total, GRID)
+    offs_b, lens, starts, nblk, excl, incl, total, share = _iteration_space(
+        valid_ptr, start_ptr, B, N, L, tiles_per_b, GRID, BLOCK_B, BLOCK_N, HAS_VALID, IS_CAUSAL, HAS_START)
     range_start = pid * share
     it = range_start
     it_end = tl.minimum(range_start + share, total)
@@ -184,16 +177,17 @@ def _stream_k_kernel(
             # m and log l kept apart for the merge (see _merge_step)
             tl.store(ws_lse_ptr + slot * stride_wls + offs_m * stride_wlm, m_part, mask=row_ok)
             tl.store(ws_lse_ptr + stride_wlpart + slot * stride_wls + offs_m * stride_wlm, log_l, mask=row_ok)
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            ts = base + t_in_b * nb  # first iteration of the tile
-            first_p = ts // share
-            last_p = (ts + nb - 1) // share
-            if arrived == last_p - first_p:
-                if it == range_start:
-                    merge_a = tile
-                else:
-                    merge_b = tile
+            if not SEPARATE_MERGE:  # else the merge launch finds the partials in the slots
+                tl.debug_barrier()  # every thread's partial is stored before the release below
+                arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                ts = base + t_in_b * nb  # first iteration of the tile
+                first_p = ts // share
+                last_p = (ts + nb - 1) // share
+                if arrived == last_p - first_p:
+                    if it == range_start:
+                        merge_a = tile
+                    else:
+                        merge_b = tile
         it = it + (blk1 - blk0)
 
     # ---- merge the tiles we arrived at last: every contributor's partial, ours included
@@ -214,26 +208,9 @@ def _stream_k_kernel(
             # per step, stream-K took 7 to 21 µs longer than split-KV with as many programs, the excess growing
             # with the partials per tile (2 to 16; 40.6 against 19.1 µs at 32/8 heads, 8k, H100)
             r, g, i, row_ok = _merged_rows(mb, L, G, BLOCK_M, BLOCK_R)
-            mm = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-            den = tl.zeros([BLOCK_R], dtype=tl.float32)
-            acc2 = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-            offs_p = tl.arange(0, MERGE_P)
-            for p0 in range(first_p, last_p + 1, MERGE_P):
-                # MERGE_P partials per step, loaded together (their loads are independent)
-                p = p0 + offs_p
-                p_ok = p <= last_p
-                ps = p * 2 + (p * share < ts).to(tl.int32)  # slot 0 when the tile began at or before p's share
-                pl = tl.load(ws_lse_ptr + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
-                             mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
-                             cache_modifier=".cg")  # (MERGE_P, BLOCK_R), natural log
-                pll = tl.load(ws_lse_ptr + stride_wlpart + ps[:, None] * stride_wls + r[None, :] * stride_wlm,
-                              mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"),
-                              cache_modifier=".cg")
-                po = tl.load(ws_o_ptr + ps[:, None, None] * stride_ws + r[None, :, None] * stride_wm
-                             + offs_dv[None, None, :] * stride_wd,
-                             mask=p_ok[:, None, None] & row_ok[None, :, None] & (offs_dv[None, None, :] < DV),
-                             other=0.0, cache_modifier=".cg")  # (MERGE_P, BLOCK_R, BLOCK_DV)
-                mm, den, acc2 = _merge_step(mm, den, acc2, pl, po, pll)
+            mm, den, acc2 = _merge_tile(ws_o_ptr, ws_lse_ptr, first_p, last_p, share, ts, r, row_ok, offs_dv,
+                                        stride_ws, stride_wm, stride_wd, stride_wls, stride_wlm, stride_wlpart, DV,
+                                        BLOCK_R, MERGE_P)
             if LSE_PLANES:
                 o2, lse2, log_l2 = _finish_parts(acc2, mm, den)
                 _store_lse(log_l2, lse_ptr + stride_lplane, b, kvh, g, i, row_ok, stride_lb, stride_lh, stride_ll,
@@ -262,8 +239,8 @@ def stream_k_workspace(grid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, grid=132, block_n=64, num_warps=4, num_stages=2, tma=False, key_start=None,
-                    softcap=0.0, alibi_slopes=None, head_chunks=False):
-    """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch.
+                    softcap=0.0, alibi_slopes=None, head_chunks=False, merge_launch=False, pdl=None):
+    """Launch stream-K decode attention into ``out`` (and ``lse``), in one launch (two with ``merge_launch``).
 
     Parameters
     ----------
@@ -283,6 +260,9 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         is being captured into a CUDA graph (``tma_now``, as for split-KV); pointer loads otherwise.
     head_chunks : as for ``split_kv_decode``: True cuts the head dim in two power-of-two chunks where
         ``common.head_dim_split`` does; False keeps one padded chunk.
+    merge_launch : the tiles split across programs are merged by a second launch (``stream_k_merge``: every tile
+        at once, over shares of Dv) instead of by the last program to arrive, after its share. Exact either way.
+    pdl : with ``merge_launch``, chain the merge by programmatic dependent launch; None = where supported.
     """
     if grid < 1:
         raise ValueError(f"stream_k_decode: grid must be >= 1; got {grid}")
@@ -299,6 +279,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         raise ValueError(f"stream_k_decode: lse of shape {tuple(lse.shape)}: expected {tuple(q.shape[:3])} or the "
                          f"two planes {(2,) + tuple(q.shape[:3])}")
     lstr = tuple(lse.stride()[-3:]) if lse is not None else (0, 0, 0)
+    pdl = bool(merge_launch) and (pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device))
     extra = {}
     if num_warps >= 8 and not interpreting() and backend_has_option("maxnreg"):
         # The kernel holds the KV loop, the partial path and the merge: capping registers at 128 (a few spills)
@@ -315,6 +296,9 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=planes,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None, D_LO=split[0],
-        D_HI=split[1], num_warps=num_warps, num_stages=num_stages, **extra,
+        D_HI=split[1], SEPARATE_MERGE=bool(merge_launch), LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
+        num_stages=num_stages, **extra,
     )
+    if merge_launch:
+        stream_k_merge(geo, grid, block_n, workspace, out, lse, valid_len, key_start, is_causal, pdl)
     return out, lse

@@ -16,6 +16,9 @@ from .split_kv import KernelStrategy, cost_model_pick, fitting_configs, output_t
 
 #: Partitions the CPU fallback cuts the keys into (the persistent grid has no meaning there).
 CPU_PARTITIONS = 4
+#: How the planned stream-K candidates merge (``StreamKPlan.merge_launch``): in the launch, as at 3fed422, until a
+#: second launch measures faster (``benchmarks/split_kv_long.py``).
+LAUNCH = {"merge_launch": False}
 
 
 @dataclass
@@ -55,7 +58,8 @@ class StreamK(KernelStrategy[StreamKPlan]):
                 grid = max(1, grid)
                 if (grid, block_n, warps, stages) not in seen:
                     seen.add((grid, block_n, warps, stages))
-                    yield StreamKPlan(grid=grid, block_n=block_n, num_warps=warps, num_stages=stages, tma=True)
+                    yield StreamKPlan(grid=grid, block_n=block_n, num_warps=warps, num_stages=stages, tma=True,
+                                      **LAUNCH)
         pick = cost_model_pick("best_stream_k", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
@@ -63,7 +67,8 @@ class StreamK(KernelStrategy[StreamKPlan]):
             if site.kv_len is not None:
                 grid = max(1, min(grid, base * max(1, -(-n // c.block_n))))
             if (grid, c.block_n, c.num_warps, stages) not in seen:
-                yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages, tma=True)
+                yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages, tma=True,
+                                  **LAUNCH)
 
     def estimate_us(self, plan: StreamKPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps, plan.num_stages)
@@ -85,4 +90,4 @@ class StreamK(KernelStrategy[StreamKPlan]):
         stream_k_decode(q, k, v, out, lse, workspace=workspace, attn_mask=attn_mask, valid_len=valid_len,
                         scale=scale, is_causal=is_causal, grid=plan.grid, block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, tma=plan.tma, key_start=key_start,
-                        softcap=softcap, alibi_slopes=alibi_slopes)
+                        softcap=softcap, alibi_slopes=alibi_slopes, merge_launch=plan.merge_launch)

@@ -373,7 +373,9 @@ def test_cuda_graph_replay_growing_valid_len():
                                                                       fused_merge=True),
                  SplitKVPlan(num_splits=16, block_n=64, tma=True), SplitKVPlan(num_splits=40, block_n=128, tma=True,
                                                                                num_stages=3),
-                 StreamKPlan(grid=132, block_n=64), StreamKPlan(grid=264, block_n=128, num_warps=8)):
+                 StreamKPlan(grid=132, block_n=64), StreamKPlan(grid=264, block_n=128, num_warps=8),
+                 SplitKVPlan(num_splits=40, block_n=128, tma=True, num_stages=3, chain=True, merge_dv_split=0),
+                 StreamKPlan(grid=132, block_n=64, tma=True, merge_launch=True)):
         strat = get_strategy(plan.kind)
         state = strat.prepare(plan, q, k, v)
         s = torch.cuda.Stream()

@@ -210,3 +210,71 @@ def test_long_context_diagnostic_verdict():
     assert v["cases"]["a"]["best"] == f"base {base} chain+auto" and v["cases"]["a"]["merge_us"] == 14.0
     v = bench.verdict([case("a", 104.0, 102.0, 90.0), case("b", 103.0, 103.5, 95.0)])
     assert v["launch_wins_everywhere"] == []
+
+
+@pytest.mark.parametrize("lse_kind", ["none", "lse", "planes"])
+def test_stream_k_merge_launch_matches_reference(lse_kind):
+    """Stream-K with its split tiles merged by a second launch (``merge_launch``): output and LSE as the reference's,
+    over grids whose shares cut tiles in two or more places, valid lengths that leave a row empty or short, a sliding
+    window, causal rows, the D=80 head chunks, and a mask; the counters stay zero (the merge launch takes none)."""
+    if not interpreting():
+        pytest.skip("CPU kernel tests need the Triton interpreter (TRITON_INTERPRET=1)")
+    from attnopt.runtime.kernels.stream_k import stream_k_decode, stream_k_workspace
+    from attnopt.runtime.reference import attention_states
+
+    B, Hkv, G, L, N = 3, 2, 3, 2, 75
+    for D, chunks, grid, kw in ((64, False, 5, {}), (80, True, 7, {"causal": True}),
+                                (64, False, 11, {"window": True}), (64, False, 4, {"mask": True})):
+        q = torch.randn(B, Hkv * G, L, D)
+        k = torch.randn(B, Hkv, N, D)
+        v = torch.randn(B, Hkv, N, D)
+        valid = torch.tensor([75, 0, 33], dtype=torch.int32)
+        start = torch.tensor([20, 0, 5], dtype=torch.int32) if kw.get("window") else None
+        mask = (torch.rand(B, 1, L, N) > 0.3) if kw.get("mask") else None
+        causal = kw.get("causal", False)
+        ref = sdpa_float64(q, k, v, attn_mask=mask, valid_len=valid, is_causal=causal, key_start=start)
+        _, ref_lse = attention_states(q, k, v, attn_mask=mask, valid_len=valid, is_causal=causal, key_start=start,
+                                      compute_dtype=torch.float64)
+        out = torch.full_like(q, float("nan"))
+        lse = {"none": None, "lse": torch.full((B, Hkv * G, L), float("nan")),
+               "planes": torch.full((2, B, Hkv * G, L), float("nan"))}[lse_kind]
+        ws = stream_k_workspace(grid, q, k, v)
+        stream_k_decode(q, k, v, out, lse, workspace=ws, attn_mask=mask, valid_len=valid, is_causal=causal,
+                        key_start=start, grid=grid, block_n=16, tma=True, head_chunks=chunks, merge_launch=True)
+        what = f"D={D} grid={grid} {kw} lse={lse_kind}"
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5, msg=what)
+        assert int(ws[2].abs().sum()) == 0, what
+        if lse_kind == "lse":
+            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5, msg=what)
+        elif lse_kind == "planes":
+            merged = torch.where(torch.isneginf(lse[0]), lse[0], lse[0] + lse[1])
+            torch.testing.assert_close(merged.double(), ref_lse, atol=2e-5, rtol=2e-5, msg=what)
+
+
+def test_stream_k_plan_merge_launch_through_the_op(monkeypatch):
+    """A ``StreamKPlan(merge_launch=True)`` runs the two launches through the op (interpreter) and matches the
+    reference; the candidates take the strategy's ``LAUNCH``; the plan round-trips."""
+    if not interpreting():
+        pytest.skip("CPU kernel tests need the Triton interpreter (TRITON_INTERPRET=1)")
+    from attnopt.hardware import builtin_profile
+    from attnopt.plan import StreamKPlan, plan_from_json
+    from attnopt.runtime import ops
+    from attnopt.runtime.strategies import PlanContext, get_strategy
+    from attnopt.runtime.strategies import stream_k as sk
+    from attnopt.site import AttentionSite
+
+    plan = StreamKPlan(grid=5, block_n=16, merge_launch=True)
+    assert plan_from_json(plan.to_json()) == plan
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    ops.reset_runtime_state()
+    q, k, v = torch.randn(2, 6, 1, 64), torch.randn(2, 2, 50, 64), torch.randn(2, 2, 50, 64)
+    valid = torch.tensor([50, 17], dtype=torch.int32)
+    out = torch.ops.attnopt.decode_attention(q, k, v, None, valid, 0.125, False, plan.runtime_key(), "test:site")
+    torch.testing.assert_close(out.double(), sdpa_float64(q, k, v, valid_len=valid, scale=0.125), atol=2e-5,
+                               rtol=2e-5)
+    ops.reset_runtime_state()
+    monkeypatch.setattr(sk, "LAUNCH", {"merge_launch": True})
+    site = AttentionSite.canonical(kv_len=98368, q_heads=32, kv_heads=8, head_dim=128)
+    ctx = PlanContext(device_type="cuda", triton_available=True)
+    plans = list(get_strategy("stream_k").candidates(site, builtin_profile("h100-sxm"), ctx))
+    assert plans and all(p.merge_launch for p in plans)
