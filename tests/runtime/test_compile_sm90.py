@@ -101,6 +101,12 @@ def _launches(monkeypatch) -> list[dict]:
         stream_k_decode(q80, k80, v80, torch.empty(B, Hq, L, 80, dtype=dtype), torch.empty(B, Hq, L),
                         workspace=stream_k_workspace(8, q80, k80, v80), grid=8, block_n=64, num_warps=4, num_stages=3,
                         head_chunks=True)
+        # the long-context launch variants: the merge over shares of Dv ("auto"), stream-K's merge as a second launch
+        split_kv_decode(q80, k80, v80, torch.empty(B, Hq, L, 80, dtype=dtype), torch.empty(B, Hq, L),
+                        workspace=split_kv_workspace(66, q80, k80, v80), num_splits=66, block_n=64, num_warps=4,
+                        num_stages=3, head_chunks=True, merge_dv_split="auto", chain=True)
+        stream_k_decode(q, k, v, torch.empty(B, Hq, L, D, dtype=dtype), torch.empty(B, Hq, L), attn_mask=mask,
+                        scale=0.125, grid=8, block_n=64, num_warps=4, num_stages=3, merge_launch=True)
         for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
             _saap_launch(q, k, v, clusters, probes)
         _variant_launches(q, k, v, mask)
@@ -187,6 +193,15 @@ def test_kernels_compile_for_sm90(monkeypatch):
     jobs += [{**j, "consts": {**j["consts"], "WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True}}
              for j in jobs if j["name"].startswith("_saap") and "WAIT_PRIOR" in j["consts"]]
     jobs += [{**j, "consts": {**j["consts"], "PRECISION": "tf32x3"}} for j in jobs if j["name"] == "_saap_rows_kernel"]
+    # the long-context launches chained by programmatic dependent launch (split-KV's ``chain``, stream-K's
+    # ``merge_launch``), one of each kernel: the interpreter takes none of them
+    chained = {"_split_kv_kernel": {"WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True},
+               "_merge_states_kernel": {"WAIT_PRIOR": True, "LAUNCH_NEXT": True},
+               "_stream_k_kernel": {"LAUNCH_DEPENDENTS": True}, "_stream_k_merge_kernel": {"WAIT_PRIOR": True}}
+    jobs += [{**j, "consts": {**j["consts"], **chained[j["name"]]}}
+             for j in [next(j for j in jobs if j["name"] == n and (n != "_stream_k_kernel"
+                                                                    or j["consts"].get("SEPARATE_MERGE")))
+                       for n in chained]]
     jobs += [{**j, "consts": {**j["consts"], "RADIX_BITS": bits}} for j in jobs if j["name"] == "_saap_select_kernel"
              for bits in (1, 2)]  # the selection over more than 2048 clusters
     names = {j["name"] for j in jobs}
