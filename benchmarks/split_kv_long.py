@@ -107,7 +107,7 @@ def _tag(c) -> str:
 
 def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_keys=None) -> dict:
     """One case's ways (the module docstring), or with ``n_keys`` the case at that length with only cuDNN and the
-    tuner's pick plain and ``chain+auto`` and stream-K (for ``fit``)."""
+    tuner's pick plain and ``dv=auto`` and stream-K (for ``fit``)."""
     import torch
 
     from static_mask import _peer, timed_rounds  # this folder's (the script's own folder is on sys.path)
@@ -132,7 +132,7 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_key
     ref = decode_attention(sets[0]["q"].float(), sets[0]["k"], sets[0]["v"], scale=scale).float()
 
     makers, unchecked = {"sdpa-cudnn": _peer(scale, Hq != Hkv)}, set()
-    short = ("", " chain+auto") if n_keys is not None else ("", " chain+auto", " stage1")
+    short = ("", " dv=auto") if n_keys is not None else ("", " dv=auto", " chain+auto", " stage1")
     configs = [(base, LAUNCH_WAYS if not quick else {k: LAUNCH_WAYS[k] for k in short})]
     others = [] if quick else other_configs(case, base, sms)
     configs += [(c, {"": {}, **({" chain+auto": LAUNCH_WAYS[" chain+auto"]} if twins else {})}) for c in others]
@@ -225,7 +225,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="the tuner's pick only: base, chain+auto and stage 1")
+    p.add_argument("--quick", action="store_true", help="the tuner's pick only (plain, dv=auto, chain+auto, stage "
+                   "1) and stream-K")
     p.add_argument("--twins", action="store_true", help="every other config also with chain+auto")
     p.add_argument("--half", type=float, default=0.5, help="also time cuDNN and the pick at this fraction of N, "
                    "for the fit of fixed µs and streaming rate (0: no)")

@@ -79,10 +79,13 @@ def kernel_configs(head_dim: int) -> tuple[tuple[int, int, int], ...]:
 TILES_PER_SMALL_SPLIT = 4
 MAX_SMALL_PROGRAMS_PER_SM = 32
 
-#: How the planned split-KV candidates launch (``SplitKVPlan.chain``, ``merge_dv_split``): as at 3fed422 until the
-#: variants measure faster (``benchmarks/split_kv_long.py``); every candidate takes them, so the tuner's work stays
-#: the same.
-LAUNCH = {"chain": False, "merge_dv_split": 1}
+#: How the planned split-KV candidates launch (``SplitKVPlan.chain``, ``merge_dv_split``); every candidate takes them,
+#: so the tuner's work stays the same. H100 (``benchmarks/split_kv_long.py`` at 32e6a4d, the tuner's picks at
+#: 3fed422, CUDA graphs, L2 rotated, every round): the merge over shares of Dv in one step (``merge_dv_split=0``,
+#: "auto") against one program per row: B1 14/2 D80 512k S66 120.0-121.3 µs against 122.6-123.9; B2 24/8 D80 N144576
+#: S33 263.0-263.7 against 263.9-264.0; B1 32/8 D128 N98368 S33 138.4-138.7 against 139.2-139.5. ``chain`` did not
+#: win everywhere (with auto: 121.7-122.4, 264.6-265.0, 137.6-137.9): it stays off.
+LAUNCH = {"chain": False, "merge_dv_split": 0}
 
 #: A split-KV grid that follows the cache's length (``split_counts``) grows to at most this many times the tiles
 #: (or small splits) of the planned length.
