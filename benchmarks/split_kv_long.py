@@ -29,7 +29,7 @@ D=128).
 Writes JSON (medians, every round, max abs errors, failures: a config out of shared memory) to ``--out``.
 
     python benchmarks/split_kv_long.py --out $OUT/split-kv-long.json [--cases NAME,...] [--rounds 3] [--quick]
-                                       [--twins]
+                                       [--twins] [--extra]
 """
 from __future__ import annotations
 
@@ -56,6 +56,19 @@ LAUNCH_WAYS = {
     " nopdl": {"pdl": False},
     " fused": {"fused_merge": True},
     " stage1": {"merge": False},
+}
+
+#: ``--extra``: configs beside the pick, each plain and with ``dv=auto``, after the H100 run at 32e6a4d: the fastest
+#: others there (512k S66/bn128/chunks 121.91 µs against the pick's 122.77; lhs39 S8/bn256/st3/chunks 256.16 against
+#: 263.93; lhs25 S16/bn64 137.44 against 139.34) and 8 warps, which that run did not time (the tuner's fastest at
+#: 512k's 92672 keys was S66/bn128/w8/st3 padded).
+EXTRA = {
+    "corner-B1-g7-d80-512k-q1-dyn": ((66, 128, 4, 3, True), (66, 128, 8, 3, True), (66, 128, 8, 3, False),
+                                     (66, 256, 8, 3, True)),
+    "lhs39-B2-24/8-d80-N144576-q1-dynamic": ((8, 256, 4, 3, True), (8, 128, 4, 4, False), (8, 256, 8, 3, True),
+                                             (8, 128, 8, 3, False)),
+    "lhs25-B1-32/8-d128-N98368-q1-dynamic": ((16, 64, 4, 3, False), (16, 128, 4, 3, False), (16, 128, 8, 3, False),
+                                             (33, 128, 8, 3, False)),
 }
 
 #: Stream-K beside them, at both lengths (programs per SM, block_n; 3 stages, the pick's head chunks): in the tuner's
@@ -105,7 +118,7 @@ def _tag(c) -> str:
     return f"S{s}/bn{bn}/w{w}/st{st}/{'chunks' if chunks else 'padded'}"
 
 
-def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_keys=None) -> dict:
+def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_keys=None, extra=False) -> dict:
     """One case's ways (the module docstring), or with ``n_keys`` the case at that length with only cuDNN and the
     tuner's pick plain and ``dv=auto`` and stream-K (for ``fit``)."""
     import torch
@@ -136,6 +149,8 @@ def run_case(name, base, rounds, sms, read_TBps, quick=False, twins=False, n_key
     configs = [(base, LAUNCH_WAYS if not quick else {k: LAUNCH_WAYS[k] for k in short})]
     others = [] if quick else other_configs(case, base, sms)
     configs += [(c, {"": {}, **({" chain+auto": LAUNCH_WAYS[" chain+auto"]} if twins else {})}) for c in others]
+    if extra and n_keys is None:
+        configs += [(c, {"": {}, " dv=auto": LAUNCH_WAYS[" dv=auto"]}) for c in EXTRA.get(name, ())]
     for c, ways in configs:
         splits, block_n, warps, stages, chunks = c
         ws = split_kv_workspace(splits, sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -228,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the tuner's pick only (plain, dv=auto, chain+auto, stage "
                    "1) and stream-K")
     p.add_argument("--twins", action="store_true", help="every other config also with chain+auto")
+    p.add_argument("--extra", action="store_true", help="also the EXTRA configs, each plain and with dv=auto")
     p.add_argument("--half", type=float, default=0.5, help="also time cuDNN and the pick at this fraction of N, "
                    "for the fit of fixed µs and streaming rate (0: no)")
     p.add_argument("--out", default=None)
@@ -248,7 +264,7 @@ def main(argv=None) -> int:
     for name in (c.strip() for c in args.cases.split(",") if c.strip()):
         if name not in CASES:
             raise SystemExit(f"unknown case {name!r}; valid: {', '.join(CASES)}")
-        r = run_case(name, CASES[name], args.rounds, sms, bw["best"], args.quick, args.twins)
+        r = run_case(name, CASES[name], args.rounds, sms, bw["best"], args.quick, args.twins, extra=args.extra)
         if args.half > 0:
             n = case_of(name)[4]
             r["at_half"] = run_case(name, CASES[name], args.rounds, sms, bw["best"],

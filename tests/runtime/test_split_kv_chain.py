@@ -278,3 +278,20 @@ def test_stream_k_plan_merge_launch_through_the_op(monkeypatch):
     ctx = PlanContext(device_type="cuda", triton_available=True)
     plans = list(get_strategy("stream_k").candidates(site, builtin_profile("h100-sxm"), ctx))
     assert plans and all(p.merge_launch for p in plans)
+
+
+def test_long_context_diagnostic_extra_configs_fit():
+    """The ``--extra`` configs of benchmarks/split_kv_long.py fit Hopper's shared memory at their case's shape."""
+    from attnopt.bench.planner_grid import case_of
+    from attnopt.runtime.strategies.split_kv import SMEM_BUDGET, smem_bytes
+    from attnopt.site import AttentionSite
+
+    bench = _bench_module()
+    assert set(bench.EXTRA) == set(bench.CASES)
+    for name, configs in bench.EXTRA.items():
+        B, Hq, Hkv, D, N, L, _ = case_of(name)
+        site = AttentionSite(node="t", module_path="", pattern="sdpa", batch=B, q_heads=Hq, kv_heads=Hkv,
+                             head_dim=D, q_len=L, kv_len=N, dtype="bfloat16")
+        for s, bn, w, st, chunks in configs:
+            assert smem_bytes(site, bn, st, chunks) <= SMEM_BUDGET, (name, s, bn, w, st, chunks)
+            assert chunks is False or D in (80, 96)
