@@ -137,6 +137,27 @@ def storage_roots(node: Any, cache: dict) -> frozenset:
     return cache[node]
 
 
+def written_in_place(node: Any, limit: int = 256) -> bool:
+    """Whether ``node``'s result is written in place anywhere in the graph, through itself or an alias made from it.
+    Local (a walk over the users), so the patterns may ask it of any node without a ``MutationIndex``: an alias of
+    a node's storage can only be made downstream of it. Conservatively True when the walk is cut off."""
+    if not isinstance(node, fx.Node):
+        return False
+    seen = {node}
+    todo = [node]
+    while todo:
+        if len(seen) > limit:
+            return True
+        n = todo.pop()
+        for u in n.users:
+            if n in mutated_args(u):
+                return True
+            if u not in seen and _may_alias_input(u):
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
 class MutationIndex:
     """Every in-place write of one graph: (position, storage roots written), with node positions."""
 
@@ -218,4 +239,4 @@ class MutationIndex:
         return None
 
 
-__all__ = ["MutationIndex", "mutated_args", "storage_roots"]
+__all__ = ["MutationIndex", "mutated_args", "storage_roots", "written_in_place"]

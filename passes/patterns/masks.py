@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..mutation import MutationIndex
+from ..mutation import MutationIndex, written_in_place
 from .nodes import (_bare_name, _binary, _is_call, _is_noop, _name, _number, _self, arg, is_python_scalar, kind,
                     meta_dtype, meta_shape, same_size)
 from .layout import _getitem_index, _is_one
@@ -37,7 +37,7 @@ def _const_value(x: Any) -> float | None:
     """Like ``_number``, but also reads one-element constant tensors (``get_attr``, e.g. aot's lifted
     ``torch.tensor(0.0)``). Only for classifying masks: the mask tensor itself still flows at run time."""
     n = _number(x)
-    if n is not None or not isinstance(x, fx.Node):
+    if n is not None or not isinstance(x, fx.Node) or written_in_place(x):
         return n
     if x.op == "call_function" and _name(x) in ("lift_fresh_copy", "lift_fresh", "detach", "clone", "_to_copy"):
         return _const_value(_self(x))
