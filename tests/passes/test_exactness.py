@@ -288,6 +288,18 @@ def bf16_finfo_min_row_on_fp32_scores(q, k, v):
     return F.softmax(scores(q, k) + bias, -1) @ rep(v)
 
 
+@case("float64 mask")
+def fp64_finfo_min_row_on_fp32_scores(q, k, v):
+    bias = torch.zeros(B, 1, L, N, dtype=torch.float64)
+    bias[1] = torch.finfo(torch.float64).min  # the original sums in fp64: a tied row, the mean of V
+    return F.softmax(scores(q, k) + bias, -1).to(q.dtype) @ rep(v)
+
+
+@case("constant inf added")
+def constant_inf_added_to_the_scores(q, k, v):
+    return F.softmax(scores(q, k) + math.inf, -1) @ rep(v)  # every score inf: NaN everywhere
+
+
 # class 7: constant-filled tensors edited in place are no constants (the op must not bake their first value in)
 @case("exact")
 def scale_tensor_edited_in_place(q, k, v):
