@@ -454,3 +454,37 @@ def test_a_learned_bias_or_temperature_keeps_its_gradient(what, backend):
     assert not site.rewritten and "gradients" in site.reason_untouched
     torch.testing.assert_close(out, f(q, k, v, w_ref))
     torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_write_through_another_input_that_aliases_k(backend):
+    """The caller passes a view of K as a fourth argument and the function writes through it after the score product
+    read K: the original's scores use the old K. The graph's inputs are separate placeholders; their fake values
+    share a storage, so the write is seen as one to K and the site is left alone (it was rewritten: the op read the
+    new K)."""
+    def f(q, k, v, k_alias):
+        s = scores(q, k)
+        k_alias.mul_(2.0)
+        return F.softmax(s, -1) @ rep(v)
+
+    def args():
+        q, k, v = inputs()
+        return q, k, v, k.view(k.shape)
+
+    opt = attnopt.optimize(f, inner_backend=backend)
+    torch.testing.assert_close(opt(*args()), f(*args()))
+    (site,) = attnopt.last_plans(opt).sites
+    assert not site.rewritten and "in-place write" in site.reason_untouched
+
+
+def test_inputs_that_share_no_storage_do_not_alias():
+    """Separate tensors stay separate: StaticCache's write into its own K before the read is still rewritten."""
+    def f(q, k, v, other):
+        other.mul_(2.0)
+        return F.softmax(scores(q, k), -1) @ rep(v)
+
+    q, k, v = inputs()
+    opt = attnopt.optimize(f, inner_backend="eager")
+    torch.testing.assert_close(opt(q, k, v, torch.ones(3)), f(q, k, v, torch.ones(3)))
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten, site.reason_untouched

@@ -8,7 +8,7 @@ It draws the spelling (SDPA with ``enable_gqa`` or expanded K/V, eager ``matmul`
 shape from 1-D to 4-D; applied by ``+``, ``masked_fill`` with -inf or a finite value (finfo.min among them), ``where``), fully masked
 rows, in-place edits of the scores, clones and ``.contiguous()`` copies written afterwards, the fully-masked-row
 ``where`` guard and a head-pruning ``where``, a scalar after the softmax, fp32/fp64, odd shapes, and the plan
-(planner's pick, dense, split-KV, stream-K). Also: additive masks in fp16/bf16 on fp32/fp64 queries, 0/1 integer
+(planner's pick, dense, split-KV, stream-K). Also: additive masks in fp16/bf16/fp64 on fp32/fp64 queries, 0/1 integer
 masks, -1e9 additive masks (with larger scores in a third of the cases: a row they hide whole rounds onto fp32's
 grid at 1e9), the scale as a float, a 0-d tensor input or a constant-filled tensor edited in place, K/V of
 batch 1 broadcast over the queries' batch, inference dropout (``training=False``, or ``p=0``),
@@ -54,7 +54,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["N"] = draw(st.sampled_from([5, 16, 17, 33, 47]))
     s["gqa"] = draw(st.sampled_from(["repeat_kv", "repeat_interleave"] + (["enable_gqa"] if s["form"] == "sdpa" else [])))
     s["mask"] = draw(st.sampled_from([None, "bool", "bool", "zero_neginf", "finfo_min", "minus_1e9", "bias", "int01"]))
-    s["mask_dtype"] = draw(st.sampled_from(["same", "same", "float16", "bfloat16"]))  # additive masks only
+    s["mask_dtype"] = draw(st.sampled_from(["same", "same", "float16", "bfloat16", "float64"]))  # additive masks only
     s["rank"] = draw(st.integers(1, 4))
     s["bcast"] = draw(st.lists(st.booleans(), min_size=4, max_size=4))  # per dim of (B, H, L, N): size 1?
     s["apply"] = draw(st.sampled_from(["add", "masked_fill", "where"]))  # eager: how a bool mask is applied
