@@ -182,11 +182,15 @@ def _differentiable_inputs(m: AttentionMatch) -> list:
 
 
 def _same_batch(a: Any, b: Any) -> bool:
-    """Whether two batch sizes are provably equal: equal ints, or one symbol (a symbolic size beside 1 may
-    broadcast)."""
+    """Whether two batch sizes are provably equal: equal ints, or symbols the shape environment knows equal (a
+    symbolic size beside a static one may be broadcast against it)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return not isinstance(a, int) and not isinstance(b, int) and same_static((a,), (b,)) and str(a) == str(b)
+    if isinstance(a, int) or isinstance(b, int):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return str(a) == str(b) or bool(statically_known_true(a == b))
 
 
 def same_static(a, b) -> bool:
