@@ -14,7 +14,8 @@ dynamo graphs, "val" in aten/export graphs):
 
 ``sdpa``
     ``F.scaled_dot_product_attention`` (target ``torch._C._nn.scaled_dot_product_attention``) and
-    ``aten.scaled_dot_product_attention.default`` (``torch.export``).
+    ``aten.scaled_dot_product_attention.default`` (``torch.export``; ``torch.ops.aten.scaled_dot_product_attention``
+    called by hand in a function).
 ``sdpa_flash_cpu``, ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``, ``sdpa_overrideable``
     The fused aten variants that return a tuple; only output 0 may be used.
 ``eager_matmul``, ``eager_bmm``, ``eager_einsum``

@@ -300,6 +300,18 @@ def constant_inf_added_to_the_scores(q, k, v):
     return F.softmax(scores(q, k) + math.inf, -1) @ rep(v)  # every score inf: NaN everywhere
 
 
+# the aten op called by hand (the overload packet in a dynamo graph), arguments by position and by keyword
+@case("exact")
+def aten_sdpa_called_directly(q, k, v):
+    m = (torch.arange(N) < 30).view(1, 1, 1, N)
+    return torch.ops.aten.scaled_dot_product_attention(q, rep(k), rep(v), m, 0.0, False, scale=0.3)
+
+
+@case("training-mode dropout")
+def aten_sdpa_with_dropout(q, k, v):
+    return torch.ops.aten.scaled_dot_product_attention(q, rep(k), rep(v), None, 0.5) * 0.0  # random, times 0
+
+
 # class 7: constant-filled tensors edited in place are no constants (the op must not bake their first value in)
 @case("exact")
 def scale_tensor_edited_in_place(q, k, v):
