@@ -25,6 +25,9 @@ CASES = {
     "tune-batch": (["tune", "llama3-8b", "--batch", "0"], "--batch '0'"),
     "tune-q-len": (["tune", "llama3-8b", "--q-len", "17"], "at most 16"),
     "tune-budget": (["tune", "llama3-8b", "--budget", "-1"], "--budget -1.0"),
+    # attnopt explain: the plot's file (matplotlib wrote a folder's name + .png, and said it wrote the folder)
+    "explain-plot-folder": (["explain", "--plot", "{tmp}"], "is a directory"),
+    "explain-plot-format": (["explain", "--plot", "{tmp}/plot"], "must end in one of .avif"),
     # attnopt calibrate
     "calibrate-profile": (["calibrate", "--profile", "nosuch"], "valid names: a100-80gb"),
     "calibrate-random": (["calibrate", "--random", "-3"], "--random -3"),
