@@ -35,6 +35,7 @@ CASES = {
     "calibrate-out": (["calibrate", "--validate", "--out", "{tmp}"], "is a directory"),
     # attnopt bench (argparse types)
     "dispatch-calls": (["bench", "dispatch", "--calls", "0"], "argument --calls: must be an integer >= 1, got '0'"),
+    "bench-out-folder": (["bench", "variants", "--smoke", "--out", "{tmp}"], "--out='"),
     "e2e-device": (["bench", "e2e", "--device", "nosuch"], "expected cuda, cuda:N or cpu"),
     "e2e-steps": (["bench", "e2e", "--device", "cpu", "--steps", "0"], "argument --steps"),
     # attnopt export-onnx: checked before the model loads
