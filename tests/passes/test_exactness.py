@@ -500,3 +500,23 @@ def test_inputs_that_share_no_storage_do_not_alias():
     torch.testing.assert_close(opt(q, k, v, torch.ones(3)), f(q, k, v, torch.ones(3)))
     (site,) = attnopt.last_plans(opt).sites
     assert site.rewritten, site.reason_untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_alibi_positions_from_a_rounding_arange(dtype):
+    """An ALiBi bias whose positions come from an ``arange`` in bf16/fp16 (rounded past 256/2048 keys) is not
+    ``slope * j``: the rounded bias is applied as a general additive mask instead (it was read as ALiBi, and the op
+    added the exact positions)."""
+    n = 300 if dtype == torch.bfloat16 else 2100
+
+    def f(q, k, v, slopes):
+        positions = torch.arange(k.shape[-2], dtype=dtype).float()
+        return F.softmax(scores(q, k) + slopes * positions, -1) @ rep(v)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, H, L, D, generator=g), torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(1, H, 1, 1)
+    opt = attnopt.optimize(f, inner_backend="eager")
+    torch.testing.assert_close(opt(q, k, v, slopes), f(q, k, v, slopes), atol=2e-5, rtol=2e-5)
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten and not site.site.alibi, site.reason_untouched
