@@ -16,9 +16,12 @@ from .split_kv import KernelStrategy, cost_model_pick, fitting_configs, output_t
 
 #: Partitions the CPU fallback cuts the keys into (the persistent grid has no meaning there).
 CPU_PARTITIONS = 4
-#: How the planned stream-K candidates merge (``StreamKPlan.merge_launch``): in the launch, as at 3fed422, until a
-#: second launch measures faster (``benchmarks/split_kv_long.py``).
-LAUNCH = {"merge_launch": False}
+#: Planned keys from which the stream-K candidates merge their split tiles in a second launch
+#: (``StreamKPlan.merge_launch``). H100 (``benchmarks/split_kv_long.py --quick --extra`` at 105b395, CUDA graphs, L2
+#: rotated): faster than the in-launch merge in all 12 timings at 49k-524k keys, grids 132/bn128 and 264/bn64 (B1 14/2
+#: D80 512k 124.7 against 153.6 and 132.5 against 190.4 µs; B2 24/8 D80 N144576 258.2 against 259.9; B1 32/8 D128
+#: N98368 140.0 against 145.8). Not measured below; the in-launch merge stays there.
+MERGE_LAUNCH_FROM = 49152
 
 
 @dataclass
@@ -45,6 +48,7 @@ class StreamK(KernelStrategy[StreamKPlan]):
         beat 132 at 128k by 2.5 %."""
         n = planned_len(site)
         base = output_tiles(site)
+        merge_launch = n >= MERGE_LAUNCH_FROM
         seen = set()
         for block_n, warps, stages in fitting_configs(site, hw=hw):
             iterations = base * max(1, -(-n // block_n))
@@ -59,7 +63,7 @@ class StreamK(KernelStrategy[StreamKPlan]):
                 if (grid, block_n, warps, stages) not in seen:
                     seen.add((grid, block_n, warps, stages))
                     yield StreamKPlan(grid=grid, block_n=block_n, num_warps=warps, num_stages=stages, tma=True,
-                                      **LAUNCH)
+                                      merge_launch=merge_launch)
         pick = cost_model_pick("best_stream_k", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
@@ -68,7 +72,7 @@ class StreamK(KernelStrategy[StreamKPlan]):
                 grid = max(1, min(grid, base * max(1, -(-n // c.block_n))))
             if (grid, c.block_n, c.num_warps, stages) not in seen:
                 yield StreamKPlan(grid=grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages, tma=True,
-                                  **LAUNCH)
+                                  merge_launch=merge_launch)
 
     def estimate_us(self, plan: StreamKPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         return kernel_cost.stream_k_us(site, hw, plan.grid, plan.block_n, plan.num_warps, plan.num_stages)

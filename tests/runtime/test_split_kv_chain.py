@@ -253,7 +253,8 @@ def test_stream_k_merge_launch_matches_reference(lse_kind):
 
 def test_stream_k_plan_merge_launch_through_the_op(monkeypatch):
     """A ``StreamKPlan(merge_launch=True)`` runs the two launches through the op (interpreter) and matches the
-    reference; the candidates take the strategy's ``LAUNCH``; the plan round-trips."""
+    reference; the candidates merge in a second launch from ``MERGE_LAUNCH_FROM`` planned keys; the plan
+    round-trips."""
     if not interpreting():
         pytest.skip("CPU kernel tests need the Triton interpreter (TRITON_INTERPRET=1)")
     from attnopt.hardware import builtin_profile
@@ -273,11 +274,11 @@ def test_stream_k_plan_merge_launch_through_the_op(monkeypatch):
     torch.testing.assert_close(out.double(), sdpa_float64(q, k, v, valid_len=valid, scale=0.125), atol=2e-5,
                                rtol=2e-5)
     ops.reset_runtime_state()
-    monkeypatch.setattr(sk, "LAUNCH", {"merge_launch": True})
-    site = AttentionSite.canonical(kv_len=98368, q_heads=32, kv_heads=8, head_dim=128)
     ctx = PlanContext(device_type="cuda", triton_available=True)
-    plans = list(get_strategy("stream_k").candidates(site, builtin_profile("h100-sxm"), ctx))
-    assert plans and all(p.merge_launch for p in plans)
+    for n, expected in ((sk.MERGE_LAUNCH_FROM, True), (98368, True), (sk.MERGE_LAUNCH_FROM - 1, False), (4096, False)):
+        site = AttentionSite.canonical(kv_len=n, q_heads=32, kv_heads=8, head_dim=128)
+        plans = list(get_strategy("stream_k").candidates(site, builtin_profile("h100-sxm"), ctx))
+        assert plans and all(p.merge_launch is expected for p in plans), n
 
 
 def test_long_context_diagnostic_extra_configs_fit():
