@@ -14,6 +14,13 @@ from ..reference import attention_states
 from .build import ClusterState
 from .index import SaapIndex
 
+#: Bits of each score's order-preserving key that the selection ranks on (``selection_keys``): 16, the score cut to
+#: bf16's sign, exponent and 7 mantissa bits, so that the kernel's radix select finds the threshold in at most four
+#: 4-bit rounds (32-bit keys took 4 to 6 at llama3-8b 128k/512k 5 %, the slowest head setting the time); the
+#: ties this makes at the threshold are broken by the lowest cluster index, so the pick is still exactly ``probes``
+#: clusters.
+SELECT_KEY_BITS = 16
+
 
 def query_positions(n_keys: int, q_len: int, device: torch.device) -> Tensor:
     """RoPE positions of the L query tokens of a decode call over a cache of ``n_keys`` (they are its last L)."""
@@ -30,14 +37,37 @@ def select_clusters(index: SaapIndex, layer: int, q: Tensor, positions: Tensor, 
     scores = index.cluster_scores(layer, q, positions, scale, centroids)  # (B, Hkv, L, C)
     if not per_token:
         scores = scores.sum(dim=2)
-    return scores.topk(min(probes, scores.shape[-1]), dim=-1).indices
+    return top_clusters(scores, probes)
 
 
-def threshold_clusters(scores: Tensor, probes: int) -> Tensor:
-    """The Triton selection's rule: every cluster whose score is at least the ``probes``-th largest (ties at the
-    threshold all join, a superset of ``topk``). scores (..., C) -> boolean (..., C)."""
-    probes = max(1, min(int(probes), scores.shape[-1]))
-    return scores >= scores.topk(probes, dim=-1).values[..., -1:]
+def selection_keys(scores: Tensor, bits: int = SELECT_KEY_BITS) -> Tensor:
+    """The selection's rank of each score: the top ``bits`` bits of its order-preserving 32-bit key (negative
+    floats' magnitude bits flipped, then the sign bit; -0.0 counts as 0.0), as the Triton selection computes it.
+    scores (..., C) float -> (..., C) int64 in [0, 2^bits)."""
+    s = scores.float()
+    s = torch.where(s == 0, torch.zeros_like(s), s)
+    u = s.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(u >= 1 << 31, u ^ 0x7FFFFFFF, u) ^ (1 << 31)
+    return key >> (32 - bits)
+
+
+def top_clusters(scores: Tensor, probes: int, bits: int = SELECT_KEY_BITS) -> Tensor:
+    """The selection rule, the kernel's and the reference's (every SAAP pick goes through here): the ``probes``
+    clusters of largest ``selection_keys`` (the scores cut to SELECT_KEY_BITS bits), ties broken by the lowest
+    cluster index (``bits``: another key width, which only the kernel's timing variants take).
+    scores (..., C) -> (..., probes) int64 cluster indices, best first."""
+    C = scores.shape[-1]
+    probes = max(0, min(int(probes), C))
+    low = max(1, (C - 1).bit_length())  # the index's bits: below the key, inverted so that lower indices rank higher
+    ranked = (selection_keys(scores, bits) << low) | ((1 << low) - 1 - torch.arange(C, device=scores.device))
+    return ranked.topk(probes, dim=-1).indices
+
+
+def threshold_clusters(scores: Tensor, probes: int, bits: int = SELECT_KEY_BITS) -> Tensor:
+    """``top_clusters`` as a mask, as the kernel picks: scores (..., C) -> boolean (..., C), exactly
+    max(1, min(probes, C)) set per row."""
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return chosen.scatter_(-1, top_clusters(scores, max(1, int(probes)), bits), True)
 
 
 def attended_keys(state: ClusterState, clusters: Tensor, n_keys: int, q_len: int = 1) -> Tensor:

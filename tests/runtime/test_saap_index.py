@@ -280,6 +280,28 @@ def test_reference_decode_attends_exactly_sink_window_and_clusters(trained, prob
         torch.testing.assert_close(o, dense_o, atol=1e-5, rtol=1e-5)
 
 
+def test_the_selection_rule_ranks_bf16_cut_keys_and_breaks_ties_by_the_lowest_index():
+    """``top_clusters``: exactly ``probes`` clusters by the scores' top 16 key bits (what the kernel ranks), ties
+    broken by the lowest cluster index; the float order otherwise (negatives, -0.0 equal to 0.0, infinities)."""
+    from attnopt.runtime.saap.decode import selection_keys, threshold_clusters, top_clusters
+
+    floats = torch.tensor([float("-inf"), -3.0, -1e-30, -0.0, 0.0, 1e-30, 0.7, 0.70001, 2.0, float("inf")])
+    keys = selection_keys(floats)
+    assert bool((keys[1:] >= keys[:-1]).all()) and int(keys[3]) == int(keys[4])
+    assert int(keys[6]) == int(keys[7]) and int(keys[7]) < int(keys[8])  # 0.7 and 0.70001 share their bf16 cut
+    assert torch.equal(selection_keys(floats, 32).argsort(stable=True), torch.arange(10))
+    scores = torch.tensor([[0.5, 0.70001, 0.1, 0.7, 0.9, 0.7, -0.0, 0.0]])
+    assert top_clusters(scores, 3).tolist() == [[4, 1, 3]]  # 0.9, then the first two of the three tied near 0.7
+    assert top_clusters(scores, 3, bits=32).tolist() == [[4, 1, 3]]
+    assert top_clusters(scores, 7).tolist() == [[4, 1, 3, 5, 0, 2, 6]]  # -0.0 ties 0.0: the lower index
+    assert threshold_clusters(scores, 99).all() and int(threshold_clusters(scores, 0).sum()) == 1
+    g = torch.Generator().manual_seed(0)
+    cut = (0x3F80 + torch.randperm(4096, generator=g, dtype=torch.int32)) << 16  # distinct bf16 values from 1.0 up
+    distinct = (cut | torch.randint(0, 1 << 16, cut.shape, generator=g, dtype=torch.int32)).view(torch.float32)
+    distinct = distinct.view(2, 2048)
+    assert torch.equal(top_clusters(distinct, 77), distinct.topk(77).indices)
+
+
 def test_multi_token_decode_is_causal_within_the_call(trained):
     _, index = trained
     N = 200
