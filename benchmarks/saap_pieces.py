@@ -23,8 +23,8 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   warps with 128 clusters a program;
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
   bits a radix round, ``-guess`` with the first round's digit from one packed count where it can (not the round),
-  ``-k32`` on 32-bit score keys, ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
-  ablations choose no real set: they say what each part costs);
+  ``-k32`` on 32-bit score keys, ``-skip1`` without the threshold rounds, ``-skip2`` without them and the
+  compaction (the ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
   ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,

@@ -45,8 +45,8 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
     launch. SKIP (the piece microbenchmark's ablations, never a plan's): 1 leaves out the threshold rounds (every
     non-empty cluster is chosen), 2 also the compaction (only the key total is stored). KEY_BITS: the top bits of
-    each score's key that rank it (``decode.SELECT_KEY_BITS``: the rule; another value only to time it). GUESS_TOP (RADIX_BITS 4):
-    the first round's digit from one packed count where every score is in [0, 2). PERM_LINES > 0 (compiled code
+    each score's key that rank it (``decode.SELECT_KEY_BITS``: the rule; another value only to time it).
+    GUESS_TOP (RADIX_BITS 4): the first round's digit from one packed count where every score is in [0, 2). PERM_LINES > 0 (compiled code
     only): once the set is known, ask L2 for the first PERM_LINES 128-byte lines of each chosen cluster's keys in
     ``perm`` (int32; strides stride_pb/ph/pn), which the attention's first tiles read next."""
     b = bh // HKV
