@@ -13,7 +13,8 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   ``fused_merge``); ``full-k32`` with the selection ranking 32-bit score keys (``decode.SELECT_KEY_BITS`` is the
   rule: 16; the k32 rows time another pick than the reference's, so no ``same_list``), ``full-guess`` the selection's
   first round from one count (``saap_select.GUESS_TOP``), ``full-cols`` the centroid logits one query row at a time
-  (``saap_select.SCORE_COLUMNS``), ``full-sw8w`` the fused scoring-and-selection launch at 8
+  (``saap_select.SCORE_COLUMNS``), ``full-fenced-stats`` the selectivity atomics acq_rel as before (each behind a
+  fence; ``saap_select.RELAXED_STATS``), ``full-sw8w`` the fused scoring-and-selection launch at 8
   warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
@@ -230,6 +231,7 @@ def main(argv=None) -> int:
     wide8 = {"select.FUSED_WIDE_MIN_WARPS": 8}
     guess = {"select.GUESS_TOP": True}
     cols = {"select.SCORE_COLUMNS": True}
+    fenced = {"select.RELAXED_STATS": False}
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -266,6 +268,7 @@ def main(argv=None) -> int:
         ("full-fused-merge", lambda c, i: plan_call(replace(plans[i], fused_merge=True), c["s"], scale)),
         ("full-k32", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **k32)),
         ("full-guess", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **guess)),
+        ("full-fenced-stats", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **fenced)),
         ("full-cols", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **cols)),
         ("full-cols-guess", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **cols, **guess)),
         ("full-sw8w", lambda c, i: flagged(plan_call(replace(plans[i], select_warps=8), c["s"], scale), **wide8)),

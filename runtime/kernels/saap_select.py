@@ -65,6 +65,9 @@ SELECT_PREFETCH_LINES = 0
 #: The selection's first radix round replaced by one count where it can (``_select_head``'s GUESS_TOP). Off: on the
 #: H100 (80da12a, 32-bit keys) 7.68 µs a selection against 7.82, noise-level.
 GUESS_TOP = False
+#: The selection adds the call's selectivity to the device accumulator with relaxed atomics (Triton's default,
+#: acq_rel, puts a GPU-wide fence before each of the two, at the end of the selection's critical path).
+RELAXED_STATS = True
 
 
 class SaapScorer(NamedTuple):
@@ -132,6 +135,7 @@ def _saap_rows_kernel(
     GUESS_TOP: tl.constexpr = False,  # SELECT: as the selection's
     PERM_LINES: tl.constexpr = 0,  # SELECT: as the selection's
     KEY_BITS: tl.constexpr = 16,  # SELECT: as the selection's
+    RELAXED_STATS: tl.constexpr = True,  # SELECT: as the selection's
     COLUMNS: tl.constexpr = False,  # SRC_Q logits, "fma": one query row at a time (``SCORE_COLUMNS``)
 ):
     if LAUNCH_DEPENDENTS:
@@ -220,7 +224,8 @@ def _saap_rows_kernel(
                 _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                              stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
                              inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False, 0,
-                             GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES, KEY_BITS)
+                             GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES, KEY_BITS,
+                             RELAXED_STATS)
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -355,6 +360,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
                          GUESS_TOP=guess_top, PERM_LINES=perm_lines, KEY_BITS=key_bits or SELECT_KEY_BITS,
+                         RELAXED_STATS=RELAXED_STATS,
                          **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):

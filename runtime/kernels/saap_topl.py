@@ -40,12 +40,13 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
                  RADIX_BITS: tl.constexpr, FROM_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr,
                  HAS_STATS: tl.constexpr, WAIT_PRIOR: tl.constexpr, SKIP: tl.constexpr = 0,
                  GUESS_TOP: tl.constexpr = False, perm_ptr=None, stride_pb=0, stride_ph=0, stride_pn=0,
-                 PERM_LINES: tl.constexpr = 0, KEY_BITS: tl.constexpr = 16):
+                 PERM_LINES: tl.constexpr = 0, KEY_BITS: tl.constexpr = 16, RELAXED_STATS: tl.constexpr = True):
     """The selection of one (batch row, KV head) ``bh``: see ``_saap_select_kernel`` for the arguments. The logits and
     their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
     launch. SKIP (the piece microbenchmark's ablations, never a plan's): 1 leaves out the threshold rounds (every
     non-empty cluster is chosen), 2 also the compaction (only the key total is stored). KEY_BITS: the top bits of
     each score's key that rank it (``decode.SELECT_KEY_BITS``: the rule; another value only to time it).
+    RELAXED_STATS: the selectivity sums' atomics without ordering (else acq_rel, each behind a GPU-wide fence).
     GUESS_TOP (RADIX_BITS 4): the first round's digit from one packed count where every score is in [0, 2). PERM_LINES > 0 (compiled code
     only): once the set is known, ask L2 for the first PERM_LINES 128-byte lines of each chosen cluster's keys in
     ``perm`` (int32; strides stride_pb/ph/pn), which the attention's first tiles read next."""
@@ -187,8 +188,12 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     if HAS_STATS:
         attended = SINK + total + window_keys
         share = attended.to(tl.float64) / tl.maximum(kv_len, 1).to(tl.float64) * inv_heads
-        tl.atomic_add(stats_ptr, share)
-        tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
+        if RELAXED_STATS:  # no fence before them: nothing reads the sums before the launch ends
+            tl.atomic_add(stats_ptr, share, sem="relaxed", scope="gpu")
+            tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64), sem="relaxed", scope="gpu")
+        else:  # Triton's default, acq_rel: a fence (MEMBAR.GPU on sm_90) before each
+            tl.atomic_add(stats_ptr, share)
+            tl.atomic_add(stats_ptr + 1, tl.where(bh == 0, 1.0, 0.0).to(tl.float64))
 
 
 @triton.jit
@@ -227,13 +232,15 @@ def _saap_select_kernel(
     GUESS_TOP: tl.constexpr = False,  # the first round's digit from one count (``_select_head``; RADIX_BITS 4)
     PERM_LINES: tl.constexpr = 0,  # > 0: prefetch the chosen clusters' perm lines into L2 (``_select_head``)
     KEY_BITS: tl.constexpr = 16,  # the score key's bits that rank it (``_select_head``)
+    RELAXED_STATS: tl.constexpr = True,  # the selectivity atomics unordered (``_select_head``)
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     _select_head(tl.program_id(0), score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                  stats_ptr, stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK,
                  PROBES, SINK, inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, FROM_LOGITS, HAS_VALID, HAS_STATS,
-                 WAIT_PRIOR, SKIP, GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES, KEY_BITS)
+                 WAIT_PRIOR, SKIP, GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES, KEY_BITS,
+                 RELAXED_STATS)
 
 
 def block_c_for(clusters: int) -> int:
