@@ -16,9 +16,9 @@ from .index import SaapIndex
 
 #: Bits of each score's order-preserving key that the selection ranks on (``selection_keys``): 16, the score cut to
 #: bf16's sign, exponent and 7 mantissa bits, so that the kernel's radix select finds the threshold in at most four
-#: 4-bit rounds (32-bit keys took 4 to 6 at llama3-8b 128k/512k 5 %, the slowest head setting the time); the
-#: ties this makes at the threshold are broken by the lowest cluster index, so the pick is still exactly ``probes``
-#: clusters.
+#: 4-bit rounds (on the llama3-8b 128k/512k 5 % bench sets, 32-bit keys took 3 to 6 a head, the slowest of the 8 heads,
+#: which sets the time, 5 or 6); the ties this makes at the threshold (1 to 3 extra clusters in about 60 % of those
+#: heads) are broken by the lowest cluster index, so the pick is still exactly ``probes`` clusters.
 SELECT_KEY_BITS = 16
 
 
