@@ -12,16 +12,15 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   (``saap_select.SELECT_PREFETCH_LINES``), ``full-fused-merge`` the merge in the attention launch (the plan's
   ``fused_merge``); ``full-k32`` with the selection ranking 32-bit score keys (``decode.SELECT_KEY_BITS`` is the
   rule: 16; the k32 rows time another pick than the reference's, so no ``same_list``), ``full-guess`` the selection's
-  first round from one count (``saap_select.GUESS_TOP``), ``full-cols`` the centroid logits one query row at a time
-  (``saap_select.SCORE_COLUMNS``), ``full-fenced-stats`` the selectivity atomics acq_rel as before (each behind a
-  fence; ``saap_select.RELAXED_STATS``), ``full-sw8w`` the fused scoring-and-selection launch at 8
-  warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``);
+  first round from one count (``saap_select.GUESS_TOP``), ``full-fenced-stats`` the selectivity atomics acq_rel as
+  before (each behind a fence; ``saap_select.RELAXED_STATS``), ``full-sw8w`` the fused scoring-and-selection launch
+  at 8 warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
   unpadded), ``-noderope`` without removing RoPE from the queries;
 * ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products, ``-k32``
-  32-bit keys, ``-guess`` the first round's digit from one count, ``-cols`` one query row at a time); ``score+select-fused8w`` / ``score-fused8w``: at 8
+  32-bit keys, ``-guess`` the first round's digit from one count); ``score+select-fused8w`` / ``score-fused8w``: at 8
   warps with 128 clusters a program;
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
   bits a radix round, ``-guess`` with the first round's digit from one packed count where it can (not the round),
@@ -230,7 +229,6 @@ def main(argv=None) -> int:
     k32 = {"select.SELECT_KEY_BITS": 32}  # the 32-bit score keys (timing only: another pick than the reference's)
     wide8 = {"select.FUSED_WIDE_MIN_WARPS": 8}
     guess = {"select.GUESS_TOP": True}
-    cols = {"select.SCORE_COLUMNS": True}
     fenced = {"select.RELAXED_STATS": False}
 
     dummy = torch.zeros(1, device=device)
@@ -269,8 +267,6 @@ def main(argv=None) -> int:
         ("full-k32", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **k32)),
         ("full-guess", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **guess)),
         ("full-fenced-stats", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **fenced)),
-        ("full-cols", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **cols)),
-        ("full-cols-guess", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **cols, **guess)),
         ("full-sw8w", lambda c, i: flagged(plan_call(replace(plans[i], select_warps=8), c["s"], scale), **wide8)),
         ("full-sw8w-k32", lambda c, i: flagged(plan_call(replace(plans[i], select_warps=8), c["s"], scale), **wide8,
                                                 **k32)),
@@ -280,9 +276,6 @@ def main(argv=None) -> int:
         ("score-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring")),
         ("score+select-fused16-k32", lambda c, i: lambda: select(c, fused=True, num_warps=16, key_bits=32)),
         ("score+select-fused16-guess", lambda c, i: lambda: select(c, fused=True, num_warps=16, guess_top=True)),
-        ("score+select-fused16-cols", lambda c, i: flagged(lambda: select(c, fused=True, num_warps=16), **cols)),
-        ("score-fused16-cols", lambda c, i: flagged(lambda: select(c, fused=True, num_warps=16, launches="scoring"),
-                                                    **cols)),
         ("score+select-fused8w", lambda c, i: flagged(lambda: select(c, fused=True, num_warps=8), **wide8)),
         ("score-fused8w", lambda c, i: flagged(lambda: select(c, fused=True, num_warps=8, launches="scoring"),
                                                **wide8)),

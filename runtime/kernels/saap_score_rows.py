@@ -32,31 +32,19 @@ def _load_query_rows(q_ptr, inv_freq_ptr, b, kvh, offs_r, offs_d, stride_qb, str
 
 
 @triton.jit
-def _rope_turns(inv_freq, kv_len, offs_r, L):
-    """The cosines and sines (BLOCK_R, BLOCK_D) of the rotation of each token's position ``kv_len - L + i``
-    (i = offs_r % L) by ``inv_freq`` (BLOCK_D,)."""
-    i = offs_r % L
-    pos = (kv_len - L + i).to(tl.float32)
-    angle = pos[:, None] * inv_freq[None, :]  # rounded as the reference rounds it, in fp32
-    # range reduction in fp64: the fp32 cosine of an angle of 5e5 radians is accurate only after it
-    turns = (angle.to(tl.float64) * 0.15915494309189535).to(tl.int64).to(tl.float64)
-    reduced = (angle.to(tl.float64) - turns * 6.283185307179586).to(tl.float32)
-    return tl.cos(reduced), tl.sin(reduced)
-
-
-@triton.jit
-def _unrotate(x, xp, cos, sin, offs_d, D):
-    """``x cos + sign * x[partner] sin``: RoPE removed, given ``_rope_turns``' factors."""
-    sign = tl.where(offs_d < D // 2, 1.0, -1.0)
-    return x * cos + sign[None, :] * xp * sin
-
-
-@triton.jit
 def _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_d, L, D, DEROPE: tl.constexpr):
-    """``_load_query_rows``' rows with RoPE removed at each token's position ``kv_len - L + i`` when DEROPE."""
+    """``_load_query_rows``' rows with RoPE removed at each token's position ``kv_len - L + i`` when DEROPE
+    (``x cos + sign * x[partner] sin``)."""
     if DEROPE:
-        cos, sin = _rope_turns(inv_freq, kv_len, offs_r, L)
-        x = _unrotate(x, xp, cos, sin, offs_d, D)
+        i = offs_r % L
+        half = D // 2
+        pos = (kv_len - L + i).to(tl.float32)
+        angle = pos[:, None] * inv_freq[None, :]  # rounded as the reference rounds it, in fp32
+        # range reduction in fp64: the fp32 cosine of an angle of 5e5 radians is accurate only after it
+        turns = (angle.to(tl.float64) * 0.15915494309189535).to(tl.int64).to(tl.float64)
+        reduced = (angle.to(tl.float64) - turns * 6.283185307179586).to(tl.float32)
+        sign = tl.where(offs_d < half, 1.0, -1.0)
+        x = x * tl.cos(reduced) + sign[None, :] * xp * tl.sin(reduced)
     return x
 
 

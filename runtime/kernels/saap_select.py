@@ -30,7 +30,7 @@ from ..saap.decode import SELECT_KEY_BITS
 from . import interpreting
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
-from .saap_score_rows import _derope_rows, _load_query_rows, _rope_turns, _rows_product, _unrotate
+from .saap_score_rows import _derope_rows, _load_query_rows, _rows_product
 from .saap_topl import _saap_select_kernel, _select_head, block_c_for, radix_bits, select_warps
 
 #: Outputs per scoring program: the hidden layer's units, the clusters' logits (from D- or H-long rows).
@@ -51,12 +51,6 @@ BLOCK_K_HIDDEN = 128
 #: with "tf32x3" (the scoring alone 8.41 against 9.34; Triton's FMA dot, "ieee", 23.9), and it holds 90 registers a
 #: thread and 16 KB of shared memory against 128 and 64 KB. Its rows are unrolled, hence the bound.
 FMA_MAX_ROWS = 8
-#: Centroid scoring with the "fma" products takes the query rows one at a time, each loaded (and de-roped) in the
-#: weights' own layout, into a transposed (clusters, rows) accumulator. Compiled for sm_90 (llama3-8b, the fused
-#: launch's 128 clusters and 16 warps) the row at a time needs no cross-warp step to pick a row out of the (rows, D)
-#: tile nor to move each row's logits between layouts: 11 barriers instead of 37 in the scoring launch alone, but
-#: 1,856 SASS instructions instead of 1,072 (each thread de-ropes 4 elements, not 1). Off until timed.
-SCORE_COLUMNS = False
 #: 128-byte lines of ``perm`` per chosen cluster that the selection asks L2 for once the set is known, before it
 #: writes the work list (the attention's first tiles read them next, from HBM otherwise). PTX only (the interpreter
 #: runs without it). Off: on the H100 (65ec530, llama3-8b 5 %, with the attention's prefetches and the merge at 2) 4
@@ -136,7 +130,6 @@ def _saap_rows_kernel(
     PERM_LINES: tl.constexpr = 0,  # SELECT: as the selection's
     KEY_BITS: tl.constexpr = 16,  # SELECT: as the selection's
     RELAXED_STATS: tl.constexpr = True,  # SELECT: as the selection's
-    COLUMNS: tl.constexpr = False,  # SRC_Q logits, "fma": one query row at a time (``SCORE_COLUMNS``)
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -156,24 +149,7 @@ def _saap_rows_kernel(
     o_ok = offs_o < NOUT
     w_base = w_ptr + kvh.to(tl.int64) * NOUT * K + offs_o.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_R, BLOCK_O], dtype=tl.float32)
-    if COLUMNS:  # centroid logits, "fma": each query row loaded (and de-roped) alone, in the weights' layout
-        w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        acc = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)  # transposed: each row's logits a column
-        first = tl.arange(0, 1)
-        if DEROPE and L == 1:  # one token (L is a compile-time 1 then): every row's rotation is the same
-            inv_freq = tl.load(inv_freq_ptr + tl.where(offs_k < D // 2, offs_k, offs_k - D // 2), mask=offs_k < D,
-                               other=0.0)
-            cos, sin = _rope_turns(inv_freq, kv_len, first, L)
-        for r in tl.static_range(BLOCK_R):
-            row = r + first
-            x, xp, inv_freq = _load_query_rows(x_ptr, inv_freq_ptr, b, kvh, row, offs_k, stride_qb, stride_qh,
-                                               stride_ql, stride_qd, L, G, D, DEROPE)
-            if DEROPE and L == 1:
-                x = _unrotate(x, xp, cos, sin, offs_k, D)
-            else:
-                x = _derope_rows(x, xp, inv_freq, kv_len, row, offs_k, L, D, DEROPE)
-            acc = tl.where(offs_r[None, :] == r, tl.sum(w * tl.sum(x, axis=0)[None, :], axis=1)[:, None], acc)
-    elif SRC_Q:
+    if SRC_Q:
         # every load before any math: the weights' read (the launch's bytes) is then in flight with the queries'
         # (de-roped first, sm_90 issued it only after the de-roping's barriers: two memory latencies in a row)
         x, xp, inv_freq = _load_query_rows(x_ptr, inv_freq_ptr, b, kvh, offs_r, offs_k, stride_qb, stride_qh,
@@ -189,15 +165,8 @@ def _saap_rows_kernel(
             w = tl.load(w_base + kk[None, :], mask=o_ok[:, None] & (kk[None, :] < K), other=0.0)
             acc = _rows_product(x, w, acc, PRECISION)
     vec = kvh.to(tl.int64) * NOUT + offs_o
-    # the accumulator's (rows, outputs) as 2-D index grids, and the outputs' axis: (BLOCK_R, BLOCK_O), or transposed
-    if COLUMNS:
-        rows2, outs2 = offs_r[None, :], offs_o[:, None]
-        OUT_AXIS: tl.constexpr = 0
-    else:
-        rows2, outs2 = offs_r[:, None], offs_o[None, :]
-        OUT_AXIS: tl.constexpr = 1
-    out_ptrs = out_ptr + bh.to(tl.int64) * M * NOUT + rows2.to(tl.int64) * NOUT + outs2
-    ok = (rows2 < M) & (outs2 < NOUT)
+    out_ptrs = out_ptr + bh.to(tl.int64) * M * NOUT + offs_r.to(tl.int64)[:, None] * NOUT + offs_o[None, :]
+    ok = (offs_r[:, None] < M) & o_ok[None, :]
     if HIDDEN:  # the reference's order: (h + b1 - mean) * rsqrt(var + eps), then * weight + bias, then ReLU
         plane = HKV * NOUT
         h = acc + tl.load(bias_ptr + vec, mask=o_ok, other=0.0)[None, :]
@@ -208,12 +177,12 @@ def _saap_rows_kernel(
         tl.store(out_ptrs, tl.maximum(h, 0.0), mask=ok)
     else:
         logits = acc * scale
-        if HAS_BIAS:  # (never with COLUMNS: the MLP's logits)
+        if HAS_BIAS:
             logits = logits + tl.load(bias_ptr + vec, mask=o_ok, other=0.0)[None, :]
         tl.store(out_ptrs, logits, mask=ok)
-        masked = tl.where(outs2 < NOUT, logits, float("-inf"))
-        row_max = tl.max(masked, axis=OUT_AXIS)
-        row_sum = tl.sum(tl.exp(masked - tl.expand_dims(row_max, OUT_AXIS)), axis=OUT_AXIS)
+        masked = tl.where(o_ok[None, :], logits, float("-inf"))
+        row_max = tl.max(masked, axis=1)
+        row_sum = tl.sum(tl.exp(masked - row_max[:, None]), axis=1)
         stat = stat_ptr + ((bh.to(tl.int64) * M + offs_r) * NCHUNK + chunk) * 2
         tl.store(stat, row_max, mask=offs_r < M)
         tl.store(stat + 1, row_sum, mask=offs_r < M)
@@ -395,12 +364,11 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         if fused and after_scoring is not None:  # no launch between the scoring and the selection: before both
             after_scoring()
         if scorer.mlp is None:
-            columns = dict(COLUMNS=True) if SCORE_COLUMNS and precision == "fma" else {}
             _ROWS_LAUNCH((B * Hkv, launch_chunks), q, inv_freq, valid, scorer.centroids, scorer.centroids,
                          scorer.centroids, ws.logits, ws.chunk_stats, *sel_ptrs, *q.stride(), float(scale), 0.0, N, L,
                          G, Hkv, D, C, launch_chunks, *sel_scalars, BLOCK_O=logit_block or BLOCK_LOGITS_Q,
                          BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope, HIDDEN=False, HAS_BIAS=False,
-                         WAIT_PRIOR=False, **common, **logits_select, **columns)
+                         WAIT_PRIOR=False, **common, **logits_select)
         else:
             w1, b1, bn, w2, b2 = scorer.mlp
             H = w1.shape[1]

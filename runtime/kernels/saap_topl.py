@@ -34,6 +34,16 @@ def _add_pair(a0, a1, b0, b1):
 
 
 @triton.jit
+def _add_quad(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _max_quad(a0, a1, a2, a3, b0, b1, b2, b3):
+    return tl.maximum(a0, b0), tl.maximum(a1, b1), tl.maximum(a2, b2), tl.maximum(a3, b3)
+
+
+@triton.jit
 def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr,
                  stride_sb, stride_sh, stride_sc, stride_fb, stride_fh, stride_fc, N, HKV, M, C, NCHUNK, PROBES, SINK,
                  inv_heads, BLOCK_C: tl.constexpr, BLOCK_CH: tl.constexpr, ROWS: tl.constexpr,
@@ -102,6 +112,7 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     thr = tl.zeros([1], dtype=tl.uint32).sum(axis=0)
     # keys at or above the threshold so far (all of them at threshold 0)
     n_ge = tl.zeros([1], dtype=tl.int32).sum(axis=0) + BLOCK_C
+    n_tie = n_ge * 0  # keys equal to the threshold, once the last round ran (else no tie is left out)
     # Early exit: once the keys at or above the threshold so far number exactly PROBES, the remaining rounds would
     # only raise it to the least of those keys, which selects the same set; a round is a chain of reductions on one
     # SM.
@@ -154,31 +165,51 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
             thr = thr + ((2 * NB - 2 - packed % (2 * NB)).to(tl.uint32) << shift)
             n_ge = packed // (2 * NB)
             open_rounds = (n_ge != PROBES).to(tl.int32)
+            if rnd == KEY_BITS // RADIX_BITS - 1:  # the last digit: the keys equal to the threshold
+                n_tie = tl.sum(tl.where(bins == 2 * NB - 1 - packed % (2 * NB), same, 0), axis=0)
     # Ties: every key above the threshold is chosen, and of the keys equal to it (after every round, thr is the
-    # PROBES-th largest key) the lowest-index ones, leaving out the last ``excess`` (an early exit leaves none over).
-    # Compiled for sm_90 (2048 clusters, 16 warps), the list and the ties in one suffix scan over the sizes and packed
-    # counts took 950 more SASS instructions than the list alone (2,896); this way the ties cost one int32 scan, and
-    # only where there are ties to break.
+    # PROBES-th largest key) the first ``need`` by index, where the keys at or above it are ``excess`` more than PROBES
+    # (an early exit leaves none over). The ties' rank then comes from the same forward scan as the list: the sizes,
+    # slots and rank of the ties apart from the others', and one reduction for the totals and what the kept ties hold
+    # (the first version, a suffix scan of the ties before the list's, took 0.5 µs longer than 32-bit keys without
+    # ties on the H100: reverse scans cost more than forward ones in Triton, as in the radix rounds).
     n_ge = n_ge - tl.where(thr == 0, BLOCK_C - C, 0)  # padding is key 0
     excess = tl.maximum(n_ge - PROBES, 0)
+    need = n_tie - excess
     if SKIP > 0:  # the ablation chooses every non-empty cluster
         excess = excess * 0
     size = c_end - c_start
-    picked = c_ok & (key >= thr) & (size > 0)
-    if excess > 0:  # more keys tie at the threshold than there are probes left: the last ``excess`` ties by index
-        tie = c_ok & (key == thr)  # out; one scan of the ties at or after each cluster (none without ties)
-        picked = picked & ~(tie & (tl.cumsum(tie.to(tl.int32), 0, reverse=True) <= excess))
-    if PERM_LINES > 0:  # before the compaction: the lines are on their way while the list is written
+    nonempty = c_ok & (size > 0)
+    picked = nonempty & (key >= thr)
+    if excess > 0:  # more keys tie at the threshold than there are probes left
+        above = nonempty & (key > thr)
+        tie = c_ok & (key == thr)
+        # the list slots of the clusters above and of the non-empty ties, packed (each at most BLOCK_C)
+        CT: tl.constexpr = tl.int32 if BLOCK_C <= 16384 else tl.int64
+        HALF: tl.constexpr = 16 if BLOCK_C <= 16384 else 32
+        counts = above.to(CT) | ((tie & nonempty).to(CT) << HALF)
+        a_incl, t_incl, c_incl, rank = tl.associative_scan(
+            (tl.where(above, size, 0), tl.where(tie, size, 0), counts, tie.to(tl.int32)), 0, _add_quad)
+        kept = rank <= need  # every tie up to here is kept
+        # (non-decreasing along the clusters: the maxima are the totals and the kept ties' sums)
+        a_total, t_kept, c_total, c_kept = tl.reduce(
+            (a_incl, tl.where(kept, t_incl, 0), c_incl, tl.where(kept, c_incl >> HALF, 0)), 0, _max_quad)
+        picked = picked & (~tie | kept)
+        incl = a_incl + tl.where(kept, t_incl, t_kept)
+        count = ((c_incl & ((1 << HALF) - 1)) + tl.where(kept, c_incl >> HALF, c_kept)).to(tl.int32)
+        total = a_total + t_kept
+        n_picked = ((c_total & ((1 << HALF) - 1)) + c_kept).to(tl.int32)
+    else:
+        # the key prefix and the list slot in one scan, the key and cluster counts in one reduction (each cross-warp
+        # step is a barrier on the head's one SM)
+        total, n_picked = tl.reduce((tl.where(picked, size, 0), picked.to(tl.int32)), 0, _add_pair)
+        incl, count = tl.associative_scan((tl.where(picked, size, 0), picked.to(tl.int32)), 0, _add_pair)
+    if PERM_LINES > 0:  # before the list: the lines are on their way while it is written
         p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
         for j in tl.static_range(PERM_LINES):
             idx = c_start + 32 * j
             _prefetch_l2(p_base + idx.to(tl.int64) * stride_pn, picked & (idx < c_end))
-    size = tl.where(picked, size, 0)
-    # the key prefix and the list slot in one scan, the key and cluster counts in one reduction (each cross-warp
-    # step is a barrier on the head's one SM)
-    total, n_picked = tl.reduce((size, picked.to(tl.int32)), 0, _add_pair)
     if SKIP < 2:
-        incl, count = tl.associative_scan((size, picked.to(tl.int32)), 0, _add_pair)
         slot = count - 1
         out = bh.to(tl.int64) * BLOCK_C
         tl.store(incl_ptr + out + slot, incl, mask=picked)

@@ -202,19 +202,14 @@ def mlp_index(hkv, hq, d, clusters, hidden, rotated=False):
     return index
 
 
-@pytest.mark.parametrize("mlp,rotated,L,valid,fused,columns", [
-    (False, False, 1, None, False, False), (False, True, 2, 700, False, False), (True, False, 1, 640, False, False),
-    (True, False, 3, None, False, False), (False, True, 2, 700, True, False), (True, False, 3, None, True, False),
-    (False, False, 1, None, True, True), (False, False, 2, 700, False, True), (False, True, 1, 700, True, True)])
-def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, valid, fused, columns, monkeypatch):
+@pytest.mark.parametrize("mlp,rotated,L,valid,fused", [
+    (False, False, 1, None, False), (False, True, 2, 700, False), (True, False, 1, 640, False),
+    (True, False, 3, None, False), (False, True, 2, 700, True), (True, False, 3, None, True)])
+def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, valid, fused):
     """The whole launch (de-roping, centroid or MLP logits, group softmax sums, top-l, attention) against the
-    reference fed the PyTorch scores: the same clusters are picked, the same output comes out. ``columns``: the
-    centroid logits one query row at a time (``SCORE_COLUMNS``; one token's shared rotation, or each row's)."""
-    import attnopt.runtime.kernels.saap_select as select_module
+    reference fed the PyTorch scores: the same clusters are picked, the same output comes out."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
-
-    monkeypatch.setattr(select_module, "SCORE_COLUMNS", columns)
 
     B, Hq, Hkv, D, C, N, probes, sink, window = 2, 6, 2, 64, 40, 720, 6, 2, 40
     torch.manual_seed(11)
@@ -254,15 +249,11 @@ def test_device_scoring_and_selection_match_the_index_scores(mlp, rotated, L, va
     torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("columns", [False, True])
-def test_derope_is_accurate_at_half_a_million_positions(columns, monkeypatch):
+def test_derope_is_accurate_at_half_a_million_positions():
     """The in-kernel de-roping's cosines at positions near 512k (a float64 range reduction) match PyTorch's."""
-    import attnopt.runtime.kernels.saap_select as select_module
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
     from attnopt.runtime.saap.rope import remove_rope
-
-    monkeypatch.setattr(select_module, "SCORE_COLUMNS", columns)
 
     index = random_index(1, 2, 64, 16)
     q = torch.randn(1, 2, 1, 64)
