@@ -316,7 +316,19 @@ def function_proto(name: str, opset: int):
         text = _TEXTS[name]
     except KeyError:
         raise ValueError(f"no ONNX function body for attnopt op {name!r}; known: {', '.join(sorted(_TEXTS))}") from None
+    if name in SAAP_INDEX_INPUTS:
+        text = text.replace(_SAAP_CUT, _saap_cut())
     return onnx.parser.parse_function(text.replace("{opset}", str(int(opset)), 1))
+
+
+def _saap_cut() -> str:
+    """The SAAP selection's ranking for the rule's key width (``runtime/saap/decode.py``'s ``SELECT_KEY_BITS``): the
+    scores cut to 16 bits, or as they are for 32 (the order of non-negative floats is their keys')."""
+    from attnopt.runtime.saap.decode import SELECT_KEY_BITS
+
+    if SELECT_KEY_BITS not in (16, 32):
+        raise ValueError(f"the SAAP ONNX node ranks 16- or 32-bit score keys; SELECT_KEY_BITS is {SELECT_KEY_BITS}")
+    return _SAAP_CUT if SELECT_KEY_BITS == 16 else "    s_rank = Identity (s_scores)\n"
 
 
 def op_schema(name: str):

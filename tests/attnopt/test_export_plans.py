@@ -424,3 +424,17 @@ def test_saap_node_ranks_clusters_as_the_kernel_and_reference_do():
     rank, keys = torch.from_numpy(rank), selection_keys(x)
     assert torch.equal(rank[:, None] < rank[None, :], keys[:, None] < keys[None, :])
     assert top.tolist() == top_clusters(x, 700).tolist()
+
+
+def test_saap_node_follows_the_rules_key_width(monkeypatch):
+    """The SAAP function body cuts the scores only for the rule's 16-bit keys; at 32 bits it ranks them as they are."""
+    import attnopt.runtime.saap.decode as decode
+    from attnopt.onnx_functions import function_proto
+
+    def ops(name):
+        return [n.op_type for n in function_proto(name, 24).node]
+
+    assert decode.SELECT_KEY_BITS == 16 and "Floor" in ops("saap_decode_attention")
+    monkeypatch.setattr(decode, "SELECT_KEY_BITS", 32)
+    assert "Floor" not in ops("saap_decode_attention") and "Floor" not in ops("saap_decode_attention_mlp")
+    assert "Identity" in ops("saap_decode_attention")
