@@ -215,7 +215,7 @@ _SAAP_SCORE_MLP = """
     s_b2 = Unsqueeze (b2, s_ax1)
     s_logits = Add (s_o2, s_b2)
 """
-# The selection rule (``runtime/saap/decode.py``'s ``top_clusters``): the group scores (softmax sums, >= 0) cut to
+# The selection rule (``runtime/kernels/saap_rule.py``'s ``top_clusters``): the group scores (softmax sums, >= 0) cut to
 # bf16's 8 significant bits, toward zero (the kernel ranks the top 16 bits of each float's key), as fp32 values:
 # floor(x * 2^(7 - e)) * 2^(e - 7) in float64 with e = floor(log2 x), at least -126 (fp32's subnormals: the cut keeps
 # multiples of 2^-133), taken from Log and corrected by one either way against exact powers of two. TopK then
@@ -322,9 +322,9 @@ def function_proto(name: str, opset: int):
 
 
 def _saap_cut() -> str:
-    """The SAAP selection's ranking for the rule's key width (``runtime/saap/decode.py``'s ``SELECT_KEY_BITS``): the
+    """The SAAP selection's ranking for the rule's key width (``runtime/kernels/saap_rule.py``'s ``SELECT_KEY_BITS``): the
     scores cut to 16 bits, or as they are for 32 (the order of non-negative floats is their keys')."""
-    from attnopt.runtime.saap.decode import SELECT_KEY_BITS
+    from attnopt.runtime.kernels.saap_rule import SELECT_KEY_BITS
 
     if SELECT_KEY_BITS not in (16, 32):
         raise ValueError(f"the SAAP ONNX node ranks 16- or 32-bit score keys; SELECT_KEY_BITS is {SELECT_KEY_BITS}")

@@ -10,7 +10,7 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   attention's perm and K/V prefetches (``saap.PREFETCH_LINES``, ``saap.PREFETCH_KV``), ``full-S48-...`` at 48
   splits, ``-selprefetch4`` with the selection asking L2 for each chosen cluster's first perm lines
   (``saap_select.SELECT_PREFETCH_LINES``), ``full-fused-merge`` the merge in the attention launch (the plan's
-  ``fused_merge``); ``full-k32`` with the selection ranking 32-bit score keys (``decode.SELECT_KEY_BITS`` is the
+  ``fused_merge``); ``full-k32`` with the selection ranking 32-bit score keys (``saap_rule.SELECT_KEY_BITS`` is the
   rule: 16; the k32 rows time another pick than the reference's, so no ``same_list``), ``full-guess`` the selection's
   first round from one count (``saap_select.GUESS_TOP``), ``full-fenced-stats`` the selectivity atomics acq_rel as
   before (each behind a fence; ``saap_select.RELAXED_STATS``), ``full-sw8w`` the fused scoring-and-selection launch

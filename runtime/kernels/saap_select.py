@@ -26,7 +26,7 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
     gdc_launch_dependents = gdc_wait = None
 
-from ..saap.decode import SELECT_KEY_BITS
+from .saap_rule import SELECT_KEY_BITS
 from . import interpreting
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
@@ -289,7 +289,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         round (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first
         round's digit comes from one count (``_select_head``'s GUESS_TOP, where a round takes 4 bits; None: the
         module's ``GUESS_TOP``);
-        ``key_bits`` the bits of the score keys that rank them (None: the rule's ``decode.SELECT_KEY_BITS``; another
+        ``key_bits`` the bits of the score keys that rank them (None: the rule's ``saap_rule.SELECT_KEY_BITS``; another
         value picks another set than the reference's).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):

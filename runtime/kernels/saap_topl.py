@@ -4,7 +4,7 @@ threshold of the top ``probes`` scores and the work list the attention launch re
 ``_select_head`` runs in its own launch (``_saap_select_kernel``, one program per (batch row, KV head)) or as the
 tail of the fused scoring launch (``saap_select._saap_rows_kernel``, its last chunk program per head). It computes
 the group-summed cluster distribution (``sum over rows of exp(logit - lse_row)``, the reference's
-``softmax(...).sum``), ranks it on the top ``decode.SELECT_KEY_BITS`` bits of each score's order-preserving key,
+``softmax(...).sum``), ranks it on the top ``saap_rule.SELECT_KEY_BITS`` bits of each score's order-preserving key,
 finds the ``probes``-th largest key by a radix select (rounds of RADIX_BITS bits, each one ``tl.histogram`` of the
 next digit: no sort and no compare per candidate digit; it stops once the keys at or above the threshold so far are
 exactly ``probes``), and writes the work list: the chosen non-empty clusters in cluster order, compacted, with their
@@ -12,7 +12,7 @@ inclusive key prefix (padding: INT32_MAX) and ``perm`` shift, plus the number of
 call's selectivity to a device-side accumulator.
 
 The pick is exactly ``min(probes, C)`` clusters: every key above the threshold and, of the keys equal to it, the
-lowest cluster indices (:func:`runtime.saap.decode.top_clusters` is the same rule in PyTorch).
+lowest cluster indices (:func:`runtime.kernels.saap_rule.top_clusters` is the same rule in PyTorch).
 """
 from __future__ import annotations
 
@@ -55,10 +55,10 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
     their statistics are read past L1 (``.cg``): in the fused scoring launch another program wrote them in this very
     launch. SKIP (the piece microbenchmark's ablations, never a plan's): 1 leaves out the threshold rounds (every
     non-empty cluster is chosen), 2 also the compaction (only the key total is stored). KEY_BITS: the top bits of
-    each score's key that rank it (``decode.SELECT_KEY_BITS``: the rule; another value only to time it).
+    each score's key that rank it (``saap_rule.SELECT_KEY_BITS``: the rule; another value only to time it).
     RELAXED_STATS: the selectivity sums' atomics without ordering (else acq_rel, each behind a GPU-wide fence).
-    GUESS_TOP (RADIX_BITS 4): the first round's digit from one packed count where every score is in [0, 2). PERM_LINES > 0 (compiled code
-    only): once the set is known, ask L2 for the first PERM_LINES 128-byte lines of each chosen cluster's keys in
+    GUESS_TOP (RADIX_BITS 4): the first round's digit from one packed count where every score is in [0, 2).
+    PERM_LINES > 0 (compiled code only): once the set is known, ask L2 for the first PERM_LINES 128-byte lines of each chosen cluster's keys in
     ``perm`` (int32; strides stride_pb/ph/pn), which the attention's first tiles read next."""
     b = bh // HKV
     kvh = bh % HKV
@@ -100,7 +100,7 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
                         mask=c_ok, other=0.0)
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 tie, as they compare in the reference
     # order-preserving unsigned key of each float (negative floats: magnitude bits flipped; then the sign bit
-    # flipped), cut to its top KEY_BITS bits (``decode.selection_keys``); then the largest threshold with at least
+    # flipped), cut to its top KEY_BITS bits (``saap_rule.selection_keys``); then the largest threshold with at least
     # PROBES keys at or above it, RADIX_BITS per round: one histogram of the keys' next digit (keys whose higher bits
     # already differ from the threshold's go to two extra bins) gives the count at or above every candidate digit at
     # once. Padding is key 0, below every float but NaN (its count is taken off below where the threshold is 0).

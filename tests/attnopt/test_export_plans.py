@@ -428,13 +428,13 @@ def test_saap_node_ranks_clusters_as_the_kernel_and_reference_do():
 
 def test_saap_node_follows_the_rules_key_width(monkeypatch):
     """The SAAP function body cuts the scores only for the rule's 16-bit keys; at 32 bits it ranks them as they are."""
-    import attnopt.runtime.saap.decode as decode
+    import attnopt.runtime.kernels.saap_rule as rule
     from attnopt.onnx_functions import function_proto
 
     def ops(name):
         return [n.op_type for n in function_proto(name, 24).node]
 
-    assert decode.SELECT_KEY_BITS == 16 and "Floor" in ops("saap_decode_attention")
-    monkeypatch.setattr(decode, "SELECT_KEY_BITS", 32)
+    assert rule.SELECT_KEY_BITS == 16 and "Floor" in ops("saap_decode_attention")
+    monkeypatch.setattr(rule, "SELECT_KEY_BITS", 32)
     assert "Floor" not in ops("saap_decode_attention") and "Floor" not in ops("saap_decode_attention_mlp")
     assert "Identity" in ops("saap_decode_attention")
