@@ -187,9 +187,9 @@ def _select_head(bh, score_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_
         # the list slots of the clusters above and of the non-empty ties, packed (each at most BLOCK_C)
         CT: tl.constexpr = tl.int32 if BLOCK_C <= 16384 else tl.int64
         HALF: tl.constexpr = 16 if BLOCK_C <= 16384 else 32
-        counts = above.to(CT) | ((tie & nonempty).to(CT) << HALF)
+        slots = above.to(CT) | ((tie & nonempty).to(CT) << HALF)
         a_incl, t_incl, c_incl, rank = tl.associative_scan(
-            (tl.where(above, size, 0), tl.where(tie, size, 0), counts, tie.to(tl.int32)), 0, _add_quad)
+            (tl.where(above, size, 0), tl.where(tie, size, 0), slots, tie.to(tl.int32)), 0, _add_quad)
         kept = rank <= need  # every tie up to here is kept
         # (non-decreasing along the clusters: the maxima are the totals and the kept ties' sums)
         a_total, t_kept, c_total, c_kept = tl.reduce(
