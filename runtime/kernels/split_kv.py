@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 
 from .attend import _attend_chunks, _load_q, _row_coords, _split_share
 from .common import arrival_counters, decode_geometry, decode_inputs, dot_flags, head_dim_split, pdl_supported, \
-    softmax_scale
+    softmax_scale, tail_in_loop
 from .launch import KernelLauncher
 from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
@@ -293,7 +293,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan, D_LO=split[0],
-        D_HI=split[1], PAST_ZERO=use_tma and valid_len is None and not is_causal,
+        D_HI=split[1], PAST_ZERO=tail_in_loop(use_tma, valid_len, is_causal),
         num_warps=num_warps, num_stages=num_stages,
     )
     if two_launches:

@@ -21,7 +21,7 @@ import triton.language as tl
 from . import interpreting
 from .attend import _attend_chunks, _load_q, _row_coords
 from .common import arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags, head_dim_split, \
-    next_pow2, softmax_scale
+    next_pow2, softmax_scale, tail_in_loop
 from .launch import KernelLauncher
 from .partials import _finish, _finish_parts, _merge_step, _merged_rows, _store_lse, _store_rows
 
@@ -317,7 +317,7 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=planes,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None, D_LO=split[0],
-        D_HI=split[1], PAST_ZERO=use_tma and valid_len is None and not is_causal, num_warps=num_warps,
+        D_HI=split[1], PAST_ZERO=tail_in_loop(use_tma, valid_len, is_causal), num_warps=num_warps,
         num_stages=num_stages, **extra,
     )
     return out, lse

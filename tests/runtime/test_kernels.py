@@ -279,12 +279,14 @@ def test_tma_descriptors_only_where_the_copy_engine_allows(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("D", [64, 96])
-def test_tma_tile_crossing_the_keys_inside_the_loop(device, D):
+@pytest.mark.parametrize("D,in_loop", [(64, "1"), (96, "1"), (96, "0")])
+def test_tma_tile_crossing_the_keys_inside_the_loop(device, D, in_loop, monkeypatch):
     """Without a valid length the copy engine reads the rows past N as zeros (the descriptor's own bounds), so the
     tile crossing N runs in the pipelined loop (``PAST_ZERO``): the storage past a cache view's N holds NaN, and
     split-KV (one split, several, shares ending mid-tile) and stream-K still match the reference, with and without
-    the head chunks (D=96: 64 + 32). With a valid length the crossing tile still zeroes V past it."""
+    the head chunks (D=96: 64 + 32), and so does the tile after the loop (``ATTNOPT_TAIL_IN_LOOP=0``). With a valid
+    length the crossing tile still zeroes V past it."""
+    monkeypatch.setenv("ATTNOPT_TAIL_IN_LOOP", in_loop)
     dev = _dev(device)
     if dev.type == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper")
