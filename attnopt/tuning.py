@@ -310,12 +310,14 @@ class Tuner(TimingRounds):
         for i in sorted(range(len(self.buckets)), key=lambda i: (abs(i - h), i)):
             bound = self.buckets[i]
             n, span, tie = bucket_length(bound, self.buckets), bucket_span(bound, self.buckets), TIE
-            if i == h and site.kv_len_hint:
-                n, span, tie = hint_length(site.kv_len_hint, bound, self.buckets), (span[0], n, span[1]), HINT_TIE
             at = dataclasses.replace(site, kv_len=n, kv_len_hint=None)
+            if i == h and site.kv_len_hint:
+                here = dataclasses.replace(at, kv_len=hint_length(site.kv_len_hint, bound, self.buckets))
+                if not self._known_at_middle(at, here, rank, valid_len_sharing, graphed):
+                    at, span, tie = here, (span[0], n, span[1]), HINT_TIE
             ranked = rank(at)
             if not ranked:
-                raise ValueError(f"no candidate plan at KV length {n} for {site.shape_str()}")
+                raise ValueError(f"no candidate plan at KV length {at.kv_len} for {site.shape_str()}")
             by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
                                           graphed=graphed, deadline=deadline, span=span, compiled=compiled, tie=tie)
         choices = [by_bound[b] for b in self.buckets]
@@ -329,6 +331,14 @@ class Tuner(TimingRounds):
             return Choice(here.plan, how, here.measured_us, timings, tune_s)
         plan = BucketedPlan(bounds=self.buckets, plans=tuple(keys)).with_estimate(here.plan.est_us)
         return Choice(plan, how, here.measured_us, timings, tune_s)
+
+    def _known_at_middle(self, middle: AttentionSite, here: AttentionSite, rank: Callable[[AttentionSite], list[Plan]],
+                         valid_len_sharing: int, graphed: bool) -> bool:
+        """Whether the hint's bucket is measured at its ``middle`` and not at the hint (``here``): a bucket tuned
+        before at its middle, by ``attnopt tune --symbolic`` or a process whose hint fell in another bucket, is
+        reused, not timed again."""
+        kw = dict(bucketed=True, valid_len_sharing=valid_len_sharing, graphed=graphed)
+        return self.cached(here, rank(here), **kw) is None and self.cached(middle, rank(middle), **kw) is not None
 
 
 def _static_cache(site: AttentionSite) -> bool:

@@ -103,3 +103,26 @@ def test_the_hints_bucket_is_timed_at_the_hint(cache, at_hint):
         assert judged == set()
     else:  # within HINT_TIE: judged at the bucket's ends and middle
         assert judged == {2112, 2880, 4096} and tuning.HINT_TIE == 0.01
+
+
+def test_a_bucket_tuned_at_its_middle_is_reused_at_any_hint(cache):
+    """``attnopt tune --symbolic`` (no hint) times every bucket at its middle; a model's run, whose trace-time length
+    falls in one of them, reuses that record and times nothing. Without it, the hint's bucket is timed at the hint."""
+    import argparse
+
+    from attnopt.commands.tune import build_sites
+
+    args = argparse.Namespace(shapes=["4/2x96"], batch="7", q_len="1", symbolic=True, context="", dtype="bfloat16",
+                              mask="none")
+    (site,) = build_sites(args)
+    assert site.kv_len is None and site.kv_len_hint is None
+    buckets = (2048, 4096)
+    Tuner(Clocked(lambda p, s: 5.0), cache, env=ENV, buckets=buckets).choose_bucketed(site, _ranked)
+    never = Clocked(lambda p, s: pytest.fail("timed although tuned at the middle"))
+    choice = Tuner(never, cache, env=ENV, buckets=buckets).choose_bucketed(LHS04, _ranked)
+    assert choice.choice == "cached" and not never.calls
+    other = tuning.TuningCache(cache.path.parent / "other.json")
+    fresh = Clocked(lambda p, s: 5.0)
+    Tuner(fresh, other, env=ENV, buckets=buckets).choose_bucketed(LHS04, _ranked)
+    at = dataclasses.replace(LHS04, kv_len=3264, kv_len_hint=None)
+    assert 3264 in {n for _, n in fresh.calls} and other.get(ENV, tuning.ShapeKey.of(at, 3264, True)) is not None
