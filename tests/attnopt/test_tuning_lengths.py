@@ -23,9 +23,10 @@ LHS04 = AttentionSite.canonical(batch=7, q_heads=4, kv_heads=2, head_dim=96, kv_
 
 def test_hint_length():
     assert tuning.hint_length(3264, 4096) == 3264 and tuning.hint_length(5000, 8192) == 5008  # up to 16 keys
-    assert tuning.hint_length(2050, 4096) == 2064 and tuning.hint_length(4096, 4096) == 4096
-    assert tuning.hint_length(100, 1024) == 112 and tuning.hint_length(1, 1024) == 16  # the first bucket: any shorter
-    assert tuning.hint_length(600_000, tuning.BUCKETS[-1]) == 600_000  # the last: any longer
+    assert tuning.hint_length(2500, 4096) == 2512 and tuning.hint_length(4096, 4096) == 4096
+    assert tuning.hint_length(2050, 4096) == 2112 == tuning.bucket_span(4096)[0]  # inside the bucket's span
+    assert tuning.hint_length(7, 1024) == 576 == tuning.bucket_span(1024)[0]  # a short prompt: the first bucket's
+    assert tuning.hint_length(600_000, tuning.BUCKETS[-1]) == 600_000  # the last bucket: any longer
     assert tuning.hint_length(40, 128, (32, 128)) == 48
     with pytest.raises(ValueError, match=">= 1"):
         tuning.hint_length(0, 1024)
