@@ -25,9 +25,12 @@ TIE = 0.03
 #: only, cuDNN won 4k of a 32k cache at 1.0x SDPA over the whole cache, where the split-KV plan runs about 8x).
 STATIC_DENSE_TIE = 0.25
 #: The hint's bucket is timed at the length the site runs at now (``tuning_buckets.hint_length``); there only
-#: candidates within this fraction of its fastest are judged at the bucket's other lengths: a plan up to ``TIE``
-#: slower where it runs now would lose to the peer there by as much for a better worst case elsewhere.
-HINT_TIE = 0.01
+#: candidates within this fraction of its fastest (timing noise: the peer's own time moved 0.1-0.2 % between H100
+#: runs at 137-487 µs) are judged at the bucket's other lengths: a plan slower where it runs now loses to the peer
+#: there by as much for a better worst case elsewhere (H100, 8a4f996: lhs00, B17 56/56 D128 q4 at 3008 keys, at
+#: 1 % took split-KV S1, 0.6 % behind stream-K there and 1 % ahead at 4096: 0.986x cuDNN, where stream-K had run
+#: 0.993x).
+HINT_TIE = 0.005
 #: Seconds the grid siblings (``tuning_candidates.grid_siblings``) may take past the budget: a few timings of
 #: compiled kernels.
 SIBLINGS_S = 0.5
