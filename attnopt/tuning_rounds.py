@@ -28,8 +28,8 @@ STATIC_DENSE_TIE = 0.25
 #: candidates within this fraction of its fastest (timing noise: the peer's own time moved 0.1-0.2 % between H100
 #: runs at 137-487 µs) are judged at the bucket's other lengths: a plan slower where it runs now loses to the peer
 #: there by as much for a better worst case elsewhere (H100, 8a4f996: lhs00, B17 56/56 D128 q4 at 3008 keys, at
-#: 1 % took split-KV S1, 0.6 % behind stream-K there and 1 % ahead at 4096: 0.986x cuDNN, where stream-K had run
-#: 0.993x).
+#: 1 % took split-KV S1/128, 489.5 µs there against stream-K's 486.5 and 1 % ahead at 4096: 0.986x cuDNN; the
+#: stream-K pick had run 0.993x at 3fed422).
 HINT_TIE = 0.005
 #: Seconds the grid siblings (``tuning_candidates.grid_siblings``) may take past the budget: a few timings of
 #: compiled kernels.
