@@ -82,6 +82,8 @@ def resolve_heads(spec: str) -> tuple[int, int, int]:
     m = SHAPE_RE.fullmatch(spec)
     if m:
         hq, hkv = parse_heads(m.group(1))
+        if int(m.group(2)) < 1:
+            raise ValueError(f"{spec!r}: the head dim must be >= 1")
         return hq, hkv, int(m.group(2))
     try:
         from transformers import AutoConfig
@@ -153,12 +155,32 @@ def tune_sites(sites, tuner, hw, ctx, layers: dict[str, int] | None = None) -> l
     return rows
 
 
-def run(args) -> int:
-    import torch
+def check_args(args) -> None:
+    """Raise ``ValueError`` for a malformed argument, before anything else (the GPU check included): the lengths,
+    batch sizes, query lengths, budget and layer count, and every preset or bare shape. A Hugging Face config name
+    is read when the shapes are built (reading one may wait on the network)."""
+    from .explain import parse_context
 
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers {args.layers}: must be >= 1")
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        raise ValueError(f"--budget {args.budget}: must be a positive number of seconds")
+    if not args.symbolic:
+        if not [parse_context(c) for c in args.context.split(",") if c.strip()]:
+            raise ValueError(f"--context {args.context!r}: expected comma-separated lengths such as 8k,32k")
+    _ints(args.batch, "batch")
+    for q_len in _ints(args.q_len, "q-len"):
+        if q_len > 16:
+            raise ValueError(f"--q-len {q_len}: decode-time attention has at most 16 query tokens")
+    for spec in args.shapes:
+        if spec in PRESETS or SHAPE_RE.fullmatch(spec):
+            resolve_heads(spec)
 
+
+def run(args) -> int:
+    import torch
+
+    check_args(args)
     if not torch.cuda.is_available():
         print("attnopt tune: tuning times plans on a CUDA GPU, and this machine has none. Without a GPU the "
               "planner uses the cost model alone (see `attnopt explain`); run `attnopt tune` on the machine "
@@ -213,4 +235,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["register", "run", "build_sites", "tune_sites", "resolve_heads", "layers_of", "PRESETS", "PRESET_LAYERS"]
+__all__ = ["register", "run", "check_args", "build_sites", "tune_sites", "resolve_heads", "layers_of", "PRESETS", "PRESET_LAYERS"]
