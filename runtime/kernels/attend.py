@@ -96,7 +96,8 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
     copy engine fills the rows past it with zeros and the crossing tile runs inside the pipelined loop. Run after
     the loop, its copy starts only when the loop ends: one exposed HBM round trip per program, which a growing
     cache pays at almost every length (H100, B=7 4/2 heads D=96, 8 splits of 128-key tiles: 13.29 µs at 4096 keys,
-    four whole tiles a split, and 14.03 at 3264, three and the crossing one). The step's second copy also held
+    four whole tiles a split, and 14.03 at 3264, three and the crossing one; A/B at cabea51, CUDA graphs, L2
+    rotated: 14.14 µs after the loop, 12.34 in it, cuDNN 13.33-13.40). The step's second copy also held
     registers: ptxas sm_90, bf16, 16 rows, 4 warps, 128-key tiles: D=96 padded 3 stages 255 registers and 4 bytes of
     spills with the tile after the loop, 182 and none in it; D=96 in chunks 236 and 191; D=128 64-key tiles 188 and
     149.
