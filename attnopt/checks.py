@@ -69,6 +69,38 @@ def integer(lo: int, hi: int | None = None) -> Check:
     return check
 
 
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer option ``>= lo``: argparse then names the option and the bad text
+    (``argument --calls: must be an integer >= 1, got '0'``) before the command starts any work."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
+        return value
+
+    return parse
+
+
+def device_kind(text: str) -> str:
+    """An argparse ``type`` for a ``--device`` option: ``cuda``, ``cuda:N`` or ``cpu``."""
+    import argparse
+
+    import torch
+
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"expected cuda, cuda:N or cpu, got {text!r}")
+    return text
+
+
 def real(lo: float) -> Check:
     """A finite number ``>= lo``, returned as a float."""
 
@@ -138,7 +170,7 @@ def writable_file(name: str, value: Any) -> str:
         raise ValueError(f"{name} must be a file path, got an empty string")
     path = Path(value)
     if path.is_dir():
-        raise ValueError(f"{name}={value!r} is a directory; give the path of a file (one JSON line per compiled graph)")
+        raise ValueError(f"{name}={value!r} is a directory; give the path of a file")
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{name}={value!r} is not writable")
     parent = path.absolute().parent

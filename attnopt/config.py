@@ -74,6 +74,16 @@ class OptimizeConfig:
             object.__setattr__(self, f.name, FIELD_CHECKS[f.name](f.name, getattr(self, f.name)))
         if self.saap is None and "saap" in (self.force_plan, *(self.strategies or ())):
             raise ValueError("plan kind 'saap' needs an index: pass saap='index.safetensors' (attnopt saap train)")
+        if self.strategies == ():
+            raise ValueError(f"strategies names no plan kind; name at least one of {', '.join(checks.plan_kinds())}, "
+                             "or leave it None for every kind")
+        if self.force_plan is not None and self.strategies is not None and self.force_plan not in self.strategies:
+            raise ValueError(f"force_plan={self.force_plan!r} is not among strategies={self.strategies!r}: the planner "
+                             "could never pick it; add it to strategies or leave one of them unset")
+        unused = [name for name in ("saap_probes", "saap_sink", "saap_window") if getattr(self, name) is not None]
+        if self.saap is None and unused:
+            raise ValueError(f"{', '.join(unused)} only apply with a SAAP index: pass saap='index.safetensors' "
+                             "(attnopt saap train), or leave them unset")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -167,8 +177,22 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 def check_call(config: OptimizeConfig, process_group: Any = None, mode: Any = None) -> None:
     """What the fields alone cannot say, checked when a backend is made (``attnopt.optimize``, the string
     backend): ``mode`` is one of ``MODES``; ``topology`` needs a process group; ``force_plan`` and ``strategies``
-    name kinds that a registered strategy implements (``runtime`` is imported here, at call time)."""
+    name kinds that a registered strategy implements (``runtime`` is imported here, at call time); a ``hardware``
+    profile file parses, and a ``saap`` index file is safetensors (so that a corrupt file is named here, not at the
+    first compile inside dynamo's error)."""
     checks.one_of(MODES)("mode", mode)
+    if config.hardware is not None and config.hardware.endswith(".json"):
+        from attnopt.hardware import resolve_profile
+
+        resolve_profile(config.hardware)
+    if config.saap is not None:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(config.saap, framework="pt") as index:
+                index.metadata()
+        except SafetensorError as exc:
+            raise ValueError(f"saap={config.saap!r} is not a readable SAAP index (safetensors) file: {exc}") from None
     if config.topology is not None and process_group is None:
         raise ValueError(f"topology={config.topology!r} is only used to plan over a process group; pass "
                          "process_group= to attnopt.optimize, or leave topology unset")

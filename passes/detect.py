@@ -137,8 +137,11 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
         reason = reason or f"mask analysis failed: {e}"
     if reason is None:
         dts = {meta_dtype(m.q), meta_dtype(m.k), meta_dtype(m.v)}
-        if any(getattr(meta_val(x), "requires_grad", False) for x in (m.q, m.k, m.v)):
+        if any(getattr(meta_val(x), "requires_grad", False) for x in _differentiable_inputs(m)):
             reason = "training: gradients flow through this attention (the decode op has no backward)"
+        elif not _same_batch(qs[0], ks[0]):
+            reason = (f"the batch sizes of q ({qs[0]}) and k/v ({ks[0]}) differ: the original broadcasts them, the "
+                      "decode op reads one K/V row per query row")
         elif None in (hq, hkv, d, dv):
             reason = "symbolic head count or head dim"
         elif len(dts) != 1:
@@ -170,6 +173,24 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
         fields["shared_prefix"] = prefix if prefix is not None else prefix_hint
     fields["unsupported"] = reason
     return AttentionSite(**fields)
+
+
+def _differentiable_inputs(m: AttentionMatch) -> list:
+    """Every tensor whose gradient the original would compute: q, k, v, and the mask, bias, ALiBi slopes and
+    run-time scale factors (a learned position bias or temperature, while q/k/v come from frozen weights)."""
+    return [m.q, m.k, m.v, m.attn_mask, m.score_bias, m.alibi_slopes] + [c for c, _ in m.scale_nodes]
+
+
+def _same_batch(a: Any, b: Any) -> bool:
+    """Whether two batch sizes are provably equal: equal ints, or symbols the shape environment knows equal (a
+    symbolic size beside a static one may be broadcast against it)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, int) or isinstance(b, int):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return str(a) == str(b) or bool(statically_known_true(a == b))
 
 
 def same_static(a, b) -> bool:

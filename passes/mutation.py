@@ -137,12 +137,59 @@ def storage_roots(node: Any, cache: dict) -> frozenset:
     return cache[node]
 
 
+def written_in_place(node: Any, limit: int = 256) -> bool:
+    """Whether ``node``'s result is written in place anywhere in the graph, through itself or an alias made from it.
+    Local (a walk over the users), so the patterns may ask it of any node without a ``MutationIndex``: an alias of
+    a node's storage can only be made downstream of it. Conservatively True when the walk is cut off."""
+    if not isinstance(node, fx.Node):
+        return False
+    seen = {node}
+    todo = [node]
+    while todo:
+        if len(seen) > limit:
+            return True
+        n = todo.pop()
+        for u in n.users:
+            if n in mutated_args(u):
+                return True
+            if u not in seen and _may_alias_input(u):
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
+def input_alias_groups(graph: fx.Graph) -> dict[fx.Node, frozenset]:
+    """For each tensor input (placeholder) of ``graph``, every input that shares its storage: the caller may pass
+    views of one tensor as separate arguments (``f(q, k, k.view(...))``), and a write through one is then a write to
+    the others. The fake values in ``node.meta`` keep the real inputs' storage sharing. An input without a fake
+    value is taken to alias every other such input."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    by_storage: dict[Any, list[fx.Node]] = {}
+    unknown: list[fx.Node] = []
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta.get("val", n.meta.get("example_value"))
+        if isinstance(val, torch.Tensor):
+            try:
+                by_storage.setdefault(StorageWeakRef(val.untyped_storage()), []).append(n)
+                continue
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage
+                pass
+        if val is None or isinstance(val, torch.Tensor):
+            unknown.append(n)
+    groups = {n: frozenset(group) for group in by_storage.values() for n in group}
+    groups.update({n: frozenset(unknown) for n in unknown})
+    return groups
+
+
 class MutationIndex:
     """Every in-place write of one graph: (position, storage roots written), with node positions."""
 
     def __init__(self, graph: fx.Graph):
         self.position = {n: i for i, n in enumerate(graph.nodes)}
-        self.roots: dict = {}
+        self.roots: dict = dict(input_alias_groups(graph))  # storage_roots starts from the inputs' shared storage
         self.writes: list[tuple[int, fx.Node, frozenset]] = []
         for n in graph.nodes:
             for target in mutated_args(n):
@@ -218,4 +265,4 @@ class MutationIndex:
         return None
 
 
-__all__ = ["MutationIndex", "mutated_args", "storage_roots"]
+__all__ = ["MutationIndex", "input_alias_groups", "mutated_args", "storage_roots", "written_in_place"]

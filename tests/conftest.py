@@ -4,6 +4,7 @@
 is present. GPU-only tests carry ``@pytest.mark.cuda`` / ``@pytest.mark.multigpu`` and are skipped without one.
 """
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -28,3 +29,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def inner_compiles(monkeypatch):
+    """Every call of ``attnopt.backend._compile_inner`` (the inner backend's compile of a rewritten graph), recorded
+    in order as a namespace with ``name``, ``gm``, ``example_inputs`` and ``mode``, and passed on unchanged."""
+    import attnopt.backend as backend_module
+
+    calls = []
+    inner = backend_module._compile_inner
+
+    def recording(name, gm, example_inputs, mode):
+        calls.append(SimpleNamespace(name=name, gm=gm, example_inputs=example_inputs, mode=mode))
+        return inner(name, gm, example_inputs, mode)
+
+    monkeypatch.setattr(backend_module, "_compile_inner", recording)
+    return calls

@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from attnopt.checks import int_at_least
+
 from .common import format_table, host_us, results_header, write_results
 
 
@@ -39,7 +41,7 @@ def measure(device: str, calls: int = 2000, repeats: int = 7) -> dict:
 def register(suites) -> None:
     p = suites.add_parser("dispatch", help="host cost of one attnopt op call against a direct SDPA call")
     p.add_argument("--out", help="write the results JSON here")
-    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--calls", type=int_at_least(1), default=2000, help="timed calls per repeat (default 2000)")
     p.set_defaults(func=run)
 
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from attnopt.checks import device_kind, int_at_least
+
 from .common import format_table, results_header, write_results
 from .e2e_generate import OPTIMIZE_OPTIONS, _sync, finish, generate_phases, generate_row, two_phases  # noqa: F401
 from .e2e_parallel import isolated, print_row, run_parallel
@@ -253,7 +255,7 @@ def run(args) -> int:
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"attnopt bench e2e: unknown method {m!r}; valid: {', '.join(METHODS)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("attnopt bench e2e: no CUDA device here; pass --device cpu to check the script on the CPU")
     rows: list[dict[str, Any]] = []
     if args.rows_out:  # a worker of --isolate: one context, one method
@@ -308,25 +310,25 @@ def register(suites) -> None:
     p = suites.add_parser("e2e", help="whole-model decode step and generate() through optimize(), beside HF's paths")
     p.add_argument("--model", default="smollm2-135m",
                    help=f"a named shape with random weights ({', '.join(SHAPES)}) or a .gguf file / HF folder")
-    p.add_argument("--layers", type=int, default=None, help="override the named shape's layer count")
+    p.add_argument("--layers", type=int_at_least(1), default=None, help="override the named shape's layer count")
     p.add_argument("--contexts", default="1k,8k,32k", help="comma-separated prompt lengths (8k = 8192)")
     p.add_argument("--methods", default="hf-eager,hf-compiled,attnopt-ro", help=f"comma-separated: {', '.join(METHODS)}")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--cache", default="static", choices=("static", "dynamic"))
-    p.add_argument("--steps", type=int, default=30, help="timed decode steps")
-    p.add_argument("--warmup", type=int, default=4, help="untimed first calls (compile, CUDA-graph recording)")
-    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--steps", type=int_at_least(1), default=30, help="timed decode steps")
+    p.add_argument("--warmup", type=int_at_least(0), default=4, help="untimed first calls (compile, CUDA-graph recording)")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=4096)
     p.add_argument("--generate", action="store_true", help="also time generate() ms per token")
-    p.add_argument("--generate-tokens", type=int, default=32)
-    p.add_argument("--generate-repeats", type=int, default=6,
+    p.add_argument("--generate-tokens", type=int_at_least(1), default=32)
+    p.add_argument("--generate-repeats", type=int_at_least(1), default=6,
                    help="generate() pairs (short, long) timed; ms per token is the median of the pairs' differences")
     p.add_argument("--profile", action="store_true", help="profile a few steps of the attnopt methods")
     p.add_argument("--isolate", action="store_true", help="one subprocess per (context, method): a crash is a row")
     p.add_argument("--timeout", type=float, default=900, help="seconds per isolated run")
-    p.add_argument("--parallel", type=int, default=1,
+    p.add_argument("--parallel", type=int_at_least(1), default=1,
                    help="isolated runs at a time, a context's methods together (they compile together and take "
                         "turns to time, with no compile beside a timed section)")
-    p.add_argument("--device", default="cuda", help="cuda; cpu checks the script itself")
+    p.add_argument("--device", type=device_kind, default="cuda", help="cuda; cpu checks the script itself")
     p.add_argument("--rows-out", default=None, help=argparse_suppress())
     p.add_argument("--out", help="write the results JSON here")
     p.set_defaults(func=run)

@@ -36,8 +36,31 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args) -> None:
+    """Raise ``ValueError`` for a malformed argument before anything is measured (or the GPU is even looked for):
+    the starting profile, the budgets, the random shape count, and the folders the results go to."""
+    import math
+
+    from attnopt.checks import writable_file
+    from attnopt.hardware import builtin_names
+
+    if args.profile is not None and args.profile not in builtin_names():
+        raise ValueError(f"--profile {args.profile!r}: the datasheet profile to start the fit from; valid names: "
+                         f"{', '.join(builtin_names())}")
+    for flag, value in (("--calibrate-budget", args.calibrate_budget), ("--budget", args.budget)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} {value}: must be a positive number of seconds")
+    if args.random < 0:
+        raise ValueError(f"--random {args.random}: must be >= 0")
+    for flag, path in (("--out", args.out), ("--samples-out", args.samples_out)):
+        if path is not None:
+            writable_file(flag, path)
+
+
 def run(args) -> int:
     from rich.console import Console
+
+    check_args(args)
 
     from attnopt import calibrate as cal
     from attnopt.hardware import builtin_profile, cached_profile_path, detect_profile, load_cached_profile, \

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from typing import Any
 
@@ -275,9 +276,26 @@ def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if not k.startswith("_")}
 
 
+def check_outputs(args) -> None:
+    """``--plot`` and ``--out`` name files that can be written, the plot's with a format matplotlib writes (matplotlib
+    adds ``.png`` to a name without one, and fails only after the ranking on one it does not know)."""
+    from attnopt.checks import writable_file
+
+    for flag, path in (("--plot", args.plot), ("--out", args.out)):
+        if path is not None:
+            writable_file(flag, path)
+    if args.plot is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+        if os.path.splitext(args.plot)[1][1:].lower() not in formats:
+            raise ValueError(f"--plot {args.plot!r}: the file name must end in one of .{', .'.join(formats)}")
+
+
 def run(args) -> int:
     from attnopt.topology import resolve_topology
 
+    check_outputs(args)
     site = build_site(args)
     if args.gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")

@@ -94,15 +94,40 @@ def build_model(name: str, layers: int | None, dtype: str, seed: int):
                                                 attn_implementation="sdpa").eval()
 
 
+def check_step(batch: int, max_cache_len: int, position: int) -> None:
+    """Raise ``ValueError`` naming the option when the example step's sizes are out of range."""
+    if max_cache_len < 1:
+        raise ValueError(f"--max-cache-len must be >= 1, got {max_cache_len}")
+    if not 0 <= position < max_cache_len:
+        raise ValueError(f"--position {position} must be in 0..{max_cache_len - 1} (--max-cache-len {max_cache_len})")
+    if batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {batch}")
+
+
+def check_args(args) -> None:
+    """Every option that can be checked without the model, before the model loads (the real SmolLM2 takes seconds):
+    the example step's sizes, the opset and attention form, the plan and hardware, and the output path."""
+    from attnopt.checks import writable_file
+    from attnopt.config import OptimizeConfig
+    from attnopt.onnx_translator import ATTENTION_FORMS, OPSETS
+
+    check_step(args.batch, args.max_cache_len, args.position)
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
+    if args.opset not in OPSETS:
+        raise ValueError(f"--opset {args.opset}: valid: {', '.join(map(str, OPSETS))}")
+    if args.attention not in ATTENTION_FORMS:
+        raise ValueError(f"--attention {args.attention!r}: valid: {', '.join(ATTENTION_FORMS)}")
+    OptimizeConfig(force_plan=args.plan, hardware=args.hardware)  # raises naming the option and its valid values
+    writable_file("out", args.out)
+
+
 def example_step(step, batch: int, max_cache_len: int, position: int, seed: int) -> tuple:
     """Inputs of one decode step at ``position``, on the model's device: the caches filled by running ``position``
     random tokens through ``step`` (a ``StaticCacheDecodeStep``) in PyTorch, then the next token."""
     import torch
 
-    if not 0 <= position < max_cache_len:
-        raise ValueError(f"--position {position} must be in 0..{max_cache_len - 1} (--max-cache-len {max_cache_len})")
-    if batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {batch}")
+    check_step(batch, max_cache_len, position)
     vocab = step.model.config.vocab_size
     device = next(step.model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -135,6 +160,7 @@ def compare_with_onnxruntime(path: str, step, inputs: tuple) -> dict[str, Any]:
 def run(args) -> int:
     from attnopt.export import StaticCacheDecodeStep, export_onnx
 
+    check_args(args)
     model = build_model(args.model, args.layers, args.dtype, args.seed)
     step = StaticCacheDecodeStep(model)
     inputs = example_step(step, args.batch, args.max_cache_len, args.position, args.seed)

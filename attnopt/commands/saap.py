@@ -18,12 +18,51 @@ import time
 from typing import Any
 
 
+from attnopt.checks import device_kind, int_at_least
+
+#: ``--methods`` of ``attnopt saap eval`` (``runtime.saap.evaluate.METHODS``, kept here so that a bad name is
+#: reported before the model loads; ``test_cli_bad_input`` holds the two lists equal).
+EVAL_METHODS = ("mlp", "centroids", "window", "oracle", "topk")
+
+
 def _parse_floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    """Comma-separated selectivities, each in (0, 1]."""
+    import argparse
+    import math
+
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in (0, 1] such as 0.05,0.1, got {text!r}")
+    return values
 
 
 def _parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    """Comma-separated lengths, each >= 1 (none: an empty string)."""
+    import argparse
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = [0]
+    if values and min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1 such as 2048,4096, got {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def register(sub) -> None:
@@ -33,25 +72,25 @@ def register(sub) -> None:
 
     c = cmds.add_parser("collect", help="record de-roped keys and queries of a model over the training text")
     _model_args(c)
-    c.add_argument("--context", type=int, default=8192, help="tokens per sequence (default 8192)")
-    c.add_argument("--sequences", type=int, default=3, help="sequences of training text (default 3)")
-    c.add_argument("--queries", type=int, default=1024, help="query positions kept per sequence (default 1024)")
+    c.add_argument("--context", type=int_at_least(1), default=8192, help="tokens per sequence (default 8192)")
+    c.add_argument("--sequences", type=int_at_least(1), default=3, help="sequences of training text (default 3)")
+    c.add_argument("--queries", type=int_at_least(1), default=1024, help="query positions kept per sequence (default 1024)")
     c.add_argument("--out", required=True, help="collection file to write (.safetensors)")
-    c.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
+    c.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads for torch and faiss")
     c.set_defaults(func=run_collect)
 
     t = cmds.add_parser("train", help="train k-means and the query MLP into an index file")
     t.add_argument("collection", help="a file written by 'attnopt saap collect'")
     t.add_argument("--out", required=True, help="index file to write (.safetensors)")
-    t.add_argument("--clusters", type=int, default=None,
+    t.add_argument("--clusters", type=int_at_least(1), default=None,
                    help="clusters per KV head (default: context / 4, a power of two, at most 2048)")
-    t.add_argument("--hidden", type=int, default=1024, help="query MLP hidden width (default 1024)")
-    t.add_argument("--steps", type=int, default=300, help="MLP optimiser steps per layer (default 300)")
-    t.add_argument("--batch", type=int, default=256)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--sink", type=int, default=1, help="keys always attended at the start (default 1)")
-    t.add_argument("--window", type=int, default=64, help="recent keys excluded from the targets (default 64)")
-    t.add_argument("--max-queries", type=int, default=None, help="recorded queries used per sequence (default all)")
+    t.add_argument("--hidden", type=int_at_least(1), default=1024, help="query MLP hidden width (default 1024)")
+    t.add_argument("--steps", type=int_at_least(1), default=300, help="MLP optimiser steps per layer (default 300)")
+    t.add_argument("--batch", type=int_at_least(1), default=256)
+    t.add_argument("--lr", type=_positive_float, default=1e-3)
+    t.add_argument("--sink", type=int_at_least(0), default=1, help="keys always attended at the start (default 1)")
+    t.add_argument("--window", type=int_at_least(0), default=64, help="recent keys excluded from the targets (default 64)")
+    t.add_argument("--max-queries", type=int_at_least(1), default=None, help="recorded queries used per sequence (default all)")
     mlp = t.add_mutually_exclusive_group()
     mlp.add_argument("--mlp", dest="mlp", action="store_true", default=False,
                      help="also train the paper's query MLP (default: centroid scoring, which measured as well or "
@@ -64,32 +103,32 @@ def register(sub) -> None:
     rot.add_argument("--deroped", dest="rotated", action="store_false",
                      help="cluster the de-roped keys (the paper's; what extrapolates past the trained positions, "
                           "and what the ONNX export takes)")
-    t.add_argument("--refine", type=int, default=None,
+    t.add_argument("--refine", type=int_at_least(0), default=None,
                    help="Lloyd iterations over each prompt's keys at prefill (default 2; 0: the trained centroids)")
     t.add_argument("--sparse-layer-0", action="store_true",
                    help="index layer 0 too (default: it stays dense, as the paper keeps it; one dense layer of 30 "
                         "alone reads 3.3 %% of the keys, so total selectivities below that need it sparse)")
-    t.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    t.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
+    t.add_argument("--device", type=device_kind, default="cpu", help="cpu or cuda (default cpu)")
+    t.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads for torch and faiss")
     t.set_defaults(func=run_train)
 
     e = cmds.add_parser("eval", help="quality of SAAP and of the centroid baseline against dense attention")
     _model_args(e)
     e.add_argument("--index", required=True, help="index file from 'attnopt saap train'")
-    e.add_argument("--context", type=int, default=8192, help="tokens per evaluation sequence, the SAAP-decoded tail included (default 8192)")
-    e.add_argument("--sequences", type=int, default=2, help="held-out sequences (default 2)")
-    e.add_argument("--tail", type=int, default=64, help="tokens decoded with SAAP per sequence (default 64)")
+    e.add_argument("--context", type=int_at_least(1), default=8192, help="tokens per evaluation sequence, the SAAP-decoded tail included (default 8192)")
+    e.add_argument("--sequences", type=int_at_least(1), default=2, help="held-out sequences (default 2)")
+    e.add_argument("--tail", type=int_at_least(1), default=64, help="tokens decoded with SAAP per sequence (default 64)")
     e.add_argument("--targets", type=_parse_floats, default=[0.02, 0.05, 0.10, 0.20],
                    help="total selectivities to aim at, over every layer and key (the dense layer 0 included; "
                         "one out of reach is skipped and said so) (default 0.02,0.05,0.1,0.2)")
-    e.add_argument("--sink", type=int, default=4)
+    e.add_argument("--sink", type=int_at_least(0), default=4)
     e.add_argument("--methods", default="mlp,centroids,window",
                    help="SAAP (mlp), the centroid baseline, StreamingLLM's sink + window (default: these three); "
                         "also oracle (the clusters of most true mass) and topk (the keys of most true mass)")
     e.add_argument("--passkey-lengths", type=_parse_ints, default=[2048, 4096, 8192])
-    e.add_argument("--passkey-trials", type=int, default=2)
+    e.add_argument("--passkey-trials", type=int_at_least(1), default=2)
     e.add_argument("--out", help="write the results JSON here")
-    e.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss")
+    e.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads for torch and faiss")
     e.set_defaults(func=run_eval)
 
 
@@ -103,6 +142,13 @@ def _threads(args) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+
+
+def _check_out(flag: str, path: str | None) -> None:
+    from attnopt.checks import writable_file
+
+    if path is not None:
+        writable_file(flag, path)
 
 
 def _load_model(name: str) -> tuple[Any, Any]:
@@ -124,6 +170,7 @@ def _progress():
 
 
 def run_collect(args) -> int:
+    _check_out("--out", args.out)
     _threads(args)
     from attnopt.runtime.saap.collect import collect
     from attnopt.runtime.saap.evaluate import token_windows
@@ -139,6 +186,7 @@ def run_collect(args) -> int:
 
 
 def run_train(args) -> int:
+    _check_out("--out", args.out)
     _threads(args)
     from attnopt.runtime.saap.collect import Collection
     from attnopt.runtime.saap.train import train_index
@@ -161,6 +209,14 @@ def run_train(args) -> int:
 
 
 def run_eval(args) -> int:
+    import os
+
+    if not os.path.isfile(args.index):
+        raise ValueError(f"--index {args.index!r}: no such file (an index from 'attnopt saap train')")
+    unknown = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() not in EVAL_METHODS]
+    if unknown or not args.methods.strip(","):
+        raise ValueError(f"--methods {args.methods!r}: valid methods: {', '.join(EVAL_METHODS)}")
+    _check_out("--out", args.out)
     _threads(args)
     import torch
 

@@ -55,7 +55,9 @@ def register(sub) -> None:
                    help="tune for a model compiled without CUDA graphs (any mode but reduce-overhead): a call then "
                         "costs the longer of its device and host time (default: device time, as CUDA graphs replay)")
     p.add_argument("--symbolic", action="store_true",
-                   help="tune every KV-length bucket of a growing cache instead of --context's lengths")
+                   help="tune every KV-length bucket of a growing cache instead of --context's lengths, each at "
+                        "its middle (a model's run reuses them; untuned, it times its trace-time length's bucket "
+                        "at that length)")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per shape (default: the planner's)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=run)
@@ -80,6 +82,8 @@ def resolve_heads(spec: str) -> tuple[int, int, int]:
     m = SHAPE_RE.fullmatch(spec)
     if m:
         hq, hkv = parse_heads(m.group(1))
+        if int(m.group(2)) < 1:
+            raise ValueError(f"{spec!r}: the head dim must be >= 1")
         return hq, hkv, int(m.group(2))
     try:
         from transformers import AutoConfig
@@ -110,7 +114,7 @@ def build_sites(args) -> list:
                 for n in contexts:
                     sites.append(AttentionSite(
                         node="tune", module_path=spec, pattern="sdpa", batch=b, q_heads=hq, kv_heads=hkv,
-                        head_dim=d, q_len=q_len, kv_len=n, kv_len_hint=None if n is not None else 1024,
+                        head_dim=d, q_len=q_len, kv_len=n, kv_len_hint=None,
                         dtype=args.dtype, mask_kind=args.mask, gqa_source="enable_gqa" if hq != hkv else "mha"))
     return sites
 
@@ -151,12 +155,32 @@ def tune_sites(sites, tuner, hw, ctx, layers: dict[str, int] | None = None) -> l
     return rows
 
 
-def run(args) -> int:
-    import torch
+def check_args(args) -> None:
+    """Raise ``ValueError`` for a malformed argument, before anything else (the GPU check included): the lengths,
+    batch sizes, query lengths, budget and layer count, and every preset or bare shape. A Hugging Face config name
+    is read when the shapes are built (reading one may wait on the network)."""
+    from .explain import parse_context
 
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers {args.layers}: must be >= 1")
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        raise ValueError(f"--budget {args.budget}: must be a positive number of seconds")
+    if not args.symbolic:
+        if not [parse_context(c) for c in args.context.split(",") if c.strip()]:
+            raise ValueError(f"--context {args.context!r}: expected comma-separated lengths such as 8k,32k")
+    _ints(args.batch, "batch")
+    for q_len in _ints(args.q_len, "q-len"):
+        if q_len > 16:
+            raise ValueError(f"--q-len {q_len}: decode-time attention has at most 16 query tokens")
+    for spec in args.shapes:
+        if spec in PRESETS or SHAPE_RE.fullmatch(spec):
+            resolve_heads(spec)
 
+
+def run(args) -> int:
+    import torch
+
+    check_args(args)
     if not torch.cuda.is_available():
         print("attnopt tune: tuning times plans on a CUDA GPU, and this machine has none. Without a GPU the "
               "planner uses the cost model alone (see `attnopt explain`); run `attnopt tune` on the machine "
@@ -211,4 +235,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["register", "run", "build_sites", "tune_sites", "resolve_heads", "layers_of", "PRESETS", "PRESET_LAYERS"]
+__all__ = ["register", "run", "check_args", "build_sites", "tune_sites", "resolve_heads", "layers_of", "PRESETS", "PRESET_LAYERS"]

@@ -14,7 +14,8 @@ dynamo graphs, "val" in aten/export graphs):
 
 ``sdpa``
     ``F.scaled_dot_product_attention`` (target ``torch._C._nn.scaled_dot_product_attention``) and
-    ``aten.scaled_dot_product_attention.default`` (``torch.export``).
+    ``aten.scaled_dot_product_attention.default`` (``torch.export``; ``torch.ops.aten.scaled_dot_product_attention``
+    called by hand in a function).
 ``sdpa_flash_cpu``, ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``, ``sdpa_overrideable``
     The fused aten variants that return a tuple; only output 0 may be used.
 ``eager_matmul``, ``eager_bmm``, ``eager_einsum``
@@ -35,6 +36,8 @@ What a rewrite proves (anything else is left alone, with the reason in ``site.un
 * **No write while the chain runs** (``passes.mutation``): an in-place op, ``out=`` or setitem on any tensor
   the chain reads (or an alias of its storage) between the chain's first node and its output makes the site
   unprovable; writes before it (a StaticCache's ``index_copy_``) are seen by the op as by the original.
+  A constant-filled tensor (``torch.ones(())``, ``torch.tensor(-inf)``) is read as its number only while nothing
+  writes it in place (``mutation.written_in_place``).
 * **Masks and biases.** The kernels add any float ``attn_mask`` exactly per tile and hide False / -inf keys,
   so the rule is one for SDPA and eager code alike: an additive float tensor (0/-inf mask, ``finfo.min`` mask,
   or an arbitrary bias such as ALiBi) broadcastable to (B, Hq, L, N) is rewritten exactly. A bool or integer

@@ -9,7 +9,8 @@ every key of a row, so the softmax is that of ``S * j`` (the op's ``alibi_slopes
 (``slopes[:, None, None] * arange(n)``) biases built in the graph.
 
 Anything else (a bias read from memory, rounded to fp16/bf16 on the way (the original's rounding of ``S * j``
-could not be reproduced), positions that are not an ``arange`` of the keys) is not ALiBi here; the eager pattern
+could not be reproduced), positions that are not an ``arange`` of the keys, or one in a dtype that rounds them,
+such as bf16 past 256 keys) is not ALiBi here; the eager pattern
 then applies it exactly as a general additive mask.
 """
 from __future__ import annotations

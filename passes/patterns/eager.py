@@ -249,6 +249,9 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
                 if softcap is not None:  # inside tanh a constant is not softmax-invariant
                     reasons.append("a constant added to the scores inside the softcap's tanh")
+                const = _number(b if isinstance(a, fx.Node) else a)
+                if const is not None and not math.isfinite(const):  # s + inf, s + nan: every score inf/NaN
+                    reasons.append(f"the constant {const!r} added to the scores")
                 cur = a if isinstance(a, fx.Node) else b  # + constant: softmax-invariant
                 continue
             scores, other = (a, b) if _leads_to_matmul(a) else (b, a)
@@ -257,6 +260,10 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
             odt = meta_dtype(other)
             if odt is not None and not odt.is_floating_point:
                 reasons.append(f"a {_dtype_name(odt)} tensor added to the scores (a 0/1 bias in eager, not a mask)")
+            elif odt == torch.float64 and meta_dtype(scores) != torch.float64:
+                reasons.append(f"a float64 mask or bias added to {_dtype_name(meta_dtype(scores))} scores: the original "
+                               "sums in float64, where the op reads the mask as float32 (float64's finfo.min, which "
+                               "keeps a hidden row's keys tied, would become -inf)")
             elif (slopes := alibi_slopes_of(other)) is not None and m_alibi is None and softcap is None \
                     and not (writes is not None and (writes.written(slopes) or writes.written(other))):
                 m_alibi = slopes  # a per-head slope times the key position: the op adds it itself

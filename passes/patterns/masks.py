@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..mutation import MutationIndex
+from ..mutation import MutationIndex, written_in_place
 from .nodes import (_bare_name, _binary, _is_call, _is_noop, _name, _number, _self, arg, is_python_scalar, kind,
                     meta_dtype, meta_shape, same_size)
 from .layout import _getitem_index, _is_one
@@ -37,7 +37,7 @@ def _const_value(x: Any) -> float | None:
     """Like ``_number``, but also reads one-element constant tensors (``get_attr``, e.g. aot's lifted
     ``torch.tensor(0.0)``). Only for classifying masks: the mask tensor itself still flows at run time."""
     n = _number(x)
-    if n is not None or not isinstance(x, fx.Node):
+    if n is not None or not isinstance(x, fx.Node) or written_in_place(x):
         return n
     if x.op == "call_function" and _name(x) in ("lift_fresh_copy", "lift_fresh", "detach", "clone", "_to_copy"):
         return _const_value(_self(x))
@@ -207,6 +207,23 @@ def _same_along_keys(x: Any) -> bool:
     return len(s) == 0 or _is_one(s[-1])
 
 
+#: Dtypes that hold whole numbers exactly only up to a bound: an ``arange`` in them rounds (fp16 past 2048, bf16
+#: past 256) or wraps the positions beyond it.
+_EXACT_UP_TO = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24, torch.int8: 2 ** 7 - 1,
+                torch.uint8: 2 ** 8 - 1, torch.int16: 2 ** 15 - 1}
+
+
+def _holds_positions(dtype: Any, n: Any) -> bool:
+    """Whether an ``arange(n)`` of ``dtype`` holds every position exactly (a static ``n`` within the dtype's bound;
+    float32 is taken as exact for a symbolic ``n``, which would need more than 16M keys to round)."""
+    limit = _EXACT_UP_TO.get(dtype)
+    if limit is None:
+        return dtype is None or dtype in (torch.int32, torch.int64, torch.float64)
+    if isinstance(n, int):
+        return n - 1 <= limit
+    return dtype == torch.float32
+
+
 def _key_positions(node: Any, depth: int = 16) -> bool:
     """Whether ``node[..., j] == j + offset`` for an offset that is the same for every key ``j``: an
     ``arange`` (step 1) plus such offsets, moved into place by unsqueeze / None-indexing / views / expands /
@@ -220,7 +237,8 @@ def _key_positions(node: Any, depth: int = 16) -> bool:
             return False
         if _bare_name(cur) in _POSITION_SOURCES:
             step = cur.kwargs.get("step", cur.args[2] if len(cur.args) > 2 and _bare_name(cur) == "arange" else 1)
-            return len(meta_shape(cur)) == 1 and not isinstance(step, fx.Node) and step == 1
+            return len(meta_shape(cur)) == 1 and not isinstance(step, fx.Node) and step == 1 \
+                and _holds_positions(meta_dtype(cur), n)
         k = kind(cur)
         if k == "add" and cur.kwargs.get("alpha", 1) == 1:
             a, b = _binary(cur)

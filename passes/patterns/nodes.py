@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from attnopt.site import AttentionSite
 
+from ..mutation import written_in_place
+
 
 aten = torch.ops.aten
 
@@ -291,6 +293,8 @@ def _number(x: Any) -> float | None:
     if isinstance(x, fx.Node) and is_python_scalar(x):
         val = meta_val(x)
         return float(val) if isinstance(val, (int, float)) else sym_constant(val)
+    if isinstance(x, fx.Node) and x.op == "call_function" and written_in_place(x):
+        return None  # a constant-filled tensor edited in place (``c = torch.ones(()); c.mul_(0.5)``) holds no constant
     if isinstance(x, fx.Node) and x.op == "call_function" and x.target in (aten.scalar_tensor.default,):
         return _number(x.args[0])
     if isinstance(x, fx.Node) and x.op == "call_function":

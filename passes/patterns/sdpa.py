@@ -28,7 +28,12 @@ def _is_sdpa(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     t = node.target
-    return t is F.scaled_dot_product_attention or t is aten.scaled_dot_product_attention.default
+    return t in _TORCH_LEVEL_SDPA or t is aten.scaled_dot_product_attention.default
+
+
+#: SDPA called with torch-level argument handling: ``F.scaled_dot_product_attention`` and, in a user's function,
+#: ``torch.ops.aten.scaled_dot_product_attention(...)`` (the overload packet; its argument names are the same).
+_TORCH_LEVEL_SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention)
 
 
 def _resolve_common(m: AttentionMatch, q: Any, k: Any, v: Any, scale: Any, dropout_p: Any, enable_gqa: bool) -> None:
@@ -65,7 +70,7 @@ def match_sdpa(node: fx.Node) -> AttentionMatch | None:
     """``F.scaled_dot_product_attention`` / ``aten.scaled_dot_product_attention.default``."""
     if not _is_sdpa(node):
         return None
-    a = _sdpa_torch_args(node) if node.target is F.scaled_dot_product_attention else schema_args(node)
+    a = _sdpa_torch_args(node) if node.target in _TORCH_LEVEL_SDPA else schema_args(node)
     m = AttentionMatch(site=None, output=node, q=None, k=None, v=None, pattern="sdpa", anchor=node)
     m.attn_mask = a.get("attn_mask")
     ic = a.get("is_causal")

@@ -157,3 +157,31 @@ def test_round_trip_of_every_normalised_field(tmp_path):
     cfg = OptimizeConfig(strategies="split_kv", skip_sites="a", sliding_windows={"l.1": 4}, verify_atol=1,
                          hardware="h200", plan_log=tmp_path / "p.jsonl", dynamic=False, min_kv_len=0)
     assert OptimizeConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"strategies": ()}, "names no plan kind"),
+    ({"strategies": ["dense"], "force_plan": "split_kv"}, "not among strategies"),
+    ({"saap_probes": 4}, "saap_probes only apply with a SAAP index"),
+    ({"saap_window": 16, "saap_sink": 2}, "saap_sink, saap_window only apply"),
+])
+def test_options_that_contradict_each_other(options, match):
+    """Options that could never take effect together are an error when the config is made (they were silently
+    ignored: no strategy meant dense anyway, a force_plan outside strategies left every site alone)."""
+    with pytest.raises(ValueError, match=match):
+        OptimizeConfig(**options)
+
+
+def test_corrupt_hardware_and_saap_files_are_named_by_optimize(tmp_path):
+    """A hardware profile that does not parse, or a SAAP index that is not safetensors, is reported by
+    ``attnopt.optimize`` itself, not at the first compile wrapped in dynamo's BackendCompilerFailed."""
+    import attnopt
+
+    profile = tmp_path / "profile.json"
+    profile.write_text("{not json")
+    index = tmp_path / "index.safetensors"
+    index.write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a valid attnopt hardware profile"):
+        attnopt.optimize(lambda x: x, hardware=str(profile))
+    with pytest.raises(ValueError, match="not a readable SAAP index"):
+        attnopt.optimize(lambda x: x, saap=str(index))

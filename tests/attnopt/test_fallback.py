@@ -119,25 +119,15 @@ def test_hf_prefill_runs_eagerly_and_leaves_the_static_cache_marked():
 
 @torch.no_grad()
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
-def test_reduce_overhead_runs_growing_caches_without_cuda_graphs(monkeypatch, cache):
+def test_reduce_overhead_runs_growing_caches_without_cuda_graphs(monkeypatch, cache, inner_compiles):
     """With mode="reduce-overhead" and inductor's CUDA-graph trees (step_graphs=False), decode calls over a
     DynamicCache (its tensors grow by concatenation, so CUDA-graph replays would overwrite them: inductor raises on
     the H100) compile without CUDA graphs; static caches keep them. With attnopt's step graphs (the default), what
     they do not record (here on the CPU: everything) runs the same trees-compiled forward; the steps they record run
     a forward compiled without CUDA graphs (tests/attnopt/test_step_graphs.py, tests/models/test_cuda_graphs.py).
     Every route runs attnopt's rewritten graphs and gives the original's tokens."""
-    import attnopt.backend as backend_module
-    from attnopt.bench.e2e import build_model
-
-    modes = []
-    inner = backend_module._compile_inner
-
-    def recording(name, gm, example_inputs, mode):
-        modes.append(mode)
-        return inner(name, gm, example_inputs, mode)
-
-    monkeypatch.setattr(backend_module, "_compile_inner", recording)
     import attnopt.passes as passes_module
+    from attnopt.bench.e2e import build_model
 
     graphed = []  # what the planner is told: plans replayed in CUDA graphs, or launched from the host
     make_context = passes_module.make_context
@@ -151,11 +141,12 @@ def test_reduce_overhead_runs_growing_caches_without_cuda_graphs(monkeypatch, ca
     ids = torch.randint(0, model.config.vocab_size, (1, 24))
     kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, cache_implementation=cache)
     for step_graphs in (True, False):  # on the CPU nothing is recorded: both routes compile as the trees do
-        modes.clear()
+        inner_compiles.clear()
         graphed.clear()
         opt = attnopt.optimize(model, inner_backend="eager", mode="reduce-overhead", step_graphs=step_graphs)
         assert torch.equal(opt.generate(ids, **kw), model.generate(ids, **kw))
-        assert modes and set(modes) == {None if cache == "dynamic" else "reduce-overhead"}
+        modes = {compiled.mode for compiled in inner_compiles}
+        assert modes == {None if cache == "dynamic" else "reduce-overhead"}
         # growing caches run without CUDA graphs, and their plans are chosen knowing it; with the eager inner backend
         # the trees do not replay graphs either (on a GPU, step graphs' own compile is told graphed=True)
         assert set(graphed) == {False}

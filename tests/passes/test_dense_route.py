@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 import attnopt
-import attnopt.backend as backend_module
 
 
 def _attend(q, k, v, mask=None):
@@ -18,15 +17,7 @@ def _attend(q, k, v, mask=None):
 
 
 @pytest.mark.parametrize("cache", ["fixed", "dynamic", "static"])
-def test_a_dense_pick_is_the_op_alone_on_the_inputs(cache, monkeypatch):
-    graphs = []
-    inner = backend_module._compile_inner
-
-    def recording(name, gm, example_inputs, mode):
-        graphs.append(gm)
-        return inner(name, gm, example_inputs, mode)
-
-    monkeypatch.setattr(backend_module, "_compile_inner", recording)
+def test_a_dense_pick_is_the_op_alone_on_the_inputs(cache, inner_compiles):
     torch._dynamo.reset()
     B, Hq, Hkv, N, D = 1, 8, 2, 96, 64
     q, k, v = torch.randn(B, Hq, 1, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
@@ -39,7 +30,8 @@ def test_a_dense_pick_is_the_op_alone_on_the_inputs(cache, monkeypatch):
     opt = attnopt.optimize(_attend, inner_backend="eager", force_plan="dense")
     out = opt(*args)
     torch.testing.assert_close(out, _attend(*args))
-    (gm,) = graphs
+    (compiled,) = inner_compiles
+    gm = compiled.gm
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     ops = [n for n in calls if n.target is torch.ops.attnopt.decode_attention.default]

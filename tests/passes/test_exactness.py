@@ -128,12 +128,17 @@ def where_head_pruning(q, k, v):
     return torch.where(pruned, torch.zeros_like(p), p) @ rep(v)
 
 
-@case("exact")
-def where_safe_softmax_guard(q, k, v):
+def first_row_hidden(q, k):
+    """(scores, probabilities) with every key of batch row 0 masked by -inf."""
     m = torch.ones(B, 1, L, N, dtype=torch.bool)
     m[0] = False
     s = scores(q, k).masked_fill(~m, -math.inf)
-    p = F.softmax(s, -1)
+    return s, F.softmax(s, -1)
+
+
+@case("exact")
+def where_safe_softmax_guard(q, k, v):
+    s, p = first_row_hidden(q, k)
     p = torch.where((s == -math.inf).all(-1, keepdim=True), torch.zeros_like(p), p)
     return p @ rep(v)
 
@@ -283,6 +288,79 @@ def bf16_finfo_min_row_on_fp32_scores(q, k, v):
     return F.softmax(scores(q, k) + bias, -1) @ rep(v)
 
 
+@case("float64 mask")
+def fp64_finfo_min_row_on_fp32_scores(q, k, v):
+    bias = torch.zeros(B, 1, L, N, dtype=torch.float64)
+    bias[1] = torch.finfo(torch.float64).min  # the original sums in fp64: a tied row, the mean of V
+    return F.softmax(scores(q, k) + bias, -1).to(q.dtype) @ rep(v)
+
+
+@case("constant inf added")
+def constant_inf_added_to_the_scores(q, k, v):
+    return F.softmax(scores(q, k) + math.inf, -1) @ rep(v)  # every score inf: NaN everywhere
+
+
+# the aten op called by hand (the overload packet in a dynamo graph), arguments by position and by keyword
+@case("exact")
+def aten_sdpa_called_directly(q, k, v):
+    m = (torch.arange(N) < 30).view(1, 1, 1, N)
+    return torch.ops.aten.scaled_dot_product_attention(q, rep(k), rep(v), m, 0.0, False, scale=0.3)
+
+
+@case("training-mode dropout")
+def aten_sdpa_with_dropout(q, k, v):
+    return torch.ops.aten.scaled_dot_product_attention(q, rep(k), rep(v), None, 0.5) * 0.0  # random, times 0
+
+
+# class 7: constant-filled tensors edited in place are no constants (the op must not bake their first value in)
+@case("exact")
+def scale_tensor_edited_in_place(q, k, v):
+    c = torch.ones(())
+    c.mul_(0.5)  # the scale is 0.5, not the 1.0 that torch.ones says
+    return F.softmax((q @ rep(k).transpose(-1, -2)) * c, -1) @ rep(v)
+
+
+@case("exact")
+def query_factor_edited_by_setitem(q, k, v):
+    c = torch.full((1,), 1.0)
+    c[0] = 3.0
+    return F.softmax((q * c) @ rep(k).transpose(-1, -2), -1) @ rep(v)
+
+
+@case("not a mask")
+def where_fill_tensor_edited_in_place(q, k, v):
+    keep = torch.arange(N) < 20
+    fill = torch.tensor(float("-inf"))
+    fill.fill_(0.0)  # the where() now writes 0, a score, not -inf
+    return F.softmax(torch.where(keep, scores(q, k), fill), -1) @ rep(v)
+
+
+@case("not PyTorch's fully-masked-row guard")
+def guard_zero_edited_in_place(q, k, v):
+    s, p = first_row_hidden(q, k)
+    zero = torch.zeros(())
+    zero.fill_(0.5)
+    return torch.where((s == -math.inf).all(-1, keepdim=True), zero, p) @ rep(v)
+
+
+@case("run-time cap")
+def softcap_tensor_edited_in_place(q, k, v):
+    cap = torch.full((), 5.0)
+    cap.add_(10.0)
+    return F.softmax(torch.tanh(scores(q, k) / 5.0) * cap, -1) @ rep(v)
+
+
+# class 8: SDPA broadcasts the batch of K/V against the query's; the op reads one K/V row per query row
+@case("batch sizes of q")
+def sdpa_kv_batch_broadcast(q, k, v):
+    return F.scaled_dot_product_attention(q, rep(k[:1]), rep(v[:1]))
+
+
+@case("batch sizes of q")
+def sdpa_query_batch_broadcast(q, k, v):
+    return F.scaled_dot_product_attention(q[:1], rep(k), rep(v))
+
+
 # ----------------------------------------------------------------------------------- the check
 def inputs(seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
@@ -365,3 +443,80 @@ def test_decomposed_sdpa_guard_is_proven_and_rewritten():
     out = gm(q, k, v, m)
     torch.testing.assert_close(out, f(q, k, v, m), atol=2e-5, rtol=2e-5)
     assert bool((out[0] == 0).all())
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("what", ["mask", "temperature"])
+def test_a_learned_bias_or_temperature_keeps_its_gradient(what, backend):
+    """q/k/v from frozen weights, a learned position bias or temperature (requires_grad): the decode op has no
+    backward, so the site is left alone and the gradient reaches the bias as in the original."""
+    def f(q, k, v, w):
+        if what == "mask":
+            return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=w)
+        return F.softmax((q @ rep(k).transpose(-1, -2)) * w, -1) @ rep(v)
+
+    q, k, v = inputs()
+    w0 = torch.randn(1, H, 1, N) if what == "mask" else torch.tensor(0.3)
+    w_ref, w = w0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    f(q, k, v, w_ref).sum().backward()
+    opt = attnopt.optimize(f, inner_backend=backend)
+    out = opt(q, k, v, w)
+    out.sum().backward()
+    (site,) = attnopt.last_plans(opt).sites
+    assert not site.rewritten and "gradients" in site.reason_untouched
+    torch.testing.assert_close(out, f(q, k, v, w_ref))
+    torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_write_through_another_input_that_aliases_k(backend):
+    """The caller passes a view of K as a fourth argument and the function writes through it after the score product
+    read K: the original's scores use the old K. The graph's inputs are separate placeholders; their fake values
+    share a storage, so the write is seen as one to K and the site is left alone (it was rewritten: the op read the
+    new K)."""
+    def f(q, k, v, k_alias):
+        s = scores(q, k)
+        k_alias.mul_(2.0)
+        return F.softmax(s, -1) @ rep(v)
+
+    def args():
+        q, k, v = inputs()
+        return q, k, v, k.view(k.shape)
+
+    opt = attnopt.optimize(f, inner_backend=backend)
+    torch.testing.assert_close(opt(*args()), f(*args()))
+    (site,) = attnopt.last_plans(opt).sites
+    assert not site.rewritten and "in-place write" in site.reason_untouched
+
+
+def test_inputs_that_share_no_storage_do_not_alias():
+    """Separate tensors stay separate: StaticCache's write into its own K before the read is still rewritten."""
+    def f(q, k, v, other):
+        other.mul_(2.0)
+        return F.softmax(scores(q, k), -1) @ rep(v)
+
+    q, k, v = inputs()
+    opt = attnopt.optimize(f, inner_backend="eager")
+    torch.testing.assert_close(opt(q, k, v, torch.ones(3)), f(q, k, v, torch.ones(3)))
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten, site.reason_untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_alibi_positions_from_a_rounding_arange(dtype):
+    """An ALiBi bias whose positions come from an ``arange`` in bf16/fp16 (rounded past 256/2048 keys) is not
+    ``slope * j``: the rounded bias is applied as a general additive mask instead (it was read as ALiBi, and the op
+    added the exact positions)."""
+    n = 300 if dtype == torch.bfloat16 else 2100
+
+    def f(q, k, v, slopes):
+        positions = torch.arange(k.shape[-2], dtype=dtype).float()
+        return F.softmax(scores(q, k) + slopes * positions, -1) @ rep(v)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, H, L, D, generator=g), torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(1, H, 1, 1)
+    opt = attnopt.optimize(f, inner_backend="eager")
+    torch.testing.assert_close(opt(q, k, v, slopes), f(q, k, v, slopes), atol=2e-5, rtol=2e-5)
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten and not site.site.alibi, site.reason_untouched

@@ -8,9 +8,10 @@ It draws the spelling (SDPA with ``enable_gqa`` or expanded K/V, eager ``matmul`
 shape from 1-D to 4-D; applied by ``+``, ``masked_fill`` with -inf or a finite value (finfo.min among them), ``where``), fully masked
 rows, in-place edits of the scores, clones and ``.contiguous()`` copies written afterwards, the fully-masked-row
 ``where`` guard and a head-pruning ``where``, a scalar after the softmax, fp32/fp64, odd shapes, and the plan
-(planner's pick, dense, split-KV, stream-K). Also: additive masks in fp16/bf16 on fp32/fp64 queries, 0/1 integer
+(planner's pick, dense, split-KV, stream-K). Also: additive masks in fp16/bf16/fp64 on fp32/fp64 queries, 0/1 integer
 masks, -1e9 additive masks (with larger scores in a third of the cases: a row they hide whole rounds onto fp32's
-grid at 1e9), the scale as a float or a 0-d tensor input, inference dropout (``training=False``, or ``p=0``),
+grid at 1e9), the scale as a float, a 0-d tensor input or a constant-filled tensor edited in place, K/V of
+batch 1 broadcast over the queries' batch, inference dropout (``training=False``, or ``p=0``),
 ``is_causal`` with q_len > 1 against the cache, casts of the probabilities (narrower, or wider, than the scores),
 and NaN in V at a key every row hides. Half the cases carry none of the spellings that must be left alone, so that
 most of those are rewritten and compared.
@@ -53,7 +54,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["N"] = draw(st.sampled_from([5, 16, 17, 33, 47]))
     s["gqa"] = draw(st.sampled_from(["repeat_kv", "repeat_interleave"] + (["enable_gqa"] if s["form"] == "sdpa" else [])))
     s["mask"] = draw(st.sampled_from([None, "bool", "bool", "zero_neginf", "finfo_min", "minus_1e9", "bias", "int01"]))
-    s["mask_dtype"] = draw(st.sampled_from(["same", "same", "float16", "bfloat16"]))  # additive masks only
+    s["mask_dtype"] = draw(st.sampled_from(["same", "same", "float16", "bfloat16", "float64"]))  # additive masks only
     s["rank"] = draw(st.integers(1, 4))
     s["bcast"] = draw(st.lists(st.booleans(), min_size=4, max_size=4))  # per dim of (B, H, L, N): size 1?
     s["apply"] = draw(st.sampled_from(["add", "masked_fill", "where"]))  # eager: how a bool mask is applied
@@ -62,7 +63,8 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after"]))
     s["guard"] = draw(st.sampled_from(["none"] * 4 + ["safe", "safe", "head_prune"]))
     s["post_scalar"] = draw(st.sampled_from([False] * 4 + [True]) if s["form"] != "sdpa" else st.just(False))
-    s["scale_kind"] = draw(st.sampled_from(["float", "float", "tensor"]))
+    s["scale_kind"] = draw(st.sampled_from(["float", "float", "tensor", "const_edited"]))
+    s["kv_batch1"] = s["B"] > 1 and draw(st.sampled_from([False] * 5 + [True]))  # K/V broadcast over the batch
     s["dropout"] = draw(st.sampled_from(["none", "none", "eval", "p0"]))
     s["causal"] = s["form"] == "sdpa" and s["mask"] is None and draw(st.booleans())
     s["cast"] = draw(st.sampled_from(["none"] * 6 + ["narrow", "wide"]) if s["form"] != "sdpa" else st.just("none"))
@@ -71,7 +73,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["plan"] = draw(st.sampled_from(plans))
     s["seed"] = draw(st.integers(0, 2**16))
     if draw(st.booleans()):  # half the cases carry none of the spellings that must be left alone
-        s.update(mutation="none", post_scalar=False, fill=-math.inf,
+        s.update(mutation="none", post_scalar=False, fill=-math.inf, kv_batch1=False,
                  guard="none" if s["guard"] == "head_prune" else s["guard"],
                  cast="none" if s["cast"] == "narrow" else s["cast"],
                  mask="bool" if s["mask"] == "int01" else s["mask"])
@@ -131,6 +133,9 @@ def make_fn(spec):
         return torch.matmul(q, k.transpose(-1, -2)) * sc
 
     def fn(q, k, v, mask, scale_t):
+        if spec["scale_kind"] == "const_edited":  # a constant-filled tensor, edited: its value is no constant
+            scale_t = torch.ones(())
+            scale_t.mul_(scale)
         if spec["mutation"] == "clone_k_write":
             k = k.clone()
             k[:, :, 0] = 1.0
@@ -141,7 +146,7 @@ def make_fn(spec):
                 q2.mul_(2.0)  # written before SDPA reads it: the op reads the written q, as the original
                 q = q2
             sc = scale
-            if spec["scale_kind"] == "tensor":
+            if spec["scale_kind"] != "float":
                 q, sc = q * scale_t, 1.0  # SDPA takes a float: a tensor scale multiplies the query
             if spec["gqa"] == "enable_gqa":
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sc, is_causal=spec["causal"],
@@ -191,8 +196,9 @@ def check_spec(spec):
     gen = torch.Generator().manual_seed(spec["seed"])
     B, Hkv, G, L, N, D, dt = spec["B"], spec["Hkv"], spec["G"], spec["L"], spec["N"], 64, spec["dtype"]
     q = torch.randn(B, Hkv * G, L, D, generator=gen, dtype=dt) * (4 if spec["seed"] % 3 == 0 else 1)
-    k = torch.randn(B, Hkv, N, D, generator=gen, dtype=dt)
-    v = torch.randn(B, Hkv, N, D, generator=gen, dtype=dt)
+    kv_batch = 1 if spec["kv_batch1"] else B
+    k = torch.randn(kv_batch, Hkv, N, D, generator=gen, dtype=dt)
+    v = torch.randn(kv_batch, Hkv, N, D, generator=gen, dtype=dt)
     mask = make_mask(spec, gen)
     nan_v = spec["nan_v"] and mask is not None and mask.shape[-1] == N
     if nan_v:

@@ -79,6 +79,47 @@ def test_collect_records_the_unrotated_projections(tiny_model):
     assert pos.min() >= 100 and coll.sequences[0].queries[1].shape == (6, 8, 16)
 
 
+def test_collection_round_trip_and_corrupt_files_name_the_file(tmp_path, trained):
+    from safetensors.torch import load_file, save_file
+
+    from attnopt.runtime.saap.collect import Collection
+
+    coll, _ = trained
+    path = tmp_path / "c.safetensors"
+    coll.save(path)
+    back = Collection.load(path)
+    assert back.identity == coll.identity and len(back.sequences) == len(coll.sequences)
+    torch.testing.assert_close(back.sequences[1].keys[2], coll.sequences[1].keys[2], atol=0, rtol=0)
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    with pytest.raises(ValueError, match="junk.safetensors is not a readable safetensors file"):
+        Collection.load(junk)
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match="cut.safetensors"):
+        Collection.load(truncated)
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    missing = tmp_path / "missing.safetensors"
+    save_file({k: v for k, v in tensors.items() if k != "seq1.layer2.queries"}, str(missing), metadata=meta)
+    with pytest.raises(ValueError, match="missing.safetensors lacks tensor.*seq1.layer2.queries"):
+        Collection.load(missing)
+    bad_meta = tmp_path / "meta.safetensors"
+    save_file(tensors, str(bad_meta), metadata={"saap_collection": "{oops"})
+    with pytest.raises(ValueError, match="meta.safetensors: corrupt metadata"):
+        Collection.load(bad_meta)
+    no_keys = tmp_path / "nokeys.safetensors"
+    partial = {k: v for k, v in json.loads(meta["saap_collection"]).items() if k != "rope"}
+    save_file(tensors, str(no_keys), metadata={"saap_collection": json.dumps(partial)})
+    with pytest.raises(ValueError, match="nokeys.safetensors: metadata lacks rope"):
+        Collection.load(no_keys)
+
+
 def test_long_range_targets_are_the_attention_mass_per_cluster():
     torch.manual_seed(0)
     q, k = torch.randn(5, 8), torch.randn(40, 8)
