@@ -215,14 +215,50 @@ _SAAP_SCORE_MLP = """
     s_b2 = Unsqueeze (b2, s_ax1)
     s_logits = Add (s_o2, s_b2)
 """
+# The selection rule (``runtime/kernels/saap_rule.py``'s ``top_clusters``): the group scores (softmax sums, >= 0) cut to
+# bf16's 8 significant bits, toward zero (the kernel ranks the top 16 bits of each float's key), as fp32 values:
+# floor(x * 2^(7 - e)) * 2^(e - 7) in float64 with e = floor(log2 x), at least -126 (fp32's subnormals: the cut keeps
+# multiples of 2^-133), taken from Log and corrected by one either way against exact powers of two. TopK then
+# breaks ties by the lowest index, as ONNX specifies and the rule does.
+_SAAP_CUT = """
+    c_x = Cast <to = 11> (s_scores)
+    c_ln2 = Constant <value = double {0.6931471805599453}> ()
+    c_two = Constant <value = double {2.0}> ()
+    c_one = Constant <value = double {1.0}> ()
+    c_seven = Constant <value = double {7.0}> ()
+    c_emin = Constant <value = double {-126.0}> ()
+    c_log = Log (c_x)
+    c_log2 = Div (c_log, c_ln2)
+    c_e0 = Floor (c_log2)
+    c_e1 = Max (c_e0, c_emin)
+    c_p1 = Pow (c_two, c_e1)
+    c_over = Greater (c_p1, c_x)
+    c_over_d = Cast <to = 11> (c_over)
+    c_e2 = Sub (c_e1, c_over_d)
+    c_e3 = Max (c_e2, c_emin)
+    c_e3_next = Add (c_e3, c_one)
+    c_p3 = Pow (c_two, c_e3_next)
+    c_under = LessOrEqual (c_p3, c_x)
+    c_under_d = Cast <to = 11> (c_under)
+    c_e = Add (c_e3, c_under_d)
+    c_up = Sub (c_seven, c_e)
+    c_scale_up = Pow (c_two, c_up)
+    c_scaled = Mul (c_x, c_scale_up)
+    c_mant = Floor (c_scaled)
+    c_down = Neg (c_up)
+    c_scale_down = Pow (c_two, c_down)
+    c_cut = Mul (c_mant, c_scale_down)
+    s_rank = Cast <to = 1> (c_cut)
+"""
 _SAAP_SELECT = """
     s_probs = Softmax <axis = -1> (s_logits)
     s_scores = ReduceSum <keepdims = 0> (s_probs, s_ax2)
+""" + _SAAP_CUT + """
     s_c = Shape <start = -1> (s_scores)
     s_probes0 = Constant <value_int: int = @probes> ()
     s_probes = Reshape (s_probes0, last_axis)
     s_topk = Min (s_probes, s_c)
-    s_top_values, s_top = TopK <axis = -1, largest = 1, sorted = 1> (s_scores, s_topk)
+    s_top_values, s_top = TopK <axis = -1, largest = 1, sorted = 1> (s_rank, s_topk)
     s_zero_f = Constant <value = float {0.0}> ()
     s_one_f = Constant <value = float {1.0}> ()
     s_none = Mul (s_scores, s_zero_f)
@@ -280,7 +316,19 @@ def function_proto(name: str, opset: int):
         text = _TEXTS[name]
     except KeyError:
         raise ValueError(f"no ONNX function body for attnopt op {name!r}; known: {', '.join(sorted(_TEXTS))}") from None
+    if name in SAAP_INDEX_INPUTS:
+        text = text.replace(_SAAP_CUT, _saap_cut())
     return onnx.parser.parse_function(text.replace("{opset}", str(int(opset)), 1))
+
+
+def _saap_cut() -> str:
+    """The SAAP selection's ranking for the rule's key width (``runtime/kernels/saap_rule.py``'s ``SELECT_KEY_BITS``): the
+    scores cut to 16 bits, or as they are for 32 (the order of non-negative floats is their keys')."""
+    from attnopt.runtime.kernels.saap_rule import SELECT_KEY_BITS
+
+    if SELECT_KEY_BITS not in (16, 32):
+        raise ValueError(f"the SAAP ONNX node ranks 16- or 32-bit score keys; SELECT_KEY_BITS is {SELECT_KEY_BITS}")
+    return _SAAP_CUT if SELECT_KEY_BITS == 16 else "    s_rank = Identity (s_scores)\n"
 
 
 def op_schema(name: str):

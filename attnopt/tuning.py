@@ -21,10 +21,11 @@ reuses what another measured. Writers replace the file atomically (temporary fil
 file is reported in one warning line and treated as empty.
 
 A site whose KV length is symbolic (a growing cache) is tuned per length bucket (``BUCKETS``: powers of two from
-1k to 512k), at the bucket's geometric middle (``bucket_length``), from the trace-time hint's bucket outwards
-within one shared compile budget; where its two fastest are within ``TIE`` (or the fastest dense plan within
-``PEER_SPAN`` of a kernel winner), both are also timed at the bucket's ends and the one with the smaller worst ratio
-wins. A kernel plan is chosen over the fastest dense plan, the peer's own kernel, only when it is ahead by more than
+1k to 512k), at the bucket's geometric middle (``bucket_length``; the hint's bucket at the hint, ``hint_length``),
+from the trace-time hint's bucket outwards within one shared compile budget; where its two fastest are within
+``TIE`` (``HINT_TIE`` at the hint), or the fastest dense plan within ``PEER_SPAN`` of a kernel winner, both are also
+timed at the bucket's ends and the one with the smaller worst ratio wins. The other grids of the fastest kernel
+configurations are timed after the first round (``grid_siblings``: compiled already, a timing each). A kernel plan is chosen over the fastest dense plan, the peer's own kernel, only when it is ahead by more than
 ``PEER_MARGIN`` (timing noise) wherever it was judged. The op picks the bucket's plan by ``k.shape[2]`` at run time
 (``BucketedPlan``), with no sync. A static cache is timed full (``timer.STATIC_FILL``); a near tie there is also
 judged at ``STATIC_LOW_FILL``.
@@ -59,9 +60,9 @@ from .timer import error_text as _error_text
 from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, PEER_MARGIN,  # noqa: F401
                                 PEER_SPAN, _family, compile_key, most_parallel, near_peer, prefer_peer,
                                 to_time)  # (re-exported for the tuner's users)
-from .tuning_rounds import (FRESH_LENGTH_SLACK_US, PRUNE, STATIC_DENSE_TIE, STATIC_READERS, TIE,  # noqa: F401
-                            TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
-from .tuning_buckets import BUCKETS, bucket_length, bucket_of, bucket_span  # noqa: F401  (re-exported)
+from .tuning_rounds import (FRESH_LENGTH_SLACK_US, HINT_TIE, PRUNE, STATIC_DENSE_TIE, STATIC_READERS,  # noqa: F401
+                            TIE, TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
+from .tuning_buckets import BUCKETS, bucket_length, bucket_of, bucket_span, hint_length  # noqa: F401  (re-exported)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
 
@@ -166,7 +167,7 @@ class Tuner(TimingRounds):
     # ------------------------------------------------------------------------------------- one shape
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
                valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None,
-               span: tuple[int, int] | None = None, compiled: set | None = None) -> Choice:
+               span: tuple[int, ...] | None = None, compiled: set | None = None, tie: float = TIE) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
@@ -174,10 +175,11 @@ class Tuner(TimingRounds):
         ``deadline``: a ``time.perf_counter()`` value after which no new kernel configuration is compiled (a symbolic
         length's buckets share one): past it only the candidates whose kernels ``compiled`` holds (``compile_key``),
         the dense plans and the two always timed are timed. ``compiled``: the compile keys warmed so far, updated
-        here. ``span``: the shortest and longest length the plan will run at (a bucket's ends); when another
-        candidate is within ``TIE`` of the fastest, or the fastest dense plan within ``PEER_SPAN`` of a kernel
-        winner, they are timed there too (``_tie_break``). A kernel plan must beat the fastest dense plan by
-        ``PEER_MARGIN`` to be chosen over it.
+        here. ``span``: other lengths the plan will run at (a bucket's ends); when another candidate is within
+        ``tie`` of the fastest, or the fastest dense plan within ``PEER_SPAN`` of a kernel winner, they are timed
+        there too (``_tie_break``). A kernel plan must beat the fastest dense plan by ``PEER_MARGIN`` to be chosen
+        over it. After the first timing, the other grids of the fastest kernel configurations are timed as well
+        (``_time_siblings``), with a budget.
 
         The budget counts from the end of the warm-up: the warm-up compiles every candidate at once, and a budget that
         it had spent left compiled candidates untimed (H100: SmolLM2's 1k static site kept S=5/256/8/2 at 7.35 µs with
@@ -222,6 +224,8 @@ class Tuner(TimingRounds):
         end = time.perf_counter() + self.budget_s  # after the warm-up and the valid length: timing alone
         measure_start = time.perf_counter()
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
+        if self.budget_s > 0:
+            measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager))
         extra["measure_s"] = round(time.perf_counter() - measure_start, 3)
         extra.update(measure_extra)
         for key, us in per_length.items():
@@ -241,7 +245,7 @@ class Tuner(TimingRounds):
         if best is not None and span is not None and not eager and (time.perf_counter() < end or dense_static
                                                                      or close_peer):
             tie_start = time.perf_counter()
-            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static, extra)
+            best, extra["span_us"] = self._tie_break(best, measured, by_key, site, span, charge, static, extra, tie)
             extra["tie_break_s"] = round(time.perf_counter() - tie_start, 3)
         elif best is not None and not static:  # (a static cache's reader beats the peer at a low fill)
             best = prefer_peer(best, measured, by_key)
@@ -292,8 +296,12 @@ class Tuner(TimingRounds):
         """A ``BucketedPlan`` for a site of symbolic KV length: ``rank(site at a bucket's length)`` (``bucket_length``)
         gives that bucket's ranked candidates, ``choose`` picks among them. The buckets are tuned from the one
         holding the trace-time hint outwards (nearer lengths run first), within ``BUCKETED_BUDGET_FACTOR`` budgets
-        together (past that, a bucket times only what is compiled already). Its estimate and measurement are those of
-        the hint's bucket. Returns the bucket's plan itself when every bucket chose the same."""
+        together (past that, a bucket times only what is compiled already). The hint's bucket is timed at the hint
+        (``hint_length``: the length the site runs at now), its near ties (within ``HINT_TIE``) judged at the
+        bucket's ends and middle: a plan's time steps with its tiles per split between the lengths judged (H100,
+        B=7 4/2 heads D=96, S=8 of 128-key tiles: 12.50 µs at 2880 keys, 13.29 at 4096, 14.03 at the case's 3264,
+        where cuDNN ran 13.15). Its estimate and measurement are those of the hint's
+        bucket. Returns the bucket's plan itself when every bucket chose the same."""
         hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
         h = self.buckets.index(hint)
         deadline = time.perf_counter() + BUCKETED_BUDGET_FACTOR * self.budget_s
@@ -301,14 +309,17 @@ class Tuner(TimingRounds):
         by_bound: dict[int, Choice] = {}
         for i in sorted(range(len(self.buckets)), key=lambda i: (abs(i - h), i)):
             bound = self.buckets[i]
-            n = bucket_length(bound, self.buckets)
+            n, span, tie = bucket_length(bound, self.buckets), bucket_span(bound, self.buckets), TIE
             at = dataclasses.replace(site, kv_len=n, kv_len_hint=None)
+            if i == h and site.kv_len_hint:
+                here = dataclasses.replace(at, kv_len=hint_length(site.kv_len_hint, bound, self.buckets))
+                if not self._known_at_middle(at, here, rank, valid_len_sharing, graphed):
+                    at, span, tie = here, (span[0], n, span[1]), HINT_TIE
             ranked = rank(at)
             if not ranked:
-                raise ValueError(f"no candidate plan at KV length {n} for {site.shape_str()}")
+                raise ValueError(f"no candidate plan at KV length {at.kv_len} for {site.shape_str()}")
             by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
-                                          graphed=graphed, deadline=deadline, span=bucket_span(bound, self.buckets),
-                                          compiled=compiled)
+                                          graphed=graphed, deadline=deadline, span=span, compiled=compiled, tie=tie)
         choices = [by_bound[b] for b in self.buckets]
         here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}
@@ -320,6 +331,14 @@ class Tuner(TimingRounds):
             return Choice(here.plan, how, here.measured_us, timings, tune_s)
         plan = BucketedPlan(bounds=self.buckets, plans=tuple(keys)).with_estimate(here.plan.est_us)
         return Choice(plan, how, here.measured_us, timings, tune_s)
+
+    def _known_at_middle(self, middle: AttentionSite, here: AttentionSite, rank: Callable[[AttentionSite], list[Plan]],
+                         valid_len_sharing: int, graphed: bool) -> bool:
+        """Whether the hint's bucket is measured at its ``middle`` and not at the hint (``here``): a bucket tuned
+        before at its middle, by ``attnopt tune --symbolic`` or a process whose hint fell in another bucket, is
+        reused, not timed again."""
+        kw = dict(bucketed=True, valid_len_sharing=valid_len_sharing, graphed=graphed)
+        return self.cached(here, rank(here), **kw) is None and self.cached(middle, rank(middle), **kw) is not None
 
 
 def _static_cache(site: AttentionSite) -> bool:

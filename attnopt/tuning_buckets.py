@@ -37,3 +37,16 @@ def bucket_of(n: int, bounds: Sequence[int] = BUCKETS) -> int:
     if n < 1:
         raise ValueError(f"a KV length must be >= 1, got {n}")
     return bounds[min(bisect.bisect_left(bounds, n), len(bounds) - 1)]
+
+
+def hint_length(hint: int, bound: int, bounds: Sequence[int] = BUCKETS) -> int:
+    """The KV length the hint's bucket is timed at: the trace-time hint (the length the site runs at now) rounded up
+    to a multiple of 16, kept inside the bucket's span (``bucket_span``: a hint far below the first bucket's, a
+    prompt of a few tokens, would tune for lengths that pass in a few steps; the last bucket takes any longer
+    length). Rounding up keeps every plan's tile count (tiles are multiples of 16 keys) and, as Triton specializes an
+    integer argument on whether it is a multiple of 16, spares a compile of every candidate at an odd length."""
+    if hint < 1:
+        raise ValueError(f"a KV length hint must be >= 1, got {hint}")
+    low, high = bucket_span(bound, bounds)
+    n = max(low, -(-int(hint) // 16) * 16)
+    return n if list(bounds).index(bound) == len(bounds) - 1 else min(high, n)

@@ -40,7 +40,9 @@ from .site import AttentionSite
 #: 10: every timed replay waits behind a GPU sleep (``bench.common.REPLAY_PREROLL_MS``); before, a replay timed after
 #: a sync also counted the host's launch of the graph per call, more for candidates with more host time per call (a
 #: graph of fewer calls).
-TUNING_VERSION = 10
+#: 11: the hint's bucket of a symbolic length is timed at the hint, the other grids of the fastest configurations
+#: are timed too, and without a valid length the TMA kernels run the tile crossing N in their pipelined loop.
+TUNING_VERSION = 11
 
 log = logging.getLogger("attnopt.tuning")
 

@@ -31,6 +31,16 @@ DEFAULT_TOP_K = 4
 #: (9/3 heads, D=64) S=5/256/8/2 first, 10.0 µs alone in a graph, and left the fastest family out of its top four:
 #: S=16/64/4/3 ran in 6.2 µs (probe at c761f67). Timing one plan per family lets measurement find it.
 DEFAULT_EXTRA_FAMILIES = 4
+#: After the first timing, the other grids of the fastest kernel configurations are timed too (``grid_siblings``):
+#: this many configurations, up to ``GRID_SIBLINGS`` grids each. They share the compiled kernel, so each costs only its
+#: timing. The model ranks grids of one configuration by waves and misses where a length's tiles quantise: at B=3
+#: 12/4 heads D=96 it ranked S=16 (three 128-key tiles a split at 5000 keys) over S=33 (two), which was never timed
+#: (H100, bf50495: S=16 16.4 µs against cuDNN's 15.8).
+SIBLING_FAMILIES = 2
+GRID_SIBLINGS = 4
+#: ... only for configurations within this fraction of the fastest candidate measured (a grid with one tile a split
+#: fewer runs up to a third faster; further behind, another grid cannot win).
+SIBLINGS_WITHIN = 0.5
 #: Further families are timed only within this factor of the best kernel estimate (a family the model puts 3x
 #: behind costs a cold compile, about a second, and has not won a measurement on the H100).
 EXTRA_WITHIN = 2.0
@@ -82,6 +92,25 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     for p in dense + early + firsts + seconds:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
+    return out
+
+
+def grid_siblings(measured: dict[str, float], ranked: Sequence[Plan], tried: set[str],
+                  families: int = SIBLING_FAMILIES, most: int = GRID_SIBLINGS) -> list[Plan]:
+    """The untried grids (``ranked`` order, at most ``most`` each) of the ``families`` fastest measured kernel
+    configurations (``compile_key``: the same compiled kernel, another split count or grid) within
+    ``SIBLINGS_WITHIN`` of the fastest measured. ``measured``: runtime key -> µs of the candidates timed; ``tried``:
+    the runtime keys timed or failed."""
+    by_key = {p.runtime_key(): p for p in ranked}
+    keys: list[str] = []
+    near = (1 + SIBLINGS_WITHIN) * min(measured.values(), default=math.inf)
+    for k in sorted((k for k in measured if k in by_key and by_key[k].kind != "dense"), key=measured.get):
+        if measured[k] <= near and compile_key(by_key[k]) not in keys:
+            keys.append(compile_key(by_key[k]))
+    out: list[Plan] = []
+    for key in keys[:families]:
+        out += [p for p in ranked if p.kind != "dense" and p.runtime_key() not in tried
+                and compile_key(p) == key][:most]
     return out
 
 

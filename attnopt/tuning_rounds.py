@@ -12,7 +12,7 @@ from .plan import Plan, reads_valid_keys
 from .site import AttentionSite
 from .timer import error_text as _error_text
 from .timer import warm_workers
-from .tuning_candidates import PEER_MARGIN, near_peer, prefer_peer
+from .tuning_candidates import PEER_MARGIN, grid_siblings, near_peer, prefer_peer
 
 #: After the first round, only candidates within this fraction of the best are timed again.
 PRUNE = 0.15
@@ -24,6 +24,16 @@ TIE = 0.03
 #: compiles, and at a low fill the dense plan keeps its full time while the other shrinks (H100, f9e648f: timed full
 #: only, cuDNN won 4k of a 32k cache at 1.0x SDPA over the whole cache, where the split-KV plan runs about 8x).
 STATIC_DENSE_TIE = 0.25
+#: The hint's bucket is timed at the length the site runs at now (``tuning_buckets.hint_length``); there only
+#: candidates within this fraction of its fastest (timing noise: the peer's own time moved 0.1-0.2 % between H100
+#: runs at 137-487 µs) are judged at the bucket's other lengths: a plan slower where it runs now loses to the peer
+#: there by as much for a better worst case elsewhere (H100, 8a4f996: lhs00, B17 56/56 D128 q4 at 3008 keys, at
+#: 1 % took split-KV S1/128, 489.5 µs there against stream-K's 486.5 and 1 % ahead at 4096: 0.986x cuDNN; the
+#: stream-K pick had run 0.993x at 3fed422).
+HINT_TIE = 0.005
+#: Seconds the grid siblings (``tuning_candidates.grid_siblings``) may take past the budget: a few timings of
+#: compiled kernels.
+SIBLINGS_S = 0.5
 #: At most this many near-tied candidates are timed again.
 TIE_MAX = 3
 #: A static cache's dense winner is judged at ``STATIC_LOW_FILL`` against this many plans that read only the valid
@@ -103,10 +113,37 @@ class TimingRounds:
             return probed[0] - probed[1]
         return None
 
+    def _time_siblings(self, ranked: Sequence[Plan], site: AttentionSite, samples: dict[str, list[float]],
+                       timings: dict[str, Any], charge: dict[str, float], end: float, eager: bool) -> dict[str, Any]:
+        """Time the other grids of the fastest kernel configurations (``grid_siblings``) beside the fastest kernel
+        plan, within the budget or ``SIBLINGS_S`` past it, and add their samples (and errors) to ``samples`` /
+        ``timings``; each is charged as the configuration's timed plan is (the same kind). Returns the extras to
+        record (``grid_siblings``: the keys timed)."""
+        measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+        more = grid_siblings(measured, ranked, set(samples) | set(timings))
+        if not more or time.perf_counter() > end + SIBLINGS_S:
+            return {}
+        started = time.perf_counter()
+        by_key = {p.runtime_key(): p for p in ranked}
+        best = min((k for k in measured if by_key[k].kind != "dense"), key=measured.get)
+        for p in more:
+            charge[p.runtime_key()] = charge.get(best, 0.0)
+        extra: dict[str, Any] = {"grid_siblings": [p.runtime_key() for p in more]}
+        warmed = self._warm_up(more, site, eager)  # a new split count may need another merge kernel
+        if "warm_up_s" in warmed:
+            extra["siblings_warm_up_s"] = warmed["warm_up_s"]
+        got, failed, _ = self._measure([by_key[best]] + more, site, max(end, started + SIBLINGS_S), eager, charge)
+        for key, times in got.items():
+            samples.setdefault(key, []).extend(times)
+        for key, error in failed.items():
+            if key not in samples:
+                timings[key] = error
+        return extra
+
     def _tie_break(self, best: str, measured: dict[str, float], by_key: dict[str, Plan], site: AttentionSite,
                    span: tuple[int, ...], charge: dict[str, float], static: bool = False,
-                   extra: dict[str, Any] | None = None) -> tuple[str, dict[str, dict[str, float]]]:
-        """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``TIE`` of it, and the fastest dense plan
+                   extra: dict[str, Any] | None = None, tie: float = TIE) -> tuple[str, dict[str, dict[str, float]]]:
+        """Among the fastest and the next (up to ``TIE_MAX`` in all) within ``tie`` of it, and the fastest dense plan
         when it is within ``PEER_SPAN`` of a kernel winner (``near_peer``): the one whose worst ratio to the fastest
         of them, at the measured length and at each length of ``span``, is lowest, a kernel plan's counted
         ``PEER_MARGIN`` higher (ties: the faster where measured).
@@ -119,7 +156,7 @@ class TimingRounds:
         b6fd6fb): lhs04's bucket (2048, 4096] then took S=8/128 (12.47 / 12.50 / 13.29 µs at 2112 / 2880 / 4096 keys)
         over S=38/128, and S=8 ran 14.03 µs at the case's 3264 keys, where S=38 had run 13.43 (cuDNN 13.15): a plan's
         time between the lengths judged is not their interpolation."""
-        pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + TIE) * measured[best]]
+        pair = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + tie) * measured[best]]
         pair = pair[:TIE_MAX]
         peer = near_peer(best, measured, by_key)
         if peer is not None and peer not in pair:

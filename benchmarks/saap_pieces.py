@@ -10,16 +10,22 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   attention's perm and K/V prefetches (``saap.PREFETCH_LINES``, ``saap.PREFETCH_KV``), ``full-S48-...`` at 48
   splits, ``-selprefetch4`` with the selection asking L2 for each chosen cluster's first perm lines
   (``saap_select.SELECT_PREFETCH_LINES``), ``full-fused-merge`` the merge in the attention launch (the plan's
-  ``fused_merge``);
+  ``fused_merge``); ``full-k32`` with the selection ranking 32-bit score keys (``saap_rule.SELECT_KEY_BITS`` is the
+  rule: 16; the k32 rows time another pick than the reference's, so no ``same_list``), ``full-guess`` the selection's
+  first round from one count (``saap_select.GUESS_TOP``), ``full-fenced-stats`` the selectivity atomics acq_rel as
+  before (each behind a fence; ``saap_select.RELAXED_STATS``), ``full-sw8w`` the fused scoring-and-selection launch
+  at 8 warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
   unpadded), ``-noderope`` without removing RoPE from the queries;
-* ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products);
+* ``score+select-fused16``: the plan's fused scoring-and-selection launch (``-fma``: with the "fma" products, ``-k32``
+  32-bit keys, ``-guess`` the first round's digit from one count); ``score+select-fused8w`` / ``score-fused8w``: at 8
+  warps with 128 clusters a program;
 * ``select-w<W>``: the selection launch alone at W warps over logits precomputed in the workspace, ``-r<B>`` at B
   bits a radix round, ``-guess`` with the first round's digit from one packed count where it can (not the round),
-  ``-skip1`` without the threshold rounds, ``-skip2`` without them and the compaction (the
-  ablations choose no real set: they say what each part costs);
+  ``-k32`` on 32-bit score keys, ``-skip1`` without the threshold rounds, ``-skip2`` without them and the
+  compaction (the ablations choose no real set: they say what each part costs);
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
   ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,
@@ -220,6 +226,10 @@ def main(argv=None) -> int:
     kv = {"saap.PREFETCH_KV": True}
     selpf = {"select.SELECT_PREFETCH_LINES": 4}
     kv_lines = saap_module.kv_prefetch_lines(info["D"], sets[0]["k"].element_size())
+    k32 = {"select.SELECT_KEY_BITS": 32}  # the 32-bit score keys (timing only: another pick than the reference's)
+    wide8 = {"select.FUSED_WIDE_MIN_WARPS": 8}
+    guess = {"select.GUESS_TOP": True}
+    fenced = {"select.RELAXED_STATS": False}
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -254,10 +264,25 @@ def main(argv=None) -> int:
         ("full-S48-merge-dv2-prefetch4-kv", lambda c, i: flagged(plan_call(replace(plans[i], num_splits=48), c["s"],
                                                                            scale), **dv2, **prefetch, **kv)),
         ("full-fused-merge", lambda c, i: plan_call(replace(plans[i], fused_merge=True), c["s"], scale)),
+        ("full-k32", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **k32)),
+        ("full-guess", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **guess)),
+        ("full-k32-guess", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **k32, **guess)),
+        ("full-guess-selprefetch4", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **guess, **selpf)),
+        ("full-S56", lambda c, i: plan_call(replace(plans[i], num_splits=56), c["s"], scale)),
+        ("full-S72", lambda c, i: plan_call(replace(plans[i], num_splits=72), c["s"], scale)),
+        ("full-fenced-stats", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **fenced)),
+        ("full-sw8w", lambda c, i: flagged(plan_call(replace(plans[i], select_warps=8), c["s"], scale), **wide8)),
+        ("full-sw8w-k32", lambda c, i: flagged(plan_call(replace(plans[i], select_warps=8), c["s"], scale), **wide8,
+                                                **k32)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
         ("score-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring")),
+        ("score+select-fused16-k32", lambda c, i: lambda: select(c, fused=True, num_warps=16, key_bits=32)),
+        ("score+select-fused16-guess", lambda c, i: lambda: select(c, fused=True, num_warps=16, guess_top=True)),
+        ("score+select-fused8w", lambda c, i: flagged(lambda: select(c, fused=True, num_warps=8), **wide8)),
+        ("score-fused8w", lambda c, i: flagged(lambda: select(c, fused=True, num_warps=8, launches="scoring"),
+                                               **wide8)),
         ("score-fused16-ieee", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring",
                                                          precision="ieee")),
         ("score-fused16-fma", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring",
@@ -279,6 +304,10 @@ def main(argv=None) -> int:
         ("select-w16-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=16, radix=8)),
         ("select-w8-r8", lambda c, i: lambda: select(c, launches="selection", num_warps=8, radix=8)),
         ("select-w16-guess", lambda c, i: lambda: select(c, launches="selection", num_warps=16, guess_top=True)),
+        ("select-w16-k32", lambda c, i: lambda: select(c, launches="selection", num_warps=16, key_bits=32)),
+        ("select-w16-k32-guess", lambda c, i: lambda: select(c, launches="selection", num_warps=16, key_bits=32,
+                                                            guess_top=True)),
+        ("select-w8-k32", lambda c, i: lambda: select(c, launches="selection", num_warps=8, key_bits=32)),
         ("select-w16-skip1", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=1)),
         ("select-w16-skip2", lambda c, i: lambda: select(c, launches="selection", num_warps=16, skip=2)),
         # the attention and merge rows read the plan's work list, restored before them
@@ -329,7 +358,7 @@ def main(argv=None) -> int:
             sync()
             if name.startswith("full"):
                 row["rel_err"] = rel_err(res.float(), want.float())
-            if name.startswith(("select", "score+select")) and "skip" not in name:
+            if name.startswith(("select", "score+select")) and "skip" not in name and "k32" not in name:
                 for call in calls[1:]:
                     call()
                 row["same_list"] = same_list()

@@ -191,7 +191,7 @@ def run_train(args) -> int:
     from attnopt.runtime.saap.collect import Collection
     from attnopt.runtime.saap.train import train_index
 
-    coll = _load_collection(Collection, args.collection)
+    coll = Collection.load(args.collection)
     start = time.perf_counter()
     with _progress() as bar:
         from attnopt.runtime.saap.train import DEFAULT_REFINE
@@ -206,16 +206,6 @@ def run_train(args) -> int:
           f"{'rotated' if index.rotated else 'de-roped'} keys, refine={index.refine}, "
           f"MLP={'yes' if index.has_mlp else 'no'} ({time.perf_counter() - start:.0f} s)")
     return 0
-
-
-def _load_collection(collection_type, path: str):
-    """``Collection.load(path)``, with a file that is not safetensors at all reported as bad input."""
-    from safetensors import SafetensorError
-
-    try:
-        return collection_type.load(path)
-    except SafetensorError as exc:
-        raise ValueError(f"SAAP collection {path} is not a readable safetensors file: {exc}") from None
 
 
 def run_eval(args) -> int:

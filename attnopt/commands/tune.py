@@ -55,7 +55,9 @@ def register(sub) -> None:
                    help="tune for a model compiled without CUDA graphs (any mode but reduce-overhead): a call then "
                         "costs the longer of its device and host time (default: device time, as CUDA graphs replay)")
     p.add_argument("--symbolic", action="store_true",
-                   help="tune every KV-length bucket of a growing cache instead of --context's lengths")
+                   help="tune every KV-length bucket of a growing cache instead of --context's lengths, each at "
+                        "its middle (a model's run reuses them; untuned, it times its trace-time length's bucket "
+                        "at that length)")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per shape (default: the planner's)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=run)
@@ -112,7 +114,7 @@ def build_sites(args) -> list:
                 for n in contexts:
                     sites.append(AttentionSite(
                         node="tune", module_path=spec, pattern="sdpa", batch=b, q_heads=hq, kv_heads=hkv,
-                        head_dim=d, q_len=q_len, kv_len=n, kv_len_hint=None if n is not None else 1024,
+                        head_dim=d, q_len=q_len, kv_len=n, kv_len_hint=None,
                         dtype=args.dtype, mask_kind=args.mask, gqa_source="enable_gqa" if hq != hkv else "mha"))
     return sites
 

@@ -70,7 +70,7 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
                    BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                    kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr,
-                   alibi_ptr, ALIBI: tl.constexpr, D_LO: tl.constexpr):
+                   alibi_ptr, ALIBI: tl.constexpr, D_LO: tl.constexpr, PAST_ZERO: tl.constexpr = False):
     """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
     masked). Returns (acc, acc_hi, m_i (BLOCK_M,) natural-log max, l_i (BLOCK_M,) sum).
 
@@ -92,6 +92,15 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
     zeroed after the copy (its K rows' scores are hidden anyway); the whole tiles below it need no such step. (That
     tile went by masked pointer loads before: their pointer tiles cost registers, ptxas sm_90 bf16 D=80 padded,
     128-key tiles: 1224 bytes of spills, none with the copy.)
+    PAST_ZERO (with USE_TMA): ``kv_len`` is the descriptors' own key count (no valid length, no causal cut), so the
+    copy engine fills the rows past it with zeros and the crossing tile runs inside the pipelined loop. Run after
+    the loop, its copy starts only when the loop ends: one exposed HBM round trip per program, which a growing
+    cache pays at almost every length (H100, B=7 4/2 heads D=96, 8 splits of 128-key tiles: 13.29 µs at 4096 keys,
+    four whole tiles a split, and 14.03 at 3264, three and the crossing one; A/B at cabea51, CUDA graphs, L2
+    rotated: 14.14 µs after the loop, 12.34 in it, cuDNN 13.33-13.40). The step's second copy also held
+    registers: ptxas sm_90, bf16, 16 rows, 4 warps, 128-key tiles: D=96 padded 3 stages 255 registers and 4 bytes of
+    spills with the tile after the loop, 182 and none in it; D=96 in chunks 236 and 191; D=128 64-key tiles 188 and
+    149.
 
     HAS_START: keys before ``kv_first`` do not exist (a sliding window's first key; ``lo`` may be a tile below
     it). SOFTCAP: the scores are ``softcap * tanh(qk * sm_scale)`` (see :func:`_scores`). ALIBI: the scores get
@@ -107,7 +116,7 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
     # TMA reads whole tiles: its loop stops before the tile that crosses kv_len, which runs once after it
     loop_end = hi
     tail = False
-    if USE_TMA:
+    if USE_TMA and not PAST_ZERO:
         end = tl.minimum(hi, kv_len)
         loop_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
         tail = loop_end < end

@@ -198,6 +198,14 @@ def head_dim_split(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     return head_chunk_widths(head_dim, head_dim_v)
 
 
+def tail_in_loop(use_tma: bool, valid_len: torch.Tensor | None, is_causal: bool) -> bool:
+    """Whether the KV loop runs the tile crossing the last key itself (a kernel's ``PAST_ZERO``): with TMA tiles and
+    the keys ending at the tensors' own N (no valid length, no causal cut), where the copy engine reads the rows past
+    N as zeros. ``ATTNOPT_TAIL_IN_LOOP=0`` runs that tile after the loop instead, as before (for comparisons); exact
+    either way."""
+    return use_tma and valid_len is None and not is_causal and os.environ.get("ATTNOPT_TAIL_IN_LOOP", "1") != "0"
+
+
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     """(UPCAST, input precision) for ``tl.dot``: the interpreter computes bf16 on raw bits, so upcast there;
     fp32 inputs use IEEE products so that results match the fp64 reference tightly."""

@@ -26,6 +26,7 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branches are never compiled
     gdc_launch_dependents = gdc_wait = None
 
+from .saap_rule import SELECT_KEY_BITS
 from . import interpreting
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
@@ -38,6 +39,9 @@ BLOCK_LOGITS_Q = 64
 #: Clusters per program of the fused centroid scoring-and-selection launch: wider, so that its programs at the
 #: selection's width (16 warps at 2048 clusters) are one an SM in one wave (llama3-8b: 8 heads x 16 chunks on 132 SMs).
 BLOCK_LOGITS_Q_FUSED = 128
+#: The fused centroid launch takes ``BLOCK_LOGITS_Q_FUSED`` clusters a program from this many warps up (below it,
+#: ``BLOCK_LOGITS_Q``: two programs an SM).
+FUSED_WIDE_MIN_WARPS = 16
 BLOCK_LOGITS_H = 32
 #: Inner-dim chunk of the hidden-to-logits product.
 BLOCK_K_HIDDEN = 128
@@ -52,6 +56,12 @@ FMA_MAX_ROWS = 8
 #: runs without it). Off: on the H100 (65ec530, llama3-8b 5 %, with the attention's prefetches and the merge at 2) 4
 #: lines took 37.72 µs against 37.92 at 128k (noise-level) but 70.24 against 69.53 at 512k.
 SELECT_PREFETCH_LINES = 0
+#: The selection's first radix round replaced by one count where it can (``_select_head``'s GUESS_TOP). Off: on the
+#: H100 (80da12a, 32-bit keys) 7.68 µs a selection against 7.82, noise-level.
+GUESS_TOP = False
+#: The selection adds the call's selectivity to the device accumulator with relaxed atomics (Triton's default,
+#: acq_rel, puts a GPU-wide fence before each of the two, at the end of the selection's critical path).
+RELAXED_STATS = True
 
 
 class SaapScorer(NamedTuple):
@@ -118,6 +128,8 @@ def _saap_rows_kernel(
     RADIX_BITS: tl.constexpr = 4, HAS_STATS: tl.constexpr = False,  # SELECT: as the selection's
     GUESS_TOP: tl.constexpr = False,  # SELECT: as the selection's
     PERM_LINES: tl.constexpr = 0,  # SELECT: as the selection's
+    KEY_BITS: tl.constexpr = 16,  # SELECT: as the selection's
+    RELAXED_STATS: tl.constexpr = True,  # SELECT: as the selection's
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -181,7 +193,8 @@ def _saap_rows_kernel(
                 _select_head(bh, out_ptr, stat_ptr, offsets_ptr, end_ptr, valid_ptr, incl_ptr, shift_ptr, total_ptr,
                              stats_ptr, 0, 0, 0, stride_fb, stride_fh, stride_fc, N, HKV, M, NOUT, NCHUNK, PROBES, SINK,
                              inv_heads, BLOCK_C, BLOCK_CH, ROWS, RADIX_BITS, True, HAS_VALID, HAS_STATS, False, 0,
-                             GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES)
+                             GUESS_TOP, perm_ptr, stride_pb, stride_ph, stride_pn, PERM_LINES, KEY_BITS,
+                             RELAXED_STATS)
                 tl.atomic_xchg(counter_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -246,7 +259,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                 pdl: bool = False, fused: bool = False, num_warps: int | None = None,
                 after_scoring=None, launches: str = "all", precision: str | None = None,
                 radix: int | None = None, skip: int = 0, guess_top: bool | None = None,
-                perm: torch.Tensor | None = None) -> SelectWorkspace:
+                perm: torch.Tensor | None = None, key_bits: int | None = None) -> SelectWorkspace:
     """Score (``scorer``) or take ``scores`` and pick each group's clusters into ``workspace``'s work list.
 
     Parameters
@@ -262,7 +275,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     fused : with a ``scorer``, the logits launch also selects (the last of a head's chunk programs to finish runs
         the selection, counted by ``workspace.counters``): one launch fewer, the same work list.
     num_warps : the selection's warps (None: ``select_warps``, fused ``fused_select_warps``); a fused centroid launch
-        below 16 warps takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else ``BLOCK_LOGITS_Q_FUSED``.
+        below ``FUSED_WIDE_MIN_WARPS`` takes ``BLOCK_LOGITS_Q`` clusters a program (two programs an SM), else
+        ``BLOCK_LOGITS_Q_FUSED``.
     after_scoring : called (no arguments) between the scoring launches and the selection launch (fused: before the
         one launch), to put other work there.
     perm : (B, Hkv, NP) int32 cluster-sorted key positions or None: with ``SELECT_PREFETCH_LINES`` > 0 (and compiled
@@ -273,15 +287,18 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         workspace); the scoring products' precision ("tf32x3", "ieee" or "fma": see ``_rows_product``; None:
         ``scoring_precision``; "ieee" in the interpreter for a tensor-core one); the selection's bits a radix
         round (None: ``radix_bits``; 1, 2, 4 or 8); its ablations (``_select_head``'s SKIP); whether its first
-        round's digit comes from one count (``_select_head``'s GUESS_TOP, where a round takes 4 bits; None: no).
+        round's digit comes from one count (``_select_head``'s GUESS_TOP, where a round takes 4 bits; None: the
+        module's ``GUESS_TOP``);
+        ``key_bits`` the bits of the score keys that rank them (None: the rule's ``saap_rule.SELECT_KEY_BITS``; another
+        value picks another set than the reference's).
     """
     if num_warps is not None and num_warps not in (4, 8, 16, 32):
         raise ValueError(f"saap_select: num_warps must be 4, 8, 16 or 32 (or None: the rule); got {num_warps!r}")
     if launches not in ("all", "scoring", "selection") or radix not in (None, 1, 2, 4, 8) or skip not in (0, 1, 2) \
-            or precision not in (None, "tf32x3", "ieee", "fma"):
+            or precision not in (None, "tf32x3", "ieee", "fma") or key_bits not in (None, 16, 32):
         raise ValueError(f"saap_select: launches must be all, scoring or selection, radix None, 1, 2, 4 or 8, skip "
-                         f"0, 1 or 2 and precision None, tf32x3, ieee or fma; got {launches!r}, {radix!r}, {skip!r}, "
-                         f"{precision!r}")
+                         f"0, 1 or 2, precision None, tf32x3, ieee or fma and key_bits None, 16 or 32; got "
+                         f"{launches!r}, {radix!r}, {skip!r}, {precision!r}, {key_bits!r}")
     B, Hq, L, D = q.shape
     Hkv = offsets.shape[1]
     C = offsets.shape[-1] - 1
@@ -300,7 +317,7 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
     fused_warps = (num_warps or fused_select_warps(block_c, scorer.hidden)) if fused and scorer is not None else 0
     # the fused centroid launch at 16 warps or more takes wider chunks (one program an SM): its statistics then fill
     # the workspace's first chunks of a row
-    logit_block = BLOCK_LOGITS_Q_FUSED if fused_warps >= 16 and scorer.mlp is None else None
+    logit_block = BLOCK_LOGITS_Q_FUSED if fused_warps >= FUSED_WIDE_MIN_WARPS and scorer.mlp is None else None
     launch_chunks = cdiv(C, logit_block) if logit_block else nchunk
     # the selection's arguments, and its compile-time choices, for its own launch or the fused logits launch
     perm_lines = SELECT_PREFETCH_LINES if perm is not None and not interpreting() else 0
@@ -308,10 +325,12 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                    perm if perm_lines else ws.incl)
     perm_strides = perm.stride() if perm_lines else (0, 0, 0)
     bits = radix or radix_bits(block_c)
-    guess_top = bool(guess_top) and bits == 4  # off: H100 (80da12a) 7.68 µs a selection against 7.82, noise-level
+    guess_top = (GUESS_TOP if guess_top is None else bool(guess_top)) and bits == 4
     select_consts = dict(BLOCK_C=block_c, BLOCK_CH=max(2, next_pow2(launch_chunks)),
                          ROWS=max(1, min(next_pow2(M), 8192 // block_c)), RADIX_BITS=bits, HAS_STATS=has_stats,
-                         GUESS_TOP=guess_top, PERM_LINES=perm_lines, **({"SKIP": skip} if skip else {}))
+                         GUESS_TOP=guess_top, PERM_LINES=perm_lines, KEY_BITS=key_bits or SELECT_KEY_BITS,
+                         RELAXED_STATS=RELAXED_STATS,
+                         **({"SKIP": skip} if skip else {}))
     inv_heads = 1.0 / (B * Hkv)
     if scores is not None and tuple(scores.shape) != (B, Hkv, C):
         raise ValueError(f"saap_select: scores must have shape (B, Hkv, C) = {(B, Hkv, C)}; got {tuple(scores.shape)}")

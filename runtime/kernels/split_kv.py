@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 
 from .attend import _attend_chunks, _load_q, _row_coords, _split_share
 from .common import arrival_counters, decode_geometry, decode_inputs, dot_flags, head_dim_split, pdl_supported, \
-    softmax_scale
+    softmax_scale, tail_in_loop
 from .launch import KernelLauncher
 from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
@@ -92,6 +92,8 @@ def _split_kv_kernel(
     ONE_CHUNK: tl.constexpr = False,  # MASK_SKIP: CHUNK_T covers every split's tiles
     D_LO: tl.constexpr = 0,  # > 0: the head dims (D == DV) run in two power-of-two chunks, [0, D_LO) and D_HI
     D_HI: tl.constexpr = 0,  # columns from D_LO, those past D masked (common.head_dim_split)
+    PAST_ZERO: tl.constexpr = False,  # USE_TMA and the keys are the tensors' own N (no valid length, no causal cut):
+    # the copy engine zero-fills past them, so the tile crossing N runs in the pipelined loop (attend._attend_chunks)
     WAIT_PRIOR: tl.constexpr = False,  # launched as a programmatic dependent (``chain``): wait for the prior grid first
 ):
     if LAUNCH_DEPENDENTS:
@@ -162,7 +164,7 @@ def _split_kv_kernel(
             mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_o, offs_hi, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, G, D,
             DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA, first, softcap, HAS_START, SOFTCAP,
-            alibi_ptr, ALIBI, D_LO)
+            alibi_ptr, ALIBI, D_LO, PAST_ZERO)
     if D_LO > 0:
         o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i)
         _store_rows(o_hi, m_i, o_ptr + split.to(tl.int64) * stride_os, lse_ptr, b, kvh, g, i, row_ok, offs_hi,
@@ -304,7 +306,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan, D_LO=split[0],
-        D_HI=split[1], WAIT_PRIOR=chain,
+        D_HI=split[1], PAST_ZERO=tail_in_loop(use_tma, valid_len, is_causal), WAIT_PRIOR=chain,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if chain else {}),
     )
     if two_launches:

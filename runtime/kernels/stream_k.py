@@ -21,7 +21,7 @@ import triton.language as tl
 from . import interpreting
 from .attend import _attend_chunks, _load_q, _row_coords
 from .common import arrival_counters, backend_has_option, decode_geometry, decode_inputs, dot_flags, head_dim_split, \
-    next_pow2, pdl_supported, softmax_scale
+    next_pow2, pdl_supported, softmax_scale, tail_in_loop
 from .launch import KernelLauncher
 from .partials import _finish, _finish_parts, _merged_rows, _store_lse, _store_rows
 from .stream_k_merge import _iteration_space, _merge_tile, stream_k_merge
@@ -88,6 +88,8 @@ def _stream_k_kernel(
     ALIBI: tl.constexpr = False,  # ALiBi: a per-head slope times the key position added to the scores
     D_LO: tl.constexpr = 0,  # > 0: the head dims (D == DV) run in two power-of-two chunks, [0, D_LO) and D_HI
     D_HI: tl.constexpr = 0,  # columns from D_LO, those past D masked (common.head_dim_split)
+    PAST_ZERO: tl.constexpr = False,  # USE_TMA and the keys are the tensors' own N (no valid length, no causal cut):
+    # the copy engine zero-fills past them, so the tile crossing N runs in the pipelined loop (attend._attend_chunks)
     SEPARATE_MERGE: tl.constexpr = False,  # partials stay in the slots for ``stream_k_merge`` (a second launch)
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # SEPARATE_MERGE: let the merge launch (PDL) right away
 ):
@@ -152,7 +154,7 @@ def _stream_k_kernel(
             k_desc, v_desc, k_hi_desc, v_hi_desc, mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_o, offs_hi,
             stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
             stride_mh, stride_ml, stride_mn, sm_scale, G, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION,
-            USE_TMA, start, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI, D_LO)
+            USE_TMA, start, softcap, HAS_START, SOFTCAP, alibi_ptr, ALIBI, D_LO, PAST_ZERO)
         o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i)  # the second chunk's columns (D_LO > 0)
         o, m_part, log_l = _finish_parts(acc, m_i, l_i)
         if (blk0 == 0) & (blk1 == nb):
@@ -296,7 +298,8 @@ def stream_k_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         WRITE_LSE=lse is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_R=geo.block_r, MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=planes,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None, D_LO=split[0],
-        D_HI=split[1], SEPARATE_MERGE=bool(merge_launch), LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
+        D_HI=split[1], PAST_ZERO=tail_in_loop(use_tma, valid_len, is_causal), SEPARATE_MERGE=bool(merge_launch),
+        LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
         num_stages=num_stages, **extra,
     )
     if merge_launch:

@@ -61,27 +61,52 @@ class Collection:
 
     @classmethod
     def load(cls, path: str | Path) -> "Collection":
+        """Read a collection written by ``save``. ``ValueError`` naming the file where it is not one: not
+        safetensors (truncated, garbled), no collection metadata, another format or version, or tensors missing."""
         from safetensors import safe_open
 
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"SAAP collection {path} does not exist")
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("saap_collection")
-            if raw is None:
-                raise ValueError(f"{path} is not a SAAP collection (no 'saap_collection' metadata)")
-            meta = json.loads(raw)
-            if meta.get("format") != COLLECT_FORMAT or meta.get("version") != COLLECT_VERSION:
-                raise ValueError(f"{path}: collection format {meta.get('format')!r} v{meta.get('version')} is not "
-                                 f"{COLLECT_FORMAT!r} v{COLLECT_VERSION}")
-            seqs = []
-            for s in range(int(meta["sequences"])):
-                rec = SequenceRecord(query_positions=f.get_tensor(f"seq{s}.query_positions"))
-                for l in meta["layers"]:
-                    rec.keys[int(l)] = f.get_tensor(f"seq{s}.layer{l}.keys")
-                    rec.queries[int(l)] = f.get_tensor(f"seq{s}.layer{l}.queries")
-                seqs.append(rec)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                raw = (f.metadata() or {}).get("saap_collection")
+                names = set(f.keys())
+                if raw is None:
+                    raise ValueError(f"{path} is not a SAAP collection (no 'saap_collection' metadata)")
+                meta = _collection_meta(path, raw)
+                seqs = []
+                for s in range(int(meta["sequences"])):
+                    wanted = [f"seq{s}.query_positions"] + [f"seq{s}.layer{l}.{kind}" for l in meta["layers"]
+                                                            for kind in ("keys", "queries")]
+                    missing = [n for n in wanted if n not in names]
+                    if missing:
+                        raise ValueError(f"SAAP collection {path} lacks tensor(s) {', '.join(missing[:3])}")
+                    rec = SequenceRecord(query_positions=f.get_tensor(wanted[0]))
+                    for l in meta["layers"]:
+                        rec.keys[int(l)] = f.get_tensor(f"seq{s}.layer{l}.keys")
+                        rec.queries[int(l)] = f.get_tensor(f"seq{s}.layer{l}.queries")
+                    seqs.append(rec)
+        except ValueError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for truncated/garbled headers
+            raise ValueError(f"SAAP collection {path} is not a readable safetensors file: {exc}") from None
         return cls(ModelIdentity.from_dict(meta["model"]), RopeSpec.from_dict(meta["rope"]), seqs)
+
+
+def _collection_meta(path: Path, raw: str) -> dict:
+    """The collection's JSON metadata, checked for its format, version and the keys ``load`` reads."""
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"SAAP collection {path}: corrupt metadata ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != COLLECT_FORMAT or meta.get("version") != COLLECT_VERSION:
+        got = meta if not isinstance(meta, dict) else f"{meta.get('format')!r} v{meta.get('version')}"
+        raise ValueError(f"{path}: collection format {got} is not {COLLECT_FORMAT!r} v{COLLECT_VERSION}")
+    missing = [k for k in ("sequences", "layers", "model", "rope") if k not in meta]
+    if missing:
+        raise ValueError(f"SAAP collection {path}: metadata lacks {', '.join(missing)}")
+    return meta
 
 
 @contextlib.contextmanager

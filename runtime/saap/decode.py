@@ -13,6 +13,8 @@ from torch import Tensor
 from ..reference import attention_states
 from .build import ClusterState
 from .index import SaapIndex
+from ..kernels.saap_rule import SELECT_KEY_BITS, selection_keys, threshold_clusters, top_clusters  # noqa: F401
+
 
 
 def query_positions(n_keys: int, q_len: int, device: torch.device) -> Tensor:
@@ -30,14 +32,7 @@ def select_clusters(index: SaapIndex, layer: int, q: Tensor, positions: Tensor, 
     scores = index.cluster_scores(layer, q, positions, scale, centroids)  # (B, Hkv, L, C)
     if not per_token:
         scores = scores.sum(dim=2)
-    return scores.topk(min(probes, scores.shape[-1]), dim=-1).indices
-
-
-def threshold_clusters(scores: Tensor, probes: int) -> Tensor:
-    """The Triton selection's rule: every cluster whose score is at least the ``probes``-th largest (ties at the
-    threshold all join, a superset of ``topk``). scores (..., C) -> boolean (..., C)."""
-    probes = max(1, min(int(probes), scores.shape[-1]))
-    return scores >= scores.topk(probes, dim=-1).values[..., -1:]
+    return top_clusters(scores, probes)
 
 
 def attended_keys(state: ClusterState, clusters: Tensor, n_keys: int, q_len: int = 1) -> Tensor:

@@ -144,7 +144,7 @@ class Saap(Strategy[SaapPlan]):
                          scorer=scorer)
 
     def run(self, state, plan, q, k, v, attn_mask, valid_len, scale, is_causal):
-        from ..saap.decode import attended_keys, saap_decode_states
+        from ..saap.decode import attended_keys, saap_decode_states, top_clusters
         from ..saap.registry import get_state
 
         B, Hq, L, D = q.shape
@@ -187,7 +187,7 @@ class Saap(Strategy[SaapPlan]):
             positions = kv_len[:, None] - L + steps[None, :]
         scores = state.index.cluster_scores(plan.layer, q, positions, scale,
                                             clusters_state.centroids).sum(dim=2)  # (B, Hkv, C)
-        top = scores.topk(min(plan.probes, scores.shape[-1]), dim=-1).indices
+        top = top_clusters(scores, plan.probes)  # the kernel's rule
         sizes = clusters_state.offsets[..., 1:] - clusters_state.offsets[..., :-1]
         attended = (sizes.gather(-1, top).sum(-1) + clusters_state.sink
                     + (kv_len[:, None] - clusters_state.ends[:, None]).clamp(min=0))

@@ -399,3 +399,42 @@ def test_saap_clusters_from_the_exported_assignment_graph(tmp_path, fresh_regist
     close(got, attention_fn(plan.runtime_key())(q, k, v, lengths))
     with pytest.raises(ValueError, match=r"layers \[0\] are not in the SAAP index"):
         export_saap_clusters(path, assign, batch=2, max_cache_len=96, sink=4, window=16, layers=[0])
+
+
+def test_saap_node_ranks_clusters_as_the_kernel_and_reference_do():
+    """The SAAP function body's selection in onnxruntime: the group scores cut as the kernel's 16-bit keys cut them
+    (the same order over zeros, fp32 subnormals, powers of two and one-ulp neighbours), and TopK's ties broken by the
+    lowest index, so that it picks exactly ``top_clusters``' set."""
+    import onnx.parser
+
+    from attnopt.onnx_functions import _SAAP_CUT
+    from attnopt.runtime.saap.decode import selection_keys, top_clusters
+
+    text = ('<ir_version: 10, opset_import: ["" : 24]>\ncut (float[N] s_scores, int64[1] k) => (float[N] s_rank, '
+            'int64[M] top) {' + _SAAP_CUT + '    v, top = TopK <axis = -1, largest = 1, sorted = 1> (s_rank, k)\n}')
+    model = onnx.parser.parse_model(text)
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    g = torch.Generator().manual_seed(0)
+    near = torch.randint(0x3F00, 0x3F90, (500,), generator=g, dtype=torch.int32) << 16  # bf16 values near 0.5-1.1
+    near = (near | torch.randint(0, 3, (500,), generator=g, dtype=torch.int32)).view(torch.float32)  # many ties
+    special = torch.tensor([0.0, 1e-40, 3e-39, 2.0 ** -126, 2.0 ** -20, 0.99999994, 1.0, 2.0, 3.99])
+    x = torch.cat([torch.rand(2000, generator=g) ** 8, special, near])
+    rank, top = session.run(None, {"s_scores": x.numpy(), "k": np.array([700])})
+    rank, keys = torch.from_numpy(rank), selection_keys(x)
+    assert torch.equal(rank[:, None] < rank[None, :], keys[:, None] < keys[None, :])
+    assert top.tolist() == top_clusters(x, 700).tolist()
+
+
+def test_saap_node_follows_the_rules_key_width(monkeypatch):
+    """The SAAP function body cuts the scores only for the rule's 16-bit keys; at 32 bits it ranks them as they are."""
+    import attnopt.runtime.kernels.saap_rule as rule
+    from attnopt.onnx_functions import function_proto
+
+    def ops(name):
+        return [n.op_type for n in function_proto(name, 24).node]
+
+    assert rule.SELECT_KEY_BITS == 16 and "Floor" in ops("saap_decode_attention")
+    monkeypatch.setattr(rule, "SELECT_KEY_BITS", 32)
+    assert "Floor" not in ops("saap_decode_attention") and "Floor" not in ops("saap_decode_attention_mlp")
+    assert "Identity" in ops("saap_decode_attention")

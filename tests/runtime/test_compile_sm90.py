@@ -204,6 +204,10 @@ def test_kernels_compile_for_sm90(monkeypatch):
                        for n in chained]]
     jobs += [{**j, "consts": {**j["consts"], "RADIX_BITS": bits}} for j in jobs if j["name"] == "_saap_select_kernel"
              for bits in (1, 2)]  # the selection over more than 2048 clusters
+    # the selection's first round from one count, and its 32-bit keys (timing variants: saap_pieces)
+    jobs += [{**j, "consts": {**j["consts"], **extra}} for j in jobs
+             if j["name"] == "_saap_select_kernel" or (j["name"] == "_saap_rows_kernel" and j["consts"].get("SELECT"))
+             for extra in ({"GUESS_TOP": True}, {"KEY_BITS": 32})]
     names = {j["name"] for j in jobs}
     assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel", "_saap_rows_kernel",
             "_saap_select_kernel"} <= names, names

@@ -278,6 +278,42 @@ def test_tma_descriptors_only_where_the_copy_engine_allows(device):
     _check(out, ref, torch.float16, "split_kv tma=True on unaligned K/V (pointer fallback)")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D,in_loop", [(64, "1"), (96, "1"), (96, "0")])
+def test_tma_tile_crossing_the_keys_inside_the_loop(device, D, in_loop, monkeypatch):
+    """Without a valid length the copy engine reads the rows past N as zeros (the descriptor's own bounds), so the
+    tile crossing N runs in the pipelined loop (``PAST_ZERO``): the storage past a cache view's N holds NaN, and
+    split-KV (one split, several, shares ending mid-tile) and stream-K still match the reference, with and without
+    the head chunks (D=96: 64 + 32), and so does the tile after the loop (``ATTNOPT_TAIL_IN_LOOP=0``). With a valid
+    length the crossing tile still zeroes V past it."""
+    monkeypatch.setenv("ATTNOPT_TAIL_IN_LOOP", in_loop)
+    dev = _dev(device)
+    if dev.type == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper")
+    B, Hkv, G, L, N = 2, 1, 3, 1, 3 * BN + 5
+    q = torch.randn(B, Hkv * G, L, D, dtype=torch.float16, device=dev)
+    store = torch.randn(2, B, Hkv, N + 2 * BN, D, dtype=torch.float16, device=dev)
+    store[:, :, :, N:] = float("nan")
+    k, v = store[0, :, :, :N], store[1, :, :, :N]  # views: NaN right past their N
+    ref, _ = _expected(q, k, v)
+    for chunks in (False, True):
+        for s in (1, 3):
+            out = torch.full((B, Hkv * G, L, D), float("nan"), dtype=q.dtype, device=dev)
+            split_kv_decode(q, k, v, out, num_splits=s, block_n=BN, tma=True, head_chunks=chunks)
+            _check(out, ref, torch.float16, f"split_kv S={s} tma chunks={chunks} past N")
+        out = torch.full((B, Hkv * G, L, D), float("nan"), dtype=q.dtype, device=dev)
+        stream_k_decode(q, k, v, out, workspace=stream_k_workspace(5, q, k, v), grid=5, block_n=BN, tma=True,
+                        head_chunks=chunks)
+        _check(out, ref, torch.float16, f"stream_k tma chunks={chunks} past N")
+    # a valid length inside the tensor: the rows past it are real storage (NaN here) and V's are zeroed
+    k2, v2 = store[0], store[1]
+    valid = torch.tensor([N, N - 2], device=dev)
+    ref2, _ = _expected(q, k2.nan_to_num(), v2.nan_to_num(), valid_len=valid)
+    out = torch.full((B, Hkv * G, L, D), float("nan"), dtype=q.dtype, device=dev)
+    split_kv_decode(q, k2, v2, out, valid_len=valid, num_splits=3, block_n=BN, tma=True)
+    _check(out, ref2, torch.float16, "split_kv tma valid_len past N")
+
+
 @pytest.mark.cuda
 def test_tma_only_while_capturing(monkeypatch):
     """By default an eager launch takes pointer tiles and a captured one TMA tiles; both give the reference."""

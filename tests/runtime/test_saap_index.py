@@ -79,6 +79,47 @@ def test_collect_records_the_unrotated_projections(tiny_model):
     assert pos.min() >= 100 and coll.sequences[0].queries[1].shape == (6, 8, 16)
 
 
+def test_collection_round_trip_and_corrupt_files_name_the_file(tmp_path, trained):
+    from safetensors.torch import load_file, save_file
+
+    from attnopt.runtime.saap.collect import Collection
+
+    coll, _ = trained
+    path = tmp_path / "c.safetensors"
+    coll.save(path)
+    back = Collection.load(path)
+    assert back.identity == coll.identity and len(back.sequences) == len(coll.sequences)
+    torch.testing.assert_close(back.sequences[1].keys[2], coll.sequences[1].keys[2], atol=0, rtol=0)
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    with pytest.raises(ValueError, match="junk.safetensors is not a readable safetensors file"):
+        Collection.load(junk)
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match="cut.safetensors"):
+        Collection.load(truncated)
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    missing = tmp_path / "missing.safetensors"
+    save_file({k: v for k, v in tensors.items() if k != "seq1.layer2.queries"}, str(missing), metadata=meta)
+    with pytest.raises(ValueError, match="missing.safetensors lacks tensor.*seq1.layer2.queries"):
+        Collection.load(missing)
+    bad_meta = tmp_path / "meta.safetensors"
+    save_file(tensors, str(bad_meta), metadata={"saap_collection": "{oops"})
+    with pytest.raises(ValueError, match="meta.safetensors: corrupt metadata"):
+        Collection.load(bad_meta)
+    no_keys = tmp_path / "nokeys.safetensors"
+    partial = {k: v for k, v in json.loads(meta["saap_collection"]).items() if k != "rope"}
+    save_file(tensors, str(no_keys), metadata={"saap_collection": json.dumps(partial)})
+    with pytest.raises(ValueError, match="nokeys.safetensors: metadata lacks rope"):
+        Collection.load(no_keys)
+
+
 def test_long_range_targets_are_the_attention_mass_per_cluster():
     torch.manual_seed(0)
     q, k = torch.randn(5, 8), torch.randn(40, 8)
@@ -278,6 +319,28 @@ def test_reference_decode_attends_exactly_sink_window_and_clusters(trained, prob
     if probes == 16:  # every cluster: the exact dense attention
         dense_o, _ = attention_states(q, k, v, scale=0.25)
         torch.testing.assert_close(o, dense_o, atol=1e-5, rtol=1e-5)
+
+
+def test_the_selection_rule_ranks_bf16_cut_keys_and_breaks_ties_by_the_lowest_index():
+    """``top_clusters``: exactly ``probes`` clusters by the scores' top 16 key bits (what the kernel ranks), ties
+    broken by the lowest cluster index; the float order otherwise (negatives, -0.0 equal to 0.0, infinities)."""
+    from attnopt.runtime.saap.decode import selection_keys, threshold_clusters, top_clusters
+
+    floats = torch.tensor([float("-inf"), -3.0, -1e-30, -0.0, 0.0, 1e-30, 0.7, 0.70001, 2.0, float("inf")])
+    keys = selection_keys(floats)
+    assert bool((keys[1:] >= keys[:-1]).all()) and int(keys[3]) == int(keys[4])
+    assert int(keys[6]) == int(keys[7]) and int(keys[7]) < int(keys[8])  # 0.7 and 0.70001 share their bf16 cut
+    assert torch.equal(selection_keys(floats, 32).argsort(stable=True), torch.arange(10))
+    scores = torch.tensor([[0.5, 0.70001, 0.1, 0.7, 0.9, 0.7, -0.0, 0.0]])
+    assert top_clusters(scores, 3).tolist() == [[4, 1, 3]]  # 0.9, then the first two of the three tied near 0.7
+    assert top_clusters(scores, 3, bits=32).tolist() == [[4, 1, 3]]
+    assert top_clusters(scores, 7).tolist() == [[4, 1, 3, 5, 0, 2, 6]]  # -0.0 ties 0.0: the lower index
+    assert threshold_clusters(scores, 99).all() and int(threshold_clusters(scores, 0).sum()) == 1
+    g = torch.Generator().manual_seed(0)
+    cut = (0x3F80 + torch.randperm(4096, generator=g, dtype=torch.int32)) << 16  # distinct bf16 values from 1.0 up
+    distinct = (cut | torch.randint(0, 1 << 16, cut.shape, generator=g, dtype=torch.int32)).view(torch.float32)
+    distinct = distinct.view(2, 2048)
+    assert torch.equal(top_clusters(distinct, 77), distinct.topk(77).indices)
 
 
 def test_multi_token_decode_is_causal_within_the_call(trained):

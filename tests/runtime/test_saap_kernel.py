@@ -146,8 +146,8 @@ def test_valid_length_below_the_indexed_end_hides_cluster_keys_past_it():
              valid=90, assign=assign)
 
 
-def test_ties_select_every_tied_cluster_and_empty_and_single_key_clusters():
-    # clusters 0-3 empty, 4-7 one key each, 8 huge; scores tie in threes, so the threshold takes whole tie groups
+def test_ties_break_by_the_lowest_cluster_index_with_empty_and_single_key_clusters():
+    # clusters 0-3 empty, 4-7 one key each, 8 huge; scores tie in threes, so the last probe breaks a tie
     C = 12
     sizes = [0, 0, 0, 0, 1, 1, 1, 1, 90, 5, 7, 3]
     assign = torch.cat([torch.full((n,), c) for c, n in enumerate(sizes)])
@@ -159,9 +159,9 @@ def test_ties_select_every_tied_cluster_and_empty_and_single_key_clusters():
     keep = run_case(1, 6, 2, 130, 64, 1, C, 4, sink=1, window=5, prompt=0, dtype=torch.float32, splits=5,
                     block_n=16, scores=scores, assign=assign)
     chosen = threshold_clusters(scores, 4)
-    # 4 probes: the three at 3.0, then all three tied at 2.0 (six clusters, two of them single keys)
-    assert chosen[0, 0].tolist() == [True, True, True, False, True, True, True] + [False] * 5
-    assert chosen[0, 1].tolist() == [False] * 5 + [True] * 3 + [False] + [True] * 3  # the flip: the huge one out
+    # 4 probes: the three at 3.0 (empty ones), then the first of the three tied at 2.0 (a single key)
+    assert chosen[0, 0].tolist() == [True, True, True, False, True] + [False] * 7
+    assert chosen[0, 1].tolist() == [False] * 5 + [True] + [False] * 3 + [True] * 3  # the flip
     assert bool(keep.any(-1).all())
 
 
@@ -356,11 +356,12 @@ def test_work_list_is_the_threshold_rule_over_tied_and_infinite_scores(seed):
             assert int(ws.total[row]) == int(sz.sum())
 
 
-def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats():
+@pytest.mark.parametrize("key_bits", [16, 32])
+def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats(key_bits):
     """The selection stops its radix rounds once the keys at or above the threshold so far are exactly the probes:
     over random floats (distinct, or sharing all but their last bits, so that some heads need every round) the
     chosen clusters are still exactly ``threshold_clusters``'; all equal (every cluster ties) and -inf to +inf as
-    well."""
+    well; on the rule's 16-bit keys (many ties, broken by index) and on 32-bit ones."""
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
 
     g = torch.Generator().manual_seed(4)
@@ -379,8 +380,8 @@ def test_radix_select_stopping_early_picks_the_threshold_rule_over_random_floats
         ws = select_workspace(B, Hkv, 1, C, 0, DEVICE)
         saap_select(torch.zeros(B, Hkv, 1, 8, device=DEVICE), offsets.to(DEVICE),
                     torch.zeros(B, dtype=torch.int32, device=DEVICE), ws, probes=probes, scale=1.0, n_keys=0,
-                    scores=scores.to(DEVICE), guess_top=guess)
-        want = threshold_clusters(scores, probes)
+                    scores=scores.to(DEVICE), guess_top=guess, key_bits=key_bits)
+        want = threshold_clusters(scores, probes, key_bits)
         for h in range(Hkv):
             n = int(want[0, h].sum())
             assert int(ws.total[h]) == n, (probes, h)
