@@ -385,7 +385,12 @@ def test_merge_states_kernel(device):
         out2 = torch.full((3, R, Dv), float("nan"), device=dev)
         lout2 = torch.full((3, R), float("nan"), device=dev)
         merge_states(o, lse, out2, lout2, dv_split=split)
-        assert torch.equal(out2, mo) and torch.equal(lout2, ml), split
+        assert not torch.isnan(out2).any() and not torch.isnan(lout2).any(), split  # every column written
+        if device == "cpu":  # the interpreter runs the same float32 operations per element: bit for bit
+            assert torch.equal(out2, mo) and torch.equal(lout2, ml), split
+        else:  # compiled at another tile width the last bit may differ (H100 at 8e6ae2d: not torch.equal for split 2)
+            torch.testing.assert_close(out2, mo, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(lout2, ml, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="dv_split must be a power of two"):
         merge_states(o, lse, dv_split=3)
     # allocated outputs, P=1, lower-precision output dtype
