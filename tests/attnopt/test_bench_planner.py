@@ -197,6 +197,10 @@ def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch
     assert values[0] == 5.0 and str(values[-1]).startswith("error: RuntimeError")
     numbers = [v for v in values if isinstance(v, float)]
     assert numbers == sorted(numbers)
+    # every timed candidate's samples are kept, by name (what the choice's noise is judged by); a failed one has none
+    assert first["samples"] and set(first["samples"]) <= set(names)
+    assert all(s and all(isinstance(x, float) for x in s) for s in first["samples"].values())
+    assert first["samples"][names[0]][0] == 5.0
     ties = [r for r in records if r["near_tie_us"]]  # the first bucket's near tie, timed at its ends
     assert [r["kv_len"] for r in ties] == [704] and set(ties[0]["near_tie_us"]) == {"576", "1024"}
     assert {name.split("(")[0] for by in ties[0]["near_tie_us"].values() for name in by} == {"dense", "split_kv"}
