@@ -10,7 +10,9 @@ How a candidate is timed is ``attnopt.timer``'s business (CUDA-graph replay of `
 miss in L2, ``prepare()`` outside; the methodology of ``attnopt bench kernels``). What this module adds for a fair
 comparison: the candidates are timed in ``ROUNDS`` round-robin rounds and each keeps its median, so clock or
 thermal drift during the tuning does not favour whichever ran first or last (after the first round only those
-within ``PRUNE`` of the best go on, to spend the rounds where they can change the winner); a kernel plan at a
+within ``PRUNE`` of the best go on, after the second only those within ``PRUNE_LATE``, to spend the rounds where they
+can change the winner; those within ``DUEL_WITHIN`` at the end are re-timed in alternating order, the duel); a kernel
+plan at a
 masked site is charged its share of the device valid-length computation that the lowered graph does once per step for every
 site reading that mask (``valid_len_sharing`` sites; measured once by ``timer.valid_len_us``).
 
@@ -60,8 +62,8 @@ from .timer import error_text as _error_text
 from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, PEER_MARGIN,  # noqa: F401
                                 PEER_SPAN, _family, compile_key, most_parallel, near_peer, prefer_peer,
                                 to_time)  # (re-exported for the tuner's users)
-from .tuning_rounds import (FRESH_LENGTH_SLACK_US, HINT_TIE, PRUNE, STATIC_DENSE_TIE, STATIC_READERS,  # noqa: F401
-                            TIE, TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
+from .tuning_rounds import (DUEL_WITHIN, FRESH_LENGTH_SLACK_US, HINT_TIE, PRUNE, PRUNE_LATE,  # noqa: F401
+                            STATIC_DENSE_TIE, STATIC_READERS, TIE, TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
 from .tuning_buckets import BUCKETS, bucket_length, bucket_of, bucket_span, hint_length  # noqa: F401  (re-exported)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
@@ -226,6 +228,8 @@ class Tuner(TimingRounds):
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         if self.budget_s > 0:
             measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager))
+        if self.budget_s > 0 and not eager:  # (an eager sample adds the host time, timed apart: host-bound alike)
+            measure_extra.update(self._duel(by_key, site, samples, charge))
         extra["measure_s"] = round(time.perf_counter() - measure_start, 3)
         extra.update(measure_extra)
         for key, us in per_length.items():
