@@ -92,3 +92,47 @@ def test_a_long_call_is_captured_in_few_calls_after_one_eager_estimate():
     x = torch.zeros(16, device="cuda")
     graph, n, est = captured_calls_estimated(lambda: x.add_(1), target_ms=2.0, min_calls=1, floor=2, long_ms=1.0)
     assert est < 1.0 and n > 4
+
+
+def _ranker(calls: list):
+    def rank(at):
+        calls.append(at.kv_len)
+        return _ranked(at)
+    return rank
+
+
+def test_the_layers_of_a_model_share_one_bucketed_tuning(cache):
+    """30 sites of one shape (a decoder's layers) and a growing cache: the first tunes every bucket, each other one
+    ranks the hint's bucket once and takes the same plan, timing nothing."""
+    import dataclasses
+
+    site = AttentionSite.canonical(q_heads=9, kv_heads=3, head_dim=64, kv_len=None, kv_len_hint=8192)
+    timer = Scripted(lambda plan, s, n: 5.0 if plan.kind == "dense" else 4.0 + s.kv_len / 1e4)
+    tuner = Tuner(timer, cache, env=ENV)
+    ranks: list = []
+    first = tuner.choose_bucketed(dataclasses.replace(site, node="layers.0"), _ranker(ranks))
+    timed, ranked_first = len(timer.calls), len(ranks)
+    assert first.choice == "measured" and timed > 0 and ranked_first >= len(tuning.BUCKETS)
+    for layer in range(1, 30):
+        other = tuner.choose_bucketed(dataclasses.replace(site, node=f"layers.{layer}", module_path=f"m.{layer}"),
+                                      _ranker(ranks))
+        assert other.plan == first.plan and other.choice == "cached"
+    assert len(timer.calls) == timed and len(ranks) == ranked_first + 29
+    # another valid-length sharing (or other options, which rank other candidates) is not the same tuning
+    tuner.choose_bucketed(site, _ranker(ranks), valid_len_sharing=2)
+    assert len(ranks) > ranked_first + 30
+
+
+def test_grid_siblings_are_timed_only_near_the_hint(cache, monkeypatch):
+    site = AttentionSite.canonical(batch=7, q_heads=4, kv_heads=2, head_dim=96, kv_len=None, kv_len_hint=3264)
+    seen = []
+    original = Tuner._time_siblings
+
+    def spy(self, ranked, at, *args, **kw):
+        seen.append(tuning.bucket_of(at.kv_len))
+        return original(self, ranked, at, *args, **kw)
+    monkeypatch.setattr(Tuner, "_time_siblings", spy)
+    timer = Scripted(lambda plan, s, n: 20.0 if plan.kind == "dense" else 10.0 + hash(plan.runtime_key()) % 7 / 10)
+    Tuner(timer, cache, env=ENV).choose_bucketed(site, _ranked)
+    h = tuning.BUCKETS.index(tuning.bucket_of(3264))
+    assert sorted(seen) == [tuning.BUCKETS[i] for i in range(h - tuning.SIBLING_BUCKETS, h + tuning.SIBLING_BUCKETS + 1)]
