@@ -13,7 +13,8 @@ cache), so the pick is the bench's Triton plan; ``--host-tuned`` keeps the defau
 Per method: the first call's seconds; every synced call's µs at 4 known lengths (x5) and at 20 new lengths (the first
 of them the first length not a multiple of 16: a Triton kernel specialised on that compiles there); what changed
 over the new-length calls (dynamo's counters: a recompile would show; the direct launcher's Triton-path launches,
-``jit``: a new kernel specialisation); the planner bench's own ``fresh_length_us`` on the same function; and the
+``jit``: a new kernel specialisation); the planner bench's own ``fresh_length_us`` on the same function (known and new
+lengths alternating) and its order before (every new length, then the same again: each call's µs); and the
 top functions of a cProfile (cumulative and own time) over 20 more new-length calls.
 """
 import cProfile
@@ -69,6 +70,23 @@ def diff(after: dict, before: dict) -> dict:
         elif v != b:
             out[k] = v - (b or 0) if isinstance(v, (int, float)) else v
     return out
+
+
+def old_order_probe(fn, q, k, v, lengths: int = 3) -> list[float]:
+    """The planner bench's fresh-length probe before d356f90+: every new length first (the first of them compiles a
+    kernel specialised on a length not a multiple of 16), then the same lengths again; [median new, median known]."""
+    def at(n):
+        kk, vv = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(q, kk, vv)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e6
+
+    n = k.shape[2]
+    new = [at(n - 1 - i) for i in range(lengths)]
+    known = [at(n - 1 - i) for i in range(lengths)]
+    return [statistics.median(new), statistics.median(known), new, known]
 
 
 def main() -> None:
@@ -133,6 +151,7 @@ def main() -> None:
         changed = {"dynamo": diff(dynamo_counts(), counts[0]), "launchers": diff(launcher_counts(), counts[1])}
         bench_probe = fresh_length_us(lambda s: (lambda: fn(s["q"], s["k"], s["v"])),
                                       {"q": q, "k": base_k[:, :, :N - 30], "v": base_v[:, :, :N - 30]})
+        old_probe = old_order_probe(fn, q, base_k[:, :, :N - 100], base_v[:, :, :N - 100])
         prof_sets = [kv(N - 40 - i) for i in range(20)]
         pr = cProfile.Profile()
         torch.cuda.synchronize()
@@ -149,10 +168,12 @@ def main() -> None:
         result["methods"][name] = {"first_call_s": round(first_s, 3), "known_us": statistics.median(known),
                                    "known_all_us": known, "fresh_us": statistics.median(fresh[1:]),
                                    "fresh_all_us": fresh, "changed_over_fresh_calls": changed,
-                                   "bench_fresh_length_us": bench_probe, "profile": text}
+                                   "bench_fresh_length_us": bench_probe, "old_order_probe_us": old_probe,
+                                   "profile": text}
         print(f"{name:12s} first {first_s:.2f} s  known {statistics.median(known):8.1f} µs  "
               f"fresh {statistics.median(fresh[1:]):8.1f} µs (first new {fresh[0]:.0f})  bench probe "
-              f"{bench_probe[0]:.0f}/{bench_probe[1]:.0f}  changed {json.dumps(changed)}")
+              f"{bench_probe[0]:.0f}/{bench_probe[1]:.0f}  old-order probe {old_probe[0]:.0f}/{old_probe[1]:.0f} "
+              f"{[round(x) for x in old_probe[2] + old_probe[3]]}  changed {json.dumps(changed)}")
     report = attnopt.last_plans(methods["attnopt"])
     result["plan"] = str(report)[:4000]
     with open(out_path, "w") as f:
