@@ -83,11 +83,11 @@ DEFAULT_BUDGET_S = 4.0  # a cap: a timing takes 0.05-0.3 s; the cold compiles (a
 #: hint's bucket compiles 4-8 of the 9-14 configurations all buckets time (H100 planner parts, dynamic cases), so two
 #: budgets reach the bucket beside it while later buckets still find most of their candidates compiled.
 BUCKETED_BUDGET_FACTOR = 2.0
-#: A symbolic length's buckets within this many of the hint's time the grid siblings (``choose``'s ``siblings``): a
-#: grid that fits the tiles of the bucket's middle length fits no other length of a 2x bucket better than its
-#: neighbours', and the siblings were a third of a growing cache's timings (9 of 31 a bucket, CPU count with the
-#: datasheet model's candidates at lhs04's shape).
-SIBLING_BUCKETS = 1
+#: A symbolic length's buckets within this many of the hint's time the grid siblings and re-time their near ties (the
+#: duel; ``choose``'s ``thorough``): a grid that fits the tiles of the bucket's middle length fits no other length of
+#: a 2x bucket better than its neighbours', and the siblings were a third of a growing cache's timings (9 of 31 a
+#: bucket, CPU count with the datasheet model's candidates at lhs04's shape); the site runs at the hint's bucket now.
+NEAR_HINT_BUCKETS = 1
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
 #: The low fill a static cache's near tie is also judged at (the timer times it full): the planner bench's static
@@ -177,7 +177,7 @@ class Tuner(TimingRounds):
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
                valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None,
                span: tuple[int, ...] | None = None, compiled: set | None = None, tie: float = TIE,
-               siblings: bool = True) -> Choice:
+               thorough: bool = True) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
@@ -189,7 +189,7 @@ class Tuner(TimingRounds):
         ``tie`` of the fastest, or the fastest dense plan within ``PEER_SPAN`` of a kernel winner, they are timed
         there too (``_tie_break``). A kernel plan must beat the fastest dense plan by ``PEER_MARGIN`` to be chosen
         over it. After the first timing, the other grids of the fastest kernel configurations are timed as well
-        (``_time_siblings``), with a budget, unless ``siblings`` is false.
+        (``_time_siblings``), with a budget, and the near ties re-timed (``_duel``), unless ``thorough`` is false.
 
         The budget counts from the end of the warm-up: the warm-up compiles every candidate at once, and a budget that
         it had spent left compiled candidates untimed (H100: SmolLM2's 1k static site kept S=5/256/8/2 at 7.35 µs with
@@ -234,9 +234,9 @@ class Tuner(TimingRounds):
         end = time.perf_counter() + self.budget_s  # after the warm-up and the valid length: timing alone
         measure_start = time.perf_counter()
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
-        if self.budget_s > 0 and siblings:
+        if self.budget_s > 0 and thorough:
             measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager))
-        if self.budget_s > 0 and not eager:  # (an eager sample adds the host time, timed apart: host-bound alike)
+        if self.budget_s > 0 and thorough and not eager:  # (an eager sample adds the host time: host-bound alike)
             measure_extra.update(self._duel(by_key, site, samples, charge))
         extra["measure_s"] = round(time.perf_counter() - measure_start, 3)
         extra.update(measure_extra)
@@ -340,7 +340,7 @@ class Tuner(TimingRounds):
                 raise ValueError(f"no candidate plan at KV length {at.kv_len} for {site.shape_str()}")
             by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
                                           graphed=graphed, deadline=deadline, span=span, compiled=compiled, tie=tie,
-                                          siblings=abs(i - h) <= SIBLING_BUCKETS)
+                                          thorough=abs(i - h) <= NEAR_HINT_BUCKETS)
         choices = [by_bound[b] for b in self.buckets]
         here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}
