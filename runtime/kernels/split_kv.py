@@ -20,8 +20,8 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 
 from .attend import _attend_chunks, _load_q, _row_coords, _split_share
 from .common import arrival_counters, decode_geometry, decode_inputs, dot_flags, head_dim_split, pdl_supported, \
-    softmax_scale, tail_in_loop
-from .tile_ops import WGMMA_ROWS, prefetch_applies
+    prefetch_applies, softmax_scale, tail_in_loop
+from .tile_ops import WGMMA_ROWS
 from .launch import KernelLauncher
 from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
@@ -259,8 +259,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     merge_dv_split : the merge launch's programs per row (``merge_states``' ``dv_split``: a power of two, or
         "auto").
     swap_ab : run the tile products as ``K @ Q^T`` and ``V^T @ P^T`` (``tile_ops``) where the query tile has fewer
-        than 64 rows (G * q_len <= 32) and no mask decides the tiles (``mask_tiles``); ignored elsewhere. Exact either
-        way (a plan's ``swap_ab``, chosen by measurement).
+        than 64 rows (G * q_len <= 32), no mask decides the tiles (``mask_tiles``) and, on CUDA, q/k/v are 16-bit;
+        ignored elsewhere. Exact either way (a plan's ``swap_ab``, chosen by measurement).
     l2_prefetch : > 0: each program also prefetches the K/V rows this many tiles ahead into L2 (``tile_ops``;
         ``prefetch_bulk``: one bulk request per tensor and tile, else one per 128-byte line), where the kernel is
         compiled for Hopper or newer and the K/V rows are contiguous (``prefetch_applies``); ignored elsewhere.
@@ -310,7 +310,9 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None and not planes else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
-    swap = bool(swap_ab) and geo.block_m < WGMMA_ROWS and not skip
+    # compiled, wgmma reads a transposed V from shared memory in 16-bit types only (the interpreter takes fp32 too)
+    swap = (bool(swap_ab) and geo.block_m < WGMMA_ROWS and not skip
+            and (q.element_size() == 2 or q.device.type != "cuda"))
     prefetch = int(l2_prefetch) if l2_prefetch and not skip and prefetch_applies(k, v) else 0
     head_bcast, n_scan = scan_rows(mstr, geo.L) if skip else (False, 0)
     chunk, one_chunk = chunk_tiles(geo.N, num_splits, block_n) if skip else (1, False)

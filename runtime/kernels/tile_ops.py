@@ -15,33 +15,16 @@ program, bounded by shared memory. One thread of the program also asks the L2 fo
 ahead (``cp.async.bulk.prefetch.L2``, one bulk request per tensor and tile, no shared memory), so that more of the
 stream is in flight per SM and each DRAM request is a long contiguous run. Only compiled on Hopper or newer, and only
 where a tile's rows are one contiguous run (``stride_kn == D`` and ``stride_kd == 1``, likewise V; the launcher
-checks); the interpreter has no such instruction and the launcher passes 0 there.
+checks: ``common.prefetch_applies``); the interpreter has no such instruction and the launcher passes 0 there.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from . import interpreting
 
 #: Query rows from which Triton compiles the tile products to wgmma on Hopper (one warpgroup's M): swap-AB is for
 #: tiles below it.
 WGMMA_ROWS = 64
-
-
-def prefetch_applies(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a kernel launched on ``k``/``v`` may prefetch whole tiles into L2 (``PREFETCH``): compiled for a
-    Hopper-or-newer GPU (the instructions are PTX; the interpreter runs none), each (batch row, KV head)'s rows one
-    contiguous run of 16-byte-aligned rows."""
-    if k.device.type != "cuda" or interpreting():
-        return False
-    from .common import device_major
-
-    if device_major(k.device.index) < 9:
-        return False
-    return all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and (t.shape[-1] * t.element_size()) % 16 == 0
-               and t.shape[-1] * t.element_size() <= 512 and t.data_ptr() % 16 == 0 for t in (k, v))
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from attnopt.runtime.reference import sdpa_float64
 triton = pytest.importorskip("triton")
 
 from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace  # noqa: E402
-from attnopt.runtime.kernels.tile_ops import prefetch_applies  # noqa: E402
+from attnopt.runtime.kernels.common import prefetch_applies  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -131,3 +131,91 @@ def test_l2_prefetch_leaves_the_result_alone(kernel_device, bulk):
                 what = f"valid={lens is not None} swap={swap} ahead={ahead} bulk={bulk}"
                 _close(out, ref, dtype, what)
                 assert torch.equal(out, plain), what
+
+
+def test_plans_carry_the_variants_to_the_kernel(monkeypatch):
+    """``SplitKVPlan.swap_ab`` / ``l2_prefetch`` round-trip through JSON, reject a negative prefetch, and run through
+    the op (the Triton interpreter on CPU, fp32): the reference's result."""
+    import math
+
+    from attnopt.plan import SplitKVPlan, plan_from_json
+    from attnopt.runtime import ops
+    from attnopt.runtime.kernels import interpreting
+
+    plan = SplitKVPlan(num_splits=3, block_n=16, tma=True, swap_ab=True, l2_prefetch=2, merge_dv_split=0)
+    assert plan_from_json(plan.to_json()) == plan and '"swap_ab": true' in plan.runtime_key()
+    with pytest.raises(ValueError, match="l2_prefetch must be >= 0"):
+        SplitKVPlan(l2_prefetch=-1)
+    if not interpreting():
+        pytest.skip("the Triton interpreter is not on")
+    monkeypatch.setenv("ATTNOPT_CPU_KERNELS", "interpret")
+    ops.reset_runtime_state()
+    B, Hkv, G, L, N, D = 2, 2, 1, 1, 45, 80
+    q, k, v = torch.randn(B, Hkv * G, L, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    valid = torch.tensor([45, 20], dtype=torch.int32)
+    for p in (plan, SplitKVPlan(num_splits=1, block_n=32, swap_ab=True, head_chunks=True)):
+        out = torch.ops.attnopt.decode_attention(q, k, v, None, valid, 1.0 / math.sqrt(D), False, p.runtime_key(),
+                                                 "test:site")
+        torch.testing.assert_close(out.double(), sdpa_float64(q, k, v, valid_len=valid), atol=2e-5, rtol=2e-5)
+    ops.reset_runtime_state()
+
+
+#: Swap-AB kernels compiled for sm_90 without a GPU (Triton 3.7.1 and its ptxas, bf16, 16 query rows, 4 warps unless
+#: said; ``metadata.shared``, the bytes a launch asks for) at 027ab0a: (head dim, head chunks, block_n, stages,
+#: bytes). The 298,032 of D=80 in chunks at 256-key tiles and 3 stages is over the H100's 232,448.
+SWAP_COMPILED = ((64, False, 64, 3, 53272), (64, False, 128, 3, 104472), (64, False, 256, 3, 206872),
+                 (64, False, 256, 2, 141392), (80, True, 64, 3, 76848), (80, True, 128, 3, 150576),
+                 (80, True, 256, 3, 298032), (96, True, 128, 3, 150576), (96, False, 128, 3, 204824))
+
+
+@pytest.mark.parametrize("d,chunks,block_n,stages,compiled", SWAP_COMPILED)
+def test_swap_estimate_covers_the_compiled_kernels(d, chunks, block_n, stages, compiled):
+    from attnopt.runtime.strategies.split_kv import SMEM_BUDGET, smem_bytes
+    from attnopt.site import AttentionSite
+
+    site = AttentionSite.canonical(batch=1, q_heads=1, kv_heads=1, head_dim=d, q_len=1, kv_len=4096,
+                                   dtype="bfloat16", gqa_source="mha")
+    estimate = smem_bytes(site, block_n, stages, chunks, swap_ab=True)
+    # in head chunks the compiled kernels staged no weights tile: the estimate counts one anyway (up to 9 KB over)
+    assert compiled <= estimate <= compiled + (10 if chunks else 2) * 1024
+    assert estimate > smem_bytes(site, block_n, stages, chunks), "one K/V buffer more than mma.sync's layout"
+    if compiled > 232448:
+        assert estimate > SMEM_BUDGET, "a config over the hardware's limit must not be a candidate"
+
+
+def test_swap_twins_are_candidates_only_where_the_products_swap(monkeypatch):
+    """With ``SWAP_AB_TWINS`` on, swap-AB twins come among the candidates of 16-bit sites under 64 packed query rows
+    (G=1 D64, G=7 D80), each within the shared-memory budget with its own layout and estimated just behind its
+    twin, and the tuner times the best one early; none for fp32 or 64 rows; with it off (the default), none."""
+    from attnopt.hardware import builtin_profile
+    from attnopt.runtime.strategies import PlanContext, get_strategy
+    from attnopt.runtime.strategies import split_kv as skv
+    from attnopt.site import AttentionSite
+    from attnopt.tuning_candidates import to_time
+
+    h100, ctx = builtin_profile("h100-sxm"), PlanContext(device_type="cuda", triton_available=True)
+    strategy = get_strategy("split_kv")
+
+    def site(g, d, q_len=1, dtype="bfloat16"):
+        return AttentionSite.canonical(batch=1, q_heads=2 * g, kv_heads=2, head_dim=d, q_len=q_len, kv_len=65536,
+                                       dtype=dtype)
+
+    assert not any(p.swap_ab for p in strategy.candidates(site(1, 64), h100, ctx)), "off by default"
+    monkeypatch.setattr(skv, "SWAP_AB_TWINS", True)
+    for s in (site(1, 64), site(7, 80)):
+        plans = list(strategy.candidates(s, h100, ctx))
+        swapped = [p for p in plans if p.swap_ab]
+        assert swapped and len(swapped) < len(plans)
+        for p in swapped:
+            assert skv.smem_bytes(s, p.block_n, p.num_stages, p.head_chunks, swap_ab=True) <= skv.SMEM_BUDGET
+            twin = next((q for q in plans if not q.swap_ab and (q.block_n, q.num_warps, q.num_stages, q.head_chunks,
+                                                                q.num_splits) == (p.block_n, p.num_warps,
+                                                                                  p.num_stages, p.head_chunks,
+                                                                                  p.num_splits)), None)
+            if twin is not None:
+                assert strategy.estimate_us(p, s, h100, ctx) > strategy.estimate_us(twin, s, h100, ctx)
+        ranked = sorted((p.with_estimate(strategy.estimate_us(p, s, h100, ctx)) for p in plans),
+                        key=lambda p: p.est_us)
+        assert any(p.swap_ab for p in to_time(ranked, 2, 0)), "the best swap-AB plan is timed"
+    for s in (site(1, 64, dtype="float32"), site(8, 64, q_len=8)):
+        assert not any(p.swap_ab for p in strategy.candidates(s, h100, ctx))
