@@ -48,11 +48,12 @@ def _close(out, ref, dtype, what):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("D,G,L", [(64, 1, 1), (80, 1, 2), (96, 7, 1)])
+@pytest.mark.parametrize("D,G,L", [(64, 1, 1), (80, 1, 2), (96, 7, 1), (64, 5, 4)])
 def test_swap_ab_matches_reference_and_plain(kernel_device, dtype, D, G, L):
-    """Swap-AB (K @ Q^T, V^T @ P^T, the accumulators transposed) at G=1 and G=7, q_len 1 and 2: one split and a
-    merge launch, copy-engine tiles and pointers, head chunks and padded, a valid length ending inside a tile with NaN
-    past it, and ALiBi with a softcap: the reference's result, and the plain kernel's within rounding."""
+    """Swap-AB (K @ Q^T, V^T @ P^T, the accumulators transposed) at G=1, 5 and 7, q_len 1, 2 and 4 (16 and 32 packed
+    rows): one split and a merge launch, copy-engine tiles and pointers, head chunks and padded, a valid length
+    ending inside a tile with NaN past it, and ALiBi with a softcap: the reference's result, and the plain kernel's
+    within rounding."""
     dev = kernel_device
     if dev.type == "cuda" and dtype == torch.float32:
         dtype = torch.bfloat16  # the compiled fp32 path is tf32 either way; bf16 is what the GPU runs
