@@ -21,7 +21,8 @@ rotating input sets, interleaved rounds), each output first checked against ``ru
 each case sorted by time with its ratio to cuDNN, then a verdict: per variant, its time over its plain twin's in
 every case where both ran.
 
-    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--cases NAME,...] [--rounds 3]
+    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--round 1|2] [--swap-check]
+                                        [--cases NAME,...] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -34,14 +35,22 @@ import sys
 VARIANTS = {
     "": {},
     "swap": {"swap_ab": True},
+    "pf1": {"l2_prefetch": 1},
     "pf2": {"l2_prefetch": 2},
+    "pf3": {"l2_prefetch": 3},
     "pf4": {"l2_prefetch": 4},
     "pf8": {"l2_prefetch": 8},
     "pf4-lines": {"l2_prefetch": 4, "prefetch_bulk": False},
     "swap+pf4": {"swap_ab": True, "l2_prefetch": 4},
     "ptr": {"tma": False},
+    "ptr+pf1": {"tma": False, "l2_prefetch": 1},
+    "ptr+pf2": {"tma": False, "l2_prefetch": 2},
+    "ptr+swap": {"tma": False, "swap_ab": True},
+    "swap+pf1": {"swap_ab": True, "l2_prefetch": 1},
     "stage1": {"merge": False},
+    "stage1+pf2": {"merge": False, "l2_prefetch": 2},
     "stage1+pf4": {"merge": False, "l2_prefetch": 4},
+    "ptr+stage1": {"merge": False, "tma": False},
 }
 
 #: Per case (``planner_grid.case_of`` names: the corner and lhs37, then G=1 shapes at D=96, 80 and 64): configs
@@ -82,6 +91,90 @@ CASES = {
         ((2, 128, 4, 3, False), ("", "swap", "pf4", "swap+pf4")),
     ),
 }
+
+
+#: ``--round 2``, after the H100 run of round 1 at 027ab0a (/work/gpu-requests/kern.md): at 512k only pf2 (118.34 µs
+#: against 120.08 plain and cuDNN's 117.63) and pointer loads (119.03) helped, pf4+ hurt everywhere (137-201); at lhs37
+#: swap-AB at S14/S28 64-key tiles (490.7 against 502.9/494.8, cuDNN 488.7); B64 8/8 D80 2432 trails (141.0 against
+#: 137.9). So: the prefetch 1-3 tiles ahead, with pointer loads, the merge's share (stage 1 alone), swap-AB over more
+#: grids, and the short D80 shape's other configs.
+CASES_2 = {
+    "corner-B1-g7-d80-512k-q1-dyn": (
+        ((66, 128, 4, 3, True), ("", "pf1", "pf2", "pf3", "ptr", "ptr+pf1", "ptr+pf2", "stage1", "stage1+pf2",
+                                 "ptr+stage1")),
+        ((66, 128, 4, 3, False), ("", "pf2", "ptr", "ptr+pf2", "ptr+stage1")),
+        ((66, 128, 4, 4, False), ("ptr", "ptr+pf2")),
+        ((66, 128, 8, 3, False), ("ptr", "ptr+pf2")),
+        ((66, 256, 4, 3, True), ("pf1", "pf2")),
+    ),
+    "lhs37-B6-32/32-d64-N30464-q1-dynamic": (
+        ((14, 64, 4, 3, False), ("", "swap", "swap+pf1", "ptr+swap")),
+        ((21, 64, 4, 3, False), ("", "swap")),
+        ((28, 64, 4, 3, False), ("", "swap", "ptr+swap")),
+        ((42, 64, 4, 3, False), ("", "swap")),
+        ((7, 128, 4, 3, False), ("", "swap")),
+        ((14, 128, 4, 3, False), ("", "swap")),
+        ((4, 128, 4, 3, False), ("", "swap", "pf1")),
+    ),
+    "x-B64-8/8-d80-N2432-q1-dynamic": (
+        ((1, 64, 4, 3, True), ("", "pf1", "pf2", "ptr", "ptr+pf2", "swap+pf1")),
+        ((1, 128, 4, 3, True), ("", "pf1", "swap")),
+        ((1, 128, 4, 3, False), ("", "pf1", "ptr")),
+        ((2, 64, 4, 3, True), ("", "pf1", "swap")),
+        ((1, 64, 4, 4, True), ("", "pf2")),
+    ),
+}
+ROUNDS = {1: CASES, 2: CASES_2}
+
+
+def swap_check(device: str = "cuda") -> dict:
+    """Round 1's CUDA test found swap-AB wrong compiled (bf16, B2 2/2 D80 q_len 1, 64-key tiles, 2 splits, TMA, head
+    chunks, a valid length ending inside a tile, prefetch 1 ahead: max error 5.5e-2; without a valid length and
+    without swap-AB exact). Which factor: each combination of splits (1, 2), TMA, head chunks, valid length and
+    prefetch (0, 1), swap-AB against the reference and against the plain kernel of the same combination (max abs
+    errors), no timing."""
+    import itertools
+
+    import torch
+
+    from attnopt.runtime.kernels.split_kv import split_kv_decode, split_kv_workspace
+    from attnopt.runtime.reference import sdpa_float64
+
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # (the interpreter computes bf16 on raw bits)
+    B, H, N, D, BN = 2, 2, 9 * 64 + 11, 80, 64
+    q, k, v = (torch.randn(B, H, n, D, device=device, dtype=dtype, generator=g) for n in (1, N, N))
+    valid = torch.tensor([N - 40, 2 * BN + 3], dtype=torch.int32, device=device)
+    kn, vn = k.clone(), v.clone()
+    for b, n in enumerate(valid.tolist()):
+        kn[b, :, n:] = float("nan")
+        vn[b, :, n:] = float("nan")
+    rows = []
+    for splits, tma, chunks, with_valid, ahead in itertools.product((1, 2), (True, False), (True, False),
+                                                                    (True, False), (0, 1)):
+        kk, vv, lens = (kn, vn, valid) if with_valid else (k, v, None)
+        ref = sdpa_float64(q, k, v, valid_len=lens)
+        outs = {}
+        for swap in (False, True):
+            out = torch.empty_like(q)
+            ws = split_kv_workspace(splits, q, kk, vv) if splits > 1 else None
+            try:
+                split_kv_decode(q, kk, vv, out, workspace=ws, valid_len=lens, num_splits=splits, block_n=BN, tma=tma,
+                                head_chunks=chunks, swap_ab=swap, l2_prefetch=ahead)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                outs[swap] = out
+            except Exception as e:  # noqa: BLE001 - reported
+                outs[swap] = f"{type(e).__name__}: {str(e)[:200]}"
+        row = {"splits": splits, "tma": tma, "chunks": chunks, "valid": with_valid, "prefetch": ahead}
+        for swap, o in outs.items():
+            row[f"err_swap{int(swap)}"] = o if isinstance(o, str) else float((o.double() - ref).abs().max())
+        if not any(isinstance(o, str) for o in outs.values()):
+            row["swap_vs_plain"] = float((outs[True].float() - outs[False].float()).abs().max())
+        rows.append(row)
+        print("  swap-check", json.dumps(row), flush=True)
+    return {"rows": rows, "bad": [r for r in rows if not isinstance(r.get("err_swap1"), float)
+                                  or r["err_swap1"] > 2e-2]}
 
 
 def run_case(name: str, configs, rounds: int, read_TBps: float) -> dict:
@@ -166,7 +259,9 @@ def _print(r: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
+    p.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS), help="which variant set (CASES, CASES_2)")
+    p.add_argument("--cases", default=None, help=f"of the round's (default: all); round 1: {', '.join(CASES)}")
+    p.add_argument("--swap-check", action="store_true", help="then the swap-AB correctness matrix (swap_check)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -176,18 +271,26 @@ def main(argv=None) -> int:
         return 2
     from attnopt.bench.common import read_bandwidth_TBps, results_header, write_results
 
+    cases = ROUNDS[args.round]
+    check = None
     bw = read_bandwidth_TBps(1 << 30, "graph")
     print(f"read bandwidth {bw['best']:.3f} TB/s", flush=True)
     results = []
-    for name in (c.strip() for c in args.cases.split(",") if c.strip()):
-        if name not in CASES:
-            raise SystemExit(f"unknown case {name!r}; valid: {', '.join(CASES)}")
-        results.append(run_case(name, CASES[name], args.rounds, bw["best"]))
+    for name in (c.strip() for c in (args.cases or ",".join(cases)).split(",") if c.strip()):
+        if name not in cases:
+            raise SystemExit(f"unknown case {name!r}; valid: {', '.join(cases)}")
+        results.append(run_case(name, cases[name], args.rounds, bw["best"]))
         _print(results[-1])
         if args.out:  # after every case: a run cut short keeps what it measured
-            write_results(args.out, results_header("trail-variants", read_bw_TBps=bw, cases=results,
-                                                   verdict=verdict(results)))
+            write_results(args.out, results_header("trail-variants", read_bw_TBps=bw, round=args.round,
+                                                   swap_check=check, cases=results, verdict=verdict(results)))
     print(json.dumps(verdict(results), indent=1), flush=True)
+    if args.swap_check:  # last: a kernel fault there cannot cost the timings above
+        check = swap_check()
+        print(f"swap-check: {len(check['bad'])} bad of {len(check['rows'])}: {json.dumps(check['bad'])}", flush=True)
+        if args.out:
+            write_results(args.out, results_header("trail-variants", read_bw_TBps=bw, round=args.round,
+                                                   swap_check=check, cases=results, verdict=verdict(results)))
     return 0
 
 
