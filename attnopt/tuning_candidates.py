@@ -57,8 +57,9 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     configurations (kind, block_n, num_warps, num_stages, head chunks) estimated within ``EXTRA_WITHIN`` of the best (the model
     ranks the grids of one configuration well and configurations against each other poorly).
 
-    Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, the swap-AB one
-    (``SplitKVPlan.swap_ab``, where the candidates have such), then one plan of each
+    Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, the swap-AB one and
+    the prefetching one (``SplitKVPlan.swap_ab`` / ``l2_prefetch``, where the candidates have such), then one plan
+    of each
     configuration before a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
     (about a second) where a second grid of it costs only its timing, so the configurations come first.
     ``n_keys``: the KV length they are timed at (a grid that follows the length is counted there)."""
@@ -83,15 +84,16 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     # the best-estimated head-chunked plan (D=80/96), timed early: the model ranks each just behind its padded twin
     # and cannot tell which runs faster (H100: from 16 % faster to 8 % slower), so only a measurement picks one
     chunked = next((p for p in ranked_kernels if getattr(p, "head_chunks", False)), None)
-    # likewise the best-estimated swap-AB plan (the model cannot rank the products' form either)
+    # likewise the best-estimated swap-AB plan and the best-estimated prefetching one (the model ranks neither)
     swapped = next((p for p in ranked_kernels if getattr(p, "swap_ab", False)), None)
-    seen_families = {_family(ranked[0])} | {_family(p) for p in (widest, chunked, swapped) if p is not None}
+    fetching = next((p for p in ranked_kernels if getattr(p, "l2_prefetch", 0)), None)
+    early = [p for p in (widest, chunked, swapped, fetching) if p is not None]
+    seen_families = {_family(ranked[0])} | {_family(p) for p in early}
     firsts, seconds = [], []
     for p in kernels:
         (seconds if _family(p) in seen_families else firsts).append(p)
         seen_families.add(_family(p))
     out: list[Plan] = [ranked[0]]
-    early = [p for p in (widest, chunked, swapped) if p is not None]
     for p in dense + early + firsts + seconds:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
@@ -138,9 +140,10 @@ def most_parallel(kernels: Sequence[Plan], n_keys: int | None = None) -> Plan | 
 
 def _family(plan: Plan) -> tuple:
     """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages, head chunks,
-    swap-AB)."""
+    swap-AB, L2 prefetch)."""
     return (plan.kind, getattr(plan, "block_n", None), getattr(plan, "num_warps", None),
-            getattr(plan, "num_stages", None), getattr(plan, "head_chunks", False), getattr(plan, "swap_ab", False))
+            getattr(plan, "num_stages", None), getattr(plan, "head_chunks", False), getattr(plan, "swap_ab", False),
+            getattr(plan, "l2_prefetch", 0))
 
 
 def compile_key(plan: Plan) -> str:

@@ -7,6 +7,7 @@ interpreter is asked for with ``ATTNOPT_CPU_KERNELS=interpret`` together with ``
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -128,6 +129,11 @@ CHUNK_ESTIMATE_PENALTY = 0.01
 SWAP_AB_TWINS = False
 #: A swap-AB plan's estimate is its twin's times (1 + this): the untuned choice stays unswapped.
 SWAP_ESTIMATE_PENALTY = 0.01
+#: > 0: every candidate also comes with a twin that prefetches this many tiles ahead into L2
+#: (``SplitKVPlan.l2_prefetch``), for measurement to choose; 0: none (until an H100 run measures it faster).
+PREFETCH_TWINS = 0
+#: A prefetching plan's estimate is its twin's times (1 + this): the untuned choice prefetches nothing.
+PREFETCH_ESTIMATE_PENALTY = 0.01
 
 
 def chunk_twins(site: AttentionSite) -> bool:
@@ -292,6 +298,8 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                     if key not in seen:  # plans that run alike at the planned length are timed once
                         seen.add(key)
                         yield plan
+                        if PREFETCH_TWINS > 0 and not plan.l2_prefetch:
+                            yield dataclasses.replace(plan, l2_prefetch=PREFETCH_TWINS)
         pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
@@ -306,6 +314,8 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         # plan ranks just behind its padded twin, so that only a measurement chooses one; a swap-AB plan likewise
         if plan.head_chunks and chunk_twins(site):
             us *= 1 + CHUNK_ESTIMATE_PENALTY
+        if plan.l2_prefetch:
+            us *= 1 + PREFETCH_ESTIMATE_PENALTY
         return us * (1 + SWAP_ESTIMATE_PENALTY) if plan.swap_ab and swaps(site) else us
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:

@@ -3,6 +3,8 @@ the tiles ahead, against the float64 reference and against the plain kernel, in 
 compiled on CUDA (bf16/fp16; there the prefetch instructions run too)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -220,3 +222,28 @@ def test_swap_twins_are_candidates_only_where_the_products_swap(monkeypatch):
         assert any(p.swap_ab for p in to_time(ranked, 2, 0)), "the best swap-AB plan is timed"
     for s in (site(1, 64, dtype="float32"), site(8, 64, q_len=8)):
         assert not any(p.swap_ab for p in strategy.candidates(s, h100, ctx))
+
+
+def test_prefetch_twins_are_candidates_when_on(monkeypatch):
+    """With ``PREFETCH_TWINS`` = T each split-KV candidate comes with a twin prefetching T tiles ahead, estimated just
+    behind it, and the tuner times the best-estimated one early; with 0 (the default), none."""
+    from attnopt.hardware import builtin_profile
+    from attnopt.runtime.strategies import PlanContext, get_strategy
+    from attnopt.runtime.strategies import split_kv as skv
+    from attnopt.site import AttentionSite
+    from attnopt.tuning_candidates import to_time
+
+    h100, ctx = builtin_profile("h100-sxm"), PlanContext(device_type="cuda", triton_available=True)
+    strategy = get_strategy("split_kv")
+    site = AttentionSite.canonical(batch=1, q_heads=14, kv_heads=2, head_dim=80, q_len=1, kv_len=524288)
+    assert not any(p.l2_prefetch for p in strategy.candidates(site, h100, ctx)), "off by default"
+    monkeypatch.setattr(skv, "PREFETCH_TWINS", 2)
+    plans = list(strategy.candidates(site, h100, ctx))
+    fetching = [p for p in plans if p.l2_prefetch]
+    assert fetching and all(p.l2_prefetch == 2 for p in fetching)
+    assert len({p.runtime_key() for p in plans}) == len(plans), "duplicate candidates"
+    for p in fetching:
+        twin = next(q for q in plans if q == dataclasses.replace(p, l2_prefetch=0))
+        assert strategy.estimate_us(p, site, h100, ctx) > strategy.estimate_us(twin, site, h100, ctx)
+    ranked = sorted((p.with_estimate(strategy.estimate_us(p, site, h100, ctx)) for p in plans), key=lambda p: p.est_us)
+    assert any(p.l2_prefetch for p in to_time(ranked, 2, 0)), "the best prefetching plan is timed"
