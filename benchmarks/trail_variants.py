@@ -21,7 +21,7 @@ rotating input sets, interleaved rounds), each output first checked against ``ru
 each case sorted by time with its ratio to cuDNN, then a verdict: per variant, its time over its plain twin's in
 every case where both ran.
 
-    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--round 1|2] [--swap-check]
+    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--round 1|2|3] [--swap-check]
                                         [--cases NAME,...] [--rounds 3]
 """
 from __future__ import annotations
@@ -124,7 +124,23 @@ CASES_2 = {
         ((1, 64, 4, 4, True), ("", "pf2")),
     ),
 }
-ROUNDS = {1: CASES, 2: CASES_2}
+#: ``--round 3``: swap-AB rewritten with no ``tl.trans`` of a register tensor that a product wrote (``tile_ops``; the
+#: first form was wrong compiled with a valid length): do its round-1 gains hold (lhs37 S14 502.9 -> 490.7 µs, S28
+#: 494.8 -> 490.7; B64 8/8 D80 S1 142.9 -> 141.7)?
+CASES_3 = {
+    "lhs37-B6-32/32-d64-N30464-q1-dynamic": (
+        ((14, 64, 4, 3, False), ("", "swap")),
+        ((28, 64, 4, 3, False), ("", "swap")),
+        ((4, 128, 4, 3, False), ("", "swap")),
+    ),
+    "x-B64-8/8-d80-N2432-q1-dynamic": (
+        ((1, 64, 4, 3, True), ("", "swap")),
+    ),
+    "x-B1-32/32-d96-N32768-q1-dynamic": (
+        ((4, 128, 4, 3, False), ("", "swap")),
+    ),
+}
+ROUNDS = {1: CASES, 2: CASES_2, 3: CASES_3}
 
 
 def swap_check(device: str = "cuda") -> dict:
@@ -259,7 +275,7 @@ def _print(r: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS), help="which variant set (CASES, CASES_2)")
+    p.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS), help="which variant set (CASES, CASES_2, CASES_3)")
     p.add_argument("--cases", default=None, help=f"of the round's (default: all); round 1: {', '.join(CASES)}")
     p.add_argument("--swap-check", action="store_true", help="then the swap-AB correctness matrix (swap_check)")
     p.add_argument("--rounds", type=int, default=3)

@@ -143,8 +143,8 @@ def _split_kv_kernel(
         offs_o = offs_d
         offs_hi = D_LO + tl.arange(0, D_HI)
         q_hi = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_hi, stride_qb, stride_qh, stride_ql, stride_qd, G, D,
-                       UPCAST)
-        if SWAP_AB:  # carried transposed (tile_ops)
+                       UPCAST, SWAP_AB)
+        if SWAP_AB:  # q, the scores and the accumulators transposed to the store (tile_ops)
             acc = tl.zeros([D_LO, BLOCK_M], dtype=tl.float32)
             acc_hi = tl.zeros([D_HI, BLOCK_M], dtype=tl.float32)
         else:
@@ -158,7 +158,8 @@ def _split_kv_kernel(
             acc = tl.zeros([BLOCK_DV, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
+    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST,
+                SWAP_AB)
     if D_LO == 0:
         q_hi = q
         acc_hi = acc
@@ -176,21 +177,19 @@ def _split_kv_kernel(
             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, G, D,
             DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA, first, softcap, HAS_START, SOFTCAP,
             alibi_ptr, ALIBI, D_LO, PAST_ZERO, SWAP_AB, PREFETCH, PREFETCH_BULK)
-    if SWAP_AB:
-        acc = tl.trans(acc)
-        acc_hi = tl.trans(acc_hi)
     if D_LO > 0:
-        o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i)
+        o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i, SWAP_AB)
         _store_rows(o_hi, m_i, o_ptr + split.to(tl.int64) * stride_os, lse_ptr, b, kvh, g, i, row_ok, offs_hi,
-                    stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, False)
-    o, m_part, log_l = _finish_parts(acc, m_i, l_i)
+                    stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, False,
+                    SWAP_AB)
+    o, m_part, log_l = _finish_parts(acc, m_i, l_i, SWAP_AB)
     if LSE_PLANES:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
     else:
         lse = m_part + log_l
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_o, stride_ob, stride_oh, stride_ol, stride_od,
-                stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+                stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE, SWAP_AB)
     if LSE_PLANES:
         ll_ptrs = (lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
                    + (kvh * G + g).to(tl.int64) * stride_lh + i.to(tl.int64) * stride_ll)

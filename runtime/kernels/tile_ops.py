@@ -6,9 +6,12 @@ products in swap-AB form, and an L2 prefetch of the tiles ahead.
 V go from shared memory through registers (ldmatrix), and the weights through shared memory again between the two
 products. Swapped, ``S^T = K @ Q^T`` (BLOCK_N, BLOCK_M) and ``O^T = V^T @ P^T`` (Dv, BLOCK_M) put the keys and the
 head dim in M (64 or more: wgmma, its K/V operands read from shared memory where the copy engine left them) and the
-query rows in N (16 or 32). The accumulator is then carried transposed, (Dv, BLOCK_M), and turned back once after
-the loop. The scores are the same dot products, so the softmax and masks are the untransposed ones
-(``attend._visible_scores``) on ``trans(S^T)``, a view with no data movement.
+query rows in N (16 or 32). The query tile is loaded transposed, and the scores, the softmax state's updates and the
+accumulator stay transposed, (BLOCK_N, BLOCK_M) and (Dv, BLOCK_M), to the transposed store of the output: no
+``tl.trans`` of a register tensor that a product wrote. (The first version turned S^T and the accumulator back with
+``tl.trans``: compiled on the H100 at 027ab0a, B2 2/2 D80, 2 splits, a valid length, it was wrong by up to 5.5e-2;
+a transposed MMA-layout register tensor is a known Triton miscompile on Hopper, flash-linear-attention PR 826.)
+``_per_row`` / ``_per_key`` broadcast the per-row and per-key vectors either way.
 
 **L2 prefetch** (``PREFETCH`` tiles ahead). The pipelined loop keeps ``num_stages - 1`` K/V tiles in flight per
 program, bounded by shared memory. One thread of the program also asks the L2 for the K and V rows ``PREFETCH`` tiles
@@ -28,15 +31,34 @@ WGMMA_ROWS = 64
 
 
 @triton.jit
+def _per_row(x, T: tl.constexpr):
+    """A (BLOCK_M,) per-query-row vector broadcast against a score tile: (BLOCK_M, 1), or with T (1, BLOCK_M)."""
+    if T:
+        r = x[None, :]
+    else:
+        r = x[:, None]
+    return r
+
+
+@triton.jit
+def _per_key(x, T: tl.constexpr):
+    """A (BLOCK_N,) per-key vector broadcast against a score tile: (1, BLOCK_N), or with T (BLOCK_N, 1)."""
+    if T:
+        r = x[:, None]
+    else:
+        r = x[None, :]
+    return r
+
+
+@triton.jit
 def _qk_dot(q, k, q_hi, k_hi, TWO: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
     """The dot products (BLOCK_M, BLOCK_N) of the query rows ``q`` (BLOCK_M, d) with the keys ``k`` (BLOCK_N, d),
-    plus those of the second head-dim chunk (``q_hi``, ``k_hi``) when TWO. SWAP_AB: computed as ``K @ Q^T`` and
-    returned as its transposed view."""
+    plus those of the second head-dim chunk (``q_hi``, ``k_hi``) when TWO. SWAP_AB: ``q``/``q_hi`` come transposed,
+    (d, BLOCK_M), and the products ``K @ Q^T`` stay transposed, (BLOCK_N, BLOCK_M)."""
     if SWAP_AB:
-        st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        qk = tl.dot(k, q, input_precision=PRECISION)
         if TWO:
-            st = tl.dot(k_hi, tl.trans(q_hi), acc=st, input_precision=PRECISION)
-        qk = tl.trans(st)
+            qk = tl.dot(k_hi, q_hi, acc=qk, input_precision=PRECISION)
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if TWO:
@@ -47,11 +69,12 @@ def _qk_dot(q, k, q_hi, k_hi, TWO: tl.constexpr, PRECISION: tl.constexpr, SWAP_A
 @triton.jit
 def _pv_update(acc, alpha, p, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
     """``acc * alpha + P @ V`` for the weights ``p`` (BLOCK_M, BLOCK_N) fp32 and values ``v`` (BLOCK_N, dv): acc is
-    (BLOCK_M, dv), or with SWAP_AB (dv, BLOCK_M), updated as ``acc * alpha + V^T @ P^T``."""
+    (BLOCK_M, dv); with SWAP_AB ``p`` is P^T (BLOCK_N, BLOCK_M), acc (dv, BLOCK_M), updated as
+    ``acc * alpha + V^T @ P^T`` (V^T: the copy engine's tile read transposed from shared memory)."""
     if not UPCAST:
         p = p.to(v.dtype)
     if SWAP_AB:  # one return: the compiler visits statements after a taken constexpr branch's return
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p), input_precision=PRECISION)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p, input_precision=PRECISION)
     else:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc

@@ -128,6 +128,7 @@ def test_l2_prefetch_leaves_the_result_alone(kernel_device, bulk):
         ref = sdpa_float64(q, rk, rv, valid_len=lens)
         for swap in (False, True):
             plain, _ = _run(q, kk, vv, 2, BN, valid_len=lens, tma=True, head_chunks=True, swap_ab=swap)
+            _close(plain, ref, dtype, f"valid={lens is not None} swap={swap} no prefetch")
             for ahead in (1, 4):
                 out, _ = _run(q, kk, vv, 2, BN, valid_len=lens, tma=True, head_chunks=True, swap_ab=swap,
                               l2_prefetch=ahead, prefetch_bulk=bulk)
