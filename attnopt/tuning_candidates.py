@@ -58,8 +58,8 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     ranks the grids of one configuration well and configurations against each other poorly).
 
     Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, the swap-AB one and
-    the prefetching one (``SplitKVPlan.swap_ab`` / ``l2_prefetch``, where the candidates have such), then one plan
-    of each
+    the prefetching one (``SplitKVPlan.swap_ab`` / ``l2_prefetch``, where the candidates have such: only these two
+    of those twins; the top k and the further families are of the others), then one plan of each
     configuration before a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
     (about a second) where a second grid of it costs only its timing, so the configurations come first.
     ``n_keys``: the KV length they are timed at (a grid that follows the length is counted there)."""
@@ -69,11 +69,14 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     order = {"cudnn": 0, "flash": 1, "efficient": 2, "math": 3}
     dense = sorted(explicit, key=lambda p: order.get(p.backend, 9)) or [p for p in ranked if p.kind == "dense"][:1]
     ranked_kernels = [p for p in ranked if p.kind != "dense"]
-    kernels = ranked_kernels[:top_k]
+    # the swap-AB and prefetching twins, estimated just behind their plain twins, would otherwise fill the top k
+    # and the further families in their place; the best-estimated of each is timed early instead (below)
+    plain = [p for p in ranked_kernels if not (getattr(p, "swap_ab", False) or getattr(p, "l2_prefetch", 0))]
+    kernels = plain[:top_k]
     families = {_family(p) for p in [ranked[0]] + kernels}
     estimates = [p.est_us for p in kernels if math.isfinite(p.est_us)]
     ceiling = EXTRA_WITHIN * min(estimates) if estimates else math.inf
-    for p in ranked_kernels[top_k:]:
+    for p in plain[top_k:]:
         if extra_families <= 0:
             break
         if _family(p) not in families and not p.est_us > ceiling:

@@ -227,7 +227,8 @@ def test_swap_twins_are_candidates_only_where_the_products_swap(monkeypatch):
 
 def test_prefetch_twins_are_candidates_when_on(monkeypatch):
     """With ``PREFETCH_TWINS`` = T each split-KV candidate comes with a twin prefetching T tiles ahead, estimated just
-    behind it, and the tuner times the best-estimated one early; with 0 (the default), none."""
+    behind it, and the tuner times the best-estimated one early, its top k being plain plans; with 0 (the default),
+    none."""
     from attnopt.hardware import builtin_profile
     from attnopt.runtime.strategies import PlanContext, get_strategy
     from attnopt.runtime.strategies import split_kv as skv
@@ -247,4 +248,6 @@ def test_prefetch_twins_are_candidates_when_on(monkeypatch):
         twin = next(q for q in plans if q == dataclasses.replace(p, l2_prefetch=0))
         assert strategy.estimate_us(p, site, h100, ctx) > strategy.estimate_us(twin, site, h100, ctx)
     ranked = sorted((p.with_estimate(strategy.estimate_us(p, site, h100, ctx)) for p in plans), key=lambda p: p.est_us)
-    assert any(p.l2_prefetch for p in to_time(ranked, 2, 0)), "the best prefetching plan is timed"
+    timed = to_time(ranked, 2, 0)
+    assert sum(1 for p in timed if p.l2_prefetch) == 1, "the best prefetching plan is timed, and no other twin"
+    assert sum(1 for p in timed if p.kind == "split_kv" and not p.l2_prefetch) >= 2, "twins displace no plain plan"
