@@ -202,6 +202,9 @@ def test_kernels_compile_for_sm90(monkeypatch):
              for j in [next(j for j in jobs if j["name"] == n and (n != "_stream_k_kernel"
                                                                     or j["consts"].get("SEPARATE_MERGE")))
                        for n in chained]]
+    # every attention split over both parts (saap.SHARE_SPLITS), chained as the plan runs it
+    jobs += [{**j, "consts": {**j["consts"], "SHARE_ALL": True}} for j in jobs
+             if j["name"] == "_saap_kernel" and j["consts"].get("WAIT_PRIOR")][:1]
     jobs += [{**j, "consts": {**j["consts"], "RADIX_BITS": bits}} for j in jobs if j["name"] == "_saap_select_kernel"
              for bits in (1, 2)]  # the selection over more than 2048 clusters
     # the selection's first round from one count, and its 32-bit keys (timing variants: saap_pieces)
