@@ -16,7 +16,8 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   before (each behind a fence; ``saap_select.RELAXED_STATS``), ``full-sw8w`` the fused scoring-and-selection launch
   at 8 warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``), ``full-shared`` (``-S56``, ``-S48``: at 56,
   48 splits) every attention split over a share of the sink and window and then of the clusters
-  (``saap.SHARE_SPLITS``);
+  (``saap.SHARE_SPLITS``), ``-late`` the attention launch let in only once every scoring program stored its logits
+  (``saap_select.LATE_DEPENDENTS``);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
@@ -233,6 +234,7 @@ def main(argv=None) -> int:
     guess = {"select.GUESS_TOP": True}
     fenced = {"select.RELAXED_STATS": False}
     shared = {"saap.SHARE_SPLITS": True}
+    late = {"select.LATE_DEPENDENTS": True}
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -282,6 +284,8 @@ def main(argv=None) -> int:
                                                  **shared)),
         ("full-shared-S48", lambda c, i: flagged(plan_call(replace(plans[i], num_splits=48), c["s"], scale),
                                                  **shared)),
+        ("full-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **late)),
+        ("full-shared-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **shared, **late)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
