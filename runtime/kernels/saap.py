@@ -147,7 +147,12 @@ def _saap_kernel(
     # share of the always-attended keys, the sink [0, sink) then the window [indexed_end, kv_len)
     n_always = sink + kv_len - indexed_end
     if SHARE_ALL:  # every split: a share of the always-attended keys now, of the clusters' keys after the wait
-        lo, hi = _split_share(split, n_always, NUM_SPLITS, BLOCK_N)
+        # ceil(tiles / S) tiles a split from split 0 on (at most one tile at 128k and 512k): the splits scheduled
+        # last (the grid's last split, each head's) get none, so that those that start only when the selection
+        # frees its SMs go straight to their cluster share
+        per = tl.cdiv(tl.cdiv(n_always, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = tl.minimum(split * per, n_always)
+        hi = tl.minimum(lo + per, n_always)
         first_cluster_split = 0
     else:
         lo, hi = _split_share(split, n_always, tl.maximum(WINDOW_SPLITS, 1), BLOCK_N)

@@ -106,11 +106,13 @@ def test_any_division_of_the_splits_between_window_and_clusters(splits, window_s
              block_n=16, window_splits=window_splits)
 
 
-@pytest.mark.parametrize("splits,block_n,fused", [(4, 16, False), (5, 16, True), (3, 32, False), (1, 16, True)])
-def test_every_split_shares_the_window_and_the_clusters(splits, block_n, fused):
-    # SHARE_SPLITS: each split folds its share of the sink and window, then its share of the chosen clusters (some
-    # splits get no window tile, the last ones of a short list no cluster tile)
-    run_case(1, 4, 2, 220, 64, 1, 16, 5, sink=2, window=19, prompt=200, dtype=torch.float32, splits=splits,
+@pytest.mark.parametrize("splits,block_n,window,fused", [(4, 16, 19, False), (5, 16, 19, True), (3, 32, 19, False),
+                                                         (1, 16, 19, True), (3, 16, 60, False)])
+def test_every_split_shares_the_window_and_the_clusters(splits, block_n, window, fused):
+    # SHARE_SPLITS: each split folds its share of the sink and window (ceil(tiles / S) tiles from split 0 on: the
+    # last splits may get none, and at window 60 the last of 3 splits none of 4 tiles), then its share of the chosen
+    # clusters
+    run_case(1, 4, 2, 220, 64, 1, 16, 5, sink=2, window=window, prompt=200, dtype=torch.float32, splits=splits,
              block_n=block_n, fused=fused, share_splits=True)
 
 
