@@ -45,7 +45,7 @@ def _slices_query_or_keys(node: fx.Node) -> bool:
     idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     if any(i is None or i is Ellipsis or not isinstance(i, slice) for i in idx) or len(idx) > nd:
         return False
-    full = (slice(None),) * (nd - len(idx)) + tuple(idx)
+    full = tuple(idx) + (slice(None),) * (nd - len(idx))  # an index names the leading dims: x[:, 1:] cuts the heads
     return all(i == slice(None) for i in full[:-2]) and all(i.step in (None, 1) for i in full[-2:])
 
 

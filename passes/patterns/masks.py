@@ -271,18 +271,16 @@ def _window_of(bound: Any, strict: bool) -> int | None:
                                                 or _getitem_index(cur) is not None):
             break
         cur = _self(cur)
-    if not _is_call(cur):
-        return None
-    name = _bare_name(cur)
-    a, b = _binary(cur)
-    c = _number(b) if isinstance(a, fx.Node) else None
-    if name == "sub" and c is not None:
-        w = c
-    elif kind(cur) == "add" and c is not None:
-        w = -c
-    else:
-        return None
-    if w != int(w) or w <= 0:
+    w, steps = 0.0, 0
+    while _is_call(cur) and steps < 8:  # every constant of a chain: ``q - w - 1`` keeps w + 1 keys, not 1
+        name = _bare_name(cur)
+        a, b = _binary(cur)
+        c = _number(b) if isinstance(a, fx.Node) else None
+        if c is None or arg(cur, 2, "alpha", 1) != 1 or not (name == "sub" or kind(cur) == "add"):
+            break
+        w += c if name == "sub" else -c
+        cur, steps = a, steps + 1
+    if not steps or w != int(w) or w <= 0:
         return None
     return int(w) if strict else int(w) + 1
 
