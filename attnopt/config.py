@@ -183,7 +183,8 @@ def check_process_group(process_group: Any) -> None:
     import torch.distributed as dist
 
     if not dist.is_available():
-        raise ValueError("process_group= needs torch.distributed, which this torch build lacks; pass process_group=None")
+        raise ValueError("process_group= needs torch.distributed, which this torch build lacks; pass "
+                         "process_group=None")
     if isinstance(process_group, dist.ProcessGroup):
         return
     hint = ""

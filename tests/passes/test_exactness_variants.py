@@ -109,7 +109,8 @@ def test_alibi_with_a_fully_masked_row(fill):
 
     def f(q, k, v, keep):
         s = scores(q, k) + SLOPES * torch.arange(k.shape[-2])
-        s = s.masked_fill(~keep, -math.inf) if fill == "neginf" else s + torch.where(keep, 0.0, torch.finfo(s.dtype).min)
+        low = torch.finfo(s.dtype).min
+        s = s.masked_fill(~keep, -math.inf) if fill == "neginf" else s + torch.where(keep, 0.0, low)
         return F.softmax(s, -1) @ rep(v)
 
     (site,) = compare(f, *inputs(), keep)
