@@ -3,6 +3,7 @@ passes cannot see into: each comes out of ``attnopt.optimize`` equal to the orig
 with a reason (the standard of ``test_exactness``, applied to the variants)."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -234,3 +235,97 @@ def test_multihead_attention_is_left_alone_with_a_reason(batch_first):
     (site,) = report.sites
     assert not site.rewritten and site.reason_untouched.startswith("nn.MultiheadAttention is left alone")
     assert "nn.MultiheadAttention" in report.format_table()
+
+
+# ------------------------------------------------------------------------------------------- SAAP (opt-in)
+class _Attention(torch.nn.Module):
+    def __init__(self, mask_of):
+        super().__init__()
+        self.mask_of = mask_of
+
+    def forward(self, q, k, v, pos, padding):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_of(k, pos, padding), scale=0.125,
+                                              enable_gqa=True)
+
+
+class _Layers(torch.nn.Module):
+    """``model.layers.1.self_attn``: the module path SAAP reads the layer from."""
+
+    def __init__(self, mask_of):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+        self.model.layers[1].self_attn = _Attention(mask_of)
+
+    def forward(self, *args):
+        return self.model.layers[1].self_attn(*args)
+
+
+def _keys(k):
+    return torch.arange(k.shape[2])[None, None, None, :]
+
+
+SAAP_MASKS = {  # name -> (mask builder, planned as SAAP?)
+    "prefix": (lambda k, pos, pad: _keys(k) <= pos.view(-1, 1, 1, 1), True),
+    "no_mask": (lambda k, pos, pad: None, True),
+    "prefix_and_left_padding": (lambda k, pos, pad: (_keys(k) <= pos.view(-1, 1, 1, 1)) & pad[:, None, None, :],
+                                False),
+    "window": (lambda k, pos, pad: (_keys(k) <= pos.view(-1, 1, 1, 1)) & (_keys(k) > pos.view(-1, 1, 1, 1) - 16),
+               False),
+    "finfo_min_prefix": (lambda k, pos, pad: torch.where(_keys(k) <= pos.view(-1, 1, 1, 1), 0.0,
+                                                         torch.finfo(torch.float32).min), False),
+    "mask_input": (lambda k, pos, pad: pad[:, None, None, :], False),
+}
+
+
+@pytest.fixture
+def saap_index(tmp_path):
+    pytest.importorskip("safetensors")
+    from attnopt.runtime.saap import registry
+    from attnopt.runtime.saap.index import synthetic_index
+
+    registry.reset()
+    path = tmp_path / "idx.safetensors"
+    synthetic_index(6, 2, 64, clusters=8, layers=(1,), num_layers=2).save(path)
+    yield str(path)
+    registry.reset()
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("name", list(SAAP_MASKS))
+def test_saap_is_planned_only_where_its_kernels_read_the_whole_mask(name, q_len, saap_index):
+    """The SAAP kernels read one valid length per batch row (no mask) and make the query rows causal inside the
+    decode block. A left-padded batch's mask (a prefix AND a padding lookup, which ``mask_kind`` calls
+    valid_length), a window, an additive finfo.min prefix (its hidden keys count as visible) or an input mask would
+    have been read as their last visible key alone (every cluster probed, the kernel attended the padding: max error
+    0.3 in the interpreter against dense); q_len 4 without a mask was made causal in the block where the original
+    lets every row see every key (0.2). Those sites now keep a dense-class plan or are left alone with the reason;
+    a provable prefix (or no mask) at q_len 1 is still SAAP."""
+    from attnopt.passes import make_context, run_passes
+    from attnopt.config import OptimizeConfig
+
+    mask_of, planned = SAAP_MASKS[name]
+    planned = planned and q_len == 1
+    b, n = 2, 120
+    q, k, v = torch.randn(b, 6, q_len, D), torch.randn(b, 2, n, D), torch.randn(b, 2, n, D)
+    pos = torch.tensor([n - 1, 90])
+    padding = torch.ones(b, n, dtype=torch.bool)
+    padding[1, :30] = False
+    graphs = []
+
+    def backend(gm, example_inputs):
+        ctx = make_context(OptimizeConfig(saap=saap_index, force_plan="saap"), example_inputs)
+        run_passes(copy.deepcopy(gm), example_inputs, ctx=ctx)  # planned, not run (no clusters are built here)
+        graphs.append(ctx)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_Layers(mask_of), backend=backend, fullgraph=True)(q, k, v, pos, padding)
+    (ctx,) = graphs
+    (report,) = ctx.report.sites
+    assert report.site.module_path == "model.layers.1.self_attn", report.site
+    if planned:
+        assert report.chosen is not None and report.chosen.kind == "saap", report.site.unsupported
+    else:
+        assert report.chosen is None and "force_plan='saap' does not apply" in report.site.unsupported
+        assert "SAAP" in report.site.unsupported, report.site.unsupported
