@@ -28,6 +28,8 @@ CASES = {
     # attnopt explain: the plot's file (matplotlib wrote a folder's name + .png, and said it wrote the folder)
     "explain-plot-folder": (["explain", "--plot", "{tmp}"], "is a directory"),
     "explain-plot-format": (["explain", "--plot", "{tmp}/plot"], "must end in one of .avif"),
+    # a shape the optimizer calls prefill and leaves alone was ranked as if it were decode
+    "explain-prefill": (["explain", "--context", "2", "--q-len", "4"], "is prefill, which attnopt leaves alone"),
     # attnopt calibrate
     "calibrate-profile": (["calibrate", "--profile", "nosuch"], "valid names: a100-80gb"),
     "calibrate-random": (["calibrate", "--random", "-3"], "--random -3"),
