@@ -224,10 +224,11 @@ def _holds_positions(dtype: Any, n: Any) -> bool:
     return dtype == torch.float32
 
 
-def _key_positions(node: Any, depth: int = 16) -> bool:
+def _key_positions(node: Any, depth: int = 16, seen: list | None = None) -> bool:
     """Whether ``node[..., j] == j + offset`` for an offset that is the same for every key ``j``: an
     ``arange`` (step 1) plus such offsets, moved into place by unsqueeze / None-indexing / views / expands /
-    order-keeping casts that all keep the last dim. Such values increase along the last dim."""
+    order-keeping casts that all keep the last dim. Such values increase along the last dim. ``seen`` collects the
+    nodes of the chain (whose in-place writes a caller that reads the values must rule out)."""
     n = _last_dim(node)
     if n is None:
         return False
@@ -235,6 +236,8 @@ def _key_positions(node: Any, depth: int = 16) -> bool:
     for _ in range(depth):
         if not _is_call(cur) or not same_size((_last_dim(cur),), (n,)):
             return False
+        if seen is not None:
+            seen.append(cur)
         if _bare_name(cur) in _POSITION_SOURCES:
             step = cur.kwargs.get("step", cur.args[2] if len(cur.args) > 2 and _bare_name(cur) == "arange" else 1)
             return len(meta_shape(cur)) == 1 and not isinstance(step, fx.Node) and step == 1 \

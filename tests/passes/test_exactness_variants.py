@@ -100,6 +100,26 @@ def test_alibi_spellings(name):
         assert site.site.alibi == as_alibi
 
 
+@pytest.mark.parametrize("edit", ["mul_", "setitem", "slopes_mul_"])
+def test_alibi_positions_or_slopes_edited_before_use(edit):
+    """The positions' ``arange`` written in place before the bias is made (``p.mul_(2)``, ``p[3] = 100``) is no
+    longer ``j``: the bias was read as ALiBi and the op added ``slope * j`` (max error 2.0 and 3.1, a silent wrong
+    answer); now it is applied as the general bias it is. Edited slopes were already refused as ALiBi."""
+    def f(q, k, v):
+        p = torch.arange(k.shape[-2]).float()
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+        if edit == "mul_":
+            p.mul_(2.0)
+        elif edit == "setitem":
+            p[3] = 100.0
+        else:
+            slopes.mul_(4.0)
+        return F.softmax(scores(q, k) + slopes.view(1, H, 1, 1) * p, -1) @ rep(v)
+
+    (site,) = compare(f, *inputs())
+    assert site.rewritten and not site.site.alibi, site.reason_untouched
+
+
 @pytest.mark.parametrize("fill", ["neginf", "finfo_min"])
 def test_alibi_with_a_fully_masked_row(fill):
     """ALiBi plus a mask that hides every key of one batch row: NaN there as the plain softmax gives (-inf), or the
