@@ -110,6 +110,11 @@ def _launches(monkeypatch) -> list[dict]:
         for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
             _saap_launch(q, k, v, clusters, probes)
         _variant_launches(q, k, v, mask)
+        if dtype == torch.float16:  # swap-AB (tile_ops: 16-bit only when compiled), padded and in head chunks
+            for qq, kk, vv, chunks in ((q, k, v, False), (q80, k80, v80, True)):
+                split_kv_decode(qq, kk, vv, torch.empty(qq.shape, dtype=dtype), torch.empty(B, Hq, L),
+                                workspace=split_kv_workspace(4, qq, kk, vv), num_splits=4, block_n=64, num_warps=4,
+                                num_stages=3, head_chunks=chunks, swap_ab=True)
     return list(recorded.values())
 
 
@@ -216,6 +221,12 @@ def test_kernels_compile_for_sm90(monkeypatch):
     jobs += [{**j, "consts": {**j["consts"], **extra}} for j in jobs
              if j["name"] == "_saap_select_kernel" or (j["name"] == "_saap_rows_kernel" and j["consts"].get("SELECT"))
              for extra in ({"GUESS_TOP": True}, {"KEY_BITS": 32})]
+    # the L2 prefetch of the tiles ahead (PTX: the interpreter never takes it), bulk and line by line, plain and
+    # swap-AB
+    jobs += [{**j, "consts": {**j["consts"], "PREFETCH": ahead, "PREFETCH_BULK": bulk}}
+             for j in jobs if j["name"] == "_split_kv_kernel" and j["consts"].get("SWAP_AB")
+             for ahead, bulk in ((3, True), (2, False))]
+    assert any(j["consts"].get("SWAP_AB") and j["consts"].get("D_LO") == 64 for j in jobs)
     # the scoring launch that lets its dependents in once its logits are stored (saap_select.LATE_DEPENDENTS)
     jobs += [{**j, "consts": {**j["consts"], "LATE_DEPENDENTS": True}} for j in jobs
              if j["name"] == "_saap_rows_kernel" and j["consts"].get("SELECT") and j["consts"].get("LAUNCH_DEPENDENTS")

@@ -192,7 +192,7 @@ def test_cli_eval_aims_at_total_selectivity_and_skips_what_the_dense_layer_excee
     ipath, out = tmp_path / "i.safetensors", tmp_path / "q.json"
     index.save(ipath)
     monkeypatch.setattr(saap_cli, "_load_model", lambda name: (model, _CharTokenizer()))
-    rc = main(["saap", "eval", "--model", "tiny", "--index", str(ipath), "--context", "160", "--sequences", "1",
+    rc = main(["saap", "eval", "--model", str(tmp_path), "--index", str(ipath), "--context", "160", "--sequences", "1",
                "--tail", "8", "--targets", "0.2,0.6", "--methods", "centroids,topk", "--passkey-lengths", "128",
                "--passkey-trials", "1", "--out", str(out)])
     assert rc == 0
