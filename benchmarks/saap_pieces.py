@@ -17,7 +17,7 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   at 8 warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``), ``full-shared`` (``-S56``, ``-S48``: at 56,
   48 splits) every attention split over a share of the sink and window and then of the clusters
   (``saap.SHARE_SPLITS``), ``-late`` the attention launch let in only once every scoring program stored its logits
-  (``saap_select.LATE_DEPENDENTS``);
+  (``saap_select.LATE_DEPENDENTS``, the plan's since 8fa8292: ``full`` times it too; ``full-early`` the former way);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
@@ -235,6 +235,7 @@ def main(argv=None) -> int:
     fenced = {"select.RELAXED_STATS": False}
     shared = {"saap.SHARE_SPLITS": True}
     late = {"select.LATE_DEPENDENTS": True}
+    early = {"select.LATE_DEPENDENTS": False}  # as before 8fa8292: the dependents let in at the scoring's start
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -284,6 +285,7 @@ def main(argv=None) -> int:
                                                  **shared)),
         ("full-shared-S48", lambda c, i: flagged(plan_call(replace(plans[i], num_splits=48), c["s"], scale),
                                                  **shared)),
+        ("full-early", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **early)),
         ("full-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **late)),
         ("full-shared-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **shared, **late)),
         ("empty-x1", lambda c, i: empty(1)),

@@ -236,7 +236,9 @@ PREFETCH_KV = True
 #: the others the other (``window_split_count``). The splits that held the window then share the clusters too: at
 #: llama3-8b 128k 5 % (S = 64, W = 16) a split's cluster tiles after the selection drop from 3-4 to 2-3, the part
 #: after the selection that sets the time; each split's window share is then at most one tile, read while the
-#: selection runs. Not with ``window_stream`` (which needs the window splits apart). The default until measured.
+#: selection runs. Not with ``window_stream`` (which needs the window splits apart). Off: on the H100 (llama3-8b
+#: 128k 5 %) 39.04 µs a call against 36.25 with the window spread evenly (4d0692d), 37.46 against 36.62 with it on
+#: the first splits (8fa8292; 56 and 48 splits 37.59, 37.08 at 4d0692d; the attention alone 17.92 against 17.51).
 SHARE_SPLITS = False
 
 
