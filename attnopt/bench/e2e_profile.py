@@ -168,8 +168,28 @@ def tuning_records() -> list[dict[str, Any]]:
                     "compile_procs": record.get("compile_procs"), "compile_procs_s": record.get("compile_procs_s"),
                     "compile_procs_errors": record.get("compile_procs_errors"), "timer": record.get("timer"),
                     "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),
-                    "measured_us": record.get("measured_us")})
+                    "measured_us": record.get("measured_us"),
+                    # every candidate's µs (or why it has none) by name, and in the default mode its device and host
+                    # medians: what a host-aware choice weighed
+                    "timings": {_plan_name(k): v for k, v in (record.get("timings") or {}).items()},
+                    **{part: {_plan_name(k): _median(v) for k, v in (record.get(part) or {}).items()}
+                       for part in ("device_us", "host_us") if record.get(part)}})
     return out
+
+
+def _plan_name(key: str) -> str:
+    from attnopt.plan import plan_from_json
+
+    try:
+        return plan_from_json(key).describe()
+    except (TypeError, ValueError):
+        return key
+
+
+def _median(values: Any) -> Any:
+    import statistics
+
+    return statistics.median(values) if isinstance(values, list) and values else values
 
 
 def _shape_of(key: str) -> Any:

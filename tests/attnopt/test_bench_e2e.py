@@ -358,3 +358,35 @@ def test_the_helper_processes_end_before_the_timed_turn():
     ended = end_helper_processes()
     assert ended["attnopt_workers"] == 1 and worker.proc.poll() is not None and not tuning_procs._idle
     assert ended["inductor_compile_workers"] is True
+
+
+def test_tuning_records_keep_what_a_host_aware_choice_weighed(tmp_path, monkeypatch):
+    """The default mode (no CUDA graphs) weighs each candidate's host time: a dense plan whose op call costs less
+    host time wins over a faster kernel, and the e2e record keeps every candidate's µs and its device and host
+    medians by name (the H100 run at c88617a kept only the winner's)."""
+    from attnopt.bench.e2e_profile import tuning_records
+    from attnopt.config import OptimizeConfig
+    from attnopt.hardware import builtin_profile
+    from attnopt.passes.plan import rank_candidates
+    from attnopt.runtime.strategies import PlanContext
+    from attnopt.site import AttentionSite
+    from attnopt.tuning import Tuner, TuningCache
+
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path))
+
+    class HostBound:
+        def __call__(self, plan, site):
+            return 5.0 if plan.kind == "dense" else 4.0
+
+        def host_us(self, plan, site):
+            return 40.0 if plan.kind == "dense" else 90.0
+    site = AttentionSite.canonical(kv_len=4096)
+    ranked = rank_candidates(site, builtin_profile("h100-sxm"), PlanContext(device_type="cuda", triton_available=True),
+                             OptimizeConfig())[0]
+    env = {"device": "d", "driver": "1", "torch": "t", "triton": "t", "attnopt": "a", "tuning": "13"}
+    Tuner(HostBound(), TuningCache(), env=env).choose(site, ranked, graphed=False)
+    (record,) = tuning_records()
+    assert record["winner"] == "dense" and record["measured_us"] == 40.0
+    assert record["timings"] and all(n.split("(")[0] in ("dense", "split_kv", "stream_k") for n in record["timings"])
+    assert set(record["host_us"]) == set(record["device_us"]) == set(record["timings"])
+    assert min(v for n, v in record["host_us"].items() if n.startswith("split_kv")) == 90.0
