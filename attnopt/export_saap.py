@@ -61,7 +61,9 @@ def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_cau
         return op.Constant(value=ir.tensor(np.ascontiguousarray(t.detach().cpu().float().numpy()),
                                            name=f"saap_l{p.layer}_{label}"))
 
-    tensors = [scoring_centroids(layer.centroids)] if layer.mlp is None else [layer.mlp[n] for n in SAAP_INDEX_INPUTS[name]]
+    # the centroids as the op scores with them (the rule's rounding: saap_rule.scoring_centroids)
+    tensors = ([scoring_centroids(layer.centroids)] if layer.mlp is None
+               else [layer.mlp[n] for n in SAAP_INDEX_INPUTS[name]])
     weights = [constant(t, n) for t, n in zip(tensors, SAAP_INDEX_INPUTS[name])]
     shape = (q.shape[0], k.shape[1], k.shape[2])  # static: check_saap
     # a placeholder: ``add_cluster_inputs`` replaces it with the graph input after the export

@@ -1,7 +1,8 @@
 """SAAP's selection rule, one definition for the Triton selection (``saap_topl``), the PyTorch reference
 (``runtime/saap/decode.py``), the plan's CPU path, the quality harness and the ONNX node: the centroids they score
 with (``scoring_centroids``), then each group's ``probes`` clusters of largest score, ranked on the top
-``SELECT_KEY_BITS`` bits of each score's order-preserving key, ties broken by the lowest cluster index. PyTorch only: here, below ``saap/``, so that the kernels can take the constant.
+``SELECT_KEY_BITS`` bits of each score's order-preserving key, ties broken by the lowest cluster index. PyTorch
+only: here, below ``saap/``, so that the kernels can take the constants.
 """
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ LATE_DEPENDENTS = True
 class SaapScorer(NamedTuple):
     """One layer's scoring weights on the device (contiguous; fp32 but for the centroids).
 
-    centroids : (Hkv, C, D) fp32 or 16-bit float (``saap_rule.scoring_centroids``: read as stored, products in fp32). inv_freq : (D / 2,) RoPE inverse frequencies, or None for an index over rotated keys.
+    centroids : (Hkv, C, D) fp32 or 16-bit float (``saap_rule.scoring_centroids``: read as stored, products in
+    fp32). inv_freq : (D / 2,) RoPE inverse frequencies, or None for an index over rotated keys.
     mlp : None (centroid scoring, logits ``scale * q . c``) or (w1 (Hkv, H, D), b1 (Hkv, H), bn (4, Hkv, H): the
     stacked BatchNorm mean, var, weight and bias, w2 (Hkv, C, H), b2 (Hkv, C)). bn_eps : the BatchNorm epsilon.
     """

@@ -197,14 +197,14 @@ def fresh_registry():
 
 
 @pytest.mark.parametrize("mlp,L,with_lengths,opset,centroid_dtype", [
-    (False, 1, True, 24, None), (False, 1, True, 24, torch.bfloat16), (True, 1, True, 24, None),
-    (True, 2, False, 23, None)], ids=["centroids", "centroids-bf16", "mlp", "mlp-q2-no-valid-len-opset23"])
+    (False, 1, True, 24, torch.float32), (False, 1, True, 24, torch.bfloat16), (True, 1, True, 24, None),
+    (True, 2, False, 23, None)], ids=["centroids-fp32", "centroids-bf16", "mlp", "mlp-q2-no-valid-len-opset23"])
 def test_saap_exports_its_sparse_decode_as_a_function_body(tmp_path, fresh_registry, monkeypatch, mlp, L,
                                                            with_lengths, opset, centroid_dtype):
     """The SAAP node's body picks the same clusters and attends to the same keys as the op's PyTorch path (the
     reference decode); it differs from dense attention, so the selection is really exercised. The index is in
     the file, the clusters of the keys are a graph input, ``saap_cluster_inputs`` makes them from the registry.
-    With a 16-bit ``saap_rule.CENTROID_DTYPE`` the file holds the centroids as the rule rounds them."""
+    The file holds the centroids as the rule rounds them (``saap_rule.CENTROID_DTYPE``, both ways)."""
     import attnopt.runtime.kernels.saap_rule as rule
     from attnopt.export_saap import saap_cluster_inputs
 
@@ -243,7 +243,7 @@ def test_saap_exports_its_sparse_decode_as_a_function_body(tmp_path, fresh_regis
                                                if n.op_type == "Constant" for a in n.attribute if a.name == "value")]
         stored = [onnx.numpy_helper.to_array(t) for t in tensors if tuple(t.dims) == tuple(cents.shape)]
         assert len(stored) == 1 and np.array_equal(stored[0], rule.scoring_centroids(cents).float().numpy())
-        assert np.array_equal(stored[0], cents.numpy()) is (centroid_dtype is None)
+        assert np.array_equal(stored[0], cents.numpy()) is (centroid_dtype == torch.float32)
         close(onnx.reference.ReferenceEvaluator(model).run(None, {k_: np.asarray(v_) for k_, v_ in
                                                                   ((n, t.numpy() if isinstance(t, torch.Tensor) else t)
                                                                    for n, t in feeds.items())})[0], want)
