@@ -363,6 +363,8 @@ def run_cli(args) -> int:
 
     if args.part:
         parse_part(args.part)
+    if args.smoke and (args.cases or args.part):  # the smoke runs its own three cases: the choice was dropped
+        raise ValueError("--smoke runs its three fixed cases on the CPU; drop --cases / --part, or drop --smoke")
     if args.merge:
         if not args.out:
             raise ValueError("--merge needs --out (the joined results file)")

@@ -45,6 +45,7 @@ CASES = {
     "e2e-methods": (["bench", "e2e", "--device", "cpu", "--methods", "bogus"], "unknown method 'bogus'; valid:"),
     "kernels-time-budget": (["bench", "kernels", "--time-budget", "-1"], "argument --time-budget: must be a number >= 0"),
     "multigpu-timeout": (["bench", "multigpu", "--timeout", "nan"], "argument --timeout: must be a number > 0"),
+    "planner-smoke-cases": (["bench", "planner", "--smoke", "--cases", "bogus"], "--smoke runs its three fixed cases"),
     "planner-time-budget": (["bench", "planner", "--time-budget", "inf"], "argument --time-budget"),
     "train-lr": (["saap", "train", "{junk}", "--out", "{tmp}/i.safetensors", "--lr", "-1"], "argument --lr"),
     # attnopt export-onnx: checked before the model loads
