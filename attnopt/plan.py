@@ -159,8 +159,16 @@ class SplitKVPlan(Plan):
     #: Programs per output row of the merge launch (a power of two); 0: as many as take every partial in one step
     #: (``merge_states``' ``dv_split="auto"``).
     merge_dv_split: int = 1
+    #: The tile products as ``K @ Q^T`` and ``V^T @ P^T`` (swap-AB: the keys and head dim in wgmma's M, the query rows
+    #: in N) where the packed query tile has fewer than 64 rows (``runtime/kernels/tile_ops.py``); ignored elsewhere.
+    swap_ab: bool = False
+    #: > 0: each program also prefetches the K/V rows this many tiles ahead into L2 (compiled Hopper kernels over
+    #: contiguous rows; ignored elsewhere).
+    l2_prefetch: int = 0
 
     def __post_init__(self) -> None:
+        if self.l2_prefetch < 0:
+            raise ValueError(f"split_kv: l2_prefetch must be >= 0 (tiles ahead; 0: none); got {self.l2_prefetch}")
         if self.tiles_per_split < 0:
             raise ValueError(f"split_kv: tiles_per_split must be >= 0 (0: a fixed split count); got "
                              f"{self.tiles_per_split}")

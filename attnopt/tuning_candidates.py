@@ -57,7 +57,9 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     configurations (kind, block_n, num_warps, num_stages, head chunks) estimated within ``EXTRA_WITHIN`` of the best (the model
     ranks the grids of one configuration well and configurations against each other poorly).
 
-    Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, then one plan of each
+    Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, the swap-AB one and
+    the prefetching one (``SplitKVPlan.swap_ab`` / ``l2_prefetch``, where the candidates have such: only these two
+    of those twins; the top k and the further families are of the others), then one plan of each
     configuration before a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
     (about a second) where a second grid of it costs only its timing, so the configurations come first.
     ``n_keys``: the KV length they are timed at (a grid that follows the length is counted there)."""
@@ -67,11 +69,14 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     order = {"cudnn": 0, "flash": 1, "efficient": 2, "math": 3}
     dense = sorted(explicit, key=lambda p: order.get(p.backend, 9)) or [p for p in ranked if p.kind == "dense"][:1]
     ranked_kernels = [p for p in ranked if p.kind != "dense"]
-    kernels = ranked_kernels[:top_k]
+    # the swap-AB and prefetching twins, estimated just behind their plain twins, would otherwise fill the top k
+    # and the further families in their place; the best-estimated of each is timed early instead (below)
+    plain = [p for p in ranked_kernels if not (getattr(p, "swap_ab", False) or getattr(p, "l2_prefetch", 0))]
+    kernels = plain[:top_k]
     families = {_family(p) for p in [ranked[0]] + kernels}
     estimates = [p.est_us for p in kernels if math.isfinite(p.est_us)]
     ceiling = EXTRA_WITHIN * min(estimates) if estimates else math.inf
-    for p in ranked_kernels[top_k:]:
+    for p in plain[top_k:]:
         if extra_families <= 0:
             break
         if _family(p) not in families and not p.est_us > ceiling:
@@ -82,13 +87,16 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     # the best-estimated head-chunked plan (D=80/96), timed early: the model ranks each just behind its padded twin
     # and cannot tell which runs faster (H100: from 16 % faster to 8 % slower), so only a measurement picks one
     chunked = next((p for p in ranked_kernels if getattr(p, "head_chunks", False)), None)
-    seen_families = {_family(ranked[0])} | {_family(p) for p in (widest, chunked) if p is not None}
+    # likewise the best-estimated swap-AB plan and the best-estimated prefetching one (the model ranks neither)
+    swapped = next((p for p in ranked_kernels if getattr(p, "swap_ab", False)), None)
+    fetching = next((p for p in ranked_kernels if getattr(p, "l2_prefetch", 0)), None)
+    early = [p for p in (widest, chunked, swapped, fetching) if p is not None]
+    seen_families = {_family(ranked[0])} | {_family(p) for p in early}
     firsts, seconds = [], []
     for p in kernels:
         (seconds if _family(p) in seen_families else firsts).append(p)
         seen_families.add(_family(p))
     out: list[Plan] = [ranked[0]]
-    early = [p for p in (widest, chunked) if p is not None]
     for p in dense + early + firsts + seconds:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
@@ -134,9 +142,11 @@ def most_parallel(kernels: Sequence[Plan], n_keys: int | None = None) -> Plan | 
 
 
 def _family(plan: Plan) -> tuple:
-    """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages, head chunks)."""
+    """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages, head chunks,
+    swap-AB, L2 prefetch)."""
     return (plan.kind, getattr(plan, "block_n", None), getattr(plan, "num_warps", None),
-            getattr(plan, "num_stages", None), getattr(plan, "head_chunks", False))
+            getattr(plan, "num_stages", None), getattr(plan, "head_chunks", False), getattr(plan, "swap_ab", False),
+            getattr(plan, "l2_prefetch", 0))
 
 
 def compile_key(plan: Plan) -> str:

@@ -14,7 +14,8 @@ layers below it, never from one above:
    a. ``reference`` (the pure-PyTorch oracle; ``reference_cascade``, its shared-prefix cascade) and ``kernels/``
       (Triton kernels, one launcher each); then ``saap/`` (the SAAP index: training, the build at prefill, its
       reference decode, the run-time registry);
-   b. the single-device plan kinds: ``strategies.base`` (the contract and registry), ``dense``, ``split_kv``,
+   b. the single-device plan kinds: ``strategies.base`` (the contract and registry), ``dense``, ``split_kv`` (its
+      shared-memory estimate in ``kernel_smem``),
       ``stream_k``;
    c. the distributed algorithms, ``distributed.*`` (groups, checks, watchdog, local, graphs, tree, ring,
       cache): their local attention runs the single-device kinds;
@@ -52,7 +53,8 @@ RUNTIME_LAYERS = (
     ("reference and kernels", (f"{RT}.reference", f"{RT}.reference_cascade", f"{RT}.kernels")),
     ("SAAP index", (f"{RT}.saap",)),
     ("single-device plan kinds", (f"{RT}.strategies.base", f"{RT}.strategies.dense", f"{RT}.strategies.split_kv",
-                                  f"{RT}.strategies.stream_k", f"{RT}.strategies.cascade")),
+                                  f"{RT}.strategies.kernel_smem", f"{RT}.strategies.stream_k",
+                                  f"{RT}.strategies.cascade")),
     ("distributed algorithms", (f"{RT}.distributed.",)),
     ("distributed plan kinds", (f"{RT}.strategies.tree", f"{RT}.strategies.ring")),
     ("strategy registry", (f"{RT}.strategies",)),

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .tile_ops import _per_key, _per_row, _pv_update, _prefetch_tile_l2, _qk_dot
+
 
 @triton.jit
 def _row_coords(mb, L, G, BLOCK_M: tl.constexpr):
@@ -26,12 +28,13 @@ def _row_coords(mb, L, G, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D,
-            UPCAST: tl.constexpr):
-    """The packed query tile (BLOCK_M, BLOCK_D) of KV head ``kvh`` in batch row ``b``."""
+            UPCAST: tl.constexpr, T: tl.constexpr = False):
+    """The packed query tile (BLOCK_M, BLOCK_D) of KV head ``kvh`` in batch row ``b``; T: transposed, (BLOCK_D,
+    BLOCK_M) (swap-AB, ``tile_ops``)."""
     h = kvh * G + g
-    ptrs = (q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64)[:, None] * stride_qh
-            + i.to(tl.int64)[:, None] * stride_ql + offs_d.to(tl.int64)[None, :] * stride_qd)
-    q = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    ptrs = (q_ptr + b.to(tl.int64) * stride_qb + _per_row(h.to(tl.int64), T) * stride_qh
+            + _per_row(i.to(tl.int64), T) * stride_ql + _per_key(offs_d.to(tl.int64), T) * stride_qd)
+    q = tl.load(ptrs, mask=_per_row(row_ok, T) & _per_key(offs_d < D, T), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     return q
@@ -70,7 +73,8 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
                    BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                    kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr,
-                   alibi_ptr, ALIBI: tl.constexpr, D_LO: tl.constexpr, PAST_ZERO: tl.constexpr = False):
+                   alibi_ptr, ALIBI: tl.constexpr, D_LO: tl.constexpr, PAST_ZERO: tl.constexpr = False,
+                   SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PREFETCH_BULK: tl.constexpr = True):
     """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
     masked). Returns (acc, acc_hi, m_i (BLOCK_M,) natural-log max, l_i (BLOCK_M,) sum).
 
@@ -104,7 +108,11 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
 
     HAS_START: keys before ``kv_first`` do not exist (a sliding window's first key; ``lo`` may be a tile below
     it). SOFTCAP: the scores are ``softcap * tanh(qk * sm_scale)`` (see :func:`_scores`). ALIBI: the scores get
-    ``slope[h] * j`` for key position j, slopes (Hq,) at ``alibi_ptr`` (after the cap, before the mask)."""
+    ``slope[h] * j`` for key position j, slopes (Hq,) at ``alibi_ptr`` (after the cap, before the mask).
+
+    SWAP_AB: the products run as ``K @ Q^T`` and ``V^T @ P^T``, ``acc``/``acc_hi`` carried transposed, (dv,
+    BLOCK_M) (``tile_ops``). PREFETCH > 0: the K/V rows that many tiles ahead are prefetched into L2, in one bulk
+    request per tensor (PREFETCH_BULK) or line by line (``tile_ops``; rows contiguous, compiled CUDA only)."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
@@ -120,12 +128,21 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
         end = tl.minimum(hi, kv_len)
         loop_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
         tail = loop_end < end
+    pf_end = tl.minimum(hi, kv_len)
+    if PREFETCH > 0:  # the tiles the pipeline's first copies do not cover yet
+        for t in tl.static_range(1, PREFETCH):
+            _prefetch_tile_l2(k_base, v_base, lo + t * BLOCK_N, pf_end, stride_kn, stride_vn, BLOCK_N,
+                              PREFETCH_BULK)
     for start_n in range(lo, loop_end, BLOCK_N):
+        if PREFETCH > 0:
+            _prefetch_tile_l2(k_base, v_base, start_n + PREFETCH * BLOCK_N, pf_end, stride_kn, stride_vn, BLOCK_N,
+                              PREFETCH_BULK)
         acc, acc_hi, m_i, l_i = _attend_step(
             q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc,
             v_hi_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd,
             stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND,
-            IS_CAUSAL, UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO)
+            IS_CAUSAL, UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO,
+            SWAP_AB=SWAP_AB)
     if tail:
         # the tile that crosses kv_len (its V rows past kv_len zeroed where they come by the copy engine):
         # straight-line code, so it adds no pipeline buffers (a second pipelined loop doubled the shared memory);
@@ -134,7 +151,8 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
             q, q_hi, acc, acc_hi, m_i, l_i, loop_end, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc, v_hi_desc,
             mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd, stride_vn,
             stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL,
-            UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO, False, USE_TMA)
+            UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO, False, USE_TMA,
+            SWAP_AB)
     return acc, acc_hi, m_i, l_i
 
 
@@ -148,7 +166,7 @@ def _attend_step(q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                  kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope,
                  ALIBI: tl.constexpr, D_LO: tl.constexpr, MASK_ROW: tl.constexpr = False,
-                 ZERO_PAST: tl.constexpr = False):
+                 ZERO_PAST: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """One KV tile of :func:`_attend_chunks` (keys from ``start_n`` below ``kv_len``; the arguments of
     :func:`_attend_tile`): returns (acc, acc_hi, m_i, l_i)."""
     if D_LO > 0:
@@ -159,20 +177,19 @@ def _attend_step(q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len,
                         stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA, ZERO_PAST)
         k_hi, v_hi = _kv_tile(k_base, v_base, k_hi_desc, v_hi_desc, b, kvh, start_n, n_ok, n64, offs_hi, offs_hi,
                               stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA, ZERO_PAST)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        qk = qk + tl.dot(q_hi, tl.trans(k_hi), input_precision=PRECISION)
+        qk = _qk_dot(q, k, q_hi, k_hi, True, PRECISION, SWAP_AB)
         s, visible = _visible_scores(qk, start_n, kv_len, mask_ptr, b, h64, i, i64, row_ok, stride_mb, stride_mh,
                                      stride_ml, stride_mn, sm_scale, BLOCK_N, MASK_KIND, IS_CAUSAL, kv_first,
-                                     softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW)
-        p, alpha, m_i, l_i = _online_weights(m_i, l_i, s, visible)
-        acc = _weigh_values(acc, alpha, p, v, UPCAST, PRECISION)
-        acc_hi = _weigh_values(acc_hi, alpha, p, v_hi, UPCAST, PRECISION)
+                                     softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW, SWAP_AB)
+        p, alpha, m_i, l_i = _online_weights(m_i, l_i, s, visible, SWAP_AB)
+        acc = _pv_update(acc, alpha, p, v, UPCAST, PRECISION, SWAP_AB)
+        acc_hi = _pv_update(acc_hi, alpha, p, v_hi, UPCAST, PRECISION, SWAP_AB)
     else:
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, mask_ptr, b, kvh, h64, i, i64,
             row_ok, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml,
             stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA,
-            kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW, ZERO_PAST)
+            kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW, ZERO_PAST, SWAP_AB)
     return acc, acc_hi, m_i, l_i
 
 
@@ -184,7 +201,8 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
                  BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                  kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope,
-                 ALIBI: tl.constexpr, MASK_ROW: tl.constexpr = False, ZERO_PAST: tl.constexpr = False):
+                 ALIBI: tl.constexpr, MASK_ROW: tl.constexpr = False, ZERO_PAST: tl.constexpr = False,
+                 SWAP_AB: tl.constexpr = False):
     """One KV tile [start_n, start_n + BLOCK_N) of :func:`_attend` (``k_base``/``v_base``: this (batch row, KV
     head)'s K/V pointers; ``h64``, ``i64``: the query rows' heads and positions as int64; ``slope``: ALiBi's slope
     of each query row (BLOCK_M,) fp32). MASK_ROW: the mask is one row per batch row (broadcast over heads and
@@ -192,10 +210,11 @@ def _attend_tile(q, acc, m_i, l_i, start_n, kv_len,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _kv_tile(k_base, v_base, k_desc, v_desc, b, kvh, start_n, offs_n < kv_len, offs_n.to(tl.int64), offs_d,
                     offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, D, DV, UPCAST, USE_TMA, ZERO_PAST)
-    s, visible = _visible_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), start_n, kv_len, mask_ptr, b,
+    s, visible = _visible_scores(_qk_dot(q, k, q, k, False, PRECISION, SWAP_AB), start_n, kv_len, mask_ptr, b,
                                  h64, i, i64, row_ok, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, BLOCK_N,
-                                 MASK_KIND, IS_CAUSAL, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW)
-    return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION)
+                                 MASK_KIND, IS_CAUSAL, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, MASK_ROW,
+                                 SWAP_AB)
+    return _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST, PRECISION, SWAP_AB)
 
 
 @triton.jit
@@ -227,33 +246,35 @@ def _kv_tile(k_base, v_base, k_desc, v_desc, b, kvh, start_n, n_ok, n64, offs_d,
 def _visible_scores(qk, start_n, kv_len, mask_ptr, b, h64, i, i64, row_ok, stride_mb, stride_mh, stride_ml,
                     stride_mn, sm_scale, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, slope, ALIBI: tl.constexpr,
-                    MASK_ROW: tl.constexpr):
+                    MASK_ROW: tl.constexpr, T: tl.constexpr = False):
     """The natural-log scores (BLOCK_M, BLOCK_N) of the KV tile at ``start_n`` from its dot products ``qk``, and
-    which of them are visible (see :func:`_attend_tile` for the arguments)."""
+    which of them are visible (see :func:`_attend_tile` for the arguments); T: ``qk`` and both results transposed,
+    (BLOCK_N, BLOCK_M) (swap-AB)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     n64 = offs_n.to(tl.int64)
     s = _scores(qk, sm_scale, softcap, SOFTCAP)
     if ALIBI:  # a per-head slope times the key position, rounded as the original's fp32 ``slopes * arange``
-        s = s + slope[:, None] * offs_n.to(tl.float32)[None, :]
+        s = s + _per_row(slope, T) * _per_key(offs_n.to(tl.float32), T)
     if HAS_START:
         n_ok = n_ok & (offs_n >= kv_first)
-    visible = n_ok[None, :] & row_ok[:, None]
+    visible = _per_key(n_ok, T) & _per_row(row_ok, T)
     if IS_CAUSAL:
-        visible = visible & (offs_n[None, :] <= i[:, None])  # top-left: query i sees keys j <= i
+        visible = visible & (_per_key(offs_n, T) <= _per_row(i, T))  # top-left: query i sees keys j <= i
     if MASK_KIND == 1 and MASK_ROW:
         mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + n64 * stride_mn, mask=n_ok, other=0)
-        visible = visible & (mv != 0)[None, :]
+        visible = visible & _per_key(mv != 0, T)
     elif MASK_KIND == 1:
-        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
-                     + n64[None, :] * stride_mn, mask=visible, other=0)
+        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + _per_row(h64, T) * stride_mh
+                     + _per_row(i64, T) * stride_ml + _per_key(n64, T) * stride_mn, mask=visible, other=0)
         visible = visible & (mv != 0)
     if MASK_KIND == 2 and MASK_ROW:
-        s = s + tl.load(mask_ptr + b.to(tl.int64) * stride_mb + n64 * stride_mn, mask=n_ok, other=0.0).to(
-            tl.float32)[None, :]
+        s = s + _per_key(tl.load(mask_ptr + b.to(tl.int64) * stride_mb + n64 * stride_mn, mask=n_ok,
+                                 other=0.0).to(tl.float32), T)
     elif MASK_KIND == 2:
-        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + h64[:, None] * stride_mh + i64[:, None] * stride_ml
-                     + n64[None, :] * stride_mn, mask=visible, other=0.0).to(tl.float32)
+        mv = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + _per_row(h64, T) * stride_mh
+                     + _per_row(i64, T) * stride_ml + _per_key(n64, T) * stride_mn, mask=visible,
+                     other=0.0).to(tl.float32)
         # natural units, rounded as the original's ``scores + mask`` (see the module docstring); finfo.min absorbs
         # the scores (a row it hides whole ties every key: the mean of V, as the original)
         s = s + mv
@@ -284,31 +305,31 @@ def _split_share(split, n, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _softmax_update(acc, m_i, l_i, s, visible, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    SWAP_AB: tl.constexpr = False):
     """One online-softmax step: fold the tile's natural-log scores ``s`` (BLOCK_M, BLOCK_N), hidden where ``visible``
     is False, and its values ``v`` (BLOCK_N, BLOCK_DV) into (acc, m_i, l_i). Returns the new (acc, m_i, l_i).
-    Differences from the max are taken in natural units, then scaled by log2(e) for ``exp2``."""
-    p, alpha, m_new, l_i = _online_weights(m_i, l_i, s, visible)
-    return _weigh_values(acc, alpha, p, v, UPCAST, PRECISION), m_new, l_i
+    Differences from the max are taken in natural units, then scaled by log2(e) for ``exp2``. SWAP_AB: acc is
+    (BLOCK_DV, BLOCK_M) (``tile_ops._pv_update``)."""
+    p, alpha, m_new, l_i = _online_weights(m_i, l_i, s, visible, SWAP_AB)
+    return _pv_update(acc, alpha, p, v, UPCAST, PRECISION, SWAP_AB), m_new, l_i
 
 
 @triton.jit
-def _online_weights(m_i, l_i, s, visible):
+def _online_weights(m_i, l_i, s, visible, T: tl.constexpr = False):
     """The weights of one online-softmax step: (p (BLOCK_M, BLOCK_N) fp32 weights of the tile's keys, alpha
-    (BLOCK_M,) the factor on the state so far, the new row max, the new row sum) (see :func:`_softmax_update`)."""
+    (BLOCK_M,) the factor on the state so far, the new row max, the new row sum) (see :func:`_softmax_update`); T:
+    ``s``, ``visible`` and ``p`` transposed, (BLOCK_N, BLOCK_M)."""
     s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if T:
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty rows so far: no NaN from -inf - -inf
     alpha = tl.exp2((m_i - m_use) * 1.4426950408889634)
-    p = tl.exp2((s - m_use[:, None]) * 1.4426950408889634)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
-def _weigh_values(acc, alpha, p, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc * alpha + p @ v``: the accumulator (BLOCK_M, len(v's columns)) after one step."""
-    if UPCAST:
-        pv = tl.dot(p, v, input_precision=PRECISION)
+    p = tl.exp2((s - _per_row(m_use, T)) * 1.4426950408889634)
+    if T:
+        l_new = l_i * alpha + tl.sum(p, axis=0)
     else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc * alpha[:, None] + pv
+        l_new = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_new

@@ -206,6 +206,16 @@ def tail_in_loop(use_tma: bool, valid_len: torch.Tensor | None, is_causal: bool)
     return use_tma and valid_len is None and not is_causal and os.environ.get("ATTNOPT_TAIL_IN_LOOP", "1") != "0"
 
 
+def prefetch_applies(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a kernel launched on ``k``/``v`` may prefetch whole tiles into L2 (``tile_ops``' PREFETCH): compiled
+    for a Hopper-or-newer GPU (the instructions are PTX; the interpreter runs none), each (batch row, KV head)'s rows
+    one contiguous run of 16-byte-aligned rows of at most 512 bytes (the line-by-line form covers 4 lines a row)."""
+    if k.device.type != "cuda" or interpreting() or device_major(k.device.index) < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and (t.shape[-1] * t.element_size()) % 16 == 0
+               and t.shape[-1] * t.element_size() <= 512 and t.data_ptr() % 16 == 0 for t in (k, v))
+
+
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     """(UPCAST, input precision) for ``tl.dot``: the interpreter computes bf16 on raw bits, so upcast there;
     fp32 inputs use IEEE products so that results match the fp64 reference tightly."""

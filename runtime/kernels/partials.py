@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .tile_ops import _per_key, _per_row
+
 
 @triton.jit
 def _merged_rows(mb, L, G, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -118,11 +120,12 @@ def _finish(acc, m_i, l_i):
 
 
 @triton.jit
-def _finish_parts(acc, m_i, l_i):
+def _finish_parts(acc, m_i, l_i, T: tl.constexpr = False):
     """A partial state for a later merge: (o (BLOCK_M, BLOCK_DV) fp32, m, log l (BLOCK_M,) natural log); empty
-    rows -> (0, -inf, -inf). See :func:`_merge_step` for why ``m`` and ``log l`` are kept apart."""
+    rows -> (0, -inf, -inf). See :func:`_merge_step` for why ``m`` and ``log l`` are kept apart. T: ``acc`` and
+    ``o`` transposed, (BLOCK_DV, BLOCK_M) (swap-AB)."""
     empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o = acc / _per_row(tl.where(empty, 1.0, l_i), T)
     m = tl.where(empty, float("-inf"), m_i)
     log_l = tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, l_i)))
     return o, m, log_l
@@ -131,14 +134,15 @@ def _finish_parts(acc, m_i, l_i):
 @triton.jit
 def _store_rows(o, lse, o_ptr, lse_ptr, b, kvh, g, i, row_ok, offs_dv,
                 stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV,
-                WRITE_LSE: tl.constexpr):
-    """Store a finished tile into a (B, Hq, L, Dv) output (any strides, any float dtype) and (B, Hq, L) lse."""
+                WRITE_LSE: tl.constexpr, T: tl.constexpr = False):
+    """Store a finished tile into a (B, Hq, L, Dv) output (any strides, any float dtype) and (B, Hq, L) lse; T: ``o``
+    transposed, (BLOCK_DV, BLOCK_M) (swap-AB)."""
     h64 = (kvh * G + g).to(tl.int64)
     i64 = i.to(tl.int64)
     b64 = b.to(tl.int64)
-    ptrs = (o_ptr + b64 * stride_ob + h64[:, None] * stride_oh + i64[:, None] * stride_ol
-            + offs_dv.to(tl.int64)[None, :] * stride_od)
-    tl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    ptrs = (o_ptr + b64 * stride_ob + _per_row(h64, T) * stride_oh + _per_row(i64, T) * stride_ol
+            + _per_key(offs_dv.to(tl.int64), T) * stride_od)
+    tl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=_per_row(row_ok, T) & _per_key(offs_dv < DV, T))
     if WRITE_LSE:
         tl.store(lse_ptr + b64 * stride_lb + h64 * stride_lh + i64 * stride_ll, lse, mask=row_ok)
 

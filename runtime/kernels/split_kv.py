@@ -20,7 +20,8 @@ except ImportError:  # pragma: no cover - then pdl_supported() is False and the 
 
 from .attend import _attend_chunks, _load_q, _row_coords, _split_share
 from .common import arrival_counters, decode_geometry, decode_inputs, dot_flags, head_dim_split, pdl_supported, \
-    softmax_scale, tail_in_loop
+    prefetch_applies, softmax_scale, tail_in_loop
+from .tile_ops import WGMMA_ROWS
 from .launch import KernelLauncher
 from .mask_tiles import _attend_visible, chunk_tiles, scan_rows
 from .merge import merge_states
@@ -95,6 +96,9 @@ def _split_kv_kernel(
     PAST_ZERO: tl.constexpr = False,  # USE_TMA and the keys are the tensors' own N (no valid length, no causal cut):
     # the copy engine zero-fills past them, so the tile crossing N runs in the pipelined loop (attend._attend_chunks)
     WAIT_PRIOR: tl.constexpr = False,  # launched as a programmatic dependent (``chain``): wait for the prior grid first
+    SWAP_AB: tl.constexpr = False,  # the products as K @ Q^T and V^T @ P^T, the accumulators transposed (tile_ops)
+    PREFETCH: tl.constexpr = 0,  # > 0: K/V rows this many tiles ahead are prefetched into L2 (tile_ops; CUDA only)
+    PREFETCH_BULK: tl.constexpr = True,  # PREFETCH: one bulk request per tensor and tile, else one per 128-byte line
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -139,15 +143,23 @@ def _split_kv_kernel(
         offs_o = offs_d
         offs_hi = D_LO + tl.arange(0, D_HI)
         q_hi = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_hi, stride_qb, stride_qh, stride_ql, stride_qd, G, D,
-                       UPCAST)
-        acc = tl.zeros([BLOCK_M, D_LO], dtype=tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
+                       UPCAST, SWAP_AB)
+        if SWAP_AB:  # q, the scores and the accumulators transposed to the store (tile_ops)
+            acc = tl.zeros([D_LO, BLOCK_M], dtype=tl.float32)
+            acc_hi = tl.zeros([D_HI, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, D_LO], dtype=tl.float32)
+            acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
     else:  # one chunk padded to a power of two; the hi state is a stand-in, never read
         offs_d = tl.arange(0, BLOCK_D)
         offs_o = offs_dv
         offs_hi = offs_d
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_DV, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    q = _load_q(q_ptr, b, kvh, g, i, row_ok, offs_d, stride_qb, stride_qh, stride_ql, stride_qd, G, D, UPCAST,
+                SWAP_AB)
     if D_LO == 0:
         q_hi = q
         acc_hi = acc
@@ -164,19 +176,20 @@ def _split_kv_kernel(
             mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_o, offs_hi, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, G, D,
             DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA, first, softcap, HAS_START, SOFTCAP,
-            alibi_ptr, ALIBI, D_LO, PAST_ZERO)
+            alibi_ptr, ALIBI, D_LO, PAST_ZERO, SWAP_AB, PREFETCH, PREFETCH_BULK)
     if D_LO > 0:
-        o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i)
+        o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i, SWAP_AB)
         _store_rows(o_hi, m_i, o_ptr + split.to(tl.int64) * stride_os, lse_ptr, b, kvh, g, i, row_ok, offs_hi,
-                    stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, False)
-    o, m_part, log_l = _finish_parts(acc, m_i, l_i)
+                    stride_ob, stride_oh, stride_ol, stride_od, stride_lb, stride_lh, stride_ll, G, DV, False,
+                    SWAP_AB)
+    o, m_part, log_l = _finish_parts(acc, m_i, l_i, SWAP_AB)
     if LSE_PLANES:
         lse = m_part  # partial: m and log l kept apart for the merge (see _merge_step)
     else:
         lse = m_part + log_l
     _store_rows(o, lse, o_ptr + split.to(tl.int64) * stride_os, lse_ptr + split.to(tl.int64) * stride_ls,
                 b, kvh, g, i, row_ok, offs_o, stride_ob, stride_oh, stride_ol, stride_od,
-                stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE)
+                stride_lb, stride_lh, stride_ll, G, DV, WRITE_LSE, SWAP_AB)
     if LSE_PLANES:
         ll_ptrs = (lse_ptr + stride_lpart + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
                    + (kvh * G + g).to(tl.int64) * stride_lh + i.to(tl.int64) * stride_ll)
@@ -204,7 +217,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
                     tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None,
-                    head_chunks=False, chain=False, merge_dv_split=1):
+                    head_chunks=False, chain=False, merge_dv_split=1, swap_ab=False, l2_prefetch=0, prefetch_bulk=True):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -244,6 +257,12 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         of the kernel before. Exact either way.
     merge_dv_split : the merge launch's programs per row (``merge_states``' ``dv_split``: a power of two, or
         "auto").
+    swap_ab : run the tile products as ``K @ Q^T`` and ``V^T @ P^T`` (``tile_ops``) where the query tile has fewer
+        than 64 rows (G * q_len <= 32), no mask decides the tiles (``mask_tiles``) and, on CUDA, q/k/v are 16-bit;
+        ignored elsewhere. Exact either way (a plan's ``swap_ab``, chosen by measurement).
+    l2_prefetch : > 0: each program also prefetches the K/V rows this many tiles ahead into L2 (``tile_ops``;
+        ``prefetch_bulk``: one bulk request per tensor and tile, else one per 128-byte line), where the kernel is
+        compiled for Hopper or newer and the K/V rows are contiguous (``prefetch_applies``); ignored elsewhere.
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
@@ -290,6 +309,10 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None and not planes else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
+    # compiled, wgmma reads a transposed V from shared memory in 16-bit types only (the interpreter takes fp32 too)
+    swap = (bool(swap_ab) and geo.block_m < WGMMA_ROWS and not skip
+            and (q.element_size() == 2 or q.device.type != "cuda"))
+    prefetch = int(l2_prefetch) if l2_prefetch and not skip and prefetch_applies(k, v) else 0
     head_bcast, n_scan = scan_rows(mstr, geo.L) if skip else (False, 0)
     chunk, one_chunk = chunk_tiles(geo.N, num_splits, block_n) if skip else (1, False)
     two_launches = num_splits > 1 and not fused and merge
@@ -306,7 +329,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan, D_LO=split[0],
-        D_HI=split[1], PAST_ZERO=tail_in_loop(use_tma, valid_len, is_causal), WAIT_PRIOR=chain,
+        D_HI=split[1], PAST_ZERO=tail_in_loop(use_tma, valid_len, is_causal), WAIT_PRIOR=chain, SWAP_AB=swap,
+        PREFETCH=prefetch, PREFETCH_BULK=bool(prefetch_bulk),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if chain else {}),
     )
     if two_launches:

@@ -7,7 +7,7 @@ interpreter is asked for with ``ATTNOPT_CPU_KERNELS=interpret`` together with ``
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -85,100 +85,17 @@ MAX_SMALL_PROGRAMS_PER_SM = 32
 #: "auto") against one program per row: B1 14/2 D80 512k S66 120.0-121.3 µs against 122.6-123.9; B2 24/8 D80 N144576
 #: S33 263.0-263.7 against 263.9-264.0; B1 32/8 D128 N98368 S33 138.4-138.7 against 139.2-139.5. ``chain`` did not
 #: win everywhere (with auto: 121.7-122.4, 264.6-265.0, 137.6-137.9): it stays off.
-LAUNCH = {"chain": False, "merge_dv_split": 0}
+#: ``l2_prefetch``: tiles ahead that each program prefetches into L2 (``runtime/kernels/tile_ops.py``); 0 until an H100
+#: run of ``benchmarks/trail_variants.py`` measures it faster.
+LAUNCH = {"chain": False, "merge_dv_split": 0, "l2_prefetch": 0}
 
 #: A split-KV grid that follows the cache's length (``split_counts``) grows to at most this many times the tiles
 #: (or small splits) of the planned length.
 FOLLOW_RANGE = 2
 
-#: Shared memory per block of Hopper (H100, H200), bytes: what a profile's ``smem_per_block_bytes`` of 0 means.
-HOPPER_SMEM_PER_BLOCK = 232448
-#: What ``smem_bytes`` may leave out: a config plans for the device's shared memory per block less this.
-SMEM_MARGIN = 5 * 1024
-#: Shared memory a config may plan for on Hopper (``tests/runtime/test_smem_estimate.py`` checks the estimate
-#: against the kernels compiled on an H100).
-SMEM_BUDGET = HOPPER_SMEM_PER_BLOCK - SMEM_MARGIN
-
-
-def smem_per_block(hw: HardwareProfile | None) -> int:
-    """``hw``'s shared memory per block, bytes (Hopper's without a profile or where the profile says 0)."""
-    return (hw.smem_per_block_bytes if hw is not None else 0) or HOPPER_SMEM_PER_BLOCK
-
-
-def smem_budget(hw: HardwareProfile | None) -> int:
-    """Shared memory one program may plan for on ``hw``."""
-    return smem_per_block(hw) - SMEM_MARGIN
-
-
-def on_hopper(hw: HardwareProfile | None) -> bool:
-    """Whether ``hw`` lays the kernels out as the H100 measurements of ``smem_bytes`` did (Hopper's shared
-    memory; wgmma at 64 rows)."""
-    return smem_per_block(hw) == HOPPER_SMEM_PER_BLOCK
-
-
-def smem_bytes(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False,
-               hopper: bool = True) -> int:
-    """Shared memory of one program (bytes), as Triton lays out the decode kernels on Hopper, plus 1 KB of barriers.
-
-    Head dims are padded to a power of two, or with ``head_chunks`` cut as the kernels cut them
-    (``attnopt.cost.traffic.padded_head_dim``); the query tile has ``rows_per_tile`` rows:
-
-    * 64 rows (wgmma, one warpgroup's M): the query tile and ``num_stages`` K/V buffers;
-    * 16 or 32 rows (mma): the query tile, ``num_stages - 1`` K/V buffers and the fp32 score tile, staged
-      through shared memory between the two products; in fp32 a K-sized tile instead of the scores (the TMA
-      variant at b6fd6fb: D=128, 128-key tiles, 2 stages, 213,000 bytes = 131,072 K/V + 65,536 + 16,384 queries).
-
-    Every split-KV and stream-K config compiled on the H100 at D=64-256, 32 and 64 rows, matched this to the
-    byte (less the barriers) or stayed under it (``tests/runtime/test_smem_estimate.py``, bf50495). Not
-    ``hopper`` (other GPUs, never measured): the larger of the two layouts, whatever the rows. E.g. 5/1
-    heads, D=80, q_len 4, 256-key tiles, 3 stages, head-chunked: 2 x 256 x 192 x 2 (K/V) + 32 x 256 x 4 (scores)
-    + 32 x 96 x 2 (queries) = 235,520 bytes, over the 227 KB limit, where a flat 8 KB for everything but the
-    K/V tiles had planned 200 KB (a crash at the first launch, the CUDA suite at d1dae87)."""
-    dv = site.v_head_dim or site.head_dim
-    if head_chunks:
-        qk_width = padded_head_dim(site.head_dim, dv)
-        width = qk_width + padded_head_dim(dv, site.head_dim)
-    else:
-        qk_width = _pow2(site.head_dim)
-        width = qk_width + _pow2(dv)
-    block_m = rows_per_tile(site)[0]
-    queries = block_m * qk_width * site.dtype_bytes
-    wgmma = max(1, num_stages) * block_n * width * site.dtype_bytes + queries + 1024
-    if site.dtype_bytes == 4:  # fp32 (tf32 products): a K-sized tile, the operand laid out again, and no scores
-        staged = block_n * qk_width * 4
-    else:
-        staged = block_m * block_n * 4
-    mma = max(1, num_stages - 1) * block_n * width * site.dtype_bytes + staged + queries + 1024
-    if not hopper:  # measured on Hopper only: elsewhere the larger of both layouts, at any row count
-        return max(wgmma, mma)
-    return wgmma if block_m >= WGMMA_ROWS else mma
-
-
-#: Query rows from which the kernels' products compile to Hopper's wgmma (one warpgroup's M): its operands stay in
-#: shared memory through the pipeline, one K/V buffer more than below it, and no score tile staged.
-WGMMA_ROWS = 64
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def fit_stages(site: AttentionSite, block_n: int, num_stages: int, head_chunks: bool = False,
-               hw: HardwareProfile | None = None) -> int | None:
-    """The deepest pipeline <= ``num_stages`` whose tiles fit ``hw``'s shared-memory budget (None if none does)."""
-    budget, hopper = smem_budget(hw), on_hopper(hw)
-    while num_stages > 1 and smem_bytes(site, block_n, num_stages, head_chunks, hopper) > budget:
-        num_stages -= 1
-    return num_stages if smem_bytes(site, block_n, num_stages, head_chunks, hopper) <= budget else None
-
-
-def occupancy(site: AttentionSite, block_n: int, num_warps: int, num_stages: int, head_chunks: bool = False,
-              hw: HardwareProfile | None = None) -> int:
-    """Rough resident programs per SM for one config: the tighter of shared memory (``hw``'s per block, about an
-    SM's) and registers (about 128 per thread for wide tiles, 96 otherwise)."""
-    smem = smem_bytes(site, block_n, num_stages, head_chunks, on_hopper(hw))
-    regs = 128 if (num_warps >= 8 or block_n * site.head_dim >= 128 * 128) else 96
-    return max(1, min(smem_per_block(hw) // smem, 65536 // (regs * 32 * num_warps)))
+from .kernel_smem import (HOPPER_SMEM_PER_BLOCK, SMEM_BUDGET, SMEM_MARGIN, WGMMA_ROWS,  # noqa: F401
+                          _pow2, fit_stages, occupancy, on_hopper, rows_per_tile, smem_budget, smem_bytes,
+                          smem_per_block, swaps)
 
 
 def planned_len(site: AttentionSite) -> int:
@@ -187,18 +104,11 @@ def planned_len(site: AttentionSite) -> int:
     return site.keys_read or 4096
 
 
-def rows_per_tile(site: AttentionSite) -> tuple[int, int]:
-    """(BLOCK_M, number of M blocks) of the packed GQA query tile, as the kernels cut it."""
-    rows = site.group_size * (site.q_len or 1)
-    block_m = max(16, min(64, 1 << max(0, math.ceil(math.log2(max(rows, 1))))))
-    return block_m, -(-rows // block_m)
-
-
-def fitting_configs(site: AttentionSite, head_chunks: bool = False,
-                    hw: HardwareProfile | None = None) -> Iterable[tuple[int, int, int]]:
+def fitting_configs(site: AttentionSite, head_chunks: bool = False, hw: HardwareProfile | None = None,
+                    swap_ab: bool = False) -> Iterable[tuple[int, int, int]]:
     """``kernel_configs`` whose tiles fit ``hw``'s shared-memory budget, with their pipeline depth fitted."""
     for block_n, warps, stages in kernel_configs(site.head_dim):
-        stages = fit_stages(site, block_n, stages, head_chunks, hw)
+        stages = fit_stages(site, block_n, stages, head_chunks, hw, swap_ab)
         if stages is not None:
             yield block_n, warps, stages
 
@@ -212,6 +122,18 @@ def fitting_configs(site: AttentionSite, head_chunks: bool = False,
 CHUNK_MIN_BLOCK_N = 64
 #: A head-chunked plan's estimate is its padded twin's times (1 + this): the untuned choice stays padded.
 CHUNK_ESTIMATE_PENALTY = 0.01
+
+
+#: Swap-AB twins among the candidates (``SplitKVPlan.swap_ab``) where the products swap (``swaps``): off until an H100
+#: run of ``benchmarks/trail_variants.py`` measures them faster somewhere.
+SWAP_AB_TWINS = False
+#: A swap-AB plan's estimate is its twin's times (1 + this): the untuned choice stays unswapped.
+SWAP_ESTIMATE_PENALTY = 0.01
+#: > 0: every candidate also comes with a twin that prefetches this many tiles ahead into L2
+#: (``SplitKVPlan.l2_prefetch``), for measurement to choose; 0: none (until an H100 run measures it faster).
+PREFETCH_TWINS = 0
+#: A prefetching plan's estimate is its twin's times (1 + this): the untuned choice prefetches nothing.
+PREFETCH_ESTIMATE_PENALTY = 0.01
 
 
 def chunk_twins(site: AttentionSite) -> bool:
@@ -255,7 +177,7 @@ class SplitKVState:
 
 
 def split_counts(site: AttentionSite, hw: HardwareProfile, block_n: int, warps: int, stages: int,
-                 chunks: bool = False) -> list[tuple[int, int]]:
+                 chunks: bool = False, swap_ab: bool = False) -> list[tuple[int, int]]:
     """(``num_splits``, ``tiles_per_split``) of the split-KV candidates of one kernel config, in the order they are
     planned: grids of one program per SM and of half a wave, a wave and two waves of resident programs (one split
     when the batch and heads alone fill it), then small splits of ``TILES_PER_SMALL_SPLIT`` tiles (at most
@@ -273,7 +195,7 @@ def split_counts(site: AttentionSite, hw: HardwareProfile, block_n: int, warps: 
     keys are its valid ones, which the tuner times as a shorter cache (a grid sized by the length would differ
     there from the run's); their grids stay fixed (``tiles_per_split=0``) and capped by the tiles."""
     base = output_tiles(site)
-    slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks, hw)
+    slots = hw.sm_count * occupancy(site, block_n, warps, stages, chunks, hw, swap_ab)
     adapt = site.window is None and site.mask_kind == "none"
     waves = sorted({max(1, round(t / base)) for t in (hw.sm_count, slots / 2, slots, 2 * slots)}, reverse=True)
     max_splits = max(1, -(-planned_len(site) // block_n))
@@ -357,26 +279,31 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         shared memory), each estimated just behind its padded twin, for measurement to choose."""
         n = planned_len(site)
         seen = set()
-        for chunks in (False, True) if chunk_twins(site) else (False,):
-            for block_n, warps, stages in fitting_configs(site, chunks, hw):
+        forms = [(chunks, swap) for swap in ((False, True) if SWAP_AB_TWINS and swaps(site) else (False,))
+                 for chunks in ((False, True) if chunk_twins(site) else (False,))]
+        for chunks, swap in forms:
+            for block_n, warps, stages in fitting_configs(site, chunks, hw, swap):
                 if chunks and block_n < CHUNK_MIN_BLOCK_N:
                     continue
-                for splits, per_split in split_counts(site, hw, block_n, warps, stages, chunks):
+                for splits, per_split in split_counts(site, hw, block_n, warps, stages, chunks, swap):
                     # fused_merge stays False: the in-launch merge costs more than the second launch (chained by
                     # programmatic dependent launch). H200 (benchmarks/results/kernels-nvidia-h200.json): about 0.6 µs
                     # per split of a tile. H100, timed as twins by the tuner (batch bf50495, 2048 fp32 a merge step):
                     # 2.3-3.3 µs more at 6-22 splits (lhs04 704 keys S22/64: 9.81 against 7.46; static 4k of 32k
                     # S16/128: 55.47 against 52.26), 10-80 µs more at 66-440 splits; a tie only at 9 splits of 185k+.
                     plan = SplitKVPlan(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
-                                       tma=True, head_chunks=chunks, tiles_per_split=per_split, **LAUNCH)
-                    key = (plan.splits_at(n), block_n, warps, stages, chunks)
+                                       tma=True, head_chunks=chunks, tiles_per_split=per_split, swap_ab=swap,
+                                       **LAUNCH)
+                    key = (plan.splits_at(n), block_n, warps, stages, chunks, swap)
                     if key not in seen:  # plans that run alike at the planned length are timed once
                         seen.add(key)
                         yield plan
+                        if PREFETCH_TWINS > 0 and not plan.l2_prefetch:
+                            yield dataclasses.replace(plan, l2_prefetch=PREFETCH_TWINS)
         pick = cost_model_pick("best_split_kv", site, hw)  # the cost model's own pick, when it has one
         if pick is not None:
             c, stages = pick
-            if (c.grid, c.block_n, c.num_warps, stages, False) not in seen:
+            if (c.grid, c.block_n, c.num_warps, stages, False, False) not in seen:
                 yield SplitKVPlan(num_splits=c.grid, block_n=c.block_n, num_warps=c.num_warps, num_stages=stages,
                                   tma=True, **LAUNCH)
 
@@ -384,8 +311,12 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
         splits = plan.splits_at(planned_len(site))
         us = kernel_cost.split_kv_us(site, hw, splits, plan.block_n, plan.num_warps, plan.num_stages)
         # the model does not see what the head chunks change (measured from 16 % faster to 8 % slower): a chunked
-        # plan ranks just behind its padded twin, so that only a measurement chooses one
-        return us * (1 + CHUNK_ESTIMATE_PENALTY) if plan.head_chunks and chunk_twins(site) else us
+        # plan ranks just behind its padded twin, so that only a measurement chooses one; a swap-AB plan likewise
+        if plan.head_chunks and chunk_twins(site):
+            us *= 1 + CHUNK_ESTIMATE_PENALTY
+        if plan.l2_prefetch:
+            us *= 1 + PREFETCH_ESTIMATE_PENALTY
+        return us * (1 + SWAP_ESTIMATE_PENALTY) if plan.swap_ab and swaps(site) else us
 
     def prepare(self, plan: SplitKVPlan, q: Tensor, k: Tensor, v: Tensor) -> Any:
         if plan.num_splits < 1:
@@ -405,4 +336,5 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                         scale=scale, is_causal=is_causal, num_splits=plan.splits_at(k.shape[2]), block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
                         tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes,
-                        head_chunks=plan.head_chunks, chain=plan.chain, merge_dv_split=plan.merge_dv_split or "auto")
+                        head_chunks=plan.head_chunks, chain=plan.chain, merge_dv_split=plan.merge_dv_split or "auto",
+                        swap_ab=plan.swap_ab, l2_prefetch=plan.l2_prefetch)
