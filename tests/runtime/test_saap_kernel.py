@@ -297,6 +297,19 @@ def test_derope_is_accurate_at_half_a_million_positions():
     torch.testing.assert_close(ws.logits.cpu(), want, atol=2e-5, rtol=2e-5)
 
 
+def test_the_plans_scoring_reads_bf16_centroids_and_the_index_keeps_fp32():
+    """The default (``saap_rule.CENTROID_DTYPE``, measured faster on the H100): the scorer a plan prepares holds the
+    centroids in bf16, half the bytes the scoring launch reads; the index itself (and its file) stays fp32."""
+    from attnopt.runtime.kernels.saap_rule import CENTROID_DTYPE
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    index = random_index(2, 4, 64, 8)
+    scorer = kernel_scorer(index, 1)
+    assert CENTROID_DTYPE == torch.bfloat16 and scorer.centroids.dtype == torch.bfloat16
+    assert index.layers[1].centroids.dtype == torch.float32
+    assert torch.equal(scorer.centroids, index.layers[1].centroids.bfloat16())
+
+
 @pytest.mark.parametrize("fused,refine", [(False, 0), (True, 2)])
 def test_16_bit_centroids_are_scored_as_the_rule_rounds_them(monkeypatch, fused, refine):
     """With a 16-bit ``saap_rule.CENTROID_DTYPE`` (fp16 here: the interpreter has no bf16) the scoring reads the
