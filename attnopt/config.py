@@ -174,6 +174,29 @@ FIELD_CHECKS: dict[str, checks.Check] = {
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def check_process_group(process_group: Any) -> None:
+    """``process_group`` is None or a ``torch.distributed.ProcessGroup``: anything else (a backend name, a rank list,
+    attnopt's own ``DistGroup``, a ``ProcessGroupGloo`` backend object) is a ``TypeError`` now, not at the first
+    compile inside dynamo's error."""
+    if process_group is None:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError("process_group= needs torch.distributed, which this torch build lacks; pass "
+                         "process_group=None")
+    if isinstance(process_group, dist.ProcessGroup):
+        return
+    hint = ""
+    if hasattr(process_group, "pg") and isinstance(getattr(process_group, "pg"), dist.ProcessGroup):
+        hint = " (an attnopt DistGroup: pass its .pg)"
+    elif isinstance(process_group, str):
+        hint = " (a backend name: make the group with torch.distributed.init_process_group / new_group)"
+    raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (torch.distributed.group.WORLD, or one "
+                    f"from torch.distributed.new_group) or None, got {type(process_group).__name__} "
+                    f"{process_group!r}{hint}")
+
+
 def check_call(config: OptimizeConfig, process_group: Any = None, mode: Any = None) -> None:
     """What the fields alone cannot say, checked when a backend is made (``attnopt.optimize``, the string
     backend): ``mode`` is one of ``MODES``; ``topology`` needs a process group; ``force_plan`` and ``strategies``
@@ -181,6 +204,7 @@ def check_call(config: OptimizeConfig, process_group: Any = None, mode: Any = No
     profile file parses, and a ``saap`` index file is safetensors (so that a corrupt file is named here, not at the
     first compile inside dynamo's error)."""
     checks.one_of(MODES)("mode", mode)
+    check_process_group(process_group)
     if config.hardware is not None and config.hardware.endswith(".json"):
         from attnopt.hardware import resolve_profile
 

@@ -40,6 +40,14 @@ TUNING_SITE = "attnopt-tuning"
 #: CUDA-graph timing: about this many ms of calls per graph, the median over this many replays.
 TARGET_MS = 2.0
 REPLAYS = 5
+#: A call at least this long (ms, eager, once warm) is timed in a graph of ``LONG_CALLS`` calls or more (one per input
+#: set), replayed ``LONG_REPLAYS`` times, without the further eager calls that size a short call's graph: a replay of
+#: several ms varies by far less than the 1 % the choice decides by, and at 0.1-1 GB of K/V per set the graph of four
+#: calls, its five replays and eight eager calls made a candidate's timing 36 calls of milliseconds each (H100 planner
+#: bench at 8e6ae2d: a growing cache's far buckets took 2-8 s each, the most of its 12-23 s first call).
+LONG_CALL_MS = 1.0
+LONG_CALLS = 2
+LONG_REPLAYS = 3
 #: The timed replays always wait behind a GPU sleep (``bench.common.REPLAY_PREROLL_MS``: each replay's time is the
 #: GPU's, whatever the candidate's host time per call); in a background tuning behind this many ms: the host pauses
 #: up to a GIL switch interval (5 ms) at each replay beside the inner compile's Python.
@@ -69,10 +77,10 @@ class GpuTimer:
         self._shape: Any = None
         self._sets: list[dict[str, Any]] = []
         self._warm = False
-        #: Per runtime key at the current shape: (graph, calls, prepared state) of its timing, replayed again in the
+        #: Per runtime key at the current shape: (graph, calls, prepared state, eager ms a call) of its timing, replayed again in the
         #: tuner's later rounds instead of captured again (a capture is the host's work: a launch per input set,
         #: which beside a background tuning's inner compile competes for the GIL).
-        self._graphs: dict[str, tuple[Any, int, Any]] = {}
+        self._graphs: dict[str, tuple[Any, int, Any, float]] = {}
         #: (valid keys, the sets at that fill) of the current shape (``at_fill``).
         self._fill: tuple[int, list[dict[str, Any]]] | None = None
         #: What the last warm-up's compile workers did (``attnopt.tuning_procs``): procs, procs_s, errors; or empty.
@@ -128,16 +136,18 @@ class GpuTimer:
         return self._fill[1]
 
     def _time(self, calls: list[Callable[[], Any]]) -> float:
-        graph, n = self._capture(calls)
-        return self._replayed(graph, n)
+        return self._replayed(*self._capture(calls))
 
-    def _replayed(self, graph: Any, n: int) -> float:
+    def _replayed(self, graph: Any, n: int, est_ms: float = 0.0) -> float:
+        """µs per call of a captured graph of ``n`` calls, each about ``est_ms`` long when captured (``LONG_CALL_MS``
+        or longer: ``LONG_REPLAYS`` replays)."""
         from .bench.common import REPLAY_PREROLL_MS, replayed_us
         from .tuning_defer import in_background
 
-        return replayed_us(graph, n, self.replays, BACKGROUND_PREROLL_MS if in_background() else REPLAY_PREROLL_MS)
+        replays = min(self.replays, LONG_REPLAYS) if est_ms >= LONG_CALL_MS else self.replays
+        return replayed_us(graph, n, replays, BACKGROUND_PREROLL_MS if in_background() else REPLAY_PREROLL_MS)
 
-    def _capture(self, calls: list[Callable[[], Any]]) -> tuple[Any, int]:
+    def _capture(self, calls: list[Callable[[], Any]]) -> tuple[Any, int, float]:
         import torch
 
         from .bench import common
@@ -151,8 +161,9 @@ class GpuTimer:
                 torch.cuda.synchronize()
         # thread_local: the choice may run beside the inner compile (``tuning_defer``), whose CUDA calls on the main
         # thread a global-mode capture here would refuse (and fail that compile)
-        return common.captured_calls(common.cycle(calls), target_ms=self.target_ms, min_calls=len(calls),
-                                     capture_error_mode="thread_local")
+        return common.captured_calls_estimated(common.cycle(calls), target_ms=self.target_ms, min_calls=len(calls),
+                                               capture_error_mode="thread_local", floor=LONG_CALLS,
+                                               long_ms=LONG_CALL_MS)
 
     def __call__(self, plan: Plan, site: AttentionSite) -> float:
         import torch
@@ -169,8 +180,9 @@ class GpuTimer:
             if kept is None:  # a later round replays the same calls again: same kernels, same sets, no capture
                 state = get_strategy(plan.kind).prepare(plan, sets[0]["q"], sets[0]["k"], sets[0]["v"])
                 torch.cuda.synchronize()
-                kept = self._graphs[key] = (*self._capture([site_call(plan, site, s, state) for s in sets]), state)
-            return self._replayed(kept[0], kept[1])
+                graph, n, est_ms = self._capture([site_call(plan, site, s, state) for s in sets])
+                kept = self._graphs[key] = (graph, n, state, est_ms)
+            return self._replayed(kept[0], kept[1], kept[3])
 
     def at_fill(self, plan: Plan, site: AttentionSite, keys: int) -> float:
         """µs of one ``run()`` of ``plan`` over ``site``'s static cache (``site.kv_len`` slots) holding ``keys`` valid

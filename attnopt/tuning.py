@@ -10,7 +10,9 @@ How a candidate is timed is ``attnopt.timer``'s business (CUDA-graph replay of `
 miss in L2, ``prepare()`` outside; the methodology of ``attnopt bench kernels``). What this module adds for a fair
 comparison: the candidates are timed in ``ROUNDS`` round-robin rounds and each keeps its median, so clock or
 thermal drift during the tuning does not favour whichever ran first or last (after the first round only those
-within ``PRUNE`` of the best go on, to spend the rounds where they can change the winner); a kernel plan at a
+within ``PRUNE`` of the best go on, after the second only those within ``PRUNE_LATE``, to spend the rounds where they
+can change the winner; those within ``DUEL_WITHIN`` at the end are re-timed in alternating order, the duel); a kernel
+plan at a
 masked site is charged its share of the device valid-length computation that the lowered graph does once per step for every
 site reading that mask (``valid_len_sharing`` sites; measured once by ``timer.valid_len_us``).
 
@@ -60,8 +62,8 @@ from .timer import error_text as _error_text
 from .tuning_candidates import (DEFAULT_EXTRA_FAMILIES, DEFAULT_TOP_K, EXTRA_WITHIN, PEER_MARGIN,  # noqa: F401
                                 PEER_SPAN, _family, compile_key, most_parallel, near_peer, prefer_peer,
                                 to_time)  # (re-exported for the tuner's users)
-from .tuning_rounds import (FRESH_LENGTH_SLACK_US, HINT_TIE, PRUNE, STATIC_DENSE_TIE, STATIC_READERS,  # noqa: F401
-                            TIE, TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
+from .tuning_rounds import (DUEL_WITHIN, FRESH_LENGTH_SLACK_US, HINT_TIE, PRUNE, PRUNE_LATE,  # noqa: F401
+                            STATIC_DENSE_TIE, STATIC_READERS, TIE, TIE_MAX, TimingRounds, _median)  # (re-exported: the timing's constants)
 from .tuning_buckets import BUCKETS, bucket_length, bucket_of, bucket_span, hint_length  # noqa: F401  (re-exported)
 from .tuning_cache import (TUNING_VERSION, ShapeKey, TuningCache, _driver_version, cache_path,  # noqa: F401
                            environment_key)  # (re-exported: the cache's names, where the tuner's users import them)
@@ -81,6 +83,11 @@ DEFAULT_BUDGET_S = 4.0  # a cap: a timing takes 0.05-0.3 s; the cold compiles (a
 #: hint's bucket compiles 4-8 of the 9-14 configurations all buckets time (H100 planner parts, dynamic cases), so two
 #: budgets reach the bucket beside it while later buckets still find most of their candidates compiled.
 BUCKETED_BUDGET_FACTOR = 2.0
+#: A symbolic length's buckets within this many of the hint's time the grid siblings and re-time their near ties (the
+#: duel; ``choose``'s ``thorough``): a grid that fits the tiles of the bucket's middle length fits no other length of
+#: a 2x bucket better than its neighbours', and the siblings were a third of a growing cache's timings (9 of 31 a
+#: bucket, CPU count with the datasheet model's candidates at lhs04's shape); the site runs at the hint's bucket now.
+NEAR_HINT_BUCKETS = 1
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
 #: The low fill a static cache's near tie is also judged at (the timer times it full): the planner bench's static
@@ -158,6 +165,8 @@ class Tuner(TimingRounds):
         self._measured: dict[ShapeKey, tuple[str, float, dict[str, Any]]] = {}
         #: ``timer.fresh_length_us`` of a cuDNN plan per site apart from its length: [new µs, known µs] or an error.
         self._fresh: dict[tuple, Any] = {}
+        #: ``choose_bucketed``'s answers by site shape (node and module path aside) and how it runs.
+        self._bucketed: dict[tuple, Choice] = {}
 
     def environment(self) -> dict[str, str]:
         if self.env is None:
@@ -167,7 +176,8 @@ class Tuner(TimingRounds):
     # ------------------------------------------------------------------------------------- one shape
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
                valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None,
-               span: tuple[int, ...] | None = None, compiled: set | None = None, tie: float = TIE) -> Choice:
+               span: tuple[int, ...] | None = None, compiled: set | None = None, tie: float = TIE,
+               thorough: bool = True) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
@@ -179,7 +189,7 @@ class Tuner(TimingRounds):
         ``tie`` of the fastest, or the fastest dense plan within ``PEER_SPAN`` of a kernel winner, they are timed
         there too (``_tie_break``). A kernel plan must beat the fastest dense plan by ``PEER_MARGIN`` to be chosen
         over it. After the first timing, the other grids of the fastest kernel configurations are timed as well
-        (``_time_siblings``), with a budget.
+        (``_time_siblings``), with a budget, and the near ties re-timed (``_duel``), unless ``thorough`` is false.
 
         The budget counts from the end of the warm-up: the warm-up compiles every candidate at once, and a budget that
         it had spent left compiled candidates untimed (H100: SmolLM2's 1k static site kept S=5/256/8/2 at 7.35 µs with
@@ -224,8 +234,10 @@ class Tuner(TimingRounds):
         end = time.perf_counter() + self.budget_s  # after the warm-up and the valid length: timing alone
         measure_start = time.perf_counter()
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
-        if self.budget_s > 0:
+        if self.budget_s > 0 and thorough:
             measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager))
+        if self.budget_s > 0 and thorough and not eager:  # (an eager sample adds the host time: host-bound alike)
+            measure_extra.update(self._duel(by_key, site, samples, charge))
         extra["measure_s"] = round(time.perf_counter() - measure_start, 3)
         extra.update(measure_extra)
         for key, us in per_length.items():
@@ -304,6 +316,14 @@ class Tuner(TimingRounds):
         bucket. Returns the bucket's plan itself when every bucket chose the same."""
         hint = bucket_of(site.kv_len_hint or self.buckets[0], self.buckets)
         h = self.buckets.index(hint)
+        # the layers of a model are one site shape: the first one tunes, the others take its choice after one ranking
+        # (the candidates at the hint's bucket tell whether the same options planned them), not one per bucket
+        ranked_here = rank(dataclasses.replace(site, kv_len=bucket_length(hint, self.buckets), kv_len_hint=None))
+        memo = (dataclasses.replace(site, node="", module_path=""), valid_len_sharing, graphed,
+                tuple(p.runtime_key() for p in ranked_here))
+        known = self._bucketed.get(memo)
+        if known is not None:
+            return Choice(known.plan, "cached", known.measured_us, dict(known.timings))
         deadline = time.perf_counter() + BUCKETED_BUDGET_FACTOR * self.budget_s
         compiled: set[str] = set()
         by_bound: dict[int, Choice] = {}
@@ -319,7 +339,8 @@ class Tuner(TimingRounds):
             if not ranked:
                 raise ValueError(f"no candidate plan at KV length {at.kv_len} for {site.shape_str()}")
             by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
-                                          graphed=graphed, deadline=deadline, span=span, compiled=compiled, tie=tie)
+                                          graphed=graphed, deadline=deadline, span=span, compiled=compiled, tie=tie,
+                                          thorough=abs(i - h) <= NEAR_HINT_BUCKETS)
         choices = [by_bound[b] for b in self.buckets]
         here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}
@@ -328,9 +349,13 @@ class Tuner(TimingRounds):
         keys = [c.plan.runtime_key() for c in choices]
         tune_s = sum(c.tune_s for c in choices)
         if len(set(keys)) == 1:
-            return Choice(here.plan, how, here.measured_us, timings, tune_s)
-        plan = BucketedPlan(bounds=self.buckets, plans=tuple(keys)).with_estimate(here.plan.est_us)
-        return Choice(plan, how, here.measured_us, timings, tune_s)
+            chosen = Choice(here.plan, how, here.measured_us, timings, tune_s)
+        else:
+            plan = BucketedPlan(bounds=self.buckets, plans=tuple(keys)).with_estimate(here.plan.est_us)
+            chosen = Choice(plan, how, here.measured_us, timings, tune_s)
+        if how != "model":
+            self._bucketed[memo] = chosen
+        return chosen
 
     def _known_at_middle(self, middle: AttentionSite, here: AttentionSite, rank: Callable[[AttentionSite], list[Plan]],
                          valid_len_sharing: int, graphed: bool) -> bool:

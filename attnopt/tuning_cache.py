@@ -42,7 +42,9 @@ from .site import AttentionSite
 #: graph of fewer calls).
 #: 11: the hint's bucket of a symbolic length is timed at the hint, the other grids of the fastest configurations
 #: are timed too, and without a valid length the TMA kernels run the tile crossing N in their pipelined loop.
-TUNING_VERSION = 11
+#: 12: candidates within 2 % after the rounds are re-timed in alternating order (the duel), the third round times only
+#: those within 5 % after two, and a call of a millisecond or more is timed in a graph of fewer calls, fewer replays.
+TUNING_VERSION = 12
 
 log = logging.getLogger("attnopt.tuning")
 

@@ -16,6 +16,19 @@ from .tuning_candidates import PEER_MARGIN, grid_siblings, near_peer, prefer_pee
 
 #: After the first round, only candidates within this fraction of the best are timed again.
 PRUNE = 0.15
+#: After the second, only those within this fraction of the best's median of two: a candidate this far behind on both
+#: samples does not win a choice decided by 1 % (and at 12-18 candidates a bucket, most within ``PRUNE`` of the best
+#: at round one, the third round was a third of a growing cache's timings).
+PRUNE_LATE = 0.05
+#: The candidates within this fraction of the fastest once the rounds are done (at most ``TIE_MAX``, and the fastest
+#: dense plan where it is that close) are timed ``DUEL_ROUNDS`` more times each, alternating their order (ABBA), and
+#: each keeps the median of all its samples: the winner of a 1 % choice was often decided by one sample of three
+#: (H100, 8e6ae2d: the planner's pick and cuDNN 0.5-1.5 % apart in 6 of 20 cases, round-to-round noise about 1 %).
+#: A timed graph is replayed again, not captured: each sample costs only its replays.
+DUEL_WITHIN = 0.02
+DUEL_ROUNDS = 4
+#: Seconds after which no further duel round starts.
+DUEL_S = 0.5
 #: A bucket's runner-up within this fraction of its fastest is timed with it at the bucket's ends (``span``); a
 #: static cache's, at ``STATIC_LOW_FILL``.
 TIE = 0.03
@@ -203,6 +216,26 @@ class TimingRounds:
         weight = {k: 1.0 if by_key[k].kind == "dense" else 1.0 + PEER_MARGIN for k in pair}
         return min(pair, key=lambda k: (worst[k] * weight[k], measured[k])), at_ends
 
+    def _duel(self, by_key: dict[str, Plan], site: AttentionSite, samples: dict[str, list[float]],
+              charge: dict[str, float]) -> dict[str, Any]:
+        """Time the candidates within ``DUEL_WITHIN`` of the fastest (``duel_keys``) ``DUEL_ROUNDS`` more times each,
+        in alternating order, adding to ``samples`` (a candidate that fails now keeps what it had). Returns the
+        extras to record (``duel``: the keys, ``duel_rounds``)."""
+        keys = duel_keys({k: _median(v) + charge.get(k, 0.0) for k, v in samples.items() if v}, by_key)
+        if len(keys) < 2:
+            return {}
+        end, done = time.perf_counter() + DUEL_S, 0
+        for r in range(DUEL_ROUNDS):
+            if r > 0 and time.perf_counter() > end:
+                break
+            for key in (keys if r % 2 else keys[::-1]):
+                try:
+                    samples[key].append(float(self.timer(by_key[key], site)))
+                except Exception:  # noqa: BLE001 - its earlier samples stand
+                    pass
+            done = r + 1
+        return {"duel": keys, "duel_rounds": done}
+
     def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
                  charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
@@ -224,7 +257,8 @@ class TimingRounds:
                 break
             if r > 0 and samples:
                 so_far = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
-                close = {k for k, t in so_far.items() if t <= (1 + PRUNE) * min(so_far.values())}
+                prune = PRUNE if r == 1 else PRUNE_LATE
+                close = {k for k, t in so_far.items() if t <= (1 + prune) * min(so_far.values())}
                 if len(close) < 2:
                     break
             for i, p in enumerate(plans):
@@ -252,6 +286,21 @@ class TimingRounds:
             extra.update(device_us={k: v for k, v in device_us.items() if k in samples},
                          host_us={k: v for k, v in host_us.items() if k in samples})
         return samples, failed, extra
+
+
+def duel_keys(measured: dict[str, float], by_key: dict[str, Plan]) -> list[str]:
+    """The runtime keys a duel re-times (``TimingRounds._duel``): those within ``DUEL_WITHIN`` of the fastest of
+    ``measured`` (µs with their charge), fastest first, at most ``TIE_MAX``, and the fastest dense plan where it is
+    within ``DUEL_WITHIN`` but not among them; one key or none when nothing is that close."""
+    if not measured:
+        return []
+    fastest = min(measured.values())
+    near = [k for k in sorted(measured, key=measured.get) if measured[k] <= (1 + DUEL_WITHIN) * fastest]
+    keys = near[:TIE_MAX]
+    dense = next((k for k in near if by_key[k].kind == "dense"), None)
+    if dense is not None and dense not in keys:
+        keys.append(dense)
+    return keys
 
 
 def _fresh_key(plan: Plan, site: AttentionSite) -> tuple:

@@ -14,7 +14,10 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   rule: 16; the k32 rows time another pick than the reference's, so no ``same_list``), ``full-guess`` the selection's
   first round from one count (``saap_select.GUESS_TOP``), ``full-fenced-stats`` the selectivity atomics acq_rel as
   before (each behind a fence; ``saap_select.RELAXED_STATS``), ``full-sw8w`` the fused scoring-and-selection launch
-  at 8 warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``);
+  at 8 warps with the wide chunks (``saap_select.FUSED_WIDE_MIN_WARPS``), ``full-shared`` (``-S56``, ``-S48``: at 56,
+  48 splits) every attention split over a share of the sink and window and then of the clusters
+  (``saap.SHARE_SPLITS``), ``-late`` the attention launch let in only once every scoring program stored its logits
+  (``saap_select.LATE_DEPENDENTS``, the plan's since 8fa8292: ``full`` times it too; ``full-early`` the former way);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
@@ -29,7 +32,7 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
 * ``attn``: the attention launch alone over a work list the selection left (``-S<n>`` at n splits, ``-nw<n>`` at n
   warps, ``-clusters`` / ``-window`` only the splits of the chosen clusters / of the sink and window,
   ``-late-list`` with the list's first loads after the window phase, as before they went out with the query's,
-  ``-fused-merge`` with the merge in it, ``-prefetch<n>`` with each cluster split asking L2 for n lines of perm
+  ``-fused-merge`` with the merge in it, ``-shared`` every split over a share of both parts (``saap.SHARE_SPLITS``), ``-prefetch<n>`` with each cluster split asking L2 for n lines of perm
   per list entry first (``saap.PREFETCH_LINES``), ``-clusters-nolookup`` the cluster splits at hashed positions without the list and perm reads
   (an ablation: what the lookups cost), ``-kv`` with the next tile's K/V rows prefetched into L2 once their
   positions are known (``saap.PREFETCH_KV``);
@@ -230,6 +233,9 @@ def main(argv=None) -> int:
     wide8 = {"select.FUSED_WIDE_MIN_WARPS": 8}
     guess = {"select.GUESS_TOP": True}
     fenced = {"select.RELAXED_STATS": False}
+    shared = {"saap.SHARE_SPLITS": True}
+    late = {"select.LATE_DEPENDENTS": True}
+    early = {"select.LATE_DEPENDENTS": False}  # as before 8fa8292: the dependents let in at the scoring's start
 
     dummy = torch.zeros(1, device=device)
     geo0 = decode_geometry(sets[0]["q"], sets[0]["k"], sets[0]["v"])
@@ -274,6 +280,14 @@ def main(argv=None) -> int:
         ("full-sw8w", lambda c, i: flagged(plan_call(replace(plans[i], select_warps=8), c["s"], scale), **wide8)),
         ("full-sw8w-k32", lambda c, i: flagged(plan_call(replace(plans[i], select_warps=8), c["s"], scale), **wide8,
                                                 **k32)),
+        ("full-shared", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **shared)),
+        ("full-shared-S56", lambda c, i: flagged(plan_call(replace(plans[i], num_splits=56), c["s"], scale),
+                                                 **shared)),
+        ("full-shared-S48", lambda c, i: flagged(plan_call(replace(plans[i], num_splits=48), c["s"], scale),
+                                                 **shared)),
+        ("full-early", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **early)),
+        ("full-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **late)),
+        ("full-shared-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **shared, **late)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
@@ -323,6 +337,7 @@ def main(argv=None) -> int:
         ("attn-clusters-prefetch4-kv", lambda c, i: attention(c, part="clusters", PREFETCH_LINES=4,
                                                                KV_LINES=kv_lines)),
         ("attn-S48-prefetch4-kv", lambda c, i: attention(c, splits=48, PREFETCH_LINES=4, KV_LINES=kv_lines)),
+        ("attn-shared", lambda c, i: attention(c, SHARE_ALL=True)),
         ("attn-clusters", lambda c, i: attention(c, part="clusters")),
         ("attn-window", lambda c, i: attention(c, part="window")),
         ("attn-S32", lambda c, i: attention(c, splits=32)),

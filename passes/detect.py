@@ -98,11 +98,11 @@ def sliding_window_of(m: AttentionMatch, path: str, config, batch: Any = None) -
         return None
     window = dict(config.sliding_windows).get(path) if path else None
     if window is None and isinstance(m.attn_mask, fx.Node):
-        form = mask_form(m.attn_mask, m.mask_invert)
+        if not m.mask_invert:  # the band counts the keys from both bounds (``key < q`` keeps one fewer than ``<=``)
+            window = band_window(m.attn_mask, batch)
+        form = mask_form(m.attn_mask, m.mask_invert) if window is None else None
         if form is not None and form.upper and form.window is not None:
             window = form.window
-        elif not m.mask_invert:  # spellings _window_of does not read (kv >= qp + (1 - w), qp - kv < w)
-            window = band_window(m.attn_mask, batch)
     return window
 
 

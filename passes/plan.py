@@ -224,9 +224,41 @@ def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         key = ranking_key(site, ctx.plan_context)
         if not site.unsupported and key not in ranked:
             ranked[key] = rank_candidates(site, ctx.hardware, ctx.plan_context, ctx.config)
+        here = ranked.get(key)
+        if here is not None and any(c.kind == "saap" for c in here[0]):
+            why = saap_site_reason(match, gm.graph)
+            if why is not None:  # this site's mask, not its shape: the shared ranking stays as it is
+                here = ([c for c in here[0] if c.kind != "saap"], list(here[1]) + [Rejection("saap", why)])
         ctx.report.sites.append(plan_site(site, ctx.hardware, ctx.plan_context, ctx.config, tuner, shared,
-                                          ranked=ranked.get(key)))
+                                          ranked=here))
     return gm
+
+
+def saap_site_reason(m, graph: fx.Graph) -> str | None:
+    """Why the SAAP plan would not compute this site's attention over the keys it selects (None: it does). Its
+    kernels read one valid length per batch row and no mask, and place query row ``i`` of ``L`` at key position
+    ``valid_len - L + i`` (causal inside the decode block). So: one query row (with several, a site without a mask
+    lets every row see every key, and a mask's query positions cannot be proven consecutive), and a mask that is
+    provably one prefix of the keys per batch row (a padding lookup, a window or an additive finfo.min mask would be
+    read as its last visible key alone)."""
+    from .mutation import MutationIndex
+    from .patterns import meta_shape
+    from .patterns.band import prefix_reason
+
+    site = m.site
+    if site.q_len != 1:
+        return (f"q_len {site.q_len}: the SAAP kernels make the query rows causal inside the decode block, which "
+                "the original " + ("does not" if m.attn_mask is None else "cannot be proven to do") +
+                " (SAAP runs one query row per step)")
+    if m.score_bias is not None:
+        return "a score bias: the SAAP kernels read no mask or bias"
+    if m.attn_mask is None:
+        return None
+    if m.mask_invert or not isinstance(m.attn_mask, fx.Node):
+        return "an inverted or constant mask: the SAAP kernels read one valid length per batch row, not the mask"
+    batch = site.batch if site.batch is not None else (meta_shape(m.q) or (None,))[0]
+    why = prefix_reason(m.attn_mask, batch, MutationIndex(graph))
+    return None if why is None else f"the SAAP kernels read one valid length per batch row, not the mask: {why}"
 
 
 def ranking_key(site, plan_ctx):
@@ -261,4 +293,4 @@ def valid_len_sharing(matches) -> list[int]:
 _default = object()
 
 __all__ = ["plan", "plan_site", "rank_candidates", "ranking_key", "valid_len_sharing", "deferral_reason",
-           "without_valid_len"]
+           "without_valid_len", "saap_site_reason"]

@@ -87,26 +87,49 @@ def captured_calls(fn: Callable[[], Any], *, target_ms: float = 5.0, min_calls: 
     ``min_calls``: pass the number of rotating input sets so that one replay reads each of them) captured in one
     CUDA graph. ``capture_error_mode``: ``torch.cuda.graph``'s; ``"thread_local"`` lets other threads make CUDA calls
     during the capture (the tuner's background timing, beside the inner compile)."""
+    graph, n, _ = captured_calls_estimated(fn, target_ms=target_ms, min_calls=min_calls,
+                                           capture_error_mode=capture_error_mode)
+    return graph, n
+
+
+def captured_calls_estimated(fn: Callable[[], Any], *, target_ms: float = 5.0, min_calls: int = 4,
+                             capture_error_mode: str = "global", floor: int = 4,
+                             long_ms: float | None = None) -> tuple[Any, int, float]:
+    """``captured_calls``, and the eager estimate of one call's ms it sized the graph by. ``floor``: the fewest calls
+    a graph holds. ``long_ms``: a call at least this long, timed once after one warm call, is not warmed or timed
+    further (the tuner's calls are compiled and warm already; at 0.1-1 GB of K/V a call runs for milliseconds and the
+    eight eager calls before the capture cost more than the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
+
+    def timed(calls: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(5):
+        for _ in range(calls):
             fn()
         end.record()
         torch.cuda.synchronize()
-    est_ms = max(start.elapsed_time(end) / 5, 1e-3)
-    n = int(max(4, min_calls, min(400, target_ms / est_ms)))
+        return max(start.elapsed_time(end) / calls, 1e-3)
+
+    with torch.cuda.stream(stream):
+        est_ms = None
+        if long_ms is not None:
+            fn()
+            torch.cuda.synchronize()
+            est_ms = timed(1)
+            est_ms = est_ms if est_ms >= long_ms else None
+        if est_ms is None:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            est_ms = timed(5)
+    n = int(max(floor, min_calls, min(400, target_ms / est_ms)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode=capture_error_mode):
         for _ in range(n):
             fn()
     torch.cuda.synchronize()
-    return graph, n
+    return graph, n, est_ms
 
 
 def replayed_us(graph, calls: int, replays: int, preroll_ms: float = 0.0) -> float:

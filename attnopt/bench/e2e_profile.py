@@ -158,9 +158,10 @@ def tuning_records() -> list[dict[str, Any]]:
     from attnopt.tuning_cache import TuningCache
 
     out = []
-    for record in TuningCache().load().values():
+    for shape, record in TuningCache().load().items():
         winner = record.get("winner") or {}
-        out.append({"tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
+        out.append({"shape": _shape_of(shape), "timings_taken": sum(len(v) for v in (record.get("samples") or {}).values()),
+                    "tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
                     "measure_s": record.get("measure_s"), "rounds": record.get("rounds"),
                     "tie_break_s": record.get("tie_break_s"), "tie_warm_up_s": record.get("tie_warm_up_s"),
                     "tune_cpu_s": record.get("tune_cpu_s"), "warm_up_calls_cpu_s": record.get("warm_up_calls_cpu_s"),
@@ -169,6 +170,16 @@ def tuning_records() -> list[dict[str, Any]]:
                     "timed": len(record.get("timings") or {}), "winner": winner.get("kind"),
                     "measured_us": record.get("measured_us")})
     return out
+
+
+def _shape_of(key: str) -> Any:
+    """The shape part of a tuning cache key (its environment is the same for every record of one run)."""
+    import json
+
+    try:
+        return json.loads(key).get("shape")
+    except (ValueError, AttributeError):
+        return key
 
 
 def attention_in_step(profile: dict[str, Any], sites: int, standalone: dict[str, Any] | None) -> dict[str, Any]:

@@ -139,7 +139,8 @@ def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
     """The measurements a case added to the tuning cache (``after`` less ``before``, two ``TuningCache.load()``), in
     short: the timed KV length, whether it stands for a bucket, the winner and each candidate's µs (or why it has
     none) by ``describe()``, the near-tied candidates' µs at other lengths (a bucket's ends, a static cache's low
-    fill), the rounds, the seconds it took and of those the warm-up's (the compiles), whether it was a bucket past
+    fill), the rounds, each candidate's samples, the seconds it took and of those the warm-up's (the compiles), the
+    timing's and the tie-break's, whether it was a bucket past
     the compile deadline (``late``: only what was compiled timed), and a growing cache's cuDNN call at a new length
     against a known one (``fresh_length_us``: [new µs, known µs]). Sorted by length."""
     import json
@@ -162,7 +163,11 @@ def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
                     "winner": plan_from_dict(record["winner"]).describe() if "winner" in record else None,
                     "measured_us": record.get("measured_us"), "rounds": record.get("rounds"),
                     "tune_s": record.get("tune_s"), "warm_up_s": record.get("warm_up_s"),
-                    "late": bool(record.get("late")),
+                    "late": bool(record.get("late")), "measure_s": record.get("measure_s"),
+                    "tie_break_s": record.get("tie_break_s"),
+                    # each candidate's samples in the order taken (round by round, then any re-timing): what the
+                    # choice's noise and pruning are judged by
+                    "samples": {name(k): [round(float(x), 3) for x in v] for k, v in (record.get("samples") or {}).items()},
                     "fresh_length_us": {name(k): v for k, v in (record.get("fresh_length_us") or {}).items()},
                     "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)},
                     "near_tie_us": {n: {name(k): v for k, v in by.items()}

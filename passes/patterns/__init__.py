@@ -74,6 +74,7 @@ from .masks import (MaskForm, additive_is_zero_or_neginf, additive_values, class
 from .sdpa import match_sdpa, match_sdpa_fused  # noqa: F401
 from .eager import is_empty_row_guard, match_eager, matmul_behind  # noqa: F401
 from .prefix import find_shared_prefix  # noqa: F401
+from .opaque import match_opaque  # noqa: F401
 
 
 # ============================================================================================ module path
@@ -169,7 +170,7 @@ def find_matches(gm: fx.GraphModule) -> list[AttentionMatch]:
     for node in gm.graph.nodes:
         if node.op != "call_function" and node.op != "call_method":
             continue
-        m = match_sdpa(node) or match_sdpa_fused(node)
+        m = match_sdpa(node) or match_sdpa_fused(node) or match_opaque(node)
         if m is None and kind(node) == "softmax":
             m = match_eager(node, writes)
         if m is not None:

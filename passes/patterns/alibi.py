@@ -8,10 +8,10 @@ so has its batch dim (where it has one). Then ``S * P = S * j + S * offset``, an
 every key of a row, so the softmax is that of ``S * j`` (the op's ``alibi_slopes``): MPT-style and Bloom-style
 (``slopes[:, None, None] * arange(n)``) biases built in the graph.
 
-Anything else (a bias read from memory, rounded to fp16/bf16 on the way (the original's rounding of ``S * j``
-could not be reproduced), positions that are not an ``arange`` of the keys, or one in a dtype that rounds them,
-such as bf16 past 256 keys) is not ALiBi here; the eager pattern
-then applies it exactly as a general additive mask.
+Anything else (a chain any node of which is written in place, such as the positions' ``arange`` edited before use;
+a bias read from memory, rounded to fp16/bf16 on the way (the original's rounding of ``S * j`` could not be
+reproduced); positions that are not an ``arange`` of the keys, or one in a dtype that rounds them, such as bf16 past
+256 keys) is not ALiBi here; the eager pattern then applies it exactly as a general additive mask.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..mutation import MutationIndex
 from .layout import _getitem_index, _is_one
 from .masks import _key_positions
 from .nodes import _binary, _is_call, _is_noop, _self, arg, kind, meta_dtype, meta_shape
@@ -45,7 +46,7 @@ def _slices_query_or_keys(node: fx.Node) -> bool:
     idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     if any(i is None or i is Ellipsis or not isinstance(i, slice) for i in idx) or len(idx) > nd:
         return False
-    full = (slice(None),) * (nd - len(idx)) + tuple(idx)
+    full = tuple(idx) + (slice(None),) * (nd - len(idx))  # an index names the leading dims: x[:, 1:] cuts the heads
     return all(i == slice(None) for i in full[:-2]) and all(i.step in (None, 1) for i in full[-2:])
 
 
@@ -65,12 +66,13 @@ def _keeps_values(node: fx.Node) -> bool:
     return a is not None and b is not None and all(x == y or _is_one(x) for x, y in zip(a, b))
 
 
-def _peel(node: Any, depth: int = 12) -> Any:
-    """``node`` through the ops of :func:`_keeps_values`."""
+def _peel(node: Any, seen: list, depth: int = 12) -> Any:
+    """``node`` through the ops of :func:`_keeps_values` (each one appended to ``seen``)."""
     cur = node
     for _ in range(depth):
         if not (_is_call(cur) and _keeps_values(cur)):
             break
+        seen.append(cur)
         cur = _self(cur)
     return cur
 
@@ -87,20 +89,25 @@ def _per_head(node: Any) -> bool:
     return _is_one(full[0]) and _is_one(full[2]) and _is_one(full[3])
 
 
-def alibi_slopes_of(bias: Any) -> fx.Node | None:
+def alibi_slopes_of(bias: Any, writes: MutationIndex | None = None) -> fx.Node | None:
     """The slopes node ``S`` (broadcastable to (1, H, 1, 1)) when the additive score bias ``bias`` provably is
-    ``S * key_position`` plus a per-row constant (see the module docstring), else None."""
+    ``S * key_position`` plus a per-row constant (see the module docstring), else None. With ``writes``, a chain
+    any node of which is written in place (the positions' ``arange`` edited before use) is no ALiBi either."""
     if not isinstance(bias, fx.Node) or meta_dtype(bias) not in _WIDE:
         return None
     s = meta_shape(bias)
     if s is None or not 1 <= len(s) <= 4:
         return None
-    cur = _peel(bias)
+    seen: list = []
+    cur = _peel(bias, seen)
     if kind(cur) != "mul" or meta_dtype(cur) not in _WIDE:
         return None
     a, b = _binary(cur)
     for slopes, positions in ((a, b), (b, a)):
-        if _per_head(slopes) and _key_positions(positions):
+        walked = seen + [cur, slopes]
+        if _per_head(slopes) and _key_positions(positions, seen=walked):
+            if writes is not None and any(writes.written(node) for node in walked):
+                return None
             return slopes
     return None
 

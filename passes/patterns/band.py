@@ -180,36 +180,37 @@ def _padded(s: tuple) -> tuple:
     return (1,) * (4 - len(s)) + tuple(s)
 
 
-def band_of(mask: Any, batch: Any, writes: MutationIndex) -> tuple[Band | None, str]:
-    """The ``Band`` of a boolean attention mask (True = attend) over ``N`` keys, or (None, why not)."""
+def _and_of_bounds(mask: Any, writes: MutationIndex) -> tuple[dict, list, list] | str:
+    """({"upper": [Bound], "lower": [Bound]}, rest, every node walked) of a boolean mask (or ``where(mask, 0, -inf)``)
+    that is an AND of key bounds and other factors, none written in place; else the reason it is not."""
     if not isinstance(mask, fx.Node):
-        return None, "the mask is not a tensor"
+        return "the mask is not a tensor"
     shape = meta_shape(mask)
     seen: list[fx.Node] = [mask]
     if meta_dtype(mask) != torch.bool:  # aten's SDPA decompositions: where(bool, 0, -inf) hides the same keys
         if kind(mask) != "where" or len(mask.args) != 3 or _const_value(mask.args[1]) != 0.0 \
                 or _const_value(mask.args[2]) != -math.inf or meta_dtype(mask.args[0]) != torch.bool \
                 or not same_size(meta_shape(mask.args[0]), shape):
-            return None, "the mask is neither boolean nor where(boolean, 0, -inf)"
+            return "the mask is neither boolean nor where(boolean, 0, -inf)"
         mask = mask.args[0]
     if shape is None or not 1 <= len(shape) <= 4:
-        return None, "the mask's shape is unknown or not 1-D to 4-D"
+        return "the mask's shape is unknown or not 1-D to 4-D"
     n = shape[-1]
     cur = mask
     while _is_call(cur) and (kind(cur) == "expand" or _is_noop(cur)):  # right-aligned broadcasts keep the dims
         cur = _self(cur)
         seen.append(cur)
     if not isinstance(cur, fx.Node) or meta_shape(cur) is None or len(meta_shape(cur)) > 4:
-        return None, "the mask is not an AND of comparisons"
+        return "the mask is not an AND of comparisons"
     todo, bounds, rest = [cur], {"upper": [], "lower": []}, []
     while todo:
         t = todo.pop()
         if not isinstance(t, fx.Node):
             if t is True:
                 continue
-            return None, f"an AND factor {t!r} is not a tensor"
+            return f"an AND factor {t!r} is not a tensor"
         if meta_dtype(t) != torch.bool:
-            return None, f"factor {t.name} is not boolean"
+            return f"factor {t.name} is not boolean"
         if _is_call(t) and kind(t) == "cast" and meta_dtype(_self(t)) == torch.bool and same_size(
                 meta_shape(t), meta_shape(_self(t))):  # ``.to(device)`` of a bool
             seen.append(t)
@@ -230,22 +231,55 @@ def band_of(mask: Any, batch: Any, writes: MutationIndex) -> tuple[Band | None, 
             seen.append(t)
             continue
         if _compares_positions(t):
-            return None, f"factor {t.name} compares positions in a form the band match does not know"
+            return f"factor {t.name} compares positions in a form the band match does not know"
         rest.append(t)
+    for node in seen + rest:
+        if writes.written(node):
+            return f"{node.name} is written in place: the band read off the graph may not hold"
+    return bounds, rest, seen
+
+
+def _one_per_batch_row(b: Bound, batch: Any) -> tuple[str, bool]:
+    """("" or why the position is not per batch row, whether it is the same for every head and query row)."""
+    s = _padded(meta_shape(b.value))
+    if not (s[0] == 1 or same_size((s[0],), (batch,))):
+        return f"position {b.value.name} of shape {tuple(meta_shape(b.value))} is not per batch row", False
+    return "", all(isinstance(x, int) and x == 1 for x in s[1:])
+
+
+def band_of(mask: Any, batch: Any, writes: MutationIndex) -> tuple[Band | None, str]:
+    """The ``Band`` of a boolean attention mask (True = attend) over ``N`` keys, or (None, why not)."""
+    walked = _and_of_bounds(mask, writes)
+    if isinstance(walked, str):
+        return None, walked
+    bounds, rest, seen = walked
     if len(bounds["upper"]) != 1 or len(bounds["lower"]) != 1:
         return None, (f"{len(bounds['upper'])} upper and {len(bounds['lower'])} lower key bounds (the band needs one "
                       "of each)")
-    for node in seen + rest:
-        if writes.written(node):
-            return None, f"{node.name} is written in place: the band read off the graph may not hold"
     upper, lower = bounds["upper"][0], bounds["lower"][0]
     per_row = True
     for b in (upper, lower):
-        s = _padded(meta_shape(b.value))
-        if not (s[0] == 1 or same_size((s[0],), (batch,))):
-            return None, f"position {b.value.name} of shape {tuple(meta_shape(b.value))} is not per batch row"
-        per_row = per_row and all(isinstance(x, int) and x == 1 for x in s[1:])
+        why, same = _one_per_batch_row(b, batch)
+        if why:
+            return None, why
+        per_row = per_row and same
     return Band(upper, lower, tuple(rest), per_row, tuple(seen)), ""
+
+
+def prefix_reason(mask: Any, batch: Any, writes: MutationIndex) -> str | None:
+    """None when the boolean ``mask`` provably keeps exactly the keys ``j < end[b]`` of batch row ``b`` (one upper
+    bound on the key position, one value per batch row, and nothing else: no lower bound, no padding lookup), the
+    same for every head and query row: then the last visible key + 1 (``valid_len_from_mask``) says the whole mask.
+    Else why not."""
+    walked = _and_of_bounds(mask, writes)
+    if isinstance(walked, str):
+        return walked
+    bounds, rest, _ = walked
+    if len(bounds["upper"]) != 1 or bounds["lower"] or rest:
+        return (f"{len(bounds['upper'])} upper and {len(bounds['lower'])} lower key bounds and {len(rest)} other "
+                "factors (a padding lookup, an input, ...): not one prefix of the keys")
+    why, same = _one_per_batch_row(bounds["upper"][0], batch)
+    return why or (None if same else "the key bound differs between the heads or query rows of a batch row")
 
 
 def band_window(mask: fx.Node, batch: Any) -> int | None:
@@ -257,4 +291,4 @@ def band_window(mask: fx.Node, batch: Any) -> int | None:
     return w if w > 0 else None
 
 
-__all__ = ["Band", "Bound", "band_of", "band_window"]
+__all__ = ["Band", "Bound", "band_of", "band_window", "prefix_reason"]

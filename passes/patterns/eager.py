@@ -264,8 +264,7 @@ def match_eager(sm: fx.Node, writes: MutationIndex | None = None) -> AttentionMa
                 reasons.append(f"a float64 mask or bias added to {_dtype_name(meta_dtype(scores))} scores: the original "
                                "sums in float64, where the op reads the mask as float32 (float64's finfo.min, which "
                                "keeps a hidden row's keys tied, would become -inf)")
-            elif (slopes := alibi_slopes_of(other)) is not None and m_alibi is None and softcap is None \
-                    and not (writes is not None and (writes.written(slopes) or writes.written(other))):
+            elif (slopes := alibi_slopes_of(other, writes)) is not None and m_alibi is None and softcap is None:
                 m_alibi = slopes  # a per-head slope times the key position: the op adds it itself
             elif meta_dtype(cur) in (torch.float16, torch.bfloat16) and not additive_is_zero_or_neginf(other, writes):
                 reasons.append(f"an additive mask or bias summed with the scores in {_dtype_name(meta_dtype(cur))}: "

@@ -224,10 +224,11 @@ def _holds_positions(dtype: Any, n: Any) -> bool:
     return dtype == torch.float32
 
 
-def _key_positions(node: Any, depth: int = 16) -> bool:
+def _key_positions(node: Any, depth: int = 16, seen: list | None = None) -> bool:
     """Whether ``node[..., j] == j + offset`` for an offset that is the same for every key ``j``: an
     ``arange`` (step 1) plus such offsets, moved into place by unsqueeze / None-indexing / views / expands /
-    order-keeping casts that all keep the last dim. Such values increase along the last dim."""
+    order-keeping casts that all keep the last dim. Such values increase along the last dim. ``seen`` collects the
+    nodes of the chain (whose in-place writes a caller that reads the values must rule out)."""
     n = _last_dim(node)
     if n is None:
         return False
@@ -235,6 +236,8 @@ def _key_positions(node: Any, depth: int = 16) -> bool:
     for _ in range(depth):
         if not _is_call(cur) or not same_size((_last_dim(cur),), (n,)):
             return False
+        if seen is not None:
+            seen.append(cur)
         if _bare_name(cur) in _POSITION_SOURCES:
             step = cur.kwargs.get("step", cur.args[2] if len(cur.args) > 2 and _bare_name(cur) == "arange" else 1)
             return len(meta_shape(cur)) == 1 and not isinstance(step, fx.Node) and step == 1 \
@@ -271,18 +274,16 @@ def _window_of(bound: Any, strict: bool) -> int | None:
                                                 or _getitem_index(cur) is not None):
             break
         cur = _self(cur)
-    if not _is_call(cur):
-        return None
-    name = _bare_name(cur)
-    a, b = _binary(cur)
-    c = _number(b) if isinstance(a, fx.Node) else None
-    if name == "sub" and c is not None:
-        w = c
-    elif kind(cur) == "add" and c is not None:
-        w = -c
-    else:
-        return None
-    if w != int(w) or w <= 0:
+    w, steps = 0.0, 0
+    while _is_call(cur) and steps < 8:  # every constant of a chain: ``q - w - 1`` keeps w + 1 keys, not 1
+        name = _bare_name(cur)
+        a, b = _binary(cur)
+        c = _number(b) if isinstance(a, fx.Node) else None
+        if c is None or arg(cur, 2, "alpha", 1) != 1 or not (name == "sub" or kind(cur) == "add"):
+            break
+        w += c if name == "sub" else -c
+        cur, steps = a, steps + 1
+    if not steps or w != int(w) or w <= 0:
         return None
     return int(w) if strict else int(w) + 1
 

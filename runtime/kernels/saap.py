@@ -97,6 +97,7 @@ def _saap_kernel(
     NO_LOOKUP: tl.constexpr = False,  # the piece microbenchmark's ablation (saap_tiles._cluster_tile); never a plan's
     KV_LINES: tl.constexpr = 0,  # > 0: a cluster split prefetches the next tile's K/V rows, KV_LINES lines a row
     KV_LINE_ELEMS: tl.constexpr = 64,  # elements of K/V in a 128-byte line
+    SHARE_ALL: tl.constexpr = False,  # every split takes a share of both parts (WINDOW_SPLITS unread): SHARE_SPLITS
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -135,16 +136,29 @@ def _saap_kernel(
         # unchained, the work list is complete at launch: a cluster split's key count and the list's first prefixes
         # load with the query, not after phase 1's bounds, which wait for the lengths (H100, 0d2d7ed, llama3-8b
         # 128k 5 %: 19.56 µs a launch against 19.82)
-        clusters_split = split >= WINDOW_SPLITS
+        if SHARE_ALL:
+            clusters_split = split >= 0
+        else:
+            clusters_split = split >= WINDOW_SPLITS
         total = tl.load(total_ptr + bh, mask=clusters_split, other=0)
         prefixes = tl.load(incl_base + offs_c, mask=clusters_split & (offs_c < FIRST_CHUNK), other=0)
 
     # phase 1, without the selection (so, chained, it runs while the scoring and the selection do): this split's
     # share of the always-attended keys, the sink [0, sink) then the window [indexed_end, kv_len)
     n_always = sink + kv_len - indexed_end
-    lo, hi = _split_share(split, n_always, tl.maximum(WINDOW_SPLITS, 1), BLOCK_N)
-    if split >= tl.maximum(WINDOW_SPLITS, 1):
-        hi = lo
+    if SHARE_ALL:  # every split: a share of the always-attended keys now, of the clusters' keys after the wait
+        # ceil(tiles / S) tiles a split from split 0 on (at most one tile at 128k and 512k): the splits scheduled
+        # last (the grid's last split, each head's) get none, so that those that start only when the selection
+        # frees its SMs go straight to their cluster share
+        per = tl.cdiv(tl.cdiv(n_always, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = tl.minimum(split * per, n_always)
+        hi = tl.minimum(lo + per, n_always)
+        first_cluster_split = 0
+    else:
+        lo, hi = _split_share(split, n_always, tl.maximum(WINDOW_SPLITS, 1), BLOCK_N)
+        if split >= tl.maximum(WINDOW_SPLITS, 1):
+            hi = lo
+        first_cluster_split = WINDOW_SPLITS
     for start_t in range(lo, hi, BLOCK_N):
         t = start_t + offs_n
         t_ok = t < hi
@@ -153,7 +167,7 @@ def _saap_kernel(
                                      stride_kn, stride_kd, stride_vn, stride_vd, sm_scale, D, DV, UPCAST, PRECISION)
 
     # phase 2: this split's share of the chosen clusters' keys, after the selection
-    if split >= WINDOW_SPLITS:
+    if split >= first_cluster_split:
         if WAIT_PRIOR:
             gdc_wait()  # the selection's work list is complete and visible from here on
             # the list's first prefixes load with the key count, before the share that needs it: one round trip
@@ -162,7 +176,7 @@ def _saap_kernel(
             prefixes = tl.load(incl_base + offs_c)
         shift_base = shift_ptr + bh.to(tl.int64) * BLOCK_C
         p_base = perm_ptr + b64 * stride_pb + kvh64 * stride_ph
-        lo, hi = _split_share(split - WINDOW_SPLITS, total, NUM_SPLITS - WINDOW_SPLITS, BLOCK_N)
+        lo, hi = _split_share(split - first_cluster_split, total, NUM_SPLITS - first_cluster_split, BLOCK_N)
         # the list entry of the cluster holding key lo: the count of prefixes at or below it
         first = tl.sum((prefixes <= lo).to(tl.int32), axis=0)
         for c0 in tl.static_range(FIRST_CHUNK, BLOCK_C, FIRST_CHUNK):  # a longer list: the rest, a chunk at a time
@@ -217,6 +231,15 @@ PREFETCH_LINES = 4
 #: 40.02 at 128k (the attention launch 17.55 against 18.75), with the other two settings here 37.92 (4.75x cuDNN's
 #: 180.1) and 69.53 at 512k against 70.43 (9.98x cuDNN's 693.7).
 PREFETCH_KV = True
+#: Every split of the attention launch takes a share of both parts, the always-attended keys (before the wait for the
+#: selection, chained: while it runs) and then the chosen clusters' keys, rather than the first W splits the one and
+#: the others the other (``window_split_count``). The splits that held the window then share the clusters too: at
+#: llama3-8b 128k 5 % (S = 64, W = 16) a split's cluster tiles after the selection drop from 3-4 to 2-3, the part
+#: after the selection that sets the time; each split's window share is then at most one tile, read while the
+#: selection runs. Not with ``window_stream`` (which needs the window splits apart). Off: on the H100 (llama3-8b
+#: 128k 5 %) 39.04 µs a call against 36.25 with the window spread evenly (4d0692d), 37.46 against 36.62 with it on
+#: the first splits (8fa8292; 56 and 48 splits 37.59, 37.08 at 4d0692d; the attention alone 17.92 against 17.51).
+SHARE_SPLITS = False
 
 
 def kv_prefetch_lines(head_dim: int, element_size: int) -> int:
@@ -270,7 +293,7 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
                        scorer: SaapScorer | None = None, scores=None, valid_len=None, stats=None, num_splits=8,
                        block_n=64, num_warps=4, num_stages=2, workspace: SaapWorkspace | None = None, pdl=None,
                        window_splits=None, fused_select=False, fused_merge=False, window_stream=False,
-                       window_after_scoring=False, select_warps=None):
+                       window_after_scoring=False, select_warps=None, share_splits=None):
     """Launch SAAP decode into ``out`` (and ``lse``): scoring and selection, the attention, the merge.
 
     Parameters
@@ -300,6 +323,9 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
         ``saap_select``.
     window_after_scoring : with ``window_stream``, fork after the scoring launch rather than before it, so that the
         window's reads overlap only the selection (latency-bound on one SM a head), not the scoring's own reads.
+    share_splits : every split takes a share of the sink and window and then of the clusters (``window_splits`` is
+        then not used); None: the module's ``SHARE_SPLITS``, except with ``window_stream``; True with
+        ``window_stream`` is refused.
     """
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -316,13 +342,18 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
     if not 0 <= window_splits < S:
         raise ValueError(f"saap_decode_kernel: window_splits must be in [0, {S}) for {S} splits; got {window_splits}")
     pdl = pdl_supported(q.device) if pdl is None else bool(pdl) and pdl_supported(q.device)
+    # the module default yields to a window stream; asked for by name, the two are refused together
+    shared = SHARE_SPLITS and not window_stream if share_splits is None else bool(share_splits)
+    if shared and window_stream:
+        raise ValueError("saap_decode_kernel: share_splits and window_stream exclude each other (every split takes "
+                         "window keys when shared; window_stream launches the window splits apart)")
     apart = bool(window_stream) and window_splits > 0  # the window splits in a launch of their own
     side = workspace.side if apart and q.is_cuda else None
     if apart and q.is_cuda and side is None:
         raise ValueError("saap_decode_kernel: window_stream needs a workspace with a side stream: allocate it with "
                          "saap_workspace(..., window_stream=True)")
     args, consts = _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace, sm_scale, sink,
-                                     window_splits, block_n, num_warps, num_stages, fused_merge, geo)
+                                     window_splits, block_n, num_warps, num_stages, fused_merge, geo, shared)
 
     def launch_window():
         window_grid = (B * Hkv * geo.num_m, window_splits)
@@ -354,9 +385,10 @@ def saap_decode_kernel(q, k, v, offsets, perm, indexed_end, out, lse=None, *, pr
 
 
 def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace: SaapWorkspace, sm_scale, sink,
-                      window_splits, block_n, num_warps, num_stages, fused_merge, geo):
+                      window_splits, block_n, num_warps, num_stages, fused_merge, geo, shared=False):
     """The attention launch's positional arguments before ``SPLIT_BASE`` (its last) and its keyword arguments but
-    ``WAIT_PRIOR``, ``LAUNCH_DEPENDENTS`` and the PDL flag: the same for the window's and the clusters' launches."""
+    ``WAIT_PRIOR``, ``LAUNCH_DEPENDENTS`` and the PDL flag: the same for the window's and the clusters' launches
+    (``shared``: every split takes a share of both parts, ``SHARE_SPLITS``)."""
     B, Hq, L, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     S = workspace.num_splits
@@ -381,5 +413,5 @@ def _attention_launch(q, k, v, perm, indexed_end, valid_len, out, lse, workspace
                   MERGE_GROUP=merge_group_size(S, geo.block_r, geo.block_dv), num_warps=num_warps,
                   num_stages=num_stages, PREFETCH_LINES=0 if interpreting() else PREFETCH_LINES,
                   KV_LINES=kv_prefetch_lines(max(D, geo.Dv), k.element_size()) if PREFETCH_KV and not interpreting()
-                  else 0, KV_LINE_ELEMS=128 // k.element_size(), **extra)
+                  else 0, KV_LINE_ELEMS=128 // k.element_size(), SHARE_ALL=bool(shared), **extra)
     return args, consts

@@ -62,6 +62,13 @@ GUESS_TOP = False
 #: The selection adds the call's selectivity to the device accumulator with relaxed atomics (Triton's default,
 #: acq_rel, puts a GPU-wide fence before each of the two, at the end of the selection's critical path).
 RELAXED_STATS = True
+#: The centroid scoring launch lets its programmatic dependent (the attention launch, behind the fused selection)
+#: start only once each of its programs has stored its logits, not as each starts: the attention's first reads, the
+#: sink and window, then share HBM with the selection (latency-bound, one SM a head) rather than with the scoring's
+#: own centroid reads (8 MB at llama3-8b 128k, the launch's bytes). On the H100 (8fa8292, llama3-8b 5 %,
+#: ``benchmarks/saap_pieces.py``'s ``-late`` rows in one run) 35.92 µs a call at 128k against 36.62 (cuDNN 180.03:
+#: 5.01x), 67.84 against 67.98 at 512k.
+LATE_DEPENDENTS = True
 
 
 class SaapScorer(NamedTuple):
@@ -130,8 +137,9 @@ def _saap_rows_kernel(
     PERM_LINES: tl.constexpr = 0,  # SELECT: as the selection's
     KEY_BITS: tl.constexpr = 16,  # SELECT: as the selection's
     RELAXED_STATS: tl.constexpr = True,  # SELECT: as the selection's
+    LATE_DEPENDENTS: tl.constexpr = False,  # LAUNCH_DEPENDENTS once this program's logits are stored, not at its start
 ):
-    if LAUNCH_DEPENDENTS:
+    if LAUNCH_DEPENDENTS and not LATE_DEPENDENTS:
         gdc_launch_dependents()
     if WAIT_PRIOR:
         gdc_wait()
@@ -175,6 +183,8 @@ def _saap_rows_kernel(
         h = h * tl.load(bn_ptr + 2 * plane + vec, mask=o_ok, other=0.0)[None, :] + tl.load(
             bn_ptr + 3 * plane + vec, mask=o_ok, other=0.0)[None, :]
         tl.store(out_ptrs, tl.maximum(h, 0.0), mask=ok)
+        if LAUNCH_DEPENDENTS and LATE_DEPENDENTS:
+            gdc_launch_dependents()
     else:
         logits = acc * scale
         if HAS_BIAS:
@@ -186,6 +196,8 @@ def _saap_rows_kernel(
         stat = stat_ptr + ((bh.to(tl.int64) * M + offs_r) * NCHUNK + chunk) * 2
         tl.store(stat, row_max, mask=offs_r < M)
         tl.store(stat + 1, row_sum, mask=offs_r < M)
+        if LAUNCH_DEPENDENTS and LATE_DEPENDENTS:  # the next launch's programs start once every chunk has its logits
+            gdc_launch_dependents()
         if SELECT:  # the last of the head's NCHUNK programs to arrive has every logit: it selects
             tl.debug_barrier()  # every thread's logits are stored before the release below
             arrived = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
@@ -364,6 +376,8 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
         if fused and after_scoring is not None:  # no launch between the scoring and the selection: before both
             after_scoring()
         if scorer.mlp is None:
+            if LATE_DEPENDENTS and pdl:
+                logits_select = dict(logits_select, LATE_DEPENDENTS=True)
             _ROWS_LAUNCH((B * Hkv, launch_chunks), q, inv_freq, valid, scorer.centroids, scorer.centroids,
                          scorer.centroids, ws.logits, ws.chunk_stats, *sel_ptrs, *q.stride(), float(scale), 0.0, N, L,
                          G, Hkv, D, C, launch_chunks, *sel_scalars, BLOCK_O=logit_block or BLOCK_LOGITS_Q,

@@ -197,6 +197,10 @@ def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch
     assert values[0] == 5.0 and str(values[-1]).startswith("error: RuntimeError")
     numbers = [v for v in values if isinstance(v, float)]
     assert numbers == sorted(numbers)
+    # every timed candidate's samples are kept, by name (what the choice's noise is judged by); a failed one has none
+    assert first["samples"] and set(first["samples"]) <= set(names)
+    assert all(s and all(isinstance(x, float) for x in s) for s in first["samples"].values())
+    assert first["samples"][names[0]][0] == 5.0
     ties = [r for r in records if r["near_tie_us"]]  # the first bucket's near tie, timed at its ends
     assert [r["kv_len"] for r in ties] == [704] and set(ties[0]["near_tie_us"]) == {"576", "1024"}
     assert {name.split("(")[0] for by in ties[0]["near_tie_us"].values() for name in by} == {"dense", "split_kv"}
@@ -251,3 +255,29 @@ def test_a_growing_cache_charges_each_method_what_a_new_length_costs():
     out = overall([s, fixed])
     assert out["min_ratio"] == pytest.approx(0.98) and out["growing_min_ratio"] == 1.0
     assert out["growing_at_least_0_99"] == 2 and out["at_least_0_99"] == 1
+
+
+def test_fresh_length_alternates_known_and_new_lengths(monkeypatch):
+    """The bench's fresh-length probe: one untimed call at the known length (FRESH_OFFSET below the set's, away from
+    the tuner's probe), then known and new lengths alternating, each new length once; [median new, median known]."""
+    import time
+
+    import torch
+
+    from attnopt.bench import planner_timing as PT
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    called = []
+
+    def call_on(s):
+        n = s["k"].shape[2]
+
+        def call():
+            called.append(n)
+            time.sleep(0.004 if n != 1000 - PT.FRESH_OFFSET else 0.0)
+        return call
+    s = {"q": torch.zeros(1, 2, 1, 4), "k": torch.zeros(1, 1, 1000, 4), "v": torch.zeros(1, 1, 1000, 4)}
+    new, known = PT.fresh_length_us(call_on, s, lengths=3)
+    k = 1000 - PT.FRESH_OFFSET
+    assert called == [k, k, k - 1, k, k - 2, k, k - 3]
+    assert new >= 4000 > known

@@ -28,6 +28,8 @@ CASES = {
     # attnopt explain: the plot's file (matplotlib wrote a folder's name + .png, and said it wrote the folder)
     "explain-plot-folder": (["explain", "--plot", "{tmp}"], "is a directory"),
     "explain-plot-format": (["explain", "--plot", "{tmp}/plot"], "must end in one of .avif"),
+    # a shape the optimizer calls prefill and leaves alone was ranked as if it were decode
+    "explain-prefill": (["explain", "--context", "2", "--q-len", "4"], "is prefill, which attnopt leaves alone"),
     # attnopt calibrate
     "calibrate-profile": (["calibrate", "--profile", "nosuch"], "valid names: a100-80gb"),
     "calibrate-random": (["calibrate", "--random", "-3"], "--random -3"),
@@ -51,6 +53,11 @@ CASES = {
     "eval-index": (["saap", "eval", "--index", "{tmp}/none.safetensors"], "no such file"),
     "eval-methods": (["saap", "eval", "--index", "{junk}", "--methods", "mlp,bogus"], "valid methods: mlp, centroids"),
     "eval-targets": (["saap", "eval", "--index", "{junk}", "--targets", "2"], "fractions in (0, 1]"),
+    # a corrupt index and a model that is neither 'smollm2' nor a folder: named before the model loads (the index
+    # was read after it; the model's name reached transformers, which spoke of connecting to the hub)
+    "eval-corrupt-index": (["saap", "eval", "--index", "{junk}"], "is not a readable safetensors file"),
+    "eval-model": (["saap", "eval", "--index", "{junk}", "--model", "nosuch"], "--model 'nosuch': expected 'smollm2'"),
+    "collect-model": (["saap", "collect", "--model", "nosuch", "--out", "{tmp}/c.safetensors"], "no such folder"),
 }
 
 

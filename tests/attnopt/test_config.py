@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from attnopt import OptimizeConfig
 
@@ -145,7 +146,31 @@ def test_bad_mode_and_topology_without_a_group():
         check_call(OptimizeConfig(), mode="bogus")
     with pytest.raises(ValueError, match="topology='dgx-h100x2' is only used to plan over a process group"):
         check_call(OptimizeConfig(topology="dgx-h100x2"))
-    check_call(OptimizeConfig(topology="dgx-h100x2"), process_group=object())
+    import torch.distributed as dist
+
+    check_call(OptimizeConfig(topology="dgx-h100x2"), process_group=dist.ProcessGroup(dist.HashStore(), 0, 1))
+
+
+@pytest.mark.parametrize("bad", ["gloo", 0, [0, 1], object()])
+def test_process_group_of_another_type_is_refused_at_optimize(bad):
+    """``optimize(model, process_group=...)`` with something that is not a ProcessGroup raises at once, naming what
+    is accepted (it used to pass until the first call, failing inside dynamo's compile)."""
+    import attnopt
+
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup .* or None"):
+        attnopt.optimize(torch.nn.Linear(2, 2), process_group=bad)
+
+
+def test_a_dist_group_is_named_for_its_pg():
+    import torch.distributed as dist
+
+    from attnopt.config import check_call
+    from attnopt.runtime.distributed.groups import DistGroup
+
+    fields = {f: None for f in DistGroup.__dataclass_fields__}
+    group = DistGroup(**dict(fields, pg=dist.ProcessGroup(dist.HashStore(), 0, 1)))
+    with pytest.raises(TypeError, match=r"attnopt DistGroup: pass its \.pg"):
+        check_call(OptimizeConfig(), process_group=group)
 
 
 def test_options_must_be_a_mapping():

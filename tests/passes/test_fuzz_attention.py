@@ -12,8 +12,8 @@ rows, in-place edits of the scores, clones and ``.contiguous()`` copies written 
 masks, -1e9 additive masks (with larger scores in a third of the cases: a row they hide whole rounds onto fp32's
 grid at 1e9), the scale as a float, a 0-d tensor input or a constant-filled tensor edited in place, K/V of
 batch 1 broadcast over the queries' batch, inference dropout (``training=False``, or ``p=0``),
-``is_causal`` with q_len > 1 against the cache, casts of the probabilities (narrower, or wider, than the scores),
-and NaN in V at a key every row hides. Half the cases carry none of the spellings that must be left alone, so that
+``is_causal`` with q_len > 1 against the cache, q/k/v handed over as (B, L|N, H, D) and transposed, casts of the
+probabilities (narrower, or wider, than the scores), and NaN in V at a key every row hides. Half the cases carry none of the spellings that must be left alone, so that
 most of those are rewritten and compared.
 
 NaN in V at a hidden key: the original gives NaN (0 * NaN in the value product); the kernels skip tiles past the
@@ -72,6 +72,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["dtype"] = draw(st.sampled_from(dtypes))
     s["plan"] = draw(st.sampled_from(plans))
     s["seed"] = draw(st.integers(0, 2**16))
+    s["layout"] = draw(st.sampled_from(["bhnd"] * 3 + ["bnhd"]))  # q/k/v handed over as (B, L|N, H, D), transposed
     if draw(st.booleans()):  # half the cases carry none of the spellings that must be left alone
         s.update(mutation="none", post_scalar=False, fill=-math.inf, kv_batch1=False,
                  guard="none" if s["guard"] == "head_prune" else s["guard"],
@@ -133,6 +134,8 @@ def make_fn(spec):
         return torch.matmul(q, k.transpose(-1, -2)) * sc
 
     def fn(q, k, v, mask, scale_t):
+        if spec["layout"] == "bnhd":  # a cache kept as (B, N, H, D): the attention reads transposed views
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if spec["scale_kind"] == "const_edited":  # a constant-filled tensor, edited: its value is no constant
             scale_t = torch.ones(())
             scale_t.mul_(scale)
@@ -204,6 +207,8 @@ def check_spec(spec):
     if nan_v:
         v[:, :, nan_key(spec)] = float("nan")
     scale_t = torch.tensor(0.125, dtype=dt)
+    if spec["layout"] == "bnhd":
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     fn = make_fn(spec)
     try:
         ref = fn(q.clone(), k.clone(), v.clone(), mask, scale_t)
@@ -247,6 +252,11 @@ def test_fuzz_exact_or_left_alone(spec):
 @given(specs(plans=("split_kv", "stream_k"), dtypes=(torch.float32,)))
 def test_fuzz_triton_interpreter(spec):
     """The same property with the kernels run by the Triton interpreter on the CPU (small shapes)."""
+    in_interpreter(check_spec, dict(spec, graph="dynamo"))
+
+
+def in_interpreter(check, spec) -> None:
+    """``check(spec)`` with the CPU kernels run by the Triton interpreter (skipped where it is not on)."""
     pytest.importorskip("triton")
     from attnopt.runtime.kernels import interpreting
 
@@ -255,7 +265,6 @@ def test_fuzz_triton_interpreter(spec):
     mp = pytest.MonkeyPatch()
     mp.setenv("ATTNOPT_CPU_KERNELS", "interpret")
     try:
-        spec = dict(spec, graph="dynamo")
-        check_spec(spec)
+        check(spec)
     finally:
         mp.undo()

@@ -169,6 +169,11 @@ def _saap_launch(q, k, v, clusters, probes):
                            torch.empty(q.shape[:3]), probes=probes, sink=1, scale=0.125, scores=scores, scorer=scorer,
                            valid_len=torch.tensor([N - 10], dtype=torch.int32),
                            stats=torch.zeros(2, dtype=torch.float64), num_splits=4, block_n=64)
+    if clusters == 2048:  # the plan's fused scoring-and-selection launch (its last program per head selects)
+        saap_decode_kernel(q, k, v, offsets, perm, torch.full((B,), N - 39, dtype=torch.int32), out,
+                           torch.empty(q.shape[:3]), probes=probes, sink=1, scale=0.125,
+                           scorer=SaapScorer(cents, inv_freq, None), stats=torch.zeros(2, dtype=torch.float64),
+                           num_splits=4, block_n=32, fused_select=True)
 
 
 _COMPILE = textwrap.dedent("""
@@ -207,6 +212,9 @@ def test_kernels_compile_for_sm90(monkeypatch):
              for j in [next(j for j in jobs if j["name"] == n and (n != "_stream_k_kernel"
                                                                     or j["consts"].get("SEPARATE_MERGE")))
                        for n in chained]]
+    # every attention split over both parts (saap.SHARE_SPLITS), chained as the plan runs it
+    jobs += [{**j, "consts": {**j["consts"], "SHARE_ALL": True}} for j in jobs
+             if j["name"] == "_saap_kernel" and j["consts"].get("WAIT_PRIOR")][:1]
     jobs += [{**j, "consts": {**j["consts"], "RADIX_BITS": bits}} for j in jobs if j["name"] == "_saap_select_kernel"
              for bits in (1, 2)]  # the selection over more than 2048 clusters
     # the selection's first round from one count, and its 32-bit keys (timing variants: saap_pieces)
@@ -219,6 +227,11 @@ def test_kernels_compile_for_sm90(monkeypatch):
              for j in jobs if j["name"] == "_split_kv_kernel" and j["consts"].get("SWAP_AB")
              for ahead, bulk in ((3, True), (2, False))]
     assert any(j["consts"].get("SWAP_AB") and j["consts"].get("D_LO") == 64 for j in jobs)
+    # the scoring launch that lets its dependents in once its logits are stored (saap_select.LATE_DEPENDENTS)
+    jobs += [{**j, "consts": {**j["consts"], "LATE_DEPENDENTS": True}} for j in jobs
+             if j["name"] == "_saap_rows_kernel" and j["consts"].get("SELECT") and j["consts"].get("LAUNCH_DEPENDENTS")
+             ][:1]
+    assert any(j["consts"].get("SHARE_ALL") for j in jobs) and any(j["consts"].get("LATE_DEPENDENTS") for j in jobs)
     names = {j["name"] for j in jobs}
     assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel", "_saap_rows_kernel",
             "_saap_select_kernel"} <= names, names

@@ -90,6 +90,34 @@ def test_harness_attention_is_the_reference_decode(tiny, method, probes):
         assert math.isclose(float(sel), 10 / 151, rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["centroids", "mlp"])
+def test_harness_picks_clusters_by_the_kernels_16_bit_rule(tiny, monkeypatch, method):
+    # The quality curve must measure the set the kernel attends: scores that differ only below the rule's 16-bit
+    # keys (saap_rule.SELECT_KEY_BITS) tie, and the tie goes to the lowest cluster index, where an fp32 top-k would
+    # take the other cluster. Every other cluster scores far below both.
+    from attnopt.runtime.kernels.saap_rule import SELECT_KEY_BITS, selection_keys
+    from attnopt.runtime.saap.index import SaapIndex
+
+    model, _, index = tiny
+    k, v, q = torch.randn(1, 2, 151, 16), torch.randn(1, 2, 151, 16), torch.randn(1, 6, 1, 16)
+    state = build_clusters(index.without_mlp(), 2, k, 150, 1, 8)
+    sizes = (state.offsets[..., 1:] - state.offsets[..., :-1])[0]  # (Hkv, C)
+    low, high = [int(c) for c in torch.nonzero(sizes.min(0).values > 0)[:2, 0]]  # non-empty in both heads
+    scores = torch.full((1, 2, 1, index.num_clusters), 1e-3)
+    scores[..., low] = 0.5
+    scores[..., high] = 0.5 + 2.0 ** -20  # the same bf16 key, a larger fp32 score
+    assert SELECT_KEY_BITS == 16 and torch.equal(selection_keys(scores[..., low]), selection_keys(scores[..., high]))
+    assert int(scores[0, 0, 0].topk(1).indices) == high  # what an fp32 top-k would pick
+    monkeypatch.setattr(SaapIndex, "cluster_scores", lambda self, *a, **kw: scores)
+    harness = Harness(model, index)
+    harness.use(Setting(method, 0.1, sink=1, window=8, probes=1), prompt_len=150)
+    out, _ = harness(types.SimpleNamespace(layer_idx=2), q, k, v, None, scaling=0.25)
+    for cluster, match in ((low, True), (high, False)):
+        keep = attended_keys(state, torch.full((1, 2, 1), cluster), 151, 1)
+        want = saap_decode_states(q, k, v, keep, 0.25)[0]
+        assert torch.allclose(out.transpose(1, 2), want, atol=1e-6) is match, cluster
+
+
 def test_oracle_recall_bounds_every_query_model_at_the_same_budget(tiny):
     model, _, index = tiny
     ids = torch.randint(0, 97, (1, 200 + 8 + 1), generator=torch.Generator().manual_seed(5))[0]
@@ -164,7 +192,7 @@ def test_cli_eval_aims_at_total_selectivity_and_skips_what_the_dense_layer_excee
     ipath, out = tmp_path / "i.safetensors", tmp_path / "q.json"
     index.save(ipath)
     monkeypatch.setattr(saap_cli, "_load_model", lambda name: (model, _CharTokenizer()))
-    rc = main(["saap", "eval", "--model", "tiny", "--index", str(ipath), "--context", "160", "--sequences", "1",
+    rc = main(["saap", "eval", "--model", str(tmp_path), "--index", str(ipath), "--context", "160", "--sequences", "1",
                "--tail", "8", "--targets", "0.2,0.6", "--methods", "centroids,topk", "--passkey-lengths", "128",
                "--passkey-trials", "1", "--out", str(out)])
     assert rc == 0

@@ -21,7 +21,7 @@ def random_index(hkv: int, hq: int, d: int, clusters: int) -> SaapIndex:
 
 
 def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits, block_n, valid=None, scores=None,
-             assign=None, window_splits=None, fused=False, window_stream=False, late=False):
+             assign=None, window_splits=None, fused=False, window_stream=False, late=False, share_splits=False):
     """Kernel against the reference over the same sparse set. ``assign`` (B, Hkv, n): given clusters of keys
     [sink, sink + n) (default: the nearest centroid of a random index, over the first ``prompt`` keys). With
     ``valid``, the cache holds garbage (NaN) from there on."""
@@ -54,7 +54,7 @@ def run_case(B, Hq, Hkv, N, D, L, C, probes, sink, window, prompt, dtype, splits
                        state.ends.to(dev), out, lse, scores=scores.to(dev), probes=probes, sink=sink, scale=0.125,
                        valid_len=None if vl is None else vl.to(dev), stats=stats, workspace=ws, block_n=block_n,
                        window_splits=window_splits, fused_select=fused, fused_merge=fused,
-                       window_stream=window_stream, window_after_scoring=late)
+                       window_stream=window_stream, window_after_scoring=late, share_splits=share_splits)
     assert int(ws.counters.abs().sum()) == 0, "the fused merge left an arrival counter non-zero"
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), want_o, atol=tol, rtol=tol)
@@ -104,6 +104,34 @@ def test_any_division_of_the_splits_between_window_and_clusters(splits, window_s
     # W = 0: split 0 takes the sink and window besides its cluster share; W = S - 1: one split for the clusters
     run_case(2, 4, 2, 170, 64, 2, 12, 4, sink=3, window=40, prompt=170, dtype=torch.float32, splits=splits,
              block_n=16, window_splits=window_splits)
+
+
+@pytest.mark.parametrize("splits,block_n,window,fused", [(4, 16, 19, False), (5, 16, 19, True), (3, 32, 19, False),
+                                                         (1, 16, 19, True), (3, 16, 60, False)])
+def test_every_split_shares_the_window_and_the_clusters(splits, block_n, window, fused):
+    # SHARE_SPLITS: each split folds its share of the sink and window (ceil(tiles / S) tiles from split 0 on: the
+    # last splits may get none, and at window 60 the last of 3 splits none of 4 tiles), then its share of the chosen
+    # clusters
+    run_case(1, 4, 2, 220, 64, 1, 16, 5, sink=2, window=window, prompt=200, dtype=torch.float32, splits=splits,
+             block_n=block_n, fused=fused, share_splits=True)
+
+
+def test_shared_splits_hide_cluster_keys_past_a_valid_length():
+    # as test_valid_length_below_the_indexed_end_hides_cluster_keys_past_it, with every split sharing both parts
+    assign = torch.arange(150).remainder(6).view(1, 1, 150).expand(2, 2, -1).contiguous()
+    run_case(2, 4, 2, 180, 64, 1, 6, 2, sink=2, window=0, prompt=0, dtype=torch.float32, splits=4, block_n=16,
+             valid=90, assign=assign, share_splits=True)
+
+
+def test_shared_splits_refuse_a_window_stream():
+    from attnopt.runtime.kernels.saap import saap_decode_kernel
+
+    q, kv = torch.zeros(1, 2, 1, 16), torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="share_splits and window_stream"):
+        saap_decode_kernel(q, kv, kv, torch.zeros(1, 1, 3, dtype=torch.int32), torch.zeros(1, 1, 4, dtype=torch.int32),
+                           torch.full((1,), 4, dtype=torch.int32), torch.empty(1, 2, 1, 16),
+                           scores=torch.rand(1, 1, 2), probes=1, sink=1, num_splits=4, share_splits=True,
+                           window_stream=True)
 
 
 @pytest.mark.parametrize("splits,window_splits,fused,valid,late", [
