@@ -44,7 +44,9 @@ from .site import AttentionSite
 #: are timed too, and without a valid length the TMA kernels run the tile crossing N in their pipelined loop.
 #: 12: candidates within 2 % after the rounds are re-timed in alternating order (the duel), the third round times only
 #: those within 5 % after two, and a call of a millisecond or more is timed in a graph of fewer calls, fewer replays.
-TUNING_VERSION = 12
+#: 13: a host time (the default mode's eager choice) is timed over at most HOST_CALLS input sets (was all of them,
+#: up to 256: a sample of 1024 calls).
+TUNING_VERSION = 13
 
 log = logging.getLogger("attnopt.tuning")
 
