@@ -86,6 +86,23 @@ def int_at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
+def float_at_least(lo: float, strict: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number option ``>= lo`` (``> lo`` when ``strict``): a negative time budget
+    or timeout, NaN or inf is refused with the option's name before the command starts any work."""
+    import argparse
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < lo or (strict and value == lo):
+            raise argparse.ArgumentTypeError(f"must be a number {'>' if strict else '>='} {lo:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def device_kind(text: str) -> str:
     """An argparse ``type`` for a ``--device`` option: ``cuda``, ``cuda:N`` or ``cpu``."""
     import argparse

@@ -46,6 +46,7 @@ def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_cau
     import onnx_ir as ir
 
     from attnopt.plan import plan_from_json
+    from attnopt.runtime.kernels.saap_rule import scoring_centroids
     from attnopt.runtime.saap.registry import get_index
 
     from .onnx_functions import SAAP_INDEX_INPUTS
@@ -60,7 +61,9 @@ def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_cau
         return op.Constant(value=ir.tensor(np.ascontiguousarray(t.detach().cpu().float().numpy()),
                                            name=f"saap_l{p.layer}_{label}"))
 
-    tensors = [layer.centroids] if layer.mlp is None else [layer.mlp[n] for n in SAAP_INDEX_INPUTS[name]]
+    # the centroids as the op scores with them (the rule's rounding: saap_rule.scoring_centroids)
+    tensors = ([scoring_centroids(layer.centroids)] if layer.mlp is None
+               else [layer.mlp[n] for n in SAAP_INDEX_INPUTS[name]])
     weights = [constant(t, n) for t, n in zip(tensors, SAAP_INDEX_INPUTS[name])]
     shape = (q.shape[0], k.shape[1], k.shape[2])  # static: check_saap
     # a placeholder: ``add_cluster_inputs`` replaces it with the graph input after the export

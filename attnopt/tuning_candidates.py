@@ -57,10 +57,10 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     configurations (kind, block_n, num_warps, num_stages, head chunks) estimated within ``EXTRA_WITHIN`` of the best (the model
     ranks the grids of one configuration well and configurations against each other poorly).
 
-    Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, the swap-AB one and
-    the prefetching one (``SplitKVPlan.swap_ab`` / ``l2_prefetch``, where the candidates have such: only these two
-    of those twins; the top k and the further families are of the others), then one plan of each
-    configuration before a second grid of any. The budget stops new candidates, and a configuration's first plan pays its cold compile
+    Order: the model's pick, the SDPA backends, the most parallel plan, the head-chunked one, one plan of each
+    configuration, the best-estimated swap-AB and prefetching plans (``SplitKVPlan.swap_ab`` / ``l2_prefetch``,
+    where the candidates have such twins: only these two of them; the top k and the further families are of the
+    others), then a second grid of any configuration. The budget stops new candidates, and a configuration's first plan pays its cold compile
     (about a second) where a second grid of it costs only its timing, so the configurations come first.
     ``n_keys``: the KV length they are timed at (a grid that follows the length is counted there)."""
     if not ranked:
@@ -90,14 +90,15 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
     # likewise the best-estimated swap-AB plan and the best-estimated prefetching one (the model ranks neither)
     swapped = next((p for p in ranked_kernels if getattr(p, "swap_ab", False)), None)
     fetching = next((p for p in ranked_kernels if getattr(p, "l2_prefetch", 0)), None)
-    early = [p for p in (widest, chunked, swapped, fetching) if p is not None]
-    seen_families = {_family(ranked[0])} | {_family(p) for p in early}
+    early = [p for p in (widest, chunked) if p is not None]
+    twins = [p for p in (swapped, fetching) if p is not None]  # after the configurations: each a cold compile
+    seen_families = {_family(ranked[0])} | {_family(p) for p in early + twins}
     firsts, seconds = [], []
     for p in kernels:
         (seconds if _family(p) in seen_families else firsts).append(p)
         seen_families.add(_family(p))
     out: list[Plan] = [ranked[0]]
-    for p in dense + early + firsts + seconds:
+    for p in dense + early + firsts + twins + seconds:
         if all(p.runtime_key() != q.runtime_key() for q in out):
             out.append(p)
     return out

@@ -18,6 +18,8 @@ Rows (µs a call, the median over graph replays of back-to-back calls):
   48 splits) every attention split over a share of the sink and window and then of the clusters
   (``saap.SHARE_SPLITS``), ``-late`` the attention launch let in only once every scoring program stored its logits
   (``saap_select.LATE_DEPENDENTS``, the plan's since 8fa8292: ``full`` times it too; ``full-early`` the former way);
+  ``full-c16`` / ``full-c32`` the scoring reading the centroids in bf16 / fp32 (``saap_rule.CENTROID_DTYPE``, set
+  while the plan is prepared; the bench's centroids are bf16 values, so both pick the reference's set);
 * ``score*``: the scoring launch alone (``saap_select(launches="scoring")``): ``-fused16`` the fused launch's
   geometry (128 clusters and 16 warps a program) without the selection, ``-own`` its own launch's (64 and 4), with
   ``-ieee`` Triton's FMA dot instead of three TF32 ones, ``-fma`` no dot (products summed in registers, the rows
@@ -80,7 +82,8 @@ def _setup(case: str, target: float, dtype, device: str = "cuda"):
     C = min(2048, cluster_count(N))
     scale = 1.0 / math.sqrt(D)
     gen = torch.Generator(device=device).manual_seed(7)
-    centroids = torch.randn(Hkv, C, D, device=device, generator=gen)
+    # bf16 values: the scoring reads the same centroids in either CENTROID_DTYPE (the -c16 / -c32 rows pick one set)
+    centroids = torch.randn(Hkv, C, D, device=device, generator=gen).bfloat16().float()
     l2 = results_header("saap-pieces").get("l2_bytes") or 50 << 20
     smallest = target * N * B * Hkv * 2 * D * dtype.itemsize
     count = max(1, min(8 if device == "cuda" else 2, math.ceil(4 * l2 / smallest)))
@@ -115,10 +118,12 @@ def main(argv=None) -> int:
     from attnopt.runtime.kernels.saap import _SAAP_LAUNCH, _attention_launch, saap_workspace, window_split_count
     from attnopt.runtime.kernels.saap_select import saap_select
     import attnopt.runtime.kernels.saap as saap_module
+    import attnopt.runtime.kernels.saap_rule as saap_rule_module
     import attnopt.runtime.kernels.saap_select as saap_select_module
     from attnopt.runtime.kernels.common import decode_geometry
     from attnopt.runtime.saap import registry, saap_decode
     from attnopt.runtime.saap.decode import kernel_scorer
+    from attnopt.runtime.kernels.saap_rule import scoring_centroids
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", default="llama3-8b-128k")
@@ -222,7 +227,13 @@ def main(argv=None) -> int:
                       if m.name == "sdpa-cudnn")
         return method.make(dict(c["s"], mask=None))
 
-    modules = {"saap": saap_module, "select": saap_select_module}
+    def prepared(make, **flags):
+        """``flagged`` that also holds the flags while ``make`` prepares the call (a plan's state reads them)."""
+        return flagged(flagged(make, **flags)(), **flags)
+
+    modules = {"saap": saap_module, "select": saap_select_module, "rule": saap_rule_module}
+    c16 = {"rule.CENTROID_DTYPE": torch.bfloat16}
+    c32 = {"rule.CENTROID_DTYPE": torch.float32}
     dv2 = {"saap.MERGE_DV_SPLIT": 2}
     dv4 = {"saap.MERGE_DV_SPLIT": 4}
     prefetch = {"saap.PREFETCH_LINES": 4}
@@ -246,6 +257,12 @@ def main(argv=None) -> int:
             for grid, warps in empty_grids[:n] if n > 1 else empty_grids[1:2]:
                 _empty_kernel[grid](dummy, num_warps=warps)
         return call
+
+    def with_centroids(c, dtype):  # the set's scorer reading its centroids in ``dtype`` (one copy a set)
+        key = f"scorer-{dtype}"
+        if key not in c:
+            c[key] = c["scorer"]._replace(centroids=scoring_centroids(c["scorer"].centroids, dtype))
+        return dict(c, scorer=c[key])
 
     def noderope(c):
         return dict(c, scorer=c["scorer"]._replace(inv_freq=None))
@@ -288,10 +305,16 @@ def main(argv=None) -> int:
         ("full-early", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **early)),
         ("full-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **late)),
         ("full-shared-late", lambda c, i: flagged(plan_call(plans[i], c["s"], scale), **shared, **late)),
+        ("full-c16", lambda c, i: prepared(lambda: plan_call(plans[i], c["s"], scale), **c16)),
+        ("full-c32", lambda c, i: prepared(lambda: plan_call(plans[i], c["s"], scale), **c32)),
         ("empty-x1", lambda c, i: empty(1)),
         ("empty-x3", lambda c, i: empty(3)),
         ("score+select-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16)),
         ("score-fused16", lambda c, i: lambda: select(c, fused=True, num_warps=16, launches="scoring")),
+        ("score-fused16-c16", lambda c, i: lambda: select(with_centroids(c, torch.bfloat16), fused=True, num_warps=16,
+                                                          launches="scoring")),
+        ("score+select-fused16-c16", lambda c, i: lambda: select(with_centroids(c, torch.bfloat16), fused=True,
+                                                                 num_warps=16)),
         ("score+select-fused16-k32", lambda c, i: lambda: select(c, fused=True, num_warps=16, key_bits=32)),
         ("score+select-fused16-guess", lambda c, i: lambda: select(c, fused=True, num_warps=16, guess_top=True)),
         ("score+select-fused8w", lambda c, i: flagged(lambda: select(c, fused=True, num_warps=8), **wide8)),

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from attnopt.checks import device_kind, int_at_least
+from attnopt.checks import device_kind, float_at_least, int_at_least
 
 from .common import format_table, results_header, write_results
 from .e2e_generate import OPTIMIZE_OPTIONS, _sync, finish, generate_phases, generate_row, two_phases  # noqa: F401
@@ -254,7 +254,7 @@ def run(args) -> int:
     methods = args.methods.split(",")
     for m in methods:
         if m not in METHODS:
-            raise SystemExit(f"attnopt bench e2e: unknown method {m!r}; valid: {', '.join(METHODS)}")
+            raise ValueError(f"--methods: unknown method {m!r}; valid: {', '.join(METHODS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("attnopt bench e2e: no CUDA device here; pass --device cpu to check the script on the CPU")
     rows: list[dict[str, Any]] = []
@@ -324,7 +324,7 @@ def register(suites) -> None:
                    help="generate() pairs (short, long) timed; ms per token is the median of the pairs' differences")
     p.add_argument("--profile", action="store_true", help="profile a few steps of the attnopt methods")
     p.add_argument("--isolate", action="store_true", help="one subprocess per (context, method): a crash is a row")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per isolated run")
+    p.add_argument("--timeout", type=float_at_least(0, strict=True), default=900, help="seconds per isolated run")
     p.add_argument("--parallel", type=int_at_least(1), default=1,
                    help="isolated runs at a time, a context's methods together (they compile together and take "
                         "turns to time, with no compile beside a timed section)")

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from attnopt.checks import float_at_least
+
 #: name -> (B, Hq, Hkv, D, N, valid length or None)
 CASES: dict[str, tuple[int, int, int, int, int, int | None]] = {
     "llama3-8b-8k": (1, 32, 8, 128, 8192, None),
@@ -62,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take seconds per shape)")
     p.add_argument("--no-eager-peer", action="store_true", help="skip the eager matmul-softmax-matmul peer")
     p.add_argument("--max-candidates", type=int, default=0, help="at most this many candidates per strategy (0: all)")
-    p.add_argument("--time-budget", type=float, default=0.0,
+    p.add_argument("--time-budget", type=float_at_least(0), default=0.0,
                    help="seconds; past this, skip FlexAttention and eager timing for the remaining cases (0: none)")
     p.add_argument("--commit", default=None, help="commit sha to record (default: git rev-parse HEAD)")
 

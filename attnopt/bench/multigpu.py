@@ -36,6 +36,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from attnopt.checks import float_at_least
+
 from .multigpu_summary import RING, TREE, summarize
 from .multigpu_timing import eager_us, graph_us, local_eager_us
 
@@ -62,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-steps", type=int, default=20, help="steps captured per CUDA graph")
     p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timing")
     p.add_argument("--no-symm-mem", action="store_true", help="skip the symmetric-memory tree")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s")
-    p.add_argument("--time-budget", type=float, default=0.0, help="stop starting new cases after this many s (0: none)")
+    p.add_argument("--timeout", type=float_at_least(0, strict=True), default=120.0, help="collective timeout, s")
+    p.add_argument("--time-budget", type=float_at_least(0), default=0.0, help="stop starting new cases after this many s (0: none)")
     p.add_argument("--topology", default="local", help="topology for the cost model (default: detected)")
     p.add_argument("--hardware", default=None, help="hardware profile for the cost model (default: detected)")
     p.add_argument("--commit", default=None, help="commit sha to record")

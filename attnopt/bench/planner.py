@@ -46,6 +46,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from attnopt.checks import float_at_least
+
 from .planner_grid import STATIC_KINDS, all_cases, valid_len_of
 from .planner_summary import (REL_ERR_OK, merge, overall, parse_part, print_summary, summarize,  # noqa: F401
                               tuning_records)  # (tuning_records: re-exported, the tests')
@@ -88,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only every K-th case from the I-th (0-based): spread the cases over K device calls")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no run: join the results files of --part runs into --out (rows, summaries, overall)")
-    p.add_argument("--time-budget", type=float, default=420.0,
+    p.add_argument("--time-budget", type=float_at_least(0), default=420.0,
                    help="seconds; no new case starts after this (default 420; 0: no limit)")
     p.add_argument("--retime", type=int, default=2,
                    help="time the planner's pick and the closest peers this many more times each, alternating, and "
@@ -361,6 +363,8 @@ def run_cli(args) -> int:
 
     if args.part:
         parse_part(args.part)
+    if args.smoke and (args.cases or args.part):  # the smoke runs its own three cases: the choice was dropped
+        raise ValueError("--smoke runs its three fixed cases on the CPU; drop --cases / --part, or drop --smoke")
     if args.merge:
         if not args.out:
             raise ValueError("--merge needs --out (the joined results file)")

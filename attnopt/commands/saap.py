@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 
-from attnopt.checks import device_kind, int_at_least
+from attnopt.checks import device_kind, float_at_least, int_at_least
 
 #: ``--methods`` of ``attnopt saap eval`` (``runtime.saap.evaluate.METHODS``, kept here so that a bad name is
 #: reported before the model loads; ``test_cli_bad_input`` holds the two lists equal).
@@ -52,19 +52,6 @@ def _parse_ints(text: str) -> list[int]:
     return values
 
 
-def _positive_float(text: str) -> float:
-    import argparse
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
 def register(sub) -> None:
     p = sub.add_parser("saap", help="SAAP sparse attention: collect keys/queries, train an index, evaluate it")
     cmds = p.add_subparsers(dest="saap_command", metavar="STEP")
@@ -87,7 +74,7 @@ def register(sub) -> None:
     t.add_argument("--hidden", type=int_at_least(1), default=1024, help="query MLP hidden width (default 1024)")
     t.add_argument("--steps", type=int_at_least(1), default=300, help="MLP optimiser steps per layer (default 300)")
     t.add_argument("--batch", type=int_at_least(1), default=256)
-    t.add_argument("--lr", type=_positive_float, default=1e-3)
+    t.add_argument("--lr", type=float_at_least(0, strict=True), default=1e-3)
     t.add_argument("--sink", type=int_at_least(0), default=1, help="keys always attended at the start (default 1)")
     t.add_argument("--window", type=int_at_least(0), default=64, help="recent keys excluded from the targets (default 64)")
     t.add_argument("--max-queries", type=int_at_least(1), default=None, help="recorded queries used per sequence (default all)")

@@ -1,7 +1,8 @@
 """SAAP's selection rule, one definition for the Triton selection (``saap_topl``), the PyTorch reference
-(``runtime/saap/decode.py``), the plan's CPU path, the quality harness and the ONNX node: each group's ``probes``
-clusters of largest score, ranked on the top ``SELECT_KEY_BITS`` bits of each score's order-preserving key, ties broken
-by the lowest cluster index. PyTorch only: here, below ``saap/``, so that the kernels can take the constant.
+(``runtime/saap/decode.py``), the plan's CPU path, the quality harness and the ONNX node: the centroids they score
+with (``scoring_centroids``), then each group's ``probes`` clusters of largest score, ranked on the top
+``SELECT_KEY_BITS`` bits of each score's order-preserving key, ties broken by the lowest cluster index. PyTorch
+only: here, below ``saap/``, so that the kernels can take the constants.
 """
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ from torch import Tensor
 #: which sets the time, 5 or 6); the ties this makes at the threshold (1 to 3 extra clusters in about 60 % of those
 #: heads) are broken by the lowest cluster index, so the pick is still exactly ``probes`` clusters.
 SELECT_KEY_BITS = 16
+#: The dtype the centroid scoring reads the centroids in (``scoring_centroids``; products and sums stay fp32): the
+#: scoring launch's bytes are the centroids (8 MB a layer in fp32 at llama3-8b 128k, 2048 clusters), so bf16 halves its
+#: HBM reads. The index file keeps fp32; the rounding happens where a scorer takes them. On the H100 (a650ee5,
+#: llama3-8b 5 %, ``benchmarks/saap_pieces.py`` rows -c16 / -c32 in one run, the same set) the whole call took 33.49 µs
+#: at 128k against 36.14 / 35.86 with fp32 (cuDNN 180.25: 5.38x), 66.03 at 512k against 68.46 / 68.05 (10.5x); the
+#: scoring alone 5.08 against 8.38, the fused scoring and selection 13.92 against 17.41.
+CENTROID_DTYPE = torch.bfloat16
+
+
+def scoring_centroids(centroids: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The centroids as every scorer reads them (the Triton scoring, the reference and the plan's CPU path, the quality
+    harness, the ONNX node): rounded to ``dtype`` (None: ``CENTROID_DTYPE``, read at the call), contiguous.
+    centroids (Hkv, C, D) float -> (Hkv, C, D) in that dtype (the input itself when it already is)."""
+    return centroids.to(dtype or CENTROID_DTYPE).contiguous()
 
 
 def selection_keys(scores: Tensor, bits: int = SELECT_KEY_BITS) -> Tensor:

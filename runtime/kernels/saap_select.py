@@ -72,9 +72,10 @@ LATE_DEPENDENTS = True
 
 
 class SaapScorer(NamedTuple):
-    """One layer's scoring weights on the device (fp32, contiguous).
+    """One layer's scoring weights on the device (contiguous; fp32 but for the centroids).
 
-    centroids : (Hkv, C, D). inv_freq : (D / 2,) RoPE inverse frequencies, or None for an index over rotated keys.
+    centroids : (Hkv, C, D) fp32 or 16-bit float (``saap_rule.scoring_centroids``: read as stored, products in
+    fp32). inv_freq : (D / 2,) RoPE inverse frequencies, or None for an index over rotated keys.
     mlp : None (centroid scoring, logits ``scale * q . c``) or (w1 (Hkv, H, D), b1 (Hkv, H), bn (4, Hkv, H): the
     stacked BatchNorm mean, var, weight and bias, w2 (Hkv, C, H), b2 (Hkv, C)). bn_eps : the BatchNorm epsilon.
     """
@@ -98,7 +99,7 @@ def _saap_rows_kernel(
     x_ptr,  # SRC_Q: Q (B, Hq, L, D) rotated queries, any strides; else hidden rows (B, Hkv, M, K) fp32 contiguous
     inv_freq_ptr,  # (D / 2,) fp32 RoPE inverse frequencies (read when DEROPE)
     valid_ptr,  # (B,) int valid lengths (read when HAS_VALID): the queries sit at the last L positions
-    w_ptr,  # (Hkv, NOUT, K) fp32 contiguous weights: centroids, w1 or w2
+    w_ptr,  # (Hkv, NOUT, K) contiguous weights: centroids (fp32 or 16-bit: saap_rule.scoring_centroids), w1 or w2
     bias_ptr,  # (Hkv, NOUT) fp32: b1 (HIDDEN) or b2 (HAS_BIAS)
     bn_ptr,  # HIDDEN: (4, Hkv, NOUT) fp32 BatchNorm mean, var, weight, bias
     out_ptr,  # (B, Hkv, M, NOUT) fp32 contiguous: hidden units or logits
@@ -162,7 +163,7 @@ def _saap_rows_kernel(
         # (de-roped first, sm_90 issued it only after the de-roping's barriers: two memory latencies in a row)
         x, xp, inv_freq = _load_query_rows(x_ptr, inv_freq_ptr, b, kvh, offs_r, offs_k, stride_qb, stride_qh,
                                            stride_ql, stride_qd, L, G, D, DEROPE)
-        w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
         x = _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_k, L, D, DEROPE)
         acc = _rows_product(x, w, acc, PRECISION)
     else:

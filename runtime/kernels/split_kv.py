@@ -204,6 +204,18 @@ def _split_kv_kernel(
 _SPLIT_KV_LAUNCH = KernelLauncher(_split_kv_kernel)
 
 
+def swap_applies(geo, q: torch.Tensor, skip: bool, use_tma: bool, split: tuple[int, int], past_zero: bool) -> bool:
+    """Whether a launch asked for swap-AB (``tile_ops``) runs it: a query tile under WGMMA_ROWS rows, no mask tiles
+    (``mask_tiles``), 16-bit inputs where compiled (wgmma reads a transposed V from shared memory in 16-bit types
+    only; the interpreter takes fp32 too), and not copy-engine tiles in head chunks with the tile that crosses the
+    last key run after the loop (a valid length or a causal cut: its V rows zeroed in registers). That combination
+    was wrong compiled on the H100 (``benchmarks/trail_variants.py --swap-check`` at b59c3ce: 4 of 32 combinations,
+    exactly those, errors 0.2-0.35; every other one equal to the plain kernel); it runs unswapped."""
+    if geo.block_m >= WGMMA_ROWS or skip or (q.element_size() != 2 and q.device.type == "cuda"):
+        return False
+    return not (use_tma and split[0] > 0 and not past_zero)
+
+
 def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Workspace for ``num_splits`` > 1: partial o (S, B, Hq, L, Dv) fp32, partial (row max, log l) (2, S, B, Hq, L)
     fp32 (natural log; see ``merge.merge_states``), and the arrival counters of the fused merge (B * Hkv * num_m,)
@@ -257,9 +269,9 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         of the kernel before. Exact either way.
     merge_dv_split : the merge launch's programs per row (``merge_states``' ``dv_split``: a power of two, or
         "auto").
-    swap_ab : run the tile products as ``K @ Q^T`` and ``V^T @ P^T`` (``tile_ops``) where the query tile has fewer
-        than 64 rows (G * q_len <= 32), no mask decides the tiles (``mask_tiles``) and, on CUDA, q/k/v are 16-bit;
-        ignored elsewhere. Exact either way (a plan's ``swap_ab``, chosen by measurement).
+    swap_ab : run the tile products as ``K @ Q^T`` and ``V^T @ P^T`` (``tile_ops``) where ``swap_applies`` (fewer
+        than 64 query rows, G * q_len <= 32; no mask tiles; 16-bit on CUDA; not TMA tiles in head chunks with a valid
+        length or a causal cut); ignored elsewhere. Exact either way (a plan's ``swap_ab``, chosen by measurement).
     l2_prefetch : > 0: each program also prefetches the K/V rows this many tiles ahead into L2 (``tile_ops``;
         ``prefetch_bulk``: one bulk request per tensor and tile, else one per 128-byte line), where the kernel is
         compiled for Hopper or newer and the K/V rows are contiguous (``prefetch_applies``); ignored elsewhere.
@@ -309,9 +321,8 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     fstr = tuple(out.stride())
     gstr = tuple(lse.stride()) if lse is not None and not planes else (0, 0, 0)
     grid = (num_splits, geo.B * geo.Hkv * geo.num_m)
-    # compiled, wgmma reads a transposed V from shared memory in 16-bit types only (the interpreter takes fp32 too)
-    swap = (bool(swap_ab) and geo.block_m < WGMMA_ROWS and not skip
-            and (q.element_size() == 2 or q.device.type != "cuda"))
+    past_zero = tail_in_loop(use_tma, valid_len, is_causal)
+    swap = bool(swap_ab) and swap_applies(geo, q, skip, use_tma, split, past_zero)
     prefetch = int(l2_prefetch) if l2_prefetch and not skip and prefetch_applies(k, v) else 0
     head_bcast, n_scan = scan_rows(mstr, geo.L) if skip else (False, 0)
     chunk, one_chunk = chunk_tiles(geo.N, num_splits, block_n) if skip else (1, False)
@@ -329,7 +340,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         MERGE_P=geo.merge_p, USE_TMA=use_tma, LSE_PLANES=num_splits > 1 or planes, LAUNCH_DEPENDENTS=pdl,
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan, D_LO=split[0],
-        D_HI=split[1], PAST_ZERO=tail_in_loop(use_tma, valid_len, is_causal), WAIT_PRIOR=chain, SWAP_AB=swap,
+        D_HI=split[1], PAST_ZERO=past_zero, WAIT_PRIOR=chain, SWAP_AB=swap,
         PREFETCH=prefetch, PREFETCH_BULK=bool(prefetch_bulk),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if chain else {}),
     )

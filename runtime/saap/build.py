@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..kernels.saap_rule import scoring_centroids
 from .index import SaapIndex
 from .rope import remove_rope
 
@@ -38,8 +39,8 @@ class ClusterState:
     indexed_end : keys [indexed_end, N) are always attended (the window and every later token).
     ends : (B,) int32 ``indexed_end`` on the device, as the kernel reads it.
     window : the window the state was built for (``indexed_end = prompt_len - window``).
-    centroids : (Hkv, C, D) fp32, the centroids refined at prefill that decode scores with; None when the
-        index's own centroids are used (no refinement).
+    centroids : (Hkv, C, D) the centroids refined at prefill that decode scores with, in the rule's dtype
+        (``saap_rule.scoring_centroids``); None when the index's own centroids are used (no refinement).
     """
 
     offsets: Tensor
@@ -169,7 +170,8 @@ def build_clusters(index: SaapIndex, layer: int, k: Tensor, prompt_len: int, sin
         if refine:  # nothing to refine on: the trained centroids, as a buffer of the state's own
             refined = centroids.to(k.device, torch.float32).clone()
     state = clusters_from_assignment(assign, C, sink, window)
-    state.centroids = refined
+    # refined: the buffer the Triton scoring reads, so already in the rule's dtype (``scoring_centroids``)
+    state.centroids = None if refined is None else scoring_centroids(refined)
     return state
 
 

@@ -13,7 +13,8 @@ from torch import Tensor
 from ..reference import attention_states
 from .build import ClusterState
 from .index import SaapIndex
-from ..kernels.saap_rule import SELECT_KEY_BITS, selection_keys, threshold_clusters, top_clusters  # noqa: F401
+from ..kernels.saap_rule import (SELECT_KEY_BITS, scoring_centroids, selection_keys, threshold_clusters,  # noqa: F401
+                                 top_clusters)
 
 
 
@@ -101,8 +102,8 @@ def saap_decode(index: SaapIndex, layer: int, state: ClusterState, q: Tensor, k:
 
 def kernel_scorer(index: SaapIndex, layer: int):
     """The Triton scoring weights (``runtime.kernels.saap_select.SaapScorer``) of one layer, on the index's device:
-    the centroids, the RoPE inverse frequencies (None for an index over rotated keys) and the MLP with its
-    BatchNorm statistics stacked (mean, var, weight, bias)."""
+    the centroids as the rule rounds them (``scoring_centroids``), the RoPE inverse frequencies (None for an index
+    over rotated keys) and the MLP with its BatchNorm statistics stacked (mean, var, weight, bias)."""
     from ..kernels.saap_select import SaapScorer
 
     li = index.layers[layer]
@@ -113,4 +114,4 @@ def kernel_scorer(index: SaapIndex, layer: int):
         p = {name: t.to(device, torch.float32).contiguous() for name, t in li.mlp.items()}
         bn = torch.stack([p["bn_mean"], p["bn_var"], p["bn_weight"], p["bn_bias"]]).contiguous()
         mlp = (p["w1"], p["b1"], bn, p["w2"], p["b2"])
-    return SaapScorer(li.centroids.float().contiguous(), inv_freq, mlp, float(index.bn_eps))
+    return SaapScorer(scoring_centroids(li.centroids), inv_freq, mlp, float(index.bn_eps))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..kernels.saap_rule import scoring_centroids
 from .rope import RopeSpec, remove_rope, rope_spec_from_config
 
 INDEX_FORMAT = "attnopt-saap-index"
@@ -160,7 +161,8 @@ class SaapIndex:
         pos = positions if positions.dim() == 1 else positions[:, None, :]
         qd = (q.float() if self.rotated else remove_rope(q, pos, self.rope)).reshape(B, Hkv, Hq // Hkv * L, D)
         if li.mlp is None:
-            logits = torch.einsum("bhmd,hcd->bhmc", qd, cents.to(qd.device, torch.float32)) * scale
+            # the centroids as the kernel reads them (the rule's rounding), the products in fp32
+            logits = torch.einsum("bhmd,hcd->bhmc", qd, scoring_centroids(cents).to(qd.device, torch.float32)) * scale
         else:
             logits = mlp_logits(li.mlp, qd, self.bn_eps)
         return torch.softmax(logits, dim=-1).reshape(B, Hkv, Hq // Hkv, L, C).sum(dim=2)

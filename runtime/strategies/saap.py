@@ -114,7 +114,8 @@ class Saap(Strategy[SaapPlan]):
 
     def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         """Roofline of the attended keys (sink + window + probes clusters of average size, read once) and of the
-        scoring weights (fp32 centroids, or the query MLP's two layers), plus the launches."""
+        scoring weights (the centroids as the scoring reads them, or the query MLP's two layers), plus the launches."""
+        from ..kernels.saap_rule import scoring_centroids
         from ..saap.registry import get_index
 
         index = get_index(plan.index)
@@ -123,8 +124,10 @@ class Saap(Strategy[SaapPlan]):
         dv = site.v_head_dim or site.head_dim
         nbytes = (site.batch or 1) * site.kv_heads * attended * (site.head_dim + dv) * site.dtype_bytes
         layer = index.layers.get(plan.layer) or next(iter(index.layers.values()))
-        weights = [layer.centroids] if layer.mlp is None else [layer.mlp["w1"], layer.mlp["w2"]]
-        nbytes += sum(w.numel() for w in weights) * 4
+        if layer.mlp is None:  # the centroids as the scoring reads them (the rule's dtype), or the MLP's fp32 layers
+            nbytes += layer.centroids.numel() * scoring_centroids(layer.centroids[:1, :1]).element_size()
+        else:
+            nbytes += (layer.mlp["w1"].numel() + layer.mlp["w2"].numel()) * 4
         launches = 1 + EXTRA_LAUNCHES + (layer.mlp is not None) - plan.fused_select - plan.fused_merge
         return nbytes / (hw.hbm_read_gbps * 1e3) + launches * hw.launch_us
 

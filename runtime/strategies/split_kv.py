@@ -124,14 +124,23 @@ CHUNK_MIN_BLOCK_N = 64
 CHUNK_ESTIMATE_PENALTY = 0.01
 
 
-#: Swap-AB twins among the candidates (``SplitKVPlan.swap_ab``) where the products swap (``swaps``): off until an H100
-#: run of ``benchmarks/trail_variants.py`` measures them faster somewhere.
+#: Swap-AB twins among the candidates (``SplitKVPlan.swap_ab``) where the products swap (``swaps``), for measurement
+#: to choose. H100, ``benchmarks/trail_variants.py`` round 2 (batch 2c6eb78), lhs37 (B6 32/32 D64 30464 keys, dynamic):
+#: S7/bn128 487.70 µs against 501.31 unswapped, S14/bn128 487.73 against 491.51, S14/bn64 490.59 against 503.37
+#: (cuDNN 488.17); round 1 (1a15bc4) elsewhere from 2.4 % faster to 20 % slower (B1 56/56 D64 64k S64/bn256 303.92
+#: against 304.08; 512k D80 G7 0.6 % slower; S1/bn256/w8 19.7 % slower), so never without a measurement. Off: those
+#: timings are of the first form, which was wrong compiled in one combination (``kernels.split_kv.swap_applies``);
+#: the form without register transposes has not run on a GPU yet (``tests/runtime/test_tile_ops.py``, cuda ids).
 SWAP_AB_TWINS = False
 #: A swap-AB plan's estimate is its twin's times (1 + this): the untuned choice stays unswapped.
 SWAP_ESTIMATE_PENALTY = 0.01
 #: > 0: every candidate also comes with a twin that prefetches this many tiles ahead into L2
-#: (``SplitKVPlan.l2_prefetch``), for measurement to choose; 0: none (until an H100 run measures it faster).
-PREFETCH_TWINS = 0
+#: (``SplitKVPlan.l2_prefetch``), for measurement to choose; 0: none. H100, ``benchmarks/trail_variants.py`` (batches
+#: 1a15bc4, 2c6eb78): 2 tiles ahead at 512k D80 G7 S66/bn128 118.34 / 118.21 µs against 120.08 / 119.61 (chunks),
+#: 117.72 against 120.26 (padded; cuDNN 117.2-117.6); B64 8/8 D80 2432 S1/bn64 chunks 141.0 / 140.5 against 142.9 /
+#: 143.6; slower at lhs37 (S7/bn64 517.5 against 504.8) and B1 56/56 D64 64k (306.1 against 304.1); 1 tile ahead
+#: slower or equal everywhere, 3 slower, 4-8 up to 1.6x slower (L2 thrash).
+PREFETCH_TWINS = 2
 #: A prefetching plan's estimate is its twin's times (1 + this): the untuned choice prefetches nothing.
 PREFETCH_ESTIMATE_PENALTY = 0.01
 

@@ -40,6 +40,14 @@ CASES = {
     "bench-out-folder": (["bench", "variants", "--smoke", "--out", "{tmp}"], "--out='"),
     "e2e-device": (["bench", "e2e", "--device", "nosuch"], "expected cuda, cuda:N or cpu"),
     "e2e-steps": (["bench", "e2e", "--device", "cpu", "--steps", "0"], "argument --steps"),
+    # a negative timeout ran the whole suite (on the CPU, minutes); an unknown method exited 1 without "error:"
+    "e2e-timeout": (["bench", "e2e", "--device", "cpu", "--timeout", "-5"], "argument --timeout: must be a number > 0"),
+    "e2e-methods": (["bench", "e2e", "--device", "cpu", "--methods", "bogus"], "unknown method 'bogus'; valid:"),
+    "kernels-time-budget": (["bench", "kernels", "--time-budget", "-1"], "argument --time-budget: must be a number >= 0"),
+    "multigpu-timeout": (["bench", "multigpu", "--timeout", "nan"], "argument --timeout: must be a number > 0"),
+    "planner-smoke-cases": (["bench", "planner", "--smoke", "--cases", "bogus"], "--smoke runs its three fixed cases"),
+    "planner-time-budget": (["bench", "planner", "--time-budget", "inf"], "argument --time-budget"),
+    "train-lr": (["saap", "train", "{junk}", "--out", "{tmp}/i.safetensors", "--lr", "-1"], "argument --lr"),
     # attnopt export-onnx: checked before the model loads
     "export-cache-len": (["export-onnx", "smollm2", "{tmp}/x.onnx", "--max-cache-len", "0"], "--max-cache-len must"),
     "export-opset": (["export-onnx", "smollm2", "{tmp}/x.onnx", "--opset", "5"], "--opset 5: valid: 23, 24"),

@@ -196,13 +196,20 @@ def fresh_registry():
     registry.reset()
 
 
-@pytest.mark.parametrize("mlp,L,with_lengths,opset", [(False, 1, True, 24), (True, 1, True, 24), (True, 2, False, 23)],
-                         ids=["centroids", "mlp", "mlp-q2-no-valid-len-opset23"])
-def test_saap_exports_its_sparse_decode_as_a_function_body(tmp_path, fresh_registry, mlp, L, with_lengths, opset):
+@pytest.mark.parametrize("mlp,L,with_lengths,opset,centroid_dtype", [
+    (False, 1, True, 24, torch.float32), (False, 1, True, 24, torch.bfloat16), (True, 1, True, 24, None),
+    (True, 2, False, 23, None)], ids=["centroids-fp32", "centroids-bf16", "mlp", "mlp-q2-no-valid-len-opset23"])
+def test_saap_exports_its_sparse_decode_as_a_function_body(tmp_path, fresh_registry, monkeypatch, mlp, L,
+                                                           with_lengths, opset, centroid_dtype):
     """The SAAP node's body picks the same clusters and attends to the same keys as the op's PyTorch path (the
     reference decode); it differs from dense attention, so the selection is really exercised. The index is in
-    the file, the clusters of the keys are a graph input, ``saap_cluster_inputs`` makes them from the registry."""
+    the file, the clusters of the keys are a graph input, ``saap_cluster_inputs`` makes them from the registry.
+    The file holds the centroids as the rule rounds them (``saap_rule.CENTROID_DTYPE``, both ways)."""
+    import attnopt.runtime.kernels.saap_rule as rule
     from attnopt.export_saap import saap_cluster_inputs
+
+    if centroid_dtype is not None:
+        monkeypatch.setattr(rule, "CENTROID_DTYPE", centroid_dtype)
 
     path = saap_index(tmp_path, mlp)
     q, k, v, lengths = decode_case(seed=4, L=L)
@@ -230,7 +237,13 @@ def test_saap_exports_its_sparse_decode_as_a_function_body(tmp_path, fresh_regis
     close(got, want)
     dense = reference.decode_attention(q, k, v, valid_len=lengths, scale=SCALE)
     assert np.abs(got - dense.numpy()).max() > 1e-2
-    if not mlp:
+    if not mlp:  # the centroids in the file: the ones the op scores with (rounded by the rule), not the index's own
+        cents = index.layers[1].centroids
+        tensors = [*model.graph.initializer, *(a.t for n in [*model.graph.node, *model.functions[0].node]
+                                               if n.op_type == "Constant" for a in n.attribute if a.name == "value")]
+        stored = [onnx.numpy_helper.to_array(t) for t in tensors if tuple(t.dims) == tuple(cents.shape)]
+        assert len(stored) == 1 and np.array_equal(stored[0], rule.scoring_centroids(cents).float().numpy())
+        assert np.array_equal(stored[0], cents.numpy()) is (centroid_dtype == torch.float32)
         close(onnx.reference.ReferenceEvaluator(model).run(None, {k_: np.asarray(v_) for k_, v_ in
                                                                   ((n, t.numpy() if isinstance(t, torch.Tensor) else t)
                                                                    for n, t in feeds.items())})[0], want)

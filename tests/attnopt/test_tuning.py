@@ -196,9 +196,14 @@ def test_old_plan_log_and_dense_json_load():
     assert back.choice == "model" and math.isnan(back.measured_us)
 
 
-def test_symbolic_length_gets_a_plan_per_bucket(cache):
+def test_symbolic_length_gets_a_plan_per_bucket(cache, monkeypatch):
     import dataclasses
 
+    from attnopt.runtime.strategies import split_kv as skv
+
+    # the swap-AB and prefetching twins have grids of their own, which the estimate rule below would rank per bucket
+    monkeypatch.setattr(skv, "SWAP_AB_TWINS", False)
+    monkeypatch.setattr(skv, "PREFETCH_TWINS", 0)
     site = dataclasses.replace(SITE, kv_len=None, kv_len_hint=3000)
 
     def rule(plan, s):  # dense below 16k keys, the model's best kernel from there on

@@ -15,7 +15,7 @@ from attnopt.plan import SplitKVPlan
 from attnopt.site import AttentionSite
 from attnopt.tuning import Tuner
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_tuning_method import ENV, _ranked, cache  # noqa: E402,F401  (cache: the fixture, a fresh cache directory)
+from test_tuning_method import ENV, _ranked, _untwinned, cache  # noqa: E402,F401  (cache: the fixture, a fresh cache directory)
 
 #: SmolLM2's decode site over the e2e bench's 1k static cache (1024 + 64 slots, a valid-length mask).
 SMOL_1K = AttentionSite.canonical(q_heads=9, kv_heads=3, head_dim=64, kv_len=1088, mask_kind="valid_length")
@@ -55,7 +55,7 @@ def test_a_static_cache_is_timed_full(mask_kind, window):
 def test_the_most_parallel_split_kv_plan_is_always_a_candidate():
     """At a short KV the one-tile-per-split plan (SmolLM2's 1k site: 17 splits of one 64-key tile) is timed even when
     the top estimates and the further families leave it out."""
-    ranked = _ranked(SMOL_1K)
+    ranked = _untwinned(_ranked(SMOL_1K))
     widest = tuning.most_parallel([p for p in ranked if p.kind != "dense"], SMOL_1K.kv_len)
     assert isinstance(widest, SplitKVPlan) and (widest.splits_at(SMOL_1K.kv_len), widest.block_n) == (17, 64)
     assert widest.runtime_key() != ranked[0].runtime_key()
@@ -86,7 +86,7 @@ def test_configurations_come_before_second_grids(site):
 def test_the_budget_reaches_the_most_parallel_plan(cache, monkeypatch):
     """Every timing costs a cold compile's second, the budget is 4 s: SmolLM2's 1k site still times S=17/64/4/3. By
     estimate it is the fifth kernel plan, sixth after cuDNN, which a 4 s budget cut (t = 5 s)."""
-    ranked = _ranked(SMOL_1K)
+    ranked = _untwinned(_ranked(SMOL_1K))
     plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
     now = [0.0]
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: now[0])

@@ -231,7 +231,11 @@ def test_kernels_compile_for_sm90(monkeypatch):
     jobs += [{**j, "consts": {**j["consts"], "LATE_DEPENDENTS": True}} for j in jobs
              if j["name"] == "_saap_rows_kernel" and j["consts"].get("SELECT") and j["consts"].get("LAUNCH_DEPENDENTS")
              ][:1]
+    # the scoring reading 16-bit centroids (saap_rule.CENTROID_DTYPE; the interpreter has no bf16)
+    jobs += [{**j, "sig": {**j["sig"], "w_ptr": "*bf16", "bias_ptr": "*bf16", "bn_ptr": "*bf16"}} for j in jobs
+             if j["name"] == "_saap_rows_kernel" and j["consts"].get("LATE_DEPENDENTS")]
     assert any(j["consts"].get("SHARE_ALL") for j in jobs) and any(j["consts"].get("LATE_DEPENDENTS") for j in jobs)
+    assert any(j["sig"].get("w_ptr") == "*bf16" for j in jobs)
     names = {j["name"] for j in jobs}
     assert {"_split_kv_kernel", "_merge_states_kernel", "_stream_k_kernel", "_saap_kernel", "_saap_rows_kernel",
             "_saap_select_kernel"} <= names, names

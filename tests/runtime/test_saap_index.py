@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("faiss")
 pytest.importorskip("safetensors")
 
+from attnopt.runtime.kernels.saap_rule import scoring_centroids  # noqa: E402
 from attnopt.runtime.reference import attention_states  # noqa: E402
 from attnopt.runtime.saap import (ClusterState, SaapIndexError, apply_rope, attended_keys, build_clusters,  # noqa: E402
                                   load_index, remove_rope, rope_spec_from_config, saap_decode, select_clusters)
@@ -161,15 +162,19 @@ def test_refinement_moves_the_centroids_onto_the_prompt_and_decode_scores_with_t
     assert plain.centroids is None
     refined_index = dataclasses.replace(index, refine=3)
     st = build_clusters(refined_index, 1, k, prompt_len=N - 3, sink=1, window=20)
-    assert st.centroids.shape == index.layers[1].centroids.shape and st.centroids.dtype == torch.float32
+    def rounded(t):  # as the rule rounds the centroids that decode scores with (saap_rule.scoring_centroids)
+        return scoring_centroids(t).float()
+
+    assert st.centroids.shape == index.layers[1].centroids.shape
+    assert st.centroids.dtype == scoring_centroids(index.layers[1].centroids).dtype
     indexed = remove_rope(k[:, :, 1:N - 23], torch.arange(1, N - 23), index.rope)
     # Lloyd passes pooled over the batch rows never increase the inertia
-    assert _inertia(st.centroids, indexed) < _inertia(index.layers[1].centroids, indexed)
+    assert _inertia(st.centroids.float(), indexed) < _inertia(index.layers[1].centroids, indexed)
     for h in range(2):  # each centroid is the mean of its cluster's keys over both rows; an empty one, of all keys
         for c in range(16):
             members = indexed[:, h][st.assign[:, h] == c]
             want = members.mean(0) if len(members) else indexed[:, h].reshape(-1, 16).mean(0)
-            torch.testing.assert_close(st.centroids[h, c], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(st.centroids[h, c].float(), rounded(want), atol=1e-5, rtol=1e-5)
     one = build_clusters(index, 1, k, prompt_len=N - 3, sink=1, window=20, refine=1)  # one pass: the plain assignment
     torch.testing.assert_close(one.assign, plain.assign)
     assert int(st.offsets[..., -1].min()) == N - 24
@@ -187,9 +192,10 @@ def test_refinement_moves_the_centroids_onto_the_prompt_and_decode_scores_with_t
     one_pass = build_clusters(refined_index, 1, k, prompt_len=29, sink=1, window=20, refine=1)
     one_sizes = (one_pass.offsets[..., 1:] - one_pass.offsets[..., :-1]).sum(0)
     assert (sizes > 0).sum() > (one_sizes > 0).sum()  # empty clusters re-seeded on outliers between passes
-    torch.testing.assert_close(few.centroids[sizes == 0], mean_key[:, None].expand(-1, 16, -1)[sizes == 0])
+    torch.testing.assert_close(few.centroids[sizes == 0].float(),
+                               rounded(mean_key[:, None].expand(-1, 16, -1)[sizes == 0]))
     empty = build_clusters(refined_index, 1, k, prompt_len=10, sink=1, window=20)  # nothing indexed: a copy
-    torch.testing.assert_close(empty.centroids, index.layers[1].centroids)
+    torch.testing.assert_close(empty.centroids.float(), rounded(index.layers[1].centroids))
     with pytest.raises(ValueError, match="refine"):
         build_clusters(index, 1, k, prompt_len=N, sink=1, window=20, refine=-1)
     refined_index.without_mlp().save(tmp_path / "r.safetensors")
@@ -247,7 +253,8 @@ def test_rotated_index_clusters_and_scores_the_vectors_as_the_cache_holds_them(t
     assert torch.equal(st.assign, assign_keys(cents, k[:, :, 1:90]))  # no de-roping
     q = torch.randn(1, 6, 1, 16)
     got = back.without_mlp().cluster_scores(1, q, torch.tensor([119]), 0.25)
-    want = torch.softmax(torch.einsum("bhld,hcd->bhlc", q.reshape(1, 2, 3, 16), cents) * 0.25, -1).sum(2)
+    want = torch.softmax(torch.einsum("bhld,hcd->bhlc", q.reshape(1, 2, 3, 16), scoring_centroids(cents).float())
+                         * 0.25, -1).sum(2)  # the centroids as the rule rounds them
     torch.testing.assert_close(got[:, :, 0], want)
 
 

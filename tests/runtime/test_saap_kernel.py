@@ -281,18 +281,78 @@ def test_derope_is_accurate_at_half_a_million_positions():
     """The in-kernel de-roping's cosines at positions near 512k (a float64 range reduction) match PyTorch's."""
     from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
     from attnopt.runtime.saap.decode import kernel_scorer
+    from attnopt.runtime.kernels.saap_rule import scoring_centroids
     from attnopt.runtime.saap.rope import remove_rope
 
     index = random_index(1, 2, 64, 16)
     q = torch.randn(1, 2, 1, 64)
     n = 524287
     unroped = remove_rope(q, torch.tensor([n - 1]), index.rope).reshape(1, 1, 2, 64)
-    want = torch.einsum("bhmd,hcd->bhmc", unroped, index.layers[1].centroids) * 0.125
+    cents = scoring_centroids(index.layers[1].centroids).float()  # as the rule rounds them
+    want = torch.einsum("bhmd,hcd->bhmc", unroped, cents) * 0.125
     ws = select_workspace(1, 1, 2, 16, 0, DEVICE)
     offsets = torch.zeros(1, 1, 17, dtype=torch.int32, device=DEVICE)
     saap_select(q.to(DEVICE), offsets, torch.zeros(1, dtype=torch.int32, device=DEVICE), ws, probes=2, scale=0.125,
                 n_keys=n, scorer=kernel_scorer(index.to(DEVICE), 1))
     torch.testing.assert_close(ws.logits.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_the_plans_scoring_reads_bf16_centroids_and_the_index_keeps_fp32():
+    """The default (``saap_rule.CENTROID_DTYPE``, measured faster on the H100): the scorer a plan prepares holds the
+    centroids in bf16, half the bytes the scoring launch reads; the index itself (and its file) stays fp32."""
+    from attnopt.runtime.kernels.saap_rule import CENTROID_DTYPE
+    from attnopt.runtime.saap.decode import kernel_scorer
+
+    index = random_index(2, 4, 64, 8)
+    scorer = kernel_scorer(index, 1)
+    assert CENTROID_DTYPE == torch.bfloat16 and scorer.centroids.dtype == torch.bfloat16
+    assert index.layers[1].centroids.dtype == torch.float32
+    assert torch.equal(scorer.centroids, index.layers[1].centroids.bfloat16())
+
+
+@pytest.mark.parametrize("fused,refine", [(False, 0), (True, 2)])
+def test_16_bit_centroids_are_scored_as_the_rule_rounds_them(monkeypatch, fused, refine):
+    """With a 16-bit ``saap_rule.CENTROID_DTYPE`` (fp16 here: the interpreter has no bf16) the scoring reads the
+    centroids in it (the index's at prepare, the ones refined at prefill) and its logits are the reference's over the
+    same rounded centroids, not over the fp32 ones; the same clusters, the same output."""
+    import attnopt.runtime.kernels.saap_rule as rule
+    from attnopt.runtime.kernels.saap import saap_decode_kernel, saap_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+    from attnopt.runtime.saap.rope import remove_rope
+
+    monkeypatch.setattr(rule, "CENTROID_DTYPE", torch.float16)
+    B, Hq, Hkv, D, C, N, L, probes, sink, window = 1, 4, 2, 64, 24, 400, 1, 5, 2, 32
+    torch.manual_seed(5)
+    index = random_index(Hkv, Hq, D, C)
+    q, k, v = torch.randn(B, Hq, L, D) * 3, torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    state = build_clusters(index, 1, k, N, sink, window, refine=refine)
+    scorer = kernel_scorer(index.to(DEVICE), 1)
+    assert scorer.centroids.dtype == torch.float16  # half the bytes of fp32
+    cents = index.layers[1].centroids.half()
+    if refine:
+        assert state.centroids.dtype == torch.float16  # the buffer the scoring reads
+        scorer, cents = scorer._replace(centroids=state.centroids.to(DEVICE)), state.centroids
+    pos = torch.arange(N - L, N)
+    scores = index.cluster_scores(1, q, pos, 0.125, state.centroids).sum(dim=2)  # the reference, the rule's rounding
+    unroped = remove_rope(q, pos, index.rope).reshape(B, Hkv, Hq // Hkv * L, D)
+    want_logits = torch.einsum("bhmd,hcd->bhmc", unroped, cents.float()) * 0.125
+    if not refine:  # the rounding is real: the fp32 centroids' logits are further off than the kernel's error
+        fp32_logits = torch.einsum("bhmd,hcd->bhmc", unroped, index.layers[1].centroids) * 0.125
+        assert float((fp32_logits - want_logits).abs().max()) > 1e-4
+    torch.testing.assert_close(scores, torch.softmax(want_logits, -1).reshape(B, Hkv, Hq // Hkv, L, C).sum((2, 3)),
+                               atol=1e-6, rtol=1e-5)
+    top = scores.sort(dim=-1, descending=True).values
+    assert bool(((top[..., probes - 1] - top[..., probes]) > 1e-4 * top[..., 0]).all())  # no near-tie to flip
+    want_o, want_lse = saap_decode_states(q, k, v, attended_keys(state, threshold_clusters(scores, probes), N, L),
+                                          0.125)
+    out, lse = torch.empty(B, Hq, L, D, device=DEVICE), torch.empty(B, Hq, L, device=DEVICE)
+    ws = saap_workspace(3, q.to(DEVICE), v.to(DEVICE), Hkv, C, scorer.hidden)
+    saap_decode_kernel(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), state.offsets.to(DEVICE), state.perm.to(DEVICE),
+                       state.ends.to(DEVICE), out, lse, probes=probes, sink=sink, scale=0.125, scorer=scorer,
+                       workspace=ws, block_n=32, fused_select=fused, fused_merge=fused)
+    torch.testing.assert_close(ws.select.logits.cpu(), want_logits, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.cpu(), want_o, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.cuda

@@ -188,9 +188,9 @@ def test_swap_estimate_covers_the_compiled_kernels(d, chunks, block_n, stages, c
 
 
 def test_swap_twins_are_candidates_only_where_the_products_swap(monkeypatch):
-    """With ``SWAP_AB_TWINS`` on, swap-AB twins come among the candidates of 16-bit sites under 64 packed query rows
-    (G=1 D64, G=7 D80), each within the shared-memory budget with its own layout and estimated just behind its
-    twin, and the tuner times the best one early; none for fp32 or 64 rows; with it off (the default), none."""
+    """With ``SWAP_AB_TWINS`` on (the default), swap-AB twins come among the candidates of 16-bit sites under 64 packed
+    query rows (G=1 D64, G=7 D80), each within the shared-memory budget with its own layout and estimated just behind
+    its twin, and the tuner times the best one early; none for fp32 or 64 rows; with it off, none."""
     from attnopt.hardware import builtin_profile
     from attnopt.runtime.strategies import PlanContext, get_strategy
     from attnopt.runtime.strategies import split_kv as skv
@@ -204,7 +204,8 @@ def test_swap_twins_are_candidates_only_where_the_products_swap(monkeypatch):
         return AttentionSite.canonical(batch=1, q_heads=2 * g, kv_heads=2, head_dim=d, q_len=q_len, kv_len=65536,
                                        dtype=dtype)
 
-    assert not any(p.swap_ab for p in strategy.candidates(site(1, 64), h100, ctx)), "off by default"
+    monkeypatch.setattr(skv, "SWAP_AB_TWINS", False)
+    assert not any(p.swap_ab for p in strategy.candidates(site(1, 64), h100, ctx)), "off"
     monkeypatch.setattr(skv, "SWAP_AB_TWINS", True)
     for s in (site(1, 64), site(7, 80)):
         plans = list(strategy.candidates(s, h100, ctx))
@@ -226,8 +227,8 @@ def test_swap_twins_are_candidates_only_where_the_products_swap(monkeypatch):
 
 
 def test_prefetch_twins_are_candidates_when_on(monkeypatch):
-    """With ``PREFETCH_TWINS`` = T each split-KV candidate comes with a twin prefetching T tiles ahead, estimated just
-    behind it, and the tuner times the best-estimated one early, its top k being plain plans; with 0 (the default),
+    """With ``PREFETCH_TWINS`` = T (2 by default) each split-KV candidate comes with a twin prefetching T tiles ahead,
+    estimated just behind it, and the tuner times the best-estimated one early, its top k being plain plans; with 0,
     none."""
     from attnopt.hardware import builtin_profile
     from attnopt.runtime.strategies import PlanContext, get_strategy
@@ -238,7 +239,8 @@ def test_prefetch_twins_are_candidates_when_on(monkeypatch):
     h100, ctx = builtin_profile("h100-sxm"), PlanContext(device_type="cuda", triton_available=True)
     strategy = get_strategy("split_kv")
     site = AttentionSite.canonical(batch=1, q_heads=14, kv_heads=2, head_dim=80, q_len=1, kv_len=524288)
-    assert not any(p.l2_prefetch for p in strategy.candidates(site, h100, ctx)), "off by default"
+    monkeypatch.setattr(skv, "PREFETCH_TWINS", 0)
+    assert not any(p.l2_prefetch for p in strategy.candidates(site, h100, ctx)), "off"
     monkeypatch.setattr(skv, "PREFETCH_TWINS", 2)
     plans = list(strategy.candidates(site, h100, ctx))
     fetching = [p for p in plans if p.l2_prefetch]
@@ -251,3 +253,19 @@ def test_prefetch_twins_are_candidates_when_on(monkeypatch):
     timed = to_time(ranked, 2, 0)
     assert sum(1 for p in timed if p.l2_prefetch) == 1, "the best prefetching plan is timed, and no other twin"
     assert sum(1 for p in timed if p.kind == "split_kv" and not p.l2_prefetch) >= 2, "twins displace no plain plan"
+
+
+def test_swap_is_refused_where_it_was_wrong_compiled():
+    """``swap_applies``: not for TMA tiles in head chunks with the crossing tile after the loop (a valid length or a
+    causal cut: the combination the H100 found wrong), nor 64 query rows, mask tiles or fp32 on CUDA; else yes."""
+    from attnopt.runtime.kernels.common import decode_geometry
+    from attnopt.runtime.kernels.split_kv import swap_applies
+
+    q, k = torch.randn(1, 2, 1, 80, dtype=torch.float16), torch.randn(1, 2, 64, 80, dtype=torch.float16)
+    geo = decode_geometry(q, k, k)
+    assert swap_applies(geo, q, False, True, (64, 32), True), "TMA chunks, keys to the tensors' end"
+    assert not swap_applies(geo, q, False, True, (64, 32), False), "TMA chunks, the crossing tile after the loop"
+    assert swap_applies(geo, q, False, True, (0, 0), False) and swap_applies(geo, q, False, False, (64, 32), False)
+    assert not swap_applies(geo, q, True, False, (0, 0), True), "mask tiles"
+    q64 = torch.randn(1, 128, 1, 80, dtype=torch.float16)
+    assert not swap_applies(decode_geometry(q64, k, k), q64, False, False, (0, 0), True), "64 query rows: wgmma"
