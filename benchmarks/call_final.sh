@@ -13,7 +13,7 @@ tail -4 "$OUT/tests.txt"
 cd /tmp
 if [ "$(left)" -gt 60 ]; then
   timeout $(( $(left) - 5 )) python -m attnopt.cli bench saap --out "$OUT/saap.json" --cases llama3-8b-128k,llama3-8b-512k \
-    --targets 0.05 --saap-fuse none,merge --saap-splits 0,66 --no-mlp > "$OUT/saap.log" 2>&1
+    --targets 0.05 --saap-fuse select,none --saap-splits 0,66 --no-mlp > "$OUT/saap.log" 2>&1
   grep "need" "$OUT/saap.log" | tail -12
 fi
 if [ "$(left)" -gt 60 ]; then

@@ -23,10 +23,12 @@ other kernel), ``kernels_per_call``; ``between_kernels_us``: ``us`` minus their 
 kernels; ``us_pdl``: the graph timing with the launches chained by programmatic dependent launch (the plan's ``pdl``;
 ``us`` is the planner's choice: chained for centroid scoring with its selection fused, ``PDL_CENTROID_SCORING``).
 
-``--saap-fuse`` (default ``none,merge``) times the four-launch path (the plan's default; method
-``attnopt:saap-unfused``) beside fused ones in the same run: ``both`` (two launches: the scoring launch also
-selects, the attention launch also merges; its ``scoring_us`` then holds the selection and its ``attention_us`` the
-merge; method ``attnopt:saap``), ``select`` and ``merge`` (one of the two: ``...-fuse-select``, ``...-fuse-merge``).
+``--saap-fuse`` (default ``select,none``) times the plan the planner makes for a centroid-scored index first
+(``select``: the scoring launch's last program per head also selects, the attention and the merge apart; method
+``attnopt:saap-fuse-select``, ``PLANNED_FUSE``) and the four-launch path beside it (method ``attnopt:saap-unfused``),
+in the same run; also ``both`` (two launches: the scoring launch also selects, the attention launch also merges;
+its ``scoring_us`` then holds the selection and its ``attention_us`` the merge; method ``attnopt:saap``) and ``merge``
+(``...-fuse-merge``).
 ``--saap-window-stream`` (default ``off``; e.g. ``off,on,late`` times all three) times each of those also with the
 plan's ``window_stream`` (method suffix ``-ws``): the window's splits a launch of their own on a side stream, beside
 the scoring and the selection; ``late`` (suffix ``-wsl``) forks it after the scoring (``window_after_scoring``). Its
@@ -51,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from .saap_breakdown import STAGES, launch_breakdown, selection_by_warps
-from .saap_options import FUSE_CHOICES, WINDOW_CHOICES, fuse_choices, saap_geometries, select_warps_choices, \
-    stages_choices, window_splits_choices, window_stream_choices
+from .saap_options import FUSE_CHOICES, PLANNED_FUSE, WINDOW_CHOICES, fuse_choices, saap_geometries, \
+    select_warps_choices, stages_choices, window_splits_choices, window_stream_choices
 
 #: name -> (B, Hq, Hkv, D, N)
 CASES = {"tiny-4k": (1, 8, 2, 128, 4096), "llama3-8b-32k": (1, 32, 8, 128, 32768), "llama3-8b-128k": (1, 32, 8, 128, 131072),
@@ -75,9 +77,10 @@ def register(suites) -> None:
                    "(0 or empty: the planner's choice)")
     p.add_argument("--saap-block-n", default="", help="comma-separated keys per attention tile to time per SAAP row "
                    "(0 or empty: the planner's)")
-    p.add_argument("--saap-fuse", default="none,merge", help="comma-separated, of: none (four launches, the plan's "
-                   "default; method suffix -unfused), both (two launches: scoring with the selection, attention with "
-                   "the merge), select, merge (one of the two fused: suffix -fuse-select, -fuse-merge)")
+    p.add_argument("--saap-fuse", default=f"{PLANNED_FUSE},none", help="comma-separated, of: select (the "
+                   "scoring launch also selects: the plan the planner makes for centroid scoring; method suffix "
+                   "-fuse-select), none (four launches; suffix -unfused), both (two launches: scoring with the "
+                   "selection, attention with the merge), merge (the attention launch also merges; suffix -fuse-merge)")
     p.add_argument("--saap-window-stream", default="off", help="comma-separated, of: off, on (the window's splits "
                    "launched apart on a side stream, beside the scoring and the selection; method suffix -ws), late "
                    "(the same, forked after the scoring; suffix -wsl)")

@@ -6,6 +6,9 @@ from __future__ import annotations
 #: ``--saap-fuse`` choices -> (the plan's fused_select, fused_merge) and the method's suffix.
 FUSE_CHOICES = {"both": ((True, True), ""), "none": ((False, False), "-unfused"),
                 "select": ((True, False), "-fuse-select"), "merge": ((False, True), "-fuse-merge")}
+#: The choice that is the planner's own plan for a centroid-scored index (SaapStrategy.candidates: fused_select for
+#: centroid scoring, the merge apart): the bench's default times it first, so its verdict is what a user gets.
+PLANNED_FUSE = "select"
 
 
 def fuse_choices(text: str) -> list[str]:

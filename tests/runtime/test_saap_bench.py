@@ -8,8 +8,8 @@ import torch
 
 from attnopt.bench.saap import budget, speed_verdict
 from attnopt.bench.saap_breakdown import SELECT_WARPS, STAGES, stage_of, unchained
-from attnopt.bench.saap_options import fuse_choices, saap_geometries, select_warps_choices, stages_choices, \
-    window_splits_choices, window_stream_choices
+from attnopt.bench.saap_options import PLANNED_FUSE, fuse_choices, saap_geometries, select_warps_choices, \
+    stages_choices, window_splits_choices, window_stream_choices
 from attnopt.cli import build_parser
 
 
@@ -70,7 +70,7 @@ def test_fuse_choice_option():
         with pytest.raises(ValueError, match="--saap-fuse takes a comma-separated list of both, none, select, merge"):
             fuse_choices(bad)
     args = build_parser().parse_args(["bench", "saap"])
-    assert fuse_choices(args.saap_fuse) == ["none", "merge"]
+    assert fuse_choices(args.saap_fuse) == [PLANNED_FUSE, "none"]  # the planner's own plan first
 
 
 def test_window_stream_option():

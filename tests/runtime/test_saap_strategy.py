@@ -71,6 +71,9 @@ def test_centroid_scoring_selects_in_its_scoring_launch_and_the_mlp_does_not(tmp
     hw = builtin_profile("cpu")
     plan = next(iter(SAAP.candidates(_site(), hw, _ctx(index_path))))
     assert plan.fused_select and plan.pdl
+    # `attnopt bench saap` times this plan first by default (its verdict is what the planner gives a user)
+    from attnopt.bench.saap_options import FUSE_CHOICES, PLANNED_FUSE
+    assert FUSE_CHOICES[PLANNED_FUSE][0] == (plan.fused_select, plan.fused_merge)
     index = synthetic_index(6, 2, 64, clusters=8, layers=(1,), num_layers=3)
     g = torch.Generator().manual_seed(0)
     mlp = {"w1": torch.randn(2, 16, 64, generator=g), "b1": torch.zeros(2, 16), "bn_mean": torch.zeros(2, 16),
