@@ -201,7 +201,9 @@ def _rewritable_in_half(spec) -> bool:
 
 
 @pytest.mark.cuda
-@settings(max_examples=40, **SETTINGS)
+# 12, not 40: each example compiles its own kernels (their constexprs differ), and 40 ran past the GPU suite's 300 s
+# a test id on the H100 at 2cead39 with no verdict
+@settings(max_examples=12, **SETTINGS)
 @given(specs(plans=(None, "split_kv", "stream_k"), dtypes=(torch.float32, torch.float16, torch.bfloat16)))
 def test_fuzz_variants_on_the_gpu(spec):
     """The compiled Triton kernels on a GPU: fp32 against the original, fp16/bf16 against the original in float64."""
