@@ -123,22 +123,21 @@ def test_the_layers_of_a_model_share_one_bucketed_tuning(cache):
     assert len(ranks) > ranked_first + 30
 
 
+def _buckets_called(monkeypatch, method: str) -> list:
+    """Spy on ``Tuner.<method>(self, x, at, ...)``: the list of the buckets of ``at.kv_len`` it was called at."""
+    called, original = [], getattr(Tuner, method)
+
+    def spy(self, x, at, *args, **kw):
+        called.append(tuning.bucket_of(at.kv_len))
+        return original(self, x, at, *args, **kw)
+    monkeypatch.setattr(Tuner, method, spy)
+    return called
+
+
 def test_grid_siblings_and_duels_only_near_the_hint(cache, monkeypatch):
     site = AttentionSite.canonical(batch=7, q_heads=4, kv_heads=2, head_dim=96, kv_len=None, kv_len_hint=3264)
-    seen = []
-    original = Tuner._time_siblings
-
-    def spy(self, ranked, at, *args, **kw):
-        seen.append(tuning.bucket_of(at.kv_len))
-        return original(self, ranked, at, *args, **kw)
-    monkeypatch.setattr(Tuner, "_time_siblings", spy)
-    dueled = []
-    original_duel = Tuner._duel
-
-    def duel_spy(self, by_key, at, *args, **kw):
-        dueled.append(tuning.bucket_of(at.kv_len))
-        return original_duel(self, by_key, at, *args, **kw)
-    monkeypatch.setattr(Tuner, "_duel", duel_spy)
+    seen = _buckets_called(monkeypatch, "_time_siblings")
+    dueled = _buckets_called(monkeypatch, "_duel")
     timer = Scripted(lambda plan, s, n: 20.0 if plan.kind == "dense" else 10.0 + hash(plan.runtime_key()) % 7 / 10)
     Tuner(timer, cache, env=ENV).choose_bucketed(site, _ranked)
     h = tuning.BUCKETS.index(tuning.bucket_of(3264))
