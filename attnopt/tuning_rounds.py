@@ -144,20 +144,23 @@ class TimingRounds:
     def _time_twins(self, ranked: Sequence[Plan], site: AttentionSite, samples: dict[str, list[float]],
                     timings: dict[str, Any], charge: dict[str, float], end: float, eager: bool) -> dict[str, Any]:
         """Time the twins (``variant_twins``: L2 prefetch, head chunks, swapped products, pointer loads) of the
-        fastest measured kernel plans as ``_time_siblings`` times grids. Returns the extras to record (``twins``: the
-        keys timed, ``twins_warm_up_s``)."""
+        fastest measured kernel plans as ``_time_siblings`` times grids, however late the siblings ran: they are at
+        most ``TWINS_MOST``, and the fastest plan's own (``SIBLINGS_S`` after their warm-up). Returns the extras to
+        record (``twins``: the keys timed, ``twins_warm_up_s``)."""
         measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
         more = variant_twins(measured, ranked, set(samples) | set(timings))
-        return self._time_more("twins", "twins", more, ranked, site, samples, timings, charge, end, eager)
+        return self._time_more("twins", "twins", more, ranked, site, samples, timings, charge, end, eager,
+                               late=True)
 
     def _time_more(self, name: str, short: str, more: Sequence[Plan], ranked: Sequence[Plan], site: AttentionSite,
                    samples: dict[str, list[float]], timings: dict[str, Any], charge: dict[str, float], end: float,
-                   eager: bool) -> dict[str, Any]:
+                   eager: bool, late: bool = False) -> dict[str, Any]:
         """Compile ``more`` (kernel plans), then time them beside the fastest measured kernel plan until the budget's
-        ``end`` or ``SIBLINGS_S`` after the warm-up, whichever is later; nothing once ``SIBLINGS_S`` past ``end``.
+        ``end`` or ``SIBLINGS_S`` after the warm-up, whichever is later; nothing once ``SIBLINGS_S`` past ``end``
+        unless ``late``.
         Their samples and errors go to ``samples`` / ``timings``; the extras name them (``name``) and the warm-up's
         seconds (``<short>_warm_up_s``)."""
-        if not more or time.perf_counter() > end + SIBLINGS_S:
+        if not more or (time.perf_counter() > end + SIBLINGS_S and not late):
             return {}
         measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
         by_key = {p.runtime_key(): p for p in ranked}

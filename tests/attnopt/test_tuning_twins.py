@@ -152,3 +152,24 @@ def test_a_noisy_peer_is_judged_by_its_median_over_the_duel(cache, monkeypatch, 
     cudnn = next(k for k in record["samples"] if '"cudnn"' in k)
     assert cudnn in record["duel"] and len(record["samples"][cudnn]) > tuning.ROUNDS
     assert (choice.plan.kind != "dense") == kernel_wins
+
+
+def test_the_twins_are_timed_after_siblings_that_ran_past_the_budget(cache, monkeypatch):
+    """Every timing costs 0.3 s of a 4 s budget, so the grid siblings run past it (later ones are skipped): the
+    fastest plan's twins are still compiled and timed, and its prefetching twin (3 % faster here) wins."""
+    now = [0.0]
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: now[0])
+    replay = H100Corner()
+
+    def rule(plan, s, n):
+        now[0] += 0.3
+        if getattr(plan, "l2_prefetch", 0):
+            return 0.97 * replay(dataclasses.replace(plan, l2_prefetch=0), s)
+        return replay(plan, s)
+    timer = Scripted(rule)
+    timer.fresh_length_us = replay.fresh_length_us
+    site = dataclasses.replace(CORNER, kv_len=N, kv_len_hint=None)
+    choice = Tuner(timer, cache, env=ENV, budget_s=4.0).choose(site, _ranked(site), bucketed=True)
+    record = cache.get(ENV, ShapeKey.of(site, N, True))
+    assert any(str(v).startswith("skipped: tuning budget") for v in record["timings"].values())
+    assert record["twins"] and choice.plan.runtime_key() in record["twins"] and choice.plan.l2_prefetch == 2
