@@ -90,7 +90,8 @@ BUCKETED_BUDGET_FACTOR = 2.0
 #: duel; ``choose``'s ``thorough``): a grid that fits the tiles of the bucket's middle length fits no other length of
 #: a 2x bucket better than its neighbours', and the siblings were a third of a growing cache's timings (9 of 31 a
 #: bucket, CPU count with the datasheet model's candidates at lhs04's shape); the site runs at the hint's bucket now.
-#: Only the hint's bucket times the twins of its fastest plans (``_time_twins``): each twin is a cold compile.
+#: Only the hint's bucket times the nearest grids of further close configurations and the twins of its fastest plan
+#: (``grid_siblings``'s ``near``, ``_time_twins``): their warm-ups took 1-5 s each on the H100 (ef39938).
 NEAR_HINT_BUCKETS = 1
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
@@ -193,9 +194,9 @@ class Tuner(TimingRounds):
         ``tie`` of the fastest, or the fastest dense plan within ``PEER_SPAN`` of a kernel winner, they are timed
         there too (``_tie_break``). A kernel plan must beat the fastest dense plan by ``PEER_MARGIN`` to be chosen
         over it. After the first timing, the other grids of the fastest kernel configurations are timed as well
-        (``_time_siblings``), with a budget, then the twins of the fastest (``_time_twins``: L2 prefetch, head chunks;
-        each a compile) unless ``twins`` is false (default: ``thorough``), and the near ties re-timed (``_duel``),
-        unless ``thorough`` is false.
+        (``_time_siblings``), with a budget, then the nearest grids of further close configurations and the twins of
+        the fastest (``_time_twins``: L2 prefetch, head chunks; each a compile) unless ``twins`` is false (default:
+        ``thorough``), and the near ties re-timed (``_duel``), unless ``thorough`` is false.
 
         The budget counts from the end of the warm-up: the warm-up compiles every candidate at once, and a budget that
         it had spent left compiled candidates untimed (H100: SmolLM2's 1k static site kept S=5/256/8/2 at 7.35 µs with
@@ -242,7 +243,7 @@ class Tuner(TimingRounds):
         measure_start = time.perf_counter()
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         if self.budget_s > 0 and thorough:
-            measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager))
+            measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager, twins))
         if self.budget_s > 0 and twins:
             measure_extra.update(self._time_twins(ranked, site, samples, timings, charge, end, eager))
         if self.budget_s > 0 and thorough and not eager:  # (an eager sample adds the host time: host-bound alike)

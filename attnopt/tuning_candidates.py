@@ -50,9 +50,14 @@ SIBLINGS_WITHIN = 0.5
 #: warps and 3 stages were timed only at the model's fixed 128 splits, 138.8 µs, 12 % behind the fastest timed plan
 #: and seventh of the configurations; their 66 splits, the winner's grid (S66/bn256 chunks, 120.9), ran 120.0-120.3
 #: µs padded in ``benchmarks/trail_variants.py`` (1a15bc4, 2c6eb78) and were never timed.
+#: One grid each: on the H100 (planner cases at ef39938) every win of a further configuration came from its nearest
+#: grid (512k above; lhs37, S22/bn256/w4/st3 beside the fastest S22/bn256/w8/st2: 482.5 µs against cuDNN's 487.9;
+#: static 4k of 32k, S16/bn64 beside S16/bn128), while its second nearest grids cost a warm-up (2-5 s for ten).
+#: Of the fastest plan's kind only (a stream-K grid counts programs, a split-KV one splits per output tile), and not
+#: the prefetching or swapped families (``variant_twins`` times those of the fastest plan).
 SIBLING_FAMILY_NEAR = 0.15
 SIBLING_FAMILIES_MAX = 8
-NEAR_GRIDS = 2
+NEAR_GRIDS = 1
 #: The runtime-key fields that make a kernel plan's twins (``variant_twins``): a twin runs the same grid and tiles
 #: with L2 prefetch, head chunks, swapped products or pointer loads changed. The model cannot rank twins (each is
 #: estimated just behind its plain twin), and ``to_time`` times only the best-estimated prefetching and swapped plans,
@@ -136,10 +141,11 @@ def grid_siblings(measured: dict[str, float], ranked: Sequence[Plan], tried: set
                   near: bool = False) -> list[Plan]:
     """The untried grids (``ranked`` order, at most ``most`` each) of the ``families`` fastest measured kernel
     configurations (``_family``: the same kernel apart from the grid, and whether one split skips the merge) within
-    ``SIBLINGS_WITHIN`` of the fastest measured. With ``near``, instead: of each further configuration within
-    ``SIBLING_FAMILY_NEAR`` of the fastest measured kernel plan (``SIBLING_FAMILIES_MAX`` configurations in all,
-    counting the ``families``), the ``NEAR_GRIDS`` untried grids whose split counts at ``n_keys`` are nearest (by
-    ratio) the fastest kernel plan's, every configuration's nearest first. ``measured``: runtime key -> µs of the
+    ``SIBLINGS_WITHIN`` of the fastest measured. With ``near``, instead: of each further configuration of the fastest
+    kernel plan's kind, neither prefetching nor swapped, within ``SIBLING_FAMILY_NEAR`` of the fastest measured kernel
+    plan (``SIBLING_FAMILIES_MAX`` configurations in all, counting the ``families``), the ``NEAR_GRIDS`` untried grids
+    whose split counts at ``n_keys`` are nearest (by ratio) the fastest kernel plan's, every configuration's nearest
+    first. ``measured``: runtime key -> µs of the
     candidates timed; ``tried``: the runtime keys timed or failed. A sibling of a configuration timed only at one
     split, or only at several, compiles that other kernel in the warm-up; the rest share a compiled kernel."""
     by_key = {p.runtime_key(): p for p in ranked}
@@ -151,8 +157,12 @@ def grid_siblings(measured: dict[str, float], ranked: Sequence[Plan], tried: set
     chosen: list[tuple] = []
     for k in kernels:
         fam = _family(by_key[k])
-        if fam not in chosen and measured[k] <= within and (
-                len(chosen) < families or (near and measured[k] <= close and len(chosen) < SIBLING_FAMILIES_MAX)):
+        if fam in chosen or measured[k] > within:
+            continue
+        if len(chosen) < families:
+            chosen.append(fam)
+        elif near and measured[k] <= close and len(chosen) < SIBLING_FAMILIES_MAX and \
+                by_key[k].kind == by_key[kernels[0]].kind and not _twin_flags(by_key[k]):
             chosen.append(fam)
     grids = [[p for p in ranked if p.kind != "dense" and p.runtime_key() not in tried and _family(p) == fam]
              for fam in chosen]
@@ -162,6 +172,11 @@ def grid_siblings(measured: dict[str, float], ranked: Sequence[Plan], tried: set
     nearest = [sorted(g, key=lambda p: abs(math.log(_splits(p, n_keys) / target)))[:NEAR_GRIDS]
                for g in grids[families:]]
     return [g[i] for i in range(NEAR_GRIDS) for g in nearest if i < len(g)]
+
+
+def _twin_flags(plan: Plan) -> bool:
+    """Whether a kernel plan prefetches into L2 or swaps its products (a twin of a plain plan)."""
+    return bool(getattr(plan, "l2_prefetch", 0) or getattr(plan, "swap_ab", False))
 
 
 def _splits(plan: Plan, n_keys: int | None) -> int:

@@ -127,17 +127,20 @@ class TimingRounds:
         return None
 
     def _time_siblings(self, ranked: Sequence[Plan], site: AttentionSite, samples: dict[str, list[float]],
-                       timings: dict[str, Any], charge: dict[str, float], end: float, eager: bool) -> dict[str, Any]:
+                       timings: dict[str, Any], charge: dict[str, float], end: float, eager: bool,
+                       near: bool = True) -> dict[str, Any]:
         """Time the other grids of the fastest kernel configurations (``grid_siblings``) beside the fastest kernel
         plan, within the budget or ``SIBLINGS_S`` past it (after their warm-up), then those of the further close
-        configurations nearest the fastest plan's grid (``near``: once the first siblings are timed, the fastest is
-        more often the grid that fits), and add their samples (and errors) to ``samples`` / ``timings``; each is
+        configurations nearest the fastest plan's grid where ``near`` (``grid_siblings``'s ``near``: once the first
+        siblings are timed, the fastest is more often the grid that fits), and add their samples (and errors) to ``samples`` / ``timings``; each is
         charged as the configuration's timed plan is (the same kind). Returns the extras to record
         (``grid_siblings`` / ``near_siblings``: the keys timed, ``siblings_warm_up_s`` / ``near_warm_up_s``)."""
         extra: dict[str, Any] = {}
-        for near, name, short in ((False, "grid_siblings", "siblings"), (True, "near_siblings", "near")):
+        for stage, name, short in ((False, "grid_siblings", "siblings"), (True, "near_siblings", "near")):
+            if stage and not near:
+                break
             measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
-            more = grid_siblings(measured, ranked, set(samples) | set(timings), n_keys=site.kv_len, near=near)
+            more = grid_siblings(measured, ranked, set(samples) | set(timings), n_keys=site.kv_len, near=stage)
             extra.update(self._time_more(name, short, more, ranked, site, samples, timings, charge, end, eager))
         return extra
 

@@ -10,7 +10,7 @@ import pytest
 
 from attnopt import tuning
 from attnopt import tuning_candidates as candidates
-from attnopt.plan import DensePlan, SplitKVPlan, plan_from_json
+from attnopt.plan import DensePlan, SplitKVPlan, StreamKPlan, plan_from_json
 from attnopt.site import AttentionSite
 from attnopt.tuning import ShapeKey, Tuner
 
@@ -65,37 +65,45 @@ def test_the_512k_corner_finds_the_prefetching_one_wave_plan(cache):
     splits (138.8, the seventh configuration), and the one prefetching plan timed was the best-estimated one,
     S1024/bn256/w8 (151.7). Now the close configurations are timed at the fastest plan's grid (S66/bn128: 120.3) and
     the fastest plan's twins after them: S66/bn128 prefetching 2 tiles ahead wins (117.7 µs against cuDNN's 117.5 at
-    one length), with a bounded number of timings."""
+    one length), with a bounded number of timings; the bucket beside the hint's does neither (their compiles)."""
     timer = H100Corner()
     choice = Tuner(timer, cache, env=ENV, buckets=(262144, N)).choose_bucketed(CORNER, _ranked)
     plan = plan_from_json(choice.plan.plan_for(N)) if choice.plan.kind == "bucketed" else choice.plan
     assert _shape(plan) == (66, 128, 4, 3, False, 2) and choice.measured_us == pytest.approx(117.7)
     record = cache.get(ENV, ShapeKey.of(dataclasses.replace(CORNER, kv_len=N, kv_len_hint=None), N, True))
     near = [_shape(plan_from_json(k)) for k in record["near_siblings"]]
-    assert (66, 128, 4, 3, False, 0) in near and len(near) <= 2 * (candidates.SIBLING_FAMILIES_MAX - 2)
+    assert (66, 128, 4, 3, False, 0) in near and len(near) <= candidates.SIBLING_FAMILIES_MAX - 2
     twins = [_shape(plan_from_json(k)) for k in record["twins"]]
     assert twins[0] == (66, 128, 4, 3, False, 2) and len(twins) <= candidates.TWINS_MOST
     assert {(66, 128, 4, 3, True, 0), (66, 128, 4, 3, True, 2)} <= set(twins)  # chunked, and chunked prefetching
     assert len({k for k, n in timer.calls if n == N}) <= 45  # distinct plans timed at the hint's length
+    # the bucket beside the hint's times grid siblings (thorough) but no further configurations' grids or twins
+    n_other = tuning.bucket_length(262144, (262144, N))
+    other = cache.get(ENV, ShapeKey.of(dataclasses.replace(CORNER, kv_len=n_other, kv_len_hint=None), n_other, True))
+    assert other["grid_siblings"] and "near_siblings" not in other and "twins" not in other
 
 
 def test_near_siblings_are_the_grids_nearest_the_fastest_plans():
-    """Of each further configuration within SIBLING_FAMILY_NEAR of the fastest kernel plan, the NEAR_GRIDS grids
-    whose split counts are nearest the fastest's (by ratio), every configuration's nearest first; a configuration
-    over SIBLING_FAMILY_NEAR behind, and the SIBLING_FAMILIES fastest (their grids come first, in ranked order), get
-    none here."""
-    def p(splits, bn, warps=4, stages=3, est=1.0):
-        return SplitKVPlan(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages,
-                           tiles_per_split=1).with_estimate(est)
+    """Of each further configuration within SIBLING_FAMILY_NEAR of the fastest kernel plan, of its kind and neither
+    prefetching nor swapped, the NEAR_GRIDS grids whose split counts are nearest the fastest's (by ratio), every
+    configuration's nearest first; a configuration over SIBLING_FAMILY_NEAR behind, a stream-K or prefetching one,
+    and the SIBLING_FAMILIES fastest (their grids come first, in ranked order), get none here."""
+    def p(splits, bn, warps=4, stages=3, est=1.0, prefetch=0):
+        return SplitKVPlan(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, tiles_per_split=1,
+                           l2_prefetch=prefetch).with_estimate(est)
     ranked = [p(128, 128), p(2048, 128), p(132, 128), p(33, 128), p(66, 128),  # the configuration timed at S128
               p(66, 256), p(132, 256),  # the fastest
               p(198, 64), p(66, 64), p(99, 64),  # the second fastest
-              p(8, 32), p(66, 32), p(64, 32, 8, 2), p(66, 32, 8, 2), DensePlan(backend="cudnn")]
+              p(8, 32), p(66, 32), p(64, 32, 8, 2), p(66, 32, 8, 2), DensePlan(backend="cudnn"),
+              StreamKPlan(grid=132, block_n=64), StreamKPlan(grid=66, block_n=64),  # close, another kind
+              p(8, 128, 8, 3, prefetch=2), p(66, 128, 8, 3, prefetch=2)]  # close, prefetching
     key = {i: q.runtime_key() for i, q in enumerate(ranked)}
-    measured = {key[5]: 120.9, key[7]: 124.2, key[0]: 138.8, key[10]: 130.0, key[12]: 150.0, key[14]: 117.5}
+    measured = {key[5]: 120.9, key[7]: 124.2, key[0]: 138.8, key[10]: 130.0, key[12]: 150.0, key[14]: 117.5,
+                key[15]: 125.0, key[17]: 126.0}
     tried = set(measured)
     near = candidates.grid_siblings(measured, ranked, tried, n_keys=N, near=True)
-    assert [q.runtime_key() for q in near] == [key[11], key[4], key[2]]  # 32-key S66 beside 128-key S66 and S132
+    assert candidates.NEAR_GRIDS == 1
+    assert [q.runtime_key() for q in near] == [key[11], key[4]]  # S66 of 32- and of 128-key tiles, beside S66/bn256
     first = candidates.grid_siblings(measured, ranked, tried, n_keys=N)
     assert [q.runtime_key() for q in first] == [key[6], key[8], key[9]]  # the two fastest, ranked order
 
