@@ -27,7 +27,10 @@ A site whose KV length is symbolic (a growing cache) is tuned per length bucket 
 from the trace-time hint's bucket outwards within one shared compile budget; where its two fastest are within
 ``TIE`` (``HINT_TIE`` at the hint), or the fastest dense plan within ``PEER_SPAN`` of a kernel winner, both are also
 timed at the bucket's ends and the one with the smaller worst ratio wins. The other grids of the fastest kernel
-configurations are timed after the first round (``grid_siblings``: compiled already, a timing each). A kernel plan is chosen over the fastest dense plan, the peer's own kernel, only when it is ahead by more than
+configurations are timed after the first round (``grid_siblings``: compiled already, a timing each), then the grids
+of further close configurations nearest the fastest plan's, and the fastest plan's twins (``variant_twins``: L2
+prefetch, head chunks; a compile each, in the hint's bucket only). A kernel plan is chosen over the fastest dense
+plan, the peer's own kernel, only when it is ahead by more than
 ``PEER_MARGIN`` (timing noise) wherever it was judged. The op picks the bucket's plan by ``k.shape[2]`` at run time
 (``BucketedPlan``), with no sync. A static cache is timed full (``timer.STATIC_FILL``); a near tie there is also
 judged at ``STATIC_LOW_FILL``.
@@ -87,6 +90,8 @@ BUCKETED_BUDGET_FACTOR = 2.0
 #: duel; ``choose``'s ``thorough``): a grid that fits the tiles of the bucket's middle length fits no other length of
 #: a 2x bucket better than its neighbours', and the siblings were a third of a growing cache's timings (9 of 31 a
 #: bucket, CPU count with the datasheet model's candidates at lhs04's shape); the site runs at the hint's bucket now.
+#: Only the hint's bucket times the nearest grids of further close configurations and the twins of its fastest plan
+#: (``grid_siblings``'s ``near``, ``_time_twins``): their warm-ups took 1-5 s each on the H100 (ef39938).
 NEAR_HINT_BUCKETS = 1
 #: Round-robin rounds over the candidates; each candidate's time is the median of its rounds.
 ROUNDS = 3
@@ -177,7 +182,7 @@ class Tuner(TimingRounds):
     def choose(self, site: AttentionSite, ranked: Sequence[Plan], *, bucketed: bool = False,
                valid_len_sharing: int = 1, graphed: bool = True, deadline: float | None = None,
                span: tuple[int, ...] | None = None, compiled: set | None = None, tie: float = TIE,
-               thorough: bool = True) -> Choice:
+               thorough: bool = True, twins: bool | None = None) -> Choice:
         """The plan for ``site`` (``kv_len`` set) among ``ranked`` (the candidates, lowest estimate first).
         ``valid_len_sharing``: how many sites of the graph read this site's mask, and so share the one valid-length
         computation that kernel plans need there. ``graphed``: whether the graph replays as CUDA graphs; if not, a
@@ -189,7 +194,9 @@ class Tuner(TimingRounds):
         ``tie`` of the fastest, or the fastest dense plan within ``PEER_SPAN`` of a kernel winner, they are timed
         there too (``_tie_break``). A kernel plan must beat the fastest dense plan by ``PEER_MARGIN`` to be chosen
         over it. After the first timing, the other grids of the fastest kernel configurations are timed as well
-        (``_time_siblings``), with a budget, and the near ties re-timed (``_duel``), unless ``thorough`` is false.
+        (``_time_siblings``), with a budget, then the nearest grids of further close configurations and the twins of
+        the fastest (``_time_twins``: L2 prefetch, head chunks; each a compile) unless ``twins`` is false (default:
+        ``thorough``), and the near ties re-timed (``_duel``), unless ``thorough`` is false.
 
         The budget counts from the end of the warm-up: the warm-up compiles every candidate at once, and a budget that
         it had spent left compiled candidates untimed (H100: SmolLM2's 1k static site kept S=5/256/8/2 at 7.35 µs with
@@ -197,6 +204,7 @@ class Tuner(TimingRounds):
         if not ranked:
             raise ValueError("no candidate to choose from")
         eager = not graphed and hasattr(self.timer, "host_us")
+        twins = thorough if twins is None else twins
         shape = ShapeKey.of(site, site.kv_len, bucketed, valid_len_sharing, graphed)
         by_key = {p.runtime_key(): p for p in ranked}
         known = self.cached(site, ranked, bucketed=bucketed, valid_len_sharing=valid_len_sharing, graphed=graphed)
@@ -235,7 +243,9 @@ class Tuner(TimingRounds):
         measure_start = time.perf_counter()
         samples, timings, measure_extra = self._measure(plans, site, end, eager, charge)
         if self.budget_s > 0 and thorough:
-            measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager))
+            measure_extra.update(self._time_siblings(ranked, site, samples, timings, charge, end, eager, twins))
+        if self.budget_s > 0 and twins:
+            measure_extra.update(self._time_twins(ranked, site, samples, timings, charge, end, eager))
         if self.budget_s > 0 and thorough and not eager:  # (an eager sample adds the host time: host-bound alike)
             measure_extra.update(self._duel(by_key, site, samples, charge))
         extra["measure_s"] = round(time.perf_counter() - measure_start, 3)
@@ -340,7 +350,7 @@ class Tuner(TimingRounds):
                 raise ValueError(f"no candidate plan at KV length {at.kv_len} for {site.shape_str()}")
             by_bound[bound] = self.choose(at, ranked, bucketed=True, valid_len_sharing=valid_len_sharing,
                                           graphed=graphed, deadline=deadline, span=span, compiled=compiled, tie=tie,
-                                          thorough=abs(i - h) <= NEAR_HINT_BUCKETS)
+                                          thorough=abs(i - h) <= NEAR_HINT_BUCKETS, twins=i == h)
         choices = [by_bound[b] for b in self.buckets]
         here = choices[h]
         timings = {f"N<={b}": c.timings for b, c in zip(self.buckets, choices) if c.timings}

@@ -46,7 +46,9 @@ from .site import AttentionSite
 #: those within 5 % after two, and a call of a millisecond or more is timed in a graph of fewer calls, fewer replays.
 #: 13: a host time (the default mode's eager choice) is timed over at most HOST_CALLS input sets (was all of them,
 #: up to 256: a sample of 1024 calls).
-TUNING_VERSION = 13
+#: 14: after the grid siblings, the grids of further close configurations nearest the fastest plan's and the fastest
+#: plan's twins (L2 prefetch, head chunks) are timed; a configuration's siblings include its one-split grid.
+TUNING_VERSION = 14
 
 log = logging.getLogger("attnopt.tuning")
 

@@ -3,8 +3,9 @@ of them share compiled kernels, and how a kernel plan is weighed against the SDP
 
 The cost model ranks the grids of one kernel configuration well and configurations against each other poorly, so
 the tuner times the model's pick, every explicit SDPA backend (the peers' own kernels), the most parallel split-KV
-plan, the model's ``top_k`` kernel plans and one plan of a few further configurations. ``compile_key`` tells which
-plans share their Triton kernels at one site shape (a symbolic length's later buckets time only those already
+plan, the model's ``top_k`` kernel plans and one plan of a few further configurations; after them, other grids of
+the close configurations (``grid_siblings``) and the fastest plan's twins (``variant_twins``). ``compile_key`` tells
+which plans share their Triton kernels at one site shape (a symbolic length's later buckets time only those already
 compiled).
 """
 from __future__ import annotations
@@ -41,6 +42,37 @@ GRID_SIBLINGS = 4
 #: ... only for configurations within this fraction of the fastest candidate measured (a grid with one tile a split
 #: fewer runs up to a third faster; further behind, another grid cannot win).
 SIBLINGS_WITHIN = 0.5
+#: Then (``grid_siblings``'s ``near``) every further configuration whose fastest timed grid is within this fraction
+#: of the fastest kernel plan gets ``NEAR_GRIDS`` grid siblings, those whose split counts at the timed length are
+#: nearest the fastest plan's (at most ``SIBLING_FAMILIES_MAX`` configurations in all): a configuration is first timed
+#: at one grid, its best estimate, and that grid can be its worst, while the fastest plan's grid already fits the
+#: shape's output tiles to the GPU. H100 (planner cases at 2cead39), B1 14/2 D80 at 512k keys: 128-key tiles with 4
+#: warps and 3 stages were timed only at the model's fixed 128 splits, 138.8 µs, 12 % behind the fastest timed plan
+#: and seventh of the configurations; their 66 splits, the winner's grid (S66/bn256 chunks, 120.9), ran 120.0-120.3
+#: µs padded in ``benchmarks/trail_variants.py`` (1a15bc4, 2c6eb78) and were never timed.
+#: One grid each: on the H100 (planner cases at ef39938) every win of a further configuration came from its nearest
+#: grid (512k above; lhs37, S22/bn256/w4/st3 beside the fastest S22/bn256/w8/st2: 482.5 µs against cuDNN's 487.9;
+#: static 4k of 32k, S16/bn64 beside S16/bn128), while its second nearest grids cost a warm-up (2-5 s for ten).
+#: Of the fastest plan's kind only (a stream-K grid counts programs, a split-KV one splits per output tile), and not
+#: the prefetching or swapped families (``variant_twins`` times those of the fastest plan).
+SIBLING_FAMILY_NEAR = 0.15
+SIBLING_FAMILIES_MAX = 8
+NEAR_GRIDS = 1
+#: The runtime-key fields that make a kernel plan's twins (``variant_twins``): a twin runs the same grid and tiles
+#: with L2 prefetch, head chunks, swapped products or pointer loads changed. The model cannot rank twins (each is
+#: estimated just behind its plain twin), and ``to_time`` times only the best-estimated prefetching and swapped plans,
+#: which may be of a slow configuration: at 512k keys above it timed S1024/bn256/w8/st2 prefetching (151.7 µs) while
+#: S66/bn128/w4/st3's prefetching twin ran 117.5-118.9 µs (``trail_variants``), against cuDNN's 117.1-117.7.
+TWIN_FIELDS = ("l2_prefetch", "head_chunks", "swap_ab", "tma")
+#: The fastest measured kernel plans whose twins are timed after the grid siblings, and the most twins timed in all
+#: (each a cold compile, about a second, in the warm-up's parallel compile): the fastest plan's own, three where the
+#: head dim is cut in chunks (prefetching, chunked, both), one elsewhere while swap-AB twins are off.
+TWIN_PLANS = 1
+TWINS_MOST = 3
+#: ... only where the fastest kernel plan is within this fraction of the fastest measured plan: on the H100 a
+#: prefetching twin ran at most 2.1 % faster than its plain plan (``trail_variants``, 512k above), a head-chunked one up
+#: to 16 % (``SplitKV``'s ``CHUNK_MIN_BLOCK_N`` note).
+TWINS_WITHIN = 0.15
 #: Further families are timed only within this factor of the best kernel estimate (a family the model puts 3x
 #: behind costs a cold compile, about a second, and has not won a measurement on the H100).
 EXTRA_WITHIN = 2.0
@@ -105,22 +137,83 @@ def to_time(ranked: Sequence[Plan], top_k: int, extra_families: int = DEFAULT_EX
 
 
 def grid_siblings(measured: dict[str, float], ranked: Sequence[Plan], tried: set[str],
-                  families: int = SIBLING_FAMILIES, most: int = GRID_SIBLINGS) -> list[Plan]:
+                  families: int = SIBLING_FAMILIES, most: int = GRID_SIBLINGS, n_keys: int | None = None,
+                  near: bool = False) -> list[Plan]:
     """The untried grids (``ranked`` order, at most ``most`` each) of the ``families`` fastest measured kernel
-    configurations (``compile_key``: the same compiled kernel, another split count or grid) within
-    ``SIBLINGS_WITHIN`` of the fastest measured. ``measured``: runtime key -> µs of the candidates timed; ``tried``:
-    the runtime keys timed or failed."""
+    configurations (``_family``: the same kernel apart from the grid, and whether one split skips the merge) within
+    ``SIBLINGS_WITHIN`` of the fastest measured. With ``near``, instead: of each further configuration of the fastest
+    kernel plan's kind, neither prefetching nor swapped, within ``SIBLING_FAMILY_NEAR`` of the fastest measured kernel
+    plan (``SIBLING_FAMILIES_MAX`` configurations in all, counting the ``families``), the ``NEAR_GRIDS`` untried grids
+    whose split counts at ``n_keys`` are nearest (by ratio) the fastest kernel plan's, every configuration's nearest
+    first. ``measured``: runtime key -> µs of the
+    candidates timed; ``tried``: the runtime keys timed or failed. A sibling of a configuration timed only at one
+    split, or only at several, compiles that other kernel in the warm-up; the rest share a compiled kernel."""
     by_key = {p.runtime_key(): p for p in ranked}
-    keys: list[str] = []
-    near = (1 + SIBLINGS_WITHIN) * min(measured.values(), default=math.inf)
-    for k in sorted((k for k in measured if k in by_key and by_key[k].kind != "dense"), key=measured.get):
-        if measured[k] <= near and compile_key(by_key[k]) not in keys:
-            keys.append(compile_key(by_key[k]))
+    kernels = sorted((k for k in measured if k in by_key and by_key[k].kind != "dense"), key=measured.get)
+    if not kernels:
+        return []
+    within = (1 + SIBLINGS_WITHIN) * min(measured.values())
+    close = (1 + SIBLING_FAMILY_NEAR) * measured[kernels[0]]
+    chosen: list[tuple] = []
+    for k in kernels:
+        fam = _family(by_key[k])
+        if fam in chosen or measured[k] > within:
+            continue
+        if len(chosen) < families:
+            chosen.append(fam)
+        elif near and measured[k] <= close and len(chosen) < SIBLING_FAMILIES_MAX and \
+                by_key[k].kind == by_key[kernels[0]].kind and not _twin_flags(by_key[k]):
+            chosen.append(fam)
+    grids = [[p for p in ranked if p.kind != "dense" and p.runtime_key() not in tried and _family(p) == fam]
+             for fam in chosen]
+    if not near:
+        return [p for g in grids[:families] for p in g[:most]]
+    target = _splits(by_key[kernels[0]], n_keys)
+    nearest = [sorted(g, key=lambda p: abs(math.log(_splits(p, n_keys) / target)))[:NEAR_GRIDS]
+               for g in grids[families:]]
+    return [g[i] for i in range(NEAR_GRIDS) for g in nearest if i < len(g)]
+
+
+def _twin_flags(plan: Plan) -> bool:
+    """Whether a kernel plan prefetches into L2 or swaps its products (a twin of a plain plan)."""
+    return bool(getattr(plan, "l2_prefetch", 0) or getattr(plan, "swap_ab", False))
+
+
+def _splits(plan: Plan, n_keys: int | None) -> int:
+    """Programs per output tile at ``n_keys`` keys (≥ 1): a split-KV plan's splits there, a stream-K plan's grid."""
+    splits_at = getattr(plan, "splits_at", None)
+    if splits_at is not None:
+        return max(1, splits_at(n_keys) if n_keys else plan.num_splits)
+    return max(1, int(getattr(plan, "grid", 1)))
+
+
+def variant_twins(measured: dict[str, float], ranked: Sequence[Plan], tried: set[str], plans: int | None = None,
+                  most: int | None = None) -> list[Plan]:
+    """The untried twins (``TWIN_FIELDS``: the same plan but for L2 prefetch, head chunks, swapped products or
+    pointer loads) in ``ranked`` of the ``plans`` (``TWIN_PLANS``) fastest measured kernel plans, the fastest's
+    first, at most ``most`` (``TWINS_MOST``); none where the fastest kernel plan is over ``TWINS_WITHIN`` behind the
+    fastest measured plan (a dense one). ``measured``: runtime key -> µs; ``tried``: the runtime keys timed or
+    failed."""
+    plans = TWIN_PLANS if plans is None else plans
+    most = TWINS_MOST if most is None else most
+    by_key = {p.runtime_key(): p for p in ranked}
+    kernels = sorted((k for k in measured if k in by_key and by_key[k].kind != "dense"), key=measured.get)
+    if not kernels or measured[kernels[0]] > (1 + TWINS_WITHIN) * min(measured.values()):
+        return []
     out: list[Plan] = []
-    for key in keys[:families]:
-        out += [p for p in ranked if p.kind != "dense" and p.runtime_key() not in tried
-                and compile_key(p) == key][:most]
-    return out
+    for k in kernels[:plans]:
+        base = _apart_from_twins(by_key[k])
+        out += [p for p in ranked if p.kind == by_key[k].kind and p.runtime_key() not in tried
+                and _apart_from_twins(p) == base and all(p is not q for q in out)]
+    return out[:most]
+
+
+def _apart_from_twins(plan: Plan) -> str:
+    """A plan's runtime key without the ``TWIN_FIELDS``."""
+    data = dict(json.loads(plan.runtime_key())["data"])
+    for name in TWIN_FIELDS:
+        data.pop(name, None)
+    return json.dumps({"kind": plan.kind, "data": data}, sort_keys=True)
 
 
 def most_parallel(kernels: Sequence[Plan], n_keys: int | None = None) -> Plan | None:
@@ -144,10 +237,10 @@ def most_parallel(kernels: Sequence[Plan], n_keys: int | None = None) -> Plan | 
 
 def _family(plan: Plan) -> tuple:
     """A kernel plan's configuration apart from its grid: (kind, block_n, num_warps, num_stages, head chunks,
-    swap-AB, L2 prefetch)."""
+    swap-AB, L2 prefetch, TMA tiles)."""
     return (plan.kind, getattr(plan, "block_n", None), getattr(plan, "num_warps", None),
             getattr(plan, "num_stages", None), getattr(plan, "head_chunks", False), getattr(plan, "swap_ab", False),
-            getattr(plan, "l2_prefetch", 0))
+            getattr(plan, "l2_prefetch", 0), getattr(plan, "tma", None))
 
 
 def compile_key(plan: Plan) -> str:

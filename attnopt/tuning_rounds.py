@@ -12,7 +12,7 @@ from .plan import Plan, reads_valid_keys
 from .site import AttentionSite
 from .timer import error_text as _error_text
 from .timer import warm_workers
-from .tuning_candidates import PEER_MARGIN, grid_siblings, near_peer, prefer_peer
+from .tuning_candidates import PEER_MARGIN, grid_siblings, near_peer, prefer_peer, variant_twins
 
 #: After the first round, only candidates within this fraction of the best are timed again.
 PRUNE = 0.15
@@ -127,25 +127,56 @@ class TimingRounds:
         return None
 
     def _time_siblings(self, ranked: Sequence[Plan], site: AttentionSite, samples: dict[str, list[float]],
-                       timings: dict[str, Any], charge: dict[str, float], end: float, eager: bool) -> dict[str, Any]:
+                       timings: dict[str, Any], charge: dict[str, float], end: float, eager: bool,
+                       near: bool = True) -> dict[str, Any]:
         """Time the other grids of the fastest kernel configurations (``grid_siblings``) beside the fastest kernel
-        plan, within the budget or ``SIBLINGS_S`` past it, and add their samples (and errors) to ``samples`` /
-        ``timings``; each is charged as the configuration's timed plan is (the same kind). Returns the extras to
-        record (``grid_siblings``: the keys timed)."""
+        plan, within the budget or ``SIBLINGS_S`` past it (after their warm-up), then those of the further close
+        configurations nearest the fastest plan's grid where ``near`` (``grid_siblings``'s ``near``: once the first
+        siblings are timed, the fastest is more often the grid that fits), and add their samples (and errors) to ``samples`` / ``timings``; each is
+        charged as the configuration's timed plan is (the same kind). Returns the extras to record
+        (``grid_siblings`` / ``near_siblings``: the keys timed, ``siblings_warm_up_s`` / ``near_warm_up_s``)."""
+        extra: dict[str, Any] = {}
+        for stage, name, short in ((False, "grid_siblings", "siblings"), (True, "near_siblings", "near")):
+            if stage and not near:
+                break
+            measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+            more = grid_siblings(measured, ranked, set(samples) | set(timings), n_keys=site.kv_len, near=stage)
+            extra.update(self._time_more(name, short, more, ranked, site, samples, timings, charge, end, eager))
+        return extra
+
+    def _time_twins(self, ranked: Sequence[Plan], site: AttentionSite, samples: dict[str, list[float]],
+                    timings: dict[str, Any], charge: dict[str, float], end: float, eager: bool) -> dict[str, Any]:
+        """Time the twins (``variant_twins``: L2 prefetch, head chunks, swapped products, pointer loads) of the
+        fastest measured kernel plans as ``_time_siblings`` times grids, however late the siblings ran: they are at
+        most ``TWINS_MOST``, and the fastest plan's own (``SIBLINGS_S`` after their warm-up). Returns the extras to
+        record (``twins``: the keys timed, ``twins_warm_up_s``)."""
         measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
-        more = grid_siblings(measured, ranked, set(samples) | set(timings))
-        if not more or time.perf_counter() > end + SIBLINGS_S:
+        more = variant_twins(measured, ranked, set(samples) | set(timings))
+        return self._time_more("twins", "twins", more, ranked, site, samples, timings, charge, end, eager,
+                               late=True)
+
+    def _time_more(self, name: str, short: str, more: Sequence[Plan], ranked: Sequence[Plan], site: AttentionSite,
+                   samples: dict[str, list[float]], timings: dict[str, Any], charge: dict[str, float], end: float,
+                   eager: bool, late: bool = False) -> dict[str, Any]:
+        """Compile ``more`` (kernel plans), then time them beside the fastest measured kernel plan until the budget's
+        ``end`` or ``SIBLINGS_S`` after the warm-up, whichever is later; nothing once ``SIBLINGS_S`` past ``end``
+        unless ``late``.
+        Their samples and errors go to ``samples`` / ``timings``; the extras name them (``name``) and the warm-up's
+        seconds (``<short>_warm_up_s``)."""
+        if not more or (time.perf_counter() > end + SIBLINGS_S and not late):
             return {}
-        started = time.perf_counter()
+        measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
         by_key = {p.runtime_key(): p for p in ranked}
         best = min((k for k in measured if by_key[k].kind != "dense"), key=measured.get)
         for p in more:
             charge[p.runtime_key()] = charge.get(best, 0.0)
-        extra: dict[str, Any] = {"grid_siblings": [p.runtime_key() for p in more]}
-        warmed = self._warm_up(more, site, eager)  # a new split count may need another merge kernel
+        extra: dict[str, Any] = {name: [p.runtime_key() for p in more]}
+        warmed = self._warm_up(more, site, eager)  # a new split count may need another merge kernel, a twin a kernel
         if "warm_up_s" in warmed:
-            extra["siblings_warm_up_s"] = warmed["warm_up_s"]
-        got, failed, _ = self._measure([by_key[best]] + more, site, max(end, started + SIBLINGS_S), eager, charge)
+            extra[f"{short}_warm_up_s"] = warmed["warm_up_s"]
+        started = time.perf_counter()
+        got, failed, _ = self._measure([by_key[best]] + list(more), site, max(end, started + SIBLINGS_S), eager,
+                                       charge)
         for key, times in got.items():
             samples.setdefault(key, []).extend(times)
         for key, error in failed.items():

@@ -141,8 +141,9 @@ def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
     none) by ``describe()``, the near-tied candidates' µs at other lengths (a bucket's ends, a static cache's low
     fill), the rounds, each candidate's samples, the seconds it took and of those the warm-up's (the compiles), the
     timing's and the tie-break's, whether it was a bucket past
-    the compile deadline (``late``: only what was compiled timed), and a growing cache's cuDNN call at a new length
-    against a known one (``fresh_length_us``: [new µs, known µs]). Sorted by length."""
+    the compile deadline (``late``: only what was compiled timed), a growing cache's cuDNN call at a new length
+    against a known one (``fresh_length_us``: [new µs, known µs]), and what was timed after the rounds
+    (``after_rounds``: grid siblings, near siblings, twins, the duel; ``after_rounds_warm_up_s``). Sorted by length."""
     import json
 
     from attnopt.plan import plan_from_dict, plan_from_json
@@ -171,8 +172,18 @@ def tuning_records(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
                     "fresh_length_us": {name(k): v for k, v in (record.get("fresh_length_us") or {}).items()},
                     "timings": {name(k): v for k, v in sorted(timings.items(), key=_fastest_first)},
                     "near_tie_us": {n: {name(k): v for k, v in by.items()}
-                                    for n, by in (record.get("span_us") or {}).items()}})
+                                    for n, by in (record.get("span_us") or {}).items()},
+                    # what was timed after the rounds, by name, and the seconds its compiles took
+                    "after_rounds": {what: [name(k) for k in record[what]] for what in _AFTER_ROUNDS
+                                     if record.get(what)},
+                    "after_rounds_warm_up_s": {what: record[what] for what in _AFTER_ROUNDS_WARM_UP
+                                               if record.get(what) is not None}})
     return sorted(out, key=lambda r: (r["kv_len"] or 0))
+
+
+#: The tuning record's lists of what was timed after the rounds (``attnopt.tuning_rounds``), and their warm-ups' seconds.
+_AFTER_ROUNDS = ("grid_siblings", "near_siblings", "twins", "duel")
+_AFTER_ROUNDS_WARM_UP = ("siblings_warm_up_s", "near_warm_up_s", "twins_warm_up_s")
 
 
 def _fastest_first(item: tuple[str, Any]) -> tuple[bool, float]:

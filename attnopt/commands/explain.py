@@ -73,14 +73,22 @@ def parse_heads(text: str) -> tuple[int, int]:
     return hq, hkv
 
 
+#: The longest KV length a what-if may name: the kernels keep a row's valid length and key positions in int32
+#: (``runtime/kernels/valid_len.py``), so a longer cache is not one any plan here could run.
+MAX_CONTEXT = 2 ** 31 - 1
+#: The largest batch a what-if may name (one int32 grid axis of programs per batch row and KV head at least).
+MAX_BATCH = 2 ** 31 - 1
+
+
 def parse_context(text: str) -> int:
-    """``"131072"``, ``"128k"`` (x1024), ``"1M"`` (x1024^2), ``"5120000"``."""
+    """``"131072"``, ``"128k"`` (x1024), ``"1M"`` (x1024^2), ``"5120000"``; from 1 to ``MAX_CONTEXT``."""
+    valid = f"1 to {MAX_CONTEXT} keys (2^31 - 1)"
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
     if not m:
-        raise ValueError(f"--context {text!r}: expected a length such as 131072, 128k or 1M")
+        raise ValueError(f"--context {text!r}: expected a length such as 131072, 128k or 1M, from {valid}")
     value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
-    if value < 1:
-        raise ValueError(f"--context {text!r}: the KV length must be >= 1")
+    if not 1 <= value <= MAX_CONTEXT:
+        raise ValueError(f"--context {text!r}: the KV length must be from {valid}")
     return int(round(value))
 
 
@@ -91,6 +99,8 @@ def build_site(args):
     n = parse_context(args.context)
     if args.batch < 1 or args.q_len < 1 or args.head_dim < 1:
         raise ValueError("--batch, --q-len and --head-dim must be >= 1")
+    if args.batch > MAX_BATCH:
+        raise ValueError(f"--batch {args.batch}: valid from 1 to {MAX_BATCH} (2^31 - 1)")
     if args.q_len > 16:
         raise ValueError(f"--q-len {args.q_len}: decode-time attention has at most 16 query tokens")
     if not args.symbolic and n <= args.q_len:  # detect's rule: the optimizer leaves such a site alone

@@ -204,6 +204,10 @@ def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch
     ties = [r for r in records if r["near_tie_us"]]  # the first bucket's near tie, timed at its ends
     assert [r["kv_len"] for r in ties] == [704] and set(ties[0]["near_tie_us"]) == {"576", "1024"}
     assert {name.split("(")[0] for by in ties[0]["near_tie_us"].values() for name in by} == {"dense", "split_kv"}
+    # the grid siblings timed after the rounds, by name (the fastest kernel plan's configuration has other grids)
+    hint = next(r for r in records if r["kv_len"] == 3008)
+    assert hint["after_rounds"]["grid_siblings"] and all(
+        n.startswith(("split_kv(", "stream_k(")) for n in hint["after_rounds"]["grid_siblings"])
     out = overall([{"case": "a", "tune_s": 1.0, "compile_s": 3.0}, {"case": "b", "tune_s": 3.0, "compile_s": 5.0}])
     assert out["tune_s_median"] == 2.0 and out["tune_s_max"] == 3.0 and out["compile_s_max"] == 5.0
 

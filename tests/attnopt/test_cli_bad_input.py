@@ -30,6 +30,12 @@ CASES = {
     "explain-plot-format": (["explain", "--plot", "{tmp}/plot"], "must end in one of .avif"),
     # a shape the optimizer calls prefill and leaves alone was ranked as if it were decode
     "explain-prefill": (["explain", "--context", "2", "--q-len", "4"], "is prefill, which attnopt leaves alone"),
+    # absurd but well-formed what-ifs were ranked (a 10^22-key cache); refused naming the valid range
+    "explain-context-huge": (["explain", "--context", "10000000000000000000000"], "must be from 1 to 2147483647 keys"),
+    "explain-context-huge-suffix": (["explain", "--context", "4096M"], "must be from 1 to 2147483647 keys"),
+    "explain-context-exponent": (["explain", "--context", "1e22"], "131072, 128k or 1M, from 1 to 2147483647 keys"),
+    "explain-batch-huge": (["explain", "--batch", "100000000000000"], "--batch 100000000000000: valid from 1 to"),
+    "tune-context-huge": (["tune", "32/8x128", "--context", "10000000000000000000000"], "from 1 to 2147483647 keys"),
     # attnopt calibrate
     "calibrate-profile": (["calibrate", "--profile", "nosuch"], "valid names: a100-80gb"),
     "calibrate-random": (["calibrate", "--random", "-3"], "--random -3"),

@@ -15,7 +15,7 @@ from attnopt.plan import SplitKVPlan
 from attnopt.site import AttentionSite
 from attnopt.tuning import Tuner
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_tuning_method import ENV, _ranked, _untwinned, cache  # noqa: E402,F401  (cache: the fixture, a fresh cache directory)
+from test_tuning_method import ENV, _ranked, _untwinned, cache, rounds_only  # noqa: E402,F401  (cache: the fixture, a fresh cache directory)
 
 #: SmolLM2's decode site over the e2e bench's 1k static cache (1024 + 64 slots, a valid-length mask).
 SMOL_1K = AttentionSite.canonical(q_heads=9, kv_heads=3, head_dim=64, kv_len=1088, mask_kind="valid_length")
@@ -99,8 +99,10 @@ def test_the_budget_reaches_the_most_parallel_plan(cache, monkeypatch):
     assert len(set(timed)) == 5 and sum(str(v).startswith("skipped") for v in choice.timings.values()) == 2
 
 
-def test_rounds_stop_once_one_candidate_is_clearly_ahead(cache):
-    """Every candidate is timed once; when no other is within PRUNE of the best, no second round runs."""
+def test_rounds_stop_once_one_candidate_is_clearly_ahead(cache, monkeypatch):
+    """Every candidate is timed once; when no other is within PRUNE of the best, no second round runs (the grid
+    siblings and twins timed after the rounds: test_tuning_lengths, test_tuning_twins)."""
+    rounds_only(monkeypatch)
     ranked = _ranked(SMOL_1K)
     fast = ranked[0].runtime_key()
     timer = Clocked(lambda p, s: 5.0 if p.runtime_key() == fast else 8.0)
@@ -111,9 +113,10 @@ def test_rounds_stop_once_one_candidate_is_clearly_ahead(cache):
     assert cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))["rounds"] == 1
 
 
-def test_a_candidate_that_falls_behind_in_round_two_leaves_the_rounds(cache):
+def test_a_candidate_that_falls_behind_in_round_two_leaves_the_rounds(cache, monkeypatch):
     """The close set is recomputed from the medians after every round: B is within PRUNE of A after round 1 (11 vs
-    10), not after round 2 (median 12.5), so round 3 would time A alone and does not run."""
+    10), not after round 2 (median 12.5), so round 3 would time A alone and does not run (siblings and twins off)."""
+    rounds_only(monkeypatch)
     ranked = _ranked(SMOL_1K)
     plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
     a, b = plans[0].runtime_key(), plans[1].runtime_key()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import attnopt
 from attnopt import timer as T
 from attnopt import tuning
+from attnopt import tuning_candidates
 from attnopt.config import OptimizeConfig
 from attnopt.hardware import builtin_profile
 from attnopt.passes.plan import plan_site, rank_candidates
@@ -37,6 +38,15 @@ def _ranked(site):
     return rank_candidates(site, HW, CUDA_CTX, OptimizeConfig())[0]
 
 
+def rounds_only(monkeypatch):
+    """The tuner times its candidates' rounds (and tie-breaks and duels) but no grid siblings or twins after them:
+    for tests that count the rounds' calls."""
+    from attnopt.tuning_rounds import TimingRounds
+
+    monkeypatch.setattr(TimingRounds, "_time_siblings", lambda self, *a, **k: {})
+    monkeypatch.setattr(TimingRounds, "_time_twins", lambda self, *a, **k: {})
+
+
 class Scripted:
     """A fake timer: ``rule(plan, site, round) -> µs``; records the order of its calls."""
 
@@ -55,7 +65,8 @@ class Scripted:
         return self.rule(plan, site, n)
 
 
-def test_candidates_are_timed_round_robin_and_keep_their_median(cache):
+def test_candidates_are_timed_round_robin_and_keep_their_median(cache, monkeypatch):
+    monkeypatch.setattr(tuning_candidates, "TWIN_PLANS", 0)  # (the twins timed after the siblings: test_tuning_twins)
     ranked = _ranked(AttentionSite.canonical())
     plans = tuning.to_time(ranked, tuning.DEFAULT_TOP_K)
     first, cudnn = plans[0].runtime_key(), next(p for p in plans if getattr(p, "backend", "") == "cudnn").runtime_key()
@@ -74,7 +85,9 @@ def test_candidates_are_timed_round_robin_and_keep_their_median(cache):
     # then the other grids of the fastest kernel configurations (compiled already), beside the fastest kernel plan
     record = cache.get(ENV, ShapeKey.of(AttentionSite.canonical(), 8192, False))
     siblings = record["grid_siblings"]
-    assert siblings and not set(siblings) & set(keys) and set(timer.calls[2 * len(keys) + 2:]) == set(siblings) | {first}
+    near = record.get("near_siblings", [])  # (grids of further close configurations: test_tuning_twins)
+    assert siblings and not set(siblings) & set(keys)
+    assert set(timer.calls[2 * len(keys) + 2:]) == set(siblings) | set(near) | {first}
     assert "duel" not in record  # 11.0 against 11.5: more than DUEL_WITHIN apart
     assert choice.plan.runtime_key() == first and choice.measured_us == 11.0  # the median, not the mean (11.4)
     assert record["samples"][first][:3] == [13.2, 10.0, 11.0] and record["rounds"] == 3
@@ -87,9 +100,10 @@ def charged_kernels(monkeypatch):
     monkeypatch.setattr(tuning, "uses_valid_len", reads_valid_keys)
 
 
-def test_candidates_far_behind_after_the_first_round_are_not_timed_again(cache, charged_kernels):
+def test_candidates_far_behind_after_the_first_round_are_not_timed_again(cache, charged_kernels, monkeypatch):
     """A candidate over PRUNE slower than the best in round 1 (its valid-length share included) keeps its one
-    sample; the close ones get every round."""
+    sample; the close ones get every round (grid siblings and twins off: their own tests)."""
+    rounds_only(monkeypatch)
     site = STATIC
     ranked = _ranked(site)
     best_kernel = next(p for p in ranked if p.kind != "dense").runtime_key()

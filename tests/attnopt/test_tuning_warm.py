@@ -60,13 +60,15 @@ def test_every_candidate_is_warmed_once_before_any_is_timed(cache, clock):
     assert {e[1] for e in at_length} == {p.runtime_key() for p in plans}  # nothing skipped
     # a near tie timed again at the static cache's low fill is compiled there first, at once (split-KV's mask-tile
     # chunking is a compile-time constant of the key count), then timed: only what that warm-up compiled
-    # (the grid siblings are warmed at the length itself, before they are timed)
-    siblings = cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False)).get("grid_siblings", [])
-    assert later and all(n < SMOL_1K.kv_len or keys == siblings
+    # (the grid siblings, the further configurations' nearest grids and the twins are warmed at the length itself,
+    # before they are timed)
+    record = cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))
+    afterwards = [record.get(name, []) for name in ("grid_siblings", "near_siblings", "twins")]
+    assert later and all(n < SMOL_1K.kv_len or keys in afterwards
                          for n, (_, keys, _) in zip(timer.warm_lengths[1:], [rest[i] for i in later]))
     for i in later:
         following = [e for e in rest[i + 1:] if e[0] == "time"][:len(rest[i][1])]
-        beside = {following[0][1]} if rest[i][1] == siblings else set()  # siblings: timed beside the fastest
+        beside = {following[0][1]} if rest[i][1] in afterwards else set()  # timed beside the fastest
         assert {e[1] for e in following} <= set(rest[i][1]) | beside
     assert choice.choice == "measured" and not any(str(v).startswith("skipped") for v in choice.timings.values())
     assert cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))["warm_up_s"] == 1.5
@@ -106,8 +108,9 @@ def test_a_failed_warm_up_still_times_every_candidate(cache, clock):
     Tuner(timer, cache, env=ENV, budget_s=4.0).choose(SMOL_1K, ranked)
     record = cache.get(ENV, tuning.ShapeKey.of(SMOL_1K, 1088, False))
     assert record["warm_up_errors"] == {"warm_up": "error: RuntimeError: no threads here"}
+    afterwards = {k for name in ("grid_siblings", "near_siblings", "twins") for k in record.get(name, [])}
     assert {e[1] for e in timer.events if e[0] == "time"} == {p.runtime_key() for p in tuning.to_time(
-        ranked, tuning.DEFAULT_TOP_K)} | set(record.get("grid_siblings", []))
+        ranked, tuning.DEFAULT_TOP_K)} | afterwards
 
 
 def test_run_concurrently_runs_the_pooled_calls_at_once_and_the_others_here():
