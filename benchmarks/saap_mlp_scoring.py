@@ -16,9 +16,12 @@ import sys
 
 import torch
 
-#: (BLOCK_LOGITS_H, BLOCK_K_HIDDEN, MLP_LOGITS_STAGES, BLOCK_HIDDEN) per row; the first is the module's default.
-VARIANTS = ((32, 128, 3, 64), (32, 128, 4, 64), (64, 128, 3, 64), (64, 64, 4, 64), (16, 256, 3, 64),
-            (32, 256, 3, 64), (32, 128, 3, 32))
+#: (BLOCK_LOGITS_H, BLOCK_K_HIDDEN, MLP_LOGITS_STAGES, BLOCK_HIDDEN, w2 in float8) per row; the first is the module's
+#: default. The float8 rows (suffix ``-f8``, w2 cast to float8_e4m3fn unscaled: no rule computes it, its logits are
+#: not the reference's) time what half the logits launch's bytes would give.
+VARIANTS = ((32, 128, 3, 64, False), (32, 128, 4, 64, False), (64, 128, 3, 64, False), (64, 64, 4, 64, False),
+            (16, 256, 3, 64, False), (32, 256, 3, 64, False), (32, 128, 3, 32, False), (32, 128, 3, 64, True),
+            (64, 128, 3, 64, True))
 
 
 def main(argv=None) -> int:
@@ -44,19 +47,21 @@ def main(argv=None) -> int:
     offsets = torch.zeros(1, Hkv, C + 1, dtype=torch.int32, device="cuda")
     ends = torch.full((1,), N - 2048, dtype=torch.int32, device="cuda")
     reads = read_bandwidth_TBps()["best"]
-    nbytes = sum(t.numel() * t.element_size() for t in layers[0])
-    results = results_header("saap-mlp-scoring", read_bw_TBps=round(reads, 4), weight_bytes=nbytes,
+    results = results_header("saap-mlp-scoring", read_bw_TBps=round(reads, 4),
                              timing="us: median per call over CUDA-graph replays, weights of 8 layers in turn")
     want = mlp_logits(layers[0], remove_rope(q, torch.tensor([N - 1], device="cuda"), rope).reshape(1, Hkv, 4, D))
     defaults = (sel.BLOCK_LOGITS_H, sel.BLOCK_K_HIDDEN, sel.MLP_LOGITS_STAGES, sel.BLOCK_HIDDEN)
     try:
-        for bo, bk, st, bh in VARIANTS:
+        for bo, bk, st, bh, f8 in VARIANTS:
             sel.BLOCK_LOGITS_H, sel.BLOCK_K_HIDDEN, sel.MLP_LOGITS_STAGES, sel.BLOCK_HIDDEN = bo, bk, st, bh
-            name = f"o{bo}-k{bk}-s{st}" + (f"-h{bh}" if bh != 64 else "")
-            row = {"method": name, "block_logits_h": bo, "block_k_hidden": bk, "stages": st, "block_hidden": bh}
+            name = f"o{bo}-k{bk}-s{st}" + (f"-h{bh}" if bh != 64 else "") + ("-f8" if f8 else "")
+            row = {"method": name, "block_logits_h": bo, "block_k_hidden": bk, "stages": st, "block_hidden": bh,
+                   "w2_float8": f8}
             try:
                 ws = [sel.select_workspace(1, Hkv, 4, C, H, "cuda") for _ in layers]
-                scorers = [sel.SaapScorer(torch.zeros(Hkv, C, D, device="cuda"), inv_freq, m) for m in layers]
+                mlps = [m._replace(w2=m.w2.to(torch.float8_e4m3fn)) if f8 else m for m in layers]
+                scorers = [sel.SaapScorer(torch.zeros(Hkv, C, D, device="cuda"), inv_freq, m) for m in mlps]
+                nbytes = sum(t.numel() * t.element_size() for t in mlps[0])
 
                 def call(i):
                     return lambda: sel.saap_select(q, offsets, ends, ws[i], probes=64, scale=D ** -0.5, n_keys=N,
@@ -66,6 +71,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 row["max_abs_err"] = float((ws[0].logits - want).abs().max())
                 row["us"] = time_us(cycle(calls), "graph")
+                row["weight_bytes"] = nbytes
                 row["floor_us"] = nbytes / (reads * 1e12) * 1e6
                 row["frac_of_floor"] = row["floor_us"] / row["us"]
             except Exception as exc:  # noqa: BLE001 - one failing tiling must not lose the others

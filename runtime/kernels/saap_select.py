@@ -383,7 +383,9 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                          WAIT_PRIOR=False, **common, **logits_select)
         else:
             w1, b1, w2, b2 = scorer.mlp
-            if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+            # bf16 (the rule: saap_rule.scoring_mlp); a float8 w2 only for timing what half its bytes would give
+            # (benchmarks/saap_mlp_scoring.py: no rule computes it)
+            if w1.dtype != torch.bfloat16 or w2.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
                 raise ValueError(f"saap_select: the query MLP's weights must be bf16 (saap_rule.scoring_mlp); got "
                                  f"{w1.dtype}, {w2.dtype}")
             H = w1.shape[1]
