@@ -31,6 +31,7 @@ from . import interpreting
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
 from .saap_score_rows import _derope_rows, _load_query_rows, _rows_product
+from .saap_tiles import _prefetch_l2
 from .saap_topl import _saap_select_kernel, _select_head, block_c_for, radix_bits, select_warps
 
 #: Outputs per scoring program: the hidden layer's units, the clusters' logits (from D- or H-long rows).
@@ -47,6 +48,12 @@ BLOCK_LOGITS_H = 32
 BLOCK_K_HIDDEN = 128
 #: Software-pipeline stages of the hidden-to-logits product's weight chunks (the query MLP's w2: its launch's bytes).
 MLP_LOGITS_STAGES = 3
+#: Chained by programmatic dependent launch (``pdl``), each program of the query MLP's logits launch asks L2 for its
+#: whole w2 rows before it waits for the hidden layer (PTX only: the interpreter runs without it), so that the
+#: launch's 33.5 MB (llama3-8b 128k, bf16) stream while the hidden launch runs. On the H100 (34a16e2, llama3-8b
+#: 128k) the two launches took 20.0 µs against a 12.2 µs floor for their bytes, and float8 w2 (half the bytes) 16.4:
+#: a fixed ~8 µs besides the stream, much of it the hidden launch before the stream starts.
+MLP_PREFETCH_W2 = True
 #: Centroid scoring of at most this many padded query rows a KV head takes the "fma" products (``_rows_product``) on
 #: the GPU, more rows three TF32 tensor-core products ("tf32x3"); the query MLP bf16 ones (its rule's, "bf16"). On the H100
 #: (d1a0aac, llama3-8b 128k 5 %, 4 rows) the fused scoring-and-selection launch took 17.43 µs with "fma" against 18.65
@@ -141,9 +148,17 @@ def _saap_rows_kernel(
     KEY_BITS: tl.constexpr = 16,  # SELECT: as the selection's
     RELAXED_STATS: tl.constexpr = True,  # SELECT: as the selection's
     LATE_DEPENDENTS: tl.constexpr = False,  # LAUNCH_DEPENDENTS once this program's logits are stored, not at its start
+    PREFETCH_W: tl.constexpr = 0,  # 128-byte lines (a power of two, >= the rows' bytes) of this program's weight rows
+    #                                to ask L2 for before WAIT_PRIOR's wait: they do not depend on the launch before
 ):
     if LAUNCH_DEPENDENTS and not LATE_DEPENDENTS:
         gdc_launch_dependents()
+    if PREFETCH_W > 0:  # the rows [first, first + BLOCK_O) of this head's weights: one contiguous range
+        first = tl.program_id(1) * BLOCK_O
+        nbytes = tl.minimum(NOUT - first, BLOCK_O).to(tl.int64) * K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        start = (w_ptr + ((tl.program_id(0) % HKV).to(tl.int64) * NOUT + first) * K).to(tl.pointer_type(tl.int8))
+        lines = tl.arange(0, PREFETCH_W).to(tl.int64) * 128
+        _prefetch_l2(start + lines, lines < nbytes)
     if WAIT_PRIOR:
         gdc_wait()
     bh = tl.program_id(0)  # b * HKV + kvh
@@ -396,10 +411,12 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
                          *no_select[1],
                          BLOCK_O=BLOCK_HIDDEN, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope,
                          HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, num_warps=4, **mlp)
+            ahead = (dict(PREFETCH_W=next_pow2(cdiv(BLOCK_LOGITS_H * H * w2.element_size(), 128)))
+                     if pdl and MLP_PREFETCH_W2 and not interpreting() else {})
             _ROWS_LAUNCH((B * Hkv, nchunk), ws.hidden, inv_freq, valid, w2, b2, ws.logits, ws.chunk_stats,
                          *sel_ptrs, 0, 0, 0, 0, 1.0, N, L, G, Hkv, H, C, nchunk, *sel_scalars,
                          BLOCK_O=BLOCK_LOGITS_H, BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False,
-                         HAS_BIAS=True, num_stages=MLP_LOGITS_STAGES, **mlp, **dependent, **logits_select)
+                         HAS_BIAS=True, num_stages=MLP_LOGITS_STAGES, **mlp, **dependent, **logits_select, **ahead)
         if fused or not select_too:
             return ws
         score_src, sstrides = ws.logits, (0, 0, 0)

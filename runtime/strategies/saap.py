@@ -56,8 +56,12 @@ TILES_PER_SPLIT = 2
 #: have it): on the H100 (0d2d7ed, llama3-8b 128k 5 %) 40.63 µs a call against 41.58 unchained. The fused scoring
 #: launch's "fma" products leave room for attention programs beside its programs (90 registers a thread, not 128,
 #: the whole register file at 16 warps); the older 3-12 µs cost was measured at 128 (74b717f, dbfa5c3). The query
-#: MLP's chain is unmeasured: off.
+#: MLP's chain: ``PDL_MLP_SCORING``.
 PDL_CENTROID_SCORING = True
+#: The query MLP's launches chained by programmatic dependent launch (its logits launch then asks L2 for its w2 rows
+#: while the hidden launch runs: ``saap_select.MLP_PREFETCH_W2``). Off: on the H100 (34a16e2, llama3-8b 128k 5 %,
+#: without that prefetch) 51.6 µs a call chained against 50.6 apart.
+PDL_MLP_SCORING = False
 
 
 def site_layer(site: AttentionSite) -> int | None:
@@ -114,7 +118,8 @@ class Saap(Strategy[SaapPlan]):
         yield SaapPlan(index=opts["index"], probes=probes, sink=sink, window=window, layer=site_layer(site),
                        num_splits=split_count(site, hw, probes, sink, window, index.num_clusters), block_n=BLOCK_N,
                        fused_select=FUSED_SELECT_CENTROID if centroid else FUSED_SELECT_MLP,
-                       pdl=centroid and FUSED_SELECT_CENTROID and PDL_CENTROID_SCORING)
+                       pdl=(centroid and FUSED_SELECT_CENTROID and PDL_CENTROID_SCORING)
+                       or (not centroid and PDL_MLP_SCORING))
 
     def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         """Roofline of the attended keys (sink + window + probes clusters of average size, read once) and of the

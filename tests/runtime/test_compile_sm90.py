@@ -209,6 +209,9 @@ def test_kernels_compile_for_sm90(monkeypatch):
     mlp_jobs = [j for j in jobs if j["name"] == "_saap_rows_kernel" and j["consts"]["PRECISION"] == "bf16-ieee"]
     assert len(mlp_jobs) >= 2 and all(j["sig"]["w_ptr"] == "*bf16" for j in mlp_jobs)
     jobs += [{**j, "consts": {**j["consts"], "PRECISION": "bf16"}} for j in mlp_jobs]
+    # chained, the MLP's logits launch asks L2 for its w2 rows before it waits (saap_select.MLP_PREFETCH_W2)
+    jobs += [{**j, "consts": {**j["consts"], "PRECISION": "bf16", "PREFETCH_W": 512, "WAIT_PRIOR": True,
+                              "LAUNCH_DEPENDENTS": True}} for j in mlp_jobs if not j["consts"]["SRC_Q"]][:1]
     # the long-context launches chained by programmatic dependent launch (split-KV's ``chain``, stream-K's
     # ``merge_launch``), one of each kernel: the interpreter takes none of them
     chained = {"_split_kv_kernel": {"WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True},
