@@ -43,17 +43,20 @@ BLOCK_LOGITS_Q_FUSED = 128
 #: The fused centroid launch takes ``BLOCK_LOGITS_Q_FUSED`` clusters a program from this many warps up (below it,
 #: ``BLOCK_LOGITS_Q``: two programs an SM).
 FUSED_WIDE_MIN_WARPS = 16
-BLOCK_LOGITS_H = 32
+#: 64 for the query MLP's logits (from H-long hidden rows): on the H100 (34a16e2 and c95c447,
+#: ``benchmarks/saap_mlp_scoring.py``, llama3-8b 128k, bf16) its two scoring launches took 20.02 / 20.04 µs at 64
+#: against 20.39 / 20.41 at 32 (floor 12.2); the whole decode call was timed at 32 only.
+BLOCK_LOGITS_H = 64
 #: Inner-dim chunk of the hidden-to-logits product.
 BLOCK_K_HIDDEN = 128
 #: Software-pipeline stages of the hidden-to-logits product's weight chunks (the query MLP's w2: its launch's bytes).
 MLP_LOGITS_STAGES = 3
 #: Chained by programmatic dependent launch (``pdl``), each program of the query MLP's logits launch asks L2 for its
 #: whole w2 rows before it waits for the hidden layer (PTX only: the interpreter runs without it), so that the
-#: launch's 33.5 MB (llama3-8b 128k, bf16) stream while the hidden launch runs. On the H100 (34a16e2, llama3-8b
-#: 128k) the two launches took 20.0 µs against a 12.2 µs floor for their bytes, and float8 w2 (half the bytes) 16.4:
-#: a fixed ~8 µs besides the stream, much of it the hidden launch before the stream starts.
-MLP_PREFETCH_W2 = True
+#: launch's 33.5 MB (llama3-8b 128k, bf16) would stream while the hidden launch runs. Off: on the H100 (c95c447,
+#: ``benchmarks/saap_mlp_scoring.py``, llama3-8b 128k) the two launches took 25.4-25.9 µs chained with it, 21.0-21.8
+#: chained without it, 20.0-20.4 apart (floor 12.2 µs for the bf16 weights; float8 w2, half the bytes, 16.4 apart).
+MLP_PREFETCH_W2 = False
 #: Centroid scoring of at most this many padded query rows a KV head takes the "fma" products (``_rows_product``) on
 #: the GPU, more rows three TF32 tensor-core products ("tf32x3"); the query MLP bf16 ones (its rule's, "bf16"). On the H100
 #: (d1a0aac, llama3-8b 128k 5 %, 4 rows) the fused scoring-and-selection launch took 17.43 µs with "fma" against 18.65
@@ -231,7 +234,7 @@ def fused_select_warps(block_c: int, hidden: int = 0) -> int:
     """Warps of the fused scoring-and-selection launch: its last program per head selects, so as many as the
     selection's own launch takes (``select_warps``). Every chunk program of the scoring has them, so centroid scoring
     takes ``BLOCK_LOGITS_Q_FUSED`` clusters a program (half the programs of its own launch, one an SM); the MLP's
-    logits (``BLOCK_LOGITS_H`` a program, four times the programs) at most 8: compiled for sm_90 at 2048 clusters,
+    logits (``BLOCK_LOGITS_H`` a program) at most 8: compiled for sm_90 at 2048 clusters,
     16 warps take 128 registers a thread, the whole register file of an SM. On the H100 (llama3-8b, 5 %) the fused
     centroid launch took 18.6-19.1 µs at 16 warps (cc11447; the two launches apart: 9.3 + 9.1 at 2cefde7) against
     21.3-22.5 at 8 warps and 64 clusters a program."""

@@ -58,9 +58,10 @@ TILES_PER_SPLIT = 2
 #: the whole register file at 16 warps); the older 3-12 µs cost was measured at 128 (74b717f, dbfa5c3). The query
 #: MLP's chain: ``PDL_MLP_SCORING``.
 PDL_CENTROID_SCORING = True
-#: The query MLP's launches chained by programmatic dependent launch (its logits launch then asks L2 for its w2 rows
-#: while the hidden launch runs: ``saap_select.MLP_PREFETCH_W2``). Off: on the H100 (34a16e2, llama3-8b 128k 5 %,
-#: without that prefetch) 51.6 µs a call chained against 50.6 apart.
+#: The query MLP's launches chained by programmatic dependent launch. Off: on the H100 (llama3-8b 5 %, the bench's
+#: ``us_pdl`` against ``us``) 51.6 µs a call chained against 50.6 apart at 128k and 80.4 against 80.1 at 512k
+#: (34a16e2); with the logits launch prefetching its w2 rows (``saap_select.MLP_PREFETCH_W2``, c95c447) 53.7 against
+#: 50.4 at 128k, 84.4 against 87.3 at 512k.
 PDL_MLP_SCORING = False
 
 
