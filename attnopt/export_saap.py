@@ -61,17 +61,16 @@ def saap_attention(translator: Any, q, k, v, bias, lengths, scale: float, is_cau
         return op.Constant(value=ir.tensor(np.ascontiguousarray(t.detach().cpu().float().numpy()),
                                            name=f"saap_l{p.layer}_{label}"))
 
-    # the centroids as the op scores with them (the rule's rounding: saap_rule.scoring_centroids)
+    # the centroids or the MLP as the op scores with them (the rule: saap_rule.scoring_centroids, scoring_mlp; the
+    # 16-bit values as fp32 initializers)
     tensors = ([scoring_centroids(layer.centroids)] if layer.mlp is None
-               else [layer.mlp[n] for n in SAAP_INDEX_INPUTS[name]])
+               else list(layer.scoring_mlp(index.bn_eps)))
     weights = [constant(t, n) for t, n in zip(tensors, SAAP_INDEX_INPUTS[name])]
     shape = (q.shape[0], k.shape[1], k.shape[2])  # static: check_saap
     # a placeholder: ``add_cluster_inputs`` replaces it with the graph input after the export
     clusters = op.Constant(value=ir.tensor(np.full(shape, -1, dtype=np.int64), name=f"saap_l{p.layer}_placeholder"))
     translator.exported[site] = f"attnopt:{name} (function body)"
     attrs = dict(scale=scale, is_causal=int(is_causal), probes=int(p.probes), plan=plan, site=site)
-    if layer.mlp is not None:
-        attrs["bn_eps"] = float(index.bn_eps)
     return translator._attnopt_op(name)(q, k, v, bias, lengths, clusters, constant(index.rope.inv_freq(), "inv_freq"),
                                         *weights, **attrs)
 

@@ -191,27 +191,21 @@ _SAAP_SCORE_CENTROIDS = """
     s_scale = Constant <value_float: float = @scale> ()
     s_logits = Mul (s_raw, s_scale)
 """
-# The query MLP in eval mode (``runtime/saap/index.py``'s ``mlp_logits``): Linear -> BatchNorm -> ReLU -> Linear.
+# The query MLP as the rule scores with it (``runtime/kernels/saap_rule.py``'s ``mlp_logits``): the BatchNorm folded
+# into w1 and b1, the weights bf16 values (given as fp32), each layer's input rounded to bf16 (Cast: nearest even),
+# the products and sums fp32: Linear -> ReLU -> Linear.
 _SAAP_SCORE_MLP = """
+    s_x16 = Cast <to = 16> (s_qpk)
+    s_x = Cast <to = 1> (s_x16)
     s_w1t = Transpose <perm = [0, 2, 1]> (w1)
-    s_h0 = MatMul (s_qpk, s_w1t)
+    s_h0 = MatMul (s_x, s_w1t)
     s_b1 = Unsqueeze (b1, s_ax1)
     s_h1 = Add (s_h0, s_b1)
-    s_mean = Unsqueeze (bn_mean, s_ax1)
-    s_var = Unsqueeze (bn_var, s_ax1)
-    s_eps = Constant <value_float: float = @bn_eps> ()
-    s_var_eps = Add (s_var, s_eps)
-    s_std = Sqrt (s_var_eps)
-    s_rstd = Reciprocal (s_std)
-    s_hc = Sub (s_h1, s_mean)
-    s_h2 = Mul (s_hc, s_rstd)
-    s_gamma = Unsqueeze (bn_weight, s_ax1)
-    s_beta = Unsqueeze (bn_bias, s_ax1)
-    s_h3 = Mul (s_h2, s_gamma)
-    s_h4 = Add (s_h3, s_beta)
-    s_h5 = Relu (s_h4)
+    s_h2 = Relu (s_h1)
+    s_h16 = Cast <to = 16> (s_h2)
+    s_h = Cast <to = 1> (s_h16)
     s_w2t = Transpose <perm = [0, 2, 1]> (w2)
-    s_o2 = MatMul (s_h5, s_w2t)
+    s_o2 = MatMul (s_h, s_w2t)
     s_b2 = Unsqueeze (b2, s_ax1)
     s_logits = Add (s_o2, s_b2)
 """
@@ -293,14 +287,14 @@ _SAAP_OUT = """
 _SAAP_DECODE_ATTENTION = (_HEADER + f"saap_decode_attention <{_SAAP_ATTRS}> ({_SAAP_INPUTS}, centroids) => (out) {{"
                           + _with(_NO_CAP, _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_CENTROIDS + _SAAP_SELECT + _ATTENTION)
                           + _SAAP_OUT)
-_SAAP_DECODE_ATTENTION_MLP = (_HEADER + f"saap_decode_attention_mlp <{_SAAP_ATTRS}, bn_eps: float = 1e-5> "
-                              f"({_SAAP_INPUTS}, w1, b1, bn_mean, bn_var, bn_weight, bn_bias, w2, b2) => (out) {{"
+_SAAP_DECODE_ATTENTION_MLP = (_HEADER + f"saap_decode_attention_mlp <{_SAAP_ATTRS}> "
+                              f"({_SAAP_INPUTS}, w1, b1, w2, b2) => (out) {{"
                               + _with(_NO_CAP, _SHAPES + _SAAP_DEROPE + _SAAP_SCORE_MLP + _SAAP_SELECT + _ATTENTION)
                               + _SAAP_OUT)
 #: The inputs after (q, k, v, bias, valid_len) of the SAAP functions: the clusters of each key (an input of the
 #: graph), the RoPE's inverse frequencies and the index's tensors (initializers).
 SAAP_INDEX_INPUTS = {"saap_decode_attention": ("centroids",),
-                     "saap_decode_attention_mlp": ("w1", "b1", "bn_mean", "bn_var", "bn_weight", "bn_bias", "w2", "b2")}
+                     "saap_decode_attention_mlp": ("w1", "b1", "w2", "b2")}
 
 _TEXTS = {"decode_attention": _DECODE_ATTENTION, "decode_attention_states": _DECODE_ATTENTION_STATES,
           "merge_states": _MERGE_STATES, "saap_decode_attention": _SAAP_DECODE_ATTENTION,
@@ -351,8 +345,6 @@ def op_schema(name: str):
             ("probes", OpSchema.AttrType.INT, "clusters attended per KV head"),
             ("plan", OpSchema.AttrType.STRING, "the plan's runtime key (JSON)"),
             ("site", OpSchema.AttrType.STRING, "the site key"))]
-        if name.endswith("_mlp"):
-            attrs.append(OpSchema.Attribute("bn_eps", OpSchema.AttrType.FLOAT, "the query MLP's BatchNorm epsilon"))
         inputs = [param("q", "T"), param("k", "T"), param("v", "T"), param("user_bias", "M"), param("valid_len", "I"),
                   param("clusters", "I"), param("inv_freq", "F")] + [param(n, "F") for n in SAAP_INDEX_INPUTS[name]]
         return OpSchema(name, DOMAIN, DOMAIN_VERSION, inputs=inputs, outputs=[param("out", "T")], attributes=attrs,

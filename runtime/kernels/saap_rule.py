@@ -1,10 +1,13 @@
-"""SAAP's selection rule, one definition for the Triton selection (``saap_topl``), the PyTorch reference
-(``runtime/saap/decode.py``), the plan's CPU path, the quality harness and the ONNX node: the centroids they score
-with (``scoring_centroids``), then each group's ``probes`` clusters of largest score, ranked on the top
+"""SAAP's scoring and selection rule, one definition for the Triton scoring and selection (``saap_select``,
+``saap_topl``), the PyTorch reference (``runtime/saap/decode.py``), the plan's CPU path, the quality harness and the
+ONNX node: the centroids they score with (``scoring_centroids``), the query MLP's folded 16-bit layers and rounded
+inputs (``scoring_mlp``, ``mlp_logits``), then each group's ``probes`` clusters of largest score, ranked on the top
 ``SELECT_KEY_BITS`` bits of each score's order-preserving key, ties broken by the lowest cluster index. PyTorch
 only: here, below ``saap/``, so that the kernels can take the constants.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,6 +32,49 @@ def scoring_centroids(centroids: Tensor, dtype: torch.dtype | None = None) -> Te
     harness, the ONNX node): rounded to ``dtype`` (None: ``CENTROID_DTYPE``, read at the call), contiguous.
     centroids (Hkv, C, D) float -> (Hkv, C, D) in that dtype (the input itself when it already is)."""
     return centroids.to(dtype or CENTROID_DTYPE).contiguous()
+
+
+#: The dtype of the query MLP's weights as every scorer reads them (``scoring_mlp``), and of each layer's inputs (the
+#: de-roped queries, the hidden units, rounded to nearest even): the products of two bf16 values are exact in fp32
+#: and the sums stay fp32, so the GPU's bf16 tensor-core products with fp32 accumulation compute the reference's
+#: logits up to the order of the sums. The scoring launch's bytes are the weights: at llama3-8b 128k (8 KV heads,
+#: D = 128, hidden 1024, 2048 clusters) 71.3 MB a layer in fp32, 35.7 MB in bf16 (12.1 µs at 2.94 TB/s). The index
+#: file keeps fp32 and the BatchNorm apart; ``scoring_mlp`` folds and rounds where a scorer takes them.
+MLP_DTYPE = torch.bfloat16
+
+
+class ScoringMLP(NamedTuple):
+    """The query MLP as every scorer computes it: BatchNorm folded into the first layer, weights in ``MLP_DTYPE``.
+    w1 (Hkv, H, D) and w2 (Hkv, C, H) 16-bit, contiguous; b1 (Hkv, H) and b2 (Hkv, C) fp32."""
+
+    w1: Tensor
+    b1: Tensor
+    w2: Tensor
+    b2: Tensor
+
+
+def scoring_mlp(mlp: dict[str, Tensor], eps: float) -> ScoringMLP:
+    """Fold an index layer's eval BatchNorm into its first layer (in fp32: ``s = weight * rsqrt(var + eps)``,
+    ``w1 * s``, ``(b1 - mean) * s + bias``), then round the two weight matrices to ``MLP_DTYPE`` (read at the call).
+    ``mlp``: the index's ``MLP_TENSORS`` (fp32). The result lives on the tensors' device."""
+    f = {n: t.float() for n, t in mlp.items()}
+    s = f["bn_weight"] * torch.rsqrt(f["bn_var"] + eps)
+    return ScoringMLP((f["w1"] * s[..., None]).to(MLP_DTYPE).contiguous(),
+                      ((f["b1"] - f["bn_mean"]) * s + f["bn_bias"]).contiguous(),
+                      f["w2"].to(MLP_DTYPE).contiguous(), f["b2"].contiguous())
+
+
+def mlp_input(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A layer's input as the rule rounds it: to ``dtype`` (nearest even), back in fp32."""
+    return x.to(dtype).float()
+
+
+def mlp_logits(mlp: ScoringMLP, x: Tensor) -> Tensor:
+    """The rule's query MLP over de-roped queries x (B, Hkv, M, D) float: (B, Hkv, M, C) fp32 logits,
+    ``relu(round(x) w1^T + b1)`` rounded, times w2^T, plus b2; every product and sum in fp32."""
+    dt = mlp.w1.dtype
+    h = torch.einsum("bhmd,hkd->bhmk", mlp_input(x, dt), mlp.w1.float()) + mlp.b1[None, :, None, :]
+    return torch.einsum("bhmk,hck->bhmc", mlp_input(torch.relu(h), dt), mlp.w2.float()) + mlp.b2[None, :, None, :]
 
 
 def selection_keys(scores: Tensor, bits: int = SELECT_KEY_BITS) -> Tensor:

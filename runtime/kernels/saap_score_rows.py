@@ -49,15 +49,31 @@ def _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_d, L, D, DEROPE: tl.const
 
 
 @triton.jit
+def _round_bf16(x):
+    """fp32 x rounded to bf16's nearest even, as fp32 (finite values): integer ops, since the interpreter's fp32 to
+    bf16 cast truncates."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rows_product(x, w, acc, PRECISION: tl.constexpr):
-    """``acc + x @ w^T`` for rows x (BLOCK_R, BLOCK_K) and weights w (BLOCK_O, BLOCK_K): ``tl.dot`` at PRECISION, or
-    ("fma") fp32 products summed in registers, exact fp32 with the rows unpadded (no tensor-core operand
-    layouts: w stays in the registers it was loaded into)."""
-    if PRECISION == "fma":  # row by row: each product reduces along w's rows as loaded (in-thread, then the lanes)
+    """``acc + x @ w^T`` for fp32 rows x (BLOCK_R, BLOCK_K) and weights w (BLOCK_O, BLOCK_K): ``tl.dot`` at
+    PRECISION, or ("fma") fp32 products summed in registers, exact fp32 with the rows unpadded (no tensor-core
+    operand layouts: w stays in the registers it was loaded into). The query MLP's rule (``saap_rule.mlp_logits``):
+    bf16 weights, rows rounded to bf16 (nearest even), exact products summed in fp32: "bf16" on the tensor cores,
+    "bf16-ieee" in fp32 arithmetic (the interpreter, whose bf16 arithmetic is wrong)."""
+    if PRECISION == "bf16":
+        acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    elif PRECISION == "bf16-ieee":
+        acc = tl.dot(_round_bf16(x), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    elif PRECISION == "fma":  # row by row: each product reduces along w's rows as loaded (in-thread, then the lanes)
+        wf = w.to(tl.float32)
         rows = tl.arange(0, x.shape[0])
         for r in tl.static_range(x.shape[0]):
             xr = tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
-            acc += tl.where(rows[:, None] == r, tl.sum(w * xr[None, :], axis=1)[None, :], 0.0)
-        return acc
+            acc += tl.where(rows[:, None] == r, tl.sum(wf * xr[None, :], axis=1)[None, :], 0.0)
     else:
-        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision=PRECISION)
+    return acc

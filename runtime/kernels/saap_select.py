@@ -4,7 +4,7 @@ two fused: then the last of a head's logit programs to finish, counted by an arr
 1. ``_saap_rows_kernel`` (one launch with centroid scoring, two with the query MLP): per (batch row x KV head,
    chunk of outputs), the group's G x L query rows times a chunk of a weight matrix, to fp32 accuracy. From
    the rotated queries it first removes RoPE itself (the positions come from the valid length on the device). Its
-   epilogue is either the MLP's hidden layer (bias, eval BatchNorm, ReLU) or the cluster logits, stored with each
+   epilogue is either the MLP's hidden layer (the bias with the BatchNorm folded in, ReLU) or the cluster logits, stored with each
    chunk's row maximum and sum of exponentials so that the selection can normalise every row's softmax.
 2. ``saap_topl._saap_select_kernel``, one program per (batch row, KV head): the group's cluster scores, the
    threshold of the top ``probes`` and the work list the attention launch reads (see ``saap_topl``).
@@ -31,6 +31,7 @@ from . import interpreting
 from .common import cdiv, next_pow2
 from .launch import KernelLauncher
 from .saap_score_rows import _derope_rows, _load_query_rows, _rows_product
+from .saap_tiles import _prefetch_l2
 from .saap_topl import _saap_select_kernel, _select_head, block_c_for, radix_bits, select_warps
 
 #: Outputs per scoring program: the hidden layer's units, the clusters' logits (from D- or H-long rows).
@@ -42,11 +43,22 @@ BLOCK_LOGITS_Q_FUSED = 128
 #: The fused centroid launch takes ``BLOCK_LOGITS_Q_FUSED`` clusters a program from this many warps up (below it,
 #: ``BLOCK_LOGITS_Q``: two programs an SM).
 FUSED_WIDE_MIN_WARPS = 16
-BLOCK_LOGITS_H = 32
+#: 64 for the query MLP's logits (from H-long hidden rows): on the H100 (34a16e2 and c95c447,
+#: ``benchmarks/saap_mlp_scoring.py``, llama3-8b 128k, bf16) its two scoring launches took 20.02 / 20.04 µs at 64
+#: against 20.39 / 20.41 at 32 (floor 12.2); the whole decode call was timed at 32 only.
+BLOCK_LOGITS_H = 64
 #: Inner-dim chunk of the hidden-to-logits product.
 BLOCK_K_HIDDEN = 128
+#: Software-pipeline stages of the hidden-to-logits product's weight chunks (the query MLP's w2: its launch's bytes).
+MLP_LOGITS_STAGES = 3
+#: Chained by programmatic dependent launch (``pdl``), each program of the query MLP's logits launch asks L2 for its
+#: whole w2 rows before it waits for the hidden layer (PTX only: the interpreter runs without it), so that the
+#: launch's 33.5 MB (llama3-8b 128k, bf16) would stream while the hidden launch runs. Off: on the H100 (c95c447,
+#: ``benchmarks/saap_mlp_scoring.py``, llama3-8b 128k) the two launches took 25.4-25.9 µs chained with it, 21.0-21.8
+#: chained without it, 20.0-20.4 apart (floor 12.2 µs for the bf16 weights; float8 w2, half the bytes, 16.4 apart).
+MLP_PREFETCH_W2 = False
 #: Centroid scoring of at most this many padded query rows a KV head takes the "fma" products (``_rows_product``) on
-#: the GPU, more rows (and the query MLP, unmeasured) three TF32 tensor-core products ("tf32x3"). On the H100
+#: the GPU, more rows three TF32 tensor-core products ("tf32x3"); the query MLP bf16 ones (its rule's, "bf16"). On the H100
 #: (d1a0aac, llama3-8b 128k 5 %, 4 rows) the fused scoring-and-selection launch took 17.43 µs with "fma" against 18.65
 #: with "tf32x3" (the scoring alone 8.41 against 9.34; Triton's FMA dot, "ieee", 23.9), and it holds 90 registers a
 #: thread and 16 KB of shared memory against 128 and 64 KB. Its rows are unrolled, hence the bound.
@@ -76,14 +88,14 @@ class SaapScorer(NamedTuple):
 
     centroids : (Hkv, C, D) fp32 or 16-bit float (``saap_rule.scoring_centroids``: read as stored, products in
     fp32). inv_freq : (D / 2,) RoPE inverse frequencies, or None for an index over rotated keys.
-    mlp : None (centroid scoring, logits ``scale * q . c``) or (w1 (Hkv, H, D), b1 (Hkv, H), bn (4, Hkv, H): the
-    stacked BatchNorm mean, var, weight and bias, w2 (Hkv, C, H), b2 (Hkv, C)). bn_eps : the BatchNorm epsilon.
+    mlp : None (centroid scoring, logits ``scale * q . c``) or the query MLP as the rule scores with it
+    (``saap_rule.ScoringMLP``: the BatchNorm folded into w1 (Hkv, H, D) bf16 and b1 (Hkv, H) fp32; w2 (Hkv, C, H)
+    bf16, b2 (Hkv, C) fp32).
     """
 
     centroids: torch.Tensor
     inv_freq: torch.Tensor | None
     mlp: tuple[torch.Tensor, ...] | None
-    bn_eps: float = 1e-5
 
     @property
     def clusters(self) -> int:
@@ -99,16 +111,15 @@ def _saap_rows_kernel(
     x_ptr,  # SRC_Q: Q (B, Hq, L, D) rotated queries, any strides; else hidden rows (B, Hkv, M, K) fp32 contiguous
     inv_freq_ptr,  # (D / 2,) fp32 RoPE inverse frequencies (read when DEROPE)
     valid_ptr,  # (B,) int valid lengths (read when HAS_VALID): the queries sit at the last L positions
-    w_ptr,  # (Hkv, NOUT, K) contiguous weights: centroids (fp32 or 16-bit: saap_rule.scoring_centroids), w1 or w2
-    bias_ptr,  # (Hkv, NOUT) fp32: b1 (HIDDEN) or b2 (HAS_BIAS)
-    bn_ptr,  # HIDDEN: (4, Hkv, NOUT) fp32 BatchNorm mean, var, weight, bias
+    w_ptr,  # (Hkv, NOUT, K) contiguous weights: centroids (fp32 or 16-bit: saap_rule.scoring_centroids), or the
+    #        MLP's w1 or w2 in bf16 (saap_rule.scoring_mlp)
+    bias_ptr,  # (Hkv, NOUT) fp32: b1 with the BatchNorm folded in (HIDDEN) or b2 (HAS_BIAS)
     out_ptr,  # (B, Hkv, M, NOUT) fp32 contiguous: hidden units or logits
     stat_ptr,  # logits: (B, Hkv, M, NCHUNK, 2) fp32 contiguous chunk row max and sum of exp(logit - max)
     counter_ptr,  # SELECT: (B * Hkv,) int32 arrival counters, zero before and after every launch
     offsets_ptr, end_ptr, incl_ptr, shift_ptr, total_ptr, stats_ptr, perm_ptr,  # SELECT: as ``_saap_select_kernel``'s
     stride_qb, stride_qh, stride_ql, stride_qd,  # Q strides (SRC_Q)
     scale,  # logits multiplier (the attention scale for centroid scoring, 1 for the MLP)
-    eps,  # BatchNorm epsilon (HIDDEN)
     N,  # keys in the cache (the length without a valid length)
     L,  # query tokens
     G,  # query heads per KV head
@@ -125,10 +136,11 @@ def _saap_rows_kernel(
     BLOCK_K: tl.constexpr,  # inner-dim chunk (SRC_Q: >= D, one chunk)
     SRC_Q: tl.constexpr,  # rows are the queries (else the hidden rows)
     DEROPE: tl.constexpr,  # remove RoPE from the queries first
-    HIDDEN: tl.constexpr,  # epilogue: bias, BatchNorm, ReLU (else logits with chunk statistics)
+    HIDDEN: tl.constexpr,  # epilogue: bias (BatchNorm folded in), ReLU (else logits with chunk statistics)
     HAS_BIAS: tl.constexpr,  # logits get bias_ptr added
     HAS_VALID: tl.constexpr,  # valid_ptr holds the lengths
-    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"; "fma": no dot
+    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32x3" (tensor cores, fp32 accuracy) or "ieee"; "fma": no dot;
+    #                           "bf16" / "bf16-ieee": the MLP rule's (``_rows_product``), bf16 weights read as stored
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent: wait for the grid before it first
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next launch (a programmatic dependent) become resident now
     SELECT: tl.constexpr = False,  # logits: the last chunk of a head to arrive runs the selection (no own launch)
@@ -139,9 +151,17 @@ def _saap_rows_kernel(
     KEY_BITS: tl.constexpr = 16,  # SELECT: as the selection's
     RELAXED_STATS: tl.constexpr = True,  # SELECT: as the selection's
     LATE_DEPENDENTS: tl.constexpr = False,  # LAUNCH_DEPENDENTS once this program's logits are stored, not at its start
+    PREFETCH_W: tl.constexpr = 0,  # 128-byte lines (a power of two, >= the rows' bytes) of this program's weight rows
+    #                                to ask L2 for before WAIT_PRIOR's wait: they do not depend on the launch before
 ):
     if LAUNCH_DEPENDENTS and not LATE_DEPENDENTS:
         gdc_launch_dependents()
+    if PREFETCH_W > 0:  # the rows [first, first + BLOCK_O) of this head's weights: one contiguous range
+        first = tl.program_id(1) * BLOCK_O
+        nbytes = tl.minimum(NOUT - first, BLOCK_O).to(tl.int64) * K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        start = (w_ptr + ((tl.program_id(0) % HKV).to(tl.int64) * NOUT + first) * K).to(tl.pointer_type(tl.int8))
+        lines = tl.arange(0, PREFETCH_W).to(tl.int64) * 128
+        _prefetch_l2(start + lines, lines < nbytes)
     if WAIT_PRIOR:
         gdc_wait()
     bh = tl.program_id(0)  # b * HKV + kvh
@@ -163,7 +183,7 @@ def _saap_rows_kernel(
         # (de-roped first, sm_90 issued it only after the de-roping's barriers: two memory latencies in a row)
         x, xp, inv_freq = _load_query_rows(x_ptr, inv_freq_ptr, b, kvh, offs_r, offs_k, stride_qb, stride_qh,
                                            stride_ql, stride_qd, L, G, D, DEROPE)
-        w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        w = tl.load(w_base + offs_k[None, :], mask=o_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         x = _derope_rows(x, xp, inv_freq, kv_len, offs_r, offs_k, L, D, DEROPE)
         acc = _rows_product(x, w, acc, PRECISION)
     else:
@@ -176,13 +196,8 @@ def _saap_rows_kernel(
     vec = kvh.to(tl.int64) * NOUT + offs_o
     out_ptrs = out_ptr + bh.to(tl.int64) * M * NOUT + offs_r.to(tl.int64)[:, None] * NOUT + offs_o[None, :]
     ok = (offs_r[:, None] < M) & o_ok[None, :]
-    if HIDDEN:  # the reference's order: (h + b1 - mean) * rsqrt(var + eps), then * weight + bias, then ReLU
-        plane = HKV * NOUT
+    if HIDDEN:  # the rule's first layer (saap_rule.mlp_logits): the folded bias, then ReLU; the next layer rounds
         h = acc + tl.load(bias_ptr + vec, mask=o_ok, other=0.0)[None, :]
-        h = (h - tl.load(bn_ptr + vec, mask=o_ok, other=0.0)[None, :]) * tl.rsqrt(
-            tl.load(bn_ptr + plane + vec, mask=o_ok, other=1.0) + eps)[None, :]
-        h = h * tl.load(bn_ptr + 2 * plane + vec, mask=o_ok, other=0.0)[None, :] + tl.load(
-            bn_ptr + 3 * plane + vec, mask=o_ok, other=0.0)[None, :]
         tl.store(out_ptrs, tl.maximum(h, 0.0), mask=ok)
         if LAUNCH_DEPENDENTS and LATE_DEPENDENTS:
             gdc_launch_dependents()
@@ -219,7 +234,7 @@ def fused_select_warps(block_c: int, hidden: int = 0) -> int:
     """Warps of the fused scoring-and-selection launch: its last program per head selects, so as many as the
     selection's own launch takes (``select_warps``). Every chunk program of the scoring has them, so centroid scoring
     takes ``BLOCK_LOGITS_Q_FUSED`` clusters a program (half the programs of its own launch, one an SM); the MLP's
-    logits (``BLOCK_LOGITS_H`` a program, four times the programs) at most 8: compiled for sm_90 at 2048 clusters,
+    logits (``BLOCK_LOGITS_H`` a program) at most 8: compiled for sm_90 at 2048 clusters,
     16 warps take 128 registers a thread, the whole register file of an SM. On the H100 (llama3-8b, 5 %) the fused
     centroid launch took 18.6-19.1 µs at 16 warps (cc11447; the two launches apart: 9.3 + 9.1 at 2cefde7) against
     21.3-22.5 at 8 warps and 64 clusters a program."""
@@ -380,22 +395,31 @@ def saap_select(q, offsets, indexed_end, workspace: SelectWorkspace, *, probes: 
             if LATE_DEPENDENTS and pdl:
                 logits_select = dict(logits_select, LATE_DEPENDENTS=True)
             _ROWS_LAUNCH((B * Hkv, launch_chunks), q, inv_freq, valid, scorer.centroids, scorer.centroids,
-                         scorer.centroids, ws.logits, ws.chunk_stats, *sel_ptrs, *q.stride(), float(scale), 0.0, N, L,
+                         ws.logits, ws.chunk_stats, *sel_ptrs, *q.stride(), float(scale), N, L,
                          G, Hkv, D, C, launch_chunks, *sel_scalars, BLOCK_O=logit_block or BLOCK_LOGITS_Q,
                          BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope, HIDDEN=False, HAS_BIAS=False,
                          WAIT_PRIOR=False, **common, **logits_select)
         else:
-            w1, b1, bn, w2, b2 = scorer.mlp
+            w1, b1, w2, b2 = scorer.mlp
+            # bf16 (the rule: saap_rule.scoring_mlp); a float8 w2 only for timing what half its bytes would give
+            # (benchmarks/saap_mlp_scoring.py: no rule computes it)
+            if w1.dtype != torch.bfloat16 or w2.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+                raise ValueError(f"saap_select: the query MLP's weights must be bf16 (saap_rule.scoring_mlp); got "
+                                 f"{w1.dtype}, {w2.dtype}")
             H = w1.shape[1]
-            _ROWS_LAUNCH((B * Hkv, cdiv(H, BLOCK_HIDDEN)), q, inv_freq, valid, w1, b1, bn, ws.hidden,
-                         ws.chunk_stats, *no_select[0], *q.stride(), 1.0, float(scorer.bn_eps), N, L, G, Hkv, D, H, 1,
+            # the rule's bf16 products (rows rounded, fp32 sums): tensor cores, or fp32 arithmetic in the interpreter
+            mlp = dict(common, PRECISION="bf16-ieee" if interpreting() else "bf16", BLOCK_R=block_rows_for(M, "bf16"))
+            _ROWS_LAUNCH((B * Hkv, cdiv(H, BLOCK_HIDDEN)), q, inv_freq, valid, w1, b1, ws.hidden,
+                         ws.chunk_stats, *no_select[0], *q.stride(), 1.0, N, L, G, Hkv, D, H, 1,
                          *no_select[1],
                          BLOCK_O=BLOCK_HIDDEN, BLOCK_K=max(16, next_pow2(D)), SRC_Q=True, DEROPE=derope,
-                         HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, num_warps=4, **common)
-            _ROWS_LAUNCH((B * Hkv, nchunk), ws.hidden, inv_freq, valid, w2, b2, bn, ws.logits, ws.chunk_stats,
-                         *sel_ptrs, 0, 0, 0, 0, 1.0, 0.0, N, L, G, Hkv, H, C, nchunk, *sel_scalars,
+                         HIDDEN=True, HAS_BIAS=False, WAIT_PRIOR=False, num_warps=4, **mlp)
+            ahead = (dict(PREFETCH_W=next_pow2(cdiv(BLOCK_LOGITS_H * H * w2.element_size(), 128)))
+                     if pdl and MLP_PREFETCH_W2 and not interpreting() else {})
+            _ROWS_LAUNCH((B * Hkv, nchunk), ws.hidden, inv_freq, valid, w2, b2, ws.logits, ws.chunk_stats,
+                         *sel_ptrs, 0, 0, 0, 0, 1.0, N, L, G, Hkv, H, C, nchunk, *sel_scalars,
                          BLOCK_O=BLOCK_LOGITS_H, BLOCK_K=BLOCK_K_HIDDEN, SRC_Q=False, DEROPE=False, HIDDEN=False,
-                         HAS_BIAS=True, **common, **dependent, **logits_select)
+                         HAS_BIAS=True, num_stages=MLP_LOGITS_STAGES, **mlp, **dependent, **logits_select, **ahead)
         if fused or not select_too:
             return ws
         score_src, sstrides = ws.logits, (0, 0, 0)

@@ -103,15 +103,12 @@ def saap_decode(index: SaapIndex, layer: int, state: ClusterState, q: Tensor, k:
 def kernel_scorer(index: SaapIndex, layer: int):
     """The Triton scoring weights (``runtime.kernels.saap_select.SaapScorer``) of one layer, on the index's device:
     the centroids as the rule rounds them (``scoring_centroids``), the RoPE inverse frequencies (None for an index
-    over rotated keys) and the MLP with its BatchNorm statistics stacked (mean, var, weight, bias)."""
+    over rotated keys) and the MLP as the rule scores with it (``saap_rule.scoring_mlp``: BatchNorm folded, bf16)."""
+    from ..kernels.saap_rule import ScoringMLP
     from ..kernels.saap_select import SaapScorer
 
     li = index.layers[layer]
     device = li.centroids.device
     inv_freq = None if index.rotated else index.rope.inv_freq(device).contiguous()
-    mlp = None
-    if li.mlp is not None:
-        p = {name: t.to(device, torch.float32).contiguous() for name, t in li.mlp.items()}
-        bn = torch.stack([p["bn_mean"], p["bn_var"], p["bn_weight"], p["bn_bias"]]).contiguous()
-        mlp = (p["w1"], p["b1"], bn, p["w2"], p["b2"])
-    return SaapScorer(scoring_centroids(li.centroids), inv_freq, mlp, float(index.bn_eps))
+    mlp = None if li.mlp is None else ScoringMLP(*(t.to(device) for t in li.scoring_mlp(index.bn_eps)))
+    return SaapScorer(scoring_centroids(li.centroids), inv_freq, mlp)

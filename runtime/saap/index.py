@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..kernels.saap_rule import scoring_centroids
+from ..kernels.saap_rule import ScoringMLP, mlp_logits, scoring_centroids, scoring_mlp
 from .rope import RopeSpec, remove_rope, rope_spec_from_config
 
 INDEX_FORMAT = "attnopt-saap-index"
@@ -75,6 +75,19 @@ class LayerIndex:
 
     centroids: Tensor
     mlp: dict[str, Tensor] | None = None
+    _scoring: tuple | None = field(default=None, repr=False, compare=False)  # (key, ScoringMLP) of scoring_mlp
+
+    def scoring_mlp(self, eps: float) -> ScoringMLP:
+        """The MLP as the rule scores with it (``saap_rule.scoring_mlp``: BatchNorm folded, 16-bit weights), made
+        once per eps, dtype and device. Raises ``ValueError`` for a layer without an MLP."""
+        from ..kernels import saap_rule
+
+        if self.mlp is None:
+            raise ValueError("this SAAP layer has no query MLP (centroid scoring)")
+        key = (float(eps), saap_rule.MLP_DTYPE, self.mlp["w1"].device)
+        if self._scoring is None or self._scoring[0] != key:
+            self._scoring = (key, scoring_mlp(self.mlp, eps))
+        return self._scoring[1]
 
     def to(self, device: torch.device | str) -> "LayerIndex":
         mlp = {k: t.to(device) for k, t in self.mlp.items()} if self.mlp is not None else None
@@ -149,7 +162,8 @@ class SaapIndex:
                        centroids: Tensor | None = None) -> Tensor:
         """Group-summed cluster scores of queries ``q`` (B, Hq, L, D) (rotated) at ``positions`` (L,) or (B, L).
 
-        Each query head gets a distribution over the C clusters (the MLP's softmax, or without an MLP the
+        Each query head gets a distribution over the C clusters (the MLP's softmax, as the rule computes it:
+        ``saap_rule.mlp_logits`` with the BatchNorm folded and 16-bit weights and inputs, or without an MLP the
         softmax of ``scale * q . centroid``, with ``centroids`` (Hkv, C, D) when given: the ones refined at
         prefill, ``ClusterState.centroids``); the G heads of a group are summed, as the paper picks a group's
         clusters jointly. Returns (B, Hkv, L, C) fp32 (the L tokens are kept apart; sum them for a joint pick).
@@ -164,7 +178,7 @@ class SaapIndex:
             # the centroids as the kernel reads them (the rule's rounding), the products in fp32
             logits = torch.einsum("bhmd,hcd->bhmc", qd, scoring_centroids(cents).to(qd.device, torch.float32)) * scale
         else:
-            logits = mlp_logits(li.mlp, qd, self.bn_eps)
+            logits = mlp_logits(li.scoring_mlp(self.bn_eps), qd)
         return torch.softmax(logits, dim=-1).reshape(B, Hkv, Hq // Hkv, L, C).sum(dim=2)
 
     # ------------------------------------------------------------------------------------------ save
@@ -183,14 +197,6 @@ class SaapIndex:
             for name, t in (li.mlp or {}).items():
                 tensors[f"layers.{l}.mlp.{name}"] = t.float().contiguous().cpu()
         save_file(tensors, str(path), metadata={"saap": json.dumps(self.metadata(), sort_keys=True)})
-
-
-def mlp_logits(mlp: dict[str, Tensor], x: Tensor, eps: float = 1e-5) -> Tensor:
-    """Eval-mode query MLP over ``x`` (B, Hkv, M, D) with batched weights: (B, Hkv, M, C) logits."""
-    h = torch.einsum("bhmd,hkd->bhmk", x, mlp["w1"]) + mlp["b1"][None, :, None, :]
-    h = (h - mlp["bn_mean"][None, :, None, :]) * torch.rsqrt(mlp["bn_var"][None, :, None, :] + eps)
-    h = torch.relu(h * mlp["bn_weight"][None, :, None, :] + mlp["bn_bias"][None, :, None, :])
-    return torch.einsum("bhmk,hck->bhmc", h, mlp["w2"]) + mlp["b2"][None, :, None, :]
 
 
 def load_index(path: str | Path, config: Any = None) -> SaapIndex:

@@ -30,8 +30,11 @@ from .split_kv import MAX_Q_LEN, kernel_check, use_triton
 
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
 #: Centroid scoring selects in its own launch (the plan's ``fused_select``, its last program per head): on the H100
-#: (2cefde7, llama3-8b, 5 %) 42.9 µs a call at 128k against 44.3 apart, 73.1 against 78.9 at 512k. The query MLP's
-#: logits do not: its fused launch took 76-78 µs against 44.3 apart (dbfa5c3).
+#: (2cefde7, llama3-8b, 5 %) 42.9 µs a call at 128k against 44.3 apart, 73.1 against 78.9 at 512k.
+FUSED_SELECT_CENTROID = True
+#: The query MLP's logits launch does not select: its fused launch took 76-78 µs against 44.3 apart (dbfa5c3), and
+#: at 560e233 (H100, llama3-8b 128k 5 %, fp32 weights) the whole call 131.5 µs against 74.1 with the selection apart.
+FUSED_SELECT_MLP = False
 #: Attended keys per kernel tile. 32, not 64: compiled for sm_90 (bf16, D=128, 4 warps, 2 stages) the attention
 #: kernel holds 114 registers per thread at 32 keys a tile but 255 at 64, and its gathered reads are latency-bound, so
 #: the 4 programs per SM that PROGRAMS_PER_SM aims at are resident at once only at 32 (at 64 only 2 are: two waves).
@@ -53,8 +56,13 @@ TILES_PER_SPLIT = 2
 #: have it): on the H100 (0d2d7ed, llama3-8b 128k 5 %) 40.63 µs a call against 41.58 unchained. The fused scoring
 #: launch's "fma" products leave room for attention programs beside its programs (90 registers a thread, not 128,
 #: the whole register file at 16 warps); the older 3-12 µs cost was measured at 128 (74b717f, dbfa5c3). The query
-#: MLP's chain is unmeasured: off.
+#: MLP's chain: ``PDL_MLP_SCORING``.
 PDL_CENTROID_SCORING = True
+#: The query MLP's launches chained by programmatic dependent launch. Off: on the H100 (llama3-8b 5 %, the bench's
+#: ``us_pdl`` against ``us``) 51.6 µs a call chained against 50.6 apart at 128k and 80.4 against 80.1 at 512k
+#: (34a16e2); with the logits launch prefetching its w2 rows (``saap_select.MLP_PREFETCH_W2``, c95c447) 53.7 against
+#: 50.4 at 128k, 84.4 against 87.3 at 512k.
+PDL_MLP_SCORING = False
 
 
 def site_layer(site: AttentionSite) -> int | None:
@@ -110,11 +118,14 @@ class Saap(Strategy[SaapPlan]):
         centroid = layer is not None and layer.mlp is None
         yield SaapPlan(index=opts["index"], probes=probes, sink=sink, window=window, layer=site_layer(site),
                        num_splits=split_count(site, hw, probes, sink, window, index.num_clusters), block_n=BLOCK_N,
-                       fused_select=centroid, pdl=centroid and PDL_CENTROID_SCORING)
+                       fused_select=FUSED_SELECT_CENTROID if centroid else FUSED_SELECT_MLP,
+                       pdl=(centroid and FUSED_SELECT_CENTROID and PDL_CENTROID_SCORING)
+                       or (not centroid and PDL_MLP_SCORING))
 
     def estimate_us(self, plan: SaapPlan, site: AttentionSite, hw: HardwareProfile, ctx: PlanContext) -> float:
         """Roofline of the attended keys (sink + window + probes clusters of average size, read once) and of the
         scoring weights (the centroids as the scoring reads them, or the query MLP's two layers), plus the launches."""
+        from ..kernels import saap_rule
         from ..kernels.saap_rule import scoring_centroids
         from ..saap.registry import get_index
 
@@ -124,10 +135,10 @@ class Saap(Strategy[SaapPlan]):
         dv = site.v_head_dim or site.head_dim
         nbytes = (site.batch or 1) * site.kv_heads * attended * (site.head_dim + dv) * site.dtype_bytes
         layer = index.layers.get(plan.layer) or next(iter(index.layers.values()))
-        if layer.mlp is None:  # the centroids as the scoring reads them (the rule's dtype), or the MLP's fp32 layers
+        if layer.mlp is None:  # the centroids or the MLP's two weight matrices, as the scoring reads them (the rule)
             nbytes += layer.centroids.numel() * scoring_centroids(layer.centroids[:1, :1]).element_size()
         else:
-            nbytes += (layer.mlp["w1"].numel() + layer.mlp["w2"].numel()) * 4
+            nbytes += (layer.mlp["w1"].numel() + layer.mlp["w2"].numel()) * saap_rule.MLP_DTYPE.itemsize
         launches = 1 + EXTRA_LAUNCHES + (layer.mlp is not None) - plan.fused_select - plan.fused_merge
         return nbytes / (hw.hbm_read_gbps * 1e3) + launches * hw.launch_us
 

@@ -153,14 +153,15 @@ def _saap_launch(q, k, v, clusters, probes):
     """The SAAP launches over a random CSR table (some clusters empty), 4 splits: given scores, then the device
     scoring by centroids (de-roped and rotated) and by a query MLP, with the selectivity counter."""
     from attnopt.runtime.kernels.saap import saap_decode_kernel
+    from attnopt.runtime.kernels.saap_rule import ScoringMLP
     from attnopt.runtime.kernels.saap_select import SaapScorer
 
     B, Hkv, N, D = k.shape
     perm = torch.randperm(N - 40, dtype=torch.int32).add_(1).expand(B, Hkv, -1).contiguous()
     offsets = torch.linspace(0, N - 40, clusters + 1).round().to(torch.int32).expand(B, Hkv, -1).contiguous()
     hidden = 48
-    mlp = (torch.randn(Hkv, hidden, D), torch.randn(Hkv, hidden), torch.rand(4, Hkv, hidden) + 0.5,
-           torch.randn(Hkv, clusters, hidden), torch.randn(Hkv, clusters))
+    mlp = ScoringMLP(torch.randn(Hkv, hidden, D).bfloat16(), torch.randn(Hkv, hidden),
+                     torch.randn(Hkv, clusters, hidden).bfloat16(), torch.randn(Hkv, clusters))
     cents, inv_freq = torch.randn(Hkv, clusters, D), torch.rand(D // 2)
     for scores, scorer in ((torch.rand(B, Hkv, clusters), None), (None, SaapScorer(cents, inv_freq, None)),
                            (None, SaapScorer(cents, None, None)), (None, SaapScorer(cents, inv_freq, mlp))):
@@ -202,7 +203,15 @@ def test_kernels_compile_for_sm90(monkeypatch):
     # scoring products the GPU takes (the interpreter takes plain fp32)
     jobs += [{**j, "consts": {**j["consts"], "WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True}}
              for j in jobs if j["name"].startswith("_saap") and "WAIT_PRIOR" in j["consts"]]
-    jobs += [{**j, "consts": {**j["consts"], "PRECISION": "tf32x3"}} for j in jobs if j["name"] == "_saap_rows_kernel"]
+    jobs += [{**j, "consts": {**j["consts"], "PRECISION": "tf32x3"}} for j in jobs if j["name"] == "_saap_rows_kernel"
+             and j["consts"]["PRECISION"] != "bf16-ieee"]
+    # the query MLP's bf16 tensor-core products (the interpreter takes them in fp32: "bf16-ieee")
+    mlp_jobs = [j for j in jobs if j["name"] == "_saap_rows_kernel" and j["consts"]["PRECISION"] == "bf16-ieee"]
+    assert len(mlp_jobs) >= 2 and all(j["sig"]["w_ptr"] == "*bf16" for j in mlp_jobs)
+    jobs += [{**j, "consts": {**j["consts"], "PRECISION": "bf16"}} for j in mlp_jobs]
+    # chained, the MLP's logits launch asks L2 for its w2 rows before it waits (saap_select.MLP_PREFETCH_W2)
+    jobs += [{**j, "consts": {**j["consts"], "PRECISION": "bf16", "PREFETCH_W": 512, "WAIT_PRIOR": True,
+                              "LAUNCH_DEPENDENTS": True}} for j in mlp_jobs if not j["consts"]["SRC_Q"]][:1]
     # the long-context launches chained by programmatic dependent launch (split-KV's ``chain``, stream-K's
     # ``merge_launch``), one of each kernel: the interpreter takes none of them
     chained = {"_split_kv_kernel": {"WAIT_PRIOR": True, "LAUNCH_DEPENDENTS": True},
@@ -232,7 +241,7 @@ def test_kernels_compile_for_sm90(monkeypatch):
              if j["name"] == "_saap_rows_kernel" and j["consts"].get("SELECT") and j["consts"].get("LAUNCH_DEPENDENTS")
              ][:1]
     # the scoring reading 16-bit centroids (saap_rule.CENTROID_DTYPE; the interpreter has no bf16)
-    jobs += [{**j, "sig": {**j["sig"], "w_ptr": "*bf16", "bias_ptr": "*bf16", "bn_ptr": "*bf16"}} for j in jobs
+    jobs += [{**j, "sig": {**j["sig"], "w_ptr": "*bf16", "bias_ptr": "*bf16"}} for j in jobs
              if j["name"] == "_saap_rows_kernel" and j["consts"].get("LATE_DEPENDENTS")]
     assert any(j["consts"].get("SHARE_ALL") for j in jobs) and any(j["consts"].get("LATE_DEPENDENTS") for j in jobs)
     assert any(j["sig"].get("w_ptr") == "*bf16" for j in jobs)

@@ -599,3 +599,36 @@ def test_scoring_precision_rule_takes_fma_for_few_centroid_rows():
     assert scoring_precision(4 * FMA_MAX_ROWS) == "tf32x3" and block_rows_for(3, "tf32x3") == 16
     assert scoring_precision(4, hidden=1024) == "tf32x3"  # the query MLP keeps the tensor cores
 
+
+
+def test_mlp_scoring_is_the_rules_folded_bf16_mlp():
+    """The query MLP as every scorer computes it (``saap_rule.scoring_mlp`` / ``mlp_logits``): the BatchNorm folded
+    into the first layer, bf16 weights and inputs, fp32 sums. The rule is within bf16 rounding of the index's fp32
+    eval MLP and really rounds (it is not that MLP); the kernel's logits (both launches, "bf16-ieee" here, the
+    rounding done with integer ops) are the rule's to fp32 summation order, far closer than the rounding."""
+    from attnopt.runtime.kernels.saap_rule import mlp_logits, scoring_mlp
+    from attnopt.runtime.kernels.saap_select import saap_select, select_workspace
+    from attnopt.runtime.saap.decode import kernel_scorer
+    from attnopt.runtime.saap.rope import remove_rope
+
+    B, Hq, Hkv, D, C, H, L, n = 1, 6, 2, 64, 40, 48, 2, 500
+    index = mlp_index(Hkv, Hq, D, C, H)
+    p, eps = index.layers[1].mlp, index.bn_eps
+    torch.manual_seed(2)
+    q = torch.randn(B, Hq, L, D) * 3
+    x = remove_rope(q, torch.arange(n - L, n), index.rope).reshape(B, Hkv, Hq // Hkv * L, D)
+    h = torch.einsum("bhmd,hkd->bhmk", x, p["w1"]) + p["b1"][None, :, None]
+    h = (h - p["bn_mean"][None, :, None]) * torch.rsqrt(p["bn_var"][None, :, None] + eps)
+    h = torch.relu(h * p["bn_weight"][None, :, None] + p["bn_bias"][None, :, None])
+    fp32 = torch.einsum("bhmk,hck->bhmc", h, p["w2"]) + p["b2"][None, :, None]
+    folded = scoring_mlp(p, eps)
+    assert folded.w1.dtype == folded.w2.dtype == torch.bfloat16 and folded.b1.dtype == torch.float32
+    rule = mlp_logits(folded, x)
+    err = float((rule - fp32).abs().max())
+    assert 1e-3 < err < 0.05 * float(fp32.abs().max())
+    ws = select_workspace(B, Hkv, Hq // Hkv * L, C, H, DEVICE)
+    saap_select(q.to(DEVICE), torch.zeros(B, Hkv, C + 1, dtype=torch.int32, device=DEVICE),
+                torch.zeros(B, dtype=torch.int32, device=DEVICE), ws, probes=3, scale=0.125, n_keys=n,
+                scorer=kernel_scorer(index.to(DEVICE), 1), launches="scoring")
+    torch.testing.assert_close(ws.logits.cpu(), rule, atol=2e-5, rtol=2e-5)
+    assert float((ws.logits.cpu() - rule).abs().max()) < err / 20

@@ -82,8 +82,9 @@ def test_centroid_scoring_selects_in_its_scoring_launch_and_the_mlp_does_not(tmp
     index.layers[1] = LayerIndex(index.layers[1].centroids, mlp)
     path = str(tmp_path / "mlp.safetensors")
     index.save(path)
-    plan = next(iter(SAAP.candidates(_site(), hw, _ctx(path))))
-    assert not plan.fused_select and not plan.pdl
+    plans = list(SAAP.candidates(_site(), hw, _ctx(path)))
+    # no candidate of an MLP-scored index fuses the selection (the H100's slow path: 131.5 µs against 74.1 apart)
+    assert plans and all(not p.fused_select and not p.pdl for p in plans)
 
 
 def test_config_fields_validate_early(tmp_path, index_path):
