@@ -28,7 +28,7 @@ from attnopt.plan import uses_valid_len
 from .context import PassContext
 from .lower_nodes import (_biased_mask, _meta_key, _nan_empty_rows, _ops, _set_meta, _shared_key_range,
                           _shared_valid_len, _slopes_per_head)
-from .mutation import _PURE_OPERATORS
+from .mutation import _PURE_OPERATORS, mutated_args
 from .window import band_key_range
 from .patterns import _SDPA_FUSED, AttentionMatch, is_aten_graph, is_metadata_assert, meta_val
 
@@ -45,6 +45,8 @@ def _is_impure(node: fx.Node) -> bool:
     if node.op in ("placeholder", "output", "get_attr", "call_module"):
         return True
     if node.op == "call_method" and str(node.target).endswith("_"):
+        return True
+    if mutated_args(node):  # F.relu(x, True), torch._foreach_mul_([x], c), out=: a write, whatever the name
         return True
     t = node.target
     name = getattr(t, "__name__", str(t))

@@ -10,7 +10,8 @@ after part of the chain has read it.
 
 What counts as a mutation (anywhere in the graph): a method or function whose name ends in one underscore
 (``mul_``, ``index_copy_``, ``copy_``, ``masked_fill_``), the in-place operators (``operator.iadd`` ...),
-``operator.setitem``, any ``out=`` argument, ``inplace=True``, and every argument an aten schema marks as
+``operator.setitem``, any ``out=`` argument, an ``inplace`` flag given by keyword or by position
+(``F.relu(x, True)``), every tensor of a ``torch._foreach_*_`` list, and every argument an aten schema marks as
 written. Its target's storage is found by walking back through every op that may return a view or alias of its
 input (views, reshapes, ``contiguous``, same-dtype casts, in-place ops themselves, and any op not known to
 allocate); two nodes alias when those walks meet. Unknown ops are taken as aliasing, so the analysis errs
@@ -25,6 +26,8 @@ produced (``m = zeros(...); m[..., :n] = True``) ``written_after`` tells it to c
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any, Iterable
 
@@ -66,6 +69,35 @@ def _is_inplace_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(target: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """Whether a call passes ``inplace`` other than False, by keyword or by position (``F.relu(x, True)``,
+    ``F.hardtanh(x, -1, 1, True)``, ``F.dropout(x, p, training, True)``: dynamo keeps the call as written). A flag
+    that is not a literal (a graph value) counts as a write."""
+    if "inplace" in node.kwargs:
+        return node.kwargs["inplace"] is not False
+    if node.op != "call_function" or not callable(node.target):
+        return False
+    try:
+        sig = _signature(node.target)
+    except TypeError:  # an unhashable target
+        sig = None
+    if sig is None or "inplace" not in sig.parameters:
+        return False
+    try:
+        bound = sig.bind_partial(*node.args, **node.kwargs)
+    except TypeError:
+        return True  # the call does not bind: take the flag as given
+    return "inplace" in bound.arguments and bound.arguments["inplace"] is not False
+
+
 def mutated_args(node: fx.Node) -> list[fx.Node]:
     """The tensors ``node`` writes in place (empty for a pure node)."""
     if node.op not in ("call_function", "call_method"):
@@ -87,11 +119,12 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
         if t is operator.setitem or t in _INPLACE_OPERATORS or _is_inplace_name(name) \
                 or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__iand__", "__ior__"):
             out.append(node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self")))
-        if node.kwargs.get("inplace") is True:
+        if _inplace_flag(node):
             out.append(node.args[0] if node.args else node.kwargs.get("input"))
     outs = node.kwargs.get("out")
     out.extend(outs if isinstance(outs, (list, tuple)) else [outs])
-    return [x for x in out if isinstance(x, fx.Node)]
+    flat = [y for x in out for y in (x if isinstance(x, (list, tuple)) else [x])]  # ``Tensor(a!)[]``: a list
+    return [x for x in flat if isinstance(x, fx.Node)]
 
 
 def _may_alias_input(node: fx.Node) -> bool:

@@ -89,6 +89,51 @@ def scores_clamp_tanh_copy(q, k, v):
     return F.softmax(s, -1) @ rep(v)
 
 
+# The functional activations take ``inplace`` positionally too, and dynamo keeps the call as written: F.relu(s, True)
+# writes s although no name ends in "_" and no ``inplace=`` keyword is given (these were rewritten, and wrong).
+@case("in-place write")
+def scores_relu_inplace_positional(q, k, v):
+    s = scores(q, k)
+    F.relu(s, True)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_hardtanh_inplace_positional(q, k, v):
+    s = scores(q, k)
+    F.hardtanh(s, -0.1, 0.1, True)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_leaky_relu_inplace_positional(q, k, v):
+    s = scores(q, k)
+    F.leaky_relu(s, 0.5, True)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def k_elu_inplace_positional_after_the_read(q, k, v):
+    s = scores(q, k)
+    F.elu(k, 1.0, True)  # after the score product read k; the value product reads v only
+    return F.softmax(s, -1) @ rep(v)
+
+
+# ``torch._foreach_*_`` write every tensor of their first (list) argument
+@case("in-place write")
+def scores_foreach_mul_(q, k, v):
+    s = scores(q, k)
+    torch._foreach_mul_([s], 3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def k_foreach_add_after_the_read(q, k, v):
+    s = scores(q, k)
+    torch._foreach_add_([v, k], 1.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
 # class 2: copies looked through
 @case("in-place write")
 def clone_then_setitem_repeat_kv(q, k, v):

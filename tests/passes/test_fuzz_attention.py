@@ -60,7 +60,8 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["apply"] = draw(st.sampled_from(["add", "masked_fill", "where"]))  # eager: how a bool mask is applied
     s["fill"] = draw(st.sampled_from([-math.inf, -math.inf, -1e9, torch.finfo(torch.float32).min]))
     s["full_rows"] = draw(st.booleans())
-    s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after"]))
+    s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after",
+                                                         "scores_functional_inplace", "k_foreach_after"]))
     s["guard"] = draw(st.sampled_from(["none"] * 4 + ["safe", "safe", "head_prune"]))
     s["post_scalar"] = draw(st.sampled_from([False] * 4 + [True]) if s["form"] != "sdpa" else st.just(False))
     s["scale_kind"] = draw(st.sampled_from(["float", "float", "tensor", "const_edited"]))
@@ -161,6 +162,10 @@ def make_fn(spec):
             q2.mul_(2.0)  # after the score product read it
         if spec["mutation"] == "scores_inplace":
             s.mul_(1.5)
+        if spec["mutation"] == "scores_functional_inplace":  # ``inplace`` by position: no name ends in "_"
+            F.leaky_relu(s, 0.5, True)
+        if spec["mutation"] == "k_foreach_after":  # after the score product read k: the value product reads v only
+            torch._foreach_mul_([k], 2.0)
         if mask is not None:
             if mask.dtype != torch.bool:
                 s = s + mask
