@@ -565,3 +565,30 @@ def test_alibi_positions_from_a_rounding_arange(dtype):
     torch.testing.assert_close(opt(q, k, v, slopes), f(q, k, v, slopes), atol=2e-5, rtol=2e-5)
     (site,) = attnopt.last_plans(opt).sites
     assert site.rewritten and not site.site.alibi, site.reason_untouched
+
+
+@pytest.mark.parametrize("plan", ["dense", "split_kv", "stream_k"])
+@pytest.mark.parametrize("value, apply", [(0.5, "add"), (-math.inf, "add"), (True, "masked_fill"),
+                                          (False, "masked_fill"), (True, "where"), (False, "where")])
+def test_a_0d_mask(value, apply, plan):
+    """A 0-d mask (one value for every score) is legal in eager code: broadcast to every score. The op read it as a
+    tensor with a key dim and raised IndexError (every plan: the reference's ``attn_mask.shape[-1]``, SDPA's rank
+    check); lower now views it as (1, 1, 1, 1)."""
+    def f(q, k, v, m):
+        s = scores(q, k)
+        if apply == "add":
+            s = s + m
+        elif apply == "masked_fill":
+            s = s.masked_fill(~m, float("-inf"))
+        else:
+            s = torch.where(m, s, float("-inf"))
+        return F.softmax(s, -1) @ rep(v)
+
+    q, k, v = inputs()
+    m = torch.tensor(value)
+    opt = attnopt.optimize(f, inner_backend="eager", force_plan=plan)
+    out, ref = opt(q, k, v, m), f(q, k, v, m)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=2e-5, rtol=2e-5)
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten, site.reason_untouched

@@ -55,7 +55,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["gqa"] = draw(st.sampled_from(["repeat_kv", "repeat_interleave"] + (["enable_gqa"] if s["form"] == "sdpa" else [])))
     s["mask"] = draw(st.sampled_from([None, "bool", "bool", "zero_neginf", "finfo_min", "minus_1e9", "bias", "int01"]))
     s["mask_dtype"] = draw(st.sampled_from(["same", "same", "float16", "bfloat16", "float64"]))  # additive masks only
-    s["rank"] = draw(st.integers(1, 4))
+    s["rank"] = draw(st.integers(0, 4))  # 0: one value for every score (eager; SDPA itself refuses it)
     s["bcast"] = draw(st.lists(st.booleans(), min_size=4, max_size=4))  # per dim of (B, H, L, N): size 1?
     s["apply"] = draw(st.sampled_from(["add", "masked_fill", "where"]))  # eager: how a bool mask is applied
     s["fill"] = draw(st.sampled_from([-math.inf, -math.inf, -1e9, torch.finfo(torch.float32).min]))
@@ -99,11 +99,13 @@ def make_mask(spec, gen):
     shape = [1 if one else size for size, one in zip(full, spec["bcast"])]
     shape = shape[4 - spec["rank"]:]
     keep = torch.rand(shape, generator=gen) > 0.3
-    if keep.numel() and spec["full_rows"]:
+    if not shape:  # 0-d: every key hidden or none
+        keep = torch.tensor(not spec["full_rows"])
+    elif keep.numel() and spec["full_rows"]:
         keep.view(-1, shape[-1])[0] = False  # one row (or every row broadcast from it) hides every key
     elif keep.numel():
         keep[..., 0] = True
-    if spec["nan_v"] and shape[-1] == N:
+    if spec["nan_v"] and shape and shape[-1] == N:
         keep[..., nan_key(spec)] = False  # every row hides the key whose value is NaN
     dt = spec["dtype"] if spec["mask_dtype"] == "same" else getattr(torch, spec["mask_dtype"])
     if spec["mask"] == "bool":
@@ -208,7 +210,7 @@ def check_spec(spec):
     k = torch.randn(kv_batch, Hkv, N, D, generator=gen, dtype=dt)
     v = torch.randn(kv_batch, Hkv, N, D, generator=gen, dtype=dt)
     mask = make_mask(spec, gen)
-    nan_v = spec["nan_v"] and mask is not None and mask.shape[-1] == N
+    nan_v = spec["nan_v"] and mask is not None and mask.dim() > 0 and mask.shape[-1] == N
     if nan_v:
         v[:, :, nan_key(spec)] = float("nan")
     scale_t = torch.tensor(0.125, dtype=dt)
