@@ -11,8 +11,9 @@ after part of the chain has read it.
 What counts as a mutation (anywhere in the graph): a method or function whose name ends in one underscore
 (``mul_``, ``index_copy_``, ``copy_``, ``masked_fill_``), the in-place operators (``operator.iadd`` ...),
 ``operator.setitem``, any ``out=`` argument, an ``inplace`` flag given by keyword or by position
-(``F.relu(x, True)``), every tensor of a ``torch._foreach_*_`` list, and every argument an aten schema marks as
-written. Its target's storage is found by walking back through every op that may return a view or alias of its
+(``F.relu(x, True)``), every tensor of a ``torch._foreach_*_`` list, and every argument an op's schema marks as
+written (an aten or custom op's, called as an overload or, ``torch.ops.ns.op(...)``, through its packet: then any
+overload's). Its target's storage is found by walking back through every op that may return a view or alias of its
 input (views, reshapes, ``contiguous``, same-dtype casts, in-place ops themselves, and any op not known to
 allocate); two nodes alias when those walks meet. Unknown ops are taken as aliasing, so the analysis errs
 towards leaving a site alone.
@@ -77,6 +78,19 @@ def _signature(target: Any) -> inspect.Signature | None:
         return None
 
 
+def _schemas(target: Any) -> list:
+    """The schemas of an aten or custom op: an ``OpOverload``'s own, or every overload's of an ``OpOverloadPacket``
+    (``torch.ops.ns.op(...)`` in a user's function keeps the packet as the node's target), else none."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        try:
+            return [getattr(target, name)._schema for name in target.overloads()]
+        except (AttributeError, RuntimeError):  # an overload that does not resolve: no schema to read
+            return []
+    return []
+
+
 def _inplace_flag(node: fx.Node) -> bool:
     """Whether a call passes ``inplace`` other than False, by keyword or by position (``F.relu(x, True)``,
     ``F.hardtanh(x, -1, 1, True)``, ``F.dropout(x, p, training, True)``: dynamo keeps the call as written). A flag
@@ -104,15 +118,16 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
         return []
     out: list[Any] = []
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        schema = t._schema
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                if a.name in node.kwargs:
-                    out.append(node.kwargs[a.name])
-                elif i < len(node.args) and not a.kwarg_only:
-                    out.append(node.args[i])
-    else:
+    schemas = _schemas(t)
+    if schemas:
+        for schema in schemas:  # an overload packet: what any of its overloads writes (the call binds one of them)
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    if a.name in node.kwargs:
+                        out.append(node.kwargs[a.name])
+                    elif i < len(node.args) and not a.kwarg_only:
+                        out.append(node.args[i])
+    if not isinstance(t, torch._ops.OpOverload):
         name = _name(node)
         if t in _PURE_OPERATORS:
             return []

@@ -592,3 +592,57 @@ def test_a_0d_mask(value, apply, plan):
     torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=2e-5, rtol=2e-5)
     (site,) = attnopt.last_plans(opt).sites
     assert site.rewritten, site.reason_untouched
+
+
+def _probe_ops():
+    """Two mutating custom ops (a vLLM-style cache writer is one): ``scale_into`` writes its first argument,
+    ``triple_into`` its second; defined once per process."""
+    if not hasattr(torch.ops.attnopt_test, "scale_into"):
+        torch.library.define("attnopt_test::scale_into", "(Tensor(a!) dst, float c) -> ()")
+        torch.library.define("attnopt_test::triple_into", "(Tensor x, Tensor(a!) out) -> ()")
+
+        def scale_into(dst, c):
+            dst.mul_(c)
+
+        def triple_into(x, out):
+            out.copy_(x * 3)
+
+        torch.library.impl("attnopt_test::scale_into", "CompositeExplicitAutograd")(scale_into)
+        torch.library.impl("attnopt_test::triple_into", "CompositeExplicitAutograd")(triple_into)
+        torch.library.register_fake("attnopt_test::scale_into")(lambda dst, c: None)
+        torch.library.register_fake("attnopt_test::triple_into")(lambda x, out: None)
+    return torch.ops.attnopt_test
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("write", ["scores_first_arg", "scores_second_arg", "k_after_the_read", "overload",
+                                   "k_before_the_read"])
+def test_a_custom_op_called_through_its_packet_writes_what_its_schema_says(write, backend):
+    """``torch.ops.ns.op(...)`` keeps the overload packet as the node's target in a dynamo graph, which has no schema
+    of its own: its writes (``Tensor(a!)``) were missed unless the name ends in "_", and the site was rewritten with a
+    wrong result. Every overload's schema is read now."""
+    ops = _probe_ops()
+
+    def f(q, k, v):
+        if write == "k_before_the_read":  # a cache writer before the attention reads the cache: still rewritten
+            ops.scale_into(k, 3.0)
+        s = scores(q, k)
+        if write == "scores_first_arg":
+            ops.scale_into(s, 3.0)
+        elif write == "scores_second_arg":
+            ops.triple_into(torch.ones_like(s), s)
+        elif write == "k_after_the_read":
+            ops.scale_into(k, 3.0)
+        elif write == "overload":
+            ops.scale_into.default(s, 3.0)
+        return F.softmax(s, -1) @ rep(v)
+
+    q, k, v = inputs()
+    ref = f(q.clone(), k.clone(), v.clone())
+    opt = attnopt.optimize(f, inner_backend=backend, force_plan="split_kv")
+    torch.testing.assert_close(opt(q.clone(), k.clone(), v.clone()), ref, atol=2e-5, rtol=2e-5)
+    (site,) = attnopt.last_plans(opt).sites
+    if write == "k_before_the_read":
+        assert site.rewritten, site.reason_untouched
+    else:
+        assert not site.rewritten and "in-place write" in site.reason_untouched, site.reason_untouched
