@@ -54,7 +54,8 @@ ABSORBING_FILL = -1e30
 
 def _narrowing_reason(mm: fx.Node, nodes: list[fx.Node]) -> str | None:
     """Why the chain cannot be rewritten when one of its ``nodes`` (between the score product ``mm`` and the value
-    product, inclusive) holds a float dtype less precise than the scores (``softmax(s, dtype=float16)`` or
+    product, inclusive) holds an integer or bool dtype (``p.to(torch.int32).float()``: truncated), or a float dtype
+    less precise than the scores (``softmax(s, dtype=float16)`` or
     ``p.half()`` in an fp32 model): the original rounds there, and the kernels (which keep the scores and
     probabilities in fp32) would not reproduce that rounding. Casts to the scores' dtype or wider are exact."""
     base = meta_dtype(mm)
@@ -63,7 +64,10 @@ def _narrowing_reason(mm: fx.Node, nodes: list[fx.Node]) -> str | None:
     eps = torch.finfo(base).eps
     for n in nodes:
         dt = meta_dtype(n)
-        if dt is not None and dt.is_floating_point and torch.finfo(dt).eps > eps:
+        if dt is not None and not dt.is_floating_point:
+            return (f"the attention is cast to {_dtype_name(dt)} between the score and value products: the original "
+                    "truncates the scores or probabilities there, the rewrite would not")
+        if dt is not None and torch.finfo(dt).eps > eps:
             return (f"the attention is rounded to {_dtype_name(dt)} between the score and value products (the scores "
                     f"are {_dtype_name(base)}): the rewrite would not reproduce that rounding")
     return None

@@ -68,7 +68,8 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["kv_batch1"] = s["B"] > 1 and draw(st.sampled_from([False] * 5 + [True]))  # K/V broadcast over the batch
     s["dropout"] = draw(st.sampled_from(["none", "none", "eval", "p0"]))
     s["causal"] = s["form"] == "sdpa" and s["mask"] is None and draw(st.booleans())
-    s["cast"] = draw(st.sampled_from(["none"] * 6 + ["narrow", "wide"]) if s["form"] != "sdpa" else st.just("none"))
+    s["cast"] = draw(st.sampled_from(["none"] * 6 + ["narrow", "wide", "integer"]) if s["form"] != "sdpa"
+                     else st.just("none"))
     s["nan_v"] = draw(st.booleans()) if s["mask"] in ("bool", "zero_neginf") else False
     s["dtype"] = draw(st.sampled_from(dtypes))
     s["plan"] = draw(st.sampled_from(plans))
@@ -77,7 +78,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     if draw(st.booleans()):  # half the cases carry none of the spellings that must be left alone
         s.update(mutation="none", post_scalar=False, fill=-math.inf, kv_batch1=False,
                  guard="none" if s["guard"] == "head_prune" else s["guard"],
-                 cast="none" if s["cast"] == "narrow" else s["cast"],
+                 cast="none" if s["cast"] in ("narrow", "integer") else s["cast"],
                  mask="bool" if s["mask"] == "int01" else s["mask"])
     return s
 
@@ -181,6 +182,8 @@ def make_fn(spec):
             p = F.softmax(s, dim=-1)
         if spec["cast"] == "narrow":
             p = p.to(torch.bfloat16).to(s.dtype)  # the original rounds the probabilities: left alone
+        elif spec["cast"] == "integer":
+            p = p.to(torch.int64).to(s.dtype)  # the original truncates them to 0 and 1: left alone
         if spec["dropout"] == "eval":
             p = F.dropout(p, 0.3, training=False)
         elif spec["dropout"] == "p0":
