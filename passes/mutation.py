@@ -14,8 +14,8 @@ What counts as a mutation (anywhere in the graph): a method or function whose na
 (``F.relu(x, True)``), every tensor of a ``torch._foreach_*_`` list, and every argument an op's schema marks as
 written (an aten or custom op's, called as an overload or, ``torch.ops.ns.op(...)``, through its packet: then any
 overload's). Its target's storage is found by walking back through every op that may return a view or alias of its
-input (views, reshapes, ``contiguous``, same-dtype casts, in-place ops themselves, and any op not known to
-allocate); two nodes alias when those walks meet. Unknown ops are taken as aliasing, so the analysis errs
+input (views, reshapes, ``contiguous``, same-dtype casts, in-place ops themselves, dropout, which returns its input
+in eval mode, an einsum of one operand, and any op not known to allocate); two nodes alias when those walks meet. Unknown ops are taken as aliasing, so the analysis errs
 towards leaving a site alone.
 
 A write is fine when no node of the chain read the written storage before it and it edits no tensor the chain
@@ -44,7 +44,7 @@ _FRESH = frozenset({
     "scaled_dot_product_attention", "_to_copy", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
     "logical_or", "bitwise_and", "bitwise_or", "bitwise_not", "and", "or", "invert", "any", "all", "amax", "sum",
     "mean", "isneginf", "isinf", "pow", "sqrt", "rsqrt", "truediv", "floordiv", "clamp", "index_select", "gather",
-    "linear", "embedding", "iota", "lift_fresh_copy", "tril", "triu", "matmul", "dropout", "native_dropout",
+    "linear", "embedding", "iota", "lift_fresh_copy", "tril", "triu", "matmul", "native_dropout",
     "relu", "gelu", "silu", "index_copy", "index_put", "scatter", "copy", "fill", "abs", "square", "cumsum",
 })
 #: Ops that only re-label their input's storage (no data read): a view made before a write reads nothing.
@@ -142,12 +142,23 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
     return [x for x in flat if isinstance(x, fx.Node)]
 
 
+#: Ops whose schema promises a fresh tensor but that return their input itself: dropout in eval mode or with p=0
+#: (``F.dropout``, ``torch.dropout``, ``aten.dropout``), and their feature / alpha variants.
+_RETURN_INPUT = frozenset({"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
 def _may_alias_input(node: fx.Node) -> bool:
     """Whether ``node``'s result may share storage with one of its tensor inputs."""
     if node.op not in ("call_function", "call_method"):
         return False
     if mutated_args(node):
         return True  # an in-place op returns (an alias of) its target
+    name = _name(node).strip("_")
+    if name in _RETURN_INPUT:
+        return True
+    if name == "einsum":  # one operand: a permutation, a diagonal or the identity is a view of it
+        operands = [a for a in node.all_input_nodes]
+        return len(operands) < 2
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
         # functional aten ops allocate their results; views and in-place ops declare the alias in the schema

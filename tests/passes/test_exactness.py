@@ -119,6 +119,30 @@ def k_elu_inplace_positional_after_the_read(q, k, v):
     return F.softmax(s, -1) @ rep(v)
 
 
+# Ops that look functional but return their input itself: dropout in eval mode (or with p=0), an einsum of one
+# operand (a permutation or the identity is a view). A write through their result is a write to the input (these
+# were taken as fresh tensors, and the write missed).
+@case("in-place write")
+def k_through_eval_dropout_written_after_the_read(q, k, v):
+    s = scores(q, k)
+    F.dropout(k, 0.5, False).mul_(3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_through_p0_dropout_written(q, k, v):
+    s = scores(q, k)
+    torch.dropout(s, 0.0, True).mul_(3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def k_through_one_operand_einsum_written_after_the_read(q, k, v):
+    s = scores(q, k)
+    torch.einsum("bhnd->bhnd", k).mul_(3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
 # ``torch._foreach_*_`` write every tensor of their first (list) argument
 @case("in-place write")
 def scores_foreach_mul_(q, k, v):

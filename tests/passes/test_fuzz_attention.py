@@ -61,7 +61,8 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["fill"] = draw(st.sampled_from([-math.inf, -math.inf, -1e9, torch.finfo(torch.float32).min]))
     s["full_rows"] = draw(st.booleans())
     s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after",
-                                                         "scores_functional_inplace", "k_foreach_after"]))
+                                                         "scores_functional_inplace", "k_foreach_after",
+                                                         "k_through_dropout_after"]))
     s["guard"] = draw(st.sampled_from(["none"] * 4 + ["safe", "safe", "head_prune"]))
     s["post_scalar"] = draw(st.sampled_from([False] * 4 + [True]) if s["form"] != "sdpa" else st.just(False))
     s["scale_kind"] = draw(st.sampled_from(["float", "float", "tensor", "const_edited"]))
@@ -169,6 +170,8 @@ def make_fn(spec):
             F.leaky_relu(s, 0.5, True)
         if spec["mutation"] == "k_foreach_after":  # after the score product read k: the value product reads v only
             torch._foreach_mul_([k], 2.0)
+        if spec["mutation"] == "k_through_dropout_after":  # eval dropout returns k itself: a write to k
+            F.dropout(k, 0.3, training=False).mul_(2.0)
         if mask is not None:
             if mask.dtype != torch.bool:
                 s = s + mask
