@@ -58,7 +58,7 @@ def _resolve_common(m: AttentionMatch, q: Any, k: Any, v: Any, scale: Any, dropo
         m.reason = f"training-mode dropout (dropout_p={dropout_p})"
     if scale is None:
         s = meta_shape(q)
-        m.scale = 1.0 / math.sqrt(s[-1]) if s and isinstance(s[-1], int) else None
+        m.scale = 1.0 / math.sqrt(s[-1]) if s and isinstance(s[-1], int) and s[-1] > 0 else None  # D = 0: detect's
     else:
         m.scale = _number(scale)
         if m.scale is None and is_python_scalar(scale):

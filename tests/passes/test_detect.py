@@ -732,3 +732,29 @@ def test_cpu_flash_kernel_causal_is_top_left():
     q, k, v = (torch.randn(1, 2, n, 64) for n in (3, 11, 11))
     out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)[0]
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("empty", ["heads", "head_dim", "v_head_dim", "batch"])
+@pytest.mark.parametrize("form", ["sdpa", "eager"])
+def test_an_empty_attention_is_left_alone(empty, form):
+    """Zero heads or a zero head dim: the original returns an empty (or zero) tensor; detection raised
+    ZeroDivisionError (``1 / sqrt(0)`` for SDPA's default scale, ``Hq % Hkv`` with no KV heads) and the compile failed."""
+    import attnopt
+
+    sizes = {"B": 2, "H": 2, "D": 64, "Dv": 64}
+    sizes[{"heads": "H", "head_dim": "D", "v_head_dim": "Dv", "batch": "B"}[empty]] = 0
+    q = torch.randn(sizes["B"], sizes["H"], 1, sizes["D"])
+    k = torch.randn(sizes["B"], sizes["H"], 30, sizes["D"])
+    v = torch.randn(sizes["B"], sizes["H"], 30, sizes["Dv"])
+
+    def f(q, k, v):
+        if form == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v)
+        return F.softmax(q @ k.transpose(-1, -2) * 0.125, -1) @ v
+
+    opt = attnopt.optimize(f, inner_backend="eager", force_plan="split_kv")
+    out, ref = opt(q, k, v), f(q, k, v)
+    assert out.shape == ref.shape and torch.equal(torch.isnan(out), torch.isnan(ref))
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num())
+    for s in attnopt.last_plans(opt).sites:
+        assert s.rewritten or s.reason_untouched
