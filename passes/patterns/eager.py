@@ -136,8 +136,7 @@ def _forward_walk(sm: fx.Node):
             # PyTorch's safe softmax: where(row_fully_masked, 0, p), with row_fully_masked provably "every score of
             # this row is -inf" (the op gives 0 there too). Any other condition (a head-pruning mask, ...) is not.
             c, a, b = (tuple(u.args) + (None, None, None))[:3]
-            zero = _number(a) == 0.0 or (isinstance(a, fx.Node) and kind(a) == "full_like"
-                                         and _number(arg(a, 1, "fill_value", 0)) == 0.0)
+            zero = _number(a) == 0.0  # zeros_like / full_like(p, 0) / 0; not empty_like (uninitialised)
             if b is cur and zero and is_empty_row_guard(c, _self(sm)):
                 guarded = True
                 cur = u

@@ -695,3 +695,19 @@ def test_a_cast_through_an_integer_dtype_is_left_alone(where, backend):
     torch.testing.assert_close(opt(q, k, v), f(q, k, v), atol=2e-5, rtol=2e-5)
     (site,) = attnopt.last_plans(opt).sites
     assert not site.rewritten and "int" in site.reason_untouched, site.reason_untouched
+
+
+def test_a_guard_that_fills_hidden_rows_from_empty_like_is_not_the_safe_softmax():
+    """``where(row_fully_masked, empty_like(p), p)`` leaves those rows uninitialised, not 0: it was read as PyTorch's
+    guard (``empty_like`` shares ``full_like``'s kind, and a missing fill value read as 0) and the rewrite wrote 0."""
+    def f(q, k, v):
+        s, p = first_row_hidden(q, k)
+        p = torch.where((s == -math.inf).all(-1, keepdim=True), torch.empty_like(p), p)
+        return p @ rep(v)
+
+    q, k, v = inputs()
+    opt = attnopt.optimize(f, inner_backend="eager", force_plan="split_kv")
+    out, ref = opt(q, k, v), f(q, k, v)
+    torch.testing.assert_close(out[1:], ref[1:], atol=2e-5, rtol=2e-5)  # row 0 is uninitialised in both
+    (site,) = attnopt.last_plans(opt).sites
+    assert not site.rewritten and "guard" in site.reason_untouched, site.reason_untouched
