@@ -123,6 +123,12 @@ class AttentionSite:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AttentionSite":
+        """The site of ``to_dict``'s JSON. A field of the wrong JSON type (a plan log edited by hand, or written by
+        something else) raises ``TypeError`` naming it: ``node`` as a list reached the plan table, where it raised
+        deep inside rich."""
+        for f in dataclasses.fields(cls):
+            if f.name in data:
+                _check_field(f.name, str(f.type), data[f.name])
         return cls(**data)
 
     @classmethod
@@ -132,3 +138,17 @@ class AttentionSite:
                     kv_heads=8, head_dim=128, q_len=1, kv_len=8192, dtype="bfloat16", gqa_source="enable_gqa")
         base.update(overrides)
         return cls(**base)
+
+
+#: The JSON value types a field annotation admits (ints are numbers too; a bool is neither).
+_FIELD_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _check_field(name: str, annotation: str, value: Any) -> None:
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None and "None" in kinds:
+        return
+    ok = any(isinstance(value, _FIELD_TYPES.get(k, (object,))) and (k == "bool" or not isinstance(value, bool))
+             for k in kinds if k != "None")
+    if not ok:
+        raise TypeError(f"site field {name!r} must be {annotation}, got {type(value).__name__} {value!r}")

@@ -144,6 +144,9 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
                       "decode op reads one K/V row per query row")
         elif None in (hq, hkv, d, dv):
             reason = "symbolic head count or head dim"
+        elif 0 in (b, hq, hkv, d, dv):
+            reason = (f"an empty attention (batch {b}, heads {hq}/{hkv}, head dims {d}/{dv}): nothing to rewrite, the "
+                      "original's result is empty or zero")
         elif len(dts) != 1:
             reason = "q, k and v have different dtypes: " + ", ".join(sorted(_dtype_name(t) for t in dts))
         elif next(iter(dts)) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

@@ -28,9 +28,9 @@ from attnopt.plan import uses_valid_len
 from .context import PassContext
 from .lower_nodes import (_biased_mask, _meta_key, _nan_empty_rows, _ops, _set_meta, _shared_key_range,
                           _shared_valid_len, _slopes_per_head)
-from .mutation import _PURE_OPERATORS
+from .mutation import _PURE_OPERATORS, mutated_args
 from .window import band_key_range
-from .patterns import _SDPA_FUSED, AttentionMatch, is_aten_graph, is_metadata_assert, meta_val
+from .patterns import _SDPA_FUSED, AttentionMatch, is_aten_graph, is_metadata_assert, meta_shape, meta_val
 
 #: Default ``verify`` tolerances per dtype: (atol, rtol).
 VERIFY_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -45,6 +45,8 @@ def _is_impure(node: fx.Node) -> bool:
     if node.op in ("placeholder", "output", "get_attr", "call_module"):
         return True
     if node.op == "call_method" and str(node.target).endswith("_"):
+        return True
+    if mutated_args(node):  # F.relu(x, True), torch._foreach_mul_([x], c), out=: a write, whatever the name
         return True
     t = node.target
     name = getattr(t, "__name__", str(t))
@@ -140,6 +142,10 @@ def lower_site(gm: fx.GraphModule, ctx: PassContext, m: AttentionMatch, report, 
     new_nodes: list[fx.Node] = []
     with graph.inserting_before(orig):
         mask = m.attn_mask
+        if isinstance(mask, fx.Node) and meta_shape(mask) == ():  # one value for every score (legal in eager code):
+            mask = graph.call_function(torch.ops.aten.reshape.default, (mask, [1, 1, 1, 1]))  # the op reads a key dim
+            _set_meta(mask, meta_key, m.attn_mask)
+            new_nodes.append(mask)
         if mask is not None and m.mask_invert and m.mask_fill is not None:
             mask = graph.call_function(torch.ops.aten.where.Scalar, (mask, m.mask_fill, 0.0))
             new_nodes.append(mask)

@@ -10,10 +10,12 @@ after part of the chain has read it.
 
 What counts as a mutation (anywhere in the graph): a method or function whose name ends in one underscore
 (``mul_``, ``index_copy_``, ``copy_``, ``masked_fill_``), the in-place operators (``operator.iadd`` ...),
-``operator.setitem``, any ``out=`` argument, ``inplace=True``, and every argument an aten schema marks as
-written. Its target's storage is found by walking back through every op that may return a view or alias of its
-input (views, reshapes, ``contiguous``, same-dtype casts, in-place ops themselves, and any op not known to
-allocate); two nodes alias when those walks meet. Unknown ops are taken as aliasing, so the analysis errs
+``operator.setitem``, any ``out=`` argument, an ``inplace`` flag given by keyword or by position
+(``F.relu(x, True)``), every tensor of a ``torch._foreach_*_`` list, and every argument an op's schema marks as
+written (an aten or custom op's, called as an overload or, ``torch.ops.ns.op(...)``, through its packet: then any
+overload's). Its target's storage is found by walking back through every op that may return a view or alias of its
+input (views, reshapes, ``contiguous``, same-dtype casts, in-place ops themselves, dropout, which returns its input
+in eval mode, an einsum of one operand, and any op not known to allocate); two nodes alias when those walks meet. Unknown ops are taken as aliasing, so the analysis errs
 towards leaving a site alone.
 
 A write is fine when no node of the chain read the written storage before it and it edits no tensor the chain
@@ -25,6 +27,8 @@ produced (``m = zeros(...); m[..., :n] = True``) ``written_after`` tells it to c
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any, Iterable
 
@@ -40,7 +44,7 @@ _FRESH = frozenset({
     "scaled_dot_product_attention", "_to_copy", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
     "logical_or", "bitwise_and", "bitwise_or", "bitwise_not", "and", "or", "invert", "any", "all", "amax", "sum",
     "mean", "isneginf", "isinf", "pow", "sqrt", "rsqrt", "truediv", "floordiv", "clamp", "index_select", "gather",
-    "linear", "embedding", "iota", "lift_fresh_copy", "tril", "triu", "matmul", "dropout", "native_dropout",
+    "linear", "embedding", "iota", "lift_fresh_copy", "tril", "triu", "matmul", "native_dropout",
     "relu", "gelu", "silu", "index_copy", "index_put", "scatter", "copy", "fill", "abs", "square", "cumsum",
 })
 #: Ops that only re-label their input's storage (no data read): a view made before a write reads nothing.
@@ -66,32 +70,81 @@ def _is_inplace_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(target: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+
+
+def _schemas(target: Any) -> list:
+    """The schemas of an aten or custom op: an ``OpOverload``'s own, or every overload's of an ``OpOverloadPacket``
+    (``torch.ops.ns.op(...)`` in a user's function keeps the packet as the node's target), else none."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        try:
+            return [getattr(target, name)._schema for name in target.overloads()]
+        except (AttributeError, RuntimeError):  # an overload that does not resolve: no schema to read
+            return []
+    return []
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """Whether a call passes ``inplace`` other than False, by keyword or by position (``F.relu(x, True)``,
+    ``F.hardtanh(x, -1, 1, True)``, ``F.dropout(x, p, training, True)``: dynamo keeps the call as written). A flag
+    that is not a literal (a graph value) counts as a write."""
+    if "inplace" in node.kwargs:
+        return node.kwargs["inplace"] is not False
+    if node.op != "call_function" or not callable(node.target):
+        return False
+    try:
+        sig = _signature(node.target)
+    except TypeError:  # an unhashable target
+        sig = None
+    if sig is None or "inplace" not in sig.parameters:
+        return False
+    try:
+        bound = sig.bind_partial(*node.args, **node.kwargs)
+    except TypeError:
+        return True  # the call does not bind: take the flag as given
+    return "inplace" in bound.arguments and bound.arguments["inplace"] is not False
+
+
 def mutated_args(node: fx.Node) -> list[fx.Node]:
     """The tensors ``node`` writes in place (empty for a pure node)."""
     if node.op not in ("call_function", "call_method"):
         return []
     out: list[Any] = []
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        schema = t._schema
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                if a.name in node.kwargs:
-                    out.append(node.kwargs[a.name])
-                elif i < len(node.args) and not a.kwarg_only:
-                    out.append(node.args[i])
-    else:
+    schemas = _schemas(t)
+    if schemas:
+        for schema in schemas:  # an overload packet: what any of its overloads writes (the call binds one of them)
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    if a.name in node.kwargs:
+                        out.append(node.kwargs[a.name])
+                    elif i < len(node.args) and not a.kwarg_only:
+                        out.append(node.args[i])
+    if not isinstance(t, torch._ops.OpOverload):
         name = _name(node)
         if t in _PURE_OPERATORS:
             return []
         if t is operator.setitem or t in _INPLACE_OPERATORS or _is_inplace_name(name) \
                 or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__iand__", "__ior__"):
             out.append(node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self")))
-        if node.kwargs.get("inplace") is True:
+        if _inplace_flag(node):
             out.append(node.args[0] if node.args else node.kwargs.get("input"))
     outs = node.kwargs.get("out")
     out.extend(outs if isinstance(outs, (list, tuple)) else [outs])
-    return [x for x in out if isinstance(x, fx.Node)]
+    flat = [y for x in out for y in (x if isinstance(x, (list, tuple)) else [x])]  # ``Tensor(a!)[]``: a list
+    return [x for x in flat if isinstance(x, fx.Node)]
+
+
+#: Ops whose schema promises a fresh tensor but that return their input itself: dropout in eval mode or with p=0
+#: (``F.dropout``, ``torch.dropout``, ``aten.dropout``), and their feature / alpha variants.
+_RETURN_INPUT = frozenset({"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
 
 
 def _may_alias_input(node: fx.Node) -> bool:
@@ -100,6 +153,12 @@ def _may_alias_input(node: fx.Node) -> bool:
         return False
     if mutated_args(node):
         return True  # an in-place op returns (an alias of) its target
+    name = _name(node).strip("_")
+    if name in _RETURN_INPUT:
+        return True
+    if name == "einsum":  # one operand: a permutation, a diagonal or the identity is a view of it
+        operands = [a for a in node.all_input_nodes]
+        return len(operands) < 2
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
         # functional aten ops allocate their results; views and in-place ops declare the alias in the schema

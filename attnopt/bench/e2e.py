@@ -62,12 +62,17 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 
 
 def parse_context(text: str) -> int:
-    """``"8k"`` -> 8192, ``"1000"`` -> 1000."""
+    """``"8k"`` -> 8192, ``"1000"`` -> 1000; a length below 1 is an error (it reached the model as a negative
+    dimension or an empty prompt)."""
     t = text.strip().lower()
     try:
-        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+        n = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
     except ValueError:
-        raise ValueError(f"bad context {text!r}: expected an integer or a number of k tokens such as 8k") from None
+        n = 0
+    if n < 1:
+        raise ValueError(f"--contexts: bad context {text!r}: expected a length >= 1, an integer or a number of k "
+                         "tokens such as 8k")
+    return n
 
 
 def build_model(name: str, *, layers: int | None, dtype: torch.dtype, device: str, max_positions: int):

@@ -6,6 +6,7 @@ table with one row per group of like sites (same graph, shapes, mask and outcome
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -39,6 +40,9 @@ def load_log(path: str, all_sites: bool = False):
 
     Anything else (a directory, a binary file, a line that is not a JSON object or has fields of the wrong type)
     raises ``ValueError`` naming the file and the line."""
+    from rich.console import Console
+    from rich.errors import NotRenderableError
+
     from attnopt.report import PlanReport
 
     p = Path(path)
@@ -59,11 +63,14 @@ def load_log(path: str, all_sites: bool = False):
             if not isinstance(obj, dict):
                 raise ValueError(f"a JSON {_JSON_TYPES.get(type(obj), type(obj).__name__)}, not an object")
             report = PlanReport.from_dict(obj)
-            report.headline()  # every field the table reads, read once: a wrong type fails here, with its line
-            report.rich_table(all_sites=all_sites)
+            # every field the table reads, read and drawn once (a number where a name belongs fails only when rich
+            # draws the cell; an id that is no string, when the graphs are merged): a wrong type fails here, with
+            # its line
+            PlanReport.merge([report]).render(Console(file=io.StringIO(), width=DEFAULT_WIDTH), all_sites=all_sites)
         except KeyError as exc:
             raise ValueError(f"{path}:{lineno} is not a valid attnopt plan report: missing field {exc}") from None
-        except (TypeError, ValueError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+        except (TypeError, ValueError, AttributeError, OverflowError, NotRenderableError) as exc:  # JSONDecodeError
+            # is a ValueError; OverflowError: int() of an infinite number
             reason = " ".join(str(exc).split())
             raise ValueError(f"{path}:{lineno} is not a valid attnopt plan report: {reason}") from None
         reports.append(report)

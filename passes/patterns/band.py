@@ -196,6 +196,8 @@ def _and_of_bounds(mask: Any, writes: MutationIndex) -> tuple[dict, list, list] 
     if shape is None or not 1 <= len(shape) <= 4:
         return "the mask's shape is unknown or not 1-D to 4-D"
     n = shape[-1]
+    if isinstance(n, int) and n == 1:  # arange(1) broadcast over every key: its one position is no key's
+        return "the mask has one key column, broadcast over every key (its positions are not the keys')"
     cur = mask
     while _is_call(cur) and (kind(cur) == "expand" or _is_noop(cur)):  # right-aligned broadcasts keep the dims
         cur = _self(cur)

@@ -54,7 +54,8 @@ ABSORBING_FILL = -1e30
 
 def _narrowing_reason(mm: fx.Node, nodes: list[fx.Node]) -> str | None:
     """Why the chain cannot be rewritten when one of its ``nodes`` (between the score product ``mm`` and the value
-    product, inclusive) holds a float dtype less precise than the scores (``softmax(s, dtype=float16)`` or
+    product, inclusive) holds an integer or bool dtype (``p.to(torch.int32).float()``: truncated), or a float dtype
+    less precise than the scores (``softmax(s, dtype=float16)`` or
     ``p.half()`` in an fp32 model): the original rounds there, and the kernels (which keep the scores and
     probabilities in fp32) would not reproduce that rounding. Casts to the scores' dtype or wider are exact."""
     base = meta_dtype(mm)
@@ -63,7 +64,10 @@ def _narrowing_reason(mm: fx.Node, nodes: list[fx.Node]) -> str | None:
     eps = torch.finfo(base).eps
     for n in nodes:
         dt = meta_dtype(n)
-        if dt is not None and dt.is_floating_point and torch.finfo(dt).eps > eps:
+        if dt is not None and not dt.is_floating_point:
+            return (f"the attention is cast to {_dtype_name(dt)} between the score and value products: the original "
+                    "truncates the scores or probabilities there, the rewrite would not")
+        if dt is not None and torch.finfo(dt).eps > eps:
             return (f"the attention is rounded to {_dtype_name(dt)} between the score and value products (the scores "
                     f"are {_dtype_name(base)}): the rewrite would not reproduce that rounding")
     return None
@@ -132,8 +136,7 @@ def _forward_walk(sm: fx.Node):
             # PyTorch's safe softmax: where(row_fully_masked, 0, p), with row_fully_masked provably "every score of
             # this row is -inf" (the op gives 0 there too). Any other condition (a head-pruning mask, ...) is not.
             c, a, b = (tuple(u.args) + (None, None, None))[:3]
-            zero = _number(a) == 0.0 or (isinstance(a, fx.Node) and kind(a) == "full_like"
-                                         and _number(arg(a, 1, "fill_value", 0)) == 0.0)
+            zero = _number(a) == 0.0  # zeros_like / full_like(p, 0) / 0; not empty_like (uninitialised)
             if b is cur and zero and is_empty_row_guard(c, _self(sm)):
                 guarded = True
                 cur = u

@@ -230,7 +230,7 @@ def _key_positions(node: Any, depth: int = 16, seen: list | None = None) -> bool
     order-keeping casts that all keep the last dim. Such values increase along the last dim. ``seen`` collects the
     nodes of the chain (whose in-place writes a caller that reads the values must rule out)."""
     n = _last_dim(node)
-    if n is None:
+    if n is None or (isinstance(n, int) and n == 1):  # one column broadcast over every key: no key's position
         return False
     cur = node
     for _ in range(depth):

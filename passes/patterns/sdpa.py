@@ -2,7 +2,9 @@
 tuple-returning fused variants (flash, flash for CPU, efficient, cuDNN, math, overrideable).
 
 Proves: the call computes softmax(q k^T * scale + mask) v with SDPA's semantics (bool mask True = attend, float
-mask additive, fully masked rows 0), with inference dropout only and only output 0 used.
+mask additive, fully masked rows 0), with inference dropout only and only output 0 used. A fused CUDA or
+backend kernel called with ``is_causal`` at q_len != kv_len is left alone where its causal alignment is not proven
+to be SDPA's top-left one (``_CAUSAL_UNPROVEN``).
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def _resolve_common(m: AttentionMatch, q: Any, k: Any, v: Any, scale: Any, dropo
         m.reason = f"training-mode dropout (dropout_p={dropout_p})"
     if scale is None:
         s = meta_shape(q)
-        m.scale = 1.0 / math.sqrt(s[-1]) if s and isinstance(s[-1], int) else None
+        m.scale = 1.0 / math.sqrt(s[-1]) if s and isinstance(s[-1], int) and s[-1] > 0 else None  # D = 0: detect's
     else:
         m.scale = _number(scale)
         if m.scale is None and is_python_scalar(scale):
@@ -81,6 +83,11 @@ def match_sdpa(node: fx.Node) -> AttentionMatch | None:
     return m
 
 
+#: Fused kernels whose ``is_causal`` with q_len != kv_len is not proven to mean SDPA's top-left mask. (The CPU flash
+#: kernel's is, checked in the tests; the efficient kernel's is CausalFromTopLeft; the math op is SDPA's own.)
+_CAUSAL_UNPROVEN = ("sdpa_flash", "sdpa_cudnn", "sdpa_overrideable")
+
+
 def match_sdpa_fused(node: fx.Node) -> AttentionMatch | None:
     """The tuple-returning aten SDPA variants (flash / flash_for_cpu / efficient / cudnn / math / overrideable)."""
     if node.op != "call_function" or node.target not in _SDPA_FUSED:
@@ -96,6 +103,11 @@ def match_sdpa_fused(node: fx.Node) -> AttentionMatch | None:
     m.attn_mask = a.get("attn_mask", a.get("attn_bias"))
     m.is_causal = bool(a.get("is_causal"))
     _resolve_common(m, a["query"], a["key"], a["value"], a.get("scale"), a.get("dropout_p"), bool(a.get("enable_gqa")))
+    qs, ks = meta_shape(a["query"]), meta_shape(a["key"])
+    if m.is_causal and pattern in _CAUSAL_UNPROVEN and m.reason is None and qs and ks and not _sym_eq(qs[2], ks[2]):
+        m.reason = (f"is_causal with q_len {qs[2]} != kv_len {ks[2]} in {node.target.name()}: its causal mask is not "
+                    "proven to be SDPA's top-left one there (FlashAttention aligns it bottom-right; PyTorch's dispatch "
+                    "sends no such call to it)")
     if pattern == "sdpa_math" and a.get("dropout_mask") is not None:
         m.reason = m.reason or "training-mode dropout (dropout_mask given)"
     if others and m.reason is None:

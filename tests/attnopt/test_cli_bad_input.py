@@ -46,6 +46,9 @@ CASES = {
     "bench-out-folder": (["bench", "variants", "--smoke", "--out", "{tmp}"], "--out='"),
     "e2e-device": (["bench", "e2e", "--device", "nosuch"], "expected cuda, cuda:N or cpu"),
     "e2e-steps": (["bench", "e2e", "--device", "cpu", "--steps", "0"], "argument --steps"),
+    # a prompt length below 1 reached the model: a negative dimension (RuntimeError) or no logits (TypeError)
+    "e2e-contexts-zero": (["bench", "e2e", "--device", "cpu", "--contexts", "1k,0"], "--contexts: bad context '0'"),
+    "e2e-contexts-negative": (["bench", "e2e", "--device", "cpu", "--contexts", "-1"], "--contexts: bad context '-1'"),
     # a negative timeout ran the whole suite (on the CPU, minutes); an unknown method exited 1 without "error:"
     "e2e-timeout": (["bench", "e2e", "--device", "cpu", "--timeout", "-5"], "argument --timeout: must be a number > 0"),
     "e2e-methods": (["bench", "e2e", "--device", "cpu", "--methods", "bogus"], "unknown method 'bogus'; valid:"),

@@ -2,6 +2,7 @@
 pipe ends quietly, and the bench help and the multigpu refusal say what they do. (``python -m attnopt ... | head``
 through a real pipe is replayed in test_user_path.py.)"""
 import json
+import math
 import os
 
 import pytest
@@ -46,6 +47,33 @@ def test_bad_plan_logs_are_one_line_naming_file_and_line(tmp_path, capsys, lines
     assert cli_main(["plans", path]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and message in err, err
+
+
+def _with(**changes) -> str:
+    """GOOD with fields replaced: top-level keys, or ``site_<key>`` in the first site report, or ``attention_<key>`` in its
+    AttentionSite."""
+    data = json.loads(GOOD)
+    for key, value in changes.items():
+        if key.startswith("site_"):
+            data["sites"][0][key.removeprefix("site_")] = value
+        elif key.startswith("attention_"):
+            data["sites"][0]["site"][key.removeprefix("attention_")] = value
+        else:
+            data[key] = value
+    return json.dumps(data)
+
+
+# Wrong types that got past the check and raised a traceback: int() of Infinity (OverflowError), a graph id that is no
+# string (TypeError when the graphs' ids are joined), and names that rich cannot draw (NotRenderableError, --all).
+@pytest.mark.parametrize("flags", [[], ["--all"]])
+@pytest.mark.parametrize("line", [
+    _with(calls_without_attnopt=math.inf), _with(graph=-1), _with(graph=True), _with(site_graph=7),
+    _with(attention_node=[]), _with(attention_node={}), _with(attention_module_path=3),
+])
+def test_wrong_field_types_are_one_line_not_a_traceback(tmp_path, capsys, flags, line):
+    assert cli_main(["plans", *flags, _log(tmp_path, line)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "plans.jsonl:1 is not a valid attnopt plan report" in err, err
 
 
 def test_plans_on_a_directory_or_a_missing_file(tmp_path, capsys):

@@ -689,3 +689,72 @@ def test_masked_fill_with_an_absorbing_value_is_an_additive_mask(dtype, fill, re
     torch.testing.assert_close(r.out, want, equal_nan=True, **tol)
     if not rewritten:
         assert "masked_fill with the finite value" in r.sites[0].unsupported
+
+
+_FUSED_CAUSAL = {  # pattern -> (call of the fused aten op with is_causal=True, whether its causal mask is SDPA's)
+    "sdpa_flash": (lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True), False),
+    "sdpa_cudnn": (lambda q, k, v: torch.ops.aten._scaled_dot_product_cudnn_attention.default(
+        q, k, v, None, False, 0.0, True), False),
+    "sdpa_overrideable": (lambda q, k, v: torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default(
+        q, k, v, None, 0.0, True), False),
+    "sdpa_efficient": (lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention.default(
+        q, k, v, None, False, 0.0, True), True),
+    "sdpa_flash_cpu": (lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q, k, v, 0.0, True), True),
+}
+
+
+@pytest.mark.parametrize("pattern", list(_FUSED_CAUSAL))
+def test_fused_kernels_causal_with_fewer_queries_than_keys(pattern):
+    """``is_causal`` with q_len < kv_len means SDPA's top-left mask (query i sees keys 0..i), which the op applies.
+    FlashAttention aligns its causal mask bottom-right (PyTorch's dispatch sends no such call to it), and the cuDNN
+    and backend-overridable kernels are not proven to follow SDPA there: a direct call of those aten ops with
+    is_causal at a decode shape is left alone. The CPU flash kernel (checked against SDPA) and the efficient kernel
+    (its causal mask is CausalFromTopLeft) are read as SDPA."""
+    call, top_left = _FUSED_CAUSAL[pattern]
+    q = torch.randn(1, 4, 2, 64, dtype=torch.float16, device="meta")
+    k = torch.randn(1, 4, 30, 64, dtype=torch.float16, device="meta")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda q, k, v: call(q, k, v)[0])(q, k, k)
+    ctx = make_context(OptimizeConfig(), (q, k, k))
+    detect(gm, ctx)
+    (m,) = ctx.matches
+    assert m.site.pattern == pattern and m.site.is_causal
+    if top_left:
+        assert m.site.unsupported is None, m.site.unsupported
+    else:
+        assert "causal" in (m.site.unsupported or ""), m.site.unsupported
+
+
+def test_cpu_flash_kernel_causal_is_top_left():
+    """The claim the pattern rests on for the CPU flash kernel: its is_causal at q_len < kv_len is SDPA's."""
+    q, k, v = (torch.randn(1, 2, n, 64) for n in (3, 11, 11))
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)[0]
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("empty", ["heads", "head_dim", "v_head_dim", "batch"])
+@pytest.mark.parametrize("form", ["sdpa", "eager"])
+def test_an_empty_attention_is_left_alone(empty, form):
+    """Zero heads or a zero head dim: the original returns an empty (or zero) tensor; detection raised
+    ZeroDivisionError (``1 / sqrt(0)`` for SDPA's default scale, ``Hq % Hkv`` with no KV heads) and the compile failed."""
+    import attnopt
+
+    sizes = {"B": 2, "H": 2, "D": 64, "Dv": 64}
+    sizes[{"heads": "H", "head_dim": "D", "v_head_dim": "Dv", "batch": "B"}[empty]] = 0
+    q = torch.randn(sizes["B"], sizes["H"], 1, sizes["D"])
+    k = torch.randn(sizes["B"], sizes["H"], 30, sizes["D"])
+    v = torch.randn(sizes["B"], sizes["H"], 30, sizes["Dv"])
+
+    def f(q, k, v):
+        if form == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v)
+        return F.softmax(q @ k.transpose(-1, -2) * 0.125, -1) @ v
+
+    opt = attnopt.optimize(f, inner_backend="eager", force_plan="split_kv")
+    out, ref = opt(q, k, v), f(q, k, v)
+    assert out.shape == ref.shape and torch.equal(torch.isnan(out), torch.isnan(ref))
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num())
+    for s in attnopt.last_plans(opt).sites:
+        assert s.rewritten or s.reason_untouched

@@ -89,6 +89,75 @@ def scores_clamp_tanh_copy(q, k, v):
     return F.softmax(s, -1) @ rep(v)
 
 
+# The functional activations take ``inplace`` positionally too, and dynamo keeps the call as written: F.relu(s, True)
+# writes s although no name ends in "_" and no ``inplace=`` keyword is given (these were rewritten, and wrong).
+@case("in-place write")
+def scores_relu_inplace_positional(q, k, v):
+    s = scores(q, k)
+    F.relu(s, True)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_hardtanh_inplace_positional(q, k, v):
+    s = scores(q, k)
+    F.hardtanh(s, -0.1, 0.1, True)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_leaky_relu_inplace_positional(q, k, v):
+    s = scores(q, k)
+    F.leaky_relu(s, 0.5, True)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def k_elu_inplace_positional_after_the_read(q, k, v):
+    s = scores(q, k)
+    F.elu(k, 1.0, True)  # after the score product read k; the value product reads v only
+    return F.softmax(s, -1) @ rep(v)
+
+
+# Ops that look functional but return their input itself: dropout in eval mode (or with p=0), an einsum of one
+# operand (a permutation or the identity is a view). A write through their result is a write to the input (these
+# were taken as fresh tensors, and the write missed).
+@case("in-place write")
+def k_through_eval_dropout_written_after_the_read(q, k, v):
+    s = scores(q, k)
+    F.dropout(k, 0.5, False).mul_(3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def scores_through_p0_dropout_written(q, k, v):
+    s = scores(q, k)
+    torch.dropout(s, 0.0, True).mul_(3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def k_through_one_operand_einsum_written_after_the_read(q, k, v):
+    s = scores(q, k)
+    torch.einsum("bhnd->bhnd", k).mul_(3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+# ``torch._foreach_*_`` write every tensor of their first (list) argument
+@case("in-place write")
+def scores_foreach_mul_(q, k, v):
+    s = scores(q, k)
+    torch._foreach_mul_([s], 3.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
+@case("in-place write")
+def k_foreach_add_after_the_read(q, k, v):
+    s = scores(q, k)
+    torch._foreach_add_([v, k], 1.0)
+    return F.softmax(s, -1) @ rep(v)
+
+
 # class 2: copies looked through
 @case("in-place write")
 def clone_then_setitem_repeat_kv(q, k, v):
@@ -520,3 +589,125 @@ def test_alibi_positions_from_a_rounding_arange(dtype):
     torch.testing.assert_close(opt(q, k, v, slopes), f(q, k, v, slopes), atol=2e-5, rtol=2e-5)
     (site,) = attnopt.last_plans(opt).sites
     assert site.rewritten and not site.site.alibi, site.reason_untouched
+
+
+@pytest.mark.parametrize("plan", ["dense", "split_kv", "stream_k"])
+@pytest.mark.parametrize("value, apply", [(0.5, "add"), (-math.inf, "add"), (True, "masked_fill"),
+                                          (False, "masked_fill"), (True, "where"), (False, "where")])
+def test_a_0d_mask(value, apply, plan):
+    """A 0-d mask (one value for every score) is legal in eager code: broadcast to every score. The op read it as a
+    tensor with a key dim and raised IndexError (every plan: the reference's ``attn_mask.shape[-1]``, SDPA's rank
+    check); lower now views it as (1, 1, 1, 1)."""
+    def f(q, k, v, m):
+        s = scores(q, k)
+        if apply == "add":
+            s = s + m
+        elif apply == "masked_fill":
+            s = s.masked_fill(~m, float("-inf"))
+        else:
+            s = torch.where(m, s, float("-inf"))
+        return F.softmax(s, -1) @ rep(v)
+
+    q, k, v = inputs()
+    m = torch.tensor(value)
+    opt = attnopt.optimize(f, inner_backend="eager", force_plan=plan)
+    out, ref = opt(q, k, v, m), f(q, k, v, m)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=2e-5, rtol=2e-5)
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten, site.reason_untouched
+
+
+def _probe_ops():
+    """Two mutating custom ops (a vLLM-style cache writer is one): ``scale_into`` writes its first argument,
+    ``triple_into`` its second; defined once per process."""
+    if not hasattr(torch.ops.attnopt_test, "scale_into"):
+        torch.library.define("attnopt_test::scale_into", "(Tensor(a!) dst, float c) -> ()")
+        torch.library.define("attnopt_test::triple_into", "(Tensor x, Tensor(a!) out) -> ()")
+
+        def scale_into(dst, c):
+            dst.mul_(c)
+
+        def triple_into(x, out):
+            out.copy_(x * 3)
+
+        torch.library.impl("attnopt_test::scale_into", "CompositeExplicitAutograd")(scale_into)
+        torch.library.impl("attnopt_test::triple_into", "CompositeExplicitAutograd")(triple_into)
+        torch.library.register_fake("attnopt_test::scale_into")(lambda dst, c: None)
+        torch.library.register_fake("attnopt_test::triple_into")(lambda x, out: None)
+    return torch.ops.attnopt_test
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("write", ["scores_first_arg", "scores_second_arg", "k_after_the_read", "overload",
+                                   "k_before_the_read"])
+def test_a_custom_op_called_through_its_packet_writes_what_its_schema_says(write, backend):
+    """``torch.ops.ns.op(...)`` keeps the overload packet as the node's target in a dynamo graph, which has no schema
+    of its own: its writes (``Tensor(a!)``) were missed unless the name ends in "_", and the site was rewritten with a
+    wrong result. Every overload's schema is read now."""
+    ops = _probe_ops()
+
+    def f(q, k, v):
+        if write == "k_before_the_read":  # a cache writer before the attention reads the cache: still rewritten
+            ops.scale_into(k, 3.0)
+        s = scores(q, k)
+        if write == "scores_first_arg":
+            ops.scale_into(s, 3.0)
+        elif write == "scores_second_arg":
+            ops.triple_into(torch.ones_like(s), s)
+        elif write == "k_after_the_read":
+            ops.scale_into(k, 3.0)
+        elif write == "overload":
+            ops.scale_into.default(s, 3.0)
+        return F.softmax(s, -1) @ rep(v)
+
+    q, k, v = inputs()
+    ref = f(q.clone(), k.clone(), v.clone())
+    opt = attnopt.optimize(f, inner_backend=backend, force_plan="split_kv")
+    torch.testing.assert_close(opt(q.clone(), k.clone(), v.clone()), ref, atol=2e-5, rtol=2e-5)
+    (site,) = attnopt.last_plans(opt).sites
+    if write == "k_before_the_read":
+        assert site.rewritten, site.reason_untouched
+    else:
+        assert not site.rewritten and "in-place write" in site.reason_untouched, site.reason_untouched
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("where", ["probabilities_to_int32", "scores_type_int64", "scores_to_an_int8_tensor"])
+def test_a_cast_through_an_integer_dtype_is_left_alone(where, backend):
+    """A round trip of the scores or probabilities through an integer dtype truncates them (the probabilities to 0
+    or 1). The chain check only compared float dtypes' precision, so these were rewritten (max error 1.98 on the
+    probabilities, 0.36 on the scores)."""
+    def f(q, k, v):
+        s = scores(q, k)
+        if where == "scores_type_int64":
+            s = s.type(torch.int64).type(torch.float32)
+        elif where == "scores_to_an_int8_tensor":
+            s = s.to(torch.zeros((), dtype=torch.int8)).float()
+        p = F.softmax(s, -1)
+        if where == "probabilities_to_int32":
+            p = p.to(torch.int32).to(torch.float32)
+        return p @ rep(v)
+
+    q, k, v = inputs()
+    q = q * 4  # scores of several units, so truncating them changes the softmax
+    opt = attnopt.optimize(f, inner_backend=backend, force_plan="split_kv")
+    torch.testing.assert_close(opt(q, k, v), f(q, k, v), atol=2e-5, rtol=2e-5)
+    (site,) = attnopt.last_plans(opt).sites
+    assert not site.rewritten and "int" in site.reason_untouched, site.reason_untouched
+
+
+def test_a_guard_that_fills_hidden_rows_from_empty_like_is_not_the_safe_softmax():
+    """``where(row_fully_masked, empty_like(p), p)`` leaves those rows uninitialised, not 0: it was read as PyTorch's
+    guard (``empty_like`` shares ``full_like``'s kind, and a missing fill value read as 0) and the rewrite wrote 0."""
+    def f(q, k, v):
+        s, p = first_row_hidden(q, k)
+        p = torch.where((s == -math.inf).all(-1, keepdim=True), torch.empty_like(p), p)
+        return p @ rep(v)
+
+    q, k, v = inputs()
+    opt = attnopt.optimize(f, inner_backend="eager", force_plan="split_kv")
+    out, ref = opt(q, k, v), f(q, k, v)
+    torch.testing.assert_close(out[1:], ref[1:], atol=2e-5, rtol=2e-5)  # row 0 is uninitialised in both
+    (site,) = attnopt.last_plans(opt).sites
+    assert not site.rewritten and "guard" in site.reason_untouched, site.reason_untouched

@@ -81,6 +81,9 @@ ALIBI = {  # name -> (bias builder over (N keys), read as ALiBi slopes? None: ei
     "heads_flipped": (lambda n: (SLOPES * torch.arange(n)).flip(1), False),
     "rolled_positions": (lambda n: SLOPES * torch.arange(n).roll(3), False),
     "two_terms": (lambda n: SLOPES * torch.arange(n) + SLOPES * torch.arange(n), None),
+    # one position column broadcast over every key: a per-row constant, no slope * j (was read as ALiBi: error 2.53)
+    "one_key_column": (lambda n: SLOPES * torch.arange(1).float(), False),
+    "one_key_column_shifted": (lambda n: SLOPES * (torch.arange(1).float() + 30), False),
 }
 
 
@@ -228,6 +231,27 @@ def test_window_spellings_with_hidden_rows_and_a_causal_block(name, form):
     assert site.rewritten, site.reason_untouched
     if form == "bool" and keys is not None:
         assert site.site.window == keys
+
+
+@pytest.mark.parametrize("plan", ["split_kv", "stream_k"])
+@pytest.mark.parametrize("form", ["bool", "where_neginf", "prefix"])
+def test_a_band_of_one_key_column_broadcast_over_the_keys(form, plan):
+    """A band (or prefix) built from ``arange(1)``: a (B, 1, 1, 1) mask that SDPA broadcasts over every key (a row sees
+    all keys when position 0 is in its band, none otherwise). The band match read the mask's key dim (1) as the key
+    count and clamped the window to key 0, dropping the mask: the op attended to one key (max error 2.57). Now such a
+    mask is no band: its key range is scanned, which broadcasts it."""
+    def f(q, k, v, pos):
+        kv = torch.arange(1)[None, None, None, :]
+        u = pos.view(-1, 1, 1, 1)
+        m = kv <= u if form == "prefix" else (kv <= u) & (kv > u - W)
+        if form == "where_neginf":
+            m = torch.where(m, 0.0, -math.inf)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    pos = torch.tensor([3, W + 2, -1])  # position 0 in the band, outside it, before it
+    (site,) = compare(f, *inputs(b=3), pos, plan=plan)
+    assert site.rewritten, site.reason_untouched
+    assert site.site.window is None
 
 
 # ------------------------------------------------------------------------------------------- opaque modules

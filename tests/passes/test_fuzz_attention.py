@@ -55,19 +55,22 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["gqa"] = draw(st.sampled_from(["repeat_kv", "repeat_interleave"] + (["enable_gqa"] if s["form"] == "sdpa" else [])))
     s["mask"] = draw(st.sampled_from([None, "bool", "bool", "zero_neginf", "finfo_min", "minus_1e9", "bias", "int01"]))
     s["mask_dtype"] = draw(st.sampled_from(["same", "same", "float16", "bfloat16", "float64"]))  # additive masks only
-    s["rank"] = draw(st.integers(1, 4))
+    s["rank"] = draw(st.integers(0, 4))  # 0: one value for every score (eager; SDPA itself refuses it)
     s["bcast"] = draw(st.lists(st.booleans(), min_size=4, max_size=4))  # per dim of (B, H, L, N): size 1?
     s["apply"] = draw(st.sampled_from(["add", "masked_fill", "where"]))  # eager: how a bool mask is applied
     s["fill"] = draw(st.sampled_from([-math.inf, -math.inf, -1e9, torch.finfo(torch.float32).min]))
     s["full_rows"] = draw(st.booleans())
-    s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after"]))
+    s["mutation"] = draw(st.sampled_from(["none"] * 4 + ["scores_inplace", "clone_k_write", "contiguous_q_after",
+                                                         "scores_functional_inplace", "k_foreach_after",
+                                                         "k_through_dropout_after"]))
     s["guard"] = draw(st.sampled_from(["none"] * 4 + ["safe", "safe", "head_prune"]))
     s["post_scalar"] = draw(st.sampled_from([False] * 4 + [True]) if s["form"] != "sdpa" else st.just(False))
     s["scale_kind"] = draw(st.sampled_from(["float", "float", "tensor", "const_edited"]))
     s["kv_batch1"] = s["B"] > 1 and draw(st.sampled_from([False] * 5 + [True]))  # K/V broadcast over the batch
     s["dropout"] = draw(st.sampled_from(["none", "none", "eval", "p0"]))
     s["causal"] = s["form"] == "sdpa" and s["mask"] is None and draw(st.booleans())
-    s["cast"] = draw(st.sampled_from(["none"] * 6 + ["narrow", "wide"]) if s["form"] != "sdpa" else st.just("none"))
+    s["cast"] = draw(st.sampled_from(["none"] * 6 + ["narrow", "wide", "integer"]) if s["form"] != "sdpa"
+                     else st.just("none"))
     s["nan_v"] = draw(st.booleans()) if s["mask"] in ("bool", "zero_neginf") else False
     s["dtype"] = draw(st.sampled_from(dtypes))
     s["plan"] = draw(st.sampled_from(plans))
@@ -76,7 +79,7 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     if draw(st.booleans()):  # half the cases carry none of the spellings that must be left alone
         s.update(mutation="none", post_scalar=False, fill=-math.inf, kv_batch1=False,
                  guard="none" if s["guard"] == "head_prune" else s["guard"],
-                 cast="none" if s["cast"] == "narrow" else s["cast"],
+                 cast="none" if s["cast"] in ("narrow", "integer") else s["cast"],
                  mask="bool" if s["mask"] == "int01" else s["mask"])
     return s
 
@@ -98,11 +101,13 @@ def make_mask(spec, gen):
     shape = [1 if one else size for size, one in zip(full, spec["bcast"])]
     shape = shape[4 - spec["rank"]:]
     keep = torch.rand(shape, generator=gen) > 0.3
-    if keep.numel() and spec["full_rows"]:
+    if not shape:  # 0-d: every key hidden or none
+        keep = torch.tensor(not spec["full_rows"])
+    elif keep.numel() and spec["full_rows"]:
         keep.view(-1, shape[-1])[0] = False  # one row (or every row broadcast from it) hides every key
     elif keep.numel():
         keep[..., 0] = True
-    if spec["nan_v"] and shape[-1] == N:
+    if spec["nan_v"] and shape and shape[-1] == N:
         keep[..., nan_key(spec)] = False  # every row hides the key whose value is NaN
     dt = spec["dtype"] if spec["mask_dtype"] == "same" else getattr(torch, spec["mask_dtype"])
     if spec["mask"] == "bool":
@@ -161,6 +166,12 @@ def make_fn(spec):
             q2.mul_(2.0)  # after the score product read it
         if spec["mutation"] == "scores_inplace":
             s.mul_(1.5)
+        if spec["mutation"] == "scores_functional_inplace":  # ``inplace`` by position: no name ends in "_"
+            F.leaky_relu(s, 0.5, True)
+        if spec["mutation"] == "k_foreach_after":  # after the score product read k: the value product reads v only
+            torch._foreach_mul_([k], 2.0)
+        if spec["mutation"] == "k_through_dropout_after":  # eval dropout returns k itself: a write to k
+            F.dropout(k, 0.3, training=False).mul_(2.0)
         if mask is not None:
             if mask.dtype != torch.bool:
                 s = s + mask
@@ -174,6 +185,8 @@ def make_fn(spec):
             p = F.softmax(s, dim=-1)
         if spec["cast"] == "narrow":
             p = p.to(torch.bfloat16).to(s.dtype)  # the original rounds the probabilities: left alone
+        elif spec["cast"] == "integer":
+            p = p.to(torch.int64).to(s.dtype)  # the original truncates them to 0 and 1: left alone
         if spec["dropout"] == "eval":
             p = F.dropout(p, 0.3, training=False)
         elif spec["dropout"] == "p0":
@@ -203,7 +216,7 @@ def check_spec(spec):
     k = torch.randn(kv_batch, Hkv, N, D, generator=gen, dtype=dt)
     v = torch.randn(kv_batch, Hkv, N, D, generator=gen, dtype=dt)
     mask = make_mask(spec, gen)
-    nan_v = spec["nan_v"] and mask is not None and mask.shape[-1] == N
+    nan_v = spec["nan_v"] and mask is not None and mask.dim() > 0 and mask.shape[-1] == N
     if nan_v:
         v[:, :, nan_key(spec)] = float("nan")
     scale_t = torch.tensor(0.125, dtype=dt)

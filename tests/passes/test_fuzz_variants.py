@@ -3,8 +3,9 @@
 same places) or left alone with a reason.
 
 It draws the variant and its spelling (the cap's constant, sign and order of ops; ALiBi slopes of any sign, zero
-or large, positions as ``arange``, shifted, reversed, relative to the query, an ``arange`` edited in place; a
-window's band in several spellings, its width from 1 to past N, each batch row's position before the first key,
+or large, positions as ``arange``, shifted, reversed, relative to the query, an ``arange`` edited in place, one
+position column broadcast over the keys; a window's band in several spellings, its width from 1 to past N, or built
+from one key column broadcast over the keys, each batch row's position before the first key,
 inside, at and past the end, up to four query rows causal inside the block), a mask on top (none, boolean, additive finfo.min; a fully masked row),
 GQA by ``repeat_interleave`` or ``expand`` + ``reshape``, in-place edits of the bias's inputs after use, the plan
 (the planner's, split-KV, stream-K) and the dtype (fp32; fp16 in the Triton interpreter profile).
@@ -46,9 +47,10 @@ def specs(draw, plans=(None, "split_kv", "stream_k"), dtypes=(torch.float32,)):
     s["cap"] = draw(st.sampled_from([1.0, 5.0, 30.0, 50.0, -4.0]))
     s["cap_spelling"] = draw(st.sampled_from(["tanh_div_mul", "mul_tanh_mul", "tanh_div_div"]))
     s["slopes"] = draw(st.sampled_from(["standard", "random", "zero", "large", "negative"]))
-    s["positions"] = draw(st.sampled_from(["arange", "shifted", "reversed", "relative", "edited"]))
+    s["positions"] = draw(st.sampled_from(["arange", "shifted", "reversed", "relative", "edited", "one_column"]))
     s["band"] = draw(st.sampled_from(["le_gt", "lt_ge", "ge_off", "distance", "swapped"]))
     s["W"] = draw(st.sampled_from([1, 2, 5, 16, 100]))
+    s["band_cols"] = draw(st.sampled_from(["keys"] * 4 + ["one"]))  # one: arange(1), broadcast over every key
     s["pos"] = draw(st.lists(st.integers(-3, 70), min_size=3, max_size=3))  # a query position per batch row
     s["mask"] = draw(st.sampled_from([None, None, "bool", "finfo_min"]))
     s["full_row"] = draw(st.booleans())
@@ -105,13 +107,16 @@ def make_fn(spec):
             kp = n - 1 - kv
         elif spec["positions"] == "relative":
             kp = kv[None, :] - torch.arange(L, device=k.device)[:, None]
+        elif spec["positions"] == "one_column":  # broadcast over every key: a per-row constant, no ALiBi
+            kp = torch.arange(1, device=k.device)
         elif spec["positions"] == "edited":  # an arange written in place before use: no longer the key positions
             kp = torch.arange(n, device=k.device)
             kp[n // 2:] = 3
         else:
             kp = kv
         qp = pos.view(-1, 1, 1, 1) + torch.arange(L, device=k.device).view(1, 1, L, 1)  # L rows, causal inside the block
-        band = _band(spec, kv.view(1, 1, 1, n), qp) if spec["variant"] == "window" else None
+        kb = kv.view(1, 1, 1, n) if spec["band_cols"] == "keys" else torch.arange(1, device=k.device).view(1, 1, 1, 1)
+        band = _band(spec, kb, qp) if spec["variant"] == "window" else None
         if spec["form"] == "sdpa":
             m = band if mask is None else (band & mask if mask.dtype == torch.bool
                                            else torch.where(band, mask, torch.finfo(mask.dtype).min))

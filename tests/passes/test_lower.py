@@ -363,6 +363,27 @@ def test_verify_raises_on_a_wrong_rewrite():
         gm(q, k, v)
 
 
+@pytest.mark.parametrize("plan", ["dense", "split_kv"])
+def test_verify_accepts_nan_where_the_original_has_nan(plan):
+    """An eager softmax over a fully masked row gives NaN, and so does the rewrite (``empty_rows == "nan"``): equal.
+    ``verify`` compared |new - ref| <= bound, which is False for NaN, and raised on a correct rewrite."""
+    import attnopt
+
+    def f(q, k, v, m):
+        s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.125
+        return s.masked_fill(~m, float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+
+    reset_runtime_state()
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, L=1, N=15, D=64)
+    m = torch.rand(2, 1, 1, 15, generator=torch.Generator().manual_seed(0)) > 0.3
+    m[0] = False  # batch row 0: no visible key
+    opt = attnopt.optimize(f, inner_backend="eager", verify=True, force_plan=plan)
+    out = opt(q, k, v, m)
+    assert bool(torch.isnan(out[0]).all()) and not bool(torch.isnan(out[1]).any())
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten and site.verified == 1
+
+
 def test_symbolic_batch_valid_len_uses_sym_size():
     kinds = ["stream_k"]  # a plan that takes a device valid length (split-KV reads the mask itself)
     q, k, v = qkv(B=3, Hq=4, Hkv=2, L=1, N=21, D=64)
