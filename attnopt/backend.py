@@ -121,11 +121,20 @@ class Backend:
             check_no_decode_left_over_shards(report)
         pending = pending_choices(report)
         self.background_tunings += [p for p in pending if p not in self.background_tunings]
+        t0 = time.perf_counter()
+        try:
+            compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
+        except Exception as exc:  # noqa: BLE001 - the original graph, if the rewrite is what the inner backend fails on
+            if not report.rewritten or ctx.original_graph is None:
+                raise
+            from attnopt.passes.guard import graph_failed
+
+            gm = graph_failed(gm, ctx, ctx.original_graph, f"the {self.config.inner_backend} compile of the rewritten graph", exc)
+            compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
+        ctx.original_graph = None
+        self.inner_compile_seconds += time.perf_counter() - t0
         if not pending:
             self._log_report(report)
-        t0 = time.perf_counter()
-        compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
-        self.inner_compile_seconds += time.perf_counter() - t0
         return self._counted(compiled, report if pending else None, graphed)
 
     def _log_report(self, report: PlanReport) -> None:

@@ -12,6 +12,8 @@ from . import checks
 CONFIG_VERSION = 1
 
 INNER_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
+ON_ERROR = ("fallback", "raise")
+STRICT_ENV = "ATTNOPT_STRICT"
 PLAN_LOG_ENV = "ATTNOPT_PLAN_LOG"
 
 
@@ -65,6 +67,12 @@ class OptimizeConfig:
     #: one CUDA graph by attnopt (``attnopt.step_graphs``: about 1 ms less host time per token than inductor's
     #: CUDA-graph trees on an H100); False keeps inductor's trees.
     step_graphs: bool = True
+    #: What an unexpected exception inside attnopt's passes (detection, planning, lowering: a bug of attnopt, not
+    #: of the input) does: "fallback" leaves that site (or, where the graph was already changed, that graph) as the
+    #: original, runs it through the inner backend, warns once (``PassErrorWarning``) and records the reason in the
+    #: plan report; "raise" fails the compile (developers, CI; ``$ATTNOPT_STRICT=1`` forces it). Errors the user must
+    #: see (config values, a SAAP index that does not fit, a process group's shards) raise in both.
+    on_error: str = "fallback"
 
     def __post_init__(self) -> None:
         missing = [f.name for f in fields(self) if f.name not in FIELD_CHECKS]
@@ -120,6 +128,15 @@ class OptimizeConfig:
     def from_json(cls, text: str) -> "OptimizeConfig":
         return cls.from_options(json.loads(text))
 
+    def strict(self) -> bool:
+        """Whether a pass's unexpected exception fails the compile: ``on_error="raise"``, or ``$ATTNOPT_STRICT`` set to
+        1 (the test suite sets it; "0" or unset leaves ``on_error`` in charge; any other value is an error)."""
+        env = os.environ.get(STRICT_ENV, "")
+        if env not in ("", "0", "1"):
+            raise ValueError(f"${STRICT_ENV}={env!r}: valid values are 1 (a pass's exception fails the compile) and 0 "
+                             "or unset (config.on_error decides)")
+        return self.on_error == "raise" or env == "1"
+
     def resolved_plan_log(self) -> str | None:
         """``plan_log``, else ``$ATTNOPT_PLAN_LOG`` (checked like ``plan_log``, naming the variable), else None."""
         if self.plan_log:
@@ -168,6 +185,7 @@ FIELD_CHECKS: dict[str, checks.Check] = {
     "saap_sink": checks.optional(checks.integer(0)),
     "saap_window": checks.optional(checks.integer(0)),
     "step_graphs": checks.boolean,
+    "on_error": checks.one_of(ON_ERROR),
 }
 
 #: ``mode`` of ``attnopt.optimize`` and ``torch.compile(..., backend="attnopt", mode=...)``.

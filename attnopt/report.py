@@ -16,6 +16,11 @@ from .report_table import TOP_LEVEL, _alternatives, _esc, _plan_cell, compact_pa
 from .site import AttentionSite
 
 # --------------------------------------------------------------------------------------------- reports
+class PassErrorWarning(UserWarning):
+    """attnopt's passes raised an unexpected exception at a site or graph, which was left as the original
+    (``OptimizeConfig.on_error="fallback"``); the plan report says where and why."""
+
+
 @dataclass(frozen=True)
 class Rejection:
     """A strategy that did not apply at a site, and why."""
@@ -135,6 +140,9 @@ class PlanReport:
     config: dict[str, Any] = field(default_factory=dict)
     #: Calls of the optimized model or function that ran without any attnopt graph (dynamo fell back to eager).
     calls_without_attnopt: int = 0
+    #: Graphs left whole as the original because a pass raised where no single site could be left alone instead
+    #: (``on_error="fallback"``): one line each, naming the graph, the pass and the exception.
+    errors: list[str] = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -146,7 +154,8 @@ class PlanReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": 1, "profile": self.profile, "graph": self.graph, "config": self.config,
-                "sites": [s.to_dict() for s in self.sites], "calls_without_attnopt": self.calls_without_attnopt}
+                "sites": [s.to_dict() for s in self.sites], "calls_without_attnopt": self.calls_without_attnopt,
+                **({"errors": list(self.errors)} if self.errors else {})}
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -158,7 +167,8 @@ class PlanReport:
         return cls(sites=[SiteReport.from_dict(s) for s in _expect(data.get("sites", []), list, "sites")],
                    profile=_expect(data.get("profile", ""), str, "profile"),
                    graph=data.get("graph", ""), config=data.get("config", {}),
-                   calls_without_attnopt=int(data.get("calls_without_attnopt", 0)))
+                   calls_without_attnopt=int(data.get("calls_without_attnopt", 0)),
+                   errors=[_expect(e, str, "an error") for e in _expect(data.get("errors", []), list, "errors")])
 
     @classmethod
     def from_json(cls, text: str) -> "PlanReport":
@@ -176,6 +186,7 @@ class PlanReport:
                 if not s.graph:
                     s.graph = r.graph
             out.sites.extend(r.sites)
+            out.errors.extend(r.errors)
             out.config = out.config or r.config
         return out
 
@@ -183,7 +194,7 @@ class PlanReport:
         text = f"{len(self.sites)} attention site(s), {len(self.rewritten)} rewritten, {len(self.untouched)} left alone"
         if self.calls_without_attnopt:
             text += f"; {self.calls_without_attnopt} call(s) ran without attnopt (dynamo fell back to eager)"
-        return text
+        return text + "".join(f"; left as the original: {e}" for e in self.errors)
 
     # ----------------------------------------------------------------------------------------- rendering
     def graph_of(self, s: SiteReport) -> str:
@@ -198,7 +209,7 @@ class PlanReport:
         """One line: sites and graphs, rewritten by plan kind, left alone by reason, profile, op calls. E.g.
         ``150 attention site(s) in 5 graph(s): 60 rewritten (60 split_kv), 90 left alone (90 prefill); profile
         h100-sxm``."""
-        if not (self.sites or self.graph or self.profile):
+        if not (self.sites or self.graph or self.profile or self.errors):
             return NOTHING_COMPILED
         graphs = {self.graph_of(s) for s in self.sites} - {""}
         kinds = Counter(s.chosen.kind if s.chosen else "?" for s in self.rewritten)
@@ -218,7 +229,7 @@ class PlanReport:
                      "the original attention")
         if self.calls_without_attnopt:
             text += f"; {self.calls_without_attnopt} call(s) ran WITHOUT attnopt (dynamo fell back to eager)"
-        return text
+        return text + "".join(f"; graph left as the original: {e}" for e in self.errors)
 
     def groups(self) -> list[list[SiteReport]]:
         """Sites that share graph, shapes, dtype, mask kind and outcome (the chosen plan, or why left alone), in

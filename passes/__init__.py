@@ -8,6 +8,7 @@ import torch.fx as fx
 from attnopt.config import OptimizeConfig
 from attnopt.report import PlanReport
 
+from . import guard
 from .context import PassContext
 from .detect import detect
 from .lower import lower
@@ -57,10 +58,24 @@ def saap_options(config: OptimizeConfig) -> dict[str, Any]:
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any] = (), config: OptimizeConfig | None = None,
                ctx: PassContext | None = None) -> tuple[fx.GraphModule, PlanReport]:
-    """Run ``PASSES`` in order over ``gm`` (a dynamo, aot_autograd or export graph). Returns (gm, report)."""
+    """Run ``PASSES`` in order over ``gm`` (a dynamo, aot_autograd or export graph). Returns (gm, report).
+
+    An unexpected exception leaves its site, else the graph, as the original (``guard``; ``config.on_error``)."""
     ctx = ctx or make_context(config or OptimizeConfig(), example_inputs)
-    for p in PASSES:
-        gm = p(gm, ctx)
+    strict = ctx.config.strict()  # (a bad $ATTNOPT_STRICT raises here, before any pass)
+    if ctx.config.force_plan is not None or ctx.config.strategies:
+        from .plan import check_strategies
+
+        check_strategies(ctx.config)  # the user's error, raised whatever on_error says
+    stage = "detect"
+    try:
+        for p in PASSES:
+            stage = p.__name__
+            if p is lower and not strict:
+                ctx.original_graph = guard.snapshot(gm, ctx)
+            gm = p(gm, ctx)
+    except Exception as exc:  # noqa: BLE001 - guard.graph_failed re-raises what must be seen
+        gm = guard.graph_failed(gm, ctx, ctx.original_graph, stage, exc)
     return gm, ctx.report
 
 

@@ -31,3 +31,6 @@ class PassContext:
     #: ``lower``'s key range of each window site, by site key: "band" (read off the mask's graph: no scan) or
     #: "scan: <why the band was not proven>" (``key_range_from_mask``).
     window_ranges: dict[str, str] = field(default_factory=dict)
+    #: The graph as it was before ``lower`` (``guard.snapshot``; None in strict mode or without sites): restored when
+    #: lowering, or the inner backend's compile of the rewritten graph, fails (``config.on_error="fallback"``).
+    original_graph: Any = None

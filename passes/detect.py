@@ -46,6 +46,7 @@ import torch.fx as fx
 
 from attnopt.site import AttentionSite
 
+from . import guard
 from .context import PassContext
 from .patterns.band import band_window
 from .patterns import (AttentionMatch, classify_mask, find_matches, logical_shape, mask_form, meta_dtype, meta_shape,
@@ -178,6 +179,18 @@ def build_site(m: AttentionMatch, config) -> AttentionSite:
     return AttentionSite(**fields)
 
 
+def bare_site(m: AttentionMatch) -> AttentionSite:
+    """The site of ``m`` with its name and pattern alone (what ``build_site`` failed to fill is unknown)."""
+    anchor = m.anchor if m.anchor is not None else m.output
+    node = m.anchor.name if m.pattern.startswith("sdpa") and m.anchor is not None else m.output.name
+    try:
+        path = module_path(anchor)
+    except Exception:  # noqa: BLE001 - the name is for the report; the site is left alone either way
+        path = ""
+    return AttentionSite(node=node, module_path=path, pattern=m.pattern, batch=None, q_heads=0, kv_heads=0,
+                         head_dim=0, q_len=None, kv_len=None, dtype="unknown")
+
+
 def _differentiable_inputs(m: AttentionMatch) -> list:
     """Every tensor whose gradient the original would compute: q, k, v, and the mask, bias, ALiBi slopes and
     run-time scale factors (a learned position bias or temperature, while q/k/v come from frozen weights)."""
@@ -227,7 +240,10 @@ def _check_mask(m: AttentionMatch, qs, ks) -> str | None:
 def detect(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Append one ``AttentionMatch`` per attention site of ``gm`` to ``ctx.matches`` (graph order)."""
     for m in find_matches(gm):
-        m.site = build_site(m, ctx.config)
+        try:
+            m.site = build_site(m, ctx.config)
+        except Exception as exc:  # noqa: BLE001 - on_error: this site alone is left as the original
+            m.site = guard.site_failed(ctx, bare_site(m), "detect", exc)
         ctx.matches.append(m)
     return gm
 

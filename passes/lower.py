@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from attnopt.plan import uses_valid_len
 
+from . import guard
 from .context import PassContext
 from .lower_nodes import (_biased_mask, _meta_key, _nan_empty_rows, _ops, _set_meta, _shared_key_range,
                           _shared_valid_len, _slopes_per_head)
@@ -267,7 +268,15 @@ def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 node = replaced[node]
             setattr(m, name, node)
         orig = m.output
-        replaced[orig] = lower_site(gm, ctx, m, report, meta_key, aten_graph)
+        before = set(gm.graph.nodes)
+        try:
+            replaced[orig] = lower_site(gm, ctx, m, report, meta_key, aten_graph)
+        except Exception as exc:  # noqa: BLE001 - on_error: undo this site, or (raised) restore the whole graph
+            if guard.reraise(ctx, exc) or not guard.undo_site(gm.graph, before, orig, ctx):
+                raise
+            report.site = m.site = guard.site_failed(ctx, site, "lower", exc)
+            report.rewritten, report.key = False, ""
+            continue
         changed = True
     if changed:
         gm.graph.lint()

@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from attnopt.report import Rejection, SiteReport
 
+from . import guard
 from .context import PassContext
 
 log = logging.getLogger("attnopt.tuning")
@@ -220,18 +221,27 @@ def plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # made once per shape, not once per layer (30 times for SmolLM2).
     ranked: dict = {}
     for match, shared in zip(ctx.matches, sharing):
-        site = match.site
-        key = ranking_key(site, ctx.plan_context)
-        if not site.unsupported and key not in ranked:
-            ranked[key] = rank_candidates(site, ctx.hardware, ctx.plan_context, ctx.config)
-        here = ranked.get(key)
-        if here is not None and any(c.kind == "saap" for c in here[0]):
-            why = saap_site_reason(match, gm.graph)
-            if why is not None:  # this site's mask, not its shape: the shared ranking stays as it is
-                here = ([c for c in here[0] if c.kind != "saap"], list(here[1]) + [Rejection("saap", why)])
-        ctx.report.sites.append(plan_site(site, ctx.hardware, ctx.plan_context, ctx.config, tuner, shared,
-                                          ranked=here))
+        try:
+            report = _plan_match(gm, ctx, match, shared, tuner, ranked)
+        except Exception as exc:  # noqa: BLE001 - on_error: this site alone is left as the original
+            match.site = guard.site_failed(ctx, match.site, "plan", exc)
+            report = SiteReport(site=match.site)
+        ctx.report.sites.append(report)
     return gm
+
+
+def _plan_match(gm: fx.GraphModule, ctx: PassContext, match, shared: int, tuner, ranked: dict) -> SiteReport:
+    """The report of one site; ``ranked`` holds the rankings made so far, by ``ranking_key``."""
+    site = match.site
+    key = ranking_key(site, ctx.plan_context)
+    if not site.unsupported and key not in ranked:
+        ranked[key] = rank_candidates(site, ctx.hardware, ctx.plan_context, ctx.config)
+    here = ranked.get(key)
+    if here is not None and any(c.kind == "saap" for c in here[0]):
+        why = saap_site_reason(match, gm.graph)
+        if why is not None:  # this site's mask, not its shape: the shared ranking stays as it is
+            here = ([c for c in here[0] if c.kind != "saap"], list(here[1]) + [Rejection("saap", why)])
+    return plan_site(site, ctx.hardware, ctx.plan_context, ctx.config, tuner, shared, ranked=here)
 
 
 def saap_site_reason(m, graph: fx.Graph) -> str | None:

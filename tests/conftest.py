@@ -1,6 +1,6 @@
 """Hardware gating and the Triton interpreter switch.
 
-``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` runs, so it is set here, at import, when no GPU
+``ATTNOPT_STRICT=1``: the passes' bugs raise in every test. ``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` runs, so it is set here, at import, when no GPU
 is present. GPU-only tests carry ``@pytest.mark.cuda`` / ``@pytest.mark.multigpu`` and are skipped without one.
 """
 import os
@@ -11,6 +11,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A crash inside attnopt's passes fails the test instead of leaving the site alone (config.on_error="fallback"
+# would hide it); tests of the fallback itself unset it.
+os.environ.setdefault("ATTNOPT_STRICT", "1")
 
 import pytest  # noqa: E402
 
