@@ -129,7 +129,10 @@ class Backend:
                 raise
             from attnopt.passes.guard import graph_failed
 
-            gm = graph_failed(gm, ctx, ctx.original_graph, f"the {self.config.inner_backend} compile of the rewritten graph", exc)
+            stage = f"the {self.config.inner_backend} compile of the rewritten graph"
+            gm = graph_failed(gm, ctx, ctx.original_graph, stage, exc)
+            if world_size > 1:  # the original attends to this rank's shard alone: raise, naming why
+                check_no_decode_left_over_shards(report)
             compiled = _compile_inner(self.config.inner_backend, gm, example_inputs, mode)
         ctx.original_graph = None
         self.inner_compile_seconds += time.perf_counter() - t0

@@ -235,3 +235,60 @@ def test_an_inner_compile_that_fails_on_the_rewrite_compiles_the_original(entry,
     monkeypatch.setenv("ATTNOPT_STRICT", "1")
     with pytest.raises(Exception, match="cannot compile attnopt.decode_attention"):
         _entry(entry, TwoLayers())(*_qkv())
+
+
+def test_with_a_process_group_a_site_left_alone_by_an_error_still_raises():
+    """Over a sequence-sharded cache the original attends to this rank's shard alone: the fallback must not make
+    that silent. The backend's check names the site and the pass's exception."""
+    from attnopt.backend import check_no_decode_left_over_shards
+    from attnopt.passes.guard import site_reason
+    from attnopt.report import PlanReport, SiteReport
+    from attnopt.runtime.distributed import DistributedDecodeError
+    from attnopt.site import AttentionSite
+
+    site = AttentionSite(node="sdpa", module_path="layers.0", pattern="sdpa", batch=1, q_heads=4, kv_heads=2,
+                         head_dim=64, q_len=1, kv_len=None, dtype="float32",
+                         unsupported=site_reason("plan", Injected("injected into plan_site")))
+    with pytest.raises(DistributedDecodeError, match="sdpa .layers.0.: attnopt error in plan: Injected"):
+        check_no_decode_left_over_shards(PlanReport(sites=[SiteReport(site)]))
+
+
+class TwoLayersOneMask(torch.nn.Module):
+    """``TwoLayers`` with one boolean padding mask (1, 1, 1, N) read by both attentions."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, q, k, v, mask):
+        a = F.scaled_dot_product_attention(self.proj(q), k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(self.proj(a), k * 0.5, v, attn_mask=mask, enable_gqa=True)
+
+
+@torch.no_grad()
+def test_an_undone_site_takes_its_shared_valid_length_with_it(fallback_mode, monkeypatch):
+    """The first site's lowering made the valid length that both sites share, then raised: the undo erases it and
+    forgets it, so the second site makes its own (else it would read an erased node and the graph would fail)."""
+    real_ops, calls = lower_pass._ops, []
+
+    class Refusing:
+        def __getattr__(self, name):
+            raise Injected(f"no op {name}")
+
+    def ops_once():
+        calls.append(1)
+        return Refusing() if len(calls) == 1 else real_ops()
+
+    monkeypatch.setattr(lower_pass, "_ops", ops_once)
+    model = TwoLayersOneMask()
+    q, k, v = _qkv()
+    mask = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool)
+    mask[..., 31:] = False
+    opt = _entry("optimize", model, force_plan="stream_k")
+    out, caught = _run_with_warning(opt, (q, k, v, mask))
+    torch.testing.assert_close(out, model(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    report = attnopt.last_plans(opt)
+    assert [s.rewritten for s in report.sites] == [False, True] and report.errors == []
+    assert "attnopt error in lower: Injected: no op decode_attention" in report.sites[0].reason_untouched
+    valid_lens = [n for n in _graph_nodes() if "valid_len_from_mask" in str(n.target)]
+    assert len(valid_lens) == 1 and len(caught) == 1
