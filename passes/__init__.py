@@ -76,6 +76,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any] = (), config: O
             gm = p(gm, ctx)
     except Exception as exc:  # noqa: BLE001 - guard.graph_failed re-raises what must be seen
         gm = guard.graph_failed(gm, ctx, ctx.original_graph, stage, exc)
+    guard.warn_site_errors(ctx)
     return gm, ctx.report
 
 

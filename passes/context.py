@@ -34,3 +34,6 @@ class PassContext:
     #: The graph as it was before ``lower`` (``guard.snapshot``; None in strict mode or without sites): restored when
     #: lowering, or the inner backend's compile of the rewritten graph, fails (``config.on_error="fallback"``).
     original_graph: Any = None
+    #: (stage, exception text, site node) of each site left alone by an exception (``guard.site_failed``), warned
+    #: about once per (stage, exception) when the passes end (``guard.warn_site_errors``).
+    site_errors: list[tuple[str, str, str]] = field(default_factory=list)

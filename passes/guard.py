@@ -2,9 +2,10 @@
 
 With "fallback" (the default) the failing site is left as the original attention (``detect``'s site building, the
 plan of one site, the lowering of one site whose new nodes can be erased again), or, where the graph was changed
-beyond one site's undo, the whole graph is restored from the copy taken before ``lower``. Each fallback warns once
-(``PassErrorWarning``, naming the site or graph and the exception) and leaves its reason where the plan report shows
-left-alone sites: the site's ``unsupported`` (``attnopt error in plan: KeyError: ...``) or ``PlanReport.errors``.
+beyond one site's undo, the whole graph is restored from the copy taken before ``lower``. A graph warns once per
+pass and exception (``PassErrorWarning``, naming the sites or the graph and the exception), and the reason is where
+the plan report shows left-alone sites: the site's ``unsupported`` (``attnopt error in plan: KeyError: ...``) or
+``PlanReport.errors``.
 With "raise", or ``$ATTNOPT_STRICT=1``, the exception propagates. Errors the user must see are never caught:
 ``user_errors()``.
 """
@@ -45,19 +46,30 @@ def site_reason(stage: str, exc: BaseException) -> str:
     return f"attnopt error in {stage}: {describe(exc)} (left as the original attention)"
 
 
-def warn(what: str, stage: str, exc: BaseException) -> None:
-    warnings.warn(f"attnopt: {stage} raised {describe(exc)} at {what}; it is left as the original and runs through "
-                  "the inner backend (on_error='raise' or ATTNOPT_STRICT=1 makes this an error)",
-                  PassErrorWarning, stacklevel=2)
+def _warn(what: str, stage: str, text: str) -> None:
+    warnings.warn(f"attnopt: {stage} raised {text} at {what}; left as the original, run through the inner backend "
+                  "(on_error='raise' or ATTNOPT_STRICT=1 makes this an error)", PassErrorWarning, stacklevel=3)
 
 
 def site_failed(ctx: Any, site: Any, stage: str, exc: BaseException) -> Any:
     """``site`` (an ``AttentionSite``) left alone because ``stage`` raised ``exc``: re-raises where ``reraise`` says so,
-    else warns and returns the site with the reason as its ``unsupported``."""
+    else keeps it for ``warn_site_errors`` and returns the site with the reason as its ``unsupported``."""
     if reraise(ctx, exc):
         raise exc
-    warn(f"site {site.node} ({site.module_path or 'top level'}) of graph {ctx.graph_id}", stage, exc)
+    ctx.site_errors.append((stage, describe(exc), f"{site.node} ({site.module_path or 'top level'})"))
     return dataclasses.replace(site, unsupported=site_reason(stage, exc))
+
+
+def warn_site_errors(ctx: Any) -> None:
+    """One warning per (pass, exception) over the sites ``site_failed`` left alone in this graph (every layer of a
+    decoder is one shape: a bug at one is usually a bug at all of them)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for stage, text, where in ctx.site_errors:
+        groups.setdefault((stage, text), []).append(where)
+    for (stage, text), sites in groups.items():
+        names = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+        _warn(f"{len(sites)} site(s) of graph {ctx.graph_id}: {names}", stage, text)
+    ctx.site_errors.clear()
 
 
 def snapshot(gm: fx.GraphModule, ctx: Any) -> fx.Graph | None:
@@ -73,7 +85,8 @@ def graph_failed(gm: fx.GraphModule, ctx: Any, saved: fx.Graph | None, stage: st
     site not rewritten and record why in ``ctx.report.errors``; re-raises where ``reraise`` says so."""
     if reraise(ctx, exc):
         raise exc
-    warn(f"graph {ctx.graph_id}", stage, exc)
+    warn_site_errors(ctx)
+    _warn(f"graph {ctx.graph_id}", stage, describe(exc))
     if saved is not None:
         gm.graph = saved
         gm.recompile()

@@ -69,6 +69,17 @@ def _add_junk(gm, ctx, m, *rest):
         gm.graph.call_function(torch.ops.aten.clone.default, (m.q,))
 
 
+@torch.no_grad()
+def test_every_site_that_raises_is_left_alone_with_one_warning(fallback_mode, monkeypatch):
+    def failing(*args, **kwargs):
+        raise Injected("injected into plan_site")
+
+    monkeypatch.setattr(plan_pass, "plan_site", failing)
+    report, caught = _whole_graph_left_alone("optimize")
+    assert all(s.reason_untouched.startswith("attnopt error in plan: Injected") for s in report.sites)
+    assert report.errors == [] and len(caught) == 1 and "2 site(s) of graph" in str(caught[0].message)
+
+
 def _whole_graph_left_alone(entry):
     """Compile and call ``TwoLayers`` through ``entry``: the original's exact answer, no site rewritten; returns the
     report and the ``PassErrorWarning``s."""
@@ -111,7 +122,8 @@ def test_one_site_that_raises_is_left_alone_and_the_other_rewritten(entry, where
     assert alone.reason_untouched.startswith(f"attnopt error in {where}: Injected: injected into {name}")
     assert f"attnopt error in {where}" in report.format_table(width=400)
     assert len(caught) == 1
-    assert f"site {alone.site.node}" in str(caught[0].message) and "Injected" in str(caught[0].message)
+    assert f"1 site(s) of graph {alone.graph}: {alone.site.node} (top level)" in str(caught[0].message)
+    assert f"{where} raised Injected: injected into {name}" in str(caught[0].message)
     assert report.rewritten[0].calls == 1
     if where == "lower":  # the half-done lowering was erased: the left-alone site reads q/k/v as before
         gm_clones = [n for n in _graph_nodes() if n.target is torch.ops.aten.clone.default]
