@@ -217,12 +217,13 @@ def check_process_group(process_group: Any) -> None:
 
 def check_call(config: OptimizeConfig, process_group: Any = None, mode: Any = None) -> None:
     """What the fields alone cannot say, checked when a backend is made (``attnopt.optimize``, the string
-    backend): ``mode`` is one of ``MODES``; ``topology`` needs a process group; ``force_plan`` and ``strategies``
+    backend): ``mode`` is one of ``MODES``; ``$ATTNOPT_STRICT`` is 0, 1 or unset; ``topology`` needs a process group; ``force_plan`` and ``strategies``
     name kinds that a registered strategy implements (``runtime`` is imported here, at call time); a ``hardware``
     profile file parses, and a ``saap`` index file is safetensors (so that a corrupt file is named here, not at the
     first compile inside dynamo's error)."""
     checks.one_of(MODES)("mode", mode)
     check_process_group(process_group)
+    config.strict()  # a bad $ATTNOPT_STRICT, named now rather than at the first compile
     if config.hardware is not None and config.hardware.endswith(".json"):
         from attnopt.hardware import resolve_profile
 

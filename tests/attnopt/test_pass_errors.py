@@ -224,6 +224,8 @@ def test_on_error_is_a_checked_config_field(monkeypatch):
     monkeypatch.setenv("ATTNOPT_STRICT", "yes")
     with pytest.raises(ValueError, match=r"\$ATTNOPT_STRICT='yes': valid values are 1"):
         OptimizeConfig().strict()
+    with pytest.raises(ValueError, match=r"\$ATTNOPT_STRICT='yes'"):
+        attnopt.optimize(TwoLayers())  # at once, not at the first call's compile
     monkeypatch.setenv("ATTNOPT_STRICT", "0")
     assert not OptimizeConfig().strict() and OptimizeConfig(on_error="raise").strict()
 
