@@ -21,7 +21,7 @@ rotating input sets, interleaved rounds), each output first checked against ``ru
 each case sorted by time with its ratio to cuDNN, then a verdict: per variant, its time over its plain twin's in
 every case where both ran.
 
-    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--round 1|2|3] [--swap-check]
+    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--round 1|2|3|4] [--swap-check]
                                         [--cases NAME,...] [--rounds 3]
 """
 from __future__ import annotations
@@ -51,6 +51,11 @@ VARIANTS = {
     "stage1+pf2": {"merge": False, "l2_prefetch": 2},
     "stage1+pf4": {"merge": False, "l2_prefetch": 4},
     "ptr+stage1": {"merge": False, "tma": False},
+    "keys": {"key_shares": True},
+    "keys+pf2": {"key_shares": True, "l2_prefetch": 2},
+    "ptr+keys+pf2": {"tma": False, "key_shares": True, "l2_prefetch": 2},
+    "stage1+keys+pf2": {"merge": False, "key_shares": True, "l2_prefetch": 2},
+    "swap+keys": {"swap_ab": True, "key_shares": True},
 }
 
 #: Per case (``planner_grid.case_of`` names: the corner and lhs37, then G=1 shapes at D=96, 80 and 64): configs
@@ -140,7 +145,42 @@ CASES_3 = {
         ((4, 128, 4, 3, False), ("", "swap")),
     ),
 }
-ROUNDS = {1: CASES, 2: CASES_2, 3: CASES_3}
+#: ``--round 4``: key shares (``split_kv_decode(key_shares=True)``: 16-key shares, each split's last tile moved back
+#: to end at its share's end). At 512k over 66 splits the tile shares leave 4 splits a 63rd 128-key tile (62.06 on
+#: average; 32 against 31.03 at 256-key tiles, the planner's pick at 2cead39): do the key shares close the gap to cuDNN,
+#: with the prefetch 2 ahead, by TMA and by pointers (the tie at 2c6eb78), and S64 (tiles divide, 4 SMs idle)? lhs37:
+#: the rewritten swap-AB at S7/S14 of 128-key tiles, where the first form led cuDNN (487.70 / 487.73 against 488.17)
+#: and round 3 never timed it; S11/S22, whose grids are whole waves of resident programs, with key shares. Neighbours
+#: where the key shares are a no-op or balance a tile: must not be slower.
+CASES_4 = {
+    "corner-B1-g7-d80-512k-q1-dyn": (
+        ((66, 128, 4, 3, True), ("pf2", "keys+pf2", "stage1+pf2", "stage1+keys+pf2", "keys")),
+        ((66, 256, 4, 3, True), ("", "keys", "keys+pf2")),
+        ((66, 128, 8, 3, False), ("ptr+pf2", "ptr+keys+pf2")),
+        ((66, 128, 4, 3, False), ("pf2", "keys+pf2")),
+        ((64, 128, 4, 3, True), ("pf2",)),
+        ((132, 128, 4, 3, True), ("keys", "keys+pf2")),  # two programs per SM, balanced
+    ),
+    "lhs37-B6-32/32-d64-N30464-q1-dynamic": (
+        ((7, 128, 4, 3, False), ("", "swap")),
+        ((14, 128, 4, 3, False), ("", "swap")),
+        # 192 heads x 11 = 8 waves of the 264 swap-AB programs resident at 2 per SM (S7: 5.09, S14: 10.18), 21.6
+        # tiles a split: balanced by the key shares
+        ((11, 128, 4, 3, False), ("", "keys", "swap", "swap+keys")),
+        ((22, 128, 4, 3, False), ("swap+keys",)),
+    ),
+    "x-B1-32/8-d128-N131072-q1-dynamic": (
+        ((33, 128, 4, 3, False), ("", "keys", "keys+pf2")),
+        ((16, 128, 4, 3, False), ("", "keys")),
+    ),
+    "x-B1-32/32-d96-N32768-q1-dynamic": (
+        ((4, 128, 4, 3, True), ("", "keys")),
+    ),
+    "x-B64-8/8-d80-N2432-q1-dynamic": (
+        ((1, 128, 4, 3, False), ("", "keys")),
+    ),
+}
+ROUNDS = {1: CASES, 2: CASES_2, 3: CASES_3, 4: CASES_4}
 
 
 def swap_check(device: str = "cuda") -> dict:
@@ -275,7 +315,8 @@ def _print(r: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS), help="which variant set (CASES, CASES_2, CASES_3)")
+    p.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS),
+                   help="which variant set (CASES, CASES_2, CASES_3, CASES_4)")
     p.add_argument("--cases", default=None, help=f"of the round's (default: all); round 1: {', '.join(CASES)}")
     p.add_argument("--swap-check", action="store_true", help="then the swap-AB correctness matrix (swap_check)")
     p.add_argument("--rounds", type=int, default=3)
