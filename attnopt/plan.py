@@ -165,10 +165,6 @@ class SplitKVPlan(Plan):
     #: > 0: each program also prefetches the K/V rows this many tiles ahead into L2 (compiled Hopper kernels over
     #: contiguous rows; ignored elsewhere).
     l2_prefetch: int = 0
-    #: The splits share the keys in 16-key units rather than whole tiles, each split's last tile moved back to end at
-    #: its share's end (``split_kv_decode``'s ``key_shares``): 512k keys over 66 splits of 128-key tiles no longer
-    #: leave 4 splits a 63rd tile. Where a share would hold less than a tile, the tile shares.
-    key_shares: bool = False
 
     def __post_init__(self) -> None:
         if self.l2_prefetch < 0:

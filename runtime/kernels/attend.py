@@ -74,8 +74,7 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                    kv_first, softcap, HAS_START: tl.constexpr, SOFTCAP: tl.constexpr,
                    alibi_ptr, ALIBI: tl.constexpr, D_LO: tl.constexpr, PAST_ZERO: tl.constexpr = False,
-                   SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PREFETCH_BULK: tl.constexpr = True,
-                   END_BACK: tl.constexpr = False):
+                   SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PREFETCH_BULK: tl.constexpr = True):
     """Online softmax of the query tile over keys [lo, hi) (hi <= kv_len is not required; keys >= kv_len are
     masked). Returns (acc, acc_hi, m_i (BLOCK_M,) natural-log max, l_i (BLOCK_M,) sum).
 
@@ -113,13 +112,7 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
 
     SWAP_AB: the products run as ``K @ Q^T`` and ``V^T @ P^T``, ``acc``/``acc_hi`` carried transposed, (dv,
     BLOCK_M) (``tile_ops``). PREFETCH > 0: the K/V rows that many tiles ahead are prefetched into L2, in one bulk
-    request per tensor (PREFETCH_BULK) or line by line (``tile_ops``; rows contiguous, compiled CUDA only).
-
-    END_BACK: keys from ``hi`` on are hidden (another split's: ``hi`` need not be a tile boundary, see
-    :func:`_key_share`), and where [lo, hi) holds a whole tile its last tile is moved back to end at ``hi``, over
-    keys this loop attended the step before (hidden again, and read from L2 that recently), so that no tile reads
-    past ``hi``: every copy stays whole and inside the share (no zero-fill or V-zeroing step, no bytes of the next
-    split read from HBM twice)."""
+    request per tensor (PREFETCH_BULK) or line by line (``tile_ops``; rows contiguous, compiled CUDA only)."""
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     h64 = (kvh * G + g).to(tl.int64)
@@ -135,14 +128,6 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
         end = tl.minimum(hi, kv_len)
         loop_end = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
         tail = loop_end < end
-    back_to = hi  # END_BACK: where the last tile starts (no tile starts at or past hi: hi is no move)
-    if END_BACK:
-        kv_len = tl.minimum(kv_len, hi)
-        whole = hi - lo >= BLOCK_N
-        back_to = tl.where(whole, hi - BLOCK_N, hi)
-        loop_end = tl.where(whole, hi, loop_end)
-        if USE_TMA and not PAST_ZERO:
-            tail = tail & (hi - lo < BLOCK_N)
     pf_end = tl.minimum(hi, kv_len)
     if PREFETCH > 0:  # the tiles the pipeline's first copies do not cover yet
         for t in tl.static_range(1, PREFETCH):
@@ -152,20 +137,12 @@ def _attend_chunks(q, q_hi, acc, acc_hi, m_i, l_i, lo, hi, kv_len,
         if PREFETCH > 0:
             _prefetch_tile_l2(k_base, v_base, start_n + PREFETCH * BLOCK_N, pf_end, stride_kn, stride_vn, BLOCK_N,
                               PREFETCH_BULK)
-        tile_n = start_n
-        first_key = kv_first
-        if END_BACK:  # keys below start_n were attended already (a tile moved back hides them)
-            tile_n = tl.minimum(start_n, back_to)
-            if HAS_START:
-                first_key = tl.maximum(kv_first, start_n)
-            else:
-                first_key = start_n
         acc, acc_hi, m_i, l_i = _attend_step(
-            q, q_hi, acc, acc_hi, m_i, l_i, tile_n, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc,
+            q, q_hi, acc, acc_hi, m_i, l_i, start_n, kv_len, k_base, v_base, k_desc, v_desc, k_hi_desc,
             v_hi_desc, mask_ptr, b, kvh, h64, i, i64, row_ok, offs_d, offs_dv, offs_hi, stride_kn, stride_kd,
             stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, D, DV, BLOCK_N, MASK_KIND,
-            IS_CAUSAL, UPCAST, PRECISION, USE_TMA, first_key, softcap, HAS_START or END_BACK, SOFTCAP, slope, ALIBI,
-            D_LO, SWAP_AB=SWAP_AB)
+            IS_CAUSAL, UPCAST, PRECISION, USE_TMA, kv_first, softcap, HAS_START, SOFTCAP, slope, ALIBI, D_LO,
+            SWAP_AB=SWAP_AB)
     if tail:
         # the tile that crosses kv_len (its V rows past kv_len zeroed where they come by the copy engine):
         # straight-line code, so it adds no pipeline buffers (a second pipelined loop doubled the shared memory);
@@ -325,22 +302,6 @@ def _split_share(split, n, num_splits, BLOCK_N: tl.constexpr):
     lo = (split.to(tl.int64) * n_tiles // num_splits).to(tl.int32) * BLOCK_N
     hi = tl.minimum(((split.to(tl.int64) + 1) * n_tiles // num_splits).to(tl.int32) * BLOCK_N, n)
     return lo, hi
-
-
-@triton.jit
-def _key_share(split, n, num_splits, BLOCK_N: tl.constexpr, UNIT: tl.constexpr = 16):
-    """Keys [lo, hi) of split ``split`` of ``n`` keys in shares of whole UNIT-key groups (the last split also takes
-    the ``n % UNIT`` keys after them), so that shares differ by at most UNIT keys rather than a tile (512k keys in 128-key
-    tiles over 66 splits: 63 tiles for 4 splits, 62 for the rest, the grid waits on the 63); :func:`_attend_chunks`'
-    END_BACK keeps every tile inside its share. Where a share would hold less than a tile, the tile shares of
-    :func:`_split_share` instead."""
-    units = n // UNIT
-    s64 = split.to(tl.int64)
-    lo_k = (s64 * units // num_splits).to(tl.int32) * UNIT
-    hi_k = tl.where(split == num_splits - 1, n, ((s64 + 1) * units // num_splits).to(tl.int32) * UNIT)
-    lo_t, hi_t = _split_share(split, n, num_splits, BLOCK_N)
-    keyed = units // num_splits * UNIT >= BLOCK_N
-    return tl.where(keyed, lo_k, lo_t), tl.where(keyed, hi_k, hi_t)
 
 
 @triton.jit

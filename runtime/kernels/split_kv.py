@@ -18,7 +18,7 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except ImportError:  # pragma: no cover - then pdl_supported() is False and the branch is never compiled
     gdc_launch_dependents = gdc_wait = None
 
-from .attend import _attend_chunks, _key_share, _load_q, _row_coords, _split_share
+from .attend import _attend_chunks, _load_q, _row_coords, _split_share
 from .common import arrival_counters, decode_geometry, decode_inputs, dot_flags, head_dim_split, pdl_supported, \
     prefetch_applies, softmax_scale, tail_in_loop
 from .tile_ops import WGMMA_ROWS
@@ -99,7 +99,6 @@ def _split_kv_kernel(
     SWAP_AB: tl.constexpr = False,  # the products as K @ Q^T and V^T @ P^T, the accumulators transposed (tile_ops)
     PREFETCH: tl.constexpr = 0,  # > 0: K/V rows this many tiles ahead are prefetched into L2 (tile_ops; CUDA only)
     PREFETCH_BULK: tl.constexpr = True,  # PREFETCH: one bulk request per tensor and tile, else one per 128-byte line
-    KEY_SHARES: tl.constexpr = False,  # shares in 16-key units, each share's last tile moved back to end at its end
 ):
     if LAUNCH_DEPENDENTS:
         # the merge kernel's programs may become resident now; they wait (griddepcontrol.wait) for this grid to
@@ -131,10 +130,7 @@ def _split_kv_kernel(
     if HAS_START:
         first = tl.minimum(tl.maximum(tl.load(start_ptr + b).to(tl.int32), 0), kv_len)
     first_tile = first // BLOCK_N * BLOCK_N
-    if KEY_SHARES:
-        lo, hi = _key_share(split, kv_len - first_tile, NUM_SPLITS, BLOCK_N)
-    else:
-        lo, hi = _split_share(split, kv_len - first_tile, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_share(split, kv_len - first_tile, NUM_SPLITS, BLOCK_N)
     lo += first_tile
     hi += first_tile
 
@@ -180,7 +176,7 @@ def _split_kv_kernel(
             mask_ptr, b, kvh, g, i, row_ok, offs_d, offs_o, offs_hi, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_ml, stride_mn, sm_scale, G, D,
             DV, BLOCK_N, MASK_KIND, IS_CAUSAL, UPCAST, PRECISION, USE_TMA, first, softcap, HAS_START, SOFTCAP,
-            alibi_ptr, ALIBI, D_LO, PAST_ZERO, SWAP_AB, PREFETCH, PREFETCH_BULK, KEY_SHARES)
+            alibi_ptr, ALIBI, D_LO, PAST_ZERO, SWAP_AB, PREFETCH, PREFETCH_BULK)
     if D_LO > 0:
         o_hi, _, _ = _finish_parts(acc_hi, m_i, l_i, SWAP_AB)
         _store_rows(o_hi, m_i, o_ptr + split.to(tl.int64) * stride_os, lse_ptr, b, kvh, g, i, row_ok, offs_hi,
@@ -233,8 +229,7 @@ def split_kv_workspace(num_splits: int, q: torch.Tensor, k: torch.Tensor, v: tor
 def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, valid_len=None, scale=None,
                     is_causal=False, num_splits=8, block_n=64, num_warps=4, num_stages=2, fused_merge=False,
                     tma=False, pdl=None, merge=True, key_start=None, softcap=0.0, alibi_slopes=None, mask_tiles=None,
-                    head_chunks=False, chain=False, merge_dv_split=1, swap_ab=False, l2_prefetch=0, prefetch_bulk=True,
-                    key_shares=False):
+                    head_chunks=False, chain=False, merge_dv_split=1, swap_ab=False, l2_prefetch=0, prefetch_bulk=True):
     """Launch split-KV decode attention into ``out`` (and ``lse``).
 
     Parameters
@@ -280,10 +275,6 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
     l2_prefetch : > 0: each program also prefetches the K/V rows this many tiles ahead into L2 (``tile_ops``;
         ``prefetch_bulk``: one bulk request per tensor and tile, else one per 128-byte line), where the kernel is
         compiled for Hopper or newer and the K/V rows are contiguous (``prefetch_applies``); ignored elsewhere.
-    key_shares : True: the splits share the keys in 16-key units (``attend._key_share``: shares differ by at most 16
-        keys, not a tile), each split's last tile moved back to end at its share's end, over keys it hides again;
-        where a share would hold less than a tile, the tile shares as with False. Ignored with mask tiles. Exact
-        either way (a plan's ``key_shares``, chosen by measurement).
     merge : with S > 1 and no fused merge, False leaves the partial states in ``workspace`` (views of a larger one
         that a caller merges with other partials: the shared-prefix cascade); ``out`` and ``lse`` are not written.
     """
@@ -350,7 +341,7 @@ def split_kv_decode(q, k, v, out, lse=None, *, workspace=None, attn_mask=None, v
         HAS_START=key_start is not None, SOFTCAP=bool(softcap), ALIBI=alibi_slopes is not None,
         MASK_SKIP=skip, CHUNK_T=chunk, ONE_CHUNK=one_chunk, HEAD_BCAST=head_bcast, N_SCAN=n_scan, D_LO=split[0],
         D_HI=split[1], PAST_ZERO=past_zero, WAIT_PRIOR=chain, SWAP_AB=swap,
-        PREFETCH=prefetch, PREFETCH_BULK=bool(prefetch_bulk), KEY_SHARES=bool(key_shares) and not skip,
+        PREFETCH=prefetch, PREFETCH_BULK=bool(prefetch_bulk),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if chain else {}),
     )
     if two_launches:

@@ -346,4 +346,4 @@ class SplitKV(KernelStrategy[SplitKVPlan]):
                         num_warps=plan.num_warps, num_stages=plan.num_stages, fused_merge=plan.fused_merge,
                         tma=plan.tma, key_start=key_start, softcap=softcap, alibi_slopes=alibi_slopes,
                         head_chunks=plan.head_chunks, chain=plan.chain, merge_dv_split=plan.merge_dv_split or "auto",
-                        swap_ab=plan.swap_ab, l2_prefetch=plan.l2_prefetch, key_shares=plan.key_shares)
+                        swap_ab=plan.swap_ab, l2_prefetch=plan.l2_prefetch)

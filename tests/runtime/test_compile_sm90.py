@@ -110,13 +110,6 @@ def _launches(monkeypatch) -> list[dict]:
         for clusters, probes in ((32, 5), (2048, 100)):  # the bench's largest table: 2048 clusters per KV head
             _saap_launch(q, k, v, clusters, probes)
         _variant_launches(q, k, v, mask)
-        # key shares (attend._key_share; END_BACK: the last tile moved back), with a valid length and without
-        split_kv_decode(q80, k80, v80, torch.empty(B, Hq, L, 80, dtype=dtype), torch.empty(B, Hq, L),
-                        workspace=split_kv_workspace(3, q80, k80, v80), num_splits=3, block_n=64, num_warps=4,
-                        num_stages=3, head_chunks=True, key_shares=True, merge_dv_split="auto")
-        split_kv_decode(q, k, v, torch.empty(B, Hq, L, D, dtype=dtype), torch.empty(B, Hq, L),
-                        workspace=split_kv_workspace(3, q, k, v), valid_len=torch.tensor([250], dtype=torch.int32),
-                        num_splits=3, block_n=64, num_warps=4, num_stages=3, key_shares=True)
         if dtype == torch.float16:  # swap-AB (tile_ops: 16-bit only when compiled), padded and in head chunks
             for qq, kk, vv, chunks in ((q, k, v, False), (q80, k80, v80, True)):
                 split_kv_decode(qq, kk, vv, torch.empty(qq.shape, dtype=dtype), torch.empty(B, Hq, L),
