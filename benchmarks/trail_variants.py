@@ -21,7 +21,7 @@ rotating input sets, interleaved rounds), each output first checked against ``ru
 each case sorted by time with its ratio to cuDNN, then a verdict: per variant, its time over its plain twin's in
 every case where both ran.
 
-    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--round 1|2|3] [--swap-check]
+    python benchmarks/trail_variants.py --out $OUT/trail-variants.json [--round 1|2|3|5] [--swap-check]
                                         [--cases NAME,...] [--rounds 3]
 """
 from __future__ import annotations
@@ -51,6 +51,11 @@ VARIANTS = {
     "stage1+pf2": {"merge": False, "l2_prefetch": 2},
     "stage1+pf4": {"merge": False, "l2_prefetch": 4},
     "ptr+stage1": {"merge": False, "tma": False},
+    "ptr+pf3": {"tma": False, "l2_prefetch": 3},
+    "ptr+pf4": {"tma": False, "l2_prefetch": 4},
+    "ptr+stage1+pf2": {"merge": False, "tma": False, "l2_prefetch": 2},
+    "ptr+pf2+dv4": {"tma": False, "l2_prefetch": 2, "merge_dv_split": 4},
+    "ptr+pf2+dv8": {"tma": False, "l2_prefetch": 2, "merge_dv_split": 8},
 }
 
 #: Per case (``planner_grid.case_of`` names: the corner and lhs37, then G=1 shapes at D=96, 80 and 64): configs
@@ -140,7 +145,38 @@ CASES_3 = {
         ((4, 128, 4, 3, False), ("", "swap")),
     ),
 }
-ROUNDS = {1: CASES, 2: CASES_2, 3: CASES_3}
+#: ``--round 4`` at 87976e5 (H100, ``benchmarks/results/experiments/trail-variants-4-nvidia-h100-87976e5.json``) timed
+#: key shares (16-key split shares, each split's last tile moved back to end at its share's end; reverted after it):
+#: slower everywhere but a no-op tie (512k S66/bn128 chunks stage 1 + pf2 118.10 µs against 115.92 with tile shares;
+#: keys+pf2 120.58 against pf2 117.95; ptr+keys+pf2 119.60 against ptr+pf2 117.20; B64 8/8 D80 2432 S1, where the
+#: shares did not move, 139.82 against 138.10; 128k D128 G4 S33 182.39 against 181.31), S64/bn128 131.17 (4 SMs
+#: idle); cuDNN 117.46. The rewritten swap-AB at lhs37: S7/bn128 487.86 against 500.95 unswapped, S14 488.18 against
+#: 491.58, cuDNN 489.08.
+#: ``--round 5``: around the fastest two: pointer loads with the prefetch (512k: the prefetch distance, 2 stages, 64- and
+#: 256-key tiles, the merge over 4 and 8 programs a row, stage 1 alone), swap-AB at lhs37 (8 warps, 256-key tiles,
+#: S22/S28), and pointer twins at 128k D128 G4.
+CASES_5 = {
+    "corner-B1-g7-d80-512k-q1-dyn": (
+        ((66, 128, 8, 3, False), ("ptr+pf2", "ptr+pf3", "ptr+pf2+dv4", "ptr+pf2+dv8", "ptr+stage1+pf2")),
+        ((66, 128, 8, 2, False), ("ptr+pf2",)),
+        ((66, 64, 4, 3, False), ("ptr+pf4",)),
+        ((66, 64, 8, 3, False), ("ptr+pf4",)),
+        ((66, 256, 8, 2, False), ("ptr+pf1",)),
+    ),
+    "lhs37-B6-32/32-d64-N30464-q1-dynamic": (
+        ((7, 128, 4, 3, False), ("swap",)),
+        ((7, 128, 8, 3, False), ("swap",)),
+        ((14, 128, 8, 3, False), ("swap",)),
+        ((22, 128, 4, 3, False), ("swap",)),
+        ((28, 128, 4, 3, False), ("swap",)),
+        ((7, 256, 4, 2, False), ("swap",)),
+    ),
+    "x-B1-32/8-d128-N131072-q1-dynamic": (
+        ((16, 128, 4, 3, False), ("", "ptr", "ptr+pf2")),
+        ((16, 128, 8, 3, False), ("ptr+pf2",)),
+    ),
+}
+ROUNDS = {1: CASES, 2: CASES_2, 3: CASES_3, 5: CASES_5}
 
 
 def swap_check(device: str = "cuda") -> dict:
@@ -275,7 +311,8 @@ def _print(r: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS), help="which variant set (CASES, CASES_2, CASES_3)")
+    p.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS),
+                   help="which variant set (CASES, CASES_2, CASES_3, CASES_5)")
     p.add_argument("--cases", default=None, help=f"of the round's (default: all); round 1: {', '.join(CASES)}")
     p.add_argument("--swap-check", action="store_true", help="then the swap-AB correctness matrix (swap_check)")
     p.add_argument("--rounds", type=int, default=3)

@@ -128,10 +128,12 @@ CHUNK_ESTIMATE_PENALTY = 0.01
 #: to choose. H100, ``benchmarks/trail_variants.py`` round 2 (batch 2c6eb78), lhs37 (B6 32/32 D64 30464 keys, dynamic):
 #: S7/bn128 487.70 µs against 501.31 unswapped, S14/bn128 487.73 against 491.51, S14/bn64 490.59 against 503.37
 #: (cuDNN 488.17); round 1 (1a15bc4) elsewhere from 2.4 % faster to 20 % slower (B1 56/56 D64 64k S64/bn256 303.92
-#: against 304.08; 512k D80 G7 0.6 % slower; S1/bn256/w8 19.7 % slower), so never without a measurement. Off: those
-#: timings are of the first form, which was wrong compiled in one combination (``kernels.split_kv.swap_applies``);
-#: the form without register transposes has not run on a GPU yet (``tests/runtime/test_tile_ops.py``, cuda ids).
-SWAP_AB_TWINS = False
+#: against 304.08; 512k D80 G7 0.6 % slower; S1/bn256/w8 19.7 % slower), so never without a measurement. Those
+#: timings are of the first form, wrong compiled in one combination (``kernels.split_kv.swap_applies`` refuses it).
+#: The form without register transposes (``tile_ops``), H100 at 87976e5: its CUDA tests pass (``test_tile_ops.py``,
+#: 12 cuda ids), and at lhs37 (``trail_variants.py`` round 4) S7/bn128 487.86
+#: µs against 500.95 unswapped, S14/bn128 488.18 against 491.58, S11/bn128 489.49 against 491.11 (cuDNN 489.08): on.
+SWAP_AB_TWINS = True
 #: A swap-AB plan's estimate is its twin's times (1 + this): the untuned choice stays unswapped.
 SWAP_ESTIMATE_PENALTY = 0.01
 #: > 0: every candidate also comes with a twin that prefetches this many tiles ahead into L2
