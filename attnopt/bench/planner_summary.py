@@ -121,7 +121,8 @@ def parse_part(text: str) -> tuple[int, int]:
 
 def merge(paths: list[str]) -> dict[str, Any]:
     """One results dict from the files of several ``--part`` runs: the first file's header, every file's rows,
-    summaries and skipped cases, the overall recomputed, and each part's commit and elapsed seconds."""
+    summaries and skipped cases (less those another file timed: a ``--cases`` run of one part's skipped cases
+    completes it), the overall recomputed, and each part's commit and elapsed seconds."""
     import json
 
     parts = [json.loads(open(p).read()) for p in paths]
@@ -130,7 +131,8 @@ def merge(paths: list[str]) -> dict[str, Any]:
                      "cases": len(d.get("summary", []))} for p, d in zip(paths, parts)]
     out["rows"] = [r for d in parts for r in d.get("rows", [])]
     out["summary"] = [s for d in parts for s in d.get("summary", [])]
-    out["skipped_cases"] = [c for d in parts for c in d.get("skipped_cases", [])]
+    timed = {s["case"] for s in out["summary"]}
+    out["skipped_cases"] = [c for d in parts for c in d.get("skipped_cases", []) if c not in timed]
     out["overall"] = overall(out["summary"])
     return out
 

@@ -152,6 +152,13 @@ def test_parts_cover_the_cases_once_and_merge_joins_them(tmp_path, capsys):
     out = tmp_path / "all.json"
     assert main(["bench", "planner", "--merge", *files, "--out", str(out)]) == 0
     assert json.loads(out.read_text())["overall"]["with_ratio"] == 2
+    # a --cases run of a part's skipped case completes it: the case is timed, no longer skipped
+    extra = tmp_path / "p2.json"
+    extra.write_text(json.dumps({"suite": "planner", "commit": "c", "device": "d", "elapsed_s": 50.0,
+                                 "rows": [{"case": "s0"}], "summary": [{"case": "s0", "ratio_to_best_peer": 1.0}],
+                                 "overall": {}}))
+    completed = merge([*files, str(extra)])
+    assert completed["skipped_cases"] == ["s1"] and completed["overall"]["with_ratio"] == 3
 
 
 def test_a_case_keeps_what_the_tuner_timed_and_its_seconds(tmp_path, monkeypatch):
