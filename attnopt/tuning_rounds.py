@@ -175,8 +175,11 @@ class TimingRounds:
         if "warm_up_s" in warmed:
             extra[f"{short}_warm_up_s"] = warmed["warm_up_s"]
         started = time.perf_counter()
+        # late (the twins, at most TWINS_MOST): each gets its first round however long the others took, or a twin
+        # found only after the budget is compiled and then skipped (H100 at c71a713: SmolLM2's 1k static site, the
+        # swap-AB winner's prefetching twin skipped at 18.1 s of tuning with 14 test processes compiling beside it)
         got, failed, _ = self._measure([by_key[best]] + list(more), site, max(end, started + SIBLINGS_S), eager,
-                                       charge)
+                                       charge, first_round=1 + len(more) if late else 2)
         for key, times in got.items():
             samples.setdefault(key, []).extend(times)
         for key, error in failed.items():
@@ -268,10 +271,11 @@ class TimingRounds:
         return {"duel": keys, "duel_rounds": done}
 
     def _measure(self, plans: Sequence[Plan], site: AttentionSite, end: float, eager: bool = False,
-                 charge: dict[str, float] | None = None) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
+                 charge: dict[str, float] | None = None,
+                 first_round: int = 2) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
-        The model's pick and the first SDPA backend always get one round; everything else only within the
-        budget. A candidate that fails once is not timed again, nor one whose median so far, with its ``charge``
+        The first ``first_round`` plans (by default the model's pick and the first SDPA backend) always get one
+        round; everything else only within the budget. A candidate that fails once is not timed again, nor one whose median so far, with its ``charge``
         (µs added to each of its samples), is over ``PRUNE`` slower than the best's: round-to-round noise is a few
         per cent, so it cannot win, and the later rounds go to the close ones. When no other candidate is that
         close to the best the ranking is clear and no further round runs. ``eager``: a sample is the longer of the
@@ -296,7 +300,7 @@ class TimingRounds:
                 key = p.runtime_key()
                 if key in failed or (close is not None and key not in close):
                     continue
-                if (r > 0 or i >= 2) and time.perf_counter() > end:
+                if (r > 0 or i >= first_round) and time.perf_counter() > end:
                     if key not in samples:
                         failed[key] = "skipped: tuning budget spent"
                     continue

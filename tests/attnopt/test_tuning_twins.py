@@ -40,6 +40,11 @@ def _shape(p, n=N):
     return (p.splits_at(n), p.block_n, p.num_warps, p.num_stages, p.head_chunks, p.l2_prefetch)
 
 
+def _twin_shape(p, n=N):
+    """``_shape`` and whether the products are swapped (swap-AB twins are on: SWAP_AB_TWINS)."""
+    return _shape(p, n) + (p.swap_ab,)
+
+
 class H100Corner:
     """A fake timer replaying ``H100_512K`` (scaled by the length); cuDNN builds a graph per KV length (55 ms more a
     call at a new length, as measured), so a growing cache cannot take it."""
@@ -73,9 +78,9 @@ def test_the_512k_corner_finds_the_prefetching_one_wave_plan(cache):
     record = cache.get(ENV, ShapeKey.of(dataclasses.replace(CORNER, kv_len=N, kv_len_hint=None), N, True))
     near = [_shape(plan_from_json(k)) for k in record["near_siblings"]]
     assert (66, 128, 4, 3, False, 0) in near and len(near) <= candidates.SIBLING_FAMILIES_MAX - 2
-    twins = [_shape(plan_from_json(k)) for k in record["twins"]]
-    assert twins[0] == (66, 128, 4, 3, False, 2) and len(twins) <= candidates.TWINS_MOST
-    assert {(66, 128, 4, 3, True, 0), (66, 128, 4, 3, True, 2)} <= set(twins)  # chunked, and chunked prefetching
+    twins = [_twin_shape(plan_from_json(k)) for k in record["twins"]]
+    assert twins[0] == (66, 128, 4, 3, False, 2, False) and len(twins) <= candidates.TWINS_MOST
+    assert {(66, 128, 4, 3, True, 0, False), (66, 128, 4, 3, False, 0, True)} <= set(twins)  # chunked; swapped
     assert len({k for k, n in timer.calls if n == N}) <= 45  # distinct plans timed at the hint's length
     # the bucket beside the hint's times grid siblings (thorough) but no further configurations' grids or twins
     n_other = tuning.bucket_length(262144, (262144, N))
@@ -121,8 +126,8 @@ def test_a_configuration_timed_at_one_split_gets_its_split_grids_as_siblings():
 
 
 def test_variant_twins_of_the_fastest_plan_only_and_only_near_the_fastest():
-    """The twins timed are those of the fastest kernel plan (TWIN_PLANS), the same grid and tiles with L2 prefetch
-    or head chunks changed, at most TWINS_MOST; none where a dense plan is over TWINS_WITHIN ahead of every kernel."""
+    """The twins timed are those of the fastest kernel plan (TWIN_PLANS), the same grid and tiles with L2 prefetch,
+    head chunks or swapped products changed, at most TWINS_MOST; none where a dense plan is over TWINS_WITHIN ahead of every kernel."""
     site = dataclasses.replace(CORNER, kv_len=N, kv_len_hint=None)
     ranked = _ranked(site)
     fastest = next(q for q in ranked if q.kind == "split_kv" and _shape(q) == (66, 128, 4, 3, False, 0))
@@ -130,8 +135,10 @@ def test_variant_twins_of_the_fastest_plan_only_and_only_near_the_fastest():
     cudnn = next(q for q in ranked if getattr(q, "backend", "") == "cudnn")
     measured = {fastest.runtime_key(): 120.3, runner.runtime_key(): 120.9, cudnn.runtime_key(): 117.5}
     twins = candidates.variant_twins(measured, ranked, set(measured))
-    assert [_shape(q) for q in twins][0] == (66, 128, 4, 3, False, 2) and len(twins) == 3
-    assert {_shape(q) for q in twins} == {(66, 128, 4, 3, False, 2), (66, 128, 4, 3, True, 0), (66, 128, 4, 3, True, 2)}
+    assert [_twin_shape(q) for q in twins][0] == (66, 128, 4, 3, False, 2, False) and len(twins) == 3
+    # prefetching, chunked and swapped (bf16 at 7 query rows a KV head: swap-AB applies), the first three in the ranking
+    assert {_twin_shape(q) for q in twins} == {(66, 128, 4, 3, False, 2, False), (66, 128, 4, 3, True, 0, False),
+                                               (66, 128, 4, 3, False, 0, True)}
     assert all(q.tiles_per_split == fastest.tiles_per_split and q.num_splits == fastest.num_splits for q in twins)
     measured[cudnn.runtime_key()] = 100.0  # cuDNN 20 % ahead: no twin can catch up
     assert candidates.variant_twins(measured, ranked, set(measured)) == []
@@ -181,3 +188,27 @@ def test_the_twins_are_timed_after_siblings_that_ran_past_the_budget(cache, monk
     record = cache.get(ENV, ShapeKey.of(site, N, True))
     assert any(str(v).startswith("skipped: tuning budget") for v in record["timings"].values())
     assert record["twins"] and choice.plan.runtime_key() in record["twins"] and choice.plan.l2_prefetch == 2
+
+
+def test_every_twin_gets_its_first_round_however_late(cache, monkeypatch):
+    """The late step (the twins, at most TWINS_MOST) times each of its plans once even when every timing costs
+    0.3 s and the budget ended long before (an earlier step times nothing then): on the H100 at c71a713 the swap-AB winner's prefetching twin at SmolLM2's
+    1k static site was compiled and then skipped."""
+    now = [100.0]
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: now[0])
+
+    def rule(plan, s, n):
+        now[0] += 0.3
+        return 50.0
+    site = dataclasses.replace(CORNER, kv_len=N, kv_len_hint=None)
+    ranked = _ranked(site)
+    kernels = [p for p in ranked if p.kind == "split_kv"][:4]
+    assert len(kernels) == 4
+    for late in (True, False):
+        samples = {kernels[0].runtime_key(): [50.0]}
+        timings: dict = {}
+        Tuner(Scripted(rule), cache, env=ENV, budget_s=4.0)._time_more(
+            "twins", "twins", kernels[1:], ranked, site, samples, timings, {}, end=now[0] - 10.0, eager=False,
+            late=late)
+        timed = [p.runtime_key() in samples for p in kernels[1:]]
+        assert timed == [late] * 3, (late, timings)  # not late: nothing once SIBLINGS_S past the budget
