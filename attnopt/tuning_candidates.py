@@ -149,7 +149,7 @@ def grid_siblings(measured: dict[str, float], ranked: Sequence[Plan], tried: set
     candidates timed; ``tried``: the runtime keys timed or failed. A sibling of a configuration timed only at one
     split, or only at several, compiles that other kernel in the warm-up; the rest share a compiled kernel."""
     by_key = {p.runtime_key(): p for p in ranked}
-    kernels = sorted((k for k in measured if k in by_key and by_key[k].kind != "dense"), key=measured.get)
+    kernels = _kernels_fastest_first(measured, by_key)
     if not kernels:
         return []
     within = (1 + SIBLINGS_WITHIN) * min(measured.values())
@@ -172,6 +172,11 @@ def grid_siblings(measured: dict[str, float], ranked: Sequence[Plan], tried: set
     nearest = [sorted(g, key=lambda p: abs(math.log(_splits(p, n_keys) / target)))[:NEAR_GRIDS]
                for g in grids[families:]]
     return [g[i] for i in range(NEAR_GRIDS) for g in nearest if i < len(g)]
+
+
+def _kernels_fastest_first(measured: dict[str, float], by_key: dict[str, Plan]) -> list[str]:
+    """The runtime keys of the measured kernel (not dense) plans of ``by_key``, fastest first."""
+    return sorted((k for k in measured if k in by_key and by_key[k].kind != "dense"), key=measured.get)
 
 
 def _twin_flags(plan: Plan) -> bool:
@@ -197,7 +202,7 @@ def variant_twins(measured: dict[str, float], ranked: Sequence[Plan], tried: set
     plans = TWIN_PLANS if plans is None else plans
     most = TWINS_MOST if most is None else most
     by_key = {p.runtime_key(): p for p in ranked}
-    kernels = sorted((k for k in measured if k in by_key and by_key[k].kind != "dense"), key=measured.get)
+    kernels = _kernels_fastest_first(measured, by_key)
     if not kernels or measured[kernels[0]] > (1 + TWINS_WITHIN) * min(measured.values()):
         return []
     out: list[Plan] = []

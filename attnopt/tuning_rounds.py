@@ -59,6 +59,11 @@ STATIC_READERS = 6
 FRESH_LENGTH_SLACK_US = 100.0
 
 
+def _charged_medians(samples: dict[str, list[float]], charge: dict[str, float]) -> dict[str, float]:
+    """Each timed candidate's median µs with its ``charge`` added (runtime key -> µs; keys with no sample left out)."""
+    return {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items() if v}
+
+
 class TimingRounds:
     """The timing half of ``tuning.Tuner`` (which sets ``timer``, ``budget_s``, ``rounds`` and ``_fresh``)."""
 
@@ -139,7 +144,7 @@ class TimingRounds:
         for stage, name, short in ((False, "grid_siblings", "siblings"), (True, "near_siblings", "near")):
             if stage and not near:
                 break
-            measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+            measured = _charged_medians(samples, charge)
             more = grid_siblings(measured, ranked, set(samples) | set(timings), n_keys=site.kv_len, near=stage)
             extra.update(self._time_more(name, short, more, ranked, site, samples, timings, charge, end, eager))
         return extra
@@ -150,7 +155,7 @@ class TimingRounds:
         fastest measured kernel plans as ``_time_siblings`` times grids, however late the siblings ran: they are at
         most ``TWINS_MOST``, and the fastest plan's own (``SIBLINGS_S`` after their warm-up). Returns the extras to
         record (``twins``: the keys timed, ``twins_warm_up_s``)."""
-        measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+        measured = _charged_medians(samples, charge)
         more = variant_twins(measured, ranked, set(samples) | set(timings))
         return self._time_more("twins", "twins", more, ranked, site, samples, timings, charge, end, eager,
                                late=True)
@@ -165,7 +170,7 @@ class TimingRounds:
         seconds (``<short>_warm_up_s``)."""
         if not more or (time.perf_counter() > end + SIBLINGS_S and not late):
             return {}
-        measured = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+        measured = _charged_medians(samples, charge)
         by_key = {p.runtime_key(): p for p in ranked}
         best = min((k for k in measured if by_key[k].kind != "dense"), key=measured.get)
         for p in more:
@@ -255,7 +260,7 @@ class TimingRounds:
         """Time the candidates within ``DUEL_WITHIN`` of the fastest (``duel_keys``) ``DUEL_ROUNDS`` more times each,
         in alternating order, adding to ``samples`` (a candidate that fails now keeps what it had). Returns the
         extras to record (``duel``: the keys, ``duel_rounds``)."""
-        keys = duel_keys({k: _median(v) + charge.get(k, 0.0) for k, v in samples.items() if v}, by_key)
+        keys = duel_keys(_charged_medians(samples, charge), by_key)
         if len(keys) < 2:
             return {}
         end, done = time.perf_counter() + DUEL_S, 0
@@ -275,8 +280,8 @@ class TimingRounds:
                  first_round: int = 2) -> tuple[dict[str, list[float]], dict[str, Any], dict[str, Any]]:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
         The first ``first_round`` plans (by default the model's pick and the first SDPA backend) always get one
-        round; everything else only within the budget. A candidate that fails once is not timed again, nor one whose median so far, with its ``charge``
-        (µs added to each of its samples), is over ``PRUNE`` slower than the best's: round-to-round noise is a few
+        round; everything else only within the budget. A candidate that fails once is not timed again, nor one whose
+        median so far, with its ``charge`` (µs added to each of its samples), is over ``PRUNE`` slower than the best's: round-to-round noise is a few
         per cent, so it cannot win, and the later rounds go to the close ones. When no other candidate is that
         close to the best the ranking is clear and no further round runs. ``eager``: a sample is the longer of the
         device time and the host time (both kept in the extras)."""
@@ -291,7 +296,7 @@ class TimingRounds:
             if r > 0 and time.perf_counter() > end:
                 break
             if r > 0 and samples:
-                so_far = {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items()}
+                so_far = _charged_medians(samples, charge)
                 prune = PRUNE if r == 1 else PRUNE_LATE
                 close = {k for k, t in so_far.items() if t <= (1 + prune) * min(so_far.values())}
                 if len(close) < 2:
