@@ -60,7 +60,8 @@ FRESH_LENGTH_SLACK_US = 100.0
 
 
 def _charged_medians(samples: dict[str, list[float]], charge: dict[str, float]) -> dict[str, float]:
-    """Each timed candidate's median µs with its ``charge`` added (runtime key -> µs; keys with no sample left out)."""
+    """Each timed candidate's median µs with its ``charge`` added (runtime key -> µs; keys with no sample left
+    out)."""
     return {k: _median(v) + charge.get(k, 0.0) for k, v in samples.items() if v}
 
 
@@ -137,9 +138,10 @@ class TimingRounds:
         """Time the other grids of the fastest kernel configurations (``grid_siblings``) beside the fastest kernel
         plan, within the budget or ``SIBLINGS_S`` past it (after their warm-up), then those of the further close
         configurations nearest the fastest plan's grid where ``near`` (``grid_siblings``'s ``near``: once the first
-        siblings are timed, the fastest is more often the grid that fits), and add their samples (and errors) to ``samples`` / ``timings``; each is
-        charged as the configuration's timed plan is (the same kind). Returns the extras to record
-        (``grid_siblings`` / ``near_siblings``: the keys timed, ``siblings_warm_up_s`` / ``near_warm_up_s``)."""
+        siblings are timed, the fastest is more often the grid that fits), and add their samples (and errors) to
+        ``samples`` / ``timings``; each is charged as the configuration's timed plan is (the same kind). Returns the
+        extras to record (``grid_siblings`` / ``near_siblings``: the keys timed, ``siblings_warm_up_s`` /
+        ``near_warm_up_s``)."""
         extra: dict[str, Any] = {}
         for stage, name, short in ((False, "grid_siblings", "siblings"), (True, "near_siblings", "near")):
             if stage and not near:
@@ -281,10 +283,10 @@ class TimingRounds:
         """Time ``plans`` in round-robin rounds: (µs samples per runtime key, errors and skips per key, extras).
         The first ``first_round`` plans (by default the model's pick and the first SDPA backend) always get one
         round; everything else only within the budget. A candidate that fails once is not timed again, nor one whose
-        median so far, with its ``charge`` (µs added to each of its samples), is over ``PRUNE`` slower than the best's: round-to-round noise is a few
-        per cent, so it cannot win, and the later rounds go to the close ones. When no other candidate is that
-        close to the best the ranking is clear and no further round runs. ``eager``: a sample is the longer of the
-        device time and the host time (both kept in the extras)."""
+        median so far, with its ``charge`` (µs added to each of its samples), is over ``PRUNE`` slower than the best's:
+        round-to-round noise is a few per cent, so it cannot win, and the later rounds go to the close ones. When no
+        other candidate is that close to the best the ranking is clear and no further round runs. ``eager``: a sample
+        is the longer of the device time and the host time (both kept in the extras)."""
         charge = charge or {}
         samples: dict[str, list[float]] = {}
         failed: dict[str, Any] = {}
