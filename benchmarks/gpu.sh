@@ -8,6 +8,9 @@
 #   tests        the CUDA tests (pytest -m "cuda and not multigpu" over tests/), one pytest process per test id,
 #                $JOBS at a time: Triton compiles each id's kernels on its own core (one process for all of them
 #                ran out of time); per-id exit codes in $OUT/tests_rc.txt, the logs of failures in $OUT/tests/
+#                The whole suite no longer fits one 600 s device call (H100, 7a6fe0b: 389 s + 309 s): run
+#                TESTS=tests/runtime, then TESTS='tests/attnopt tests/models tests/passes' JOBS=7 (the tuner's
+#                timing tests beside fewer compiles)
 #   nccl-tests   the multi-GPU tests (pytest -m multigpu, NCCL over 2 GPUs), one pytest process per file
 #   multigpu     `attnopt bench multigpu` under torchrun over $GPUS GPUs (default: all of them)
 #   calibrate    `attnopt calibrate --validate`: fit the cost model to this GPU and score its choices
