@@ -74,7 +74,10 @@ _ID = [[0], [1], [2], [3]]
 
 def _einsum_groups(mm: fx.Node, which: str) -> tuple[list | None, list | None, list, str | None]:
     """Operand role groups of a 4-D einsum score product (``bhqd,bhkd->bhqk``, any operand letter order) or
-    value product (``bhqk,bhkd->bhqd``). Returns (groups of operand 0, groups of operand 1, operands, reason)."""
+    value product (``bhqk,bhkd->bhqd``), its operands in either order: an einsum's operands commute, and the
+    output's letters say which is which (``bhkd,bhqk->bhqd`` is the value product with V first). Returns (groups of
+    the query / probabilities operand, groups of the key / value operand, those two operands in that order,
+    reason)."""
     eq, ops = _einsum_operands(mm)
     p = _parse_einsum(eq)
     if p is None or len(ops) != 2:
@@ -86,6 +89,8 @@ def _einsum_groups(mm: fx.Node, which: str) -> tuple[list | None, list | None, l
         return None, None, ops, f"einsum {eq!r} is not a {what} product"
     c = contracted.pop()
     B, H, I, J = o
+    if set(b) == {B, H, I, c} and set(a) == {B, H, J, c}:  # the operands swapped
+        a, b, ops = b, a, [ops[1], ops[0]]
     if set(a) != {B, H, I, c} or set(b) != {B, H, J, c}:
         return None, None, ops, f"einsum {eq!r} is not a {what} product"
     if which == "qk":  # q (b, h, i, d); K logical (b, h, n, d) with n = J

@@ -2,8 +2,8 @@
 to the original function (per-dtype tolerance, NaN in the same places), each site either rewritten or left alone
 with a reason.
 
-It draws the spelling (SDPA with ``enable_gqa`` or expanded K/V, eager ``matmul``, ``einsum``), the graph form
-(dynamo; aot_autograd, ``make_fx`` and ``torch.export`` at aten level), GQA (``repeat_kv``,
+It draws the spelling (SDPA with ``enable_gqa`` or expanded K/V, eager ``matmul``, ``einsum`` with its operands
+in either order), the graph form (dynamo; aot_autograd, ``make_fx`` and ``torch.export`` at aten level), GQA (``repeat_kv``,
 ``repeat_interleave``), the mask (none; bool, additive 0/-inf, ``finfo.min``, a float bias; every broadcastable
 shape from 1-D to 4-D; applied by ``+``, ``masked_fill`` with -inf or a finite value (finfo.min among them), ``where``), fully masked
 rows, in-place edits of the scores, clones and ``.contiguous()`` copies written afterwards, the fully-masked-row
@@ -76,6 +76,9 @@ def specs(draw, plans=(None, "dense", "split_kv", "stream_k"), dtypes=(torch.flo
     s["plan"] = draw(st.sampled_from(plans))
     s["seed"] = draw(st.integers(0, 2**16))
     s["layout"] = draw(st.sampled_from(["bhnd"] * 3 + ["bnhd"]))  # q/k/v handed over as (B, L|N, H, D), transposed
+    # an einsum's operands in either order (the equation's letters say which is which)
+    s["einsum_swap"] = draw(st.sampled_from(["none", "none", "scores", "values", "both"])) if s["form"] == "einsum" \
+        else "none"
     if draw(st.booleans()):  # half the cases carry none of the spellings that must be left alone
         s.update(mutation="none", post_scalar=False, fill=-math.inf, kv_batch1=False,
                  guard="none" if s["guard"] == "head_prune" else s["guard"],
@@ -134,6 +137,8 @@ def make_fn(spec):
 
     def scores_of(q, k, scale_t):
         sc = scale if spec["scale_kind"] == "float" else scale_t
+        if form == "einsum" and spec["einsum_swap"] in ("scores", "both"):
+            return torch.einsum("bhkd,bhqd->bhqk", k, q) * sc
         if form == "einsum":
             return torch.einsum("bhqd,bhkd->bhqk", q, k) * sc
         return torch.matmul(q, k.transpose(-1, -2)) * sc
@@ -198,6 +203,8 @@ def make_fn(spec):
             p = torch.where(pruned, torch.zeros_like(p), p)
         if spec["post_scalar"]:
             p = p * 0.5
+        if form == "einsum" and spec["einsum_swap"] in ("values", "both"):
+            return torch.einsum("bhkd,bhqk->bhqd", _expand(v, spec), p)
         if form == "einsum":
             return torch.einsum("bhqk,bhkd->bhqd", p, _expand(v, spec))
         return torch.matmul(p, _expand(v, spec))

@@ -130,6 +130,44 @@ def test_einsum_masked_fill():
     torch.testing.assert_close(r.out, f(q, k, v, keep), **TOL)
 
 
+@pytest.mark.parametrize("build", [dynamo, aot, fx_trace], ids=["dynamo", "aot", "make_fx"])
+@pytest.mark.parametrize("swap", ["scores", "values", "both"])
+def test_einsum_with_its_operands_swapped(build, swap):
+    """An einsum's operands commute: ``einsum("bhkd,bhqd->bhqk", k, q)`` is the score product and
+    ``einsum("bhkd,bhqk->bhqd", v, p)`` the value product; the output's letters say which operand is which."""
+    def f(q, k, v, keep):
+        if swap in ("scores", "both"):
+            s = torch.einsum("bhkd,bhqd->bhqk", k, q)
+        else:
+            s = torch.einsum("bhqd,bhkd->bhqk", q, k)
+        p = (s / math.sqrt(q.shape[-1])).masked_fill(~keep, float("-inf")).softmax(-1)
+        if swap in ("values", "both"):
+            return torch.einsum("bhkd,bhqk->bhqd", v, p)
+        return torch.einsum("bhqk,bhkd->bhqd", p, v)
+
+    q, k, v = qkv(B=2, Hq=4, Hkv=4, L=2, N=23, D=64)
+    keep = rand_bool_mask(2, 2, 23)
+    r = build(f, q, k, v, keep)
+    assert r.count() == 1, r.sites
+    assert r.sites[0].kv_len == 23 and r.sites[0].q_len == 2
+    torch.testing.assert_close(r.out, f(q, k, v, keep), **TOL)
+
+
+@pytest.mark.parametrize("build", [dynamo, aot], ids=["dynamo", "aot"])
+def test_einsum_whose_equation_makes_v_the_probabilities_is_left_alone(build):
+    """``einsum("bhqk,bhkd->bhqd", v, p)`` labels V as the probabilities: it computes v @ p, not attention. With
+    q_len = N = D every shape agrees, so only the operands' roles tell; nothing is rewritten and the answer is the
+    original's."""
+    def f(q, k, v):
+        p = torch.einsum("bhqd,bhkd->bhqk", q, k).softmax(-1)
+        return torch.einsum("bhqk,bhkd->bhqd", v, p)
+
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, L=8, N=8, D=8)
+    r = build(f, q, k, v)
+    assert r.count() == 0, r.sites
+    torch.testing.assert_close(r.out, f(q, k, v), **TOL)
+
+
 def test_repeat_interleave_and_scale_on_q():
     def f(q, k, v):
         k = k.repeat_interleave(3, dim=1)
