@@ -711,3 +711,27 @@ def test_a_guard_that_fills_hidden_rows_from_empty_like_is_not_the_safe_softmax(
     torch.testing.assert_close(out[1:], ref[1:], atol=2e-5, rtol=2e-5)  # row 0 is uninitialised in both
     (site,) = attnopt.last_plans(opt).sites
     assert not site.rewritten and "guard" in site.reason_untouched, site.reason_untouched
+
+
+@pytest.mark.parametrize("plan", ["dense", "split_kv", "stream_k"])
+def test_fp16_scores_past_the_fp16_range_give_the_attention_not_nan(plan):
+    """The one documented difference from an eager fp16 chain: its scores are rounded to fp16, so a score past
+    65504 is inf there and the softmax of that row NaN. The rewrite keeps the scores in fp32, as SDPA's fused
+    kernels do, and gives the attention itself: the fp32 chain's answer, rounded to fp16. Rows within the range
+    agree with the original within fp16 rounding."""
+    def f(q, k, v):
+        return F.softmax(scores(q, k), -1) @ rep(v)
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, D, generator=gen) * 200
+    k, v = torch.randn(B, HKV, N, D, generator=gen) * 200, torch.randn(B, HKV, N, D, generator=gen)
+    q[0] /= 200 * 200  # batch row 0 stays within fp16's range, row 1 overflows
+    q16, k16, v16 = q.half(), k.half(), v.half()
+    opt = attnopt.optimize(f, inner_backend="eager", force_plan=plan)
+    out, ref = opt(q16, k16, v16), f(q16, k16, v16)
+    (site,) = attnopt.last_plans(opt).sites
+    assert site.rewritten, site.reason_untouched
+    assert torch.isnan(ref[1]).any() and not torch.isnan(ref[0]).any()  # the premise: only row 1 overflows
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out[0], ref[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.float(), f(q16.float(), k16.float(), v16.float()), atol=2e-3, rtol=2e-3)
