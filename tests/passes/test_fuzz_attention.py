@@ -3,8 +3,8 @@ to the original function (per-dtype tolerance, NaN in the same places), each sit
 with a reason.
 
 It draws the spelling (SDPA with ``enable_gqa`` or expanded K/V, eager ``matmul``, ``einsum`` with its operands
-in either order), the graph form (dynamo; aot_autograd, ``make_fx`` and ``torch.export`` at aten level), GQA (``repeat_kv``,
-``repeat_interleave``), the mask (none; bool, additive 0/-inf, ``finfo.min``, a float bias; every broadcastable
+in either order), the graph form (dynamo; aot_autograd, ``make_fx`` and ``torch.export`` at aten level), GQA
+(``repeat_kv``, ``repeat_interleave``), the mask (none; bool, additive 0/-inf, ``finfo.min``, a float bias; every broadcastable
 shape from 1-D to 4-D; applied by ``+``, ``masked_fill`` with -inf or a finite value (finfo.min among them), ``where``), fully masked
 rows, in-place edits of the scores, clones and ``.contiguous()`` copies written afterwards, the fully-masked-row
 ``where`` guard and a head-pruning ``where``, a scalar after the softmax, fp32/fp64, odd shapes, and the plan
