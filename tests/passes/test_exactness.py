@@ -713,8 +713,9 @@ def test_a_guard_that_fills_hidden_rows_from_empty_like_is_not_the_safe_softmax(
     assert not site.rewritten and "guard" in site.reason_untouched, site.reason_untouched
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("plan", ["dense", "split_kv", "stream_k"])
-def test_fp16_scores_past_the_fp16_range_give_the_attention_not_nan(plan):
+def test_fp16_scores_past_the_fp16_range_give_the_attention_not_nan(plan, device):
     """The one documented difference from an eager fp16 chain: its scores are rounded to fp16, so a score past
     65504 is inf there and the softmax of that row NaN. The rewrite keeps the scores in fp32, as SDPA's fused
     kernels do, and gives the attention itself: the fp32 chain's answer, rounded to fp16. Rows within the range
@@ -726,7 +727,7 @@ def test_fp16_scores_past_the_fp16_range_give_the_attention_not_nan(plan):
     q = torch.randn(B, H, L, D, generator=gen) * 200
     k, v = torch.randn(B, HKV, N, D, generator=gen) * 200, torch.randn(B, HKV, N, D, generator=gen)
     q[0] /= 200 * 200  # batch row 0 stays within fp16's range, row 1 overflows
-    q16, k16, v16 = q.half(), k.half(), v.half()
+    q16, k16, v16 = (x.to(device, torch.float16) for x in (q, k, v))
     opt = attnopt.optimize(f, inner_backend="eager", force_plan=plan)
     out, ref = opt(q16, k16, v16), f(q16, k16, v16)
     (site,) = attnopt.last_plans(opt).sites
