@@ -42,8 +42,8 @@ from .layout import Dims, _assign_roles, _is_layout_op, _simulate, follow_output
 from .gqa import unrepeat_kv
 from .masks import additive_is_zero_or_neginf, additive_values, mask_value_is_masking, may_hide_whole_rows
 from .alibi import alibi_slopes_of
-from .products import (_ID, _baddbmm_terms, _einsum_groups, _einsum_operands, _leads_to_matmul, _mm_dims,
-                       _operand_groups, _sizes_of, matmul_behind)
+from .products import (_ID, _baddbmm_terms, _einsum_groups, _leads_to_matmul, _mm_dims, _operand_groups,
+                       _sizes_of, matmul_behind)
 
 #: A ``masked_fill`` value at or below this hides scores as an additive mask does: next to it fp32 absorbs any
 #: finite score (|s| < 1e22), so the hidden scores of a row tie, as the original's filled ones do.
@@ -88,13 +88,6 @@ def _forward_to_pv(sm: fx.Node) -> tuple[fx.Node | None, str | None, list[fx.Nod
     return pv, reason, chain, guarded
 
 
-def _pv_einsum_first(pv: fx.Node) -> Any:
-    """The operand of an einsum value product that its equation makes the probabilities (either of the two: their
-    order is free), or its first operand where the equation is no value product."""
-    _, _, ops, why = _einsum_groups(pv, "pv")
-    return ops[0] if why is None else _einsum_operands(pv)[1][0]
-
-
 def _forward_walk(sm: fx.Node):
     cur = sm
     chain: list[fx.Node] = []
@@ -115,7 +108,9 @@ def _forward_walk(sm: fx.Node):
         k = kind(u)
         chain.append(u)
         if k in ("matmul", "bmm", "einsum"):
-            first = _binary(u)[0] if k != "einsum" else _pv_einsum_first(u)
+            # an einsum's operands come back probabilities first where its equation is a value product (in either
+            # order), as written otherwise
+            first = _binary(u)[0] if k != "einsum" else _einsum_groups(u, "pv")[2][0]
             if first is not cur:
                 return None, None, chain, guarded  # probabilities on the right: not attention as we know it
             return u, reason, chain, guarded

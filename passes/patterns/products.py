@@ -76,8 +76,8 @@ def _einsum_groups(mm: fx.Node, which: str) -> tuple[list | None, list | None, l
     """Operand role groups of a 4-D einsum score product (``bhqd,bhkd->bhqk``, any operand letter order) or
     value product (``bhqk,bhkd->bhqd``), its operands in either order: an einsum's operands commute, and the
     output's letters say which is which (``bhkd,bhqk->bhqd`` is the value product with V first). Returns (groups of
-    the query / probabilities operand, groups of the key / value operand, those two operands in that order,
-    reason)."""
+    the query / probabilities operand, groups of the key / value operand, those two operands in that order (as
+    written where the equation is no such product), reason)."""
     eq, ops = _einsum_operands(mm)
     p = _parse_einsum(eq)
     if p is None or len(ops) != 2:
